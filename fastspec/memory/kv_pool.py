@@ -1,0 +1,97 @@
+"""Static KV pool: one model's K and V for every layer, preallocated once at start-up and never resized.
+
+Owns the K/V tensors, slot-indexed writes and moves, and start-up sizing (bytes per token; capacity from a
+token budget or from a fraction of the device's available memory). Does not decide which slots a token gets
+(allocator.py) nor which request owns them (req_table.py); knows nothing about attention or models.
+Slot 0 (the whole page 0 when paged) is the dummy slot that padded rows write to.
+"""
+
+import os
+
+import torch
+
+from fastspec.errors import FastspecError
+
+MEMINFO_PATH = "/proc/meminfo"
+
+
+def available_bytes(device="cpu") -> int:
+    """Memory the device can still give us: CUDA free memory, or the host's MemAvailable on CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        raise FastspecError(f"cannot measure free memory on device {device}; size the KV pool with max_tokens")
+    try:
+        with open(MEMINFO_PATH) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class KVPool:
+    """One model's K/V for all layers. k, v: [num_layers, num_slots, num_kv_heads, head_dim] (NHD, page-size-1
+    view). num_slots = capacity + page_size: the first page (slot 0 when page_size == 1) is the reserved dummy.
+    Slot s of page p is p * page_size + s % page_size, so k[l].view(-1, page_size, H, D) is the paged view."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, page_size: int = 1,
+                 dtype=torch.float32, device="cpu"):
+        if capacity < 1 or page_size < 1:
+            raise ValueError(f"KVPool needs capacity >= 1 and page_size >= 1, got {capacity}, {page_size}")
+        self.page_size = page_size
+        self.capacity = -(-capacity // page_size) * page_size  # round up to whole pages
+        self.num_slots = self.capacity + page_size
+        shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
+        # zeros, not empty: padded rows may read unwritten slots, and 0 * NaN garbage would poison attention
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [num_layers, num_slots, num_kv_heads, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [num_layers, num_slots, num_kv_heads, head_dim]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of T tokens of one layer in place. Several padded rows may all name the dummy slot 0;
+        which of them lands there is unspecified, and nothing reads it as real data."""
+        # slots: [T] int64; k, v: [T, num_kv_heads, head_dim]
+        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+
+    def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy K and V of slots src[i] to slots dst[i], all layers. The right side is gathered into a new
+        tensor before the scatter, so overlapping dst/src (even a swap) behave like a simultaneous copy."""
+        # dst, src: [n] int64
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+        """K and V of one token across all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    @staticmethod
+    def capacity_for(bytes_per_token: int, *, max_tokens: int | None = None, mem_fraction: float | None = None,
+                     device="cpu", page_size: int = 1) -> int:
+        """Allocatable tokens (a multiple of page_size) for pools costing bytes_per_token per token.
+
+        Pools sharing one allocator (target + draft) pass the SUM of their bytes_per_token. With mem_fraction
+        the whole pool, reserved dummy page included, fits in mem_fraction of the currently available memory.
+        Both budgets round down to whole pages.
+        """
+        if (max_tokens is None) == (mem_fraction is None):
+            raise FastspecError("size the KV pool with exactly one of max_tokens / mem_fraction")
+        if bytes_per_token < 1 or page_size < 1:
+            raise ValueError(f"bytes_per_token and page_size must be >= 1, got {bytes_per_token}, {page_size}")
+        if mem_fraction is not None:
+            if not 0 < mem_fraction <= 1:
+                raise FastspecError(f"KV memory fraction must be in (0, 1], got {mem_fraction}")
+            budget = int(available_bytes(device) * mem_fraction)
+            tokens = budget // bytes_per_token - page_size  # the dummy page costs memory too
+            what = f"{mem_fraction} of {budget / mem_fraction / 2**30:.2f} GiB available memory"
+        else:
+            tokens = max_tokens
+            what = f"max_tokens={max_tokens}"
+        capacity = max(tokens, 0) // page_size * page_size
+        if capacity < page_size:
+            raise FastspecError(f"KV pool too small: {what} holds fewer than one page of {page_size} tokens")
+        return capacity

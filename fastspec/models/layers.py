@@ -1,0 +1,123 @@
+"""Building blocks shared by the target family and the draft heads: RMSNorm, RoPE, gated MLP, attention.
+
+Math only. Attention writes K/V and reads the cache through the `attn` argument (an AttentionContext built
+outside the model); no layer allocates KV, samples, or knows about graphs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastspec.config import ModelConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # statistics in float32
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], float32, with Llama-3 or linear scaling applied."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old_len / scaling.low_freq_factor, old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(middle, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE; cos/sin computed per call from the positions (cheap, exact, no position cap)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.inv_freq_cpu = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
+        inv_freq = self.inv_freq_cpu.to(positions.device)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """GQA self-attention; `in_features` is 2H for the EAGLE-3 midlayer, H otherwise."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, in_features: int | None = None):
+        super().__init__()
+        c = config
+        in_features = in_features or c.hidden_size
+        self.layer_id, self.num_heads, self.num_kv_heads, self.head_dim = layer_id, c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.q_proj = nn.Linear(in_features, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+
+    def forward(self, positions, x, rope: RotaryEmbedding, attn) -> torch.Tensor:
+        # positions [T]; x [T, in_features]
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        o = attn.attend(self.layer_id, q, k, v, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama block. `input_norm=False` gives the EAGLE-2 head's first layer (no input layernorm)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, input_norm: bool = True):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else None
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(self, positions, x, rope, attn) -> torch.Tensor:
+        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        x = x + self.self_attn(positions, h, rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,69 @@
+"""The target family: Llama (incl. Llama-3 rope scaling), Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral.
+
+One implementation configured by `ModelConfig` (the architectures differ only in flags). `forward` returns
+hidden states (and, when asked at construction, the EAGLE-3 auxiliary residual-stream states); logits are a
+separate call. Parameter names equal Hugging Face's, so checkpoints load without renaming.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fastspec.config import ModelConfig
+from fastspec.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class TargetHidden(NamedTuple):
+    final: torch.Tensor  # [T, H]  final-norm output: what lm_head sees and what an EAGLE-2 head is fed
+    aux: torch.Tensor | None  # [T, k*H]  residual stream entering each capture layer (EAGLE-3), else None
+
+
+def eagle3_capture_layers(num_layers: int, aux_layer_ids: tuple[int, ...] | None) -> tuple[int, ...]:
+    """Layers whose INPUT is captured: [2, L//2, L-3] by default, or the draft config's ids + 1."""
+    if aux_layer_ids is None:
+        return (2, num_layers // 2, num_layers - 3)
+    return tuple(i + 1 for i in aux_layer_ids)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, capture_layers: tuple[int, ...] = ()):
+        super().__init__()
+        self.config = config
+        self.capture_layers = capture_layers
+        self.model = LlamaModel(config)
+        self.rope = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> TargetHidden:
+        # input_ids, positions: [T]
+        x = self.model.embed_tokens(input_ids)
+        states = {}  # layer id -> residual stream entering it (id == num_layers: the last layer's output)
+        for i, layer in enumerate(self.model.layers):
+            if i in self.capture_layers:
+                states[i] = x
+            x = layer(positions, x, self.rope, attn)
+        states[len(self.model.layers)] = x
+        aux = torch.cat([states[i] for i in self.capture_layers], dim=-1) if self.capture_layers else None
+        return TargetHidden(self.model.norm(x), aux)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [T, V] float32
+
+
+Qwen2ForCausalLM = Qwen3ForCausalLM = MistralForCausalLM = LlamaForCausalLM

@@ -1,0 +1,208 @@
+"""Loading: model specs (embedded name, HF directory, .gguf file) -> directories -> configs, weights, models.
+
+Reads single or sharded safetensors (and `pytorch_model*.bin` with `weights_only=True`), EAGLE / EAGLE-3
+checkpoints in SGLang / SpecForge key format, and FR-Spec token maps, all without arbitrary unpickling and
+without network access. Every failure a user can cause becomes a one-line FastspecError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastspec.config import ModelConfig
+from fastspec.errors import FastspecError
+from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
+from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """An embedded model name, a Hugging Face model directory or a .gguf file -> a model directory."""
+    from fastspec.models import embedded
+
+    if spec in embedded.EMBEDDED_MODELS:
+        return embedded.embedded_model_dir(spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FastspecError(f"model file {spec} does not exist")
+        return _converted_gguf(path)
+    if not path.exists():
+        known = ", ".join(embedded.EMBEDDED_MODELS)
+        raise FastspecError(f"model {spec!r} is neither a directory, a .gguf file nor an embedded model ({known})")
+    if not (path / "config.json").is_file():
+        raise FastspecError(f"model directory {spec} has no config.json")
+    return path
+
+
+def _converted_gguf(path: Path) -> Path:
+    from fastspec.models.embedded import cache_root
+    from fastspec.models.gguf import convert_gguf
+
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / "gguf" / f"{path.stem}-{key}"
+    return out if (out / "config.json").is_file() else convert_gguf(path, out)
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    source = str(model_dir / "config.json")
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FastspecError(f"{source}: cannot read ({e})") from None
+    if not isinstance(raw, dict):
+        raise FastspecError(f"{source}: not a JSON object")
+    return ModelConfig.from_hf(raw, source=source)
+
+
+def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory, on CPU, in their stored dtype."""
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("pytorch_model*.bin"))
+    if not files:
+        raise FastspecError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(_read_weight_file(f))
+    return state
+
+
+def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors / unpickler errors have no common base class
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FastspecError(f"{path}: corrupt or truncated weights file ({reason})") from None
+
+
+@contextlib.contextmanager
+def _skip_init():
+    """Build modules without random initialisation: every weight is overwritten by the checkpoint."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
+def _load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str, ...], source: str) -> None:
+    """Copy `state` into `model`'s parameters/buffers; every tensor not under a `skip` prefix must be present."""
+    own = dict(model.named_parameters(remove_duplicate=True)) | dict(model.named_buffers())
+    with torch.no_grad():
+        for name, tensor in own.items():
+            if name.startswith(skip) or tensor is None:
+                continue
+            if name not in state:
+                raise FastspecError(f"{source}: missing weight {name}")
+            if tuple(state[name].shape) != tuple(tensor.shape):
+                raise FastspecError(f"{source}: weight {name} has shape {tuple(state[name].shape)}, "
+                                    f"expected {tuple(tensor.shape)}")
+            tensor.copy_(state[name])
+
+
+def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layers: tuple[int, ...] = ()
+                ) -> LlamaForCausalLM:
+    config = read_config(model_dir)
+    if config.is_draft:
+        raise FastspecError(f"{model_dir}: {config.architecture} is a draft head, not a target model")
+    if any(not 0 <= i <= config.num_layers for i in capture_layers):
+        raise FastspecError(f"capture layers {capture_layers} outside 0..{config.num_layers}")
+    with _skip_init(), torch.device(device):
+        model = LlamaForCausalLM(config, capture_layers).to(dtype)
+    skip = ("lm_head.",) if config.tie_word_embeddings else ()
+    _load_into(model, read_state_dict(model_dir), skip, str(model_dir))
+    return model.eval().requires_grad_(False)
+
+
+def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu",
+               token_map: Path | None = None) -> LlamaForCausalLMEagle | LlamaForCausalLMEagle3:
+    """An EAGLE-2 or EAGLE-3 head that fits `target` (checked), sharing its embedding / lm_head."""
+    config = read_config(draft_dir)
+    check_draft_fits(config, target.config, str(draft_dir))
+    state = {k.removeprefix("model."): v for k, v in read_state_dict(draft_dir).items()}
+    with _skip_init(), torch.device(device):
+        if config.is_eagle3:
+            model, skip = _build_eagle3(config, target)
+        else:
+            hot = load_token_map(token_map, target.config.vocab_size).to(device) if token_map else None
+            model = LlamaForCausalLMEagle(config, target.model.embed_tokens, target.lm_head.weight, hot)
+            skip = ("embed_tokens.", "lm_head.")
+        model = model.to(dtype)
+    if config.is_eagle3:
+        model.d2t.zero_()
+        state.setdefault("d2t", model.d2t)
+    _load_into(model, state, skip, str(draft_dir))
+    _check_hot_map(model.hot_token_map(), target.config.vocab_size, str(draft_dir))
+    return model.eval().requires_grad_(False)
+
+
+def _build_eagle3(config: ModelConfig, target: LlamaForCausalLM):
+    share_embed = config.target_hidden_size == config.hidden_size == target.config.hidden_size
+    lm_head = target.lm_head if config.load_lm_head_from_target else None
+    model = LlamaForCausalLMEagle3(config, target.model.embed_tokens if share_embed else None, lm_head)
+    skip = (("embed_tokens.",) if share_embed else ()) + (("lm_head.",) if lm_head is not None else ())
+    return model, skip
+
+
+def check_draft_fits(draft: ModelConfig, target: ModelConfig, source: str) -> None:
+    if not draft.is_draft:
+        raise FastspecError(f"{source}: {draft.architecture} is not an EAGLE draft head "
+                            "(use --speculative-algorithm STANDALONE for a full draft model)")
+    if draft.vocab_size != target.vocab_size:
+        raise FastspecError(f"{source}: draft vocabulary {draft.vocab_size} != target vocabulary {target.vocab_size}")
+    width = draft.target_hidden_size if draft.is_eagle3 else draft.hidden_size
+    if width != target.hidden_size:
+        raise FastspecError(f"{source}: draft expects target features of width {width}, "
+                            f"the target's hidden size is {target.hidden_size}")
+    if draft.is_eagle3 and draft.use_aux_hidden_state:
+        layers = eagle3_capture_layers(target.num_layers, draft.aux_layer_ids)
+        if any(not 0 <= i <= target.num_layers for i in layers):
+            raise FastspecError(f"{source}: aux hidden state layers {draft.aux_layer_ids} do not exist in a "
+                                f"{target.num_layers}-layer target")
+
+
+def load_token_map(path: Path, vocab_size: int) -> torch.Tensor:
+    """FR-Spec hot-token list (.pt tensor/list via weights_only, .npy without pickle, .json list) -> int64 [Vh]."""
+    path = Path(path)
+    try:
+        if path.suffix == ".json":
+            ids = torch.tensor(json.loads(path.read_text()), dtype=torch.int64)
+        elif path.suffix == ".npy":
+            import numpy as np
+
+            ids = torch.from_numpy(np.load(path, allow_pickle=False)).to(torch.int64)
+        else:
+            ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True), dtype=torch.int64)
+    except Exception as e:
+        raise FastspecError(f"token map {path}: cannot read ({str(e).splitlines()[0] if str(e) else e!r})") from None
+    if ids.ndim != 1 or ids.numel() == 0:
+        raise FastspecError(f"token map {path}: expected a non-empty 1-D list of token ids")
+    _check_hot_map(ids, vocab_size, f"token map {path}")
+    return ids
+
+
+def _check_hot_map(ids: torch.Tensor | None, vocab_size: int, source: str) -> None:
+    if ids is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise FastspecError(f"{source}: token ids outside the target vocabulary [0, {vocab_size})")
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:
+        raise FastspecError(f"{model_dir}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None

@@ -1,0 +1,102 @@
+"""Per-request sampling parameters and plain (non-speculative) token sampling.
+
+Sampling is inverse-CDF over explicit uniforms drawn from each request's own generator, so a seeded request
+gives the same tokens whatever batch it runs in. Speculative acceptance lives in fastspec.speculative.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fastspec.errors import FastspecError
+from fastspec.kernels import top_k_renorm_prob, top_p_renorm_prob
+
+TOP_K_ALL = 1 << 30
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = -1  # -1 = whole vocabulary
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise FastspecError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise FastspecError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise FastspecError(f"top-k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise FastspecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """A batch's sampling parameters as tensors; greedy rows carry temperature 1 and top_k 1."""
+
+    temperature: torch.Tensor  # float32 [bs]
+    top_k: torch.Tensor  # int64 [bs]
+    top_p: torch.Tensor  # float32 [bs]
+    all_greedy: bool
+    any_top_p: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device="cpu") -> SamplingTensors:
+        temperature = [1.0 if p.greedy else p.temperature for p in params]
+        top_k = [1 if p.greedy else (TOP_K_ALL if p.top_k == -1 else p.top_k) for p in params]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            all_greedy=all(p.greedy for p in params),
+            any_top_p=any(p.top_p < 1 for p in params),
+        )
+
+
+def target_probs(logits: torch.Tensor, sampling: SamplingTensors, rows_per_request: int = 1) -> torch.Tensor:
+    """softmax(logits / T) -> top-k renorm -> top-p renorm. logits [bs*n, V] float32 -> probs [bs*n, V]."""
+    temperature = sampling.temperature.repeat_interleave(rows_per_request)
+    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    probs = top_k_renorm_prob(probs, sampling.top_k.repeat_interleave(rows_per_request))
+    if sampling.any_top_p:
+        probs = top_p_renorm_prob(probs, sampling.top_p.repeat_interleave(rows_per_request))
+    return probs
+
+
+def draw_uniforms(generators: list[torch.Generator | None], n: int, device="cpu") -> torch.Tensor:
+    """[bs, n] float32 uniforms, row b from request b's generator (the global one when None)."""
+    return torch.stack([torch.rand(n, generator=g, device=device) for g in generators])
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first token whose cumulative probability exceeds u * total. probs [bs, V], u [bs]."""
+    cdf = probs.cumsum(-1)
+    u = uniforms * cdf[:, -1]
+    return torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
+
+
+def sample(logits: torch.Tensor, sampling: SamplingTensors, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [bs, V] float32 -> next tokens int64 [bs]."""
+    if sampling.all_greedy:
+        return logits.argmax(-1)
+    probs = target_probs(logits, sampling)
+    return sample_from_probs(probs, draw_uniforms(generators, 1, logits.device)[:, 0])
+
+
+def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)

@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny random Hugging Face model directories and a paged-pool runner for fastspec models.
+
+The tiny models are real transformers models with random weights saved with `save_pretrained`, so
+transformers' own implementation is the oracle for logits. Everything here runs on CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
+from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+            eos_token_id=2)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=False, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=24)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+}
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**(TINY | extra | overrides))
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # HF init is tiny (std 0.02); widen it so logits are far from uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """family -> (directory, transformers model) for every target family."""
+    out = {}
+    for family in FAMILIES:
+        d = tmp_path_factory.mktemp(family)
+        model = make_hf_model(family)
+        model.save_pretrained(d)
+        out[family] = (d, model)
+    return out
+
+
+class PoolRunner:
+    """Runs a fastspec model over a static paged KV pool: prefill chunks and one-token decode steps."""
+
+    def __init__(self, model, page_size: int = 1, capacity: int = 1024, max_requests: int = 8, max_len: int = 256):
+        c = model.config
+        self.model, self.page_size = model, page_size
+        dtype = next(model.parameters()).dtype
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, page_size, dtype)
+        self.allocator = make_allocator(self.pool.capacity, page_size)
+        self.table = ReqToTokenTable(max_requests, max_len)
+        self.backend = TorchAttnBackend()
+        self.rows = [self.table.alloc() for _ in range(max_requests)]
+
+    def extend(self, seq_lens: list[int], chunks: list[list[int]]):
+        """Append chunks[b] to request b (which holds seq_lens[b] tokens). Returns the model output."""
+        rows = torch.tensor(self.rows[: len(chunks)])
+        prefix = torch.tensor(seq_lens)
+        lens = torch.tensor([len(c) for c in chunks])
+        last_loc = torch.where(prefix > 0, self.table.table[rows, (prefix - 1).clamp(min=0)].long(), -1)
+        slots = self.allocator.alloc_extend(prefix, prefix + lens, last_loc)
+        self.table.write(rows, prefix, lens, slots)
+        if bool((lens == 1).all()) and bool((prefix > 0).all()):
+            meta = decode_metadata(self.table.table, rows, prefix + 1)
+        else:
+            meta = extend_metadata(self.table.table, rows, prefix, lens)
+        ids = torch.tensor([t for c in chunks for t in c])
+        positions = torch.cat([torch.arange(p, p + len(c)) for p, c in zip(seq_lens, chunks)])
+        with torch.inference_mode():
+            return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool))

@@ -1,0 +1,312 @@
+"""Tests for fastspec.memory: allocators against a plain-Python free-set model, alloc_extend by hand and by
+page-layout invariants, KVPool write/move/sizing, ReqToTokenTable against a Python-loop oracle."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastspec.memory.kv_pool as kv_pool_module
+from fastspec.errors import FastspecError
+from fastspec.memory import KVPool, PagedAllocator, ReqToTokenTable, TokenAllocator, make_allocator
+
+
+def _t(values):
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _held_tensor(held):
+    return _t([s for chunk in held for s in chunk])
+
+
+# ----------------------------------------------------------------------------------------------- allocators
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_allocator_matches_free_set_model(page_size, data):
+    P = page_size
+    num_pages = data.draw(st.integers(1, 10))
+    allocator = make_allocator(num_pages * P, P)
+    assert isinstance(allocator, TokenAllocator if P == 1 else PagedAllocator)
+    free_model = set(range(P, (num_pages + 1) * P))  # every slot except the reserved page 0
+    held, backups = [], []  # held: list of allocations (lists of slots); backups: (state, free, held)
+    for _ in range(data.draw(st.integers(1, 30))):
+        op = data.draw(st.sampled_from(["alloc", "alloc", "free", "backup", "restore"]))
+        if op == "alloc":
+            n = data.draw(st.integers(0, num_pages + 1)) * P
+            got = allocator.alloc(n)
+            if n > len(free_model):
+                assert got is None
+            else:
+                got = got.tolist()
+                assert len(got) == n and len(set(got)) == n
+                assert set(got) <= free_model  # never slot 0 / page 0, never a slot already handed out
+                free_model -= set(got)
+                held += [got] if got else []
+        elif op == "free" and held:
+            chunk = held.pop(data.draw(st.integers(0, len(held) - 1)))
+            mask = data.draw(st.lists(st.booleans(), min_size=len(chunk), max_size=len(chunk)))
+            picked = [s for s, m in zip(chunk, mask) if m]
+            pages = {s // P for s in picked}  # freeing any slot of a page frees the whole page
+            freed = [s for s in chunk if s // P in pages]
+            allocator.free(_t(picked))
+            free_model |= set(freed)
+            kept = [s for s in chunk if s // P not in pages]
+            held += [kept] if kept else []
+        elif op == "backup":
+            backups.append((allocator.backup_state(), set(free_model), list(held)))
+        elif op == "restore" and backups:
+            state, free_snapshot, held_snapshot = backups[data.draw(st.integers(0, len(backups) - 1))]
+            allocator.restore_state(state)
+            free_model, held = set(free_snapshot), list(held_snapshot)
+        assert allocator.num_free() == len(free_model)
+        allocator.check(_held_tensor(held))  # free + held == all slots, disjoint, no duplicates
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_alloc_none_leaves_state_unchanged(page_size):
+    allocator = make_allocator(3 * page_size, page_size)
+    first = allocator.alloc(page_size)
+    assert allocator.alloc(3 * page_size) is None
+    assert allocator.num_free() == 2 * page_size
+    allocator.check(first)
+    assert allocator.alloc(2 * page_size).tolist() == list(range(2 * page_size, 4 * page_size))
+
+
+def test_alloc_is_a_copy_that_callers_may_mutate():
+    allocator = TokenAllocator(8)
+    state = allocator.backup_state()
+    allocator.alloc(3).add_(100)
+    allocator.restore_state(state)
+    assert allocator.alloc(3).tolist() == [1, 2, 3]
+
+
+def test_check_names_the_problem():
+    allocator = TokenAllocator(20)
+    held = allocator.alloc(20)
+    allocator.free(held[16:17])  # slot 17
+    with pytest.raises(AssertionError, match="slot 17 is both free and held"):
+        allocator.check(held)
+    with pytest.raises(AssertionError, match="slot 3 is neither free nor held"):
+        allocator.check(torch.cat([held[:2], held[3:16], held[17:]]))
+    with pytest.raises(AssertionError, match="slot 5 is held twice"):
+        allocator.check(torch.cat([held[:16], held[17:], _t([5])]))
+    allocator.free(_t([17]))
+    with pytest.raises(AssertionError, match="slot 17 is free twice"):
+        allocator.check(torch.cat([held[:16], held[17:]]))
+    with pytest.raises(AssertionError, match="slot 0 is held"):
+        TokenAllocator(2).check(_t([0]))
+    paged = PagedAllocator(8, 4)
+    slots = paged.alloc(8)
+    with pytest.raises(AssertionError, match="page 2 is neither free nor held"):
+        paged.check(slots[:4])
+    paged.free(slots[1:2])
+    with pytest.raises(AssertionError, match="page 1 is both free and held"):
+        paged.check(slots)
+
+
+# ----------------------------------------------------------------------------------------------- alloc_extend
+
+def test_alloc_extend_by_hand():
+    allocator = PagedAllocator(8 * 4, 4)  # free pages 1..8, handed out in that order
+    # one request 0 -> 6: fresh pages 1, 2 -> slots 4..9
+    assert allocator.alloc_extend(_t([0]), _t([6]), _t([-1])).tolist() == [4, 5, 6, 7, 8, 9]
+    # extend 6 -> 11, last_loc = slot of position 5 = 9: positions 6, 7 -> 10, 11; 8..10 -> fresh page 3
+    assert allocator.alloc_extend(_t([6]), _t([11]), _t([9])).tolist() == [10, 11, 12, 13, 14]
+    assert allocator.num_free() == 5 * 4
+
+
+def test_alloc_extend_several_requests_by_hand():
+    allocator = PagedAllocator(8 * 4, 4)
+    # A: 0 -> 5 (pages 1, 2), B: 0 -> 3 (page 3)
+    got = allocator.alloc_extend(_t([0, 0]), _t([5, 3]), _t([-1, -1]))
+    assert got.tolist() == [4, 5, 6, 7, 8, 12, 13, 14]
+    c_page = allocator.alloc(4)  # C owns page 4 = slots 16..19 for positions 0..3
+    assert c_page.tolist() == [16, 17, 18, 19]
+    # A 5 -> 9 (last_loc 8): 5, 6, 7 -> 9, 10, 11; 8 -> fresh page 5
+    # B 3 -> 4 (last_loc 14): 3 -> 15, no fresh page;  D 2 -> 2 (last_loc 13 is unused): nothing
+    # C 4 -> 6, prefix a multiple of P (last_loc -1): 4, 5 -> fresh page 6
+    got = allocator.alloc_extend(_t([5, 3, 2, 4]), _t([9, 4, 2, 6]), _t([8, 14, 13, -1]))
+    assert got.tolist() == [9, 10, 11, 20, 15, 24, 25]
+    assert allocator.num_free() == 2 * 4
+
+
+def test_alloc_extend_not_enough_pages_leaves_state_unchanged():
+    allocator = PagedAllocator(2 * 4, 4)
+    allocator.alloc_extend(_t([0]), _t([3]), _t([-1]))  # page 1
+    assert allocator.alloc_extend(_t([3, 0]), _t([4, 8]), _t([6, -1])) is None  # needs 2 pages, 1 free
+    assert allocator.num_free() == 4
+    assert allocator.alloc(4).tolist() == [8, 9, 10, 11]
+
+
+def test_alloc_extend_rejects_bad_last_loc():
+    allocator = PagedAllocator(4 * 4, 4)
+    with pytest.raises(ValueError):
+        allocator.alloc_extend(_t([6]), _t([8]), _t([-1]))  # position 6 continues a partial page
+    with pytest.raises(ValueError):
+        allocator.alloc_extend(_t([6]), _t([5]), _t([9]))  # shrinking
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_alloc_extend_keeps_page_layout(page_size, data):
+    P = page_size
+    allocator = PagedAllocator(data.draw(st.integers(1, 12)) * P, P)
+    reqs = [[] for _ in range(data.draw(st.integers(1, 4)))]  # reqs[i][j] = slot of position j
+    for _ in range(data.draw(st.integers(1, 8))):
+        if data.draw(st.booleans()) and any(reqs):
+            i = data.draw(st.sampled_from([i for i, r in enumerate(reqs) if r]))
+            allocator.free(_t(reqs[i]))
+            reqs[i] = []
+        order = data.draw(st.permutations(range(len(reqs))))
+        batch = order[:data.draw(st.integers(1, len(reqs)))]
+        ext = [data.draw(st.integers(0, 2 * P + 1)) for _ in batch]
+        prefix = [len(reqs[i]) for i in batch]
+        last_loc = [reqs[i][-1] if len(reqs[i]) % P else -1 for i in batch]
+        need = sum(-(-(p + e) // P) - -(-p // P) for p, e in zip(prefix, ext)) * P
+        free_before = allocator.num_free()
+        got = allocator.alloc_extend(_t(prefix), _t([p + e for p, e in zip(prefix, ext)]), _t(last_loc))
+        if need > free_before:
+            assert got is None and allocator.num_free() == free_before
+            continue
+        got = got.tolist()
+        assert len(got) == sum(ext) and allocator.num_free() == free_before - need
+        for i, e in zip(batch, ext):
+            reqs[i] += got[:e]
+            got = got[e:]
+        pages = [{s // P for s in r} for r in reqs]
+        assert sum(map(len, pages)) == len(set().union(*pages))  # no page shared between requests
+        for r in reqs:
+            assert all(s >= P and s % P == j % P and s // P == r[j - j % P] // P for j, s in enumerate(r))
+        allocator.check(_held_tensor(reqs))
+
+
+def test_token_allocator_alloc_extend_takes_total_length():
+    allocator = TokenAllocator(10)
+    assert allocator.alloc_extend(_t([2, 0]), _t([5, 1]), _t([7, -1])).tolist() == [1, 2, 3, 4]
+    assert allocator.alloc_extend(_t([0]), _t([7]), _t([-1])) is None
+
+
+# ----------------------------------------------------------------------------------------------- KVPool
+
+def test_kv_pool_shape_rounds_capacity_up_to_pages():
+    pool = KVPool(num_layers=3, num_kv_heads=2, head_dim=5, capacity=10, page_size=4, dtype=torch.float16)
+    assert (pool.capacity, pool.num_slots) == (12, 16)
+    assert pool.k.shape == pool.v.shape == (3, 16, 2, 5) and pool.k.dtype == torch.float16
+    assert KVPool(1, 1, 1, capacity=7).num_slots == 8
+
+
+def test_kv_pool_write_and_move_round_trip():
+    torch.manual_seed(0)
+    pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=3, capacity=8)
+    k, v = torch.randn(3, 2, 3), torch.randn(3, 2, 3)
+    pool.write(1, _t([5, 2, 7]), k, v)
+    assert torch.equal(pool.k[1, [5, 2, 7]], k) and torch.equal(pool.v[1, [5, 2, 7]], v)
+    assert pool.k[0].abs().sum() == 0 and pool.k[1, [0, 1, 3, 4, 6, 8]].abs().sum() == 0
+    k_before, v_before = pool.k.clone(), pool.v.clone()
+    pool.move(dst=_t([2, 5, 1]), src=_t([5, 2, 7]))  # swap 2 <-> 5 and copy 7 -> 1, every layer
+    for cache, before in ((pool.k, k_before), (pool.v, v_before)):
+        expected = before.clone()
+        expected[:, [2, 5, 1]] = before[:, [5, 2, 7]]
+        assert torch.equal(cache, expected)
+        assert torch.equal(cache[1, 1], before[1, 7]) and torch.equal(cache[1, 2], before[1, 5])
+
+
+def test_kv_pool_write_casts_to_pool_dtype():
+    pool = KVPool(1, 1, 2, capacity=4, dtype=torch.bfloat16)
+    pool.write(0, _t([3]), torch.tensor([[[1.5, -2.0]]]), torch.tensor([[[0.25, 4.0]]]))
+    assert pool.k[0, 3].tolist() == [[1.5, -2.0]] and pool.v[0, 3].tolist() == [[0.25, 4.0]]
+
+
+def test_bytes_per_token():
+    assert KVPool.bytes_per_token(2, 4, 8, torch.float16) == 2 * 2 * 4 * 8 * 2  # K and V
+    assert KVPool.bytes_per_token(32, 8, 128, torch.float32) == 262144
+
+
+def test_capacity_for_max_tokens():
+    assert KVPool.capacity_for(256, max_tokens=100) == 100
+    assert KVPool.capacity_for(256, max_tokens=100, page_size=16) == 96
+    with pytest.raises(FastspecError, match="fewer than one page"):
+        KVPool.capacity_for(256, max_tokens=15, page_size=16)
+
+
+def test_capacity_for_mem_fraction(monkeypatch):
+    monkeypatch.setattr(kv_pool_module, "available_bytes", lambda device="cpu": 1_000_000)
+    # 500_000 // 256 = 1953 tokens, minus the 16-token dummy page = 1937, whole pages -> 1936
+    assert KVPool.capacity_for(256, mem_fraction=0.5, page_size=16) == 1936
+    assert KVPool.capacity_for(1000, mem_fraction=1.0) == 999
+    with pytest.raises(FastspecError, match="fewer than one page"):
+        KVPool.capacity_for(100_000, mem_fraction=1.0, page_size=8)
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(FastspecError, match="fraction"):
+            KVPool.capacity_for(256, mem_fraction=bad)
+    with pytest.raises(FastspecError, match="exactly one"):
+        KVPool.capacity_for(256)
+    with pytest.raises(FastspecError, match="exactly one"):
+        KVPool.capacity_for(256, max_tokens=10, mem_fraction=0.5)
+
+
+def test_capacity_for_real_cpu_memory():
+    bpt = KVPool.bytes_per_token(2, 2, 64, torch.float32)
+    capacity = KVPool.capacity_for(bpt, mem_fraction=0.01, page_size=16)
+    assert capacity >= 16 and capacity % 16 == 0
+    assert (capacity + 16) * bpt <= 0.01 * kv_pool_module.available_bytes("cpu") * 1.5  # memory drifts a bit
+
+
+def test_available_bytes_reads_meminfo_then_falls_back(monkeypatch, tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       25000000 kB\nMemFree:   100 kB\nMemAvailable:   12345 kB\n")
+    monkeypatch.setattr(kv_pool_module, "MEMINFO_PATH", str(meminfo))
+    assert kv_pool_module.available_bytes("cpu") == 12345 * 1024
+    monkeypatch.setattr(kv_pool_module, "MEMINFO_PATH", str(tmp_path / "missing"))
+    sysconf = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(kv_pool_module.os, "sysconf", sysconf.__getitem__)
+    assert kv_pool_module.available_bytes(torch.device("cpu")) == 4096000
+
+
+# ----------------------------------------------------------------------------------------------- ReqToTokenTable
+
+def test_req_table_alloc_free():
+    table = ReqToTokenTable(max_requests=3, max_context_len=4)
+    assert table.table.dtype == torch.int32 and table.table.shape == (3, 4) and table.table.abs().sum() == 0
+    rows = [table.alloc() for _ in range(3)]
+    assert sorted(rows) == [0, 1, 2] and table.alloc() is None and table.num_free() == 0
+    table.free(rows[1])
+    assert table.num_free() == 1 and table.alloc() == rows[1]
+    table.free(rows[0])
+    with pytest.raises(ValueError, match="not allocated"):
+        table.free(rows[0])
+    with pytest.raises(ValueError, match="not allocated"):
+        table.free(3)
+
+
+def test_req_table_write_by_hand_and_slots_copy():
+    table = ReqToTokenTable(max_requests=4, max_context_len=8)
+    table.write(_t([3, 0]), _t([5, 2]), _t([2, 1]), torch.tensor([40, 41, 7], dtype=torch.int32))
+    assert table.table[3].tolist() == [0, 0, 0, 0, 0, 40, 41, 0]
+    assert table.table[0].tolist() == [0, 0, 7, 0, 0, 0, 0, 0]
+    got = table.slots(3, 4, 7)
+    assert got.dtype == torch.int64 and got.tolist() == [0, 40, 41]
+    got[1] = 99
+    assert table.table[3, 5] == 40
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_req_table_write_matches_loop(data):
+    max_requests, ctx = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 12))
+    rows = data.draw(st.permutations(range(max_requests)))[:data.draw(st.integers(0, max_requests))]
+    starts = [data.draw(st.integers(0, ctx)) for _ in rows]
+    lens = [data.draw(st.integers(0, ctx - s)) for s in starts]
+    slots = data.draw(st.lists(st.integers(0, 10_000), min_size=sum(lens), max_size=sum(lens)))
+    table = ReqToTokenTable(max_requests, ctx)
+    table.table.random_(0, 50)  # stale entries must survive outside the written ranges
+    expected = table.table.clone()
+    it = iter(slots)
+    for r, s, n in zip(rows, starts, lens):
+        for j in range(s, s + n):
+            expected[r, j] = next(it)
+    table.write(_t(rows), _t(starts), _t(lens), _t(slots))
+    assert torch.equal(table.table, expected)

@@ -1,0 +1,110 @@
+"""Target family parity with transformers (the oracle) through the paged pool, plus config parsing."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import FAMILIES, PoolRunner, make_hf_model
+from fastspec.config import ModelConfig
+from fastspec.errors import FastspecError
+from fastspec.models.llama import eagle3_capture_layers
+from fastspec.models.loader import load_target, read_config
+
+PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [7, 7, 21], [90, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 40]]
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_and_decode_match_transformers(tiny_dirs, family, page_size):
+    """Batched prefill of mixed lengths, then step-by-step batched decode: every logit row equals HF's."""
+    directory, hf = tiny_dirs[family]
+    model = load_target(directory, torch.float32)
+    runner = PoolRunner(model, page_size=page_size)
+    n_decode = 3
+    heads = [p[:-n_decode] for p in PROMPTS]
+    out = runner.extend([0] * len(PROMPTS), heads)
+    logits = model.compute_logits(out.final)
+    offsets = torch.cumsum(torch.tensor([0] + [len(h) for h in heads]), 0)
+    expected = [hf_logits(hf, p) for p in PROMPTS]
+    for b, h in enumerate(heads):
+        torch.testing.assert_close(logits[offsets[b]:offsets[b + 1]], expected[b][: len(h)], atol=2e-5, rtol=1e-4)
+    for step in range(n_decode):
+        lens = [len(h) + step for h in heads]
+        out = runner.extend(lens, [[p[n]] for p, n in zip(PROMPTS, lens)])
+        step_logits = model.compute_logits(out.final)
+        for b, n in enumerate(lens):
+            torch.testing.assert_close(step_logits[b], expected[b][n], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_float32(tiny_dirs, dtype):
+    directory, hf = tiny_dirs["llama"]
+    model = load_target(directory, dtype)
+    assert next(model.parameters()).dtype == dtype
+    logits = model.compute_logits(PoolRunner(model).extend([0], [PROMPTS[0]]).final)
+    expected = hf_logits(hf, PROMPTS[0])
+    assert logits.dtype == torch.float32
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() > 0.8
+    torch.testing.assert_close(logits, expected, atol=0.15, rtol=0.05)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_aux_capture_equals_hf_hidden_states(tiny_dirs, family):
+    """EAGLE-3 aux features = residual stream entering layers [2, L//2, L-3] = HF hidden_states[i]."""
+    directory, hf = tiny_dirs[family]
+    layers = eagle3_capture_layers(4, None)  # [2, L//2, L-3] for L = 4
+    assert layers == (2, 2, 1)
+    assert eagle3_capture_layers(4, (0, 3)) == (1, 4)  # draft config ids + 1; 4 = the last layer's output
+    model = load_target(directory, torch.float32, capture_layers=layers)
+    out = PoolRunner(model).extend([0], [PROMPTS[2]])
+    with torch.no_grad():
+        states = hf(torch.tensor([PROMPTS[2]]), output_hidden_states=True).hidden_states
+    expected = torch.cat([states[i][0] for i in layers], -1)  # HF hidden_states[i] = input of layer i
+    torch.testing.assert_close(out.aux, expected, atol=2e-5, rtol=1e-4)
+    logits = model.compute_logits(out.final)
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[2]), atol=2e-5, rtol=1e-4)
+
+
+def test_config_reads_old_and_new_rope_spellings():
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    old = ModelConfig.from_hf(base | {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    new = ModelConfig.from_hf(base | {"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}})
+    assert old == new and old.rope_theta == 5e5 and old.rope_scaling.factor == 8.0
+    assert old.num_kv_heads == 2 and old.head_dim == 4
+
+
+def test_bad_configs_give_one_line_errors(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(FastspecError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(FastspecError, match="cannot read"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 3}))
+    with pytest.raises(FastspecError, match="missing or malformed field 'hidden_size'"):
+        read_config(tmp_path)
+
+
+def test_corrupt_safetensors_is_a_clear_error(tmp_path):
+    hf = make_hf_model("llama")
+    hf.save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: 1000])
+    with pytest.raises(FastspecError, match="corrupt or truncated"):
+        load_target(tmp_path, torch.float32)
+
+
+def test_sharded_checkpoint_loads(tmp_path, tiny_dirs):
+    _, hf = tiny_dirs["qwen2"]
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model = load_target(tmp_path, torch.float32)
+    logits = model.compute_logits(PoolRunner(model).extend([0], [PROMPTS[1]]).final)
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[1]), atol=2e-5, rtol=1e-4)
