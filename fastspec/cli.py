@@ -24,6 +24,11 @@ MaxTotalTokensOpt = Annotated[Optional[int], typer.Option(help="KV pool size in 
 MaxNewOpt = Annotated[int, typer.Option(help="Maximum tokens to generate per prompt.")]
 
 
+@app.callback()
+def _root() -> None:
+    """fastspec: lossless speculative decoding (EAGLE, EAGLE-3, STANDALONE, NGRAM)."""
+
+
 def user_errors(fn):
     """Turn user-fixable failures into one line on stderr and a non-zero exit."""
 

@@ -181,7 +181,7 @@ class EngineConfig:
     device: str = "cpu"
     page_size: int = 1
     max_total_tokens: int | None = None  # KV pool size in tokens; None: kv_mem_fraction of available memory
-    kv_mem_fraction: float = 0.2
+    kv_mem_fraction: float = 0.05
     max_running_requests: int = 48
     max_context_len: int | None = None  # None: the model's max_position_embeddings
 

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 from fastspec.config import EngineConfig
 from fastspec.engine import Engine
-from fastspec.errors import FastspecError
-from fastspec.models.loader import load_tokenizer
+from fastspec.tokenizer import Tokenizer
 from fastspec.sampling import SamplingParams
 
 
@@ -25,7 +24,7 @@ class Completion:
 class LLM:
     def __init__(self, model: str = EngineConfig.model, **engine_options):
         self.engine = Engine(EngineConfig(model=model, **engine_options))
-        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        self.tokenizer = Tokenizer(self.engine.model_dir)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if not chat:
@@ -33,10 +32,7 @@ class LLM:
         return self.encode_chat([{"role": "user", "content": prompt}])
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise FastspecError(f"{self.engine.model_dir}: the tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(messages)
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams]
                  = SamplingParams(), chat: bool = False) -> list[Completion]:

@@ -84,3 +84,11 @@ class PoolRunner:
         positions = torch.cat([torch.arange(p, p + len(c)) for p, c in zip(seq_lens, chunks)])
         with torch.inference_mode():
             return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool))
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    """The embedded SmolLM2-135M-Instruct, converted once into the user cache (reused across runs)."""
+    from fastspec.models.embedded import embedded_model_dir
+
+    return embedded_model_dir()

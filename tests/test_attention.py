@@ -6,6 +6,7 @@ request's dense K/V in position order and its explicit boolean mask, and runs so
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -188,7 +189,8 @@ def test_verify_with_hand_tree_averages_visible_values():
 
 def test_verify_rejects_wrong_mask_length():
     with pytest.raises(ValueError, match="tree_mask"):
-        verify_metadata(patterned_table(), torch.tensor([0]), torch.tensor([2]), 4, torch.ones(23, dtype=torch.bool))
+        verify_metadata(patterned_table(), torch.tensor([0]), torch.tensor([2]), 4,
+                        torch.ones(23, dtype=torch.bool))
 
 
 def test_builders_reject_table_overflow():
@@ -349,3 +351,16 @@ def test_context_writes_then_attends():
     torch.testing.assert_close(pool.k[2], before[2])
     specs = [(table[r, : p + e].tolist(), causal_mask(e, p + e)) for r, p, e in zip(rows.tolist(), pre, ext)]
     torch.testing.assert_close(got.double(), oracle(q, pool.k[1], pool.v[1], 0.25, specs), atol=1e-5, rtol=1e-5)
+
+
+def test_non_causal_without_mask_attends_everywhere():
+    gen = torch.Generator().manual_seed(5)
+    table, num_slots = random_table(gen, num_rows=3, width=16)
+    rows, pre, ext = [2, 0], [3, 0], [2, 5]
+    meta = extend_metadata(table, torch.tensor(rows), torch.tensor(pre), torch.tensor(ext))
+    meta = dataclasses.replace(meta, causal=False)
+    specs = [(table[r, : p + e].tolist(), torch.ones(e, p + e, dtype=torch.bool))
+             for r, p, e in zip(rows, pre, ext)]
+    q, k_cache, v_cache = torch.randn(7, 4, 8), torch.randn(num_slots, 2, 8), torch.randn(num_slots, 2, 8)
+    got = run_backend(meta, q, k_cache, v_cache, scale=0.3)
+    torch.testing.assert_close(got.double(), oracle(q, k_cache, v_cache, 0.3, specs), atol=1e-5, rtol=1e-5)

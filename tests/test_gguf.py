@@ -138,7 +138,7 @@ def test_unpermuted_rows_give_llamacpp_attention_scores(n_head, half, m, n, seed
     d, hidden = 2 * half, 8
     wq_gguf = torch.randn(n_head * d, hidden, generator=g, dtype=torch.float64)
     wk_gguf = torch.randn(n_head * d, hidden, generator=g, dtype=torch.float64)
-    x_m, x_n = torch.randn(hidden, generator=g, dtype=torch.float64), torch.randn(hidden, generator=g, dtype=torch.float64)
+    x_m, x_n = torch.randn(2, hidden, generator=g, dtype=torch.float64)
     scores_llamacpp = (rope_adjacent((wq_gguf @ x_m).view(n_head, d), m)
                        * rope_adjacent((wk_gguf @ x_n).view(n_head, d), n)).sum(-1)
     wq_hf, wk_hf = unpermute_rope_rows(wq_gguf, n_head), unpermute_rope_rows(wk_gguf, n_head)
@@ -199,7 +199,8 @@ def test_tiny_tokenizer_bos_eos_flags(tmp_path, add_bos, add_eos):
     tok = AutoTokenizer.from_pretrained(convert_gguf(path, tmp_path / "hf"))
     h, ll = TOKENS.index("he"), TOKENS.index("ll")
     assert tok.encode("hell") == [1] * add_bos + [h, ll] + [2] * add_eos
-    assert tok("hell", "he")["input_ids"] == [1] * add_bos + [h, ll] + [2] * add_eos + [1] * add_bos + [h] + [2] * add_eos
+    bos, eos = [1] * add_bos, [2] * add_eos
+    assert tok("hell", "he")["input_ids"] == bos + [h, ll] + eos + bos + [h] + eos
 
 
 # ---- errors and atomicity ----
@@ -266,7 +267,8 @@ def test_embedded_reconverts_when_package_file_changes(tmp_path, monkeypatch):
     (package / "__init__.py").write_text("raise ImportError('must not be imported')\n")
     gguf_path = write_gguf(package / "tiny.gguf", tiny_llama(True, seed=0))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setitem(embedded.EMBEDDED_MODELS, "fake", EmbeddedModel("fake-pkg", "fastspec_fake_pkg", "tiny.gguf"))
+    fake = EmbeddedModel("fake-pkg", "fastspec_fake_pkg", "tiny.gguf")
+    monkeypatch.setitem(embedded.EMBEDDED_MODELS, "fake", fake)
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
     out = embedded_model_dir("fake")
     assert out == tmp_path / "cache" / "fake"

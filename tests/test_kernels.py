@@ -484,9 +484,11 @@ def test_renorm_hand_case():
     probs = torch.tensor([[0.1, 0.4, 0.2, 0.3], [0.25, 0.25, 0.25, 0.25]])
     assert torch.allclose(top_k_renorm_prob(probs, torch.tensor([2, 3])),
                           torch.tensor([[0, 4 / 7, 0, 3 / 7], [1 / 3, 1 / 3, 1 / 3, 0]]))
-    # top_p 0.6: 0.4 alone < 0.6, 0.4 + 0.3 reaches it -> keep {1, 3}; top_p 0.5 on uniform keeps 2 tokens
+    # top_p 0.6: 0.4 alone < 0.6, 0.4 + 0.3 reaches it -> keep {1, 3}; top_p 0.5 on uniform: the smallest
+    # set reaching 0.5 has 2 tokens (ties by position); top_p 0 keeps the largest only
     assert torch.allclose(top_p_renorm_prob(probs, torch.tensor([0.6, 0.5])),
                           torch.tensor([[0, 4 / 7, 0, 3 / 7], [0.5, 0.5, 0, 0]]))
+    assert top_p_renorm_prob(probs, 0.0).tolist() == [[0, 1, 0, 0], [1, 0, 0, 0]]
     assert top_k_renorm_prob(probs.half(), 1).dtype == torch.float32
 
 

@@ -96,10 +96,6 @@ def _check_lens(**named: torch.Tensor) -> None:
             raise ValueError(f"attention metadata: negative {name}")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# builders
-
-
 def _draft_decode_columns(table_rows: torch.Tensor,  # int64 [R]  req_to_token row of each query row
                           prefix: torch.Tensor,      # int64 [R]  committed length
                           shift: torch.Tensor,       # int64 [R]  k * num_steps: scratch of earlier branches
@@ -111,6 +107,10 @@ def _draft_decode_columns(table_rows: torch.Tensor,  # int64 [R]  req_to_token r
     after_prefix = j >= torch.repeat_interleave(prefix, kv_lens, output_size=total)
     col = j + after_prefix.to(torch.int64) * torch.repeat_interleave(shift, kv_lens, output_size=total)
     return torch.repeat_interleave(table_rows, kv_lens, output_size=total), col
+
+
+# ----------------------------------------------------------------------------------------------------------
+# builders
 
 
 def extend_metadata(req_to_token: torch.Tensor,  # int32 [max_requests, max_context_len]
@@ -161,7 +161,8 @@ def draft_decode_metadata(req_to_token: torch.Tensor,  # int32 [max_requests, ma
     columns [0, 1, 2, 3], branch 1 reads [0, 1, 5, 6] (scratch layout [k0: s0 s1 s2][k1: s0 s1 s2]).
     """
     if not 0 <= step < num_steps or topk < 1:
-        raise ValueError(f"draft decode: need topk >= 1 and 0 <= step < num_steps, got {topk=} {num_steps=} {step=}")
+        raise ValueError(f"draft decode: need topk >= 1 and 0 <= step < num_steps, "
+                         f"got {topk=} {num_steps=} {step=}")
     _check_lens(seq_lens=seq_lens)
     _check_fits(req_to_token, seq_lens + topk * num_steps)
     row_seq = seq_lens.to(torch.int64).repeat_interleave(topk)                    # [bs*topk]
@@ -185,7 +186,7 @@ def draft_extend_metadata(req_to_token: torch.Tensor,  # int32 [max_requests, ma
                           seq_lens: torch.Tensor,      # int64 [bs]  lengths AFTER committing accepted tokens
                           extend_lens: torch.Tensor,   # int64 [bs]  accept_len + 1
                           ) -> AttnMetadata:
-    """Draft extend after verify: qo = extend, kv = seq_len, causal (bottom-right); K/V to the last extend slots."""
+    """Draft extend after verify: qo = extend, kv = seq_len, causal (bottom-right); K/V to the last slots."""
     _check_lens(extend_lens=extend_lens, prefix_lens=seq_lens - extend_lens)
     return AttnMetadata(
         mode=AttnMode.DRAFT_EXTEND,

@@ -72,11 +72,12 @@ def attend_padded(plan: TorchAttnPlan, q: torch.Tensor, k_cache: torch.Tensor, v
     bs, max_qo = plan.q_index.shape
     max_kv = plan.kv_slots.shape[1]
     # index_select on flat indices: several times faster on CPU than advanced indexing with a 2-D index
-    qp = q.view(bs, max_qo, *q.shape[1:]) if plan.uniform_qo else q.index_select(0, plan.q_index.flatten())
-    qp = qp.view(bs, max_qo, *q.shape[1:]).transpose(1, 2)                                 # [bs, Hq, max_qo, D]
+    qp = q if plan.uniform_qo else q.index_select(0, plan.q_index.flatten())
+    qp = qp.reshape(bs, max_qo, *q.shape[1:]).transpose(1, 2)                              # [bs, Hq, max_qo, D]
     slots = plan.kv_slots.flatten()
-    kp = k_cache.index_select(0, slots).view(bs, max_kv, *k_cache.shape[1:]).transpose(1, 2)  # [bs, Hkv, max_kv, D]
-    vp = v_cache.index_select(0, slots).view(bs, max_kv, *v_cache.shape[1:]).transpose(1, 2)
+    kv_shape = (bs, max_kv, *k_cache.shape[1:])
+    kp = k_cache.index_select(0, slots).view(kv_shape).transpose(1, 2)                   # [bs, Hkv, max_kv, D]
+    vp = v_cache.index_select(0, slots).view(kv_shape).transpose(1, 2)
     out = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), attn_mask=plan.mask, scale=scale,
                                          enable_gqa=True)
     return out.transpose(1, 2)

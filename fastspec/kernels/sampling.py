@@ -22,7 +22,7 @@ def _per_row(value, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  #
 
 def _keep_sorted(probs: torch.Tensor, keep_rule) -> torch.Tensor:
     """Zero every entry whose rank (descending, stable) fails keep_rule(sorted_probs) and renormalise."""
-    sorted_probs, order = probs.sort(-1, descending=True, stable=True)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_rule(sorted_probs))
     kept = torch.where(keep, probs, 0.0)
     return kept / kept.sum(-1, keepdim=True)
@@ -45,11 +45,12 @@ def top_p_renorm_prob(probs: torch.Tensor,  # float [batch, V]
                       top_p,                # float or float tensor [batch]
                       ) -> torch.Tensor:    # float32 [batch, V]  (a new tensor)
     """Keep the smallest set of largest probabilities whose mass reaches top_p (an entry stays iff the mass
-    strictly before it is <= top_p), zero the rest, renormalise. Rows with top_p >= 1 are returned unchanged
-    (no rounding-driven loss of the tail), so callers may apply it unconditionally."""
+    before it is < top_p; the largest always stays), zero the rest, renormalise. Rows with top_p >= 1 are
+    returned unchanged (no rounding-driven loss of the tail), so callers may apply it unconditionally."""
     probs = probs.to(torch.float32)
     p = _per_row(top_p, probs, torch.float32)
-    renormed = _keep_sorted(probs, lambda sorted_probs: sorted_probs.cumsum(-1) - sorted_probs <= p)
+    first = torch.arange(probs.shape[-1], device=probs.device) == 0
+    renormed = _keep_sorted(probs, lambda sorted_probs: (sorted_probs.cumsum(-1) - sorted_probs < p) | first)
     return torch.where(p >= 1.0, probs, renormed)
 
 

@@ -11,8 +11,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -86,9 +88,7 @@ def unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:  # w
 
 # ---- reading ----
 
-def _open_reader(path: Path):
-    import gguf
-
+def _open_reader(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise FastspecError(f"{path}: GGUF file not found")
     try:
@@ -133,8 +133,6 @@ def _hf_name(name: str) -> str:
 
 
 def _read_tensors(reader, path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    from gguf.quants import dequantize
-
     n_head = _meta(reader, "llama.attention.head_count")
     n_kv_head = _meta(reader, "llama.attention.head_count_kv", n_head)
     tensors = {}

@@ -197,12 +197,3 @@ def load_token_map(path: Path, vocab_size: int) -> torch.Tensor:
 def _check_hot_map(ids: torch.Tensor | None, vocab_size: int, source: str) -> None:
     if ids is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise FastspecError(f"{source}: token ids outside the target vocabulary [0, {vocab_size})")
-
-
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except Exception as e:
-        raise FastspecError(f"{model_dir}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None

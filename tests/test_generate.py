@@ -1,0 +1,96 @@
+"""Plain generation end to end on the embedded SmolLM2-135M-Instruct: transformers' greedy `generate` is the
+oracle; batching, paging and seeding must not change tokens; bad input is one line and exit code 2."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import fastspec
+from fastspec.cli import app
+from fastspec.sampling import SamplingParams
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers and explain why they are prime."]
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return fastspec.LLM(max_total_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(embedded_dir, llm):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(embedded_dir), dtype=torch.float32).eval()
+    out = {}
+    for q in QUESTIONS:
+        ids = llm.encode(q, chat=True)
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=NEW, eos_token_id=2,
+                              pad_token_id=2, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        out[q] = gen[0, len(ids):].tolist()
+    return out
+
+
+def test_cli_generate_equals_transformers_greedy(hf_greedy):
+    for q in QUESTIONS[:2]:
+        result = CliRunner().invoke(app, ["generate", "--chat", "--prompt", q, "--max-new-tokens", str(NEW),
+                                          "--max-total-tokens", "2048", "--json"])
+        assert result.exit_code == 0, result.output
+        record = json.loads(result.stdout)
+        assert record["output_ids"] == hf_greedy[q]
+        assert record["text"].strip()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_batched_generation_equals_transformers(hf_greedy, page_size):
+    llm = fastspec.LLM(max_total_tokens=4096, page_size=page_size)
+    outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
+    assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
+    assert "Paris" in outputs[0].text
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity  # no slot leaked
+    llm.engine.check_kv()
+
+
+def test_queueing_when_the_pool_is_small(hf_greedy):
+    """A pool that holds one request at a time still finishes all of them, in order, with the same tokens."""
+    llm = fastspec.LLM(max_total_tokens=96)
+    outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
+    assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7, max_new_tokens=12, ignore_eos=True)
+    alone = llm.generate([QUESTIONS[0]], params, chat=True)[0]
+    prompts = [QUESTIONS[0], QUESTIONS[1], QUESTIONS[0]]
+    batched = llm.generate(prompts, [params, SamplingParams(max_new_tokens=5), params], chat=True)
+    assert batched[0].output_ids == alone.output_ids == batched[2].output_ids
+    assert len(alone.output_ids) == 12 and alone.finish_reason == "length"
+    other = llm.generate([QUESTIONS[0]], SamplingParams(temperature=0.9, seed=8, max_new_tokens=12), chat=True)[0]
+    assert other.output_ids != alone.output_ids
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/dir", "--prompt", "hi"], "neither a directory"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "hi", "--page-size", "3"], "page size must be a power of two"),
+    (["--input-ids", "1,x"], "comma-separated integers"),
+    (["--prompt", "hi", "--input-ids", "1"], "exactly one of --prompt or --input-ids"),
+    (["--input-ids", "1,999999"], "input token ids must be in"),
+    (["--prompt", "hi", "--max-new-tokens", "99999"], "exceeds the context length"),
+    (["--prompt", "hi", "--dtype", "int8"], "unknown dtype"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = CliRunner().invoke(app, ["generate", *args, "--max-total-tokens", "512"])
+    assert result.exit_code == 2
+    assert message in result.stderr and result.stderr.count("\n") == 1
+    assert "Traceback" not in result.output
+
+
+def test_missing_model_directory_files(tmp_path):
+    result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path), "--prompt", "hi"])
+    assert result.exit_code == 2 and "has no config.json" in result.stderr
