@@ -142,8 +142,8 @@ def oracle_build(parent_list, selected, seq_len, topk, n, b):
     return positions, [b * n + i for i in range(n)], next_token, next_sibling, mask
 
 
-def _walk(candidates, ri, nt, ns, num_steps, b, accept_child):
-    """Shared skeleton of §2.4/§2.5: accept_child(cur, child) -> bool; returns (accepted path, k, cur)."""
+def _walk(ri, nt, ns, num_steps, b, accept_child):
+    """Shared skeleton of §2.4/§2.5: accept_child(last_row, child) -> bool; returns the accepted verify rows."""
     accept, cur = [ri[b][0]], 0
     for _ in range(num_steps):
         cur = nt[b][cur]
@@ -167,7 +167,7 @@ def oracle_greedy(candidates, ri, nt, ns, target_flat, num_steps):
                 predicts[last] = candidates[b][cur]
                 return True
             return False
-        path = _walk(candidates, ri, nt, ns, num_steps, b, accept_child)
+        path = _walk(ri, nt, ns, num_steps, b, accept_child)
         predicts[path[-1]] = target_flat[path[-1]]
         results.append((path, predicts))
     return results
@@ -190,7 +190,7 @@ def oracle_sampling(candidates, ri, nt, ns, u, u_final, target, draft, num_steps
                 return True
             draft[b, state["row"], tok] = q
             return False
-        path = _walk(candidates, ri, nt, ns, num_steps, b, accept_child)
+        path = _walk(ri, nt, ns, num_steps, b, accept_child)
         k, row = len(path) - 1, state["row"]
         r = np.maximum(target[b, row] - (draft[b, row] if k != num_steps else 0), 0).astype(f32)
         total, acc, pick = f32(r.sum(dtype=f32)), f32(0), r.shape[0] - 1

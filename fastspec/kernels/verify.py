@@ -42,7 +42,7 @@ def tree_links(retrieve_next_token: torch.Tensor,    # int64 [bs, N]  first chil
 
 
 class _Walk:
-    """Host-side loop state of the batched walk down the tree (tensors [bs]); writes go to the outputs."""
+    """State of the batched walk down the tree (tensors [bs]); accepted nodes are written to the outputs."""
 
     def __init__(self, predicts, accept_index, retrieve_index):
         self.predicts, self.accept_index, self.retrieve_index = predicts, accept_index, retrieve_index
