@@ -12,16 +12,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from fastspec.cli_options import ModelOptions, model_options
 from fastspec.errors import FastspecError
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="EAGLE / EAGLE-3 speculative decoding inference, CUDA-graph first, runs on CPU too.")
-
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Embedded model name, HF model directory or .gguf file.")]
-DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
-PageSizeOpt = Annotated[int, typer.Option(help="KV page size (tokens per page).")]
-MaxTotalTokensOpt = Annotated[Optional[int], typer.Option(help="KV pool size in tokens (default: a fraction of free memory).")]
-MaxNewOpt = Annotated[int, typer.Option(help="Maximum tokens to generate per prompt.")]
 
 
 @app.callback()
@@ -58,19 +53,17 @@ def parse_ids(text: str) -> list[int]:
 
 @app.command()
 @user_errors
+@model_options
 def generate(
-    model: ModelOpt = "smollm2-135m-instruct",
+    options: ModelOptions,
     prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt text (repeat for a batch).")] = None,
     input_ids: Annotated[Optional[str], typer.Option(help="Prompt as comma-separated token ids.")] = None,
-    max_new_tokens: MaxNewOpt = 64,
+    max_new_tokens: Annotated[int, typer.Option(help="Maximum tokens to generate per prompt.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_k: Annotated[int, typer.Option(help="-1 = off.")] = -1,
     top_p: float = 1.0,
     seed: Optional[int] = None,
     ignore_eos: bool = False,
-    dtype: DtypeOpt = "float32",
-    page_size: PageSizeOpt = 1,
-    max_total_tokens: MaxTotalTokensOpt = None,
     chat: Annotated[bool, typer.Option(help="Apply the model's chat template to --prompt.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
@@ -84,14 +77,14 @@ def generate(
         raise FastspecError("--chat applies to --prompt, not to --input-ids")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-    llm = LLM(model, dtype=dtype, page_size=page_size, max_total_tokens=max_total_tokens)
     prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
     if any(p == "" for p in prompts):
         raise FastspecError("empty prompt")
+    llm = LLM(**options.llm_kwargs())
     outputs = llm.generate(prompts, params, chat=chat)
     if as_json:
         records = [{"output_ids": o.output_ids, "text": o.text, "finish_reason": o.finish_reason,
-                    "num_prompt_tokens": len(o.prompt_ids)} for o in outputs]
+                    "num_prompt_tokens": len(o.prompt_ids), **o.metrics.as_dict()} for o in outputs]
         result = records[0] if len(records) == 1 else {"outputs": records}
         typer.echo(json.dumps(result))
     else:

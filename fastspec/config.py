@@ -199,3 +199,81 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+
+SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+# SGLang's auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) by target architecture
+_AUTO_SPEC = {"LlamaForCausalLM": (5, 4, 8)}
+_AUTO_SPEC_FALLBACK = (3, 1, 4)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding parameters, fully resolved (SGLang's rules) by `resolve`."""
+
+    algorithm: str = "NONE"
+    draft_model: str | None = None
+    num_steps: int = 0
+    topk: int = 0
+    num_draft_tokens: int = 0
+    accept_threshold_single: float = 1.0
+    accept_threshold_acc: float = 1.0
+    token_map: str | None = None
+    ngram: object = None  # fastspec.speculative.ngram.NgramParams for NGRAM
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "NONE"
+
+    @classmethod
+    def resolve(cls, algorithm: str | None, target_arch: str, *, draft_model=None, num_steps=None, topk=None,
+                num_draft_tokens=None, accept_threshold_single=1.0, accept_threshold_acc=1.0, token_map=None,
+                ngram=None) -> SpecConfig:
+        algo = (algorithm or "NONE").upper()
+        algo = "EAGLE" if algo == "NEXTN" else algo
+        if algo not in SPEC_ALGORITHMS:
+            raise FastspecError(f"unknown speculative algorithm {algorithm!r}; choose one of "
+                                f"{', '.join(SPEC_ALGORITHMS)} (NEXTN = EAGLE)")
+        for name, value in (("accept-threshold-single", accept_threshold_single),
+                            ("accept-threshold-acc", accept_threshold_acc)):
+            if not 0 <= value <= 1:
+                raise FastspecError(f"--speculative-{name} must be in [0, 1], got {value}")
+        common = dict(algorithm=algo, accept_threshold_single=accept_threshold_single,
+                      accept_threshold_acc=accept_threshold_acc)
+        if algo == "NONE":
+            return cls(**common)
+        if algo == "NGRAM":
+            return cls._resolve_ngram(common, ngram, num_steps, topk, num_draft_tokens)
+        if draft_model is None:
+            raise FastspecError(f"{algo} needs a draft model (--speculative-draft-model-path / --draft)")
+        if algo != "EAGLE" and token_map is not None:
+            token_map = None  # SGLang ignores --speculative-token-map except for EAGLE (EAGLE-3 has d2t)
+        steps, k, n = _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens)
+        return cls(draft_model=draft_model, num_steps=steps, topk=k, num_draft_tokens=n, token_map=token_map,
+                   **common)
+
+    @classmethod
+    def _resolve_ngram(cls, common, ngram, num_steps, topk, num_draft_tokens) -> SpecConfig:
+        from fastspec.speculative.ngram import NgramParams
+
+        ngram = ngram or NgramParams()
+        n = num_draft_tokens or ngram.max_match_window_size
+        if n < 2:
+            raise FastspecError(f"--speculative-num-draft-tokens must be >= 2 for NGRAM, got {n}")
+        return cls(num_steps=n - 1, topk=ngram.max_bfs_breadth, num_draft_tokens=n, ngram=ngram, **common)
+
+
+def _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens) -> tuple[int, int, int]:
+    auto = _AUTO_SPEC_FALLBACK if algo == "STANDALONE" else _AUTO_SPEC.get(target_arch, _AUTO_SPEC_FALLBACK)
+    steps = num_steps if num_steps is not None else auto[0]
+    k = topk if topk is not None else auto[1]
+    n = num_draft_tokens if num_draft_tokens is not None else auto[2]
+    if steps < 1 or k < 1:
+        raise FastspecError(f"--speculative-num-steps and --speculative-eagle-topk must be >= 1, got {steps}, {k}")
+    if k == 1:
+        n = steps + 1  # a chain: SGLang forces num_draft_tokens = num_steps + 1
+    capacity = 1 + k + (steps - 1) * k * k  # root + every candidate the top-k expansion produces
+    if not 2 <= n <= capacity:
+        raise FastspecError(f"--speculative-num-draft-tokens={n} is infeasible with num_steps={steps}, topk={k}: "
+                            f"it must be in [2, {capacity}]")
+    return steps, k, n

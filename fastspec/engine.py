@@ -1,8 +1,9 @@
-"""The engine: owns the target model, its static KV pool, the allocator and the request->slot table.
+"""The engine: owns the target model, its static KV pool, the allocator, the request->slot table and the
+drafter; runs continuous batching (admit -> prefill -> decode rounds -> retire).
 
-`generate` runs plain (non-speculative) continuous batching: admit -> batched prefill of the admitted
-prompts -> decode rounds over the running batch -> commit. `commit` is the one place where request lengths,
-tokens and KV slots advance. Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
+A speculative round reads as the paper does: draft -> verify -> accept -> commit, then the draft extend.
+`_commit` / `_commit_round` are the only places where request lengths, tokens and KV slots advance.
+Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ from dataclasses import dataclass
 
 import torch
 
-from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
-from fastspec.config import EngineConfig
+from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata, verify_metadata
+from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
-from fastspec.models.loader import load_target, read_config, resolve_model_dir
-from fastspec.sampling import SamplingParams, SamplingTensors, make_generator, sample
+from fastspec.metrics import SpecMetrics
+from fastspec.models.loader import read_config, resolve_model_dir
+from fastspec.sampling import SamplingParams, SamplingTensors, draw_uniforms, make_generator, sample
 from fastspec.scheduler import Request, Scheduler
+from fastspec.speculative.batch import DecodeBatch, ExtendBatch
+from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models
+from fastspec.speculative.kv import plan_round_kv
+from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,7 @@ class GenerateOutput:
     prompt_ids: list[int]
     output_ids: list[int]
     finish_reason: str
+    metrics: SpecMetrics
 
 
 def generation_eos_ids(model_dir, config_eos: tuple[int, ...]) -> frozenset[int]:
@@ -40,29 +47,42 @@ def generation_eos_ids(model_dir, config_eos: tuple[int, ...]) -> frozenset[int]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, spec: SpecConfig | None = None):
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         model_config = read_config(self.model_dir)
+        self.spec = spec or SpecConfig()
         self.max_context_len = config.max_context_len or model_config.max_position_embeddings
-        self.model = load_target(self.model_dir, config.torch_dtype, config.device)
+        models = load_models(self.model_dir, self.spec, config)
+        self.model, self.feature = models.target, models.feature
         self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
-        c = self.model.config
-        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, config.torch_dtype)
-        capacity = KVPool.capacity_for(per_token, max_tokens=config.max_total_tokens,
-                                       mem_fraction=None if config.max_total_tokens else config.kv_mem_fraction,
-                                       device=config.device, page_size=config.page_size)
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, config.page_size,
-                           config.torch_dtype, config.device)
-        self.allocator = make_allocator(self.pool.capacity, config.page_size, config.device)
-        self.table = ReqToTokenTable(config.max_running_requests, self.max_context_len, config.device)
+        self._init_memory(draft_kv_shape(models.draft))
+        self.drafter = build_drafter(self.spec, models.draft, self.draft_pool, self.backend, self.table,
+                                     self.allocator)
+
+    def _init_memory(self, draft_shape) -> None:
+        c, cfg = self.model.config, self.config
+        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, cfg.torch_dtype)
+        if draft_shape is not None:  # the draft pool has the same slots, so it costs per token as well
+            per_token += KVPool.bytes_per_token(*draft_shape, cfg.torch_dtype)
+        capacity = KVPool.capacity_for(per_token, max_tokens=cfg.max_total_tokens,
+                                       mem_fraction=None if cfg.max_total_tokens else cfg.kv_mem_fraction,
+                                       device=cfg.device, page_size=cfg.page_size)
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, cfg.page_size, cfg.torch_dtype,
+                           cfg.device)
+        self.draft_pool = None if draft_shape is None else KVPool(*draft_shape, capacity, cfg.page_size,
+                                                                  cfg.torch_dtype, cfg.device)
+        self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
+        margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
+        self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
         self.backend = TorchAttnBackend()
 
     # ---- public API -------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerateOutput]:
         reqs = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-        scheduler = Scheduler(self.pool.capacity, self.config.max_running_requests, self.config.page_size)
+        scheduler = Scheduler(self.pool.capacity, self.config.max_running_requests, self.config.page_size,
+                              self._round_headroom())
         for r in reqs:
             scheduler.add(r)
         with torch.inference_mode():
@@ -75,14 +95,20 @@ class Engine:
                 else:
                     raise FastspecError("a request does not fit in the KV pool (raise --max-total-tokens)")
                 scheduler.retire()
-        return [GenerateOutput(r.prompt_ids, r.output_ids, r.finish_reason) for r in reqs]
+        return [GenerateOutput(r.prompt_ids, r.output_ids, r.finish_reason, r.metrics) for r in reqs]
 
     def check_kv(self, running: list[Request] = ()) -> None:
         """Leak check: free slots + slots held by `running` == capacity (AssertionError otherwise)."""
         held = [self.table.slots(r.row, 0, r.seq_len) for r in running]
         self.allocator.check(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
 
-    # ---- rounds -----------------------------------------------------------------------------------------
+    def _round_headroom(self) -> int:
+        """Extra KV a running request may need inside one round: verify slots past its budget, draft scratch."""
+        if not self.spec.enabled:
+            return 0
+        page = self.config.page_size
+        scratch = -(-self.spec.topk * self.spec.num_steps // page) * page if self.drafter.uses_scratch else 0
+        return self.spec.num_draft_tokens + page + scratch
 
     def _make_request(self, rid: int, prompt: list[int], params: SamplingParams) -> Request:
         if not prompt:
@@ -95,54 +121,119 @@ class Engine:
             raise FastspecError(f"input token ids must be in [0, {vocab})")
         return Request(rid, list(prompt), params, make_generator(params.seed, self.config.device))
 
+    # ---- prefill ----------------------------------------------------------------------------------------
+
     def _prefill(self, reqs: list[Request]) -> None:
         for r in reqs:
             r.row = self.table.alloc()
         lens = [len(r.prompt_ids) for r in reqs]
         ids = torch.tensor([t for r in reqs for t in r.prompt_ids], device=self.config.device)
-        logits = self._extend(reqs, ids, lens)
-        self._commit(reqs, lens, self._sample(reqs, logits))
+        rows, prefix, ext, positions = self._extend_slots(reqs, lens)
+        hidden = self._forward(ids, positions, extend_metadata(self.table.table, rows, prefix, ext))
+        last = torch.cumsum(ext, 0) - 1
+        first = self._sample(reqs, self.model.compute_logits(hidden.final[last]))
+        if self.drafter is not None and self.drafter.uses_extend:
+            shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each prompt's tail = its sampled token
+            shifted[last] = torch.tensor(first, device=ids.device)
+            self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
+                                            self._features(hidden)))
+        self._commit(reqs, lens, [[t] for t in first])
+
+    # ---- decode rounds ----------------------------------------------------------------------------------
 
     def _decode(self, reqs: list[Request]) -> None:
-        ids = torch.tensor([r.output_ids[-1] for r in reqs], device=self.config.device)
-        logits = self._extend(reqs, ids, [1] * len(reqs))
-        self._commit(reqs, [1] * len(reqs), self._sample(reqs, logits))
+        if self.drafter is None:
+            ids = torch.tensor([r.output_ids[-1] for r in reqs], device=self.config.device)
+            rows, prefix, _, positions = self._extend_slots(reqs, [1] * len(reqs))
+            hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1))
+            tokens = self._sample(reqs, self.model.compute_logits(hidden.final))
+            self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
+            return
+        batch = self._decode_batch(reqs)
+        tree = self.drafter.draft(batch)                                # draft
+        verify_slots, hidden = self._verify(batch, tree)                # verify
+        result = self._accept(reqs, tree, self.model.compute_logits(hidden.final))  # accept
+        extend = self._commit_round(reqs, batch, tree, verify_slots, result, hidden)  # commit
+        if extend is not None and self.drafter.uses_extend:
+            self.drafter.extend(extend)                                  # draft extend
 
-    def _extend(self, reqs: list[Request], input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        """Append `lens[b]` tokens to request b's KV; logits of each request's last new token [bs, V]."""
+    def _decode_batch(self, reqs: list[Request]) -> DecodeBatch:
         device = self.config.device
-        rows = torch.tensor([r.row for r in reqs], device=device)
-        prefix = torch.tensor([r.seq_len for r in reqs], device=device)
-        ext = torch.tensor(lens, device=device)
-        self._alloc_slots(rows, prefix, prefix + ext)
-        if all(n == 1 for n in lens):
-            meta = decode_metadata(self.table.table, rows, prefix + 1)
-        else:
-            meta = extend_metadata(self.table.table, rows, prefix, ext)
-        positions = torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(prefix.tolist(), lens)])
-        hidden = self.model(input_ids, positions, AttentionContext.build(self.backend, meta, self.pool))
-        last = torch.cumsum(ext, 0) - 1
-        return self.model.compute_logits(hidden.final[last])
+        seq = tuple(r.seq_len for r in reqs)
+        return DecodeBatch(tuple(r.rid for r in reqs), torch.tensor([r.row for r in reqs], device=device),
+                           torch.tensor(seq, device=device), seq,
+                           torch.tensor([r.output_ids[-1] for r in reqs], device=device),
+                           tuple(r.history for r in reqs))
 
-    def _alloc_slots(self, rows: torch.Tensor, prefix: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        last_loc = torch.where(prefix > 0, self.table.table[rows, (prefix - 1).clamp(min=0)].long(), -1)
-        slots = self.allocator.alloc_extend(prefix, seq_lens, last_loc)
-        if slots is None:
-            raise FastspecError("KV pool exhausted")  # unreachable: admission reserves whole budgets
-        self.table.write(rows, prefix, seq_lens - prefix, slots)
+    def _verify(self, batch: DecodeBatch, tree: DraftTree):
+        """Target forward over bs*N tree rows into N newly allocated slots per request."""
+        n = tree.num_draft_tokens
+        self._alloc_slots(batch.rows, batch.seq_lens, batch.seq_lens + n)
+        meta = verify_metadata(self.table.table, batch.rows, batch.seq_lens, n, tree.tree_mask)
+        hidden = self._forward(tree.draft_tokens.flatten(), tree.positions, meta)
+        return meta.out_cache_loc.view(batch.size, n), hidden
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+    def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
-        return sample(logits, sampling, [r.generator for r in reqs]).tolist()
+        if sampling.all_greedy:
+            return verify_greedy(tree, logits)
+        uniforms = draw_uniforms([r.generator for r in reqs], tree.num_draft_tokens + 1, logits.device)
+        return verify_sampling(tree, logits, sampling.temperature, sampling.top_k, sampling.top_p, uniforms,
+                               self.spec.accept_threshold_single, self.spec.accept_threshold_acc)
 
-    def _commit(self, reqs: list[Request], fed: list[int], tokens: list[int]) -> None:
-        """The one place state advances: KV lengths, emitted tokens, finishing and freeing."""
-        for r, n, token in zip(reqs, fed, tokens):
+    # ---- commit -----------------------------------------------------------------------------------------
+
+    def _commit_round(self, reqs, batch: DecodeBatch, tree: DraftTree, verify_slots, result: VerifyResult,
+                      hidden) -> ExtendBatch | None:
+        """Emit accepted tokens + bonus (stopping inside the run), move/free KV, advance lengths."""
+        n = tree.num_draft_tokens
+        accept_index, emitted = result.accept_index.tolist(), result.emitted.tolist()
+        alive, kept_nodes, kept_rows, tokens = [], [], [], []
+        for b, r in enumerate(reqs):
+            run = [t for t in emitted[b] if t >= 0]
+            new = self._emit(r, run)
+            r.metrics = r.metrics.add_round(len(run) - 1, len(new))
+            if r.finished:
+                self._release(r, extra=verify_slots[b])
+                continue
+            rows = accept_index[b][: len(run)]  # flat verify rows of the kept nodes, root first
+            alive.append(b), kept_rows.extend(rows), tokens.extend(run)
+            kept_nodes.append([i - b * n for i in rows])
+        if not alive:
+            return None
+        plan = plan_round_kv(verify_slots[alive], kept_nodes, [batch.seq_lens_cpu[b] for b in alive],
+                             self.config.page_size)
+        self.allocator.free(plan.free_slots)
+        if plan.move_src.numel():
+            self.pool.move(plan.move_dst, plan.move_src)
+        idx = torch.tensor(alive)
+        rows, old = batch.rows[idx], batch.seq_lens[idx]
+        self.table.write(rows, old, plan.keep_lens, plan.table_slots)
+        for b in alive:
+            reqs[b].seq_len += len(kept_nodes[alive.index(b)])
+        positions = torch.cat([torch.arange(o, o + k) for o, k in zip(old.tolist(), plan.keep_lens.tolist())])
+        features = self._features(hidden)[torch.tensor(kept_rows)]
+        return ExtendBatch(tuple(reqs[b].rid for b in alive), rows, old, plan.keep_lens,
+                           torch.tensor(tokens, device=self.config.device), positions.to(old.device), features)
+
+    def _commit(self, reqs: list[Request], fed: list[int], tokens: list[list[int]]) -> None:
+        """Plain rounds and prefill: `fed[b]` tokens entered the KV, `tokens[b]` were emitted."""
+        for r, n, new in zip(reqs, fed, tokens):
             r.seq_len += n
-            r.output_ids.append(token)
-            r.finish_reason = self._finish_reason(r, token)
+            self._emit(r, new)
             if r.finished:
                 self._release(r)
+
+    def _emit(self, r: Request, run: list[int]) -> list[int]:
+        """Append tokens until a stop condition; returns what was emitted (the rest is dropped)."""
+        emitted = []
+        for token in run:
+            r.output_ids.append(token)
+            emitted.append(token)
+            r.finish_reason = self._finish_reason(r, token)
+            if r.finished:
+                break
+        return emitted
 
     def _finish_reason(self, r: Request, token: int) -> str | None:
         if token in r.params.stop_token_ids or (token in self.eos_ids and not r.params.ignore_eos):
@@ -151,7 +242,39 @@ class Engine:
             return "length"
         return None
 
-    def _release(self, r: Request) -> None:
-        self.allocator.free(self.table.slots(r.row, 0, r.seq_len))
+    def _release(self, r: Request, extra: torch.Tensor | None = None) -> None:
+        slots = self.table.slots(r.row, 0, r.seq_len)
+        self.allocator.free(slots if extra is None else torch.cat([slots, extra]))
         self.table.free(r.row)
+        if self.drafter is not None:
+            self.drafter.release(r.rid)
         r.row = -1
+
+    # ---- shared helpers ---------------------------------------------------------------------------------
+
+    def _extend_slots(self, reqs: list[Request], lens: list[int]):
+        """Allocate slots for lens[b] new tokens of each request; (rows, prefix, ext, positions)."""
+        device = self.config.device
+        rows = torch.tensor([r.row for r in reqs], device=device)
+        prefix = torch.tensor([r.seq_len for r in reqs], device=device)
+        ext = torch.tensor(lens, device=device)
+        self._alloc_slots(rows, prefix, prefix + ext)
+        positions = torch.cat([torch.arange(r.seq_len, r.seq_len + n, device=device) for r, n in zip(reqs, lens)])
+        return rows, prefix, ext, positions
+
+    def _alloc_slots(self, rows: torch.Tensor, prefix: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        last_loc = torch.where(prefix > 0, self.table.table[rows, (prefix - 1).clamp(min=0)].long(), -1)
+        slots = self.allocator.alloc_extend(prefix, seq_lens, last_loc)
+        if slots is None:
+            raise FastspecError("KV pool exhausted")  # unreachable: admission reserves whole budgets
+        self.table.write(rows, prefix, seq_lens - prefix, slots)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta):
+        return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool))
+
+    def _features(self, hidden) -> torch.Tensor:
+        return hidden.aux if self.feature == "aux" else hidden.final
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
+        return sample(logits, sampling, [r.generator for r in reqs]).tolist()

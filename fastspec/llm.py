@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastspec.config import EngineConfig
+from fastspec.config import EngineConfig, SpecConfig
 from fastspec.engine import Engine
+from fastspec.metrics import SpecMetrics
+from fastspec.models.loader import read_config, resolve_model_dir
 from fastspec.tokenizer import Tokenizer
 from fastspec.sampling import SamplingParams
 
@@ -19,11 +21,22 @@ class Completion:
     output_ids: list[int]
     text: str
     finish_reason: str
+    metrics: SpecMetrics
 
 
 class LLM:
-    def __init__(self, model: str = EngineConfig.model, **engine_options):
-        self.engine = Engine(EngineConfig(model=model, **engine_options))
+    def __init__(self, model: str = EngineConfig.model, speculative_algorithm: str | None = None,
+                 draft_model: str | None = None, num_steps: int | None = None, topk: int | None = None,
+                 num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
+                 accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, **engine_options):
+        """`speculative_algorithm`: NONE (default), EAGLE (alias NEXTN), EAGLE3, STANDALONE or NGRAM; unset
+        num_steps / topk / num_draft_tokens follow SGLang's per-architecture defaults."""
+        target_arch = read_config(resolve_model_dir(model)).architecture
+        spec = SpecConfig.resolve(speculative_algorithm, target_arch, draft_model=draft_model, num_steps=num_steps,
+                                  topk=topk, num_draft_tokens=num_draft_tokens, token_map=token_map,
+                                  accept_threshold_single=accept_threshold_single,
+                                  accept_threshold_acc=accept_threshold_acc, ngram=ngram)
+        self.engine = Engine(EngineConfig(model=model, **engine_options), spec)
         self.tokenizer = Tokenizer(self.engine.model_dir)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -42,7 +55,8 @@ class LLM:
         ids = [p if isinstance(p, list) else self.encode(p, chat) for p in prompts]
         params = params if isinstance(params, list) else [params] * len(ids)
         outputs = self.engine.generate(ids, params)
-        return [Completion(o.prompt_ids, o.output_ids, self.decode(o.output_ids), o.finish_reason) for o in outputs]
+        return [Completion(o.prompt_ids, o.output_ids, self.decode(o.output_ids), o.finish_reason, o.metrics)
+                for o in outputs]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

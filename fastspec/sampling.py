@@ -51,7 +51,6 @@ class SamplingTensors:
     top_k: torch.Tensor  # int64 [bs]
     top_p: torch.Tensor  # float32 [bs]
     all_greedy: bool
-    any_top_p: bool
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device="cpu") -> SamplingTensors:
@@ -62,18 +61,22 @@ class SamplingTensors:
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             all_greedy=all(p.greedy for p in params),
-            any_top_p=any(p.top_p < 1 for p in params),
         )
 
 
-def target_probs(logits: torch.Tensor, sampling: SamplingTensors, rows_per_request: int = 1) -> torch.Tensor:
-    """softmax(logits / T) -> top-k renorm -> top-p renorm. logits [bs*n, V] float32 -> probs [bs*n, V]."""
-    temperature = sampling.temperature.repeat_interleave(rows_per_request)
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    probs = top_k_renorm_prob(probs, sampling.top_k.repeat_interleave(rows_per_request))
-    if sampling.any_top_p:
-        probs = top_p_renorm_prob(probs, sampling.top_p.repeat_interleave(rows_per_request))
-    return probs
+def target_probs(logits: torch.Tensor,       # [bs*n, V]
+                 temperature: torch.Tensor,  # float [bs]  0 = greedy
+                 top_k: torch.Tensor,        # int [bs]  <= 0 or >= V: off
+                 top_p: torch.Tensor,        # float [bs]  1 = off
+                 rows_per_request: int = 1) -> torch.Tensor:  # float32 [bs*n, V]
+    """softmax(logits / T) -> top-k renorm -> top-p renorm; temperature-0 rows become one-hot (top_k 1).
+    top-p is applied unconditionally: rows with top_p >= 1 pass through exactly, so no host check."""
+    greedy = temperature <= 0
+    temperature = torch.where(greedy, 1.0, temperature.to(torch.float32)).repeat_interleave(rows_per_request)
+    top_k = torch.where(greedy, 1, top_k.to(torch.int64)).repeat_interleave(rows_per_request)
+    probs = torch.softmax(logits.to(torch.float32) / temperature[:, None], -1)
+    probs = top_k_renorm_prob(probs, top_k)
+    return top_p_renorm_prob(probs, top_p.to(torch.float32).repeat_interleave(rows_per_request))
 
 
 def draw_uniforms(generators: list[torch.Generator | None], n: int, device="cpu") -> torch.Tensor:
@@ -92,7 +95,7 @@ def sample(logits: torch.Tensor, sampling: SamplingTensors, generators: list[tor
     """logits [bs, V] float32 -> next tokens int64 [bs]."""
     if sampling.all_greedy:
         return logits.argmax(-1)
-    probs = target_probs(logits, sampling)
+    probs = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
     return sample_from_probs(probs, draw_uniforms(generators, 1, logits.device)[:, 0])
 
 

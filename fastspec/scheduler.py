@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fastspec.metrics import SpecMetrics
 from fastspec.sampling import SamplingParams
 
 
@@ -25,19 +26,27 @@ class Request:
     row: int = -1  # request->slot table row while running
     seq_len: int = 0  # tokens whose KV is in the pool (the last emitted token is not, yet)
     finish_reason: str | None = None  # "stop" | "length"
+    metrics: SpecMetrics = SpecMetrics()
+
+    @property
+    def history(self) -> list[int]:
+        """Prompt + output tokens; the last one is the pending token (not yet in the KV)."""
+        return self.prompt_ids + self.output_ids
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def budget(self, page_size: int) -> int:
+    def budget(self, page_size: int, headroom: int = 0) -> int:
+        """KV tokens this request may hold at once: prompt + output (whole pages) + a round's headroom."""
         tokens = len(self.prompt_ids) + self.params.max_new_tokens
-        return -(-tokens // page_size) * page_size
+        return -(-tokens // page_size) * page_size + headroom
 
 
 class Scheduler:
-    def __init__(self, capacity: int, max_running: int, page_size: int):
+    def __init__(self, capacity: int, max_running: int, page_size: int, headroom: int = 0):
         self.capacity, self.max_running, self.page_size = capacity, max_running, page_size
+        self.headroom = headroom  # per running request: verify slots and draft scratch inside one round
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -46,10 +55,10 @@ class Scheduler:
 
     def admit(self) -> list[Request]:
         """Move waiting requests (in order) to running while their budgets fit."""
-        reserved = sum(r.budget(self.page_size) for r in self.running)
+        reserved = sum(r.budget(self.page_size, self.headroom) for r in self.running)
         admitted = []
         while self.waiting and len(self.running) < self.max_running:
-            need = self.waiting[0].budget(self.page_size)
+            need = self.waiting[0].budget(self.page_size, self.headroom)
             if reserved + need > self.capacity:
                 break
             reserved += need

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fastspec.errors import FastspecError
+from fastspec.sampling import target_probs
 from fastspec.kernels import (
     TreeMaskMode,
     ancestor_mask,
@@ -26,8 +27,6 @@ from fastspec.kernels import (
     fast_topk,
     full_tree_mask,
     reconstruct_indices_from_tree_mask,
-    top_k_renorm_prob,
-    top_p_renorm_prob,
     tree_speculative_sampling_target_only,
     verify_tree_greedy,
 )
@@ -203,35 +202,19 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:
     return _result(predicts, accept_index, accept_num)
 
 
-def target_probs(target_logits: torch.Tensor,  # [bs*N, V]
-                 temperature: torch.Tensor,    # float [bs]  0 = greedy
-                 top_k: torch.Tensor,          # int [bs]  <= 0 or >= V: off
-                 top_p: torch.Tensor,          # float [bs]  1 = off
-                 num_draft_tokens: int) -> torch.Tensor:  # float32 [bs*N, V]
-    """softmax(logits / T) -> top-k renorm -> top-p renorm; temperature-0 rows become one-hot (top_k 1).
-    top-p is applied unconditionally: rows with top_p >= 1 pass through exactly, so no host check."""
-    greedy = temperature <= 0
-    temperature = torch.where(greedy, 1.0, temperature.to(torch.float32)).repeat_interleave(num_draft_tokens)
-    top_k = torch.where(greedy, 1, top_k.to(torch.int64)).repeat_interleave(num_draft_tokens)
-    probs = torch.softmax(target_logits.to(torch.float32) / temperature[:, None], -1)
-    probs = top_k_renorm_prob(probs, top_k)
-    return top_p_renorm_prob(probs, top_p.to(torch.float32).repeat_interleave(num_draft_tokens))
-
-
 def verify_sampling(tree: DraftTree, target_logits: torch.Tensor,  # [bs*N, V]
                     temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,  # [bs] each
-                    generator: torch.Generator | None, threshold_single: float = 1.0,
-                    threshold_acc: float = 1.0) -> VerifyResult:
-    """Target-only tree rejection sampling (draft probabilities zero); lossless with thresholds 1."""
+                    uniforms: torch.Tensor,  # float32 [bs, N+1] in [0, 1): N acceptance coins, then the bonus draw
+                    threshold_single: float = 1.0, threshold_acc: float = 1.0) -> VerifyResult:
+    """Target-only tree rejection sampling (draft probabilities zero); lossless with thresholds 1.
+    Uniforms come from the caller, one row per request, so a seeded request samples the same in any batch."""
     bs, n = tree.batch_size, tree.num_draft_tokens
     probs = target_probs(target_logits, temperature, top_k, top_p, n).view(bs, n, -1)
-    device = probs.device
     # coins in (0, 1]: `u <= q` then accepts with probability exactly q, and never accepts q = 0
-    coins = 1.0 - torch.rand(bs, n, generator=generator, device=device)
-    coins_final = torch.rand(bs, generator=generator, device=device)
+    coins = 1.0 - uniforms[:, :n]
     predicts, accept_index, accept_num = _verify_buffers(tree)
     tree_speculative_sampling_target_only(
         predicts, accept_index, accept_num, tree.draft_tokens, tree.retrieve_index, tree.retrieve_next_token,
-        tree.retrieve_next_sibling, coins, coins_final, probs, torch.zeros_like(probs),
-        threshold_single, threshold_acc)
+        tree.retrieve_next_sibling, coins.contiguous(), uniforms[:, n].contiguous(), probs,
+        torch.zeros_like(probs), threshold_single, threshold_acc)
     return _result(predicts, accept_index, accept_num)

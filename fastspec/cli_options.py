@@ -1,0 +1,82 @@
+"""The model / engine / speculative flags shared by `generate`, `chat`, `bench` (SGLang's flag names).
+
+`@model_options` appends these parameters to a typer command's signature and hands the command one frozen
+`ModelOptions` value instead, so every command takes exactly the same flags without repeating them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from dataclasses import dataclass, fields
+from typing import Annotated, Optional
+
+import typer
+
+from fastspec.models.embedded import DEFAULT_MODEL
+
+SPEC = "Speculative decoding"
+NGRAM = "NGRAM"
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    model: Annotated[str, typer.Option("--model", "-m", help="Embedded model name, HF directory or .gguf file.")] = DEFAULT_MODEL
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32"
+    page_size: Annotated[int, typer.Option(help="KV page size in tokens.")] = 1
+    max_total_tokens: Annotated[Optional[int], typer.Option(help="KV pool size in tokens (default: a fraction of free memory).")] = None
+    max_running_requests: Annotated[int, typer.Option(help="Most requests decoded at once.")] = 48
+    speculative_algorithm: Annotated[Optional[str], typer.Option(help="NONE | EAGLE (NEXTN) | EAGLE3 | STANDALONE | NGRAM", rich_help_panel=SPEC)] = None
+    speculative_draft_model_path: Annotated[Optional[str], typer.Option("--speculative-draft-model-path", "--draft", help="Draft head / model directory.", rich_help_panel=SPEC)] = None
+    speculative_num_steps: Annotated[Optional[int], typer.Option(help="Draft depth.", rich_help_panel=SPEC)] = None
+    speculative_eagle_topk: Annotated[Optional[int], typer.Option(help="Branching per draft step.", rich_help_panel=SPEC)] = None
+    speculative_num_draft_tokens: Annotated[Optional[int], typer.Option(help="Tree size incl. the root.", rich_help_panel=SPEC)] = None
+    speculative_accept_threshold_single: Annotated[float, typer.Option(help="Accept any draft with target prob >= this (1 = lossless).", rich_help_panel=SPEC)] = 1.0
+    speculative_accept_threshold_acc: Annotated[float, typer.Option(help="Inflate acceptance to min(1, p / this) (1 = lossless).", rich_help_panel=SPEC)] = 1.0
+    speculative_token_map: Annotated[Optional[str], typer.Option(help="FR-Spec hot-token list for EAGLE (.pt/.npy/.json).", rich_help_panel=SPEC)] = None
+    speculative_ngram_min_match_window_size: Annotated[int, typer.Option(rich_help_panel=NGRAM)] = 1
+    speculative_ngram_max_match_window_size: Annotated[int, typer.Option(rich_help_panel=NGRAM)] = 12
+    speculative_ngram_min_bfs_breadth: Annotated[int, typer.Option(rich_help_panel=NGRAM)] = 1
+    speculative_ngram_max_bfs_breadth: Annotated[int, typer.Option(rich_help_panel=NGRAM)] = 10
+    speculative_ngram_match_type: Annotated[str, typer.Option(help="BFS | PROB", rich_help_panel=NGRAM)] = "BFS"
+    speculative_ngram_branch_length: Annotated[int, typer.Option(rich_help_panel=NGRAM)] = 18
+    speculative_ngram_capacity: Annotated[int, typer.Option(help="Trie nodes per request.", rich_help_panel=NGRAM)] = 1_000_000
+
+    def llm_kwargs(self) -> dict:
+        """Keyword arguments of `fastspec.LLM` for these options."""
+        ngram = None
+        if (self.speculative_algorithm or "").upper() == "NGRAM":
+            from fastspec.speculative.ngram import NgramParams
+
+            prefix = "speculative_ngram_"
+            ngram = NgramParams(**{f.name[len(prefix):]: getattr(self, f.name) for f in fields(self)
+                                   if f.name.startswith(prefix)})
+        return dict(model=self.model, dtype=self.dtype, page_size=self.page_size,
+                    max_total_tokens=self.max_total_tokens, max_running_requests=self.max_running_requests,
+                    speculative_algorithm=self.speculative_algorithm,
+                    draft_model=self.speculative_draft_model_path, num_steps=self.speculative_num_steps,
+                    topk=self.speculative_eagle_topk, num_draft_tokens=self.speculative_num_draft_tokens,
+                    accept_threshold_single=self.speculative_accept_threshold_single,
+                    accept_threshold_acc=self.speculative_accept_threshold_acc,
+                    token_map=self.speculative_token_map, ngram=ngram)
+
+
+def model_options(fn):
+    """Replace `fn`'s `options: ModelOptions` parameter by one typer option per ModelOptions field."""
+    sig = inspect.signature(fn)
+    own_hints = typing.get_type_hints(fn, include_extras=True)
+    own = [p.replace(annotation=own_hints[name]) for name, p in sig.parameters.items() if name != "options"]
+    hints = typing.get_type_hints(ModelOptions, include_extras=True)
+    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                               annotation=hints[f.name]) for f in fields(ModelOptions)]
+    names = {f.name for f in fields(ModelOptions)}
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs):
+        options = ModelOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        return fn(options=options, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=own + extra)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+    return wrapper

@@ -1,0 +1,48 @@
+"""Acceptance metrics as immutable values: per request, summed per batch.
+
+tau = mean tokens emitted per verify round (accepted drafts + the bonus); `tau_no_bonus` counts accepted
+draft tokens only; `acceptance_by_depth[d-1]` = fraction of rounds whose accepted path reached depth d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpecMetrics:
+    verify_rounds: int = 0
+    accepted_tokens: int = 0  # accepted draft tokens (as verified, before stop truncation)
+    emitted_tokens: int = 0  # tokens emitted by verify rounds (bonus included, after stop truncation)
+    depth_counts: tuple[int, ...] = ()  # [d-1] = rounds with accept_len >= d
+
+    def add_round(self, accept_len: int, emitted: int) -> SpecMetrics:
+        depths = list(self.depth_counts) + [0] * max(0, accept_len - len(self.depth_counts))
+        for d in range(accept_len):
+            depths[d] += 1
+        return SpecMetrics(self.verify_rounds + 1, self.accepted_tokens + accept_len,
+                           self.emitted_tokens + emitted, tuple(depths))
+
+    def __add__(self, other: SpecMetrics) -> SpecMetrics:
+        n = max(len(self.depth_counts), len(other.depth_counts))
+        pad = lambda c: list(c) + [0] * (n - len(c))  # noqa: E731
+        depths = tuple(a + b for a, b in zip(pad(self.depth_counts), pad(other.depth_counts)))
+        return SpecMetrics(self.verify_rounds + other.verify_rounds, self.accepted_tokens + other.accepted_tokens,
+                           self.emitted_tokens + other.emitted_tokens, depths)
+
+    @property
+    def tau(self) -> float:
+        return self.emitted_tokens / self.verify_rounds if self.verify_rounds else 0.0
+
+    @property
+    def tau_no_bonus(self) -> float:
+        return self.accepted_tokens / self.verify_rounds if self.verify_rounds else 0.0
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        return [c / self.verify_rounds for c in self.depth_counts] if self.verify_rounds else []
+
+    def as_dict(self) -> dict:
+        return {"verify_rounds": self.verify_rounds, "accepted_draft_tokens": self.accepted_tokens,
+                "tau": round(self.tau, 4), "tau_no_bonus": round(self.tau_no_bonus, 4),
+                "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_depth]}

@@ -1,0 +1,48 @@
+"""The frozen values drafters receive from the engine each round (no drafter mutates engine state).
+
+Glossary: `seq_len` = tokens of a request whose KV is in the pool; the root / `verified_id` = the last
+emitted token, not yet in the KV (it is fed at position seq_len). Draft KV position p holds the pair
+(token t_{p+1}, target feature h_p): the draft input is the target input shifted left by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A decode round's running requests."""
+
+    rids: tuple[int, ...]
+    rows: torch.Tensor  # int64 [bs]  request->slot table rows
+    seq_lens: torch.Tensor  # int64 [bs]  committed KV lengths
+    seq_lens_cpu: tuple[int, ...]
+    verified_id: torch.Tensor  # int64 [bs]  the last emitted token (tree root)
+    histories: tuple[list[int], ...]  # prompt + output tokens so far (read-only), last = root
+
+    @property
+    def size(self) -> int:
+        return len(self.rids)
+
+
+@dataclass(frozen=True)
+class ExtendBatch:
+    """New KV positions for the draft: prefill chunks, or the accepted tokens of a round (draft extend).
+
+    Row j of request b sits at position prefix_lens[b] + j and pairs input token t_{p+1} with feature h_p.
+    """
+
+    rids: tuple[int, ...]
+    rows: torch.Tensor  # int64 [bs]
+    prefix_lens: torch.Tensor  # int64 [bs]  KV length before this extend
+    extend_lens: torch.Tensor  # int64 [bs]
+    input_ids: torch.Tensor  # int64 [T]  shifted tokens (t_{p+1} at position p)
+    positions: torch.Tensor  # int64 [T]
+    features: torch.Tensor  # [T, F]  target features h_p (final hidden for EAGLE, aux for EAGLE-3)
+
+    @property
+    def last_rows(self) -> torch.Tensor:  # int64 [bs]  each request's last row in the flat T dimension
+        return torch.cumsum(self.extend_lens, 0) - 1

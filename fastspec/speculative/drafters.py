@@ -1,0 +1,101 @@
+"""Which drafter an algorithm gets, and loading the target / draft models it needs.
+
+EAGLE / EAGLE3 / STANDALONE share one drafter (`EagleDrafter`, differing only in the draft model and the
+target feature it is fed); NGRAM proposes trees from each request's own tokens; NONE has no drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastspec.config import EngineConfig, SpecConfig
+from fastspec.errors import FastspecError
+from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
+from fastspec.models.loader import load_draft, load_target, read_config, resolve_model_dir
+from fastspec.speculative.batch import DecodeBatch, ExtendBatch
+from fastspec.speculative.eagle import EagleDrafter, StandaloneDraft
+from fastspec.speculative.tree import DraftTree, tree_from_parents
+
+
+@dataclass(frozen=True)
+class LoadedModels:
+    target: LlamaForCausalLM
+    draft: torch.nn.Module | None
+    feature: str  # which target hidden state the draft is fed: "final" | "aux" | "none"
+
+
+def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
+    dtype, device = config.torch_dtype, config.device
+    if spec.algorithm not in ("EAGLE", "EAGLE3", "STANDALONE"):
+        return LoadedModels(load_target(model_dir, dtype, device), None, "none")
+    draft_dir = resolve_model_dir(spec.draft_model)
+    draft_config = read_config(draft_dir)
+    if spec.algorithm == "STANDALONE":
+        target = load_target(model_dir, dtype, device)
+        if draft_config.is_draft:
+            raise FastspecError(f"{draft_dir}: STANDALONE needs a full model, not the draft head "
+                                f"{draft_config.architecture} (use EAGLE / EAGLE3)")
+        if draft_config.vocab_size != target.config.vocab_size:
+            raise FastspecError(f"{draft_dir}: draft vocabulary {draft_config.vocab_size} != target vocabulary "
+                                f"{target.config.vocab_size}")
+        return LoadedModels(target, StandaloneDraft(load_target(draft_dir, dtype, device)), "none")
+    if (spec.algorithm == "EAGLE3") != draft_config.is_eagle3:
+        wanted = "LlamaForCausalLMEagle3" if spec.algorithm == "EAGLE3" else "LlamaForCausalLMEagle"
+        raise FastspecError(f"{draft_dir}: {spec.algorithm} needs a {wanted} head, got {draft_config.architecture}")
+    aux = draft_config.is_eagle3 and draft_config.use_aux_hidden_state
+    target_layers = read_config(model_dir).num_layers
+    capture = eagle3_capture_layers(target_layers, draft_config.aux_layer_ids) if aux else ()
+    if any(not 0 <= i <= target_layers for i in capture):
+        raise FastspecError(f"{draft_dir}: aux hidden state layers {draft_config.aux_layer_ids} do not exist in a "
+                            f"{target_layers}-layer target")
+    target = load_target(model_dir, dtype, device, capture_layers=capture)
+    token_map = Path(spec.token_map) if spec.token_map else None
+    draft = load_draft(draft_dir, target, dtype, device, token_map)
+    return LoadedModels(target, draft, "aux" if aux else "final")
+
+
+def draft_kv_shape(draft) -> tuple[int, int, int] | None:
+    """(num_layers, num_kv_heads, head_dim) of the draft's KV pool, or None without a draft model."""
+    if draft is None:
+        return None
+    c = draft.config
+    return c.num_layers, c.num_kv_heads, c.head_dim
+
+
+class NgramTreeDrafter:
+    """NGRAM: per-request tries over prompt + output; no draft model, no draft KV, no draft extend."""
+
+    uses_extend = False
+    uses_scratch = False
+
+    def __init__(self, spec: SpecConfig):
+        from fastspec.speculative.ngram import NgramDrafter
+
+        self.ngram = NgramDrafter(spec.ngram, spec.num_draft_tokens)
+        self.num_steps = spec.num_steps
+
+    def draft(self, batch: DecodeBatch) -> DraftTree:
+        for rid, history in zip(batch.rids, batch.histories):
+            self.ngram.update(rid, history)
+        tokens, parents = self.ngram.propose(list(batch.rids), list(batch.histories))
+        device = batch.seq_lens.device
+        return tree_from_parents(batch.verified_id, tokens.to(device), parents.to(device), batch.seq_lens,
+                                 self.num_steps, seq_lens_sum=sum(batch.seq_lens_cpu))
+
+    def extend(self, batch: ExtendBatch) -> None:
+        raise AssertionError("NGRAM has no draft extend")
+
+    def release(self, rid: int) -> None:
+        self.ngram.release(rid)
+
+
+def build_drafter(spec: SpecConfig, draft, draft_pool, backend, table, allocator):
+    if spec.algorithm == "NONE":
+        return None
+    if spec.algorithm == "NGRAM":
+        return NgramTreeDrafter(spec)
+    return EagleDrafter(draft, draft_pool, backend, table, allocator, spec.num_steps, spec.topk,
+                        spec.num_draft_tokens)

@@ -1,0 +1,50 @@
+"""Which KV slots a verify round keeps, frees and moves (pure host-side planning; the engine applies it).
+
+The N verify slots of a request sit at positions seq_len .. seq_len+N-1 (tree node i at slot column i).
+After acceptance the kept nodes (root + accepted drafts, in path order) must end up at positions
+seq_len .. seq_len+keep-1:
+  page_size 1      : remap the table to the kept nodes' slots, free the rest (no KV copy).
+  page_size P > 1  : slots are tied to page offsets, so copy the kept nodes' target KV into the first `keep`
+                     verify slots (a no-op for chains, where node i == depth i) and free the whole pages past
+                     the page holding position seq_len+keep-1.
+E.g. P=1, N=4, kept nodes [0, 2] of slots [7, 9, 4, 5]: positions seq_len, seq_len+1 -> slots 7, 4; free 9, 5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RoundKV:
+    table_slots: torch.Tensor  # int64 [sum(keep)]  new slots for positions seq_len.. of each request, in order
+    keep_lens: torch.Tensor  # int64 [bs]
+    free_slots: torch.Tensor  # int64 [n]  slots (paged: any slot of each page) to free
+    move_src: torch.Tensor  # int64 [m]  target-pool KV copies src -> dst (paged trees only)
+    move_dst: torch.Tensor  # int64 [m]
+
+
+def plan_round_kv(verify_slots: torch.Tensor,  # int64 [bs, N]
+                  kept_nodes: list[list[int]],  # per request: tree node indices to keep, root first
+                  seq_lens: list[int], page_size: int) -> RoundKV:
+    empty = verify_slots.new_zeros(0)
+    keep_lens = torch.tensor([len(k) for k in kept_nodes], dtype=torch.int64)
+    table, free, src, dst = [], [], [], []
+    for b, nodes in enumerate(kept_nodes):
+        slots = verify_slots[b]
+        kept = slots[torch.tensor(nodes, dtype=torch.int64)]
+        if page_size == 1:
+            rejected = torch.ones(slots.numel(), dtype=torch.bool)
+            rejected[nodes] = False
+            table.append(kept)
+            free.append(slots[rejected])
+            continue
+        first = slots[: len(nodes)]
+        moved = kept != first
+        src.append(kept[moved]), dst.append(first[moved]), table.append(first)
+        page_end = -(-(seq_lens[b] + len(nodes)) // page_size) * page_size  # first position past the last kept page
+        free.append(slots[max(page_end - seq_lens[b], 0):])
+    cat = lambda xs: torch.cat(xs) if xs else empty  # noqa: E731
+    return RoundKV(cat(table), keep_lens, cat(free), cat(src), cat(dst))
