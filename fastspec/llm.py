@@ -6,6 +6,7 @@ Owns tokenisation and chat templating around the engine (which speaks token ids 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.engine import Engine
@@ -37,7 +38,11 @@ class LLM:
                                   accept_threshold_single=accept_threshold_single,
                                   accept_threshold_acc=accept_threshold_acc, ngram=ngram)
         self.engine = Engine(EngineConfig(model=model, **engine_options), spec)
-        self.tokenizer = Tokenizer(self.engine.model_dir)
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        """Loaded on first use: token-id prompts need none (tiny test models ship no tokenizer)."""
+        return Tokenizer(self.engine.model_dir)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if not chat:

@@ -9,6 +9,7 @@ from fastspec.attention.metadata import (
     draft_extend_metadata,
     extend_metadata,
     verify_metadata,
+    with_ancestor_slots,
 )
 from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
 
@@ -24,4 +25,5 @@ __all__ = [
     "draft_extend_metadata",
     "extend_metadata",
     "verify_metadata",
+    "with_ancestor_slots",
 ]

@@ -100,7 +100,7 @@ def _skip_init():
 
 def _load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str, ...], source: str) -> None:
     """Copy `state` into `model`'s parameters/buffers; every tensor not under a `skip` prefix must be present."""
-    own = dict(model.named_parameters(remove_duplicate=True)) | dict(model.named_buffers())
+    own = model.state_dict(keep_vars=True)  # parameters and persistent buffers, the live tensors
     with torch.no_grad():
         for name, tensor in own.items():
             if name.startswith(skip) or tensor is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastspec.attention import AttentionContext, draft_decode_metadata, extend_metadata
+from fastspec.attention import AttentionContext, draft_decode_metadata, extend_metadata, with_ancestor_slots
 from fastspec.kernels import fast_topk
 from fastspec.models.eagle import DraftHidden
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
@@ -80,15 +80,18 @@ class EagleDrafter:
     # ---- multi-step drafting -----------------------------------------------------------------------------
 
     def draft(self, batch: DecodeBatch) -> DraftTree:
-        """num_steps-1 draft forwards over bs*topk rows; the best num_draft_tokens-1 candidates as a tree."""
+        """num_steps-1 draft forwards over bs*topk rows; the best num_draft_tokens-1 candidates as a tree.
+
+        Unlike SGLang (whose row k attends branch k's scratch KV even after top-k selection moved a child of
+        another branch into row k), every row attends the draft KV of its true ancestors: exact for any topk.
+        """
         states = [self.states[rid] for rid in batch.rids]
         topk_p = torch.stack([s.topk_p for s in states])  # [bs, topk]
         topk_index = torch.stack([s.topk_index for s in states])  # [bs, topk]
         hidden = torch.stack([s.hidden for s in states])  # [bs, Hd]
-        if self.num_steps > 1:
-            self._assign_scratch_slots(batch)
-        scores, score_list, token_list, parents_list = None, [], [], []
-        positions = batch.seq_lens.repeat_interleave(self.topk)  # [bs*topk]  draft forward i is at seq_len + i
+        scratch = self._assign_scratch_slots(batch) if self.num_steps > 1 else None  # [bs*topk, S]
+        row_seq = batch.seq_lens.repeat_interleave(self.topk)  # [bs*topk]  draft forward i sits at seq_len + i
+        scores, ancestors, score_list, token_list, parents_list = None, None, [], [], []
         for step in range(self.num_steps):
             sel = select_top_k(step, topk_p, topk_index, hidden, scores, self.topk)
             score_list.append(sel.score_entry), token_list.append(sel.token_entry)
@@ -96,7 +99,11 @@ class EagleDrafter:
             if step == self.num_steps - 1:
                 break
             meta = draft_decode_metadata(self.table.table, batch.rows, batch.seq_lens, self.topk, self.num_steps, step)
-            out = self.model(sel.input_ids, positions + step, sel.hidden, self._ctx(meta))
+            if step > 0:  # each row's path: its parent's path + the slot its parent wrote last step
+                parent_slot = scratch[sel.parent_rows, step - 1, None]
+                ancestors = parent_slot if ancestors is None else torch.cat([ancestors[sel.parent_rows], parent_slot], 1)
+                meta = with_ancestor_slots(meta, row_seq, ancestors)
+            out = self.model(sel.input_ids, row_seq + step, sel.hidden, self._ctx(meta))
             topk_p, topk_index = self._top_k(self.model.compute_logits(out.normed))
             hidden, scores = out.carry, sel.scores
         parent_list, top_scores_index, draft_tokens = organize_draft_results(
@@ -104,7 +111,7 @@ class EagleDrafter:
         return build_tree(batch.verified_id, parent_list, top_scores_index, draft_tokens, batch.seq_lens,
                           self.topk, self.num_steps, self.num_draft_tokens, sum(batch.seq_lens_cpu))
 
-    def _assign_scratch_slots(self, batch: DecodeBatch) -> None:
+    def _assign_scratch_slots(self, batch: DecodeBatch) -> torch.Tensor:
         """Scratch draft KV slots at table[row, seq_len + k*num_steps + i], taken and handed straight back.
 
         The slots are logically free again before the draft forwards run: nothing allocates until verify,
@@ -122,6 +129,7 @@ class EagleDrafter:
             raise RuntimeError("no free KV slots for draft scratch (admission should have reserved them)")
         lens = torch.full_like(batch.seq_lens, per_request)
         self.table.write(batch.rows, batch.seq_lens, lens, slots[:n])
+        return slots[:n].view(batch.size * self.topk, self.num_steps)  # [bs*topk, S]: row b*topk+k, step i
 
     # ---- helpers -----------------------------------------------------------------------------------------
 

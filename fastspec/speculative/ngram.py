@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left, insort
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from itertools import count
 
@@ -57,20 +57,19 @@ class NgramParams:
 
 
 class _Node:
-    """A trie node = the n-gram spelled by its root path. freq = occurrences (suffix starts) of that n-gram;
-    stamp = history position of its last token in the latest occurrence (recency, unique among siblings)."""
+    """A trie node = the n-gram spelled by its root path. freq = its occurrences (suffix starts); start = the
+    suffix start of its latest occurrence. A child never has a later start than its parent."""
 
-    __slots__ = ("token", "parent", "children", "ranked", "freq", "stamp")
+    __slots__ = ("token", "parent", "children", "ranked", "freq", "start")
 
-    def __init__(self, token: int, parent: _Node | None):
-        self.token, self.parent = token, parent
+    def __init__(self, token: int, parent: _Node | None, start: int):
+        self.token, self.parent, self.freq, self.start = token, parent, 1, start
         self.children: dict[int, _Node] = {}
-        self.ranked: list[_Node] = []  # children sorted by _rank_key: most frequent first, then most recent
-        self.freq, self.stamp = 0, -1
+        self.ranked: list[_Node] = []  # children, most frequent first, then latest start first
 
 
-def _rank_key(node: _Node) -> tuple[int, int]:
-    return -node.freq, -node.stamp
+def _rank_key(node: _Node) -> tuple[int, int]:  # ascending = best first; unique among siblings, whose tokens
+    return -node.freq, -node.start                # cannot sit at the same history position
 
 
 class _Proposal:
@@ -99,66 +98,84 @@ class _Proposal:
 
 
 class NgramCache:
-    """A trie of the paths tokens[i : i + branch_length] for every suffix start i of one token history.
+    """A trie of the paths tokens[i : i + branch_length] of every suffix start i (while i + min_window < len)
+    of one growing token history; each n-gram occurrence is counted exactly once.
 
-    Recency for eviction is an LRU over nodes in which every node is more recent than its children (a path is
-    touched deepest first), so the least recent node is always a leaf."""
+    Eviction is least-recently-occurred first: it frees the nodes whose latest occurrence starts earliest,
+    deepest first, walking up from the oldest suffix's deepest node; those are always leaves."""
 
     def __init__(self, params: NgramParams):
         self.params = params
-        self.root = _Node(-1, None)
-        self._lru: OrderedDict[_Node, None] = OrderedDict()  # every node but the root, least recent first
+        self.root = _Node(-1, None, -1)
+        self.num_nodes = 0   # trie nodes, root excluded
+        self.num_tokens = 0  # length of the history inserted so far
+        self._frontier: deque[_Node] = deque()  # deepest live node of suffix oldest, oldest + 1, ...
+        self._oldest = 0
+        self._oldest_cut = False  # suffix `oldest` lost its deepest nodes: never extend it
 
-    @property
-    def num_nodes(self) -> int:
-        return len(self._lru)
-
-    def insert(self, tokens: list[int], start: int = 0) -> None:
-        """Add the history `tokens` to the trie, given that tokens[:start] (unchanged) were added by an earlier
-        call. Suffix i (kept while i + min_window < len) owns the path tokens[i : i + branch_length]; a path
-        cut short by the old end is extended, its old part only walked, so every n-gram occurrence is counted
-        exactly once and the result equals one call with start = 0. Work: O((new tokens + B) * B)."""
+    def insert(self, tokens: list[int]) -> None:
+        """Insert the history `tokens`, whose first num_tokens are the (unchanged) history of earlier calls:
+        extends the suffixes cut short by the old end and adds the new ones. Work: O(new tokens * B)."""
         n, b, min_w = len(tokens), self.params.branch_length, self.params.min_match_window_size
-        if not 0 <= start <= n:
-            raise ValueError(f"ngram insert: start={start} outside [0, {n}]")
-        for i in range(max(0, start - b + 1), n - min_w):
-            done = min(i + b, start) if i + min_w < start else i  # end of what the earlier call inserted
-            end = min(i + b, n)
-            if end > done:
-                self._insert_path(tokens, i, done, end)
+        old = self.num_tokens
+        if n < old:
+            raise ValueError(f"ngram insert: the history shrank from {old} to {n} tokens")
+        for i in range(max(0, old - b + 1), n - min_w):
+            begin, end = (min(i + b, old) if i + min_w < old else i), min(i + b, n)
+            if end > begin:
+                self._reserve(end - begin)
+                self._extend(tokens, i, begin, end)
+        self.num_tokens = n
 
-    def _insert_path(self, tokens: list[int], i: int, done: int, end: int) -> None:
-        self._reserve(end - i)
-        node, path = self.root, []
-        for pos in range(i, end):
-            node = self._child(node, tokens[pos], pos, count_it=pos >= done)
-            path.append(node)
-        for node in reversed(path):  # ancestors end up more recent than their descendants
-            self._lru.move_to_end(node)
+    def _extend(self, tokens: list[int], i: int, begin: int, end: int) -> None:
+        """Add tokens[begin:end] to suffix i, whose path so far spells tokens[i:begin]."""
+        if begin > i and (i < self._oldest or (i == self._oldest and self._oldest_cut)):
+            return  # evicted (whole or its tail) while still growing: leave it out
+        node = self._frontier[i - self._oldest] if begin > i else self.root
+        for pos in range(begin, end):
+            node = self._count(node, tokens[pos], i)
+        if begin > i:
+            self._frontier[i - self._oldest] = node
+        else:
+            self._frontier.append(node)
 
-    def _child(self, parent: _Node, token: int, pos: int, count_it: bool) -> _Node:
-        """The child `token` of `parent`, created if missing; counts the occurrence ending at `pos`."""
+    def _count(self, parent: _Node, token: int, start: int) -> _Node:
+        """Count an occurrence, starting at `start`, of parent's n-gram followed by `token`."""
         child = parent.children.get(token)
         if child is None:
-            child = parent.children[token] = _Node(token, parent)
-            self._lru[child] = None
-        elif not count_it:
+            child = parent.children[token] = _Node(token, parent, start)
+            self.num_nodes += 1
+            if parent is not self.root:  # windows are >= 1 token: the root's children are never ranked
+                insort(parent.ranked, child, key=_rank_key)
             return child
-        else:
-            _unrank(parent, child)
+        ranked = parent.ranked
+        old = bisect_left(ranked, _rank_key(child), key=_rank_key) if len(ranked) > 1 else 0
         child.freq += 1
-        child.stamp = max(child.stamp, pos)
-        insort(parent.ranked, child, key=_rank_key)
+        child.start = start
+        if old:  # the key only grows: the child moves towards the front
+            new = bisect_left(ranked, _rank_key(child), hi=old, key=_rank_key)
+            if new != old:
+                del ranked[old]
+                ranked.insert(new, child)
         return child
 
-    def _reserve(self, count_needed: int) -> None:
-        """Evict least-recently-used leaves until `count_needed` new nodes fit within the capacity."""
-        while self._lru and len(self._lru) + count_needed > self.params.capacity:
-            leaf, _ = self._lru.popitem(last=False)
-            if leaf.children:
-                raise RuntimeError("ngram cache: LRU order broken, least recent node has children")
-            _unrank(leaf.parent, leaf)
-            del leaf.parent.children[leaf.token]
+    def _reserve(self, needed: int) -> None:
+        """Evict until `needed` new nodes fit within the capacity."""
+        while self.num_nodes + needed > self.params.capacity:
+            node = self._frontier[0]
+            while node.start == self._oldest and not node.children:  # deepest first: always a leaf
+                if node.parent is not self.root:
+                    node.parent.ranked.remove(node)
+                del node.parent.children[node.token]
+                self.num_nodes -= 1
+                node = node.parent
+                if self.num_nodes + needed <= self.params.capacity:
+                    break
+            if node.start == self._oldest and not node.children:
+                self._frontier[0], self._oldest_cut = node, True  # stopped early: the rest stays
+            else:
+                self._frontier.popleft()  # node (if not the root) belongs to a later suffix
+                self._oldest, self._oldest_cut = self._oldest + 1, False
 
     def match(self, context: list[int], num_draft_tokens: int) -> tuple[list[int], list[int]]:
         """Propose up to num_draft_tokens - 1 nodes continuing `context` (its last token is the root, not
@@ -217,12 +234,6 @@ class NgramCache:
                 push(child_pos, node, -neg_prob)
 
 
-def _unrank(parent: _Node, child: _Node) -> None:
-    """Remove `child` from parent.ranked (keys are unique: siblings never share a stamp)."""
-    index = bisect_left(parent.ranked, _rank_key(child), key=_rank_key)
-    del parent.ranked[index]
-
-
 class NgramDrafter:
     """Per-request caches keyed by request id; pads every proposal to exactly num_draft_tokens - 1 nodes."""
 
@@ -231,7 +242,6 @@ class NgramDrafter:
             raise FastspecError(f"NGRAM needs num_draft_tokens >= 2, got {num_draft_tokens}")
         self.params, self.num_draft_tokens = params, num_draft_tokens
         self._caches: dict[int, NgramCache] = {}
-        self._inserted: dict[int, int] = {}  # rid -> how many leading tokens the cache already holds
 
     @property
     def num_steps(self) -> int:
@@ -240,17 +250,12 @@ class NgramDrafter:
 
     def update(self, rid: int, tokens: list[int]) -> None:
         """Insert what is new in the request's full token list (prompt + output); call after every round."""
-        done = self._inserted.get(rid, 0)
-        if len(tokens) < done:
-            raise ValueError(f"ngram update: request {rid} shrank from {done} to {len(tokens)} tokens")
         if rid not in self._caches:
             self._caches[rid] = NgramCache(self.params)
-        self._caches[rid].insert(tokens, done)
-        self._inserted[rid] = len(tokens)
+        self._caches[rid].insert(tokens)
 
     def release(self, rid: int) -> None:
         self._caches.pop(rid, None)
-        self._inserted.pop(rid, None)
 
     def propose(self, rids: list[int], contexts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens int64 [bs, N-1], parents int64 [bs, N-1]); short proposals are padded with token 0 under the

@@ -43,6 +43,7 @@ class SelectResult:
     score_entry: torch.Tensor   # float32 [bs, 1, topk] (step 0) or [bs, topk, topk]: all candidates' scores
     token_entry: torch.Tensor   # int64 [bs, topk] (step 0) or [bs, topk*topk]: all candidates' tokens
     parent_entry: torch.Tensor  # int64 [bs, topk+1] = [-1, 0..topk-1] (step 0) or [bs, topk]: kept leaf ids
+    parent_rows: torch.Tensor | None  # int64 [bs*topk]  previous-step row each new row descends from (None at 0)
 
 
 def select_top_k(step: int, topk_p: torch.Tensor,  # float32 [bs, topk] (step 0) / [bs*topk, topk]
@@ -55,14 +56,14 @@ def select_top_k(step: int, topk_p: torch.Tensor,  # float32 [bs, topk] (step 0)
         bs = topk_p.shape[0]
         parents = torch.arange(-1, topk, device=topk_p.device).expand(bs, topk + 1)
         return SelectResult(topk_index.flatten(), hidden.repeat_interleave(topk, 0), topk_p,
-                            topk_p[:, None, :], topk_index, parents)
+                            topk_p[:, None, :], topk_index, parents, None)
     bs = topk_p.shape[0] // topk
     expand = scores[:, :, None] * topk_p.view(bs, topk, topk)  # [bs, leaf r, child c]: path probability
     kept_p, kept = fast_topk(expand.view(bs, topk * topk), topk, -1)
     flat_tokens = topk_index.view(bs, topk * topk)
-    parent_rows = kept // topk + topk * torch.arange(bs, device=kept.device)[:, None]  # E.g. topk 2: c=3 -> r=1
-    return SelectResult(flat_tokens.gather(1, kept).flatten(), hidden[parent_rows.flatten()], kept_p,
-                        expand, flat_tokens, kept + topk * topk * (step - 1) + topk)
+    parent_rows = (kept // topk + topk * torch.arange(bs, device=kept.device)[:, None]).flatten()  # topk 2: c=3 -> r=1
+    return SelectResult(flat_tokens.gather(1, kept).flatten(), hidden[parent_rows], kept_p,
+                        expand, flat_tokens, kept + topk * topk * (step - 1) + topk, parent_rows)
 
 
 def organize_draft_results(score_list: list[torch.Tensor], token_list: list[torch.Tensor],

@@ -1,0 +1,163 @@
+"""The end-to-end invariant: greedy speculative output == greedy target-only output, token for token, for every
+algorithm and parameter combination (float32, random tiny targets and drafts); KV fully returned afterwards.
+
+STANDALONE with the target itself as the draft ("self") accepts long runs, so it drives every KV path
+(multi-token commits, page-crossing compaction, stops inside an accepted run); random EAGLE heads accept
+little and check the rest of the flow.
+"""
+
+import pytest
+import torch
+
+import fastspec
+from fastspec.errors import FastspecError
+from fastspec.sampling import SamplingParams
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50], [2 + 1], [28, 84, 19, 71],
+           [69, 39, 93, 75, 10, 58, 20, 97 - 1, 44, 59, 23, 7, 81, 64, 6], [28, 62], [8, 99 - 10, 9], [86, 2 + 30]]
+NEW = 21
+
+# (family, algorithm, draft, num_steps, topk, num_draft_tokens, page_size, batch size)
+CASES = [
+    ("llama", "EAGLE", "eagle", 5, 4, 8, 1, 8),
+    ("llama", "EAGLE3", "eagle3", 3, 1, 4, 16, 3),
+    ("llama", "STANDALONE", "self", 6, 8, 64, 1, 5),
+    ("llama", "STANDALONE", "self", 4, 1, 5, 16, 8),
+    ("llama", "STANDALONE", "self", 3, 3, 10, 16, 4),
+    ("llama", "STANDALONE", "standalone", 2, 2, 4, 1, 2),
+    ("llama", "NGRAM", None, None, None, 8, 1, 6),
+    ("qwen2", "EAGLE", "eagle", 1, 1, 2, 16, 7),
+    ("qwen2", "EAGLE3", "eagle3", 6, 2, 12, 1, 8),
+    ("qwen2", "STANDALONE", "self", 5, 1, 6, 1, 1),
+    ("qwen2", "STANDALONE", "self", 2, 8, 17, 16, 6),
+    ("qwen2", "NGRAM", None, None, None, 12, 16, 8),
+    ("qwen3", "EAGLE", "eagle", 4, 3, 9, 16, 5),
+    ("qwen3", "EAGLE3", "eagle3", 5, 4, 8, 16, 8),
+    ("qwen3", "STANDALONE", "self", 3, 2, 7, 16, 8),
+    ("qwen3", "STANDALONE", "self", 1, 4, 5, 1, 3),
+    ("qwen3", "NGRAM", None, None, None, 4, 1, 2),
+]
+
+_reference_cache = {}
+
+
+def reference(tiny_dirs, family, page_size, prompts, params):
+    key = (family, page_size, tuple(map(tuple, prompts)), params)
+    if key not in _reference_cache:
+        llm = fastspec.LLM(str(tiny_dirs[family][0]), max_total_tokens=4096, page_size=page_size)
+        _reference_cache[key] = [o.output_ids for o in llm.engine.generate(prompts, [params] * len(prompts))]
+    return _reference_cache[key]
+
+
+def spec_llm(tiny_dirs, draft_dirs, family, algorithm, draft, steps, topk, n, page_size, **extra):
+    directory = str(tiny_dirs[family][0])
+    draft_path = directory if draft == "self" else (str(draft_dirs[family][draft]) if draft else None)
+    return fastspec.LLM(directory, speculative_algorithm=algorithm, draft_model=draft_path, num_steps=steps,
+                        topk=topk, num_draft_tokens=n, page_size=page_size, max_total_tokens=4096, **extra)
+
+
+@pytest.mark.parametrize("family, algorithm, draft, steps, topk, n, page_size, bs", CASES)
+def test_greedy_speculative_equals_target_only(tiny_dirs, draft_dirs, family, algorithm, draft, steps, topk, n,
+                                               page_size, bs):
+    prompts = PROMPTS[:bs]
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    llm = spec_llm(tiny_dirs, draft_dirs, family, algorithm, draft, steps, topk, n, page_size)
+    outputs = llm.engine.generate(prompts, [params] * bs)
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, family, page_size, prompts, params)
+    assert all(len(o.output_ids) == NEW for o in outputs)
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity  # every slot came back
+    llm.engine.check_kv()
+    rounds = sum(o.metrics.verify_rounds for o in outputs)
+    assert rounds > 0
+    if draft == "self" and steps > 1:  # the target drafting for itself accepts multi-token runs
+        assert any(len(o.metrics.depth_counts) >= 2 for o in outputs)
+
+
+@pytest.mark.parametrize("page_size, topk, steps, n", [(1, 1, 5, 6), (16, 4, 4, 9)])
+def test_stop_token_inside_an_accepted_run(tiny_dirs, draft_dirs, page_size, topk, steps, n):
+    """A stop id in the middle of a long accepted run ends the request exactly where target-only does."""
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    plain = reference(tiny_dirs, "llama", page_size, PROMPTS, params)
+    stops = [out[7] for out in plain]  # a token each request emits, mid-run
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", steps, topk, n, page_size)
+    for prompt, out, stop in zip(PROMPTS, plain, stops):
+        stopped = SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop_token_ids=(stop,))
+        got = llm.engine.generate([prompt], [stopped])[0]
+        assert got.output_ids == out[: out.index(stop) + 1] and got.finish_reason == "stop"
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 9, 13])
+def test_max_new_tokens_inside_an_accepted_run(tiny_dirs, draft_dirs, max_new):
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    llm = spec_llm(tiny_dirs, draft_dirs, "qwen2", "STANDALONE", "self", 6, 1, 7, 1)
+    outputs = llm.engine.generate(PROMPTS, [params] * len(PROMPTS))
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "qwen2", 1, PROMPTS, params)
+    assert all(o.finish_reason == "length" and len(o.output_ids) == max_new for o in outputs)
+
+
+def test_eagle3_drafts_only_hot_vocabulary_tokens(tiny_dirs, draft_dirs):
+    """EAGLE-3 maps its draft vocabulary to target ids through d2t: every drafted token is a hot token."""
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", "EAGLE3", "eagle3", 3, 4, 8, 1)
+    hot = llm.engine.drafter.hot_token_id
+    assert hot is not None and hot.numel() == 48 and len(set(hot.tolist())) == 48
+    seen = []
+    draft = llm.engine.drafter.draft
+    llm.engine.drafter.draft = lambda batch: seen.append(draft(batch)) or seen[-1]
+    llm.engine.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=6, ignore_eos=True)] * 2)
+    drafted = torch.cat([tree.draft_tokens[:, 1:].flatten() for tree in seen])
+    assert seen and torch.isin(drafted, hot).all()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(speculative_algorithm="EAGLE"), "needs a draft model"),
+    (dict(speculative_algorithm="MEDUSA"), "unknown speculative algorithm"),
+    (dict(speculative_algorithm="EAGLE", draft_model="DRAFT", num_steps=2, topk=2, num_draft_tokens=9),
+     "infeasible"),
+    (dict(speculative_algorithm="EAGLE3", draft_model="DRAFT"), "needs a LlamaForCausalLMEagle3 head"),
+    (dict(speculative_algorithm="STANDALONE", draft_model="DRAFT"), "needs a full model"),
+    (dict(speculative_algorithm="EAGLE", draft_model="DRAFT", accept_threshold_acc=1.5), "must be in [0, 1]"),
+])
+def test_bad_speculative_configs(tiny_dirs, draft_dirs, kwargs, message):
+    if kwargs.get("draft_model") == "DRAFT":
+        kwargs["draft_model"] = str(draft_dirs["llama"]["eagle"])
+    with pytest.raises(FastspecError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        fastspec.LLM(str(tiny_dirs["llama"][0]), max_total_tokens=1024, **kwargs)
+
+
+def test_draft_that_does_not_fit_the_target(tiny_dirs, draft_dirs):
+    from fastspec.models.loader import check_draft_fits, read_config
+
+    head = read_config(draft_dirs["llama"]["eagle"])
+    target = read_config(tiny_dirs["llama"][0])
+    with pytest.raises(FastspecError, match="draft expects target features of width 64"):
+        check_draft_fits(head, target.replace(hidden_size=32), "draft")
+    with pytest.raises(FastspecError, match="draft vocabulary 97 != target vocabulary 50"):
+        check_draft_fits(head, target.replace(vocab_size=50), "draft")
+
+
+def test_token_map_outside_the_vocabulary(tiny_dirs, draft_dirs, tmp_path):
+    bad = tmp_path / "map.json"
+    bad.write_text("[1, 2, 500]")
+    with pytest.raises(FastspecError, match="outside the target vocabulary"):
+        spec_llm(tiny_dirs, draft_dirs, "llama", "EAGLE", "eagle", 3, 2, 5, 1, token_map=str(bad))
+
+
+def test_fr_spec_token_map_keeps_greedy_lossless(tiny_dirs, draft_dirs, tmp_path):
+    hot = tmp_path / "map.json"
+    hot.write_text(str(list(range(0, 97, 2))))
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", "EAGLE", "eagle", 3, 2, 5, 1, token_map=str(hot))
+    assert llm.engine.drafter.hot_token_id.tolist() == list(range(0, 97, 2))
+    outputs = llm.engine.generate(PROMPTS[:4], [params] * 4)
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, PROMPTS[:4], params)
+
+
+def test_topk_one_forces_a_chain(tiny_dirs):
+    from fastspec.config import SpecConfig
+
+    spec = SpecConfig.resolve("EAGLE", "LlamaForCausalLM", draft_model="x", num_steps=4, topk=1, num_draft_tokens=9)
+    assert spec.num_draft_tokens == 5
+    assert SpecConfig.resolve("EAGLE", "LlamaForCausalLM", draft_model="x").num_steps == 5  # Llama: (5, 4, 8)
+    assert SpecConfig.resolve("EAGLE", "Qwen2ForCausalLM", draft_model="x").topk == 1  # others: (3, 1, 4)
+    assert SpecConfig.resolve("NEXTN", "Qwen2ForCausalLM", draft_model="x").algorithm == "EAGLE"
