@@ -94,3 +94,25 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 def test_missing_model_directory_files(tmp_path):
     result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path), "--prompt", "hi"])
     assert result.exit_code == 2 and "has no config.json" in result.stderr
+
+
+@pytest.mark.parametrize("algorithm, steps, topk, n", [("EAGLE3", 3, 2, 4), ("EAGLE", 2, 1, 3), ("NGRAM", None, None, 6)])
+def test_speculative_on_the_embedded_model_equals_transformers(hf_greedy, embedded_dir, tmp_path, algorithm, steps,
+                                                               topk, n):
+    """An untrained (random) head or NGRAM on SmolLM2-135M-Instruct: greedy output unchanged."""
+    from types import SimpleNamespace
+
+    from conftest import save_eagle_head
+    from fastspec.models.loader import read_config
+
+    c = read_config(embedded_dir)
+    target = SimpleNamespace(config=SimpleNamespace(hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+                                                    max_position_embeddings=c.max_position_embeddings))
+    kind = "eagle3" if algorithm == "EAGLE3" else "eagle"
+    head = save_eagle_head(tmp_path / kind, target, kind, draft_vocab=2048) if algorithm != "NGRAM" else None
+    llm = fastspec.LLM(speculative_algorithm=algorithm, draft_model=str(head) if head else None, num_steps=steps,
+                       topk=topk, num_draft_tokens=n, max_total_tokens=4096)
+    outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
+    assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
+    assert all(o.metrics.verify_rounds > 0 for o in outputs)
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity

@@ -1,15 +1,15 @@
 """NGRAM drafting (reference §8): no draft model; proposals come from a per-request trie of the n-grams of the
 request's own prompt + output, expanded as a token tree that `tree.tree_from_parents` turns into a DraftTree.
 
-Owns: NgramParams, the trie (NgramCache: incremental insertion, frequency/recency ranking, LRU-leaf eviction)
-and the tree proposal (BFS or PROB). Does not own: building the DraftTree, verification, or deciding when
-requests start and finish (the engine calls `update` / `release`). Runs on the host, once per round.
+Owns: NgramParams, the trie (NgramCache: incremental insertion, frequency/recency ranking, eviction) and the
+tree proposal (BFS or PROB). Does not own: building the DraftTree, verification, or deciding when requests
+start and finish (the engine calls `update` / `release`). Runs on the host, once per round.
 """
 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 from itertools import count
@@ -19,6 +19,7 @@ import torch
 from fastspec.errors import FastspecError
 
 MATCH_TYPES = ("BFS", "PROB")
+_TOKEN_BITS = 32  # edge key = parent node << 32 | token; token ids must lie in [0, 2**32)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class NgramParams:
     max_bfs_breadth: int = 10
     match_type: str = "BFS"     # "BFS": breadth-limited BFS | "PROB": best-first by path probability
     branch_length: int = 18
-    capacity: int = 1_000_000   # max trie nodes per cache; least-recently-used leaves are evicted beyond it
+    capacity: int = 1_000_000   # max trie nodes per cache; the least recently seen n-grams are evicted beyond it
 
     def __post_init__(self):
         checks = (
@@ -56,22 +57,6 @@ class NgramParams:
         return (self.max_bfs_breadth - self.min_bfs_breadth) / windows
 
 
-class _Node:
-    """A trie node = the n-gram spelled by its root path. freq = its occurrences (suffix starts); start = the
-    suffix start of its latest occurrence. A child never has a later start than its parent."""
-
-    __slots__ = ("token", "parent", "children", "ranked", "freq", "start")
-
-    def __init__(self, token: int, parent: _Node | None, start: int):
-        self.token, self.parent, self.freq, self.start = token, parent, 1, start
-        self.children: dict[int, _Node] = {}
-        self.ranked: list[_Node] = []  # children, most frequent first, then latest start first
-
-
-def _rank_key(node: _Node) -> tuple[int, int]:  # ascending = best first; unique among siblings, whose tokens
-    return -node.freq, -node.start                # cannot sit at the same history position
-
-
 class _Proposal:
     """The tree being proposed: node p (1-based) holds tokens[p-1] under parents[p-1]; 0 is the root.
     Identical tokens under one parent are merged, so parent position < own position always holds."""
@@ -80,15 +65,11 @@ class _Proposal:
         self.size, self.tokens, self.parents = size, [], []
         self._next: list[dict[int, int]] = [{}]  # per position: token -> child position
 
-    @property
-    def full(self) -> bool:
-        return len(self.tokens) >= self.size
-
     def add(self, parent: int, token: int) -> int | None:
         """Position of `token` under `parent` (existing or new); None when a new node does not fit."""
         pos = self._next[parent].get(token)
         if pos is None:
-            if self.full:
+            if len(self.tokens) >= self.size:
                 return None
             self.tokens.append(token)
             self.parents.append(parent)
@@ -101,17 +82,23 @@ class NgramCache:
     """A trie of the paths tokens[i : i + branch_length] of every suffix start i (while i + min_window < len)
     of one growing token history; each n-gram occurrence is counted exactly once.
 
-    Eviction is least-recently-occurred first: it frees the nodes whose latest occurrence starts earliest,
-    deepest first, walking up from the oldest suffix's deepest node; those are always leaves."""
+    Nodes are ints indexing flat lists (node 0 = root; edges in one int-keyed dict; ranked children as int
+    tuples), which keeps a large trie out of Python's cyclic GC. Per node: freq = occurrences of its n-gram,
+    start = suffix start of the latest one. A child's start never exceeds its parent's, so eviction, which
+    frees the nodes with the earliest start deepest first (walking up from the oldest suffix's deepest
+    node), only ever frees leaves."""
 
     def __init__(self, params: NgramParams):
         self.params = params
-        self.root = _Node(-1, None, -1)
         self.num_nodes = 0   # trie nodes, root excluded
         self.num_tokens = 0  # length of the history inserted so far
-        self._frontier: deque[_Node] = deque()  # deepest live node of suffix oldest, oldest + 1, ...
+        self._edges: dict[int, int] = {}  # parent << 32 | token -> child
+        self._token, self._parent, self._freq, self._start = [-1], [-1], [0], [-1]
+        self._ranked: list[tuple[int, ...]] = [()]  # children, most frequent then latest first (root: unused)
+        self._free: list[int] = []
+        self._frontier: deque[int] = deque()  # deepest live node of suffix oldest, oldest + 1, ...
         self._oldest = 0
-        self._oldest_cut = False  # suffix `oldest` lost its deepest nodes: never extend it
+        self._oldest_cut = False  # suffix `oldest` lost its deepest nodes: never extend it again
 
     def insert(self, tokens: list[int]) -> None:
         """Insert the history `tokens`, whose first num_tokens are the (unchanged) history of earlier calls:
@@ -120,6 +107,8 @@ class NgramCache:
         old = self.num_tokens
         if n < old:
             raise ValueError(f"ngram insert: the history shrank from {old} to {n} tokens")
+        if n > old and not 0 <= min(tokens[old:]) <= max(tokens[old:]) < 1 << _TOKEN_BITS:
+            raise ValueError("ngram insert: token ids must lie in [0, 2**32)")
         for i in range(max(0, old - b + 1), n - min_w):
             begin, end = (min(i + b, old) if i + min_w < old else i), min(i + b, n)
             if end > begin:
@@ -128,54 +117,84 @@ class NgramCache:
         self.num_tokens = n
 
     def _extend(self, tokens: list[int], i: int, begin: int, end: int) -> None:
-        """Add tokens[begin:end] to suffix i, whose path so far spells tokens[i:begin]."""
-        if begin > i and (i < self._oldest or (i == self._oldest and self._oldest_cut)):
+        """Count tokens[begin:end] on suffix i, whose path so far spells tokens[i:begin]."""
+        grow = begin > i
+        if grow and (i < self._oldest or (i == self._oldest and self._oldest_cut)):
             return  # evicted (whole or its tail) while still growing: leave it out
-        node = self._frontier[i - self._oldest] if begin > i else self.root
+        node = self._frontier[i - self._oldest] if grow else 0
         for pos in range(begin, end):
             node = self._count(node, tokens[pos], i)
-        if begin > i:
+        if grow:
             self._frontier[i - self._oldest] = node
         else:
             self._frontier.append(node)
 
-    def _count(self, parent: _Node, token: int, start: int) -> _Node:
+    def _count(self, parent: int, token: int, start: int) -> int:
         """Count an occurrence, starting at `start`, of parent's n-gram followed by `token`."""
-        child = parent.children.get(token)
+        key = parent << _TOKEN_BITS | token
+        child = self._edges.get(key)
         if child is None:
-            child = parent.children[token] = _Node(token, parent, start)
-            self.num_nodes += 1
-            if parent is not self.root:  # windows are >= 1 token: the root's children are never ranked
-                insort(parent.ranked, child, key=_rank_key)
-            return child
-        ranked = parent.ranked
-        old = bisect_left(ranked, _rank_key(child), key=_rank_key) if len(ranked) > 1 else 0
-        child.freq += 1
-        child.start = start
-        if old:  # the key only grows: the child moves towards the front
-            new = bisect_left(ranked, _rank_key(child), hi=old, key=_rank_key)
-            if new != old:
-                del ranked[old]
-                ranked.insert(new, child)
+            child = self._edges[key] = self._new_node(parent, token, start)
+            if parent:  # windows are >= 1 token: the root's children are never ranked
+                self._rank(parent, child, self._ranked[parent] + (child,))
+        else:
+            self._freq[child] += 1
+            self._start[child] = start
+            if parent:
+                self._rank(parent, child, self._ranked[parent])
         return child
+
+    def _rank(self, parent: int, child: int, ranked: tuple[int, ...]) -> None:
+        """Store parent's children with `child`, whose key just grew (or which is new), moved forward."""
+        if len(ranked) > 1:
+            old = ranked.index(child)
+            new = bisect_left(ranked, self._rank_key(child), 0, old, key=self._rank_key)
+            if new != old:
+                ranked = ranked[:new] + (child,) + ranked[new:old] + ranked[old + 1:]
+        self._ranked[parent] = ranked
+
+    def _rank_key(self, node: int) -> int:  # ascending = best first; unique among siblings (their tokens
+        return -(self._freq[node] << 40 | self._start[node])  # cannot sit at one history position)
+
+    def _new_node(self, parent: int, token: int, start: int) -> int:
+        self.num_nodes += 1
+        if self._free:
+            node = self._free.pop()
+            self._token[node], self._parent[node], self._freq[node], self._start[node] = token, parent, 1, start
+            self._ranked[node] = ()
+            return node
+        self._token.append(token)
+        self._parent.append(parent)
+        self._freq.append(1)
+        self._start.append(start)
+        self._ranked.append(())
+        return len(self._token) - 1
 
     def _reserve(self, needed: int) -> None:
         """Evict until `needed` new nodes fit within the capacity."""
         while self.num_nodes + needed > self.params.capacity:
             node = self._frontier[0]
-            while node.start == self._oldest and not node.children:  # deepest first: always a leaf
-                if node.parent is not self.root:
-                    node.parent.ranked.remove(node)
-                del node.parent.children[node.token]
-                self.num_nodes -= 1
-                node = node.parent
+            while self._start[node] == self._oldest and not self._ranked[node]:  # deepest first: a leaf
+                parent = self._parent[node]
+                self._delete(node)
+                node = parent
                 if self.num_nodes + needed <= self.params.capacity:
                     break
-            if node.start == self._oldest and not node.children:
+            if self._start[node] == self._oldest and not self._ranked[node]:
                 self._frontier[0], self._oldest_cut = node, True  # stopped early: the rest stays
             else:
                 self._frontier.popleft()  # node (if not the root) belongs to a later suffix
                 self._oldest, self._oldest_cut = self._oldest + 1, False
+
+    def _delete(self, leaf: int) -> None:
+        parent = self._parent[leaf]
+        del self._edges[parent << _TOKEN_BITS | self._token[leaf]]
+        if parent:
+            ranked = self._ranked[parent]
+            index = ranked.index(leaf)
+            self._ranked[parent] = ranked[:index] + ranked[index + 1:]
+        self._free.append(leaf)
+        self.num_nodes -= 1
 
     def match(self, context: list[int], num_draft_tokens: int) -> tuple[list[int], list[int]]:
         """Propose up to num_draft_tokens - 1 nodes continuing `context` (its last token is the root, not
@@ -183,55 +202,57 @@ class NgramCache:
         proposal = _Proposal(num_draft_tokens - 1)
         expand = self._expand_bfs if self.params.match_type == "BFS" else self._expand_prob
         for anchor, window in self._anchors(context):
-            if proposal.full:
+            if len(proposal.tokens) >= proposal.size:
                 break
             expand(proposal, anchor, window)
         return proposal.tokens, proposal.parents
 
-    def _anchors(self, context: list[int]) -> list[tuple[_Node, int]]:
-        """Trie nodes spelling the last w tokens of context, longest window first."""
-        p = self.params
+    def _anchors(self, context: list[int]) -> list[tuple[int, int]]:
+        """(trie node spelling the last w tokens of context, w), longest window first. Walks the windows
+        shortest first and stops at the first miss: a longer window can then only match the context's own
+        tail at the very end of the history, a node without children. Negative tokens never match."""
+        p, edges = self.params, self._edges
         anchors = []
-        for window in range(min(len(context), p.max_match_window_size), p.min_match_window_size - 1, -1):
-            node = self.root
+        for window in range(p.min_match_window_size, min(len(context), p.max_match_window_size) + 1):
+            node = 0
             for token in context[len(context) - window:]:
-                node = node.children.get(token)
+                node = edges.get(node << _TOKEN_BITS | token)
                 if node is None:
-                    break
-            if node is not None:
-                anchors.append((node, window))
-        return anchors
+                    return anchors[::-1]
+            anchors.append((node, window))
+        return anchors[::-1]
 
-    def _expand_bfs(self, proposal: _Proposal, anchor: _Node, window: int) -> None:
+    def _expand_bfs(self, proposal: _Proposal, anchor: int, window: int) -> None:
         """Level order; a node at breadth b keeps its max(1, int(b)) best children, which get b - scale.
         Longer windows (more evidence) start narrower: b0 = (max_w - window) * scale + min_bfs_breadth."""
-        p, scale = self.params, self.params.bfs_breadth_scale
+        p, scale, ranked, token = self.params, self.params.bfs_breadth_scale, self._ranked, self._token
         queue = deque([(0, (p.max_match_window_size - window) * scale + p.min_bfs_breadth, anchor)])
-        while queue and not proposal.full:
+        while queue:
             pos, breadth, node = queue.popleft()
-            for child in node.ranked[:max(1, int(breadth))]:
-                child_pos = proposal.add(pos, child.token)
+            for child in ranked[node][:max(1, int(breadth))]:
+                child_pos = proposal.add(pos, token[child])
                 if child_pos is None:
                     return
                 queue.append((child_pos, breadth - scale, child))
 
-    def _expand_prob(self, proposal: _Proposal, anchor: _Node, window: int) -> None:
+    def _expand_prob(self, proposal: _Proposal, anchor: int, window: int) -> None:
         """Best first by path probability: a child's probability is its frequency normalised over the top
         max_bfs_breadth children of its parent, times the parent's path probability."""
-        heap, order = [], count()  # entries (-probability, push order, parent position, trie node)
+        heap, order, freq = [], count(), self._freq  # heap entries (-probability, push order, parent pos, node)
 
-        def push(pos: int, node: _Node, prob: float) -> None:
-            top = node.ranked[:self.params.max_bfs_breadth]
-            total = sum(child.freq for child in top)
+        def push(pos: int, node: int, prob: float) -> None:
+            top = self._ranked[node][:self.params.max_bfs_breadth]
+            total = sum(freq[child] for child in top)
             for child in top:
-                heapq.heappush(heap, (-prob * child.freq / total, next(order), pos, child))
+                heapq.heappush(heap, (-prob * freq[child] / total, next(order), pos, child))
 
         push(0, anchor, 1.0)
-        while heap and not proposal.full:
+        while heap:
             neg_prob, _, pos, node = heapq.heappop(heap)
-            child_pos = proposal.add(pos, node.token)
-            if child_pos is not None:
-                push(child_pos, node, -neg_prob)
+            child_pos = proposal.add(pos, self._token[node])
+            if child_pos is None:
+                return
+            push(child_pos, node, -neg_prob)
 
 
 class NgramDrafter:

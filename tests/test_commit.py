@@ -1,0 +1,94 @@
+"""KV lifecycle under long accepted runs: an oracle drafter that knows the target's greedy continuation hides it
+among decoy siblings (so accepted nodes are NOT a prefix of the verify slots), driving remap / compaction /
+page-aligned eviction and stops inside accepted runs. Greedy output must still equal target-only output."""
+
+import random
+
+import pytest
+import torch
+
+import fastspec
+from fastspec.sampling import SamplingParams
+from fastspec.speculative.kv import plan_round_kv
+from fastspec.speculative.tree import tree_from_parents
+from test_speculative import PROMPTS, reference
+
+
+class OracleDrafter:
+    """Proposes the true continuation as a path with a decoy before each true node (worst case for compaction)."""
+
+    uses_extend = False
+    uses_scratch = False
+
+    def __init__(self, continuations: dict[int, list[int]], prompt_lens: dict[int, int], num_steps: int, n: int):
+        self.continuations, self.prompt_lens = continuations, prompt_lens
+        self.num_steps, self.n = num_steps, n
+        self.rng = random.Random(0)
+
+    def draft(self, batch):
+        tokens, parents = [], []
+        for rid, history in zip(batch.rids, batch.histories):
+            done = len(history) - self.prompt_lens[rid]
+            truth = self.continuations[rid][done: done + self.num_steps]
+            tok, par, parent = [], [], 0
+            for t in truth:
+                if len(tok) + 2 > self.n - 1:
+                    break
+                tok += [(t + 1 + self.rng.randrange(90)) % 97, t]  # decoy first, then the true child
+                par += [parent, parent]
+                parent = len(tok)  # position of the true node (positions are 1-based; root is 0)
+            while len(tok) < self.n - 1:  # fill with random nodes under random earlier nodes
+                par.append(self.rng.randrange(len(tok) + 1))
+                tok.append(self.rng.randrange(97))
+            tokens.append(tok), parents.append(par)
+        return tree_from_parents(batch.verified_id, torch.tensor(tokens), torch.tensor(parents), batch.seq_lens,
+                                 self.num_steps)
+
+    def release(self, rid):
+        pass
+
+
+@pytest.mark.parametrize("page_size, steps, n, bs", [(1, 6, 14, 8), (16, 5, 12, 5), (4, 3, 9, 8)])
+def test_oracle_drafts_accept_long_runs_and_stay_lossless(tiny_dirs, page_size, steps, n, bs):
+    prompts = PROMPTS[:bs]
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    plain = reference(tiny_dirs, "llama", page_size, prompts, params)
+    llm = fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm="NGRAM", num_draft_tokens=n,
+                       page_size=page_size, max_total_tokens=4096)
+    engine = llm.engine
+    engine.drafter = OracleDrafter({i: out for i, out in enumerate(plain)}, {i: len(p) for i, p in enumerate(prompts)},
+                                   steps, n)
+    outputs = engine.generate(prompts, [params] * bs)
+    assert [o.output_ids for o in outputs] == plain
+    metrics = sum((o.metrics for o in outputs[1:]), outputs[0].metrics)
+    assert metrics.tau > steps * 0.8  # nearly every round accepts the whole true path
+    assert engine.allocator.num_free() == engine.pool.capacity
+
+
+def test_oracle_stop_token_inside_run(tiny_dirs):
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    plain = reference(tiny_dirs, "llama", 16, PROMPTS, params)
+    llm = fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm="NGRAM", num_draft_tokens=12,
+                       page_size=16, max_total_tokens=4096)
+    llm.engine.drafter = OracleDrafter(dict(enumerate(plain)), {i: len(p) for i, p in enumerate(PROMPTS)}, 5, 12)
+    stops = [SamplingParams(max_new_tokens=30, ignore_eos=True, stop_token_ids=(out[12],)) for out in plain]
+    outputs = llm.engine.generate(PROMPTS, stops)
+    assert [o.output_ids for o in outputs] == [out[: out.index(out[12]) + 1] for out in plain]
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+
+
+def test_plan_round_kv_worked_examples():
+    slots = torch.tensor([[7, 9, 4, 5], [20, 21, 22, 23]])
+    # page size 1: kept nodes [0, 2] -> positions map to slots 7, 4; the rest are freed
+    plan = plan_round_kv(slots, [[0, 2], [0, 1, 2]], [10, 3], page_size=1)
+    assert plan.table_slots.tolist() == [7, 4, 20, 21, 22]
+    assert sorted(plan.free_slots.tolist()) == [5, 9, 23]
+    assert plan.move_src.numel() == 0
+    # page size 4, request at seq_len 6 (verify slots at positions 6..9 = page A tail 2 slots + page B)
+    paged = torch.tensor([[26, 27, 32, 33]])
+    plan = plan_round_kv(paged, [[0, 3]], [6], page_size=4)  # keep root + node 3 -> positions 6, 7
+    assert plan.table_slots.tolist() == [26, 27]
+    assert plan.move_src.tolist() == [33] and plan.move_dst.tolist() == [27]
+    assert plan.free_slots.tolist() == [32, 33]  # page B is past the last kept position (7)
+    plan = plan_round_kv(paged, [[0, 1, 2]], [6], page_size=4)  # a chain: nothing moves, page B stays
+    assert plan.move_src.numel() == 0 and plan.free_slots.numel() == 0
