@@ -184,8 +184,18 @@ class EngineConfig:
     kv_mem_fraction: float = 0.05
     max_running_requests: int = 48
     max_context_len: int | None = None  # None: the model's max_position_embeddings
+    graphs: str = "auto"  # auto | cuda | compile | eager: how the draft loop, draft extend and verify run
+    cuda_graph_max_bs: int | None = None  # largest graph bucket (None: max_running_requests); larger: eager
+    cuda_graph_bs: tuple[int, ...] | None = None  # explicit bucket list
+    attention_backend: str = "torch"  # torch | flashinfer
 
     def __post_init__(self):
+        if self.graphs not in GRAPH_MODES:
+            raise FastspecError(f"--graphs must be one of {', '.join(GRAPH_MODES)}, got {self.graphs!r}")
+        if self.attention_backend not in ("torch", "flashinfer"):
+            raise FastspecError(f"--attention-backend must be torch or flashinfer, got {self.attention_backend!r}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise FastspecError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         parse_dtype(self.dtype)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise FastspecError(f"page size must be a power of two >= 1, got {self.page_size}")
@@ -200,7 +210,23 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
 
+    @property
+    def graph_mode(self) -> str:
+        """`auto`: CUDA graphs on a GPU; on CPU eager, which bench/bench_graphs.py measures faster than compiled."""
+        if self.graphs != "auto":
+            return self.graphs
+        return "cuda" if self.device.startswith("cuda") else "eager"
 
+    @property
+    def graph_buckets(self) -> list[int]:
+        from fastspec.graphs import default_buckets
+
+        if self.cuda_graph_bs:
+            return sorted(set(self.cuda_graph_bs))
+        return default_buckets(min(self.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests))
+
+
+GRAPH_MODES = ("auto", "cuda", "compile", "eager")
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 # SGLang's auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) by target architecture
 _AUTO_SPEC = {"LlamaForCausalLM": (5, 4, 8)}

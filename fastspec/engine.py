@@ -9,10 +9,11 @@ Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata, verify_metadata
+from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
@@ -22,7 +23,11 @@ from fastspec.sampling import SamplingParams, SamplingTensors, draw_uniforms, ma
 from fastspec.scheduler import Request, Scheduler
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models
+from fastspec.graphs import StaticInput
 from fastspec.speculative.kv import plan_round_kv
+from fastspec.speculative.packing import kv_width, pack_verify
+from fastspec.speculative.runners import StepGraphs
+from fastspec.speculative.steps import target_verify
 from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
 
 
@@ -47,7 +52,8 @@ def generation_eos_ids(model_dir, config_eos: tuple[int, ...]) -> frozenset[int]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, spec: SpecConfig | None = None):
+    def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None):
+        """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled."""
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         model_config = read_config(self.model_dir)
@@ -57,8 +63,11 @@ class Engine:
         self.model, self.feature = models.target, models.feature
         self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
         self._init_memory(draft_kv_shape(models.draft))
-        self.drafter = build_drafter(self.spec, models.draft, self.draft_pool, self.backend, self.table,
-                                     self.allocator)
+        self.drafter = build_drafter(self.spec, config, models.draft, self.draft_pool, self.table, self.allocator,
+                                     self._feature_width(), on_prepare)
+        self.verify_graphs = StepGraphs("verify", partial(target_verify, self.model, self.pool, self.feature),
+                                        self._verify_specs, config.graph_mode, config.graph_buckets, config.device,
+                                        on_prepare)
 
     def _init_memory(self, draft_shape) -> None:
         c, cfg = self.model.config, self.config
@@ -102,6 +111,16 @@ class Engine:
         held = [self.table.slots(r.row, 0, r.seq_len) for r in running]
         self.allocator.check(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
 
+    def _feature_width(self) -> int:
+        c = self.model.config
+        return c.hidden_size * (len(self.model.capture_layers) if self.feature == "aux" else 1)
+
+    def _verify_specs(self, width: int) -> list[StaticInput]:
+        n, dtype = self.spec.num_draft_tokens, self.config.torch_dtype
+        return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
+                StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
+                StaticInput("prefix_slots", (width,), torch.int64), StaticInput("prefix_valid", (width,), torch.bool)]
+
     def _round_headroom(self) -> int:
         """Extra KV a running request may need inside one round: verify slots past its budget, draft scratch."""
         if not self.spec.enabled:
@@ -136,7 +155,7 @@ class Engine:
             shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each prompt's tail = its sampled token
             shifted[last] = torch.tensor(first, device=ids.device)
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
-                                            self._features(hidden)))
+                                            self._features(hidden)), decode_round=False)
         self._commit(reqs, lens, [[t] for t in first])
 
     # ---- decode rounds ----------------------------------------------------------------------------------
@@ -150,12 +169,12 @@ class Engine:
             self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
             return
         batch = self._decode_batch(reqs)
-        tree = self.drafter.draft(batch)                                # draft
-        verify_slots, hidden = self._verify(batch, tree)                # verify
-        result = self._accept(reqs, tree, self.model.compute_logits(hidden.final))  # accept
-        extend = self._commit_round(reqs, batch, tree, verify_slots, result, hidden)  # commit
+        tree = self.drafter.draft(batch)                                       # draft
+        verify_slots, out = self._verify(batch, tree)                          # verify
+        result = self._accept(reqs, tree, out["logits"])                       # accept
+        extend = self._commit_round(reqs, batch, tree, verify_slots, result, out["features"])  # commit
         if extend is not None and self.drafter.uses_extend:
-            self.drafter.extend(extend)                                  # draft extend
+            self.drafter.extend(extend, decode_round=True)                     # draft extend
 
     def _decode_batch(self, reqs: list[Request]) -> DecodeBatch:
         device = self.config.device
@@ -169,9 +188,9 @@ class Engine:
         """Target forward over bs*N tree rows into N newly allocated slots per request."""
         n = tree.num_draft_tokens
         self._alloc_slots(batch.rows, batch.seq_lens, batch.seq_lens + n)
-        meta = verify_metadata(self.table.table, batch.rows, batch.seq_lens, n, tree.tree_mask)
-        hidden = self._forward(tree.draft_tokens.flatten(), tree.positions, meta)
-        return meta.out_cache_loc.view(batch.size, n), hidden
+        width = kv_width(max(batch.seq_lens_cpu), self.verify_graphs.bucketed)
+        x = pack_verify(batch, tree, self.table.table, width)
+        return x["new_slots"], self.verify_graphs(batch.size, x, width)
 
     def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
@@ -184,7 +203,7 @@ class Engine:
     # ---- commit -----------------------------------------------------------------------------------------
 
     def _commit_round(self, reqs, batch: DecodeBatch, tree: DraftTree, verify_slots, result: VerifyResult,
-                      hidden) -> ExtendBatch | None:
+                      features: torch.Tensor) -> ExtendBatch | None:
         """Emit accepted tokens + bonus (stopping inside the run), move/free KV, advance lengths."""
         n = tree.num_draft_tokens
         accept_index, emitted = result.accept_index.tolist(), result.emitted.tolist()
@@ -212,9 +231,9 @@ class Engine:
         for b in alive:
             reqs[b].seq_len += len(kept_nodes[alive.index(b)])
         positions = torch.cat([torch.arange(o, o + k) for o, k in zip(old.tolist(), plan.keep_lens.tolist())])
-        features = self._features(hidden)[torch.tensor(kept_rows)]
         return ExtendBatch(tuple(reqs[b].rid for b in alive), rows, old, plan.keep_lens,
-                           torch.tensor(tokens, device=self.config.device), positions.to(old.device), features)
+                           torch.tensor(tokens, device=self.config.device), positions.to(old.device),
+                           features[torch.tensor(kept_rows)])
 
     def _commit(self, reqs: list[Request], fed: list[int], tokens: list[list[int]]) -> None:
         """Plain rounds and prefill: `fed[b]` tokens entered the KV, `tokens[b]` were emitted."""

@@ -79,7 +79,8 @@ def test_build_tree_from_drafting():
     assert tree.retrieve_next_token.tolist() == [[1, 3, 4, -1, 5, -1]]
     assert tree.retrieve_next_sibling.tolist() == [[-1, 2, -1, -1, -1, -1]]
     rows = ["100000", "110000", "101000", "110100", "101010", "101011"]
-    assert tree.tree_mask.tolist() == [c == "1" for r in rows for c in "1" * 10 + r]
+    assert tree.full_mask(torch.tensor([10]), 10).tolist() == [c == "1" for r in rows for c in "1" * 10 + r]
+    assert tree.tree_mask.tolist() == [[[c == "1" for c in r] for r in rows]]
     # the same tree given by parent positions
     same = tree_from_parents(torch.tensor([42]), torch.tensor([[5, 7, 8, 3, 6]]), torch.tensor([[0, 0, 1, 2, 4]]),
                              torch.tensor([10]), 3, topk=2)
@@ -97,7 +98,8 @@ def test_chain_tree():
     assert tree.retrieve_next_token.tolist() == [[1, 2, 3, -1]] * 2
     assert tree.retrieve_next_sibling.tolist() == [[-1] * 4] * 2
     lower = ["1000", "1100", "1110", "1111"]
-    assert tree.tree_mask.tolist() == [c == "1" for r in ["11" + x for x in lower] + lower for c in r]
+    full = tree.full_mask(torch.tensor([2, 0]), 2)
+    assert full.tolist() == [c == "1" for r in ["11" + x for x in lower] + lower for c in r]
 
 
 def _logits_with_argmax(argmax: list[int], vocab: int = 12) -> torch.Tensor:

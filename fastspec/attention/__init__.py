@@ -1,6 +1,7 @@
 """Attention: metadata builders, the pure-torch reference backend and the per-forward context."""
 
 from fastspec.attention.context import AttentionContext, KVPoolLike
+from fastspec.attention.flashinfer_backend import make_backend
 from fastspec.attention.metadata import (
     AttnMetadata,
     AttnMode,
@@ -24,6 +25,7 @@ __all__ = [
     "draft_decode_metadata",
     "draft_extend_metadata",
     "extend_metadata",
+    "make_backend",
     "verify_metadata",
     "with_ancestor_slots",
 ]

@@ -107,3 +107,21 @@ def _dense_mask(meta: AttnMetadata,
     if bool(allowed.all()):
         return None
     return allowed[:, None]
+
+
+def block_plan(prefix_slots: torch.Tensor,  # int64 [bs, Kp]  KV slots every new token may see (padding -> 0)
+               prefix_valid: torch.Tensor,  # bool [bs, Kp]   which of them are real
+               new_slots: torch.Tensor,     # int64 [bs, Q]   slots of this forward's Q tokens per request
+               new_mask: torch.Tensor,      # bool [bs, Q, Q] which new tokens each new token sees
+               ) -> TorchAttnPlan:
+    """A static-shape plan built on the device (no host sync, graph-safe): every request has Q query rows that
+    see its valid prefix plus the new tokens `new_mask` allows (causal for extend, the tree for verify).
+    New tokens' K/V go to `new_slots`; padded rows name dummy slot 0. Every new token sees itself, so no row
+    is fully masked (a NaN from one would reach dummy slot 0 and, through 0 * NaN, every row reading it)."""
+    bs, kp = prefix_slots.shape
+    q = new_slots.shape[1]
+    new_mask = new_mask | torch.eye(q, dtype=torch.bool, device=new_mask.device)
+    mask = torch.cat([prefix_valid[:, None, :].expand(bs, q, kp), new_mask], dim=2)  # [bs, Q, Kp+Q]
+    q_index = torch.arange(bs * q, device=new_slots.device).view(bs, q)
+    return TorchAttnPlan(q_index=q_index, kv_slots=torch.cat([prefix_slots, new_slots], 1), mask=mask[:, None],
+                         out_index=q_index.flatten(), out_cache_loc=new_slots.flatten(), uniform_qo=True)

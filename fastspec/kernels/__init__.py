@@ -1,23 +1,23 @@
-"""sgl_kernel-compatible speculative ops (tree build, tree verify, renorm) as pure-torch twins.
+"""sgl_kernel-compatible speculative ops (tree build, tree verify, renorm): pure-torch twins + CUDA dispatch.
 
-Same positional signatures and in-place outputs as sgl_kernel, so a CUDA build can swap sgl_kernel in here;
-this package is the only place that may import it. Knows nothing about models, KV or requests.
+The names exported here dispatch (dispatch.py): sgl_kernel for CUDA tensors when it imports, else the twin,
+with the same positional signatures and in-place outputs. The twins stay importable from their modules
+(tree.py, verify.py, sampling.py). This package is the only place that may import sgl_kernel. Knows nothing
+about models, KV or requests.
 """
 
-from fastspec.kernels.sampling import fast_topk, top_k_renorm_prob, top_p_renorm_prob
-from fastspec.kernels.tree import (
-    TreeMaskMode,
-    ancestor_mask,
+from fastspec.kernels.dispatch import (
     build_tree_kernel_efficient,
-    full_tree_mask,
+    kernels_backend,
     reconstruct_indices_from_tree_mask,
-)
-from fastspec.kernels.verify import (
-    sample_from_weights,
-    tree_links,
+    top_k_renorm_prob,
+    top_p_renorm_prob,
     tree_speculative_sampling_target_only,
     verify_tree_greedy,
 )
+from fastspec.kernels.sampling import fast_topk
+from fastspec.kernels.tree import TreeMaskMode, ancestor_mask, full_tree_mask
+from fastspec.kernels.verify import sample_from_weights, tree_links
 
 __all__ = [
     "TreeMaskMode",
@@ -25,6 +25,7 @@ __all__ = [
     "build_tree_kernel_efficient",
     "fast_topk",
     "full_tree_mask",
+    "kernels_backend",
     "reconstruct_indices_from_tree_mask",
     "sample_from_weights",
     "top_k_renorm_prob",

@@ -72,7 +72,7 @@ def _first_child(parent_pos: torch.Tensor) -> torch.Tensor:  # [bs, N] -> [bs, N
     n = parent_pos.shape[1]
     ar = torch.arange(n, device=parent_pos.device)
     is_child = parent_pos[:, None, :] == ar[None, :, None]  # [bs, node, candidate child]
-    first = torch.where(is_child, ar, n).min(-1).values
+    first = torch.where(is_child, ar, n).amin(-1)
     return first.where(first < n, -1)
 
 
@@ -82,7 +82,7 @@ def _next_sibling(parent_pos: torch.Tensor) -> torch.Tensor:  # [bs, N] -> [bs, 
     ar = torch.arange(n, device=parent_pos.device)
     later = ar[None, None, :] > ar[None, :, None]
     same = (parent_pos[:, :, None] == parent_pos[:, None, :]) & later & (parent_pos[:, :, None] >= 0)
-    nxt = torch.where(same, ar, n).min(-1).values
+    nxt = torch.where(same, ar, n).amin(-1)
     return nxt.where(nxt < n, -1)
 
 
@@ -160,10 +160,10 @@ def reconstruct_indices_from_tree_mask(tree_mask: torch.Tensor,         # bool [
     mask = tree_mask.reshape(bs, n, n).to(torch.bool)
     ar = torch.arange(n, device=mask.device)
     before = mask & (ar[None, None, :] < ar[None, :, None])  # [bs, t, j]: set columns j < t
-    parent_pos = torch.where(before, ar, -1).max(-1).values
+    parent_pos = torch.where(before, ar, -1).amax(-1)
     positions.copy_((verified_seq_len.to(torch.int64)[:, None] + before.sum(-1)).reshape(positions.shape))
     retrive_index.copy_(ar[None, :] + n * torch.arange(bs, device=mask.device)[:, None])
     later = mask.transpose(1, 2) & (ar[None, None, :] > ar[None, :, None])  # [bs, t, i]: row i > t sets col t
-    first = torch.where(later, ar, n).min(-1).values
+    first = torch.where(later, ar, n).amin(-1)
     retrive_next_token.copy_(first.where(first < n, -1))
     retrive_next_sibling.copy_(_next_sibling(parent_pos))

@@ -114,7 +114,7 @@ def sample_from_weights(weights: torch.Tensor,  # float [bs, V]  non-negative, u
     cdf = weights.cumsum(-1)
     idx = (cdf <= (uniform * cdf[:, -1])[:, None]).sum(-1)
     vocab = torch.arange(weights.shape[-1], device=weights.device)
-    last_positive = torch.where(weights > 0, vocab, -1).max(-1).values
+    last_positive = torch.where(weights > 0, vocab, -1).amax(-1)
     fallback = torch.where(last_positive >= 0, last_positive, weights.shape[-1] - 1)
     return torch.where(idx < weights.shape[-1], idx, fallback)
 

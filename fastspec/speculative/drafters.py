@@ -83,19 +83,20 @@ class NgramTreeDrafter:
         tokens, parents = self.ngram.propose(list(batch.rids), list(batch.histories))
         device = batch.seq_lens.device
         return tree_from_parents(batch.verified_id, tokens.to(device), parents.to(device), batch.seq_lens,
-                                 self.num_steps, seq_lens_sum=sum(batch.seq_lens_cpu))
+                                 self.num_steps)
 
-    def extend(self, batch: ExtendBatch) -> None:
+    def extend(self, batch: ExtendBatch, decode_round: bool) -> None:
         raise AssertionError("NGRAM has no draft extend")
 
     def release(self, rid: int) -> None:
         self.ngram.release(rid)
 
 
-def build_drafter(spec: SpecConfig, draft, draft_pool, backend, table, allocator):
+def build_drafter(spec: SpecConfig, config: EngineConfig, draft, draft_pool, table, allocator, feature_width: int,
+                  on_prepare=None):
     if spec.algorithm == "NONE":
         return None
     if spec.algorithm == "NGRAM":
         return NgramTreeDrafter(spec)
-    return EagleDrafter(draft, draft_pool, backend, table, allocator, spec.num_steps, spec.topk,
-                        spec.num_draft_tokens)
+    return EagleDrafter(draft, draft_pool, table, allocator, spec.num_steps, spec.topk, spec.num_draft_tokens,
+                        feature_width, config.graph_mode, config.graph_buckets, on_prepare)

@@ -91,7 +91,7 @@ class DraftTree:
 
     draft_tokens: torch.Tensor           # int64 [bs, N]  column 0 = root
     positions: torch.Tensor              # int64 [bs*N]  seq_len + depth
-    tree_mask: torch.Tensor              # bool [sum(seq_lens)*N + bs*N*N]  FULL_MASK: root, ancestors, self
+    tree_mask: torch.Tensor              # bool [bs, N, N]  row i sees the root, i's ancestors and i
     retrieve_index: torch.Tensor         # int64 [bs, N]  flat verify row b*N + i of node i
     retrieve_next_token: torch.Tensor    # int64 [bs, N]  first child position, -1 for leaves
     retrieve_next_sibling: torch.Tensor  # int64 [bs, N]  next sibling position, -1 for the last one
@@ -106,6 +106,10 @@ class DraftTree:
     def batch_size(self) -> int:
         return self.draft_tokens.shape[0]
 
+    def full_mask(self, seq_lens: torch.Tensor, seq_lens_sum: int) -> torch.Tensor:
+        """The FULL_MASK layout flashinfer's verify plan takes: bool [seq_lens_sum*N + bs*N*N]."""
+        return full_tree_mask(self.tree_mask, seq_lens.to(torch.int64), seq_lens_sum)
+
 
 def _retrieve_buffers(bs: int, n: int, device) -> torch.Tensor:  # int64 [3, bs, N] filled with -1
     return torch.full((3, bs, n), -1, dtype=torch.int64, device=device)
@@ -116,39 +120,36 @@ def build_tree(verified_id: torch.Tensor,       # int64 [bs]  root tokens
                top_scores_index: torch.Tensor,  # int64 [bs, N-1]
                draft_tokens: torch.Tensor,      # int64 [bs, N-1]
                seq_lens: torch.Tensor,          # int64 [bs]  committed lengths
-               topk: int, num_steps: int, num_draft_tokens: int,
-               seq_lens_sum: int | None = None) -> DraftTree:
-    """Build the verify inputs of an EAGLE tree. Pass seq_lens_sum (a host int) to avoid a device sync."""
+               topk: int, num_steps: int, num_draft_tokens: int) -> DraftTree:
+    """Build the verify inputs of an EAGLE tree (no host sync)."""
     bs, n, device = verified_id.shape[0], num_draft_tokens, verified_id.device
-    seq_lens = seq_lens.to(torch.int64)
-    total = int(seq_lens.sum()) if seq_lens_sum is None else seq_lens_sum
-    tree_mask = torch.ones(total * n + bs * n * n, dtype=torch.bool, device=device)
+    tree_mask = torch.zeros(bs * n * n, dtype=torch.bool, device=device)
     positions = torch.empty(bs * n, dtype=torch.int64, device=device)
     retrieve = _retrieve_buffers(bs, n, device)
-    build_tree_kernel_efficient(parent_list, top_scores_index, seq_lens, tree_mask, positions, retrieve[0],
-                                retrieve[1], retrieve[2], topk, num_steps, n, TreeMaskMode.FULL_MASK)
+    build_tree_kernel_efficient(parent_list, top_scores_index, seq_lens.to(torch.int64), tree_mask, positions,
+                                retrieve[0], retrieve[1], retrieve[2], topk, num_steps, n, TreeMaskMode.QLEN_ONLY)
     tokens = torch.cat([verified_id.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
-    return DraftTree(tokens, positions, tree_mask, retrieve[0], retrieve[1], retrieve[2], num_steps, topk)
+    return DraftTree(tokens, positions, tree_mask.view(bs, n, n), retrieve[0], retrieve[1], retrieve[2],
+                     num_steps, topk)
 
 
 def chain_tree(verified_id: torch.Tensor,   # int64 [bs]
                draft_tokens: torch.Tensor,  # int64 [bs, S]  one proposed continuation per request
                seq_lens: torch.Tensor,      # int64 [bs]
-               seq_lens_sum: int | None = None) -> DraftTree:
+               ) -> DraftTree:
     """topk = 1: node d is the d-th draft token, parent_list = [-1, 0, ..., S-2], candidate ids 0..S-1."""
     bs, steps = draft_tokens.shape
     device = draft_tokens.device
     parent_list = torch.arange(-1, steps - 1, device=device).expand(bs, steps)
     selected = torch.arange(steps, device=device).expand(bs, steps)
-    return build_tree(verified_id, parent_list, selected, draft_tokens, seq_lens, 1, steps, steps + 1,
-                      seq_lens_sum)
+    return build_tree(verified_id, parent_list, selected, draft_tokens, seq_lens, 1, steps, steps + 1)
 
 
 def tree_from_parents(verified_id: torch.Tensor,  # int64 [bs]
                       tokens: torch.Tensor,       # int64 [bs, N-1]  nodes 1..N-1
                       parents: torch.Tensor,      # int64 [bs, N-1]  parent POSITION of node 1..N-1, 0 = root
                       seq_lens: torch.Tensor,     # int64 [bs]
-                      num_steps: int, topk: int = 0, seq_lens_sum: int | None = None) -> DraftTree:
+                      num_steps: int, topk: int = 0) -> DraftTree:
     """An arbitrary tree (NGRAM, test drafters). Requires parent position < own position (checked: one
     host sync). Nodes deeper than num_steps are never accepted."""
     bs, n = tokens.shape[0], tokens.shape[1] + 1
@@ -162,10 +163,8 @@ def tree_from_parents(verified_id: torch.Tensor,  # int64 [bs]
     seq_lens = seq_lens.to(torch.int64)
     reconstruct_indices_from_tree_mask(qlen_mask.reshape(-1), seq_lens, positions, retrieve[0], retrieve[1],
                                        retrieve[2], bs, n)
-    total = int(seq_lens.sum()) if seq_lens_sum is None else seq_lens_sum
     draft_tokens = torch.cat([verified_id.to(torch.int64)[:, None], tokens.to(torch.int64)], 1)
-    return DraftTree(draft_tokens, positions, full_tree_mask(qlen_mask, seq_lens, total), retrieve[0],
-                     retrieve[1], retrieve[2], num_steps, topk)
+    return DraftTree(draft_tokens, positions, qlen_mask, retrieve[0], retrieve[1], retrieve[2], num_steps, topk)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,248 @@
+"""GraphRunner: one function with static shapes per batch-size bucket, run as a CUDA graph, compiled, or eager.
+
+Owns: the static input buffers (sized for the largest bucket), padding a batch up to its bucket, CUDA-graph
+capture and replay with one memory pool shared by all buckets, the `torch.compile(fullgraph=True,
+dynamic=False)` CPU twin (a successful fullgraph compile proves the function has no host sync and no
+data-dependent Python control flow) and Inductor's on-disk cache. Does not own: what the function computes
+(the draft loop, draft-extend and verify are handed in; this file knows nothing about EAGLE, models or
+attention) nor tensors the function reads or writes by closure (KV pools), which are never copied.
+"""
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fastspec.errors import FastspecError
+from fastspec.graphs.buckets import bucket_for
+
+BACKENDS = ("cuda", "compile", "eager")
+CUDA_WARMUP_RUNS = 2  # eager runs on a side stream before capture (lazy init, cuBLAS workspaces, autotune)
+DYNAMO_RECOMPILE_LIMIT = 1024  # one dynamo cache entry per bucket (and per runner sharing a function)
+
+Outputs = dict[str, Tensor] | tuple[Tensor, ...]
+GraphFn = Callable[[dict[str, Tensor]], Outputs]
+
+
+@dataclass(frozen=True)
+class StaticInput:
+    """One per-request input of a graph: its buffer holds `bs * rows_per_request` rows of `shape`."""
+
+    name: str
+    shape: tuple[int, ...]  # per-row trailing shape; the leading dim is bs * rows_per_request
+    dtype: torch.dtype
+    rows_per_request: int = 1
+    pad_value: float | int = 0  # what padded rows hold, e.g. KV slot 0 = the dummy slot padded rows write to
+
+    def rows(self, bs: int) -> int:
+        return bs * self.rows_per_request
+
+
+class GraphRunner:
+    """Runs `fn(inputs) -> outputs` with static shapes: one CUDA graph / compiled callable per bucket.
+
+    `fn` gets a dict of static buffer views with leading dim `bucket * rows_per_request`, must not keep or
+    rebind them, and returns a dict or tuple of tensors whose leading dims are `bucket * rows` (each
+    output's rows per request are inferred as leading dim // bucket; every output must be per-request).
+    Outputs returned by `run` are views: on the cuda backend they live in graph-owned memory and are
+    overwritten by the next replay of the same bucket, so clone what must outlive the next `run`.
+    """
+
+    def __init__(self, name: str, fn: GraphFn, inputs: list[StaticInput], buckets: list[int], backend: str,
+                 device: str | torch.device = "cpu", pool: tuple[int, int] | None = None):
+        if backend not in BACKENDS:
+            raise FastspecError(f"unknown graph backend '{backend}' (known: {', '.join(BACKENDS)})")
+        if backend == "cuda" and (torch.device(device).type != "cuda" or not torch.cuda.is_available()):
+            raise FastspecError(f"graph '{name}': backend 'cuda' needs a CUDA device, got '{device}'")
+        if not buckets or min(buckets) < 1:
+            raise FastspecError(f"graph '{name}': batch-size buckets must be >= 1, got {buckets}")
+        if len({spec.name for spec in inputs}) != len(inputs):
+            raise FastspecError(f"graph '{name}': static input names must be unique")
+        self.name, self.fn, self.inputs, self.backend = name, fn, list(inputs), backend
+        self.buckets = sorted(set(buckets))
+        self.device = torch.device(device)
+        self.pool = pool  # cuda: memory pool handle shared by every bucket (and by other runners if passed)
+        max_bs = self.buckets[-1]
+        self.buffers = {s.name: torch.full((s.rows(max_bs), *s.shape), s.pad_value, dtype=s.dtype,
+                                           device=self.device) for s in self.inputs}
+        self._views = {bs: {s.name: self.buffers[s.name][: s.rows(bs)] for s in self.inputs} for bs in self.buckets}
+        self._compiled: dict[int, GraphFn] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_outputs: dict[int, Outputs] = {}
+
+    def bucket_for(self, bs: int) -> int:
+        """Smallest bucket >= bs; FastspecError past the largest bucket."""
+        return bucket_for(self.buckets, bs)
+
+    def prepare(self, on_bucket: Callable[[str, int], None] | None = None) -> None:
+        """Capture (cuda) or compile (compile) every bucket, largest first; eager has nothing to prepare.
+
+        `on_bucket(name, bs)` is called before each bucket (a progress bar). Largest first so the smaller
+        graphs fit into the memory the larger ones already reserved in the shared pool.
+        """
+        if self.backend == "eager":
+            return
+        if self.backend == "compile":
+            configure_compile_caches()
+        elif self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.buckets):
+            if on_bucket is not None:
+                on_bucket(self.name, bs)
+            try:
+                with torch.inference_mode():
+                    self._slice_outputs(self._prepare_bucket(bs), bs, bs)
+            except FastspecError:
+                raise
+            except Exception as e:  # a graph break, a host sync, a CUDA capture error, a shape error in fn...
+                verb = "compile" if self.backend == "compile" else "capture"
+                raise FastspecError(f"cannot {verb} graph '{self.name}' for batch bucket {bs}: {_describe(e)}") from e
+
+    def run(self, bs: int, inputs: dict[str, Tensor]) -> Outputs:
+        """Copy `inputs` (leading dim bs * rows_per_request) into the static buffers, pad, replay, slice to bs."""
+        bucket = self.bucket_for(bs)
+        with torch.inference_mode():
+            self._load(bs, bucket, inputs)
+            return self._slice_outputs(self._call(bucket), bucket, bs)
+
+    # ---- internals ----
+
+    def _prepare_bucket(self, bs: int) -> Outputs:
+        if self.backend == "compile":
+            self._reset(bs)
+            compiled = torch.compile(self.fn, backend=_inductor_without_host_sync, fullgraph=True, dynamic=False)
+            outputs = compiled(dict(self._views[bs]))  # compiles now, not at the first request
+            self._compiled[bs] = compiled
+            return outputs
+        return self._capture(bs)
+
+    def _capture(self, bs: int) -> Outputs:
+        """Warm up on a side stream, then record one graph over the bucket's buffer views into the shared pool."""
+        views = self._views[bs]
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(CUDA_WARMUP_RUNS):
+                self._reset(bs)  # fn may update its inputs in place; every run starts from the pad values
+                self.fn(dict(views))
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._reset(bs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = self.fn(dict(views))
+        self._graphs[bs], self._graph_outputs[bs] = graph, outputs
+        return outputs
+
+    def _call(self, bucket: int) -> Outputs:
+        if self.backend == "eager":
+            return self.fn(dict(self._views[bucket]))
+        if bucket not in self._compiled and bucket not in self._graphs:
+            raise FastspecError(f"graph '{self.name}' is not prepared for bucket {bucket}: call prepare() first")
+        if self.backend == "compile":
+            return self._compiled[bucket](dict(self._views[bucket]))
+        self._graphs[bucket].replay()
+        return self._graph_outputs[bucket]
+
+    def _load(self, bs: int, bucket: int, inputs: dict[str, Tensor]) -> None:
+        """Real rows [0, bs*rows) from `inputs`, padded rows [bs*rows, bucket*rows) = pad_value."""
+        if inputs.keys() != self.buffers.keys():
+            raise FastspecError(f"graph '{self.name}' takes inputs {sorted(self.buffers)}, got {sorted(inputs)}")
+        for spec in self.inputs:
+            src, buf = inputs[spec.name], self.buffers[spec.name]
+            real, padded = spec.rows(bs), spec.rows(bucket)
+            if src.shape != (real, *spec.shape):
+                raise FastspecError(f"graph '{self.name}' input '{spec.name}' has shape {tuple(src.shape)}, "
+                                    f"expected {(real, *spec.shape)} for batch size {bs}")
+            buf[:real].copy_(src, non_blocking=True)
+            if padded > real:
+                buf[real:padded].fill_(spec.pad_value)
+
+    def _reset(self, bs: int) -> None:
+        """All rows of the bucket = pad_value (the state capture / compile runs start from)."""
+        for spec in self.inputs:
+            self.buffers[spec.name][: spec.rows(bs)].fill_(spec.pad_value)
+
+    def _slice_outputs(self, outputs: Outputs, bucket: int, bs: int) -> Outputs:
+        """Each output [bucket * rows, ...] -> its real rows [bs * rows, ...] (a view, no copy)."""
+        def real_rows(key, t: Tensor) -> Tensor:
+            if t.dim() == 0 or t.shape[0] % bucket:
+                raise FastspecError(f"graph '{self.name}' output {key!r} of shape {tuple(t.shape)} is not "
+                                    f"per-request (leading dim not a multiple of bucket {bucket})")
+            return t[: t.shape[0] // bucket * bs]
+
+        if isinstance(outputs, dict):
+            return {k: real_rows(k, t) for k, t in outputs.items()}
+        if isinstance(outputs, tuple):
+            return tuple(real_rows(i, t) for i, t in enumerate(outputs))
+        raise FastspecError(f"graph '{self.name}' must return a dict or tuple of tensors, got {type(outputs).__name__}")
+
+
+def configure_compile_caches() -> None:
+    """Inductor's on-disk caches under `cache_root()/inductor` (a second process compiles from them in seconds),
+    FX-graph and AOTAutograd caches on, and room in dynamo's cache for one entry per bucket.
+
+    An explicit $TORCHINDUCTOR_CACHE_DIR wins; torch writes its own default into that variable on first use,
+    which is not treated as explicit.
+    """
+    import torch._dynamo.config
+    import torch._functorch.config
+    import torch._inductor.config
+
+    from fastspec.models.embedded import cache_root
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or current == _torch_default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    dynamo = torch._dynamo.config
+    dynamo.cache_size_limit = max(dynamo.cache_size_limit, DYNAMO_RECOMPILE_LIMIT)
+    dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit, DYNAMO_RECOMPILE_LIMIT)
+
+
+def _torch_default_cache_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # older torch: only an unset variable is replaced
+        return None
+    return os.path.abspath(default_cache_dir())
+
+
+class HostSyncError(Exception):
+    """The traced graph reads a tensor's value on the host: not capturable as a CUDA graph."""
+
+
+def _inductor_without_host_sync(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """Inductor, after refusing graphs with data-dependent scalars or shapes.
+
+    With dynamic=False every size is a constant, so a symbol in the graph can only come from a tensor's value:
+    `.item()`, `.tolist()`, `nonzero`, boolean-mask indexing... Recent dynamo traces these without a graph
+    break (so fullgraph=True alone accepts them), but each is a device->host sync that breaks CUDA capture.
+    """
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    from torch.utils._pytree import tree_leaves
+
+    symbolic = (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
+    for node in gm.graph.nodes:
+        values = [v for v in tree_leaves(node.meta.get("example_value")) if isinstance(v, symbolic)]
+        if any(free_unbacked_symbols(v) for v in values):
+            raise HostSyncError(f"'{node.name}' depends on a tensor's value (a host sync: .item(), .tolist(), "
+                                f"nonzero, mask indexing...) at {_source_line(node)}")
+    return compile_fx(gm, example_inputs)
+
+
+def _source_line(node: torch.fx.Node) -> str:
+    """'File "f.py", line 3, in fn: return x.item()' from the node's stack trace (last frame, no ^^^ markers)."""
+    lines = [ln.strip() for ln in node.meta.get("stack_trace", "").splitlines() if ln.strip().strip("^~")]
+    return ": ".join(lines[-2:]) or node.format_node()
+
+
+def _describe(e: Exception) -> str:
+    """`Type: first line` of the real cause (dynamo wraps backend errors in BackendCompilerFailed)."""
+    if isinstance(e, torch._dynamo.exc.BackendCompilerFailed):
+        e = e.inner_exception
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first}"

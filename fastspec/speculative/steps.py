@@ -1,0 +1,91 @@
+"""The three static-shape functions of a speculative round, each captured / compiled per batch-size bucket:
+the multi-step draft loop, the draft extend, and the target verify forward.
+
+Each takes a dict of tensors whose shapes depend only on the bucket (batch rows, KV width) and contains no
+host sync and no data-dependent Python control flow, so the same code runs eagerly, under
+torch.compile(fullgraph=True) and inside a CUDA graph. Attention uses `block_plan`: every request sees its
+committed KV (`prefix_slots` / `prefix_valid`, padded) plus a block of new tokens under a static mask.
+Host-side packing of these dicts lives in fastspec.speculative.packing; nothing here touches the allocator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastspec.attention import AttentionContext, TorchAttnBackend
+from fastspec.attention.torch_backend import block_plan
+from fastspec.kernels import fast_topk
+from fastspec.speculative.tree import organize_draft_results, select_top_k
+
+_BACKEND = TorchAttnBackend()
+
+
+def draft_top_k(model, hot_token_id, normed: torch.Tensor, topk: int):
+    """Draft logits -> (probs [T, topk] float32, target-vocabulary ids [T, topk])."""
+    topk_p, index = fast_topk(torch.softmax(model.compute_logits(normed), dim=-1), topk, -1)
+    return topk_p, index if hot_token_id is None else hot_token_id[index]
+
+
+def draft_extend(model, hot_token_id, pool, topk: int, x: dict) -> dict:
+    """Draft forward over E new positions per request (causal) -> the top-k after each request's last row.
+
+    x: input_ids, positions [bs*E]; features [bs*E, F]; new_slots [bs, E]; new_valid bool [bs, E];
+       prefix_slots [bs, Kp], prefix_valid bool [bs, Kp]; last_rows int64 [bs] (flat row of each last token).
+    """
+    e = x["new_slots"].shape[1]
+    causal = torch.ones(e, e, dtype=torch.bool, device=x["new_slots"].device).tril()
+    valid = x["new_valid"]
+    new_mask = causal & valid[:, None, :]  # padded rows see only themselves (block_plan adds the diagonal)
+    plan = block_plan(x["prefix_slots"], x["prefix_valid"], x["new_slots"], new_mask)
+    out = model(x["input_ids"], x["positions"], x["features"], AttentionContext(_BACKEND, plan, pool))
+    last = x["last_rows"]
+    topk_p, topk_index = draft_top_k(model, hot_token_id, out.normed[last], topk)
+    return {"topk_p": topk_p, "topk_index": topk_index, "hidden": out.carry[last]}
+
+
+def draft_loop(model, hot_token_id, pool, topk: int, num_steps: int, num_draft_tokens: int, x: dict) -> dict:
+    """select_top_k + num_steps-1 draft forwards over bs*topk rows + organize, with exact ancestry.
+
+    x: topk_p [bs, topk] f32, topk_index [bs, topk] i64, hidden [bs, Hd], seq_lens [bs],
+       prefix_slots [bs, Kp], prefix_valid bool [bs, Kp], scratch int64 [bs*topk, S] (row b*topk+k, step i).
+    Row r of forward i attends its request's prefix, the draft KV of its true ancestors (slots its ancestors
+    wrote in earlier steps) and itself; unlike SGLang's per-branch-slot history this is exact for any topk.
+    """
+    topk_p, topk_index, hidden = x["topk_p"], x["topk_index"], x["hidden"]
+    prefix_slots = x["prefix_slots"].repeat_interleave(topk, 0)  # [R, Kp]
+    prefix_valid = x["prefix_valid"].repeat_interleave(topk, 0)
+    positions = x["seq_lens"].repeat_interleave(topk)  # [R]  forward i sits at seq_len + i
+    scratch = x["scratch"]
+    rows = positions.shape[0]
+    ancestors = scratch[:, :0]  # [R, i]  draft KV slots of each row's path
+    own_mask = torch.ones(rows, 1, 1, dtype=torch.bool, device=scratch.device)
+    scores, score_list, token_list, parents_list = None, [], [], []
+    for step in range(num_steps):
+        sel = select_top_k(step, topk_p, topk_index, hidden, scores, topk)
+        score_list.append(sel.score_entry), token_list.append(sel.token_entry)
+        parents_list.append(sel.parent_entry)
+        if step == num_steps - 1:
+            break
+        if step > 0:  # a row's path = its parent's path + the slot its parent wrote last step
+            ancestors = torch.cat([ancestors[sel.parent_rows], scratch[sel.parent_rows, step - 1:step]], 1)
+        seen = torch.cat([prefix_slots, ancestors], 1)
+        seen_valid = torch.cat([prefix_valid, torch.ones_like(ancestors, dtype=torch.bool)], 1)
+        plan = block_plan(seen, seen_valid, scratch[:, step:step + 1], own_mask)
+        out = model(sel.input_ids, positions + step, sel.hidden, AttentionContext(_BACKEND, plan, pool))
+        topk_p, topk_index = draft_top_k(model, hot_token_id, out.normed, topk)
+        hidden, scores = out.carry, sel.scores
+    parent_list, top_scores_index, draft_tokens = organize_draft_results(
+        score_list, token_list, parents_list, num_draft_tokens)
+    return {"parent_list": parent_list, "top_scores_index": top_scores_index, "draft_tokens": draft_tokens}
+
+
+def target_verify(model, pool, feature: str, x: dict) -> dict:
+    """Target forward over the N tree tokens of every request under the tree mask.
+
+    x: input_ids, positions [bs*N]; new_slots [bs, N]; tree_mask bool [bs, N, N] (ancestors + self);
+       prefix_slots [bs, Kp], prefix_valid [bs, Kp]. Returns logits [bs*N, V] f32 and features [bs*N, F].
+    """
+    plan = block_plan(x["prefix_slots"], x["prefix_valid"], x["new_slots"], x["tree_mask"])
+    hidden = model(x["input_ids"], x["positions"], AttentionContext(_BACKEND, plan, pool))
+    features = hidden.aux if feature == "aux" else hidden.final
+    return {"logits": model.compute_logits(hidden.final), "features": features}
