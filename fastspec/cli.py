@@ -41,6 +41,14 @@ def user_errors(fn):
     return wrapper
 
 
+def prepare_progress():
+    """on_prepare callback: one stderr line per graph bucket being captured / compiled."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    return lambda name, bs: console.print(f"[dim]preparing graph {name}: batch bucket {bs}[/dim]")
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -80,7 +88,7 @@ def generate(
     prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
     if any(p == "" for p in prompts):
         raise FastspecError("empty prompt")
-    llm = LLM(**options.llm_kwargs())
+    llm = LLM(**options.llm_kwargs(), on_prepare=prepare_progress())
     outputs = llm.generate(prompts, params, chat=chat)
     if as_json:
         records = [{"output_ids": o.output_ids, "text": o.text, "finish_reason": o.finish_reason,

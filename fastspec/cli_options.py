@@ -14,9 +14,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from fastspec.graphs.buckets import parse_buckets
 from fastspec.models.embedded import DEFAULT_MODEL
 
 SPEC = "Speculative decoding"
+GRAPHS = "Graphs and kernels"
 NGRAM = "NGRAM"
 
 
@@ -27,6 +29,12 @@ class ModelOptions:
     page_size: Annotated[int, typer.Option(help="KV page size in tokens.")] = 1
     max_total_tokens: Annotated[Optional[int], typer.Option(help="KV pool size in tokens (default: a fraction of free memory).")] = None
     max_running_requests: Annotated[int, typer.Option(help="Most requests decoded at once.")] = 48
+    graphs: Annotated[str, typer.Option(help="auto | cuda | compile | eager: how the draft loop, draft extend and verify run (auto: cuda on a GPU, eager on CPU).", rich_help_panel=GRAPHS)] = "auto"
+    cuda_graph_max_bs: Annotated[Optional[int], typer.Option(help="Largest graph batch bucket.", rich_help_panel=GRAPHS)] = None
+    cuda_graph_bs: Annotated[Optional[str], typer.Option(help="Explicit graph batch buckets, e.g. 1,2,4,8.", rich_help_panel=GRAPHS)] = None
+    disable_cuda_graph: Annotated[bool, typer.Option(help="Run everything eagerly (= --graphs eager).", rich_help_panel=GRAPHS)] = False
+    enable_torch_compile: Annotated[bool, typer.Option(help="torch.compile the graphs (= --graphs compile on CPU).", rich_help_panel=GRAPHS)] = False
+    attention_backend: Annotated[str, typer.Option(help="torch | flashinfer (CUDA only).", rich_help_panel=GRAPHS)] = "torch"
     speculative_algorithm: Annotated[Optional[str], typer.Option(help="NONE | EAGLE (NEXTN) | EAGLE3 | STANDALONE | NGRAM", rich_help_panel=SPEC)] = None
     speculative_draft_model_path: Annotated[Optional[str], typer.Option("--speculative-draft-model-path", "--draft", help="Draft head / model directory.", rich_help_panel=SPEC)] = None
     speculative_num_steps: Annotated[Optional[int], typer.Option(help="Draft depth.", rich_help_panel=SPEC)] = None
@@ -52,7 +60,11 @@ class ModelOptions:
             prefix = "speculative_ngram_"
             ngram = NgramParams(**{f.name[len(prefix):]: getattr(self, f.name) for f in fields(self)
                                    if f.name.startswith(prefix)})
-        return dict(model=self.model, dtype=self.dtype, page_size=self.page_size,
+        graphs = "eager" if self.disable_cuda_graph else "compile" if self.enable_torch_compile else self.graphs
+        buckets = tuple(parse_buckets(self.cuda_graph_bs)) if self.cuda_graph_bs else None
+        return dict(model=self.model, dtype=self.dtype, page_size=self.page_size, graphs=graphs,
+                    cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_bs=buckets,
+                    attention_backend=self.attention_backend,
                     max_total_tokens=self.max_total_tokens, max_running_requests=self.max_running_requests,
                     speculative_algorithm=self.speculative_algorithm,
                     draft_model=self.speculative_draft_model_path, num_steps=self.speculative_num_steps,

@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
+from fastspec.attention import AttentionContext, decode_metadata, extend_metadata, make_backend
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
@@ -84,7 +84,9 @@ class Engine:
         self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
         margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
-        self.backend = TorchAttnBackend()
+        c = self.model.config
+        self.backend = make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                    head_dim=c.head_dim, dtype=cfg.torch_dtype, device=cfg.device)
 
     # ---- public API -------------------------------------------------------------------------------------
 

@@ -29,7 +29,8 @@ class LLM:
     def __init__(self, model: str = EngineConfig.model, speculative_algorithm: str | None = None,
                  draft_model: str | None = None, num_steps: int | None = None, topk: int | None = None,
                  num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
-                 accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, **engine_options):
+                 accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, on_prepare=None,
+                 **engine_options):
         """`speculative_algorithm`: NONE (default), EAGLE (alias NEXTN), EAGLE3, STANDALONE or NGRAM; unset
         num_steps / topk / num_draft_tokens follow SGLang's per-architecture defaults."""
         target_arch = read_config(resolve_model_dir(model)).architecture
@@ -37,7 +38,7 @@ class LLM:
                                   topk=topk, num_draft_tokens=num_draft_tokens, token_map=token_map,
                                   accept_threshold_single=accept_threshold_single,
                                   accept_threshold_acc=accept_threshold_acc, ngram=ngram)
-        self.engine = Engine(EngineConfig(model=model, **engine_options), spec)
+        self.engine = Engine(EngineConfig(model=model, **engine_options), spec, on_prepare)
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

@@ -13,6 +13,7 @@ import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
+from gpu_marker import pytest_collection_modifyitems  # noqa: F401  (skips @pytest.mark.gpu without CUDA)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

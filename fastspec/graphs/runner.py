@@ -46,8 +46,8 @@ class GraphRunner:
     `fn` gets a dict of static buffer views with leading dim `bucket * rows_per_request`, must not keep or
     rebind them, and returns a dict or tuple of tensors whose leading dims are `bucket * rows` (each
     output's rows per request are inferred as leading dim // bucket; every output must be per-request).
-    Outputs returned by `run` are views: on the cuda backend they live in graph-owned memory and are
-    overwritten by the next replay of the same bucket, so clone what must outlive the next `run`.
+    Outputs returned by `run` are views, not copies: on the cuda backend they live in graph-owned memory
+    and are overwritten by the next replay of the same bucket; clone what must outlive the next `run`.
     """
 
     def __init__(self, name: str, fn: GraphFn, inputs: list[StaticInput], buckets: list[int], backend: str,
@@ -101,7 +101,11 @@ class GraphRunner:
                 raise FastspecError(f"cannot {verb} graph '{self.name}' for batch bucket {bs}: {_describe(e)}") from e
 
     def run(self, bs: int, inputs: dict[str, Tensor]) -> Outputs:
-        """Copy `inputs` (leading dim bs * rows_per_request) into the static buffers, pad, replay, slice to bs."""
+        """Copy `inputs` (leading dim bs * rows_per_request) into the static buffers, pad, replay, slice to bs.
+
+        The copies are non-blocking: a pinned host tensor in `inputs` must not be overwritten before the
+        replay has run. The returned views are valid until the next `run` (see the class docstring).
+        """
         bucket = self.bucket_for(bs)
         with torch.inference_mode():
             self._load(bs, bucket, inputs)
@@ -242,6 +246,8 @@ def _source_line(node: torch.fx.Node) -> str:
 
 def _describe(e: Exception) -> str:
     """`Type: first line` of the real cause (dynamo wraps backend errors in BackendCompilerFailed)."""
+    import torch._dynamo.exc
+
     if isinstance(e, torch._dynamo.exc.BackendCompilerFailed):
         e = e.inner_exception
     first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")

@@ -17,6 +17,7 @@ class StepGraphs:
         self.name, self.fn, self.specs, self.mode = name, fn, specs, mode
         self.buckets, self.device, self.on_prepare = buckets, device, on_prepare
         self.runners: dict[int, GraphRunner] = {}
+        self.pool = None  # cuda: one memory pool shared by every width's graphs
 
     @property
     def bucketed(self) -> bool:
@@ -25,8 +26,9 @@ class StepGraphs:
     def runner(self, width: int) -> GraphRunner:
         if width not in self.runners:
             runner = GraphRunner(f"{self.name} (kv {width})", self.fn, self.specs(width), self.buckets, self.mode,
-                                 self.device)
+                                 self.device, pool=self.pool)
             runner.prepare(self.on_prepare)
+            self.pool = runner.pool
             self.runners[width] = runner
         return self.runners[width]
 
