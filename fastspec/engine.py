@@ -17,7 +17,7 @@ from fastspec.attention import AttentionContext, decode_metadata, extend_metadat
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
-from fastspec.metrics import SpecMetrics
+from fastspec.metrics import PhaseTimes, SpecMetrics
 from fastspec.models.loader import read_config, resolve_model_dir
 from fastspec.sampling import SamplingParams, SamplingTensors, draw_uniforms, make_generator, sample
 from fastspec.scheduler import Request, Scheduler
@@ -59,15 +59,16 @@ class Engine:
         model_config = read_config(self.model_dir)
         self.spec = spec or SpecConfig()
         self.max_context_len = config.max_context_len or model_config.max_position_embeddings
+        self.times = PhaseTimes(sync_cuda=config.device.startswith("cuda"))
         models = load_models(self.model_dir, self.spec, config)
         self.model, self.feature = models.target, models.feature
         self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
         self._init_memory(draft_kv_shape(models.draft))
         self.drafter = build_drafter(self.spec, config, models.draft, self.draft_pool, self.table, self.allocator,
-                                     self._feature_width(), on_prepare)
+                                     self._feature_width(), on_prepare, self.times)
         self.verify_graphs = StepGraphs("verify", partial(target_verify, self.model, self.pool, self.feature),
                                         self._verify_specs, config.graph_mode, config.graph_buckets, config.device,
-                                        on_prepare)
+                                        on_prepare, self.times, "verify")
 
     def _init_memory(self, draft_shape) -> None:
         c, cfg = self.model.config, self.config
@@ -100,9 +101,11 @@ class Engine:
             while not scheduler.idle:
                 admitted = scheduler.admit()
                 if admitted:
-                    self._prefill(admitted)
+                    with self.times("prefill"):
+                        self._prefill(admitted)
                 elif scheduler.running:
-                    self._decode(scheduler.running)
+                    with self.times("round"):
+                        self._decode(scheduler.running)
                 else:
                     raise FastspecError("a request does not fit in the KV pool (raise --max-total-tokens)")
                 scheduler.retire()

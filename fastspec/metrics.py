@@ -6,7 +6,11 @@ draft tokens only; `acceptance_by_depth[d-1]` = fraction of rounds whose accepte
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -46,3 +50,34 @@ class SpecMetrics:
         return {"verify_rounds": self.verify_rounds, "accepted_draft_tokens": self.accepted_tokens,
                 "tau": round(self.tau, 4), "tau_no_bonus": round(self.tau_no_bonus, 4),
                 "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_depth]}
+
+
+class PhaseTimes:
+    """Wall time per round phase, accumulated: `with times("verify"): ...`. On CUDA the device is synchronised
+    at both ends so the time is the phase's, not its launch's (only when `sync` is set: benchmarks)."""
+
+    def __init__(self, sync_cuda: bool = False):
+        self.seconds: dict[str, float] = {}
+        self.sync_cuda = sync_cuda
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.sync_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync_cuda:
+                torch.cuda.synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    def split(self) -> dict[str, float]:
+        """Seconds per phase; `host` = whole rounds minus the graph phases inside them."""
+        rounds = self.seconds.get("round", 0.0)
+        inner = sum(v for k, v in self.seconds.items() if k in ("draft", "verify", "draft_extend"))
+        return {**{k: v for k, v in self.seconds.items() if k != "round"}, "host": max(rounds - inner, 0.0),
+                "round": rounds}

@@ -13,6 +13,7 @@ import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
+from fastspec.models.heads import write_random_head
 from gpu_marker import pytest_collection_modifyitems  # noqa: F401  (skips @pytest.mark.gpu without CUDA)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -95,46 +96,6 @@ def embedded_dir():
     return embedded_model_dir()
 
 
-def save_eagle_head(directory, target_hf, kind: str, seed: int = 0, draft_vocab: int = 48):
-    """A random EAGLE-2 (`eagle`) or EAGLE-3 (`eagle3`) head for `target_hf`, in SGLang / SpecForge format."""
-    import json
-
-    from safetensors.torch import save_file
-
-    t = target_hf.config
-    H, V = t.hidden_size, t.vocab_size
-    heads, kv_heads, head_dim, inter = 4, 2, 16, 96
-    gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen) * 0.1  # noqa: E731
-    attn_in = 2 * H if kind == "eagle3" else H
-    prefix = "midlayer." if kind == "eagle3" else "layers.0."
-    w = {f"{prefix}self_attn.q_proj.weight": rand(heads * head_dim, attn_in),
-         f"{prefix}self_attn.k_proj.weight": rand(kv_heads * head_dim, attn_in),
-         f"{prefix}self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in),
-         f"{prefix}self_attn.o_proj.weight": rand(H, heads * head_dim),
-         f"{prefix}mlp.gate_proj.weight": rand(inter, H), f"{prefix}mlp.up_proj.weight": rand(inter, H),
-         f"{prefix}mlp.down_proj.weight": rand(H, inter),
-         f"{prefix}post_attention_layernorm.weight": 1 + rand(H)}
-    config = {"hidden_size": H, "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
-              "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": V, "rms_norm_eps": 1e-6,
-              "max_position_embeddings": t.max_position_embeddings, "tie_word_embeddings": False}
-    if kind == "eagle3":
-        hot = torch.sort(torch.randperm(V, generator=gen)[:draft_vocab]).values
-        w |= {"fc.weight": rand(H, 3 * H), "midlayer.input_layernorm.weight": 1 + rand(H),
-              "midlayer.hidden_norm.weight": 1 + rand(H), "norm.weight": 1 + rand(H),
-              "lm_head.weight": rand(draft_vocab, H) * 10, "d2t": hot - torch.arange(draft_vocab),
-              "t2d": torch.zeros(V, dtype=torch.bool).index_fill_(0, hot, True)}
-        config |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
-                   "target_hidden_size": H, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
-    else:
-        w |= {"fc.weight": rand(H, 2 * H), "fc.bias": rand(H)}
-        config |= {"architectures": ["LlamaForCausalLMEagle"]}
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in w.items()}, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 @pytest.fixture(scope="session")
 def draft_dirs(tiny_dirs, tmp_path_factory):
     """family -> {"eagle": dir, "eagle3": dir, "standalone": dir (a different random model)}."""
@@ -144,7 +105,8 @@ def draft_dirs(tiny_dirs, tmp_path_factory):
         root = tmp_path_factory.mktemp(f"drafts-{family}")
         other = make_hf_model("llama", seed=5, num_hidden_layers=1)
         other.save_pretrained(root / "standalone")
-        out[family] = {"eagle": save_eagle_head(root / "eagle", hf, "eagle"),
-                       "eagle3": save_eagle_head(root / "eagle3", hf, "eagle3"),
+        c = hf.config
+        out[family] = {"eagle": write_random_head(root / "eagle", c.hidden_size, c.vocab_size, "eagle"),
+                       "eagle3": write_random_head(root / "eagle3", c.hidden_size, c.vocab_size, "eagle3"),
                        "standalone": root / "standalone"}
     return out

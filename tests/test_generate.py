@@ -100,16 +100,13 @@ def test_missing_model_directory_files(tmp_path):
 def test_speculative_on_the_embedded_model_equals_transformers(hf_greedy, embedded_dir, tmp_path, algorithm, steps,
                                                                topk, n):
     """An untrained (random) head or NGRAM on SmolLM2-135M-Instruct: greedy output unchanged."""
-    from types import SimpleNamespace
-
-    from conftest import save_eagle_head
+    from fastspec.models.heads import write_random_head
     from fastspec.models.loader import read_config
 
     c = read_config(embedded_dir)
-    target = SimpleNamespace(config=SimpleNamespace(hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                                                    max_position_embeddings=c.max_position_embeddings))
     kind = "eagle3" if algorithm == "EAGLE3" else "eagle"
-    head = save_eagle_head(tmp_path / kind, target, kind, draft_vocab=2048) if algorithm != "NGRAM" else None
+    head = (write_random_head(tmp_path / kind, c.hidden_size, c.vocab_size, kind, draft_vocab=2048)
+            if algorithm != "NGRAM" else None)
     llm = fastspec.LLM(speculative_algorithm=algorithm, draft_model=str(head) if head else None, num_steps=steps,
                        topk=topk, num_draft_tokens=n, max_total_tokens=4096)
     outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)

@@ -77,7 +77,7 @@ class NgramTreeDrafter:
         self.ngram = NgramDrafter(spec.ngram, spec.num_draft_tokens)
         self.num_steps = spec.num_steps
 
-    def draft(self, batch: DecodeBatch) -> DraftTree:
+    def draft(self, batch: DecodeBatch) -> DraftTree:  # host-side trie walk: counted as host time
         for rid, history in zip(batch.rids, batch.histories):
             self.ngram.update(rid, history)
         tokens, parents = self.ngram.propose(list(batch.rids), list(batch.histories))
@@ -93,10 +93,10 @@ class NgramTreeDrafter:
 
 
 def build_drafter(spec: SpecConfig, config: EngineConfig, draft, draft_pool, table, allocator, feature_width: int,
-                  on_prepare=None):
+                  on_prepare=None, times=None):
     if spec.algorithm == "NONE":
         return None
     if spec.algorithm == "NGRAM":
         return NgramTreeDrafter(spec)
     return EagleDrafter(draft, draft_pool, table, allocator, spec.num_steps, spec.topk, spec.num_draft_tokens,
-                        feature_width, config.graph_mode, config.graph_buckets, on_prepare)
+                        feature_width, config.graph_mode, config.graph_buckets, on_prepare, times)

@@ -56,7 +56,7 @@ class EagleDrafter:
     uses_extend = True
 
     def __init__(self, model, pool, table, allocator, num_steps: int, topk: int, num_draft_tokens: int,
-                 feature_width: int, graph_mode: str, buckets: list[int], on_prepare=None):
+                 feature_width: int, graph_mode: str, buckets: list[int], on_prepare=None, times=None):
         self.model, self.pool, self.table, self.allocator = model, pool, table, allocator
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.hot_token_id = model.hot_token_map()  # [Vd] draft id -> target id, or None
@@ -64,9 +64,10 @@ class EagleDrafter:
         device = pool.k.device
         self._extend_fn = partial(draft_extend, model, self.hot_token_id, pool, topk)
         loop = partial(draft_loop, model, self.hot_token_id, pool, topk, num_steps, num_draft_tokens)
-        self.loop_graphs = StepGraphs("draft loop", loop, self._loop_specs, graph_mode, buckets, device, on_prepare)
+        self.loop_graphs = StepGraphs("draft loop", loop, self._loop_specs, graph_mode, buckets, device, on_prepare,
+                                      times, "draft")
         self.extend_graphs = StepGraphs("draft extend", self._extend_fn, partial(self._extend_specs, feature_width),
-                                        graph_mode, buckets, device, on_prepare)
+                                        graph_mode, buckets, device, on_prepare, times, "draft_extend")
 
     @property
     def uses_scratch(self) -> bool:

@@ -13,8 +13,11 @@ from fastspec.graphs import GraphRunner, StaticInput
 
 class StepGraphs:
     def __init__(self, name: str, fn: Callable[[dict], dict], specs: Callable[[int], list[StaticInput]],
-                 mode: str, buckets: list[int], device, on_prepare: Callable[[str, int], None] | None = None):
+                 mode: str, buckets: list[int], device, on_prepare: Callable[[str, int], None] | None = None,
+                 times=None, phase: str = ""):
+        """times(phase) (a metrics.PhaseTimes) times each call; preparing graphs is not counted."""
         self.name, self.fn, self.specs, self.mode = name, fn, specs, mode
+        self.times, self.phase = times, phase
         self.buckets, self.device, self.on_prepare = buckets, device, on_prepare
         self.runners: dict[int, GraphRunner] = {}
         self.pool = None  # cuda: one memory pool shared by every width's graphs
@@ -34,6 +37,9 @@ class StepGraphs:
 
     def __call__(self, bs: int, inputs: dict, width: int) -> dict:
         if self.mode == "eager" or bs > self.buckets[-1]:  # past the largest bucket: eager, as SGLang does
-            return self.fn(inputs)
-        outputs = self.runner(width).run(bs, inputs)
-        return {k: v.clone() for k, v in outputs.items()}  # graph-owned memory is overwritten by the next replay
+            with self.times(self.phase):
+                return self.fn(inputs)
+        runner = self.runner(width)
+        with self.times(self.phase):
+            outputs = runner.run(bs, inputs)
+            return {k: v.clone() for k, v in outputs.items()}  # graph-owned memory: overwritten by the next replay
