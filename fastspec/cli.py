@@ -5,9 +5,13 @@ Every FastspecError becomes `error: <one line>` on stderr with exit code 2; Ctrl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
+import signal
 import sys
+import threading
 from typing import Annotated, Optional
 
 import typer
@@ -98,6 +102,105 @@ def generate(
     else:
         for o in outputs:
             typer.echo(o.text)
+
+
+@app.command()
+@user_errors
+@model_options
+def chat(
+    options: ModelOptions,
+    max_new_tokens: Annotated[int, typer.Option(help="Maximum tokens per answer.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
+):
+    """Chat in the terminal. Without a terminal on stdin: one user message per line, plain answers on stdout."""
+    from fastspec.chat import ChatSession
+    from fastspec.llm import LLM
+    from fastspec.models.embedded import cache_root
+    from fastspec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            max_new_tokens=max_new_tokens)
+    session = ChatSession(LLM(**options.llm_kwargs(), on_prepare=prepare_progress()), params, system)
+    try:
+        (chat_terminal if sys.stdin.isatty() else chat_lines)(session)
+    except BrokenPipeError:  # the reader went away mid-answer: keep the conversation, exit quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's final flush cannot fail)
+    finally:
+        saved = session.save(cache_root() / "chats")
+        if saved is not None and sys.stdin.isatty():
+            typer.echo(f"conversation saved to {saved}", err=True)
+
+
+def chat_lines(session) -> None:
+    """Scripted chat: each non-empty stdin line is a message (or a /command); answers go to stdout."""
+    for line in sys.stdin:
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            message = session.command(text)
+            if message is None:
+                return
+            typer.echo(message, err=True)
+            continue
+        try:
+            for delta in session.respond(text):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except FastspecError as e:
+            typer.echo(f"error: {e}", err=True)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        typer.echo(session.turns[-1].line(), err=True)
+
+
+def chat_terminal(session) -> None:
+    """Interactive chat: streamed answers, Ctrl-C stops an answer and keeps the conversation."""
+    from rich.console import Console
+
+    from fastspec.chat import HELP
+
+    console = Console(highlight=False)
+    console.print(f"[bold]fastspec chat[/bold] · {session.llm.engine.model_dir.name} · "
+                  f"{session.llm.engine.spec.algorithm}\n[dim]{HELP} · Ctrl-C stops an answer[/dim]")
+    while True:
+        try:
+            text = console.input("[bold green]you>[/bold green] ").strip()
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if not text:
+            continue
+        if text.startswith("/"):
+            message = session.command(text)
+            if message is None:
+                return
+            console.print(f"[dim]{message}[/dim]")
+            continue
+        with stop_on_ctrl_c() as interrupted:
+            try:
+                for delta in session.respond(text, should_stop=interrupted.is_set):
+                    console.print(delta, end="", markup=False)
+            except FastspecError as e:
+                console.print(f"[red]error: {e}[/red]")
+                continue
+        console.print(f"\n[dim]{session.turns[-1].line()}[/dim]")
+
+
+@contextlib.contextmanager
+def stop_on_ctrl_c():
+    """While generating, Ctrl-C sets an event (checked between rounds) instead of raising mid-step."""
+    event = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: event.set())
+    try:
+        yield event
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def main() -> None:

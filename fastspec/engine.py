@@ -8,6 +8,8 @@ Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -29,6 +31,14 @@ from fastspec.speculative.packing import kv_width, pack_verify
 from fastspec.speculative.runners import StepGraphs
 from fastspec.speculative.steps import target_verify
 from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    index: int  # the request's position in the submitted list
+    new_ids: list[int]  # tokens emitted by this step (several per speculative round)
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    metrics: SpecMetrics
 
 
 @dataclass(frozen=True)
@@ -92,24 +102,56 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerateOutput]:
+        outputs = {i: [] for i in range(len(prompts))}
+        final: dict[int, StepOutput] = {}
+        for step in self.stream(prompts, params):
+            for out in step:
+                outputs[out.index].extend(out.new_ids)
+                if out.finish_reason is not None:
+                    final[out.index] = out
+        return [GenerateOutput(list(p), outputs[i], final[i].finish_reason, final[i].metrics)
+                for i, p in enumerate(prompts)]
+
+    def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[StepOutput]]:
+        """Continuous batching; yields, after every prefill or decode round, the requests that progressed.
+        Between yields the caller may `abort(index)` a request (a stop string, a closed terminal, Ctrl-C)."""
         reqs = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         scheduler = Scheduler(self.pool.capacity, self.config.max_running_requests, self.config.page_size,
                               self._round_headroom())
         for r in reqs:
             scheduler.add(r)
+        self._aborted: set[int] = set()
         with torch.inference_mode():
             while not scheduler.idle:
-                admitted = scheduler.admit()
-                if admitted:
+                aborted = self._apply_aborts(scheduler)
+                batch = scheduler.admit() or list(scheduler.running)
+                seen = {r.rid: len(r.output_ids) for r in batch}
+                if batch and batch[0].row < 0:
                     with self.times("prefill"):
-                        self._prefill(admitted)
-                elif scheduler.running:
+                        self._prefill(batch)
+                elif batch:
                     with self.times("round"):
-                        self._decode(scheduler.running)
-                else:
-                    raise FastspecError("a request does not fit in the KV pool (raise --max-total-tokens)")
+                        self._decode(batch)
                 scheduler.retire()
-        return [GenerateOutput(r.prompt_ids, r.output_ids, r.finish_reason, r.metrics) for r in reqs]
+                yield aborted + [StepOutput(r.rid, r.output_ids[seen[r.rid]:], r.finish_reason, r.metrics)
+                                 for r in batch]
+
+    def abort(self, index: int) -> None:
+        """Finish request `index` of the current stream before its next step; its KV is released."""
+        self._aborted.add(index)
+
+    def _apply_aborts(self, scheduler: Scheduler) -> list[StepOutput]:
+        done = []
+        for r in [*scheduler.waiting, *scheduler.running]:
+            if r.rid in self._aborted and not r.finished:
+                r.finish_reason = "abort"
+                if r.row >= 0:
+                    self._release(r)
+                done.append(StepOutput(r.rid, [], "abort", r.metrics))
+        scheduler.waiting = deque(r for r in scheduler.waiting if not r.finished)
+        scheduler.retire()
+        self._aborted.clear()
+        return done
 
     def check_kv(self, running: list[Request] = ()) -> None:
         """Leak check: free slots + slots held by `running` == capacity (AssertionError otherwise)."""
@@ -143,7 +185,11 @@ class Engine:
         vocab = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise FastspecError(f"input token ids must be in [0, {vocab})")
-        return Request(rid, list(prompt), params, make_generator(params.seed, self.config.device))
+        request = Request(rid, list(prompt), params, make_generator(params.seed, self.config.device))
+        if request.budget(self.config.page_size, self._round_headroom()) > self.pool.capacity:
+            raise FastspecError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not "
+                                f"fit in the KV pool of {self.pool.capacity} tokens (raise --max-total-tokens)")
+        return request
 
     # ---- prefill ----------------------------------------------------------------------------------------
 

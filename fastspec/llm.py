@@ -5,6 +5,7 @@ Owns tokenisation and chat templating around the engine (which speaks token ids 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -12,8 +13,19 @@ from fastspec.config import EngineConfig, SpecConfig
 from fastspec.engine import Engine
 from fastspec.metrics import SpecMetrics
 from fastspec.models.loader import read_config, resolve_model_dir
+from fastspec.detokenizer import IncrementalDetokenizer
 from fastspec.tokenizer import Tokenizer
 from fastspec.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    index: int  # which prompt
+    text: str  # new text safe to show
+    finish_reason: str | None
+    metrics: SpecMetrics
+    new_ids: list[int]
+    kept_tokens: int | None  # after a stop string: how many output tokens the kept text covers
 
 
 @dataclass(frozen=True)
@@ -56,13 +68,53 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams]
                  = SamplingParams(), chat: bool = False) -> list[Completion]:
         """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams or one each."""
+        ids, params = self._inputs(prompts, params, chat)
+        if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
+            return [Completion(o.prompt_ids, o.output_ids, self.decode(o.output_ids), o.finish_reason, o.metrics)
+                    for o in self.engine.generate(ids, params)]
+        final, out_ids = {}, {i: [] for i in range(len(ids))}
+        streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
+        for step in self.stream_ids(ids, params, streams):
+            for d in step:
+                out_ids[d.index].extend(d.new_ids)
+                if d.finish_reason is not None:
+                    final[d.index] = d
+        return [Completion(ids[i], out_ids[i][: final[i].kept_tokens], streams[i].text, final[i].finish_reason,
+                           final[i].metrics) for i in range(len(ids))]
+
+    def stream(self, prompts, params=SamplingParams(), chat: bool = False) -> Iterator[list[TextDelta]]:
+        """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
+        start a stop string is held back until it is ruled out)."""
+        ids, params = self._inputs(prompts, params, chat)
+        streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
+        yield from self.stream_ids(ids, params, streams)
+
+    def stream_ids(self, ids, params, streams) -> Iterator[list[TextDelta]]:
+        for step in self.engine.stream(ids, params):
+            deltas = []
+            for out in step:
+                stream = streams[out.index]
+                if stream.stopped:
+                    continue  # a stop string ended it last step; this is the engine confirming the abort
+                text = stream.add(out.new_ids)
+                reason = out.finish_reason
+                if stream.stopped and reason is None:
+                    self.engine.abort(out.index)  # the stop string ends it; the engine frees its KV next step
+                    reason = "stop"
+                if reason is not None:
+                    text += stream.finish()
+                kept = stream.num_tokens_kept if stream.stopped else None
+                deltas.append(TextDelta(out.index, text, reason, out.metrics, out.new_ids, kept))
+            yield deltas
+
+    def abort(self, index: int) -> None:
+        self.engine.abort(index)
+
+    def _inputs(self, prompts, params, chat):
         if isinstance(prompts, str):
             prompts = [prompts]
         ids = [p if isinstance(p, list) else self.encode(p, chat) for p in prompts]
-        params = params if isinstance(params, list) else [params] * len(ids)
-        outputs = self.engine.generate(ids, params)
-        return [Completion(o.prompt_ids, o.output_ids, self.decode(o.output_ids), o.finish_reason, o.metrics)
-                for o in outputs]
+        return ids, params if isinstance(params, list) else [params] * len(ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

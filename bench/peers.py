@@ -1,0 +1,316 @@
+"""Peer comparison: fastspec configurations against what a user would pick instead, in one process, on the same
+model (the embedded SmolLM2-135M-Instruct), the same chat-templated prompts and output length, greedy, batch 1.
+
+    .venv/bin/python bench/peers.py [--fastspec NONE --fastspec NGRAM --fastspec "EAGLE3:/path/to/head,topk=4"]
+        [--max-new-tokens 128] [--trials 2] [--num-prompts 4 | --prompts FILE.jsonl] [--output PATH]
+
+Peers: transformers greedy `generate` (the baseline), transformers prompt-lookup decoding, transformers assisted
+generation (needs a smaller assistant; none exists offline below 135M, so it is reported as skipped), llama.cpp
+via llama-cpp-python on the original Q4_1 GGUF (other weights: its text is shown, its tokens are not compared).
+tok/s = generated tokens / wall time incl. prefill, after one full-length warm-up per engine; trials alternate
+between engines; the median over trials x prompts is reported. Prints a markdown table, writes JSON.
+Owns benchmarking only: it drives fastspec through `fastspec.LLM` and knows nothing of its internals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import fastspec
+from fastspec.config import EngineConfig
+from fastspec.errors import FastspecError
+from fastspec.models.embedded import find_embedded_gguf
+from fastspec.models.loader import resolve_model_dir
+from fastspec.sampling import SamplingParams
+from fastspec.tokenizer import Tokenizer
+
+MODEL = "smollm2-135m-instruct"
+BASELINE = "transformers greedy"
+DEFAULT_PROMPTS = [
+    "Explain how a bicycle stays upright while it is moving.",
+    "Write a Python function that returns the n-th Fibonacci number, then explain it line by line.",
+    "Summarise the water cycle in five short bullet points.",
+    "List the eight planets of the solar system with one fact about each.",
+]
+NO_ASSISTANT = ("transformers assisted generation: skipped - SmolLM2-135M is the smallest model available "
+                "offline here, so no smaller assistant fits (nothing is downloaded)")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # the user message
+    chat_text: str  # chat-templated text (llama.cpp tokenizes this itself)
+    ids: tuple[int, ...]  # chat-templated token ids (fed to every other engine)
+
+
+@dataclass(frozen=True)
+class Output:
+    ids: tuple[int, ...]  # generated tokens only
+    text: str
+    tau: float | None = None  # tokens per verify round (fastspec speculative configurations only)
+    prompt_ids: tuple[int, ...] | None = None  # the prompt as tokenized by an engine that tokenizes itself
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    weights: str  # what actually runs, e.g. "float32" or "Q4_1 GGUF"
+    comparable: bool  # same weights as transformers greedy: its tokens must equal the baseline's
+    run: Callable[[Prompt, int], Output]  # (prompt, new tokens) -> exactly that many greedy tokens
+
+
+@dataclass(frozen=True)
+class Run:
+    prompt: int  # index into the prompt list
+    seconds: float
+    output: Output
+
+
+# ---- prompts -------------------------------------------------------------------------------------------------
+
+def load_prompts(path: str | None, count: int | None, tokenizer: Tokenizer) -> list[Prompt]:
+    texts = DEFAULT_PROMPTS if path is None else _read_jsonl(Path(path))
+    texts = texts[:count] if count else texts
+    if not texts:
+        raise FastspecError("no prompts to run")
+    prompts = []
+    for text in texts:
+        messages = [{"role": "user", "content": text}]
+        prompts.append(Prompt(text, tokenizer.apply_chat_template(messages),
+                              tuple(tokenizer.encode_chat(messages))))  # = fastspec.LLM.encode(text, chat=True)
+    return prompts
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return [json.loads(line)["prompt"] for line in lines]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise FastspecError(f"{path}: expected one JSON object with a \"prompt\" per line ({e!r})") from None
+
+
+# ---- peers ---------------------------------------------------------------------------------------------------
+
+def parse_fastspec(spec: str) -> dict:
+    """"ALGO[:DRAFT_PATH][,key=value...]" -> fastspec.LLM kwargs; e.g. "EAGLE3:/heads/h,num_steps=5,topk=4"
+    -> {"speculative_algorithm": "EAGLE3", "draft_model": "/heads/h", "num_steps": 5, "topk": 4}."""
+    head, *options = spec.split(",")
+    algorithm, _, draft = head.partition(":")
+    kwargs: dict = {"speculative_algorithm": algorithm.strip().upper() or "NONE"}
+    if draft:
+        kwargs["draft_model"] = draft
+    known = set(inspect.signature(fastspec.LLM).parameters) | {f.name for f in dataclasses.fields(EngineConfig)}
+    for option in options:
+        key, sep, value = (s.strip() for s in option.partition("="))
+        if not sep or key not in known - {"self", "engine_options", "on_prepare", "model"}:
+            raise FastspecError(f"--fastspec {spec!r}: {option!r} is not key=value with a fastspec.LLM option")
+        kwargs[key] = _literal(value)
+    return kwargs
+
+
+def _literal(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def fastspec_peer(spec: str, max_total_tokens: int) -> Peer:
+    kwargs = {"dtype": "float32", "max_total_tokens": max_total_tokens, **parse_fastspec(spec)}
+    llm = fastspec.LLM(model=MODEL, **kwargs)
+
+    def run(prompt: Prompt, new_tokens: int) -> Output:
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        c = llm.generate([list(prompt.ids)], params)[0]
+        return Output(tuple(c.output_ids), c.text, c.metrics.tau if c.metrics.verify_rounds else None)
+
+    return Peer(f"fastspec {spec}", kwargs["dtype"], kwargs["dtype"] == "float32", run)
+
+
+def transformers_peers(model_dir: Path, tokenizer: Tokenizer) -> list[Peer]:
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def runner(**extra) -> Callable[[Prompt, int], Output]:
+        def run(prompt: Prompt, new_tokens: int) -> Output:
+            ids = torch.tensor([prompt.ids])  # [1, prompt_len]
+            with torch.inference_mode():  # min_new_tokens masks EOS: exactly new_tokens, like ignore_eos
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  pad_token_id=hf.config.eos_token_id, **extra)
+            new = tuple(out[0, ids.shape[1]:].tolist())
+            return Output(new, tokenizer.decode(list(new)))
+        return run
+
+    return [Peer(BASELINE, "float32", True, runner()),
+            Peer("transformers prompt lookup (10)", "float32", True, runner(prompt_lookup_num_tokens=10))]
+
+
+def llama_cpp_peer(gguf: Path) -> Peer | str:
+    """A llama.cpp peer, or the reason there is none."""
+    try:
+        from llama_cpp import Llama
+    except Exception as e:  # ImportError, or a built library that fails to load
+        return f"llama-cpp-python unavailable: {type(e).__name__}: {e}"
+    model = Llama(model_path=str(gguf), n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)
+    bos = model.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
+
+    def run(prompt: Prompt, new_tokens: int) -> Output:
+        tokens = model.tokenize(prompt.chat_text.encode("utf-8"), add_bos=bos, special=True)
+        model.reset()  # no prompt-prefix reuse from the previous call: every engine pays its prefill
+        out = []
+        for token in model.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+            out.append(token)  # generate() never stops by itself: EOS is ignored like everywhere else
+            if len(out) == new_tokens:
+                break
+        text = model.detokenize(out).decode("utf-8", errors="replace")
+        return Output(tuple(out), text, prompt_ids=tuple(tokens))
+
+    return Peer("llama.cpp (llama-cpp-python)", f"Q4_1 GGUF ({gguf.name})", False, run)
+
+
+# ---- measuring -----------------------------------------------------------------------------------------------
+
+def measure(peers: list[Peer], prompts: list[Prompt], new_tokens: int, trials: int) -> dict[str, list[Run]]:
+    """Warm up each engine once, then trials x prompts runs, alternating engines so noise hits all alike."""
+    for peer in peers:
+        peer.run(prompts[0], new_tokens)
+    runs: dict[str, list[Run]] = {peer.name: [] for peer in peers}
+    for _ in range(trials):
+        for i, prompt in enumerate(prompts):
+            for peer in peers:
+                start = time.perf_counter()
+                output = peer.run(prompt, new_tokens)
+                runs[peer.name].append(Run(i, time.perf_counter() - start, output))
+    return runs
+
+
+def first_divergence(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
+    """Index of the first differing token (None: equal)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def summarise(peer: Peer, runs: list[Run], prompts: list[Prompt], reference: dict[int, tuple[int, ...]],
+              baseline_tok_s: float) -> dict:
+    tok_s = statistics.median(len(r.output.ids) / r.seconds for r in runs)
+    taus = [r.output.tau for r in runs if r.output.tau is not None]
+    row = {"engine": peer.name, "weights": peer.weights, "tok_s": round(tok_s, 2),
+           "speedup": round(tok_s / baseline_tok_s, 3), "tau": round(statistics.median(taus), 3) if taus else None,
+           "generated_tokens": sorted({len(r.output.ids) for r in runs}), "runs": len(runs)}
+    if peer.comparable:
+        diverge = [first_divergence(r.output.ids, reference[r.prompt]) for r in runs]
+        row["equal_to_greedy"] = f"{diverge.count(None)}/{len(runs)}"
+        row["first_divergence"] = diverge
+    else:
+        row["equal_to_greedy"] = "n/a (other weights)"
+    if runs[0].output.prompt_ids is not None:
+        same = sum(r.output.prompt_ids == prompts[r.prompt].ids for r in runs)
+        row["prompt_tokens_equal_to_fastspec"] = f"{same}/{len(runs)}"
+    row["texts"] = [r.output.text for r in runs[:len(prompts)]]  # the first trial, in prompt order
+    return row
+
+
+# ---- reporting -----------------------------------------------------------------------------------------------
+
+def markdown(report: dict) -> str:
+    lines = [f"Command: `{report['command']}`", "",
+             f"Model {MODEL}, {report['max_new_tokens']} new tokens, greedy, batch 1, {report['runs_per_engine']} "
+             f"runs per engine (trials x prompts), median tok/s incl. prefill; torch threads {report['torch_threads']}.",
+             "", "| engine | weights | tok/s | speedup vs transformers greedy | tau | tokens = transformers greedy |",
+             "|---|---|---:|---:|---:|---|"]
+    for r in report["results"]:
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        lines.append(f"| {r['engine']} | {r['weights']} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | {tau} "
+                     f"| {r['equal_to_greedy']} |")
+    lines += [""] + [f"- {note}" for note in report["notes"]]
+    for r in report["results"]:
+        if r["equal_to_greedy"].startswith("n/a"):
+            lines.append(f"- {r['engine']}: prompt tokens = fastspec's in {r['prompt_tokens_equal_to_fastspec']} runs")
+            lines += [f"- {r['engine']} text, prompt {i}: {text[:160]!r}" for i, text in enumerate(r["texts"], 1)]
+    return "\n".join(lines)
+
+
+def build_peers(args, model_dir: Path, tokenizer: Tokenizer) -> tuple[list[Peer], list[str]]:
+    notes = [NO_ASSISTANT]
+    peers = transformers_peers(model_dir, tokenizer)
+    llama = llama_cpp_peer(find_embedded_gguf(MODEL))
+    if isinstance(llama, str):
+        notes.append(llama)
+    else:
+        peers.append(llama)
+        notes.append("llama.cpp runs the Q4_1 GGUF weights (not float32), n_threads=2, n_ctx=2048, greedy; "
+                     "its tokens are not compared, its text is shown")
+    peers += [fastspec_peer(spec, args.max_total_tokens) for spec in args.fastspec or ["NONE", "NGRAM"]]
+    return peers, notes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fastspec", action="append", help='"ALGO[:DRAFT_PATH][,key=value...]"; repeatable '
+                        "(default: NONE and NGRAM); keys are fastspec.LLM options, e.g. num_steps, topk, graphs")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line')
+    parser.add_argument("--max-total-tokens", type=int, default=8192, help="fastspec KV pool size")
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "peers.json"))
+    args = parser.parse_args(argv)
+    command = shlex.join([sys.executable, *(sys.argv if argv is None else ["bench/peers.py", *argv])])
+    try:
+        report = run_benchmark(args, command)
+    except FastspecError as e:
+        sys.exit(f"error: {e}")
+    print(markdown(report))
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def run_benchmark(args, command: str) -> dict:
+    if args.max_new_tokens < 1 or args.trials < 1:
+        raise FastspecError("--max-new-tokens and --trials must be >= 1")
+    model_dir = resolve_model_dir(MODEL)
+    tokenizer = Tokenizer(model_dir)
+    prompts = load_prompts(args.prompts, args.num_prompts, tokenizer)
+    peers, notes = build_peers(args, model_dir, tokenizer)
+    runs = measure(peers, prompts, args.max_new_tokens, args.trials)
+    reference = {r.prompt: r.output.ids for r in runs[BASELINE][:len(prompts)]}
+    baseline = statistics.median(len(r.output.ids) / r.seconds for r in runs[BASELINE])
+    return {"command": command, "model": MODEL, "max_new_tokens": args.max_new_tokens, "trials": args.trials,
+            "prompts": [p.text for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts],
+            "runs_per_engine": args.trials * len(prompts), "torch_threads": torch.get_num_threads(),
+            "machine": f"{platform.machine()} {platform.processor()}".strip(),
+            "versions": versions(), "notes": notes,
+            "results": [summarise(p, runs[p.name], prompts, reference, baseline) for p in peers]}
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("torch", "transformers", "llama-cpp-python"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+if __name__ == "__main__":
+    main()

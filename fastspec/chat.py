@@ -1,0 +1,97 @@
+"""A chat conversation over an LLM: history, slash commands, streamed answers, per-turn and session stats.
+
+No terminal I/O here (cli.py renders); an answer is a generator of text deltas the caller prints, and a
+`should_stop()` callback (Ctrl-C) ends it early while keeping the partial answer in the history.
+Each turn re-prefills the whole conversation (KV prefix reuse across turns is not implemented).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastspec.metrics import SpecMetrics
+from fastspec.sampling import SamplingParams
+
+HELP = "/reset  clear the conversation · /system TEXT  set the system prompt · /stats  session totals · /exit"
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    tokens: int
+    seconds: float
+    metrics: SpecMetrics
+    finish_reason: str
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def line(self) -> str:
+        tau = f" · tau {self.metrics.tau:.2f}" if self.metrics.verify_rounds else ""
+        return f"{self.tokens} tokens · {self.tok_s:.1f} tok/s{tau} · {self.finish_reason}"
+
+
+class ChatSession:
+    def __init__(self, llm, params: SamplingParams, system: str | None = None):
+        self.llm, self.params, self.system = llm, params, system
+        self.messages: list[dict] = []
+        self.turns: list[TurnStats] = []
+
+    def command(self, line: str) -> str | None:
+        """Handle a slash command; returns a message to show, or None for /exit."""
+        name, _, arg = line.strip().partition(" ")
+        if name == "/exit":
+            return None
+        if name == "/reset":
+            self.messages = []
+            return "conversation cleared"
+        if name == "/system":
+            self.system = arg.strip() or None
+            return f"system prompt {'set' if self.system else 'cleared'}"
+        if name == "/stats":
+            return self.stats()
+        return f"unknown command {name}; {HELP}"
+
+    def respond(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
+        """Stream the answer to `text`; the (possibly partial) answer joins the history when done."""
+        messages = self.messages + [{"role": "user", "content": text}]
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        ids = self.llm.tokenizer.encode_chat(system + messages)  # FastspecError (e.g. too long): history unchanged
+        start, answer, tokens, last = time.perf_counter(), [], 0, None
+        for step in self.llm.stream([ids], [self.params]):
+            for delta in step:
+                answer.append(delta.text)
+                tokens += len(delta.new_ids)
+                last = delta if delta.finish_reason else last
+                if delta.text:
+                    yield delta.text
+            if last is None and should_stop():
+                self.llm.abort(0)
+        reason = last.finish_reason if last else "abort"
+        self.turns.append(TurnStats(tokens, time.perf_counter() - start, last.metrics if last else SpecMetrics(),
+                                    "interrupted" if reason == "abort" else reason))
+        self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
+
+    def stats(self) -> str:
+        if not self.turns:
+            return "no answers yet"
+        tokens = sum(t.tokens for t in self.turns)
+        seconds = sum(t.seconds for t in self.turns)
+        metrics = sum((t.metrics for t in self.turns[1:]), self.turns[0].metrics)
+        tau = f" · tau {metrics.tau:.2f} · acceptance by depth {[round(a, 2) for a in metrics.acceptance_by_depth]}"
+        return (f"{len(self.turns)} answers · {tokens} tokens · {tokens / seconds:.1f} tok/s"
+                + (tau if metrics.verify_rounds else ""))
+
+    def save(self, directory: Path) -> Path | None:
+        """Write the conversation as JSON (so nothing typed or generated is lost); None if it is empty."""
+        if not self.messages:
+            return None
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / time.strftime("chat-%Y%m%d-%H%M%S.json")
+        path.write_text(json.dumps({"system": self.system, "messages": self.messages}, indent=1, ensure_ascii=False))
+        return path
+
