@@ -35,9 +35,11 @@ from fastspec.errors import FastspecError
 from fastspec.models.embedded import find_embedded_gguf
 from fastspec.models.loader import resolve_model_dir
 from fastspec.sampling import SamplingParams
+from fastspec.speculative.ngram import NgramParams
 from fastspec.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
+NGRAM_FIELDS = [f.name for f in dataclasses.fields(NgramParams)]
 BASELINE = "transformers greedy"
 DEFAULT_PROMPTS = [
     "Explain how a bicycle stays upright while it is moving.",
@@ -106,18 +108,26 @@ def _read_jsonl(path: Path) -> list[str]:
 
 def parse_fastspec(spec: str) -> dict:
     """"ALGO[:DRAFT_PATH][,key=value...]" -> fastspec.LLM kwargs; e.g. "EAGLE3:/heads/h,num_steps=5,topk=4"
-    -> {"speculative_algorithm": "EAGLE3", "draft_model": "/heads/h", "num_steps": 5, "topk": 4}."""
+    -> {"speculative_algorithm": "EAGLE3", "draft_model": "/heads/h", "num_steps": 5, "topk": 4};
+    NGRAM takes NgramParams fields prefixed "ngram_", e.g. "NGRAM,ngram_max_bfs_breadth=4"."""
     head, *options = spec.split(",")
     algorithm, _, draft = head.partition(":")
     kwargs: dict = {"speculative_algorithm": algorithm.strip().upper() or "NONE"}
     if draft:
         kwargs["draft_model"] = draft
     known = set(inspect.signature(fastspec.LLM).parameters) | {f.name for f in dataclasses.fields(EngineConfig)}
+    known = known - {"engine_options", "on_prepare", "model", "ngram"} | {f"ngram_{f}" for f in NGRAM_FIELDS}
+    ngram = {}
     for option in options:
         key, sep, value = (s.strip() for s in option.partition("="))
-        if not sep or key not in known - {"self", "engine_options", "on_prepare", "model"}:
+        if not sep or key not in known:
             raise FastspecError(f"--fastspec {spec!r}: {option!r} is not key=value with a fastspec.LLM option")
-        kwargs[key] = _literal(value)
+        if key.startswith("ngram_"):
+            ngram[key.removeprefix("ngram_")] = _literal(value)
+        else:
+            kwargs[key] = _literal(value)
+    if ngram:
+        kwargs["ngram"] = NgramParams(**ngram)
     return kwargs
 
 

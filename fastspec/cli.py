@@ -53,13 +53,13 @@ def prepare_progress():
     return lambda name, bs: console.print(f"[dim]preparing graph {name}: batch bucket {bs}[/dim]")
 
 
-def parse_ids(text: str) -> list[int]:
+def parse_ids(text: str, flag: str = "--input-ids") -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise FastspecError(f"--input-ids must be comma-separated integers, got {text!r}") from None
+        raise FastspecError(f"{flag} must be comma-separated integers, got {text!r}") from None
     if not ids:
-        raise FastspecError("--input-ids is empty")
+        raise FastspecError(f"{flag} is empty")
     return ids
 
 
@@ -192,6 +192,68 @@ def chat_terminal(session) -> None:
         console.print(f"\n[dim]{session.turns[-1].line()}[/dim]")
 
 
+@app.command()
+@user_errors
+@model_options
+def bench(
+    options: ModelOptions,
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,4,8",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 128,
+    num_prompts: Annotated[int, typer.Option(help="Prompts per batch size (cycled up to the batch size).")] = 8,
+    prompts: Annotated[Optional[str], typer.Option(help="JSONL file, one {\"prompt\": ...} per line.")] = None,
+    prompt_set: Annotated[str, typer.Option(help="Built-in held-out prompts: chat | code | writing | all.")] = "chat",
+    trials: Annotated[int, typer.Option(help="Timed trials per configuration (median reported).")] = 2,
+    warmup: Annotated[int, typer.Option(help="Warm-up runs per configuration and batch size.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+):
+    """Throughput of the speculative configuration against no speculation, in the same process and run."""
+    from fastspec.bench import run_bench
+    from fastspec.llm import LLM
+    from fastspec.prompts import load_prompts, read_jsonl_prompts
+
+    sizes = parse_ids(batch_sizes, "--batch-sizes")
+    if min(sizes) < 1 or num_prompts < 1 or trials < 1 or warmup < 0 or max_new_tokens < 1:
+        raise FastspecError("batch sizes, --num-prompts, --trials and --max-new-tokens must be >= 1")
+    texts = read_jsonl_prompts(prompts) if prompts else load_prompts(prompt_set)
+    kwargs = options.llm_kwargs() | {"max_running_requests": max(max(sizes), options.max_running_requests)}
+    spec = LLM(**kwargs, on_prepare=prepare_progress())
+    base_kwargs = kwargs | {"speculative_algorithm": None, "draft_model": None, "token_map": None, "ngram": None}
+    baseline = LLM(**{k: v for k, v in base_kwargs.items() if k not in ("num_steps", "topk", "num_draft_tokens")})
+    ids = [spec.encode(t, chat=True) for t in texts[:num_prompts]]
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status("benchmarking") as status:
+        results = run_bench(baseline, spec, ids, sizes, max_new_tokens, trials, warmup,
+                            on_progress=lambda text: status.update(text))
+    config = {"model": options.model, "algorithm": spec.engine.spec.algorithm, "num_steps": spec.engine.spec.num_steps,
+              "topk": spec.engine.spec.topk, "num_draft_tokens": spec.engine.spec.num_draft_tokens,
+              "dtype": options.dtype, "max_new_tokens": max_new_tokens, "num_prompts": len(ids), "trials": trials,
+              "graphs": spec.engine.config.graph_mode}
+    if as_json:
+        typer.echo(json.dumps({"config": config, "results": [r.as_dict() for r in results]}))
+    else:
+        print_bench_table(config, results)
+
+
+def print_bench_table(config: dict, results) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"fastspec bench · {config['algorithm']} (steps {config['num_steps']}, topk "
+                        f"{config['topk']}, draft tokens {config['num_draft_tokens']}) vs no speculation")
+    for column in ("batch", "baseline tok/s", "spec tok/s", "speedup", "per request", "tau", "accept by depth",
+                   "ms/round draft·verify·extend·host"):
+        table.add_column(column, justify="right")
+    for r in results:
+        split = r.ms_per_round
+        table.add_row(str(r.batch_size), f"{r.baseline_tok_s:.1f}", f"{r.spec_tok_s:.1f}", f"{r.speedup:.2f}x",
+                      f"{r.spec_tok_s_per_request:.1f}", f"{r.tau:.2f}",
+                      " ".join(f"{a:.2f}" for a in r.acceptance_by_depth[:6]),
+                      "·".join(f"{split.get(k, 0):.0f}" for k in ("draft", "verify", "draft_extend", "host")))
+    Console().print(table)
+
+
 @contextlib.contextmanager
 def stop_on_ctrl_c():
     """While generating, Ctrl-C sets an event (checked between rounds) instead of raising mid-step."""
@@ -203,5 +265,5 @@ def stop_on_ctrl_c():
         signal.signal(signal.SIGINT, previous)
 
 
-def main() -> None:
-    sys.exit(app())
+if __name__ == "__main__":
+    app()

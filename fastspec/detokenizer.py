@@ -27,10 +27,14 @@ class _WindowDecoder:
     """Token ids -> decoded text deltas without partial characters; remembers at which token each char count
     was reached, back to the last emitted text, so the tokens covering a stop-trimmed text can be counted."""
 
-    def __init__(self, tokenizer, prompt_tail: list[int], skip_special_tokens: bool):
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-        self.ids = list(prompt_tail)  # prompt tail + every output id
-        self.num_prompt = len(prompt_tail)
+        start = max(0, len(prompt_ids) - CONTEXT_TOKENS)
+        while 0 < start and len(prompt_ids) - start < 4 * CONTEXT_TOKENS and \
+                self._decode(prompt_ids[start:]).startswith(REPLACEMENT):  # start between characters
+            start -= 1
+        self.ids = list(prompt_ids[start:])  # prompt tail + every output id
+        self.num_prompt = len(self.ids)
         self.prefix, self.read = 0, self.num_prompt
         self.prefix_text = self._decode(self.ids)  # decode(ids[prefix:read])
         self.tail_emitted = 0  # chars past `read` already handed out (text in front of a split character)
@@ -42,7 +46,7 @@ class _WindowDecoder:
         self.ids.extend(ids)
         text = self._decode(self.ids[self.prefix:])
         start = len(self.prefix_text)
-        if final or not text.endswith(REPLACEMENT):
+        if True:
             return self._move_read(len(self.ids), text[start:])
         out = self._hand_out(text[start:].rstrip(REPLACEMENT))  # the text in front of the split character
         if len(self.ids) - self.read > MAX_UNREAD:  # keep the window short: commit an earlier token boundary
@@ -123,7 +127,7 @@ class IncrementalDetokenizer:
         if any(not s for s in stop):
             raise FastspecError("stop strings must not be empty")
         self._stop = tuple(stop)
-        self._decoder = _WindowDecoder(tokenizer, list(prompt_ids or [])[-CONTEXT_TOKENS:], skip_special_tokens)
+        self._decoder = _WindowDecoder(tokenizer, list(prompt_ids or []), skip_special_tokens)
         self._chunks: list[str] = []
         self._num_emitted = 0
         self._held = ""  # decoded text not shown: it may be the start of a stop string

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastspec.detokenizer import MAX_UNREAD, IncrementalDetokenizer
+from fastspec.detokenizer import MAX_PARTIAL, MAX_UNREAD, IncrementalDetokenizer
 from fastspec.errors import FastspecError
 from fastspec.tokenizer import Tokenizer
 
@@ -191,6 +191,9 @@ def test_byte_fallback_run_of_replacements_is_held():
     assert tok.decode([F0, N9F, N9A]) == FFFD * 3
     assert run(IncrementalDetokenizer(tok), [[H, F0], [N9F, N9A], [N80, I]]) == ["h", "", "🚀i", ""]
     assert run(IncrementalDetokenizer(tok, stop=("🚀",)), [[H, F0, N9F], [N9A], [N80, I]]) == ["h", "", "", ""]
+    prompt = [H, E6, N97, A5, E6, N97, A5]  # its last 4 tokens start inside a character
+    assert tok.decode(prompt[-4:] + [E6, N97, A5]) == FFFD * 7  # so a window starting there never decodes
+    assert run(IncrementalDetokenizer(tok, prompt_ids=prompt), [[E6], [N97], [A5, I]]) == ["", "", "日i", ""]
 
 
 class PieceTokenizer:
@@ -222,7 +225,7 @@ def check_bounded_and_exact(tok, ids, sizes):
         assert full.startswith(detok.text)  # whatever was shown is final
     detok.finish()
     assert detok.text == full
-    assert max(tok.decoded_lengths) <= 2 * (MAX_UNREAD + max(sizes))  # window: last read + unread tokens
+    assert max(tok.decoded_lengths) <= 2 * (MAX_UNREAD + MAX_PARTIAL + max(sizes))  # not growing with len(ids)
 
 
 BURSTS = st.lists(st.integers(1, 4), min_size=1, max_size=4)
@@ -242,3 +245,10 @@ def test_byte_fallback_characters_split_anywhere(chars, sizes):
     """Valid text only: ByteFallback decodes a whole run of byte tokens at once, so one invalid byte turns the
     characters before it in the run into U+FFFD too (not prefix-stable; no streaming decoder can follow it)."""
     check_bounded_and_exact(ByteTokenizer(SPLIT_VOCAB, byte_fallback=True), [i for c in chars for i in c], sizes)
+
+
+@pytest.mark.parametrize("junk", [[N80], [E6], [E6, N97], [F0, N9F, N9A], [N97, E6, N97, A5, F0, N9A]])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_long_invalid_runs_are_committed(junk, size):
+    """No character boundary for 40+ tokens: the window must still move on, cutting the invalid run exactly."""
+    check_bounded_and_exact(ByteTokenizer(SPLIT_VOCAB), [H] + junk * (40 // len(junk) + 1) + [E6, N97, A5], [size])

@@ -1,0 +1,86 @@
+"""The product surface on the embedded model: scripted chat over stdin, `fastspec bench --json`, stop strings
+through the engine, bad input. (Interactive terminal use is exercised by hand with tmux.)"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import fastspec
+from fastspec.cli import app
+from fastspec.sampling import SamplingParams
+
+
+def run_cli(*args, stdin="", env=None):
+    return subprocess.run([sys.executable, "-m", "fastspec.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def test_scripted_chat_two_turns():
+    result = run_cli("chat", "--max-new-tokens", "24", "--max-total-tokens", "4096",
+                     stdin="What is the capital of France?\n/stats\n\nAnd of Italy? Answer in one word.\n")
+    assert result.returncode == 0, result.stderr
+    answers = result.stdout.strip().splitlines()
+    assert len(answers) == 2 and "Paris" in answers[0] and "Rome" in answers[1]
+    assert "tok/s" in result.stderr and "1 answers" in result.stderr  # per-turn status lines and /stats
+    assert "Traceback" not in result.stderr
+
+
+def test_chat_session_keeps_an_interrupted_answer(tmp_path):
+    from fastspec.chat import ChatSession
+
+    llm = fastspec.LLM(max_total_tokens=4096, speculative_algorithm="NGRAM")
+    session = ChatSession(llm, SamplingParams(max_new_tokens=48))
+    seen = []
+    for delta in session.respond("Write a long story about a dragon.", should_stop=lambda: len(seen) >= 3):
+        seen.append(delta)
+    assert session.turns[-1].finish_reason == "interrupted" and session.turns[-1].tokens < 48
+    assert session.messages[-1] == {"role": "assistant", "content": "".join(seen)}
+    answer = "".join(session.respond("What is 2 + 2?"))  # the conversation is still usable
+    assert answer and session.turns[-1].finish_reason in ("stop", "length") and len(session.messages) == 4
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert session.command("/reset") == "conversation cleared" and session.messages == []
+    assert session.save(tmp_path) is None
+
+
+def test_stop_strings_trim_exactly():
+    llm = fastspec.LLM(max_total_tokens=4096)
+    plain = llm.generate(["Count from one to ten, in words."], SamplingParams(max_new_tokens=40), chat=True)[0]
+    cut = plain.text.index(",", 5)
+    stop = plain.text[cut:cut + 3]  # spans a token boundary: ", t" / ", f"...
+    stopped = llm.generate(["Count from one to ten, in words."], SamplingParams(max_new_tokens=40, stop=(stop,)),
+                           chat=True)[0]
+    assert stopped.text == plain.text[:cut] and stopped.finish_reason == "stop"
+    assert stopped.output_ids == plain.output_ids[: len(stopped.output_ids)]
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+
+
+def test_bench_json_shape():
+    result = CliRunner().invoke(app, ["bench", "--batch-sizes", "1,2", "--max-new-tokens", "6", "--num-prompts", "2",
+                                      "--trials", "1", "--warmup", "0", "--speculative-algorithm", "NGRAM",
+                                      "--max-total-tokens", "4096", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [r["batch_size"] for r in report["results"]] == [1, 2]
+    for r in report["results"]:
+        assert r["baseline_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["tau"] >= 1
+        assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["baseline_tok_s"], rel=0.01)
+    assert report["config"]["algorithm"] == "NGRAM"
+
+
+def test_bench_reports_the_bad_jsonl_line(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "hi"}\n{"prompt": 3}\n')
+    result = CliRunner().invoke(app, ["bench", "--prompts", str(bad), "--max-total-tokens", "1024"])
+    assert result.exit_code == 2 and f"{bad}:2:" in result.stderr
+
+
+def test_chat_prompt_longer_than_the_context_keeps_going():
+    long = "word " * 3000
+    result = run_cli("chat", "--max-new-tokens", "8", "--max-total-tokens", "20000",
+                     stdin=f"{long}\nSay hi.\n")
+    assert result.returncode == 0
+    assert "error:" in result.stderr and len(result.stdout.strip().splitlines()) == 1
