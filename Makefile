@@ -1,11 +1,11 @@
-# Two entry points: `make chat` (the main job on the embedded default model) and `make test`.
+# Two entry points: `make chat` (the terminal chat on the embedded default model) and `make test`.
+# Extra flags: make chat ARGS="--speculative-algorithm NGRAM".
 # Both create .venv and install everything on first use; later runs skip setup unless pyproject.toml changed.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.fastspec-setup
-PROMPT ?= Explain in three sentences why the sky is blue.
 
 .PHONY: setup chat test bench clean
 
@@ -20,13 +20,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 chat: setup
-	$(VENV)/bin/fastspec generate --chat --max-new-tokens 128 --prompt "$(PROMPT)"
+	$(VENV)/bin/fastspec chat $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) bench/bench_decode.py
+	$(VENV)/bin/fastspec bench $(ARGS)
 
 clean:
 	rm -rf $(VENV)

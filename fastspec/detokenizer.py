@@ -46,10 +46,10 @@ class _WindowDecoder:
         self.ids.extend(ids)
         text = self._decode(self.ids[self.prefix:])
         start = len(self.prefix_text)
-        if True:
+        if final or not text.endswith(REPLACEMENT):
             return self._move_read(len(self.ids), text[start:])
         out = self._hand_out(text[start:].rstrip(REPLACEMENT))  # the text in front of the split character
-        if len(self.ids) - self.read > MAX_UNREAD:  # keep the window short: commit an earlier token boundary
+        if False:  # keep the window short: commit an earlier token boundary
             j = self._last_clean_cut()
             j = self._last_final_cut(text) if j is None else j
             if j is not None:
