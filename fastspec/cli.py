@@ -15,6 +15,7 @@ import threading
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from fastspec.cli_options import ModelOptions, model_options
 from fastspec.errors import FastspecError
@@ -126,7 +127,7 @@ def chat(
                             max_new_tokens=max_new_tokens)
     session = ChatSession(LLM(**options.llm_kwargs(), on_prepare=prepare_progress()), params, system)
     try:
-        (chat_terminal if sys.stdin.isatty() else chat_lines)(session)
+        run_chat(session, TerminalChatIO(session) if sys.stdin.isatty() else LinesChatIO())
     except BrokenPipeError:  # the reader went away mid-answer: keep the conversation, exit quietly
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's final flush cannot fail)
     finally:
@@ -135,61 +136,74 @@ def chat(
             typer.echo(f"conversation saved to {saved}", err=True)
 
 
-def chat_lines(session) -> None:
-    """Scripted chat: each non-empty stdin line is a message (or a /command); answers go to stdout."""
-    for line in sys.stdin:
-        text = line.strip()
+def run_chat(session, io) -> None:
+    """One loop for both front ends: read a line, run a /command or stream an answer, show the turn's status."""
+    while (text := io.read()) is not None:
         if not text:
             continue
         if text.startswith("/"):
             message = session.command(text)
             if message is None:
                 return
-            typer.echo(message, err=True)
-            continue
-        try:
-            for delta in session.respond(text):
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-        except FastspecError as e:
-            typer.echo(f"error: {e}", err=True)
-            continue
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        typer.echo(session.turns[-1].line(), err=True)
-
-
-def chat_terminal(session) -> None:
-    """Interactive chat: streamed answers, Ctrl-C stops an answer and keeps the conversation."""
-    from rich.console import Console
-
-    from fastspec.chat import HELP
-
-    console = Console(highlight=False)
-    console.print(f"[bold]fastspec chat[/bold] · {session.llm.engine.model_dir.name} · "
-                  f"{session.llm.engine.spec.algorithm}\n[dim]{HELP} · Ctrl-C stops an answer[/dim]")
-    while True:
-        try:
-            text = console.input("[bold green]you>[/bold green] ").strip()
-        except (EOFError, KeyboardInterrupt):
-            console.print()
-            return
-        if not text:
-            continue
-        if text.startswith("/"):
-            message = session.command(text)
-            if message is None:
-                return
-            console.print(f"[dim]{message}[/dim]")
+            io.info(message)
             continue
         with stop_on_ctrl_c() as interrupted:
             try:
                 for delta in session.respond(text, should_stop=interrupted.is_set):
-                    console.print(delta, end="", markup=False)
+                    io.write(delta)
             except FastspecError as e:
-                console.print(f"[red]error: {e}[/red]")
+                io.info(f"error: {e}")
                 continue
-        console.print(f"\n[dim]{session.turns[-1].line()}[/dim]")
+        io.end_answer(session.turns[-1].line())
+
+
+class LinesChatIO:
+    """stdin is not a terminal: one message per line; answers on stdout, everything else on stderr."""
+
+    def read(self) -> str | None:
+        line = sys.stdin.readline()
+        return line.strip() if line else None
+
+    def info(self, message: str) -> None:
+        typer.echo(message, err=True)
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def end_answer(self, status: str) -> None:
+        self.write("\n")
+        self.info(status)
+
+
+class TerminalChatIO:
+    """A terminal: rich prompt, streamed answer, dim status lines."""
+
+    def __init__(self, session):
+        from rich.console import Console
+
+        from fastspec.chat import HELP
+
+        self.console = Console(highlight=False)
+        engine = session.llm.engine
+        self.console.print(f"[bold]fastspec chat[/bold] · {engine.model_dir.name} · {engine.spec.algorithm}\n"
+                           f"[dim]{HELP} · Ctrl-C stops an answer[/dim]")
+
+    def read(self) -> str | None:
+        try:
+            return self.console.input("[bold green]you>[/bold green] ").strip()
+        except (EOFError, KeyboardInterrupt):
+            self.console.print()
+            return None
+
+    def info(self, message: str) -> None:
+        self.console.print(f"[dim]{escape(message)}[/dim]")
+
+    def write(self, text: str) -> None:
+        self.console.print(text, end="", markup=False)
+
+    def end_answer(self, status: str) -> None:
+        self.console.print(f"\n[dim]{escape(status)}[/dim]")
 
 
 @app.command()

@@ -49,9 +49,9 @@ class _WindowDecoder:
         if final or not text.endswith(REPLACEMENT):
             return self._move_read(len(self.ids), text[start:])
         out = self._hand_out(text[start:].rstrip(REPLACEMENT))  # the text in front of the split character
-        if False:  # keep the window short: commit an earlier token boundary
+        if len(self.ids) - self.read > MAX_UNREAD:  # keep the window short: commit an earlier token boundary
             j = self._last_clean_cut()
-            j = self._last_final_cut(text) if j is None else j
+            pass
             if j is not None:
                 out += self._move_read(j, self._decode(self.ids[self.prefix:j])[start:])
         return out
