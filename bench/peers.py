@@ -213,7 +213,8 @@ def measure(peers: list[Peer], prompts: list[Prompt], new_tokens: int, trials: i
 
 def first_divergence(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
     """Index of the first differing token (None: equal)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+    tail = None if len(a) == len(b) else min(len(a), len(b))
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), tail)
 
 
 def summarise(peer: Peer, runs: list[Run], prompts: list[Prompt], reference: dict[int, tuple[int, ...]],
@@ -241,7 +242,8 @@ def summarise(peer: Peer, runs: list[Run], prompts: list[Prompt], reference: dic
 def markdown(report: dict) -> str:
     lines = [f"Command: `{report['command']}`", "",
              f"Model {MODEL}, {report['max_new_tokens']} new tokens, greedy, batch 1, {report['runs_per_engine']} "
-             f"runs per engine (trials x prompts), median tok/s incl. prefill; torch threads {report['torch_threads']}.",
+             f"runs per engine (trials x prompts), median tok/s incl. prefill; "
+             f"torch threads {report['torch_threads']}.",
              "", "| engine | weights | tok/s | speedup vs transformers greedy | tau | tokens = transformers greedy |",
              "|---|---|---:|---:|---:|---|"]
     for r in report["results"]:
@@ -250,8 +252,9 @@ def markdown(report: dict) -> str:
                      f"| {r['equal_to_greedy']} |")
     lines += [""] + [f"- {note}" for note in report["notes"]]
     for r in report["results"]:
-        if r["equal_to_greedy"].startswith("n/a"):
-            lines.append(f"- {r['engine']}: prompt tokens = fastspec's in {r['prompt_tokens_equal_to_fastspec']} runs")
+        if "prompt_tokens_equal_to_fastspec" in r:
+            lines.append(f"- {r['engine']}: its prompt tokens = fastspec's in {r['prompt_tokens_equal_to_fastspec']}")
+        if not r["equal_to_greedy"][0].isdigit():
             lines += [f"- {r['engine']} text, prompt {i}: {text[:160]!r}" for i, text in enumerate(r["texts"], 1)]
     return "\n".join(lines)
 
@@ -270,7 +273,7 @@ def build_peers(args, model_dir: Path, tokenizer: Tokenizer) -> tuple[list[Peer]
     return peers, notes
 
 
-def main(argv: list[str] | None = None) -> None:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fastspec", action="append", help='"ALGO[:DRAFT_PATH][,key=value...]"; repeatable '
                         "(default: NONE and NGRAM); keys are fastspec.LLM options, e.g. num_steps, topk, graphs")
@@ -280,8 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line')
     parser.add_argument("--max-total-tokens", type=int, default=8192, help="fastspec KV pool size")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "peers.json"))
-    args = parser.parse_args(argv)
-    command = shlex.join([sys.executable, *(sys.argv if argv is None else ["bench/peers.py", *argv])])
+    args = parser.parse_args()
+    command = shlex.join([sys.executable, *sys.argv])
     try:
         report = run_benchmark(args, command)
     except FastspecError as e:
@@ -313,13 +316,13 @@ def run_benchmark(args, command: str) -> dict:
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
-    found = {}
-    for package in ("torch", "transformers", "llama-cpp-python"):
+    def get(package: str) -> str | None:
         try:
-            found[package] = version(package)
+            return version(package)
         except PackageNotFoundError:
-            found[package] = None
-    return found
+            return None
+
+    return {package: get(package) for package in ("torch", "transformers", "llama-cpp-python")}
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ class _WindowDecoder:
         out = self._hand_out(text[start:].rstrip(REPLACEMENT))  # the text in front of the split character
         if len(self.ids) - self.read > MAX_UNREAD:  # keep the window short: commit an earlier token boundary
             j = self._last_clean_cut()
-            pass
+            j = self._last_final_cut(text) if j is None else j
             if j is not None:
                 out += self._move_read(j, self._decode(self.ids[self.prefix:j])[start:])
         return out
@@ -176,8 +176,9 @@ class IncrementalDetokenizer:
         else:
             keep = 0 if final else _stop_prefix_len(pending, self._stop)
             out, self._held = pending[:len(pending) - keep], pending[len(pending) - keep:]
-        self._chunks.append(out)
-        self._num_emitted += len(out)
+        if out:
+            self._chunks.append(out)
+            self._num_emitted += len(out)
         self._decoder.forget_before(self._num_emitted)
         return out
 
