@@ -121,20 +121,25 @@ class Engine:
         for r in reqs:
             scheduler.add(r)
         self._aborted: set[int] = set()
-        with torch.inference_mode():
+        try:
             while not scheduler.idle:
-                aborted = self._apply_aborts(scheduler)
-                batch = scheduler.admit() or list(scheduler.running)
-                seen = {r.rid: len(r.output_ids) for r in batch}
-                if batch and batch[0].row < 0:
-                    with self.times("prefill"):
-                        self._prefill(batch)
-                elif batch:
-                    with self.times("round"):
-                        self._decode(batch)
-                scheduler.retire()
+                with torch.inference_mode():
+                    aborted = self._apply_aborts(scheduler)
+                    batch = scheduler.admit() or list(scheduler.running)
+                    seen = {r.rid: len(r.output_ids) for r in batch}
+                    if batch and batch[0].row < 0:
+                        with self.times("prefill"):
+                            self._prefill(batch)
+                    elif batch:
+                        with self.times("round"):
+                            self._decode(batch)
+                    scheduler.retire()
                 yield aborted + [StepOutput(r.rid, r.output_ids[seen[r.rid]:], r.finish_reason, r.metrics)
                                  for r in batch]
+        finally:  # the caller stopped iterating (an exception, a closed pipe): hand every slot back
+            for r in scheduler.running:
+                if r.row >= 0:
+                    self._release(r)
 
     def abort(self, index: int) -> None:
         """Finish request `index` of the current stream before its next step; its KV is released."""

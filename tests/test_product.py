@@ -84,3 +84,11 @@ def test_chat_prompt_longer_than_the_context_keeps_going():
                      stdin=f"{long}\nSay hi.\n")
     assert result.returncode == 0
     assert "error:" in result.stderr and len(result.stdout.strip().splitlines()) == 1
+
+
+def test_abandoned_stream_returns_every_slot():
+    llm = fastspec.LLM(max_total_tokens=4096, speculative_algorithm="NGRAM")
+    stream = llm.engine.stream([[1, 2, 3], [4, 5]], [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 2)
+    next(stream), next(stream)  # prefill and one round, then the consumer walks away
+    stream.close()
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
