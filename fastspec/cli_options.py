@@ -29,6 +29,7 @@ class ModelOptions:
     page_size: Annotated[int, typer.Option(help="KV page size in tokens.")] = 1
     max_total_tokens: Annotated[Optional[int], typer.Option(help="KV pool size in tokens (default: a fraction of free memory).")] = None
     max_running_requests: Annotated[int, typer.Option(help="Most requests decoded at once.")] = 48
+    chunked_prefill_size: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 2048
     graphs: Annotated[str, typer.Option(help="auto | cuda | compile | eager: how the draft loop, draft extend and verify run (auto: cuda on a GPU, eager on CPU).", rich_help_panel=GRAPHS)] = "auto"
     cuda_graph_max_bs: Annotated[Optional[int], typer.Option(help="Largest graph batch bucket.", rich_help_panel=GRAPHS)] = None
     cuda_graph_bs: Annotated[Optional[str], typer.Option(help="Explicit graph batch buckets, e.g. 1,2,4,8.", rich_help_panel=GRAPHS)] = None
@@ -66,6 +67,7 @@ class ModelOptions:
                     cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_bs=buckets,
                     attention_backend=self.attention_backend,
                     max_total_tokens=self.max_total_tokens, max_running_requests=self.max_running_requests,
+                    chunked_prefill_size=self.chunked_prefill_size,
                     speculative_algorithm=self.speculative_algorithm,
                     draft_model=self.speculative_draft_model_path, num_steps=self.speculative_num_steps,
                     topk=self.speculative_eagle_topk, num_draft_tokens=self.speculative_num_draft_tokens,

@@ -184,6 +184,7 @@ class EngineConfig:
     kv_mem_fraction: float = 0.05
     max_running_requests: int = 48
     max_context_len: int | None = None  # None: the model's max_position_embeddings
+    chunked_prefill_size: int = 2048  # prompt tokens per prefill step (long prompts take several steps)
     graphs: str = "auto"  # auto | cuda | compile | eager: how the draft loop, draft extend and verify run
     cuda_graph_max_bs: int | None = None  # largest graph bucket (None: max_running_requests); larger: eager
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit bucket list
@@ -201,6 +202,8 @@ class EngineConfig:
             raise FastspecError(f"page size must be a power of two >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise FastspecError(f"max-total-tokens must be >= the page size, got {self.max_total_tokens}")
+        if self.chunked_prefill_size < 1:
+            raise FastspecError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_running_requests < 1:
             raise FastspecError(f"max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

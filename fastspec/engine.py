@@ -125,9 +125,11 @@ class Engine:
             while not scheduler.idle:
                 with torch.inference_mode():
                     aborted = self._apply_aborts(scheduler)
-                    batch = scheduler.admit() or list(scheduler.running)
+                    scheduler.admit()
+                    prefilling = [r for r in scheduler.running if r.prefilling]
+                    batch = prefilling or list(scheduler.running)
                     seen = {r.rid: len(r.output_ids) for r in batch}
-                    if batch and batch[0].row < 0:
+                    if prefilling:
                         with self.times("prefill"):
                             self._prefill(batch)
                     elif batch:
@@ -199,20 +201,35 @@ class Engine:
     # ---- prefill ----------------------------------------------------------------------------------------
 
     def _prefill(self, reqs: list[Request]) -> None:
+        """One chunked-prefill step: up to chunked_prefill_size prompt tokens, taken request by request.
+
+        A request whose prompt completes here samples its first token; the draft extend of a non-final chunk
+        ends with the next prompt token instead (draft position p pairs t_{p+1} with h_p)."""
+        chunks, budget = [], self.config.chunked_prefill_size
         for r in reqs:
-            r.row = self.table.alloc()
-        lens = [len(r.prompt_ids) for r in reqs]
-        ids = torch.tensor([t for r in reqs for t in r.prompt_ids], device=self.config.device)
+            if budget <= 0:
+                break
+            r.row = self.table.alloc() if r.row < 0 else r.row
+            chunks.append(r.prompt_ids[r.seq_len: r.seq_len + budget])
+            budget -= len(chunks[-1])
+        reqs = reqs[: len(chunks)]
+        lens = [len(c) for c in chunks]
+        done = [r.seq_len + n == len(r.prompt_ids) for r, n in zip(reqs, lens)]
+        ids = torch.tensor([t for c in chunks for t in c], device=self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, lens)
         hidden = self._forward(ids, positions, extend_metadata(self.table.table, rows, prefix, ext))
         last = torch.cumsum(ext, 0) - 1
-        first = self._sample(reqs, self.model.compute_logits(hidden.final[last]))
+        finals = [b for b, d in enumerate(done) if d]
+        first = self._sample([reqs[b] for b in finals], self.model.compute_logits(hidden.final[last[finals]]))
+        tails = [r.prompt_ids[r.seq_len + n] if not d else None for r, n, d in zip(reqs, lens, done)]
+        for b, token in zip(finals, first):
+            tails[b] = token
         if self.drafter is not None and self.drafter.uses_extend:
-            shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each prompt's tail = its sampled token
-            shifted[last] = torch.tensor(first, device=ids.device)
+            shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each chunk's tail: see the docstring
+            shifted[last] = torch.tensor(tails, device=ids.device)
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
                                             self._features(hidden)), decode_round=False)
-        self._commit(reqs, lens, [[t] for t in first])
+        self._commit(reqs, lens, [[tails[b]] if d else [] for b, d in enumerate(done)])
 
     # ---- decode rounds ----------------------------------------------------------------------------------
 

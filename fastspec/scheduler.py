@@ -37,6 +37,11 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is not in the KV yet (chunked prefill)."""
+        return self.seq_len < len(self.prompt_ids)
+
     def budget(self, page_size: int, headroom: int = 0) -> int:
         """KV tokens this request may hold at once: prompt + output (whole pages) + a round's headroom."""
         tokens = len(self.prompt_ids) + self.params.max_new_tokens

@@ -161,3 +161,19 @@ def test_topk_one_forces_a_chain(tiny_dirs):
     assert SpecConfig.resolve("EAGLE", "LlamaForCausalLM", draft_model="x").num_steps == 5  # Llama: (5, 4, 8)
     assert SpecConfig.resolve("EAGLE", "Qwen2ForCausalLM", draft_model="x").topk == 1  # others: (3, 1, 4)
     assert SpecConfig.resolve("NEXTN", "Qwen2ForCausalLM", draft_model="x").algorithm == "EAGLE"
+
+
+@pytest.mark.parametrize("algorithm, draft, chunk", [("NONE", None, 4), ("EAGLE3", "eagle3", 3),
+                                                     ("STANDALONE", "self", 5), ("NGRAM", None, 2)])
+def test_chunked_prefill_is_lossless(tiny_dirs, draft_dirs, algorithm, draft, chunk):
+    """Prompts prefilled a few tokens per step (non-final draft chunks end with the next prompt token)."""
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    steps, topk, n = (None, None, 6) if algorithm == "NGRAM" else (3, 2, 5) if draft else (None, None, None)
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, steps, topk, n, 1, chunked_prefill_size=chunk)
+    outputs = llm.engine.generate(PROMPTS, [params] * len(PROMPTS))
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, PROMPTS, params)
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    if draft:  # the draft saw exactly what an unchunked prefill shows it: the same trees, the same acceptance
+        whole = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, steps, topk, n, 1)
+        unchunked = whole.engine.generate(PROMPTS, [params] * len(PROMPTS))
+        assert [o.metrics for o in outputs] == [o.metrics for o in unchunked]
