@@ -8,6 +8,7 @@ Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 from fastspec.attention import AttentionContext, decode_metadata, extend_metadata, make_backend
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
+from fastspec.graphs import StaticInput
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
 from fastspec.metrics import PhaseTimes, SpecMetrics
 from fastspec.models.loader import read_config, resolve_model_dir
@@ -25,9 +27,9 @@ from fastspec.sampling import SamplingParams, SamplingTensors, draw_uniforms, ma
 from fastspec.scheduler import Request, Scheduler
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models
-from fastspec.graphs import StaticInput
 from fastspec.speculative.kv import plan_round_kv
 from fastspec.speculative.packing import kv_width, pack_verify
+from fastspec.speculative.policy import SpecPolicy
 from fastspec.speculative.runners import StepGraphs
 from fastspec.speculative.steps import target_verify
 from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
@@ -74,6 +76,7 @@ class Engine:
         self.model, self.feature = models.target, models.feature
         self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
         self._init_memory(draft_kv_shape(models.draft))
+        self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
         self.drafter = build_drafter(self.spec, config, models.draft, self.draft_pool, self.table, self.allocator,
                                      self._feature_width(), on_prepare, self.times)
         self.verify_graphs = StepGraphs("verify", partial(target_verify, self.model, self.pool, self.feature),
@@ -234,13 +237,28 @@ class Engine:
     # ---- decode rounds ----------------------------------------------------------------------------------
 
     def _decode(self, reqs: list[Request]) -> None:
-        if self.drafter is None:
-            ids = torch.tensor([r.output_ids[-1] for r in reqs], device=self.config.device)
-            rows, prefix, _, positions = self._extend_slots(reqs, [1] * len(reqs))
-            hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1))
-            tokens = self._sample(reqs, self.model.compute_logits(hidden.final))
-            self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
-            return
+        """One decode round: speculative when a drafter exists and the policy says it pays, else plain."""
+        speculate = self.drafter is not None and (self.policy is None or self.policy.speculate(len(reqs)))
+        before, start = sum(len(r.output_ids) for r in reqs), time.perf_counter()
+        self._spec_round(reqs) if speculate else self._plain_round(reqs)
+        if self.policy is not None:
+            emitted = sum(len(r.output_ids) for r in reqs) - before
+            self.policy.record(len(reqs), speculate, emitted / len(reqs), time.perf_counter() - start)
+
+    def _plain_round(self, reqs: list[Request]) -> None:
+        """One token per request. With an EAGLE drafter, the draft extends by that token too, so its state
+        stays exact and the next round may speculate again."""
+        ids = torch.tensor([r.output_ids[-1] for r in reqs], device=self.config.device)
+        rows, prefix, ext, positions = self._extend_slots(reqs, [1] * len(reqs))
+        hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1))
+        tokens = self._sample(reqs, self.model.compute_logits(hidden.final))
+        if self.drafter is not None and self.drafter.uses_extend:
+            self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
+                                            torch.tensor(tokens, device=ids.device), positions,
+                                            self._features(hidden)), decode_round=False)
+        self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
+
+    def _spec_round(self, reqs: list[Request]) -> None:
         batch = self._decode_batch(reqs)
         tree = self.drafter.draft(batch)                                       # draft
         verify_slots, out = self._verify(batch, tree)                          # verify
