@@ -20,7 +20,9 @@ import inspect
 import json
 import platform
 import shlex
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ DEFAULT_PROMPTS = [
     "Summarise the water cycle in five short bullet points.",
     "List the eight planets of the solar system with one fact about each.",
 ]
+PROBE_TEXT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"  # a batched prefill
 NO_ASSISTANT = ("transformers assisted generation: skipped - SmolLM2-135M is the smallest model available "
                 "offline here, so no smaller assistant fits (nothing is downloaded)")
 
@@ -140,8 +143,8 @@ def _literal(value: str):
     return value
 
 
-def fastspec_peer(spec: str, max_total_tokens: int) -> Peer:
-    kwargs = {"dtype": "float32", "max_total_tokens": max_total_tokens, **parse_fastspec(spec)}
+def fastspec_peer(spec: str, kwargs: dict) -> Peer:
+    """`kwargs`: fastspec.LLM options, from parse_fastspec (parsed early, so a typo fails before any loading)."""
     llm = fastspec.LLM(model=MODEL, **kwargs)
 
     def run(prompt: Prompt, new_tokens: int) -> Output:
@@ -172,27 +175,79 @@ def transformers_peers(model_dir: Path, tokenizer: Tokenizer) -> list[Peer]:
             Peer("transformers prompt lookup (10)", "float32", True, runner(prompt_lookup_num_tokens=10))]
 
 
-def llama_cpp_peer(gguf: Path) -> Peer | str:
-    """A llama.cpp peer, or the reason there is none."""
+def llama_cpp_peer(gguf: Path) -> tuple[Peer | None, list[str]]:
+    """A llama.cpp peer (or None) and notes on how it runs or why it cannot. Each configuration is first tried in
+    a child process, since a crash in llama.cpp (e.g. its AMX matmul on a VM) must not end the benchmark."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp
     except Exception as e:  # ImportError, or a built library that fails to load
-        return f"llama-cpp-python unavailable: {type(e).__name__}: {e}"
-    model = Llama(model_path=str(gguf), n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)
-    bos = model.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
+        return None, [f"llama-cpp-python unavailable: {type(e).__name__}: {e}"]
+    notes = [f"llama.cpp {llama_cpp.__version__} runs the Q4_1 GGUF weights (not float32), n_threads=2, "
+             "n_ctx=2048, greedy; its tokens are not compared with transformers greedy, its text is shown"]
+    extra_bufts = True
+    failure = probe_llama_cpp(gguf, extra_bufts)
+    if failure:
+        extra_bufts = False
+        retry = probe_llama_cpp(gguf, extra_bufts)
+        if retry:
+            return None, [f"llama-cpp-python unavailable: it crashes ({failure}; without extra buffers: {retry})"]
+        notes.append(f"llama.cpp crashes with its default extra (repacked / AMX) weight buffers ({failure}): "
+                     "run with use_extra_bufts=False")
+    model = load_llama_cpp(gguf, extra_bufts)
 
     def run(prompt: Prompt, new_tokens: int) -> Output:
-        tokens = model.tokenize(prompt.chat_text.encode("utf-8"), add_bos=bos, special=True)
-        model.reset()  # no prompt-prefix reuse from the previous call: every engine pays its prefill
-        out = []
-        for token in model.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
-            out.append(token)  # generate() never stops by itself: EOS is ignored like everywhere else
-            if len(out) == new_tokens:
-                break
-        text = model.detokenize(out).decode("utf-8", errors="replace")
-        return Output(tuple(out), text, prompt_ids=tuple(tokens))
+        tokens, out = generate_llama_cpp(model, prompt.chat_text, new_tokens)
+        text = model.detokenize(list(out)).decode("utf-8", errors="replace")
+        return Output(out, text, prompt_ids=tokens)
 
-    return Peer("llama.cpp (llama-cpp-python)", f"Q4_1 GGUF ({gguf.name})", False, run)
+    return Peer("llama.cpp (llama-cpp-python)", f"Q4_1 GGUF ({gguf.name})", False, run), notes
+
+
+def load_llama_cpp(gguf: Path, extra_bufts: bool):
+    """`extra_bufts=False` keeps weights in plain buffers (no repacking; here: no AMX), through the model
+    parameters `Llama` reads from `llama_model_default_params` (its constructor has no such option)."""
+    import llama_cpp.llama_cpp as api
+    from llama_cpp import Llama
+
+    defaults = api.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = extra_bufts
+        return p
+
+    api.llama_model_default_params = params
+    try:
+        return Llama(model_path=str(gguf), n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)
+    finally:
+        api.llama_model_default_params = defaults
+
+
+def generate_llama_cpp(model, chat_text: str, new_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prompt tokens as llama.cpp tokenizes `chat_text`, exactly `new_tokens` greedy tokens)."""
+    bos = model.metadata.get("tokenizer.ggml.add_bos_token", "false") == "true"
+    tokens = model.tokenize(chat_text.encode("utf-8"), add_bos=bos, special=True)
+    model.reset()  # no prompt-prefix reuse from the previous call: every engine pays its prefill
+    out = []
+    for token in model.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        out.append(token)  # generate() never stops by itself: EOS is ignored like everywhere else
+        if len(out) == new_tokens:
+            break
+    return tuple(tokens), tuple(out)
+
+
+def probe_llama_cpp(gguf: Path, extra_bufts: bool) -> str | None:
+    """Load and generate in a child process: None if it works, else what went wrong."""
+    command = [sys.executable, __file__, "--llama-cpp-probe", str(gguf), "--llama-cpp-extra-bufts", str(extra_bufts)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return "the probe run timed out"
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        return f"killed by {signal.Signals(-done.returncode).name}"
+    return (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
 
 
 # ---- measuring -----------------------------------------------------------------------------------------------
@@ -261,15 +316,13 @@ def markdown(report: dict) -> str:
 
 def build_peers(args, model_dir: Path, tokenizer: Tokenizer) -> tuple[list[Peer], list[str]]:
     notes = [NO_ASSISTANT]
+    configs = {spec: {"dtype": "float32", "max_total_tokens": args.max_total_tokens, **parse_fastspec(spec)}
+               for spec in args.fastspec or ["NONE", "NGRAM"]}
     peers = transformers_peers(model_dir, tokenizer)
-    llama = llama_cpp_peer(find_embedded_gguf(MODEL))
-    if isinstance(llama, str):
-        notes.append(llama)
-    else:
-        peers.append(llama)
-        notes.append("llama.cpp runs the Q4_1 GGUF weights (not float32), n_threads=2, n_ctx=2048, greedy; "
-                     "its tokens are not compared, its text is shown")
-    peers += [fastspec_peer(spec, args.max_total_tokens) for spec in args.fastspec or ["NONE", "NGRAM"]]
+    llama, llama_notes = llama_cpp_peer(find_embedded_gguf(MODEL))
+    peers += [llama] if llama else []
+    notes += llama_notes
+    peers += [fastspec_peer(spec, kwargs) for spec, kwargs in configs.items()]
     return peers, notes
 
 
@@ -283,7 +336,12 @@ def main() -> None:
     parser.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} per line')
     parser.add_argument("--max-total-tokens", type=int, default=8192, help="fastspec KV pool size")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "peers.json"))
+    parser.add_argument("--llama-cpp-probe", help=argparse.SUPPRESS)  # GGUF path: the child of probe_llama_cpp
+    parser.add_argument("--llama-cpp-extra-bufts", default="True", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.llama_cpp_probe:
+        model = load_llama_cpp(Path(args.llama_cpp_probe), args.llama_cpp_extra_bufts == "True")
+        return print(generate_llama_cpp(model, PROBE_TEXT, 4))
     command = shlex.join([sys.executable, *sys.argv])
     try:
         report = run_benchmark(args, command)

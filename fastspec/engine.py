@@ -72,6 +72,7 @@ class Engine:
         self.spec = spec or SpecConfig()
         self.max_context_len = config.max_context_len or model_config.max_position_embeddings
         self.times = PhaseTimes(sync_cuda=config.device.startswith("cuda"))
+        self.preemptions = 0  # requests taken out of a running batch to make room (recomputed later)
         models = load_models(self.model_dir, self.spec, config)
         self.model, self.feature = models.target, models.feature
         self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
@@ -119,8 +120,7 @@ class Engine:
         """Continuous batching; yields, after every prefill or decode round, the requests that progressed.
         Between yields the caller may `abort(index)` a request (a stop string, a closed terminal, Ctrl-C)."""
         reqs = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-        scheduler = Scheduler(self.pool.capacity, self.config.max_running_requests, self.config.page_size,
-                              self._round_headroom())
+        scheduler = Scheduler(self.config.max_running_requests, self.config.page_size, self._round_headroom())
         for r in reqs:
             scheduler.add(r)
         self._aborted: set[int] = set()
@@ -128,7 +128,9 @@ class Engine:
             while not scheduler.idle:
                 with torch.inference_mode():
                     aborted = self._apply_aborts(scheduler)
-                    scheduler.admit()
+                    scheduler.admit(self.allocator.num_free())
+                    if not any(r.prefilling for r in scheduler.running):
+                        self._preempt_until_a_round_fits(scheduler)
                     prefilling = [r for r in scheduler.running if r.prefilling]
                     batch = prefilling or list(scheduler.running)
                     seen = {r.rid: len(r.output_ids) for r in batch}
@@ -145,6 +147,15 @@ class Engine:
             for r in scheduler.running:
                 if r.row >= 0:
                     self._release(r)
+
+    def _preempt_until_a_round_fits(self, scheduler: Scheduler) -> None:
+        """A decode round needs `headroom` free KV per request; preempt the newest requests until it has it."""
+        while len(scheduler.running) > 1 and (self.allocator.num_free()
+                                              < self._round_headroom() * len(scheduler.running)):
+            req = scheduler.preempt()
+            self._release(req)
+            req.seq_len = 0  # recomputed from its history when it is admitted again
+            self.preemptions += 1
 
     def abort(self, index: int) -> None:
         """Finish request `index` of the current stream before its next step; its KV is released."""
@@ -179,10 +190,10 @@ class Engine:
                 StaticInput("prefix_slots", (width,), torch.int64), StaticInput("prefix_valid", (width,), torch.bool)]
 
     def _round_headroom(self) -> int:
-        """Extra KV a running request may need inside one round: verify slots past its budget, draft scratch."""
-        if not self.spec.enabled:
-            return 0
+        """KV one decode round may add per request: a token (its page), or verify slots plus draft scratch."""
         page = self.config.page_size
+        if not self.spec.enabled:
+            return page
         scratch = -(-self.spec.topk * self.spec.num_steps // page) * page if self.drafter.uses_scratch else 0
         return self.spec.num_draft_tokens + page + scratch
 
@@ -196,7 +207,7 @@ class Engine:
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise FastspecError(f"input token ids must be in [0, {vocab})")
         request = Request(rid, list(prompt), params, make_generator(params.seed, self.config.device))
-        if request.budget(self.config.page_size, self._round_headroom()) > self.pool.capacity:
+        if request.max_tokens(self.config.page_size, self._round_headroom()) > self.pool.capacity:
             raise FastspecError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not "
                                 f"fit in the KV pool of {self.pool.capacity} tokens (raise --max-total-tokens)")
         return request
@@ -213,18 +224,18 @@ class Engine:
             if budget <= 0:
                 break
             r.row = self.table.alloc() if r.row < 0 else r.row
-            chunks.append(r.prompt_ids[r.seq_len: r.seq_len + budget])
+            chunks.append(r.prefill_ids[r.seq_len: r.seq_len + budget])
             budget -= len(chunks[-1])
         reqs = reqs[: len(chunks)]
         lens = [len(c) for c in chunks]
-        done = [r.seq_len + n == len(r.prompt_ids) for r, n in zip(reqs, lens)]
+        done = [r.seq_len + n == len(r.prefill_ids) for r, n in zip(reqs, lens)]
         ids = torch.tensor([t for c in chunks for t in c], device=self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, lens)
         hidden = self._forward(ids, positions, extend_metadata(self.table.table, rows, prefix, ext))
         last = torch.cumsum(ext, 0) - 1
-        finals = [b for b, d in enumerate(done) if d]
+        finals = [b for b, d in enumerate(done) if d and not reqs[b].output_ids]  # recomputes know their token
         first = self._sample([reqs[b] for b in finals], self.model.compute_logits(hidden.final[last[finals]]))
-        tails = [r.prompt_ids[r.seq_len + n] if not d else None for r, n, d in zip(reqs, lens, done)]
+        tails = [r.history[r.seq_len + n] if r.seq_len + n < len(r.history) else None for r, n in zip(reqs, lens)]
         for b, token in zip(finals, first):
             tails[b] = token
         if self.drafter is not None and self.drafter.uses_extend:
@@ -232,7 +243,7 @@ class Engine:
             shifted[last] = torch.tensor(tails, device=ids.device)
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
                                             self._features(hidden)), decode_round=False)
-        self._commit(reqs, lens, [[tails[b]] if d else [] for b, d in enumerate(done)])
+        self._commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))])
 
     # ---- decode rounds ----------------------------------------------------------------------------------
 
@@ -376,7 +387,7 @@ class Engine:
         last_loc = torch.where(prefix > 0, self.table.table[rows, (prefix - 1).clamp(min=0)].long(), -1)
         slots = self.allocator.alloc_extend(prefix, seq_lens, last_loc)
         if slots is None:
-            raise FastspecError("KV pool exhausted")  # unreachable: admission reserves whole budgets
+            raise FastspecError("KV pool exhausted")  # unreachable: a round's headroom is checked before it runs
         self.table.write(rows, prefix, seq_lens - prefix, slots)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta):

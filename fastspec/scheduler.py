@@ -1,8 +1,10 @@
-"""Requests and admission: which waiting requests may start, given the KV capacity left.
+"""Requests, admission and preemption: which requests run, given the KV the pool has free right now.
 
-A request is admitted only when its whole budget (prompt + max_new_tokens, rounded up to pages) fits beside
-the budgets of the running requests, so a running batch can always grow. The scheduler never touches KV
-slots or tensors; the engine's `commit` is the one place request state advances.
+Admission is optimistic (as SGLang's): a request starts when its prompt plus one round of headroom fits in
+the free KV beside one round of headroom for every running request. When a running batch cannot grow, the
+engine preempts the most recently admitted request: its KV is freed and it waits at the front of the queue,
+to be recomputed (its prompt + output so far prefilled again) when it fits. The scheduler never touches KV
+slots or tensors; the engine's commit is the one place request state advances.
 """
 
 from __future__ import annotations
@@ -38,42 +40,59 @@ class Request:
         return self.finish_reason is not None
 
     @property
-    def prefilling(self) -> bool:
-        """Part of the prompt is not in the KV yet (chunked prefill)."""
-        return self.seq_len < len(self.prompt_ids)
+    def prefill_ids(self) -> list[int]:
+        """What a prefill must put in the KV: the prompt, or after preemption the whole history but the
+        pending token (which is fed by the next decode round, as always)."""
+        return self.prompt_ids + self.output_ids[:-1]
 
-    def budget(self, page_size: int, headroom: int = 0) -> int:
-        """KV tokens this request may hold at once: prompt + output (whole pages) + a round's headroom."""
+    @property
+    def prefilling(self) -> bool:
+        """Part of prefill_ids is not in the KV yet (chunked prefill, or recompute after preemption)."""
+        return self.seq_len < len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    def max_tokens(self, page_size: int, headroom: int) -> int:
+        """The most KV this request can ever hold: prompt + all output (whole pages) + a round's headroom."""
         tokens = len(self.prompt_ids) + self.params.max_new_tokens
         return -(-tokens // page_size) * page_size + headroom
 
 
 class Scheduler:
-    def __init__(self, capacity: int, max_running: int, page_size: int, headroom: int = 0):
-        self.capacity, self.max_running, self.page_size = capacity, max_running, page_size
-        self.headroom = headroom  # per running request: verify slots and draft scratch inside one round
+    def __init__(self, max_running: int, page_size: int, headroom: int = 0):
+        self.max_running, self.page_size = max_running, page_size
+        self.headroom = headroom  # KV one round may add per running request: verify slots, draft scratch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.hold = False  # after a preemption, admit nothing until a request finishes (no thrashing)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests (in order) to running while their budgets fit."""
-        reserved = sum(r.budget(self.page_size, self.headroom) for r in self.running)
+    def admit(self, free_tokens: int) -> list[Request]:
+        """Move waiting requests (in order) to running while their prefill and a round of headroom fit."""
+        pages = lambda n: -(-n // self.page_size) * self.page_size  # noqa: E731
+        pending = sum(pages(len(r.prefill_ids)) - r.seq_len for r in self.running if r.prefilling)
+        available = free_tokens - pending - self.headroom * len(self.running)
         admitted = []
-        while self.waiting and len(self.running) < self.max_running:
-            need = self.waiting[0].budget(self.page_size, self.headroom)
-            if reserved + need > self.capacity:
+        while self.waiting and len(self.running) < self.max_running and not (self.hold and self.running):
+            need = pages(len(self.waiting[0].prefill_ids)) + self.headroom
+            if need > available:
                 break
-            reserved += need
+            available -= need
             admitted.append(self.waiting.popleft())
             self.running.append(admitted[-1])
         return admitted
 
+    def preempt(self) -> Request:
+        """Take the most recently admitted request out of the running batch; it is recomputed later, first."""
+        req = self.running.pop()
+        self.waiting.appendleft(req)
+        self.hold = True
+        return req
+
     def retire(self) -> list[Request]:
         done = [r for r in self.running if r.finished]
         self.running = [r for r in self.running if not r.finished]
+        self.hold = self.hold and not done
         return done
 
     @property

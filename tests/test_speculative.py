@@ -177,3 +177,24 @@ def test_chunked_prefill_is_lossless(tiny_dirs, draft_dirs, algorithm, draft, ch
         whole = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, steps, topk, n, 1)
         unchunked = whole.engine.generate(PROMPTS, [params] * len(PROMPTS))
         assert [o.metrics for o in outputs] == [o.metrics for o in unchunked]
+
+
+@pytest.mark.parametrize("algorithm, draft, page_size, pool", [("NONE", None, 1, 96), ("STANDALONE", "self", 16, 224),
+                                                               ("EAGLE3", "eagle3", 1, 128), ("NGRAM", None, 4, 128)])
+def test_overload_preempts_and_recomputes_losslessly(tiny_dirs, draft_dirs, algorithm, draft, page_size, pool):
+    """Far more work than the pool holds, mixed lengths and sampling settings: requests wait, running ones get
+    preempted and recomputed; every output equals the request run alone, and no slot leaks."""
+    steps, topk, n = (3, 2, 5) if draft else (None, None, 6 if algorithm == "NGRAM" else None)
+    params = [SamplingParams(max_new_tokens=10 + 5 * i, ignore_eos=True,
+                             **({"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 3 == 1 else {}))
+              for i in range(len(PROMPTS))]
+    alone = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, steps, topk, n, page_size)
+    expected = [alone.engine.generate([p], [sp])[0].output_ids for p, sp in zip(PROMPTS, params)]
+    cramped = fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm=algorithm, num_steps=steps, topk=topk,
+                           draft_model=(str(tiny_dirs["llama"][0]) if draft == "self" else
+                                        str(draft_dirs["llama"][draft]) if draft else None),
+                           num_draft_tokens=n, page_size=page_size, max_total_tokens=pool)
+    outputs = cramped.engine.generate(PROMPTS, params)
+    assert [o.output_ids for o in outputs] == expected
+    assert cramped.engine.preemptions > 0
+    assert cramped.engine.allocator.num_free() == cramped.engine.pool.capacity
