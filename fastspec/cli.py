@@ -77,6 +77,8 @@ def generate(
     top_p: float = 1.0,
     seed: Optional[int] = None,
     ignore_eos: bool = False,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable); trimmed from the text.")] = None,
+    stop_token_ids: Annotated[Optional[str], typer.Option(help="Comma-separated token ids that end generation.")] = None,
     chat: Annotated[bool, typer.Option(help="Apply the model's chat template to --prompt.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
@@ -89,7 +91,8 @@ def generate(
     if chat and input_ids is not None:
         raise FastspecError("--chat applies to --prompt, not to --input-ids")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+                            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=tuple(stop or ()),
+                            stop_token_ids=tuple(parse_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids else ())
     prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
     if any(p == "" for p in prompts):
         raise FastspecError("empty prompt")

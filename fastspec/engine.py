@@ -22,7 +22,7 @@ from fastspec.errors import FastspecError
 from fastspec.graphs import StaticInput
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
 from fastspec.metrics import PhaseTimes, SpecMetrics
-from fastspec.models.loader import read_config, resolve_model_dir
+from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
 from fastspec.sampling import SamplingParams, SamplingTensors, draw_uniforms, make_generator, sample
 from fastspec.scheduler import Request, Scheduler
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
@@ -49,18 +49,6 @@ class GenerateOutput:
     output_ids: list[int]
     finish_reason: str
     metrics: SpecMetrics
-
-
-def generation_eos_ids(model_dir, config_eos: tuple[int, ...]) -> frozenset[int]:
-    """EOS ids from config.json and generation_config.json (either may list several)."""
-    import json
-
-    ids = set(config_eos)
-    path = model_dir / "generation_config.json"
-    if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return frozenset(ids)
 
 
 class Engine:

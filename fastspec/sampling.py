@@ -37,6 +37,8 @@ class SamplingParams:
             raise FastspecError(f"top-k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise FastspecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise FastspecError("stop strings must not be empty")
 
     @property
     def greedy(self) -> bool:

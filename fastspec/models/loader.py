@@ -197,3 +197,13 @@ def load_token_map(path: Path, vocab_size: int) -> torch.Tensor:
 def _check_hot_map(ids: torch.Tensor | None, vocab_size: int, source: str) -> None:
     if ids is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise FastspecError(f"{source}: token ids outside the target vocabulary [0, {vocab_size})")
+
+
+def generation_eos_ids(model_dir, config_eos: tuple[int, ...]) -> frozenset[int]:
+    """EOS ids from config.json and generation_config.json (either may list several)."""
+    ids = set(config_eos)
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
