@@ -10,7 +10,6 @@ from fastspec.attention.metadata import (
     draft_extend_metadata,
     extend_metadata,
     verify_metadata,
-    with_ancestor_slots,
 )
 from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
 
@@ -27,5 +26,4 @@ __all__ = [
     "extend_metadata",
     "make_backend",
     "verify_metadata",
-    "with_ancestor_slots",
 ]

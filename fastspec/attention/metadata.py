@@ -8,7 +8,6 @@ never writes the table: callers put the new slots into `req_to_token` first.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -225,19 +224,3 @@ def verify_metadata(req_to_token: torch.Tensor,  # int32 [max_requests, max_cont
         causal=True,
     )
 
-
-def with_ancestor_slots(meta: AttnMetadata,
-                        row_seq: torch.Tensor,  # int64 [R]  committed length of each query row's request
-                        ancestors: torch.Tensor,  # int64 [R, step]  draft KV slots of each row's path, depth order
-                        ) -> AttnMetadata:
-    """Draft decode with exact ancestry: row r attends its prefix, the draft KV of its true ancestors, itself.
-
-    draft_decode_metadata gives row r its branch's own scratch history (SGLang's per-slot approximation, exact
-    only for topk 1); this rewrites the first `step` scratch entries of every row with its ancestors' slots.
-    Lengths are unchanged, so a plan captured for the lengths stays valid (a device-side gather, no sync).
-    """
-    step = ancestors.shape[1]
-    cols = meta.kv_indptr[:-1].to(torch.int64)[:, None] + row_seq[:, None] + torch.arange(step, device=row_seq.device)
-    kv_indices = meta.kv_indices.clone()
-    kv_indices[cols.flatten()] = ancestors.flatten().to(kv_indices.dtype)
-    return dataclasses.replace(meta, kv_indices=kv_indices)
