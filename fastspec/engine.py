@@ -126,8 +126,7 @@ class Engine:
                         with self.times("prefill"):
                             self._prefill(batch)
                     elif batch:
-                        with self.times("round"):
-                            self._decode(batch)
+                        self._decode(batch)
                     scheduler.retire()
                 yield aborted + [StepOutput(r.rid, r.output_ids[seen[r.rid]:], r.finish_reason, r.metrics)
                                  for r in batch]
@@ -239,7 +238,8 @@ class Engine:
         """One decode round: speculative when a drafter exists and the policy says it pays, else plain."""
         speculate = self.drafter is not None and (self.policy is None or self.policy.speculate(len(reqs)))
         before, start = sum(len(r.output_ids) for r in reqs), time.perf_counter()
-        self._spec_round(reqs) if speculate else self._plain_round(reqs)
+        with self.times("round" if speculate else "plain_round"):  # "round" = speculative rounds only
+            self._spec_round(reqs) if speculate else self._plain_round(reqs)
         if self.policy is not None:
             emitted = sum(len(r.output_ids) for r in reqs) - before
             self.policy.record(len(reqs), speculate, emitted / len(reqs), time.perf_counter() - start)

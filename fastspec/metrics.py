@@ -76,7 +76,8 @@ class PhaseTimes:
         self.seconds = {}
 
     def split(self) -> dict[str, float]:
-        """Seconds per phase; `host` = whole rounds minus the graph phases inside them."""
+        """Seconds per phase; `host` = speculative rounds minus the graph phases inside them (plain rounds are
+        timed apart as `plain_round`)."""
         rounds = self.seconds.get("round", 0.0)
         inner = sum(v for k, v in self.seconds.items() if k in ("draft", "verify", "draft_extend"))
         return {**{k: v for k, v in self.seconds.items() if k != "round"}, "host": max(rounds - inner, 0.0),
