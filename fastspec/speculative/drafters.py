@@ -14,7 +14,7 @@ import torch
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
-from fastspec.models.loader import load_draft, load_target, read_config, resolve_model_dir
+from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.eagle import EagleDrafter, StandaloneDraft
 from fastspec.speculative.tree import DraftTree, tree_from_parents
@@ -45,12 +45,10 @@ def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Load
     if (spec.algorithm == "EAGLE3") != draft_config.is_eagle3:
         wanted = "LlamaForCausalLMEagle3" if spec.algorithm == "EAGLE3" else "LlamaForCausalLMEagle"
         raise FastspecError(f"{draft_dir}: {spec.algorithm} needs a {wanted} head, got {draft_config.architecture}")
+    target_config = read_config(model_dir)
+    check_draft_fits(draft_config, target_config, str(draft_dir))  # before any weights load
     aux = draft_config.is_eagle3 and draft_config.use_aux_hidden_state
-    target_layers = read_config(model_dir).num_layers
-    capture = eagle3_capture_layers(target_layers, draft_config.aux_layer_ids) if aux else ()
-    if any(not 0 <= i <= target_layers for i in capture):
-        raise FastspecError(f"{draft_dir}: aux hidden state layers {draft_config.aux_layer_ids} do not exist in a "
-                            f"{target_layers}-layer target")
+    capture = eagle3_capture_layers(target_config.num_layers, draft_config.aux_layer_ids) if aux else ()
     target = load_target(model_dir, dtype, device, capture_layers=capture)
     token_map = Path(spec.token_map) if spec.token_map else None
     draft = load_draft(draft_dir, target, dtype, device, token_map)
