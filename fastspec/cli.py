@@ -282,5 +282,9 @@ def stop_on_ctrl_c():
         signal.signal(signal.SIGINT, previous)
 
 
+from fastspec.cli_train import train_draft  # noqa: E402  (kept in its own module: cli.py's size budget)
+
+app.command("train-draft")(user_errors(train_draft))
+
 if __name__ == "__main__":
     app()

@@ -1,6 +1,6 @@
-"""Built-in prompt sets (`chat`, `code`, `writing`: hand-written, one JSON object per line) and a JSONL reader.
+"""Built-in prompt sets (hand-written, one JSON object per line) and a JSONL reader.
 
-Each built-in line is `{"prompt": "...", "split": "train" | "heldout"}`; `train` feeds `fastspec train-draft`,
+Sets: chat, code, writing, explain, lists, rewrite, stories. Each built-in line is `{"prompt": "...", "split": "train" | "heldout"}`; `train` feeds `fastspec train-draft`,
 `heldout` feeds `fastspec bench`, and no prompt is in both. This module only reads and validates prompt text:
 it knows nothing about tokenizers, chat templates or models.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fastspec.errors import FastspecError
 
-PROMPT_SETS = ("chat", "code", "writing")
+PROMPT_SETS = ("chat", "code", "writing", "explain", "lists", "rewrite", "stories")
 SPLITS = ("train", "heldout")
 
 

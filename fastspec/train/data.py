@@ -1,0 +1,158 @@
+"""Training data for an EAGLE-3 head: the target's own responses, and the target's features on them.
+
+Owns: regenerating responses with the target (one greedy answer per prompt plus sampled ones) into an
+append-only `conversations.jsonl` (an interrupted run keeps every finished chunk), the packed target forward
+that yields the EAGLE-3 aux features and the target's greedy label at every position, and the draft vocabulary
+chosen by label frequency. Does not own the objective (ttt.py) nor the loop and checkpoints (trainer.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fastspec.errors import FastspecError
+from fastspec.sampling import SamplingParams
+
+SAMPLED = dict(temperature=0.8, top_p=0.95)  # the non-greedy answers: varied, still the target's own text
+
+
+@dataclass(frozen=True)
+class Conversation:
+    ids: tuple[int, ...]  # chat-templated prompt + the target's response
+    prompt_len: int
+    greedy: bool
+
+
+@dataclass(frozen=True)
+class Features:
+    """Every conversation concatenated: row r of each tensor is one token position."""
+    tokens: torch.Tensor  # [N] int64
+    aux: torch.Tensor  # [N, 3H] bfloat16 residual stream entering the three capture layers
+    labels: torch.Tensor  # [N] int64 the target's greedy next token after this position
+    offsets: torch.Tensor  # [C + 1] int64 start of conversation c, then N
+    prompt_lens: torch.Tensor  # [C] int64
+
+    def __len__(self) -> int:
+        return self.prompt_lens.numel()
+
+
+def generate_conversations(llm, prompts: list[str], path: Path, samples: int, max_new_tokens: int, seed: int,
+                           chunk: int = 64, on_progress: Callable[[int, int], None] = lambda done, total: None
+                           ) -> list[Conversation]:
+    """Answer every prompt `samples` times (the first greedily) with the target, appending to `path` per chunk;
+    jobs already in `path` (a resumed run) are not generated again."""
+    done = {(r["prompt"], r["sample"]): r for r in _read_records(path)}  # keyed by prompt text: sets may grow
+    jobs = [(i, s) for i in range(len(prompts)) for s in range(samples) if (prompts[i], s) not in done]
+    total = len(prompts) * samples
+    on_progress(total - len(jobs), total)
+    with path.open("a", encoding="utf-8") as f:
+        for start in range(0, len(jobs), chunk):
+            batch = jobs[start:start + chunk]
+            params = [_params(i, s, seed, max_new_tokens) for i, s in batch]
+            outs = llm.generate([prompts[i] for i, _ in batch], params, chat=True)
+            for (i, s), out in zip(batch, outs):
+                record = {"prompt": prompts[i], "sample": s, "prompt_ids": out.prompt_ids,
+                          "output_ids": out.output_ids}
+                done[(prompts[i], s)] = record
+                f.write(json.dumps(record) + "\n")
+            f.flush()
+            on_progress(total - len(jobs) + start + len(batch), total)
+    return [_conversation(done[(p, s)]) for p in prompts for s in range(samples)]
+
+
+def _params(i: int, s: int, seed: int, max_new_tokens: int) -> SamplingParams:
+    if s == 0:
+        return SamplingParams(max_new_tokens=max_new_tokens)
+    return SamplingParams(max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + i * 101 + s, **SAMPLED)
+
+
+def _conversation(record: dict) -> Conversation:
+    return Conversation(tuple(record["prompt_ids"] + record["output_ids"]), len(record["prompt_ids"]),
+                        record["sample"] == 0)
+
+
+def _read_records(path: Path) -> list[dict]:
+    """Finished records of a previous run; a last line cut short by an interruption is dropped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+class PackedCausalAttention:
+    """`attend` for sequences packed into one row without a KV cache: causal inside each sequence."""
+
+    def __init__(self, doc_ids: torch.Tensor):  # [T]
+        T = doc_ids.numel()
+        causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+        self.mask = causal & (doc_ids[:, None] == doc_ids[None, :])  # [T, T]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=self.mask, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)
+
+
+def pack(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Greedy packing of sequence indices (in order) into groups of at most `batch_tokens` tokens
+    (a longer sequence gets a group of its own)."""
+    groups, current, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if current and used + n > batch_tokens:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    return groups + ([current] if current else [])
+
+
+@torch.no_grad()
+def extract_features(target, conversations: list[Conversation], batch_tokens: int = 2048,
+                     on_progress: Callable[[int, int], None] = lambda done, total: None) -> Features:
+    """Aux features and greedy labels of `target` (built with EAGLE-3 capture layers) on every conversation."""
+    device = target.lm_head.weight.device
+    tokens, aux, labels = [], [], []
+    groups = pack([len(c.ids) for c in conversations], batch_tokens)
+    for n, group in enumerate(groups):
+        ids = torch.tensor([t for i in group for t in conversations[i].ids], device=device)
+        doc = torch.cat([torch.full((len(conversations[i].ids),), j, device=device) for j, i in enumerate(group)])
+        positions = torch.cat([torch.arange(len(conversations[i].ids), device=device) for i in group])
+        hidden = target(ids, positions, PackedCausalAttention(doc))
+        tokens.append(ids.cpu())
+        aux.append(hidden.aux.to(torch.bfloat16).cpu())
+        labels.append(target.compute_logits(hidden.final).argmax(-1).cpu())
+        on_progress(n + 1, len(groups))
+    lengths = torch.tensor([len(c.ids) for c in conversations])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return Features(torch.cat(tokens), torch.cat(aux), torch.cat(labels), offsets,
+                    torch.tensor([c.prompt_len for c in conversations]))
+
+
+def response_labels(features: Features) -> torch.Tensor:
+    """[M] the labels that predict a response token: the tokens a draft head is asked for."""
+    keep = torch.zeros(features.tokens.numel(), dtype=torch.bool)
+    for start, end, plen in zip(features.offsets[:-1].tolist(), features.offsets[1:].tolist(),
+                                features.prompt_lens.tolist()):
+        keep[start + plen - 1:end - 1] = True  # label at p predicts token p + 1
+    return features.labels[keep]
+
+
+def choose_draft_vocab(labels: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """[Vd] ascending target ids: the `draft_vocab_size` most frequent labels (ties: lower id first)."""
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise FastspecError(f"--draft-vocab-size must be in [1, {vocab_size}], got {draft_vocab_size}")
+    counts = torch.bincount(labels, minlength=vocab_size)
+    order = torch.argsort(-counts, stable=True)  # most frequent first, lower id on ties
+    return order[:draft_vocab_size].sort().values

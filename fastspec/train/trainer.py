@@ -1,0 +1,290 @@
+"""The `fastspec train-draft` job: data -> features -> draft vocabulary -> TTT training -> exported head.
+
+Everything lives in the output directory: `train/` holds the conversations, cached features, the vocabulary and
+the resumable checkpoint (written atomically every `checkpoint_every` steps); the exported head is
+`config.json` + `model.safetensors` in the SGLang / SpecForge EAGLE-3 format (bf16; the embedding is the
+target's and is not stored, as SGLang shares it too). Reports progress through a callback; rendering is cli's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fastspec.config import ModelConfig
+from fastspec.errors import FastspecError
+from fastspec.models.eagle import LlamaForCausalLMEagle3
+from fastspec.models.llama import eagle3_capture_layers
+from fastspec.models.loader import load_target, read_config, resolve_model_dir
+from fastspec.prompts import load_prompts, read_jsonl_prompts
+from fastspec.train.data import (Features, choose_draft_vocab, extract_features, generate_conversations, pack,
+                                 response_labels)
+from fastspec.train.ttt import make_batch, ttt_loss
+
+EXPORTED = ("config.json", "model.safetensors")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out: Path
+    model: str = "smollm2-135m-instruct"
+    prompts: Path | None = None  # JSONL; None: the train split of every built-in prompt set
+    samples_per_prompt: int = 1  # the first answer is greedy, the others sampled
+    max_new_tokens: int = 256
+    draft_vocab_size: int = 4096
+    ttt_steps: int = 5
+    epochs: int = 6
+    lr: float = 6e-4
+    batch_tokens: int = 2048
+    val_fraction: float = 0.05
+    checkpoint_every: int = 50
+    seed: int = 0
+    bf16: bool = True  # autocast; master weights stay float32
+    resume: bool = False
+    overwrite: bool = False
+    generate_batch: int = 64
+
+    def __post_init__(self):
+        for name in ("samples_per_prompt", "max_new_tokens", "ttt_steps", "epochs", "batch_tokens",
+                     "checkpoint_every", "generate_batch"):
+            if getattr(self, name) < 1:
+                raise FastspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.val_fraction < 1:
+            raise FastspecError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if not self.lr > 0:
+            raise FastspecError(f"--lr must be > 0, got {self.lr}")
+        if self.resume and self.overwrite:
+            raise FastspecError("--resume and --overwrite exclude each other")
+
+
+@dataclass(frozen=True)
+class Progress:
+    phase: str  # generate | features | train | done
+    done: int
+    total: int
+    info: dict = field(default_factory=dict)  # train: loss, lr; evaluations: acceptance per depth, chain tau
+
+
+def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lambda p: None) -> dict:
+    """Run (or resume) the whole job; returns the final held-out evaluation."""
+    work = _prepare_out(cfg)
+    model_dir = resolve_model_dir(cfg.model)
+    prompts = read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train")
+    conversations = _conversations(cfg, model_dir, prompts, work, on_progress)
+    target_cfg = read_config(model_dir)
+    target = load_target(model_dir, torch.float32, capture_layers=eagle3_capture_layers(target_cfg.num_layers, None))
+    features = _features(target, conversations, work, cfg, on_progress)
+    vocab = _vocab(features, target_cfg.vocab_size, cfg.draft_vocab_size, work)
+    head_json = head_config(json.loads((model_dir / "config.json").read_text()), len(vocab), target_cfg.num_layers)
+    head = init_head(ModelConfig.from_hf(head_json), target, vocab, cfg.seed)
+    is_val = [_is_val(prompts, c, cfg) for c in range(len(conversations))]
+    train_ids = [c for c, v in enumerate(is_val) if not v]
+    val_ids = [c for c, v in enumerate(is_val) if v and conversations[c].greedy]
+    if not train_ids:
+        raise FastspecError("no training conversations (every prompt fell in the validation split)")
+    t2d = torch.full((target_cfg.vocab_size,), -1, dtype=torch.int64).index_put_((vocab,), torch.arange(len(vocab)))
+    report = _fit(head, features, train_ids, val_ids, t2d, cfg, work, on_progress)
+    export_head(head, head_json, vocab, cfg.out)
+    (work / "report.json").write_text(json.dumps(report | {"config": _jsonable(asdict(cfg))}, indent=1))
+    on_progress(Progress("done", 1, 1, report))
+    return report
+
+
+def _prepare_out(cfg: TrainConfig) -> Path:
+    out, work = Path(cfg.out), Path(cfg.out) / "train"
+    if out.exists() and not out.is_dir():
+        raise FastspecError(f"--out {out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not cfg.resume:
+        if not cfg.overwrite:
+            raise FastspecError(f"--out {out} exists; pass --resume to continue it or --overwrite to start over")
+        if not work.is_dir():
+            raise FastspecError(f"--out {out} is not a train-draft directory; refusing to overwrite it")
+        shutil.rmtree(work)
+        for name in EXPORTED:
+            (out / name).unlink(missing_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def _conversations(cfg, model_dir, prompts, work, on_progress):
+    from fastspec.llm import LLM
+
+    llm = LLM(model=str(model_dir), max_running_requests=cfg.generate_batch,
+              max_total_tokens=cfg.generate_batch * (cfg.max_new_tokens + 512))
+    report = lambda done, total: on_progress(Progress("generate", done, total))  # noqa: E731
+    return generate_conversations(llm, prompts, work / "conversations.jsonl", cfg.samples_per_prompt,
+                                  cfg.max_new_tokens, cfg.seed, cfg.generate_batch, report)
+
+
+def _features(target, conversations, work: Path, cfg: TrainConfig, on_progress) -> Features:
+    """Cached in train/features.pt, keyed by a checksum of the conversations' token ids."""
+    key = zlib.crc32(json.dumps([c.ids for c in conversations]).encode())
+    path = work / "features.pt"
+    if path.exists():
+        saved = torch.load(path, weights_only=True)
+        if int(saved.pop("key")) == key:
+            return Features(**saved)
+    report = lambda done, total: on_progress(Progress("features", done, total))  # noqa: E731
+    features = extract_features(target, conversations, cfg.batch_tokens, report)
+    _atomic_save(asdict(features) | {"key": torch.tensor(key)}, path)
+    return features
+
+
+def _vocab(features: Features, vocab_size: int, draft_vocab_size: int, work: Path) -> torch.Tensor:
+    """[Vd] ascending target ids, chosen once and kept (a resumed run must keep its head's vocabulary)."""
+    path = work / "vocab.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    vocab = choose_draft_vocab(response_labels(features), vocab_size, min(draft_vocab_size, vocab_size))
+    _atomic_save(vocab, path)
+    return vocab
+
+
+def _is_val(prompts: list[str], conversation: int, cfg: TrainConfig) -> bool:
+    prompt = prompts[conversation // cfg.samples_per_prompt]
+    return zlib.crc32(prompt.encode()) % 10_000 < cfg.val_fraction * 10_000
+
+
+def head_config(target_json: dict, draft_vocab_size: int, num_layers: int) -> dict:
+    """SGLang / SpecForge EAGLE-3 config.json: one Llama layer as wide as the target, own draft lm_head."""
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "hidden_act",
+            "bos_token_id", "eos_token_id", "pad_token_id")
+    config = {k: target_json[k] for k in keep if k in target_json}
+    aux_ids = [i - 1 for i in eagle3_capture_layers(num_layers, None)]
+    return config | {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+                     "tie_word_embeddings": False, "draft_vocab_size": draft_vocab_size,
+                     "target_hidden_size": target_json["hidden_size"], "torch_dtype": "bfloat16",
+                     "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True}}
+
+
+def init_head(config: ModelConfig, target, vocab: torch.Tensor, seed: int) -> LlamaForCausalLMEagle3:
+    """Random layer (std 0.02, unit norms); lm_head = the target's output rows of the draft vocabulary,
+    final norm = the target's; the embedding is the target's, shared and frozen."""
+    torch.manual_seed(seed)
+    head = LlamaForCausalLMEagle3(config, target.model.embed_tokens)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.startswith("embed_tokens."):
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab])
+        head.norm.weight.copy_(target.model.norm.weight)
+        head.d2t.copy_(vocab - torch.arange(len(vocab)))
+    head.embed_tokens.requires_grad_(False)
+    return head
+
+
+def _fit(head, features, train_ids, val_ids, t2d, cfg: TrainConfig, work: Path, on_progress) -> dict:
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    epoch_groups = lambda epoch: _epoch_groups(features, train_ids, cfg, epoch)  # noqa: E731
+    per_epoch = len(epoch_groups(0))
+    total = per_epoch * cfg.epochs
+    start = _load_checkpoint(work / "checkpoint.pt", head, opt)
+    groups, info = None, {}
+    for step in range(start, total):
+        epoch, b = divmod(step, per_epoch)
+        if groups is None or b == 0:
+            groups = epoch_groups(epoch)
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, total, cfg.lr)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            stats = ttt_loss(head, make_batch(features, groups[b], t2d, cfg.ttt_steps))
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        info = {"loss": round(stats.loss.item(), 4), "lr": opt.param_groups[0]["lr"], "epoch": epoch + 1}
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total:
+            _save_checkpoint(work / "checkpoint.pt", head, opt, step + 1)
+            info |= evaluate(head, features, val_ids, t2d, cfg)
+        on_progress(Progress("train", step + 1, total, info))
+    return evaluate(head, features, val_ids, t2d, cfg) | {"steps": total, "train_conversations": len(train_ids),
+                                                          "train_tokens": _tokens(features, train_ids)}
+
+
+def _epoch_groups(features: Features, ids: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch)).tolist()
+    shuffled = [ids[i] for i in order]
+    lengths = (features.offsets[1:] - features.offsets[:-1]).tolist()
+    return [[shuffled[i] for i in g] for g in pack([lengths[c] for c in shuffled], cfg.batch_tokens)]
+
+
+def _lr(step: int, total: int, peak: float) -> float:
+    """Linear warm-up over 3% of the steps, then cosine down to 10% of the peak."""
+    warm = max(1, int(0.03 * total))
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@torch.no_grad()
+def evaluate(head, features: Features, val_ids: list[int], t2d: torch.Tensor, cfg: TrainConfig) -> dict:
+    """Held-out top-1 acceptance per depth: `acceptance[k]` = P(drafts 1..k+1 of a chain all right), so a
+    chain of n steps accepts 1 + sum(acceptance[:n]) tokens per round on these conversations."""
+    if not val_ids:
+        return {}
+    lengths = (features.offsets[1:] - features.offsets[:-1]).tolist()
+    sums = torch.zeros(3, cfg.ttt_steps, dtype=torch.int64)
+    for group in pack([lengths[c] for c in val_ids], cfg.batch_tokens):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            stats = ttt_loss(head, make_batch(features, [val_ids[i] for i in group], t2d, cfg.ttt_steps))
+        sums += torch.stack([stats.correct, stats.chain_correct, stats.count])
+    acceptance = (sums[1] / sums[2].clamp(min=1)).tolist()
+    return {"val_top1": [round(x, 4) for x in (sums[0] / sums[2].clamp(min=1)).tolist()],
+            "val_acceptance": [round(x, 4) for x in acceptance], "val_chain_tau": round(1 + sum(acceptance), 3)}
+
+
+def _tokens(features: Features, ids: list[int]) -> int:
+    return int(sum(int(features.offsets[c + 1] - features.offsets[c]) for c in ids))
+
+
+def _save_checkpoint(path: Path, head, opt, step: int) -> None:
+    state = {k: v for k, v in head.state_dict().items() if not k.startswith("embed_tokens.")}
+    _atomic_save({"step": step, "head": state, "optimizer": opt.state_dict()}, path)
+
+
+def _load_checkpoint(path: Path, head, opt) -> int:
+    """The step to continue from (0 without a checkpoint)."""
+    if not path.exists():
+        return 0
+    saved = torch.load(path, weights_only=True)
+    head.load_state_dict(saved["head"], strict=False)
+    opt.load_state_dict(saved["optimizer"])
+    return int(saved["step"])
+
+
+def export_head(head, head_json: dict, vocab: torch.Tensor, out: Path) -> None:
+    """config.json + model.safetensors (bf16 weights, int64 d2t, bool t2d), written atomically."""
+    skip = ("embed_tokens.", "rope.")
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+             for k, v in head.state_dict().items() if not k.startswith(skip)}
+    state["t2d"] = torch.zeros(head_json["vocab_size"], dtype=torch.bool).index_fill_(0, vocab, True)
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp))
+    os.replace(tmp, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(head_json, indent=2) + "\n")
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}

@@ -1,0 +1,114 @@
+"""The EAGLE-3 training-time test (TTT): the head is unrolled `steps` times over packed conversations, each
+step fed the head's own hidden output of the step before, so training sees what drafting `steps` deep sees.
+
+Glossary (index p of a conversation, step k = draft depth k + 1):
+  input token   step k at p is fed the data token at p + 1 + k and (k = 0) the target's aux feature at p, or
+                (k > 0) the head's own carry from step k - 1 at p;
+  label         the target's greedy token after position p + 1 + k, as a draft-vocabulary id;
+  attention     step k at p sees step-0 keys at positions <= p (the draft extend's KV at inference) and its own
+                keys of steps 1..k at p (its chain of draft ancestors): `TTTAttention`.
+Owns the batch layout and the loss; knows nothing about data generation, optimisers or checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fastspec.train.data import Features
+
+NO_LABEL = -1  # out of the sequence or not a response token: no loss, not counted
+
+
+@dataclass(frozen=True)
+class TTTBatch:
+    aux: torch.Tensor  # [T, 3H] target features
+    positions: torch.Tensor  # [T] position inside its conversation
+    doc_ids: torch.Tensor  # [T] which conversation of the batch
+    inputs: torch.Tensor  # [S, T] token fed at step k
+    labels: torch.Tensor  # [S, T] draft id; NO_LABEL; or Vd for a label outside the draft vocabulary (a miss)
+
+
+@dataclass(frozen=True)
+class TTTStats:
+    loss: torch.Tensor  # [] weighted mean cross-entropy (differentiable)
+    correct: torch.Tensor  # [S] draft top-1 == label, counted over labelled rows
+    chain_correct: torch.Tensor  # [S] steps 0..k all right for this root
+    count: torch.Tensor  # [S] labelled rows
+
+
+def make_batch(features: Features, conversations: list[int], t2d: torch.Tensor, steps: int) -> TTTBatch:
+    """Pack `conversations` (indices into `features`) into one row; `t2d` [V] maps target -> draft id or -1."""
+    Vd = int((t2d >= 0).sum())
+    spans = [(int(features.offsets[c]), int(features.offsets[c + 1]), int(features.prompt_lens[c]))
+             for c in conversations]
+    rows = torch.cat([torch.arange(s, e) for s, e, _ in spans])  # [T] rows of `features`
+    positions = torch.cat([torch.arange(e - s) for s, e, _ in spans])
+    lengths = torch.cat([torch.full((e - s,), e - s) for s, e, _ in spans])
+    prompt_lens = torch.cat([torch.full((e - s,), plen) for s, e, plen in spans])
+    doc_ids = torch.cat([torch.full((e - s,), j) for j, (s, e, _) in enumerate(spans)])
+    inputs, labels = [], []
+    for k in range(steps):
+        # step k at p: input token p + 1 + k; label predicts token p + 2 + k, which must be a response token
+        has_input = positions + 1 + k < lengths
+        src = torch.where(has_input, rows + 1 + k, rows)
+        inputs.append(torch.where(has_input, features.tokens[src], 0))
+        target_pos = positions + 2 + k
+        labelled = (target_pos < lengths) & (target_pos >= prompt_lens)
+        draft_id = t2d[features.labels[src]]
+        labels.append(torch.where(labelled, torch.where(draft_id >= 0, draft_id, Vd), NO_LABEL))
+    return TTTBatch(features.aux[rows], positions, doc_ids, torch.stack(inputs), torch.stack(labels))
+
+
+class TTTAttention:
+    """`attend` for the unrolled head: call k of the one layer is step k (see the module docstring)."""
+
+    def __init__(self, doc_ids: torch.Tensor):  # [T]
+        T = doc_ids.numel()
+        causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+        self.mask = causal & (doc_ids[:, None] == doc_ids[None, :])  # [T, T] step-0 keys row p may see
+        self.keys: list[torch.Tensor] = []  # per step [Hkv, 1, T, D]
+        self.values: list[torch.Tensor] = []
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        # q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D]
+        T, Hq, D = q.shape
+        Hkv = k.shape[1]
+        self.keys.append(k.permute(1, 0, 2)[:, None])
+        self.values.append(v.permute(1, 0, 2)[:, None])
+        qh = q.view(T, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3)  # [Hkv, rep, T, D]
+        prefix = (qh @ self.keys[0].transpose(-1, -2)).float() * scale  # [Hkv, rep, T, T]
+        prefix = prefix.masked_fill(~self.mask, float("-inf"))
+        own = [((qh * key).sum(-1).float() * scale)[..., None] for key in self.keys[1:]]  # [Hkv, rep, T, 1] each
+        probs = torch.softmax(torch.cat([prefix, *own], dim=-1), dim=-1).to(q.dtype)
+        o = probs[..., :T] @ self.values[0]
+        for j, value in enumerate(self.values[1:]):
+            o = o + probs[..., T + j, None] * value
+        return o.permute(2, 0, 1, 3).reshape(T, Hq, D)
+
+
+def ttt_loss(head, batch: TTTBatch, step_weight: float = 0.8) -> TTTStats:
+    """Unroll `head` (a LlamaForCausalLMEagle3) over the batch; loss = sum_k w^k * mean CE at step k."""
+    attn = TTTAttention(batch.doc_ids)
+    hidden = batch.aux
+    Vd = head.draft_vocab_size
+    loss = batch.aux.new_zeros((), dtype=torch.float32)
+    correct, chain, count = [], [], []
+    chain_ok = torch.ones_like(batch.positions, dtype=torch.bool)
+    for k in range(batch.inputs.shape[0]):
+        out = head(batch.inputs[k], batch.positions + k, hidden, attn)
+        logits = head.compute_logits(out.normed)  # [T, Vd] float32
+        labels = batch.labels[k]
+        trainable = (labels >= 0) & (labels < Vd)
+        if trainable.any():
+            loss = loss + step_weight**k * F.cross_entropy(logits[trainable], labels[trainable])
+        labelled = labels >= 0
+        hit = (logits.argmax(-1) == labels) & labelled
+        chain_ok = chain_ok & (hit | ~labelled)  # a root's steps before its first response token don't count
+        correct.append(hit.sum())
+        chain.append((chain_ok & labelled).sum())
+        count.append(labelled.sum())
+        hidden = out.carry
+    return TTTStats(loss, torch.stack(correct), torch.stack(chain), torch.stack(count))
