@@ -234,7 +234,7 @@ def bench(
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts(prompt_set)
     kwargs = options.llm_kwargs() | {"max_running_requests": max(max(sizes), options.max_running_requests)}
     spec = LLM(**kwargs, on_prepare=prepare_progress())
-    base_kwargs = kwargs | {"speculative_algorithm": None, "draft_model": None, "token_map": None, "ngram": None}
+    base_kwargs = kwargs | {"speculative_algorithm": "NONE", "draft_model": None, "token_map": None, "ngram": None}
     baseline = LLM(**{k: v for k, v in base_kwargs.items() if k not in ("num_steps", "topk", "num_draft_tokens")})
     ids = [spec.encode(t, chat=True) for t in texts[:num_prompts]]
     from rich.console import Console

@@ -12,6 +12,7 @@ from functools import cached_property
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.engine import Engine
 from fastspec.metrics import SpecMetrics
+from fastspec.models.embedded import default_speculation
 from fastspec.models.loader import read_config, resolve_model_dir
 from fastspec.detokenizer import IncrementalDetokenizer
 from fastspec.tokenizer import Tokenizer
@@ -43,8 +44,10 @@ class LLM:
                  num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
                  accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, on_prepare=None,
                  **engine_options):
-        """`speculative_algorithm`: NONE (default), EAGLE (alias NEXTN), EAGLE3, STANDALONE or NGRAM; unset
-        num_steps / topk / num_draft_tokens follow SGLang's per-architecture defaults."""
+        """`speculative_algorithm`: NONE, EAGLE (alias NEXTN), EAGLE3, STANDALONE or NGRAM; unset: EAGLE3 with the
+        shipped head on an embedded model, NONE otherwise. Unset num_steps / topk / num_draft_tokens follow
+        SGLang's per-architecture defaults."""
+        speculative_algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
         target_arch = read_config(resolve_model_dir(model)).architecture
         spec = SpecConfig.resolve(speculative_algorithm, target_arch, draft_model=draft_model, num_steps=num_steps,
                                   topk=topk, num_draft_tokens=num_draft_tokens, token_map=token_map,

@@ -18,7 +18,7 @@ NEW = 20
 
 @pytest.fixture(scope="module")
 def llm():
-    return fastspec.LLM(max_total_tokens=4096)
+    return fastspec.LLM(max_total_tokens=4096, speculative_algorithm="NONE")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_cli_generate_equals_transformers_greedy(hf_greedy):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_batched_generation_equals_transformers(hf_greedy, page_size):
-    llm = fastspec.LLM(max_total_tokens=4096, page_size=page_size)
+    llm = fastspec.LLM(max_total_tokens=4096, page_size=page_size, speculative_algorithm="NONE")
     outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
     assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
     assert "Paris" in outputs[0].text
@@ -58,7 +58,7 @@ def test_batched_generation_equals_transformers(hf_greedy, page_size):
 
 def test_queueing_when_the_pool_is_small(hf_greedy):
     """A pool that holds one request at a time still finishes all of them, in order, with the same tokens."""
-    llm = fastspec.LLM(max_total_tokens=96)
+    llm = fastspec.LLM(max_total_tokens=96, speculative_algorithm="NONE")
     outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
     assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
 

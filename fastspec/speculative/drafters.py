@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
+from fastspec.kernels.cpu_linear import can_prepack, prepack_linears
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
@@ -27,7 +29,21 @@ class LoadedModels:
     feature: str  # which target hidden state the draft is fed: "final" | "aux" | "none"
 
 
+PREPACK_BS = (1, 2, 4)  # each packed row count is one more copy of the weights: only the small batches
+
+
 def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
+    """Target and draft weights; on CPU with eager rounds, their linears are prepacked for the row counts of
+    the verify (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2 and 4."""
+    models = _load_models(model_dir, spec, config)
+    if spec.enabled and config.graph_mode == "eager" and can_prepack(config.device, config.torch_dtype):
+        prepack_linears(models.target, tuple(bs * spec.num_draft_tokens for bs in PREPACK_BS))
+        if isinstance(models.draft, nn.Module):
+            prepack_linears(models.draft, tuple(bs * spec.topk for bs in PREPACK_BS))
+    return models
+
+
+def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
     dtype, device = config.torch_dtype, config.device
     if spec.algorithm not in ("EAGLE", "EAGLE3", "STANDALONE"):
         return LoadedModels(load_target(model_dir, dtype, device), None, "none")

@@ -51,6 +51,15 @@ def draft_loop(model, hot_token_id, pool, topk: int, num_steps: int, num_draft_t
     Row r of forward i attends its request's prefix, the draft KV of its true ancestors (slots its ancestors
     wrote in earlier steps) and itself; unlike SGLang's per-branch-slot history this is exact for any topk.
     """
+    parent_list, top_scores_index, draft_tokens = organize_draft_results(
+        *draft_candidates(model, hot_token_id, pool, topk, num_steps, x), num_draft_tokens)
+    return {"parent_list": parent_list, "top_scores_index": top_scores_index, "draft_tokens": draft_tokens}
+
+
+def draft_candidates(model, hot_token_id, pool, topk: int, num_steps: int, x: dict):
+    """The draft loop before `organize`: per step, the candidates' scores, tokens and parents (lists of
+    num_steps tensors; see select_top_k). A tree of fewer steps or fewer draft tokens is organised from a prefix
+    of these lists, which is how `fastspec tune` replays every (num_steps, num_draft_tokens) from one run."""
     topk_p, topk_index, hidden = x["topk_p"], x["topk_index"], x["hidden"]
     prefix_slots = x["prefix_slots"].repeat_interleave(topk, 0)  # [R, Kp]
     prefix_valid = x["prefix_valid"].repeat_interleave(topk, 0)
@@ -74,9 +83,7 @@ def draft_loop(model, hot_token_id, pool, topk: int, num_steps: int, num_draft_t
         out = model(sel.input_ids, positions + step, sel.hidden, AttentionContext(_BACKEND, plan, pool))
         topk_p, topk_index = draft_top_k(model, hot_token_id, out.normed, topk)
         hidden, scores = out.carry, sel.scores
-    parent_list, top_scores_index, draft_tokens = organize_draft_results(
-        score_list, token_list, parents_list, num_draft_tokens)
-    return {"parent_list": parent_list, "top_scores_index": top_scores_index, "draft_tokens": draft_tokens}
+    return score_list, token_list, parents_list
 
 
 def target_verify(model, pool, feature: str, x: dict) -> dict:

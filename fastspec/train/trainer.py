@@ -118,7 +118,7 @@ def _prepare_out(cfg: TrainConfig) -> Path:
 def _conversations(cfg, model_dir, prompts, work, on_progress):
     from fastspec.llm import LLM
 
-    llm = LLM(model=str(model_dir), max_running_requests=cfg.generate_batch,
+    llm = LLM(model=str(model_dir), speculative_algorithm="NONE", max_running_requests=cfg.generate_batch,
               max_total_tokens=cfg.generate_batch * (cfg.max_new_tokens + 512))
     report = lambda done, total: on_progress(Progress("generate", done, total))  # noqa: E731
     return generate_conversations(llm, prompts, work / "conversations.jsonl", cfg.samples_per_prompt,

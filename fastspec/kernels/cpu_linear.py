@@ -1,0 +1,53 @@
+"""CPU linear layers over MKL-prepacked weights for the few row counts a speculative round uses.
+
+Why: torch's CPU GEMM packs the weight on every call, so a linear over a handful of rows (a verify of 8 tree
+tokens, a draft step over bs*topk rows) costs 2-3x a one-row GEMV: SmolLM2's lm_head takes ~7 ms for 1 row and
+~23 ms for 8, but ~9 ms for 8 over a weight packed once for exactly 8 rows (MKL's packed GEMM is per row count;
+any other count falls back to the plain linear). Applied after loading, on CPU in float32 when the round
+functions run eagerly (Inductor packs its own weights). Each packed row count costs one more copy of the weights.
+Owns only the module swap; the models stay plain nn.Linear math.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def can_prepack(device: str, dtype: torch.dtype) -> bool:
+    return (device == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
+            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W.T (+ b); inputs of a prepacked row count use MKL's packed GEMM, others F.linear (inference)."""
+
+    def __init__(self, linear: nn.Linear, rows: tuple[int, ...]):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # shared, not copied
+        w = linear.weight.detach()
+        self.packed = {m: torch.ops.mkl._mkl_reorder_linear_weight(w, m) for m in rows}  # rows -> packed W
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [..., in] -> [..., out]
+        flat = x.reshape(-1, self.in_features)
+        packed = self.packed.get(flat.shape[0])
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        y = torch.ops.mkl._mkl_linear(flat, packed, self.weight, self.bias, flat.shape[0])
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def prepack_linears(model: nn.Module, rows: tuple[int, ...]) -> nn.Module:
+    """Swap every nn.Linear of `model` (in place) for a PackedLinear packed for these row counts."""
+    rows = tuple(sorted({m for m in rows if m > 1}))  # one row is a GEMV: nothing to gain
+    if not rows:
+        return model
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, PackedLinear(child, rows))
+        else:
+            prepack_linears(child, rows)
+    return model
