@@ -195,8 +195,12 @@ def _result(predicts, accept_index, accept_num) -> VerifyResult:
 
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:  # logits [bs*N, V]
     """Accept the longest path whose tokens equal the target's argmax; bonus = argmax after it."""
+    return verify_predicted(tree, target_logits.argmax(-1).view(tree.batch_size, tree.num_draft_tokens))
+
+
+def verify_predicted(tree: DraftTree, target_predict: torch.Tensor) -> VerifyResult:  # int64 [bs, N]
+    """verify_greedy given the target's next token after every node (`fastspec tune` replays known ones)."""
     predicts, accept_index, accept_num = _verify_buffers(tree)
-    target_predict = target_logits.argmax(-1).view(tree.batch_size, tree.num_draft_tokens)
     verify_tree_greedy(predicts, accept_index, accept_num, tree.draft_tokens, tree.retrieve_index,
                        tree.retrieve_next_token, tree.retrieve_next_sibling, target_predict)
     return _result(predicts, accept_index, accept_num)
