@@ -19,6 +19,7 @@ def train_draft(
     out: Annotated[Path, typer.Option(help="Output directory (the head + train/ with data and checkpoints).")],
     model: Annotated[str, typer.Option(help="Target: embedded name, HF directory or .gguf.")] = TrainConfig.model,
     prompts: Annotated[Optional[Path], typer.Option(help="JSONL prompts (default: built-in train split).")] = None,
+    max_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
     samples_per_prompt: Annotated[int, typer.Option(help="Answers per prompt (first greedy).")] = 1,
     max_new_tokens: int = TrainConfig.max_new_tokens,
     draft_vocab_size: int = TrainConfig.draft_vocab_size,
@@ -40,7 +41,7 @@ def train_draft(
 
     from fastspec.train.trainer import train_draft as run
 
-    cfg = TrainConfig(out=out, model=model, prompts=prompts, samples_per_prompt=samples_per_prompt,
+    cfg = TrainConfig(out=out, model=model, prompts=prompts, max_prompts=max_prompts, samples_per_prompt=samples_per_prompt,
                       max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps,
                       epochs=epochs, lr=lr, batch_tokens=batch_tokens, val_fraction=val_fraction,
                       checkpoint_every=checkpoint_every, seed=seed, bf16=bf16, resume=resume, overwrite=overwrite)

@@ -238,6 +238,17 @@ _AUTO_SPEC_FALLBACK = (3, 1, 4)
 
 
 @dataclass(frozen=True)
+class SpecParams:
+    """One draft-tree shape."""
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+
+Schedule = tuple[tuple[int, "SpecParams | None"], ...]  # (up to this batch size, params or None = decode plainly)
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding parameters, fully resolved (SGLang's rules) by `resolve`."""
 
@@ -250,10 +261,40 @@ class SpecConfig:
     accept_threshold_acc: float = 1.0
     token_map: str | None = None
     ngram: object = None  # fastspec.speculative.ngram.NgramParams for NGRAM
+    schedule: Schedule = ()  # per batch-size tiers (`fastspec tune`); num_steps / topk / N are then their maxima
 
     @property
     def enabled(self) -> bool:
         return self.algorithm != "NONE"
+
+    @property
+    def params(self) -> SpecParams:
+        return SpecParams(self.num_steps, self.topk, self.num_draft_tokens)
+
+    @property
+    def tiers(self) -> list[SpecParams]:
+        """The distinct tree shapes the engine may run (one without a schedule)."""
+        if not self.schedule:
+            return [self.params]
+        return list(dict.fromkeys(p for _, p in self.schedule if p is not None))
+
+    def params_for(self, bs: int) -> SpecParams | None:
+        """The tree shape for a round of `bs` requests, or None to decode plainly."""
+        for max_bs, params in self.schedule:
+            if bs <= max_bs:
+                return params
+        return self.schedule[-1][1] if self.schedule else self.params
+
+    def with_schedule(self, schedule: Schedule) -> SpecConfig:
+        """This config switching tree shapes by batch size; memory is sized for the largest of each."""
+        tiers = [p for _, p in schedule if p is not None]
+        if self.algorithm not in ("EAGLE", "EAGLE3") or not tiers:
+            raise FastspecError("a batch-size schedule needs EAGLE / EAGLE3 and at least one speculative tier")
+        for p in tiers:
+            _check_tree(p.num_steps, p.topk, p.num_draft_tokens)
+        return dataclasses.replace(self, schedule=tuple(sorted(schedule, key=lambda t: t[0])),
+                                   num_steps=max(p.num_steps for p in tiers), topk=max(p.topk for p in tiers),
+                                   num_draft_tokens=max(p.num_draft_tokens for p in tiers))
 
     @classmethod
     def resolve(cls, algorithm: str | None, target_arch: str, *, draft_model=None, num_steps=None, topk=None,
@@ -298,12 +339,16 @@ def _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens) -> t
     steps = num_steps if num_steps is not None else auto[0]
     k = topk if topk is not None else auto[1]
     n = num_draft_tokens if num_draft_tokens is not None else auto[2]
-    if steps < 1 or k < 1:
-        raise FastspecError(f"--speculative-num-steps and --speculative-eagle-topk must be >= 1, got {steps}, {k}")
     if k == 1:
         n = steps + 1  # a chain: SGLang forces num_draft_tokens = num_steps + 1
-    capacity = 1 + k + (steps - 1) * k * k  # root + every candidate the top-k expansion produces
-    if not 2 <= n <= capacity:
-        raise FastspecError(f"--speculative-num-draft-tokens={n} is infeasible with num_steps={steps}, topk={k}: "
-                            f"it must be in [2, {capacity}]")
+    _check_tree(steps, k, n)
     return steps, k, n
+
+
+def _check_tree(steps: int, k: int, n: int) -> None:
+    if steps < 1 or k < 1:
+        raise FastspecError(f"--speculative-num-steps and --speculative-eagle-topk must be >= 1, got {steps}, {k}")
+    capacity = 1 + k + (steps - 1) * k * k  # root + every candidate the top-k expansion produces
+    if not 2 <= n <= capacity or (k == 1 and n != steps + 1):
+        raise FastspecError(f"--speculative-num-draft-tokens={n} is infeasible with num_steps={steps}, topk={k}: "
+                            f"it must be in [2, {capacity}]" + (" and = num_steps + 1 for topk 1" if k == 1 else ""))

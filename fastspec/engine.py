@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from fastspec.attention import AttentionContext, decode_metadata, extend_metadata, make_backend
-from fastspec.config import EngineConfig, SpecConfig
+from fastspec.config import EngineConfig, SpecConfig, SpecParams
 from fastspec.errors import FastspecError
 from fastspec.graphs import StaticInput
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
@@ -66,11 +66,15 @@ class Engine:
         self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
         self._init_memory(draft_kv_shape(models.draft))
         self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
-        self.drafter = build_drafter(self.spec, config, models.draft, self.draft_pool, self.table, self.allocator,
-                                     self._feature_width(), on_prepare, self.times)
-        self.verify_graphs = StepGraphs("verify", partial(target_verify, self.model, self.pool, self.feature),
-                                        self._verify_specs, config.graph_mode, config.graph_buckets, config.device,
-                                        on_prepare, self.times, "verify")
+        # one drafter and one verify graph set per tree shape (several with a batch-size schedule)
+        self.drafters = build_drafter(self.spec, config, models.draft, self.draft_pool, self.table, self.allocator,
+                                      self._feature_width(), on_prepare, self.times)
+        self.drafter = next(iter(self.drafters.values()), None)  # any of them extends and releases
+        self.verify_graphs = {p.num_draft_tokens: StepGraphs(
+            "verify" if len(self.drafters) < 2 else f"verify N={p.num_draft_tokens}",
+            partial(target_verify, self.model, self.pool, self.feature), partial(self._verify_specs, p.num_draft_tokens),
+            config.graph_mode, config.graph_buckets, config.device, on_prepare, self.times, "verify")
+            for p in self.drafters}
 
     def _init_memory(self, draft_shape) -> None:
         c, cfg = self.model.config, self.config
@@ -170,8 +174,8 @@ class Engine:
         c = self.model.config
         return c.hidden_size * (len(self.model.capture_layers) if self.feature == "aux" else 1)
 
-    def _verify_specs(self, width: int) -> list[StaticInput]:
-        n, dtype = self.spec.num_draft_tokens, self.config.torch_dtype
+    def _verify_specs(self, n: int, width: int) -> list[StaticInput]:
+        dtype = self.config.torch_dtype
         return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
                 StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
                 StaticInput("prefix_slots", (width,), torch.int64), StaticInput("prefix_valid", (width,), torch.bool)]
@@ -236,10 +240,11 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> None:
         """One decode round: speculative when a drafter exists and the policy says it pays, else plain."""
-        speculate = self.drafter is not None and (self.policy is None or self.policy.speculate(len(reqs)))
+        params = self.spec.params_for(len(reqs)) if self.drafter is not None else None
+        speculate = params is not None and (self.policy is None or self.policy.speculate(len(reqs)))
         before, start = sum(len(r.output_ids) for r in reqs), time.perf_counter()
         with self.times("round" if speculate else "plain_round"):  # "round" = speculative rounds only
-            self._spec_round(reqs) if speculate else self._plain_round(reqs)
+            self._spec_round(reqs, params) if speculate else self._plain_round(reqs)
         if self.policy is not None:
             emitted = sum(len(r.output_ids) for r in reqs) - before
             self.policy.record(len(reqs), speculate, emitted / len(reqs), time.perf_counter() - start)
@@ -257,14 +262,15 @@ class Engine:
                                             self._features(hidden)), decode_round=False)
         self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
 
-    def _spec_round(self, reqs: list[Request]) -> None:
+    def _spec_round(self, reqs: list[Request], params: SpecParams) -> None:
         batch = self._decode_batch(reqs)
-        tree = self.drafter.draft(batch)                                       # draft
+        drafter = self.drafters[params]
+        tree = drafter.draft(batch)                                            # draft
         verify_slots, out = self._verify(batch, tree)                          # verify
         result = self._accept(reqs, tree, out["logits"])                       # accept
         extend = self._commit_round(reqs, batch, tree, verify_slots, result, out["features"])  # commit
-        if extend is not None and self.drafter.uses_extend:
-            self.drafter.extend(extend, decode_round=True)                     # draft extend
+        if extend is not None and drafter.uses_extend:
+            drafter.extend(extend, decode_round=True)                          # draft extend
 
     def _decode_batch(self, reqs: list[Request]) -> DecodeBatch:
         device = self.config.device
@@ -278,9 +284,10 @@ class Engine:
         """Target forward over bs*N tree rows into N newly allocated slots per request."""
         n = tree.num_draft_tokens
         self._alloc_slots(batch.rows, batch.seq_lens, batch.seq_lens + n)
-        width = kv_width(max(batch.seq_lens_cpu), self.verify_graphs.bucketed)
+        graphs = self.verify_graphs[n]
+        width = kv_width(max(batch.seq_lens_cpu), graphs.bucketed)
         x = pack_verify(batch, tree, self.table.table, width)
-        return x["new_slots"], self.verify_graphs(batch.size, x, width)
+        return x["new_slots"], graphs(batch.size, x, width)
 
     def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)

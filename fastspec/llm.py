@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-from fastspec.config import EngineConfig, SpecConfig
+from fastspec.config import EngineConfig, Schedule, SpecConfig
 from fastspec.engine import Engine
 from fastspec.metrics import SpecMetrics
 from fastspec.models.embedded import default_speculation
@@ -43,16 +43,18 @@ class LLM:
                  draft_model: str | None = None, num_steps: int | None = None, topk: int | None = None,
                  num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
                  accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, on_prepare=None,
-                 **engine_options):
+                 schedule: Schedule | None = None, **engine_options):
         """`speculative_algorithm`: NONE, EAGLE (alias NEXTN), EAGLE3, STANDALONE or NGRAM; unset: EAGLE3 with the
         shipped head on an embedded model, NONE otherwise. Unset num_steps / topk / num_draft_tokens follow
-        SGLang's per-architecture defaults."""
+        SGLang's per-architecture defaults. `schedule`: per batch-size tree shapes (see SpecConfig.schedule)."""
         speculative_algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
         target_arch = read_config(resolve_model_dir(model)).architecture
         spec = SpecConfig.resolve(speculative_algorithm, target_arch, draft_model=draft_model, num_steps=num_steps,
                                   topk=topk, num_draft_tokens=num_draft_tokens, token_map=token_map,
                                   accept_threshold_single=accept_threshold_single,
                                   accept_threshold_acc=accept_threshold_acc, ngram=ngram)
+        if schedule:
+            spec = spec.with_schedule(schedule)
         self.engine = Engine(EngineConfig(model=model, **engine_options), spec, on_prepare)
 
     @cached_property

@@ -48,6 +48,11 @@ class OracleDrafter:
         pass
 
 
+def use_drafter(engine, drafter) -> None:
+    engine.drafter = drafter
+    engine.drafters = {engine.spec.params: drafter}
+
+
 @pytest.mark.parametrize("page_size, steps, n, bs", [(1, 6, 14, 8), (16, 5, 12, 5), (4, 3, 9, 8)])
 def test_oracle_drafts_accept_long_runs_and_stay_lossless(tiny_dirs, page_size, steps, n, bs):
     prompts = PROMPTS[:bs]
@@ -56,8 +61,8 @@ def test_oracle_drafts_accept_long_runs_and_stay_lossless(tiny_dirs, page_size, 
     llm = fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm="NGRAM", num_draft_tokens=n,
                        page_size=page_size, max_total_tokens=4096)
     engine = llm.engine
-    engine.drafter = OracleDrafter({i: out for i, out in enumerate(plain)}, {i: len(p) for i, p in enumerate(prompts)},
-                                   steps, n)
+    use_drafter(engine, OracleDrafter({i: out for i, out in enumerate(plain)},
+                                      {i: len(p) for i, p in enumerate(prompts)}, steps, n))
     outputs = engine.generate(prompts, [params] * bs)
     assert [o.output_ids for o in outputs] == plain
     metrics = sum((o.metrics for o in outputs[1:]), outputs[0].metrics)
@@ -70,7 +75,7 @@ def test_oracle_stop_token_inside_run(tiny_dirs):
     plain = reference(tiny_dirs, "llama", 16, PROMPTS, params)
     llm = fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm="NGRAM", num_draft_tokens=12,
                        page_size=16, max_total_tokens=4096)
-    llm.engine.drafter = OracleDrafter(dict(enumerate(plain)), {i: len(p) for i, p in enumerate(PROMPTS)}, 5, 12)
+    use_drafter(llm.engine, OracleDrafter(dict(enumerate(plain)), {i: len(p) for i, p in enumerate(PROMPTS)}, 5, 12))
     stops = [SamplingParams(max_new_tokens=30, ignore_eos=True, stop_token_ids=(out[12],)) for out in plain]
     outputs = llm.engine.generate(PROMPTS, stops)
     assert [o.output_ids for o in outputs] == [out[: out.index(out[12]) + 1] for out in plain]

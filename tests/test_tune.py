@@ -8,7 +8,8 @@ import pytest
 import fastspec
 from fastspec.sampling import SamplingParams
 from fastspec.train.trainer import train_draft
-from fastspec.tune.replay import SpecParams, candidate_params, record, replay_tau
+from fastspec.config import SpecParams
+from fastspec.tune.replay import candidate_params, record, replay_tau
 from test_train import chat_target, prompt_file, tiny_config  # noqa: F401  (fixtures)
 
 PROMPTS = [[1, 5, 9, 13, 40], [1, 40, 41], [1, 7, 7, 8, 22, 60, 61], [1, 33]]
@@ -49,3 +50,28 @@ def test_replayed_tau_equals_the_engine_exactly(chat_target, head):  # noqa: F81
         assert replay_tau(recorded, p) == (rounds, emitted), p
         checked += emitted > rounds  # some drafts were accepted: the comparison is not vacuous
     assert checked >= 2
+
+
+def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head):  # noqa: F811
+    """Tiers: bs 1 a chain, bs 2 plain, bs 3+ a tree; requests of different lengths finish at different
+    times, so rounds move between all three tiers while requests keep their draft state."""
+    from fastspec.config import SpecConfig
+
+    prompts = PROMPTS + [[1, 70, 71, 72]]
+    lengths = [40, 8, 25, 14, 33]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    plain = fastspec.LLM(model=str(chat_target), speculative_algorithm="NONE").generate(prompts, params)
+    schedule = ((1, SpecParams(4, 1, 5)), (2, None), (8, SpecParams(3, 3, 6)))
+    spec = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model=str(head)).with_schedule(schedule)
+    assert (spec.num_steps, spec.topk, spec.num_draft_tokens) == (4, 3, 6) and spec.params_for(2) is None
+    scheduled = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head),
+                             schedule=schedule)
+    seen = []
+    for p, d in scheduled.engine.drafters.items():
+        real = d.draft
+        d.draft = lambda batch, real=real, p=p: seen.append((batch.size, p)) or real(batch)
+    outs = scheduled.generate(prompts, params)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
+    assert {p for _, p in seen} == {SpecParams(4, 1, 5), SpecParams(3, 3, 6)}
+    assert all((bs == 1) == (p.topk == 1) and bs != 2 for bs, p in seen)
+    assert scheduled.engine.allocator.num_free() == scheduled.engine.pool.capacity

@@ -37,9 +37,9 @@ def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Load
     the verify (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2 and 4."""
     models = _load_models(model_dir, spec, config)
     if spec.enabled and config.graph_mode == "eager" and can_prepack(config.device, config.torch_dtype):
-        prepack_linears(models.target, tuple(bs * spec.num_draft_tokens for bs in PREPACK_BS))
+        prepack_linears(models.target, tuple(bs * p.num_draft_tokens for p in spec.tiers for bs in PREPACK_BS))
         if isinstance(models.draft, nn.Module):
-            prepack_linears(models.draft, tuple(bs * spec.topk for bs in PREPACK_BS))
+            prepack_linears(models.draft, tuple(bs * p.topk for p in spec.tiers for bs in PREPACK_BS))
     return models
 
 
@@ -107,10 +107,15 @@ class NgramTreeDrafter:
 
 
 def build_drafter(spec: SpecConfig, config: EngineConfig, draft, draft_pool, table, allocator, feature_width: int,
-                  on_prepare=None, times=None):
+                  on_prepare=None, times=None) -> dict:
+    """{tree shape: drafter}: one entry, or one per tier of a batch-size schedule (sharing request states)."""
     if spec.algorithm == "NONE":
-        return None
+        return {}
     if spec.algorithm == "NGRAM":
-        return NgramTreeDrafter(spec)
-    return EagleDrafter(draft, draft_pool, table, allocator, spec.num_steps, spec.topk, spec.num_draft_tokens,
-                        feature_width, config.graph_mode, config.graph_buckets, on_prepare, times)
+        return {spec.params: NgramTreeDrafter(spec)}
+    tiers = spec.tiers
+    shared = {} if len(tiers) > 1 else None
+    extend_topk = max(p.topk for p in tiers) if shared is not None else None
+    return {p: EagleDrafter(draft, draft_pool, table, allocator, p.num_steps, p.topk, p.num_draft_tokens,
+                            feature_width, config.graph_mode, config.graph_buckets, on_prepare, times,
+                            extend_topk, shared) for p in tiers}

@@ -56,15 +56,20 @@ class EagleDrafter:
     uses_extend = True
 
     def __init__(self, model, pool, table, allocator, num_steps: int, topk: int, num_draft_tokens: int,
-                 feature_width: int, graph_mode: str, buckets: list[int], on_prepare=None, times=None):
+                 feature_width: int, graph_mode: str, buckets: list[int], on_prepare=None, times=None,
+                 extend_topk: int | None = None, states: dict | None = None):
+        """`extend_topk` >= topk and a shared `states` dict let drafters of several tree shapes (a batch-size
+        schedule) take turns on the same requests: the extend keeps the top extend_topk, each draft slices it."""
         self.model, self.pool, self.table, self.allocator = model, pool, table, allocator
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.hot_token_id = model.hot_token_map()  # [Vd] draft id -> target id, or None
-        self.states: dict[int, DraftState] = {}
+        self.states: dict[int, DraftState] = {} if states is None else states
+        self.extend_topk = extend_topk or topk
         device = pool.k.device
-        self._extend_fn = partial(draft_extend, model, self.hot_token_id, pool, topk)
+        self._extend_fn = partial(draft_extend, model, self.hot_token_id, pool, self.extend_topk)
         loop = partial(draft_loop, model, self.hot_token_id, pool, topk, num_steps, num_draft_tokens)
-        self.loop_graphs = StepGraphs("draft loop", loop, self._loop_specs, graph_mode, buckets, device, on_prepare,
+        name = "draft loop" if extend_topk is None else f"draft loop {num_steps}/{topk}/{num_draft_tokens}"
+        self.loop_graphs = StepGraphs(name, loop, self._loop_specs, graph_mode, buckets, device, on_prepare,
                                       times, "draft")
         self.extend_graphs = StepGraphs("draft extend", self._extend_fn, partial(self._extend_specs, feature_width),
                                         graph_mode, buckets, device, on_prepare, times, "draft_extend")
@@ -96,8 +101,8 @@ class EagleDrafter:
     def draft(self, batch: DecodeBatch) -> DraftTree:
         """num_steps-1 draft forwards over bs*topk rows; the best num_draft_tokens-1 candidates as a tree."""
         states = [self.states[rid] for rid in batch.rids]
-        topk_p = torch.stack([s.topk_p for s in states])  # [bs, topk]
-        topk_index = torch.stack([s.topk_index for s in states])  # [bs, topk]
+        topk_p = torch.stack([s.topk_p[:self.topk] for s in states])  # [bs, topk] (sorted: a prefix is the top-k)
+        topk_index = torch.stack([s.topk_index[:self.topk] for s in states])  # [bs, topk]
         hidden = torch.stack([s.hidden for s in states])  # [bs, Hd]
         scratch = self._assign_scratch_slots(batch) if self.num_steps > 1 else None
         width = kv_width(max(batch.seq_lens_cpu), self.loop_graphs.bucketed)

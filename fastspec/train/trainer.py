@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,7 @@ class TrainConfig:
     out: Path
     model: str = "smollm2-135m-instruct"
     prompts: Path | None = None  # JSONL; None: the train split of every built-in prompt set
+    max_prompts: int | None = None  # only the first N prompts
     samples_per_prompt: int = 1  # the first answer is greedy, the others sampled
     max_new_tokens: int = 256
     draft_vocab_size: int = 4096
@@ -60,6 +62,8 @@ class TrainConfig:
                 raise FastspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.val_fraction < 1:
             raise FastspecError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise FastspecError(f"--max-prompts must be >= 1, got {self.max_prompts}")
         if not self.lr > 0:
             raise FastspecError(f"--lr must be > 0, got {self.lr}")
         if self.resume and self.overwrite:
@@ -78,7 +82,7 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     """Run (or resume) the whole job; returns the final held-out evaluation."""
     work = _prepare_out(cfg)
     model_dir = resolve_model_dir(cfg.model)
-    prompts = read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train")
+    prompts = (read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train"))[:cfg.max_prompts]
     conversations = _conversations(cfg, model_dir, prompts, work, on_progress)
     target_cfg = read_config(model_dir)
     target = load_target(model_dir, torch.float32, capture_layers=eagle3_capture_layers(target_cfg.num_layers, None))
@@ -194,7 +198,7 @@ def _fit(head, features, train_ids, val_ids, t2d, cfg: TrainConfig, work: Path, 
     per_epoch = len(epoch_groups(0))
     total = per_epoch * cfg.epochs
     start = _load_checkpoint(work / "checkpoint.pt", head, opt)
-    groups, info = None, {}
+    groups, info, began = None, {}, time.perf_counter()
     for step in range(start, total):
         epoch, b = divmod(step, per_epoch)
         if groups is None or b == 0:
@@ -212,8 +216,9 @@ def _fit(head, features, train_ids, val_ids, t2d, cfg: TrainConfig, work: Path, 
             _save_checkpoint(work / "checkpoint.pt", head, opt, step + 1)
             info |= evaluate(head, features, val_ids, t2d, cfg)
         on_progress(Progress("train", step + 1, total, info))
-    return evaluate(head, features, val_ids, t2d, cfg) | {"steps": total, "train_conversations": len(train_ids),
-                                                          "train_tokens": _tokens(features, train_ids)}
+    return evaluate(head, features, val_ids, t2d, cfg) | {
+        "steps": total, "train_conversations": len(train_ids), "train_tokens": _tokens(features, train_ids),
+        "val_conversations": len(val_ids), "seconds_this_run": round(time.perf_counter() - began, 1)}
 
 
 def _epoch_groups(features: Features, ids: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:

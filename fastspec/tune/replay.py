@@ -16,19 +16,13 @@ import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend
 from fastspec.attention.torch_backend import block_plan
+from fastspec.config import SpecParams
 from fastspec.memory import KVPool
 from fastspec.speculative.steps import draft_candidates, draft_top_k
 from fastspec.speculative.tree import build_tree, organize_draft_results, verify_predicted
 from fastspec.train.data import PackedCausalAttention
 
 _BACKEND = TorchAttnBackend()
-
-
-@dataclass(frozen=True)
-class SpecParams:
-    num_steps: int
-    topk: int
-    num_draft_tokens: int
 
 
 @dataclass(frozen=True)
