@@ -34,7 +34,7 @@ class Features:
     """Every conversation concatenated: row r of each tensor is one token position."""
     tokens: torch.Tensor  # [N] int64
     aux: torch.Tensor  # [N, 3H] bfloat16 residual stream entering the three capture layers
-    labels: torch.Tensor  # [N] int64 the target's greedy next token after this position
+    labels: torch.Tensor  # [N] int64 the target's greedy next token after this position (see extract_features)
     offsets: torch.Tensor  # [C + 1] int64 start of conversation c, then N
     prompt_lens: torch.Tensor  # [C] int64
 
@@ -91,18 +91,20 @@ def _read_records(path: Path) -> list[dict]:
 
 
 class PackedCausalAttention:
-    """`attend` for sequences packed into one row without a KV cache: causal inside each sequence."""
+    """`attend` for sequences packed into one row without a KV cache: causal inside each sequence.
 
-    def __init__(self, doc_ids: torch.Tensor):  # [T]
-        T = doc_ids.numel()
-        causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-        self.mask = causal & (doc_ids[:, None] == doc_ids[None, :])  # [T, T]
+    One causal SDPA per sequence: a single masked SDPA over the packed row would take torch's math path and
+    spend ~90% of a 2048-token forward on [T, T] scores that the mask throws away."""
+
+    def __init__(self, doc_ids: torch.Tensor):  # [T], equal ids contiguous
+        self.lengths = torch.unique_consecutive(doc_ids, return_counts=True)[1].tolist()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=self.mask, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)
+        out = [F.scaled_dot_product_attention(qd.transpose(0, 1), kd.transpose(0, 1), vd.transpose(0, 1),
+                                              is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+               for qd, kd, vd in zip(q.split(self.lengths), k.split(self.lengths), v.split(self.lengths))]
+        return torch.cat(out)
 
 
 def pack(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -119,9 +121,12 @@ def pack(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def extract_features(target, conversations: list[Conversation], batch_tokens: int = 2048,
+def extract_features(target, conversations: list[Conversation], batch_tokens: int = 2048, bf16: bool = False,
                      on_progress: Callable[[int, int], None] = lambda done, total: None) -> Features:
-    """Aux features and greedy labels of `target` (built with EAGLE-3 capture layers) on every conversation."""
+    """Aux features and greedy labels of `target` (built with EAGLE-3 capture layers) on every conversation.
+
+    A greedy conversation is its own label (the target chose every response token by argmax); sampled ones
+    take the argmax of the target's logits. `bf16` autocasts the forward (~2x faster on CPUs with AMX)."""
     device = target.lm_head.weight.device
     tokens, aux, labels = [], [], []
     groups = pack([len(c.ids) for c in conversations], batch_tokens)
@@ -129,10 +134,16 @@ def extract_features(target, conversations: list[Conversation], batch_tokens: in
         ids = torch.tensor([t for i in group for t in conversations[i].ids], device=device)
         doc = torch.cat([torch.full((len(conversations[i].ids),), j, device=device) for j, i in enumerate(group)])
         positions = torch.cat([torch.arange(len(conversations[i].ids), device=device) for i in group])
-        hidden = target(ids, positions, PackedCausalAttention(doc))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            hidden = target(ids, positions, PackedCausalAttention(doc))
+            label = torch.roll(ids, -1)  # next data token; a document's last label is never used
+            sampled = torch.cat([torch.full((len(conversations[i].ids),), not conversations[i].greedy)
+                                 for i in group]).to(device)
+            if bool(sampled.any()):
+                label[sampled] = target.compute_logits(hidden.final[sampled]).argmax(-1)
         tokens.append(ids.cpu())
         aux.append(hidden.aux.to(torch.bfloat16).cpu())
-        labels.append(target.compute_logits(hidden.final).argmax(-1).cpu())
+        labels.append(label.cpu())
         on_progress(n + 1, len(groups))
     lengths = torch.tensor([len(c.ids) for c in conversations])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])

@@ -138,7 +138,7 @@ def _features(target, conversations, work: Path, cfg: TrainConfig, on_progress) 
         if int(saved.pop("key")) == key:
             return Features(**saved)
     report = lambda done, total: on_progress(Progress("features", done, total))  # noqa: E731
-    features = extract_features(target, conversations, cfg.batch_tokens, report)
+    features = extract_features(target, conversations, cfg.batch_tokens, cfg.bf16, report)
     _atomic_save(asdict(features) | {"key": torch.tensor(key)}, path)
     return features
 

@@ -63,12 +63,11 @@ def make_batch(features: Features, conversations: list[int], t2d: torch.Tensor, 
 
 
 class TTTAttention:
-    """`attend` for the unrolled head: call k of the one layer is step k (see the module docstring)."""
+    """`attend` for the unrolled head: call k of the one layer is step k (see the module docstring).
+    Sequences are packed in one row; step-0 scores are computed per sequence (block-diagonal), the rest per row."""
 
-    def __init__(self, doc_ids: torch.Tensor):  # [T]
-        T = doc_ids.numel()
-        causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-        self.mask = causal & (doc_ids[:, None] == doc_ids[None, :])  # [T, T] step-0 keys row p may see
+    def __init__(self, doc_ids: torch.Tensor):  # [T], equal ids contiguous
+        self.lengths = torch.unique_consecutive(doc_ids, return_counts=True)[1].tolist()
         self.keys: list[torch.Tensor] = []  # per step [Hkv, 1, T, D]
         self.values: list[torch.Tensor] = []
 
@@ -79,14 +78,20 @@ class TTTAttention:
         self.keys.append(k.permute(1, 0, 2)[:, None])
         self.values.append(v.permute(1, 0, 2)[:, None])
         qh = q.view(T, Hkv, Hq // Hkv, D).permute(1, 2, 0, 3)  # [Hkv, rep, T, D]
-        prefix = (qh @ self.keys[0].transpose(-1, -2)).float() * scale  # [Hkv, rep, T, T]
-        prefix = prefix.masked_fill(~self.mask, float("-inf"))
         own = [((qh * key).sum(-1).float() * scale)[..., None] for key in self.keys[1:]]  # [Hkv, rep, T, 1] each
-        probs = torch.softmax(torch.cat([prefix, *own], dim=-1), dim=-1).to(q.dtype)
-        o = probs[..., :T] @ self.values[0]
-        for j, value in enumerate(self.values[1:]):
-            o = o + probs[..., T + j, None] * value
-        return o.permute(2, 0, 1, 3).reshape(T, Hq, D)
+        outs, start = [], 0
+        for n in self.lengths:
+            rows = slice(start, start + n)
+            prefix = (qh[:, :, rows] @ self.keys[0][:, :, rows].transpose(-1, -2)).float() * scale  # [.., n, n]
+            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            prefix = prefix.masked_fill(~causal, float("-inf"))
+            probs = torch.softmax(torch.cat([prefix, *(o[:, :, rows] for o in own)], dim=-1), dim=-1).to(q.dtype)
+            o = probs[..., :n] @ self.values[0][:, :, rows]
+            for j, value in enumerate(self.values[1:]):
+                o = o + probs[..., n + j, None] * value[:, :, rows]
+            outs.append(o)
+            start += n
+        return torch.cat(outs, dim=2).permute(2, 0, 1, 3).reshape(T, Hq, D)
 
 
 def ttt_loss(head, batch: TTTBatch, step_weight: float = 0.8) -> TTTStats:
