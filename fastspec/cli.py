@@ -282,9 +282,11 @@ def stop_on_ctrl_c():
         signal.signal(signal.SIGINT, previous)
 
 
-from fastspec.cli_train import train_draft  # noqa: E402  (kept in its own module: cli.py's size budget)
+from fastspec.cli_train import train_draft  # noqa: E402  (own modules: cli.py's size budget)
+from fastspec.cli_tune import tune  # noqa: E402
 
 app.command("train-draft")(user_errors(train_draft))
+app.command("tune")(user_errors(model_options(tune)))
 
 if __name__ == "__main__":
     app()

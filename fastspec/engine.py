@@ -26,7 +26,7 @@ from fastspec.models.loader import generation_eos_ids, read_config, resolve_mode
 from fastspec.sampling import SamplingParams, SamplingTensors, draw_uniforms, make_generator, sample
 from fastspec.scheduler import Request, Scheduler
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
-from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models
+from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
 from fastspec.speculative.kv import plan_round_kv
 from fastspec.speculative.packing import kv_width, pack_verify
 from fastspec.speculative.policy import SpecPolicy
@@ -66,15 +66,31 @@ class Engine:
         self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
         self._init_memory(draft_kv_shape(models.draft))
         self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
-        # one drafter and one verify graph set per tree shape (several with a batch-size schedule)
-        self.drafters = build_drafter(self.spec, config, models.draft, self.draft_pool, self.table, self.allocator,
-                                      self._feature_width(), on_prepare, self.times)
+        self._draft_model, self._reserved = models.draft, self.spec.params
+        self._build_rounds(on_prepare)
+
+    def _build_rounds(self, on_prepare) -> None:
+        """One drafter and one verify graph set per tree shape (several with a batch-size schedule)."""
+        config = self.config
+        self.drafters = build_drafter(self.spec, config, self._draft_model, self.draft_pool, self.table,
+                                      self.allocator, self._feature_width(), on_prepare, self.times)
         self.drafter = next(iter(self.drafters.values()), None)  # any of them extends and releases
         self.verify_graphs = {p.num_draft_tokens: StepGraphs(
             "verify" if len(self.drafters) < 2 else f"verify N={p.num_draft_tokens}",
             partial(target_verify, self.model, self.pool, self.feature), partial(self._verify_specs, p.num_draft_tokens),
             config.graph_mode, config.graph_buckets, config.device, on_prepare, self.times, "verify")
             for p in self.drafters}
+
+    def use_schedule(self, schedule, on_prepare=None) -> None:
+        """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way).
+        Each shape must fit the KV headroom reserved at start: no more steps, topk or draft tokens."""
+        spec = self.spec.with_schedule(schedule)
+        r = self._reserved
+        if spec.num_steps > r.num_steps or spec.topk > r.topk or spec.num_draft_tokens > r.num_draft_tokens:
+            raise FastspecError(f"schedule needs up to {spec.params}, the engine reserved {r}")
+        self.spec = spec
+        pack_round_rows(self.model, self._draft_model, spec, self.config)
+        self._build_rounds(on_prepare)
 
     def _init_memory(self, draft_shape) -> None:
         c, cfg = self.model.config, self.config

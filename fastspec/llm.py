@@ -43,12 +43,23 @@ class LLM:
                  draft_model: str | None = None, num_steps: int | None = None, topk: int | None = None,
                  num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
                  accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, on_prepare=None,
-                 schedule: Schedule | None = None, **engine_options):
+                 schedule: Schedule | None = None, tuned: bool = True, **engine_options):
         """`speculative_algorithm`: NONE, EAGLE (alias NEXTN), EAGLE3, STANDALONE or NGRAM; unset: EAGLE3 with the
-        shipped head on an embedded model, NONE otherwise. Unset num_steps / topk / num_draft_tokens follow
-        SGLang's per-architecture defaults. `schedule`: per batch-size tree shapes (see SpecConfig.schedule)."""
+        shipped head on an embedded model, NONE otherwise. Tree shape: `schedule` (per batch size, see
+        SpecConfig.schedule), else explicit num_steps / topk / num_draft_tokens, else (`tuned`) the schedule
+        `fastspec tune` measured for this target, draft and machine, else SGLang's per-architecture defaults."""
         speculative_algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
-        target_arch = read_config(resolve_model_dir(model)).architecture
+        model_dir = resolve_model_dir(model)
+        target_arch = read_config(model_dir).architecture
+        untuned = schedule is None and num_steps is None and topk is None and num_draft_tokens is None
+        if tuned and untuned and (speculative_algorithm or "").upper() in ("EAGLE", "EAGLE3") and draft_model:
+            from fastspec.tune.tuned import find_schedule
+
+            found = find_schedule(model_dir, draft_model, engine_options.get("dtype", EngineConfig.dtype),
+                                  engine_options.get("device", EngineConfig.device))
+            if found is not None:
+                schedule, all_off = found
+                speculative_algorithm = "NONE" if all_off else speculative_algorithm
         spec = SpecConfig.resolve(speculative_algorithm, target_arch, draft_model=draft_model, num_steps=num_steps,
                                   topk=topk, num_draft_tokens=num_draft_tokens, token_map=token_map,
                                   accept_threshold_single=accept_threshold_single,

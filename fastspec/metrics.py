@@ -58,6 +58,7 @@ class PhaseTimes:
 
     def __init__(self, sync_cuda: bool = False):
         self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
         self.sync_cuda = sync_cuda
 
     @contextlib.contextmanager
@@ -71,9 +72,10 @@ class PhaseTimes:
             if self.sync_cuda:
                 torch.cuda.synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.counts[name] = self.counts.get(name, 0) + 1
 
     def reset(self) -> None:
-        self.seconds = {}
+        self.seconds, self.counts = {}, {}
 
     def split(self) -> dict[str, float]:
         """Seconds per phase; `host` = speculative rounds minus the graph phases inside them (plain rounds are

@@ -75,3 +75,47 @@ def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head
     assert {p for _, p in seen} == {SpecParams(4, 1, 5), SpecParams(3, 3, 6)}
     assert all((bs == 1) == (p.topk == 1) and bs != 2 for bs, p in seen)
     assert scheduled.engine.allocator.num_free() == scheduled.engine.pool.capacity
+
+
+def test_tuned_file_round_trips_and_guards_its_fingerprint(tmp_path):
+    from fastspec.errors import FastspecError
+    from fastspec.tune.tuned import load_schedule, save_tuned
+
+    path, print_ = tmp_path / "t.json", {"hardware": "cpu", "model": "a", "draft": "b", "dtype": "float32"}
+    tiers = [{"max_batch_size": 1, "params": [5, 4, 8]}, {"max_batch_size": 4, "params": [3, 1, 4]},
+             {"max_batch_size": 8, "params": None}]
+    save_tuned(path, print_, tiers)
+    assert load_schedule(path, print_) == (((1, SpecParams(5, 4, 8)), (4, SpecParams(3, 1, 4)), (8, None)), False)
+    said = []
+    assert load_schedule(path, print_ | {"hardware": "other"}, said.append) is None
+    assert "hardware" in said[0]
+    save_tuned(path, print_, [{"max_batch_size": 1, "params": None}])
+    assert load_schedule(path, print_) == ((), True)  # every tier off: decode plainly
+    save_tuned(path, print_, [{"max_batch_size": 1, "params": [2, 1, 7]}])
+    with pytest.raises(FastspecError, match="impossible tree"):
+        load_schedule(path, print_)
+
+
+def test_tune_end_to_end_on_the_tiny_target(chat_target, head, tmp_path, monkeypatch):  # noqa: F811
+    from fastspec.tune.tuner import TuneConfig, schedule_from, tune
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    cfg = TuneConfig(batch_sizes=(1, 3), max_steps=3, topks=(1, 2), max_draft_tokens=6, max_new_tokens=16,
+                     confirm=2, budget=120)
+    llm = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head), num_steps=3,
+                       topk=2, num_draft_tokens=6, tuned=False)
+    result = tune(llm, PROMPTS, cfg)
+    assert set(result.winners) == {1, 3}
+    for bs, winner in result.winners.items():
+        tried = [c for c in result.confirmed if c.bs == bs]
+        assert any(c.params is None for c in tried)  # no speculation is always a candidate
+        assert winner.measured == max(c.measured for c in tried if c.params == winner.params)
+        assert winner.measured >= 0.9 * max(c.measured for c in tried)
+    # the chosen schedule is lossless on new prompts
+    schedule = schedule_from(result.winners)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = fastspec.LLM(model=str(chat_target), speculative_algorithm="NONE").generate(PROMPTS, params)
+    if any(p is not None for _, p in schedule):
+        tuned = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head),
+                             schedule=schedule).generate(PROMPTS, params)
+        assert [o.output_ids for o in tuned] == [o.output_ids for o in plain]

@@ -41,13 +41,16 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module, rows: tuple[int, ...]) -> nn.Module:
-    """Swap every nn.Linear of `model` (in place) for a PackedLinear packed for these row counts."""
+    """Make every linear of `model` (in place) packed for exactly these row counts (dropping other packs)."""
     rows = tuple(sorted({m for m in rows if m > 1}))  # one row is a GEMV: nothing to gain
-    if not rows:
-        return model
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child, rows))
+        if isinstance(child, PackedLinear):
+            w = child.weight.detach()
+            child.packed = {m: child.packed[m] if m in child.packed else torch.ops.mkl._mkl_reorder_linear_weight(w, m)
+                            for m in rows}
+        elif isinstance(child, nn.Linear):
+            if rows:
+                setattr(model, name, PackedLinear(child, rows))
         else:
             prepack_linears(child, rows)
     return model

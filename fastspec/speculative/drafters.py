@@ -36,11 +36,16 @@ def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Load
     """Target and draft weights; on CPU with eager rounds, their linears are prepacked for the row counts of
     the verify (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2 and 4."""
     models = _load_models(model_dir, spec, config)
-    if spec.enabled and config.graph_mode == "eager" and can_prepack(config.device, config.torch_dtype):
-        prepack_linears(models.target, tuple(bs * p.num_draft_tokens for p in spec.tiers for bs in PREPACK_BS))
-        if isinstance(models.draft, nn.Module):
-            prepack_linears(models.draft, tuple(bs * p.topk for p in spec.tiers for bs in PREPACK_BS))
+    pack_round_rows(models.target, models.draft, spec, config)
     return models
+
+
+def pack_round_rows(target, draft, spec: SpecConfig, config: EngineConfig) -> None:
+    """(Re)pack the linears for the row counts of spec's tree shapes (CPU, float32, eager rounds only)."""
+    if spec.enabled and config.graph_mode == "eager" and can_prepack(config.device, config.torch_dtype):
+        prepack_linears(target, tuple(bs * p.num_draft_tokens for p in spec.tiers for bs in PREPACK_BS))
+        if isinstance(draft, nn.Module):
+            prepack_linears(draft, tuple(bs * p.topk for p in spec.tiers for bs in PREPACK_BS))
 
 
 def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:

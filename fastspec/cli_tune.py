@@ -1,0 +1,128 @@
+"""`fastspec tune`: flags -> fastspec.tune.tuner, a rich table of predicted vs measured, the tuned file, a PNG
+plot and, with `--emit sglang`, the equivalent SGLang launch flags. Registered on the app by cli.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fastspec.cli_options import ModelOptions
+from fastspec.errors import FastspecError
+
+
+def tune(
+    options: ModelOptions,
+    batch_sizes: Annotated[str, typer.Option(help="Batch sizes to tune, e.g. 1,4,8.")] = "1,4,8",
+    budget: Annotated[float, typer.Option(help="Seconds for the whole tuning (the end-to-end stage shrinks).")]
+    = 600.0,
+    prompts: Annotated[Optional[Path], typer.Option(help="JSONL prompts of the workload (default: built-in).")]
+    = None,
+    num_prompts: int = 8,
+    max_new_tokens: int = 96,
+    emit: Annotated[Optional[str], typer.Option(help="Also print the equivalent launch flags: sglang.")] = None,
+    from_tuned: Annotated[bool, typer.Option(help="With --emit: read the existing tuned file, do not tune.")]
+    = False,
+    plot: Annotated[Optional[Path], typer.Option(help="PNG of tok/s vs batch size (default: next to the file).")]
+    = None,
+):
+    """Choose (num_steps, topk, num_draft_tokens) per batch size from replayed acceptance and measured costs."""
+    from rich.console import Console
+
+    from fastspec.cli import parse_ids, prepare_progress
+    from fastspec.llm import LLM
+    from fastspec.models.embedded import default_speculation
+    from fastspec.models.loader import resolve_model_dir
+    from fastspec.prompts import load_prompts, read_jsonl_prompts
+    from fastspec.tune import tuned as tuned_file
+    from fastspec.tune.tuner import TuneConfig, schedule_from
+    from fastspec.tune.tuner import tune as run
+
+    if emit not in (None, "sglang"):
+        raise FastspecError(f"--emit supports sglang, got {emit!r}")
+    sizes = tuple(parse_ids(batch_sizes, "--batch-sizes"))
+    if min(sizes) < 1 or num_prompts < 1 or max_new_tokens < 8 or budget <= 0:
+        raise FastspecError("batch sizes and --num-prompts must be >= 1, --max-new-tokens >= 8, --budget > 0")
+    algorithm, draft = default_speculation(options.model, options.speculative_algorithm,
+                                           options.speculative_draft_model_path)
+    if (algorithm or "").upper() not in ("EAGLE", "EAGLE3") or draft is None:
+        raise FastspecError("fastspec tune tunes EAGLE / EAGLE3 heads: give --speculative-algorithm and --draft")
+    model_dir, draft_dir = resolve_model_dir(options.model), resolve_model_dir(draft)
+    path = tuned_file.tuned_path(model_dir, draft_dir)
+    console = Console(stderr=True)
+    if from_tuned:
+        if emit is None:
+            raise FastspecError("--from-tuned only goes with --emit")
+        tiers = tuned_file.read_tuned(path)["tiers"] if path.exists() else None
+        if tiers is None:
+            raise FastspecError(f"no tuned file at {path}: run fastspec tune first")
+        print(sglang_flags(tiers, algorithm, draft_dir))
+        return
+    cfg = TuneConfig(batch_sizes=sizes, max_new_tokens=max_new_tokens, budget=budget)
+    texts = read_jsonl_prompts(prompts) if prompts else load_prompts("all", "train")[::37]
+    kwargs = options.llm_kwargs() | dict(speculative_algorithm=algorithm, draft_model=draft, tuned=False,
+                                         num_steps=cfg.max_steps, topk=max(cfg.topks),
+                                         num_draft_tokens=cfg.max_draft_tokens, speculative_fallback=False,
+                                         max_running_requests=max(max(sizes), 2))
+    llm = LLM(**kwargs, on_prepare=prepare_progress())
+    ids = [llm.encode(t, chat=True) for t in texts[:num_prompts]]
+    with console.status("tuning") as status:
+        result = run(llm, ids, cfg, say=lambda text: status.update(text))
+    print_table(result)
+    print_ = tuned_file.fingerprint(model_dir, draft_dir, options.dtype, llm.engine.config.device)
+    tuned_file.save_tuned(path, print_, result.tiers())
+    console.print(f"wrote {path} · schedule {schedule_from(result.winners)}")
+    _plot(result, plot or path.with_suffix(".png"), console)
+    if emit:
+        print(sglang_flags(result.tiers(), algorithm, draft_dir))
+
+
+def sglang_flags(tiers: list[dict], algorithm: str, draft_dir: Path) -> str:
+    """SGLang launch flags of the bs = 1 choice (SGLang takes one tree shape for every batch size)."""
+    first = min(tiers, key=lambda t: t["max_batch_size"])
+    if first["params"] is None:
+        return "# speculation does not pay at batch size 1 here: launch SGLang without --speculative-* flags"
+    s, k, n = first["params"]
+    return (f"--speculative-algorithm {algorithm.upper()} --speculative-draft-model-path {draft_dir} "
+            f"--speculative-num-steps {s} --speculative-eagle-topk {k} --speculative-num-draft-tokens {n}")
+
+
+def print_table(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="fastspec tune: candidates confirmed end to end (last measurement of each)")
+    for col in ("bs", "shape (steps/topk/N)", "replayed tau", "measured tau", "predicted tok/s", "measured tok/s",
+                "chosen"):
+        table.add_column(col, justify="right")
+    last = {(c.bs, c.params): c for c in result.confirmed}
+    for (bs, params), c in sorted(last.items(), key=lambda kv: (kv[0][0], -(kv[1].measured or 0))):
+        shape = "plain" if params is None else f"{params.num_steps}/{params.topk}/{params.num_draft_tokens}"
+        chosen = "✓" if result.winners[bs].params == params else ""
+        table.add_row(str(bs), shape, f"{c.tau:.2f}", f"{c.measured_tau or 0:.2f}", f"{c.predicted:.1f}",
+                      f"{c.measured or 0:.1f}", chosen)
+    Console().print(table)
+
+
+def _plot(result, path: Path, console) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        console.print("[dim]no PNG plot: pip install matplotlib (fastspec[plot])[/dim]")
+        return
+    last = {(c.bs, c.params): c for c in result.confirmed}
+    sizes = sorted(result.winners)
+    plain = [last[(bs, None)].measured for bs in sizes]
+    tuned = [result.winners[bs].measured for bs in sizes]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(sizes, plain, "o-", label="no speculation")
+    ax.plot(sizes, tuned, "o-", label="tuned")
+    ax.set_xlabel("batch size"), ax.set_ylabel("tokens / s"), ax.set_xscale("log", base=2), ax.legend()
+    ax.set_title("fastspec tune")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    console.print(f"plot: {path}")

@@ -1,0 +1,112 @@
+"""Cost by measurement: the real round functions (draft loop, draft extend, verify) and a plain decode step,
+timed in-process on synthetic inputs of each shape, per batch size and KV width.
+
+The functions run exactly as the engine runs them (its StepGraphs, its pools); only their inputs are made up
+(random tokens, every request seeing `width` committed slots). Writes go to slots past those `width`, which
+hold nothing while tuning. With prepacked CPU linears each timing first packs its own row counts, as the
+engine would for a tuned tier. Knows nothing about acceptance or choosing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from fastspec.config import SpecParams
+from fastspec.kernels.cpu_linear import PackedLinear, prepack_linears
+from fastspec.speculative.steps import draft_extend, draft_loop, target_verify
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    draft: float  # seconds of the draft loop
+    verify: float
+    extend: float
+
+    @property
+    def total(self) -> float:
+        return self.draft + self.verify + self.extend
+
+
+def timed(fn, reps: int = 3) -> float:
+    """Median wall seconds of fn() after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+class CostModel:
+    """Measured, memoised costs for one engine (built with the largest shape it will be asked about)."""
+
+    def __init__(self, engine, width: int, reps: int = 3):
+        self.engine, self.width, self.reps = engine, width, reps
+        self.drafter = engine.drafter
+        self._memo: dict = {}
+        self._packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
+
+    def round(self, p: SpecParams, bs: int) -> RoundCost:
+        return RoundCost(self._draft(p.num_steps, p.topk, bs), self._verify(p.num_draft_tokens, bs),
+                         self._extend(p.num_steps, bs))
+
+    def plain(self, bs: int) -> float:
+        """One plain decode step (bs rows through the target, as a 1-node verify)."""
+        return self._verify(1, bs)
+
+    def _memoised(self, key, fn) -> float:
+        if key not in self._memo:
+            self._memo[key] = timed(fn, self.reps)
+        return self._memo[key]
+
+    def _verify(self, n: int, bs: int) -> float:
+        e = self.engine
+        x = self._prefix(bs) | {
+            "input_ids": torch.randint(0, e.model.config.vocab_size, (bs * n,)),
+            "positions": (self.width + torch.arange(n)).repeat(bs),
+            "new_slots": self._free_slots(bs * n).view(bs, n),
+            "tree_mask": torch.ones(n, n, dtype=torch.bool).tril().expand(bs, n, n).contiguous()}
+        if self._packed:
+            prepack_linears(e.model, (bs * n,))
+        with torch.inference_mode():
+            return self._memoised(("verify", n, bs), lambda: target_verify(e.model, e.pool, e.feature, x))
+
+    def _draft(self, steps: int, topk: int, bs: int) -> float:
+        d, c = self.drafter, self.drafter.model.config
+        probs = torch.softmax(torch.randn(bs, topk), -1).sort(-1, descending=True).values
+        x = self._prefix(bs) | {
+            "topk_p": probs, "topk_index": torch.randint(0, c.vocab_size, (bs, topk)),
+            "hidden": torch.randn(bs, c.hidden_size, dtype=next(d.model.parameters()).dtype),
+            "seq_lens": torch.full((bs,), self.width), "scratch": self._free_slots(bs * topk * steps).view(-1, steps)}
+        n = min(1 + topk + (steps - 1) * topk * topk, steps + 1 if topk == 1 else 2)
+        if self._packed:
+            prepack_linears(d.model, (bs * topk,))
+        with torch.inference_mode():
+            return self._memoised(("draft", steps, topk, bs), lambda: draft_loop(
+                d.model, d.hot_token_id, d.pool, topk, steps, n, x))
+
+    def _extend(self, steps: int, bs: int) -> float:
+        d, e = self.drafter, self.engine
+        rows = steps + 1
+        dtype = next(d.model.parameters()).dtype
+        x = self._prefix(bs) | {
+            "input_ids": torch.randint(0, e.model.config.vocab_size, (bs * rows,)),
+            "positions": (self.width + torch.arange(rows)).repeat(bs),
+            "features": torch.randn(bs * rows, e._feature_width(), dtype=dtype),
+            "new_slots": self._free_slots(bs * rows).view(bs, rows),
+            "new_valid": torch.ones(bs, rows, dtype=torch.bool), "last_rows": torch.arange(bs) * rows + rows - 1}
+        with torch.inference_mode():
+            return self._memoised(("extend", steps, bs), lambda: draft_extend(
+                d.model, d.hot_token_id, d.pool, d.extend_topk, x))
+
+    def _prefix(self, bs: int) -> dict:
+        slots = torch.arange(1, self.width + 1).expand(bs, self.width)
+        return {"prefix_slots": slots.contiguous(), "prefix_valid": torch.ones(bs, self.width, dtype=torch.bool)}
+
+    def _free_slots(self, n: int) -> torch.Tensor:
+        return self.width + 1 + torch.arange(n)

@@ -1,0 +1,158 @@
+"""`fastspec tune`: replay -> predict -> confirm -> write, per batch size, with "off" always a candidate.
+
+1. Greedy answers to the workload's prompts, then acceptance of every tree shape by replay (replay.py).
+2. Round costs of every shape per batch size measured in-process (costs.py) at the workload's KV width.
+3. Predicted tok/s = bs * tau / (draft + verify + extend + host); plain = bs / (decode + host).
+4. Successive halving end to end: the best predicted shapes and plain run the prompts at that batch size, the
+   faster half runs again with twice the tokens, until one is left; the winner is checked lossless against
+   plain greedy output. The chosen tiers go to the tuned file (tuned.py) the engine loads automatically.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from fastspec.config import SpecParams
+from fastspec.errors import FastspecError
+from fastspec.sampling import SamplingParams
+from fastspec.speculative.packing import KV_BUCKET
+from fastspec.tune.costs import CostModel
+from fastspec.tune.replay import candidate_params, record, replay_tau
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    batch_sizes: tuple[int, ...] = (1, 4, 8)
+    max_steps: int = 6
+    topks: tuple[int, ...] = (1, 2, 4, 8)
+    max_draft_tokens: int = 16
+    max_new_tokens: int = 96
+    confirm: int = 3  # speculative candidates per batch size confirmed end to end (plus plain)
+    budget: float = 600.0  # seconds; the end-to-end stage shrinks to fit
+
+
+@dataclass
+class Candidate:
+    bs: int
+    params: SpecParams | None  # None: no speculation
+    tau: float  # replayed (1.0 for plain)
+    predicted: float  # tok/s
+    measured: float | None = None
+    measured_tau: float | None = None
+
+    def row(self) -> dict:
+        p = self.params
+        return {"bs": self.bs, "params": None if p is None else [p.num_steps, p.topk, p.num_draft_tokens],
+                "tau": round(self.tau, 3), "predicted_tok_s": round(self.predicted, 2),
+                "measured_tok_s": None if self.measured is None else round(self.measured, 2),
+                "measured_tau": None if self.measured_tau is None else round(self.measured_tau, 3)}
+
+
+@dataclass
+class TuneResult:
+    winners: dict[int, Candidate]
+    confirmed: list[Candidate] = field(default_factory=list)
+    replay_seconds: float = 0.0
+    cost_seconds: float = 0.0
+    confirm_seconds: float = 0.0
+
+    def tiers(self) -> list[dict]:
+        return [{"max_batch_size": bs, **c.row()} for bs, c in sorted(self.winners.items())]
+
+
+def tune(llm, prompts: list[list[int]], cfg: TuneConfig, say: Callable[[str], None] = lambda s: None) -> TuneResult:
+    """`llm`: an EAGLE / EAGLE-3 fastspec.LLM built with the largest shape (cfg.max_steps, max topk, N)."""
+    engine = llm.engine
+    if engine.drafter is None or not hasattr(engine.drafter, "model"):
+        raise FastspecError("fastspec tune needs an EAGLE or EAGLE3 draft head")
+    started = time.perf_counter()
+    grid = candidate_params(cfg.max_steps, cfg.topks, cfg.max_draft_tokens)
+    say(f"greedy answers to {len(prompts)} prompts")
+    plain_params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+    outputs = llm.generate(prompts, plain_params)
+    say(f"replaying {len(grid)} tree shapes")
+    recorded = [record(engine.model, engine.drafter.model, engine.drafter.hot_token_id, engine.feature,
+                       o.prompt_ids, o.output_ids, grid) for o in outputs]
+    taus = {p: _tau(*replay_tau(recorded, p)) for p in grid}
+    replayed = time.perf_counter()
+    context = sum(len(o.prompt_ids) + len(o.output_ids) / 2 for o in outputs) / len(outputs)
+    costs = CostModel(engine, width=max(KV_BUCKET, math.ceil(context / KV_BUCKET) * KV_BUCKET))
+    host = _host_seconds(llm, prompts, cfg)
+    ranked = {}
+    for bs in cfg.batch_sizes:
+        say(f"measuring round costs at batch size {bs}")
+        plain = Candidate(bs, None, 1.0, bs / (costs.plain(bs) + host))
+        spec = [Candidate(bs, p, taus[p], bs * taus[p] / (costs.round(p, bs).total + host)) for p in grid]
+        ranked[bs] = [plain] + sorted(spec, key=lambda c: -c.predicted)[:cfg.confirm]
+    measured = time.perf_counter()
+    result = TuneResult({}, replay_seconds=replayed - started, cost_seconds=measured - replayed)
+    remaining = cfg.budget - (measured - started)
+    for bs in cfg.batch_sizes:
+        say(f"confirming batch size {bs} end to end")
+        winner = _halve(llm, prompts, bs, ranked[bs], cfg, remaining / len(cfg.batch_sizes), result.confirmed)
+        _check_lossless(llm, prompts[:2], winner, outputs[:2], cfg)
+        result.winners[bs] = winner
+    result.confirm_seconds = time.perf_counter() - measured
+    if any(c.params for c in result.winners.values()):
+        engine.use_schedule(schedule_from(result.winners))
+    return result
+
+
+def schedule_from(winners: dict[int, Candidate]):
+    """Tiers: batch sizes up to each tuned size use its winner; larger batches the largest size's."""
+    return tuple((bs, c.params) for bs, c in sorted(winners.items()))
+
+
+def _tau(rounds: int, emitted: int) -> float:
+    return emitted / rounds if rounds else 1.0
+
+
+def _host_seconds(llm, prompts, cfg: TuneConfig) -> float:
+    """Host time per speculative round (packing, acceptance, commit), from a short real run."""
+    engine = llm.engine
+    engine.times.reset()
+    llm.generate(prompts[:2], SamplingParams(max_new_tokens=min(24, cfg.max_new_tokens)))
+    split, rounds = engine.times.split(), engine.times.counts.get("round", 0)
+    return split["host"] / rounds if rounds else 0.0
+
+
+def _halve(llm, prompts, bs: int, candidates: list[Candidate], cfg: TuneConfig, budget: float,
+           log: list[Candidate]) -> Candidate:
+    """Successive halving: every candidate runs `bs` prompts; the faster half reruns with twice the tokens."""
+    tokens, alive, start = max(8, cfg.max_new_tokens // 4), list(candidates), time.perf_counter()
+    batch = [prompts[i % len(prompts)] for i in range(bs)]
+    while True:
+        for c in alive:
+            c.measured, c.measured_tau = _run(llm, batch, c, tokens)
+            log.append(replace(c))
+        alive = sorted(alive, key=lambda c: -c.measured)[:max(1, len(alive) // 2)]
+        if len(alive) == 1 or tokens >= cfg.max_new_tokens or time.perf_counter() - start > budget / 2:
+            return alive[0]
+        tokens *= 2
+
+
+def _run(llm, batch, c: Candidate, tokens: int) -> tuple[float, float]:
+    """(tok/s, tau) of `batch` run together under candidate c's shape (plain when c.params is None)."""
+    engine = llm.engine
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
+    if c.params is None:
+        engine.use_schedule(((len(batch), None), (1 << 30, engine.spec.tiers[0])))
+    else:
+        engine.use_schedule(((1 << 30, c.params),))
+    start = time.perf_counter()
+    outs = engine.generate(batch, [params] * len(batch))
+    seconds = time.perf_counter() - start
+    metrics = sum((o.metrics for o in outs[1:]), outs[0].metrics)
+    return sum(len(o.output_ids) for o in outs) / seconds, metrics.tau if metrics.verify_rounds else 1.0
+
+
+def _check_lossless(llm, prompts, winner: Candidate, expected, cfg: TuneConfig) -> None:
+    if winner.params is None:
+        return
+    llm.engine.use_schedule(((1 << 30, winner.params),))
+    outs = llm.engine.generate(prompts, [SamplingParams(max_new_tokens=cfg.max_new_tokens)] * len(prompts))
+    if [o.output_ids for o in outs] != [o.output_ids for o in expected]:
+        raise FastspecError(f"tuned shape {winner.params} changed greedy output: please report this bug")
