@@ -119,3 +119,26 @@ def test_tune_end_to_end_on_the_tiny_target(chat_target, head, tmp_path, monkeyp
         tuned = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head),
                              schedule=schedule).generate(PROMPTS, params)
         assert [o.output_ids for o in tuned] == [o.output_ids for o in plain]
+
+
+def test_cli_emits_sglang_flags_from_the_tuned_file_and_llm_loads_it(chat_target, head, tmp_path, monkeypatch):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+    from fastspec.tune.tuned import fingerprint, save_tuned, tuned_path
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    args = ["tune", "--model", str(chat_target), "--speculative-algorithm", "EAGLE3", "--draft", str(head),
+            "--emit", "sglang", "--from-tuned"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "run fastspec tune first" in result.output
+    tiers = [{"max_batch_size": 1, "params": [3, 2, 5]}, {"max_batch_size": 4, "params": None}]
+    save_tuned(tuned_path(chat_target, head), fingerprint(chat_target, head, "float32", "cpu"), tiers)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert ("--speculative-num-steps 3 --speculative-eagle-topk 2 --speculative-num-draft-tokens 5"
+            in result.output)
+    llm = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head))
+    assert llm.engine.spec.schedule == ((1, SpecParams(3, 2, 5)), (4, None))
+    explicit = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head), topk=1)
+    assert explicit.engine.spec.schedule == ()  # explicit tree flags win over the tuned file
