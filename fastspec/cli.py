@@ -218,7 +218,8 @@ def bench(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 128,
     num_prompts: Annotated[int, typer.Option(help="Prompts per batch size (cycled up to the batch size).")] = 8,
     prompts: Annotated[Optional[str], typer.Option(help="JSONL file, one {\"prompt\": ...} per line.")] = None,
-    prompt_set: Annotated[str, typer.Option(help="Built-in held-out prompts: chat | code | writing | all.")] = "chat",
+    prompt_set: Annotated[str, typer.Option(help="Built-in held-out prompts: a set name or all (evenly sampled).")]
+    = "all",
     trials: Annotated[int, typer.Option(help="Timed trials per configuration (median reported).")] = 2,
     warmup: Annotated[int, typer.Option(help="Warm-up runs per configuration and batch size.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -232,6 +233,8 @@ def bench(
     if min(sizes) < 1 or num_prompts < 1 or trials < 1 or warmup < 0 or max_new_tokens < 1:
         raise FastspecError("batch sizes, --num-prompts, --trials and --max-new-tokens must be >= 1")
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts(prompt_set)
+    if not prompts:  # spread the first num_prompts over every set
+        texts = texts[::max(1, len(texts) // num_prompts)]
     kwargs = options.llm_kwargs() | {"max_running_requests": max(max(sizes), options.max_running_requests)}
     spec = LLM(**kwargs, on_prepare=prepare_progress())
     base_kwargs = kwargs | {"speculative_algorithm": "NONE", "draft_model": None, "token_map": None, "ngram": None}

@@ -113,3 +113,17 @@ def test_speculative_on_the_embedded_model_equals_transformers(hf_greedy, embedd
     assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
     assert all(o.metrics.verify_rounds > 0 for o in outputs)
     assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+
+
+def test_the_shipped_eagle3_head_is_the_default_and_is_trained(hf_greedy):
+    """`fastspec.LLM()` on the embedded model speculates with the head in fastspec/heads: lossless, and it
+    accepts (an untrained head's tau stays near 1.0)."""
+    from fastspec.models.embedded import DEFAULT_MODEL, embedded_head
+
+    llm = fastspec.LLM(max_total_tokens=4096, tuned=False)
+    assert llm.engine.spec.algorithm == "EAGLE3"
+    assert llm.engine.spec.draft_model == str(embedded_head(DEFAULT_MODEL))
+    outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
+    assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
+    metrics = sum((o.metrics for o in outputs[1:]), outputs[0].metrics)
+    assert metrics.tau > 2.0

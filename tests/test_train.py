@@ -170,3 +170,15 @@ def test_draft_vocab_is_the_most_frequent_labels_and_packing_keeps_order():
     labels = torch.tensor([5, 5, 5, 7, 7, 2, 9, 9, 9, 9, 3, 3])
     assert choose_draft_vocab(labels, 10, 3).tolist() == [3, 5, 9]  # 9x4, 5x3, then 3 and 7 tie: lower id
     assert pack([5, 3, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
+
+
+def test_resuming_with_another_target_is_a_one_line_error(chat_target, prompt_file, tiny_dirs, tmp_path):
+    """A run (its answers, features and head) belongs to the target it was made for."""
+    out = tmp_path / "head"
+    train_draft(tiny_config(out, chat_target, prompt_file, epochs=1))
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dirs["qwen3"][0], other)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(chat_target / name, other / name)
+    with pytest.raises(FastspecError, match="was made for the target"):
+        train_draft(tiny_config(out, other, prompt_file, epochs=2, resume=True))

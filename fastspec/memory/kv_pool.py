@@ -54,6 +54,14 @@ class KVPool:
         """Store K/V of T tokens of one layer in place. Several padded rows may all name the dummy slot 0;
         which of them lands there is unspecified, and nothing reads it as real data."""
         # slots: [T] int64; k, v: [T, num_kv_heads, head_dim]
+        if torch.compiler.is_compiling():
+            # an in-place write into a VIEW of a graph input makes Inductor rebuild the whole base tensor each
+            # call (a compiled verify then cost ~25x eager on a 65k-slot pool); index_put_ on the base tensor
+            # itself is reinplaced into a scatter of the T rows
+            index = (torch.full_like(slots, layer), slots)
+            self.k.index_put_(index, k.to(self.k.dtype))
+            self.v.index_put_(index, v.to(self.v.dtype))
+            return
         self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
         self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
 

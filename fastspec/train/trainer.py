@@ -82,12 +82,15 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     """Run (or resume) the whole job; returns the final held-out evaluation."""
     work = _prepare_out(cfg)
     model_dir = resolve_model_dir(cfg.model)
+    _check_same_target(work, model_dir)
     prompts = (read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train"))[:cfg.max_prompts]
     conversations = _conversations(cfg, model_dir, prompts, work, on_progress)
     target_cfg = read_config(model_dir)
     target = load_target(model_dir, torch.float32, capture_layers=eagle3_capture_layers(target_cfg.num_layers, None))
     features = _features(target, conversations, work, cfg, on_progress)
     vocab = _vocab(features, target_cfg.vocab_size, cfg.draft_vocab_size, work)
+    if int(vocab.max()) >= target_cfg.vocab_size:
+        raise FastspecError(f"{work / 'vocab.pt'} was chosen for a different target; use --overwrite to start over")
     head_json = head_config(json.loads((model_dir / "config.json").read_text()), len(vocab), target_cfg.num_layers)
     head = init_head(ModelConfig.from_hf(head_json), target, vocab, cfg.seed)
     is_val = [_is_val(prompts, c, cfg) for c in range(len(conversations))]
@@ -119,6 +122,19 @@ def _prepare_out(cfg: TrainConfig) -> Path:
     return work
 
 
+def _check_same_target(work: Path, model_dir: Path) -> None:
+    """A run's data, features and head belong to one target: resuming with another is refused."""
+    config = json.loads((model_dir / "config.json").read_text())
+    record = {"model": str(model_dir), "config_crc": zlib.crc32(json.dumps(config, sort_keys=True).encode())}
+    path = work / "target.json"
+    if path.exists():
+        before = json.loads(path.read_text())
+        if before["config_crc"] != record["config_crc"]:
+            raise FastspecError(f"this run was made for the target {before['model']}, not {model_dir}: its data, "
+                                "features and head are that target's (use --overwrite or another --out)")
+    path.write_text(json.dumps(record) + "\n")
+
+
 def _conversations(cfg, model_dir, prompts, work, on_progress):
     from fastspec.llm import LLM
 
@@ -131,7 +147,9 @@ def _conversations(cfg, model_dir, prompts, work, on_progress):
 
 def _features(target, conversations, work: Path, cfg: TrainConfig, on_progress) -> Features:
     """Cached in train/features.pt, keyed by a checksum of the conversations' token ids."""
-    key = zlib.crc32(json.dumps([c.ids for c in conversations]).encode())
+    tc = target.config
+    shape = [tc.hidden_size, tc.num_layers, tc.vocab_size]
+    key = zlib.crc32(json.dumps([shape] + [conv.ids for conv in conversations]).encode())
     path = work / "features.pt"
     if path.exists():
         saved = torch.load(path, weights_only=True)
@@ -268,8 +286,12 @@ def _load_checkpoint(path: Path, head, opt) -> int:
     if not path.exists():
         return 0
     saved = torch.load(path, weights_only=True)
-    head.load_state_dict(saved["head"], strict=False)
-    opt.load_state_dict(saved["optimizer"])
+    try:
+        head.load_state_dict(saved["head"], strict=False)
+        opt.load_state_dict(saved["optimizer"])
+    except (RuntimeError, ValueError) as e:
+        raise FastspecError(f"{path} was trained for a different target or draft vocabulary "
+                            f"({str(e).splitlines()[0][:120]}); use --overwrite to start over") from None
     return int(saved["step"])
 
 

@@ -55,6 +55,7 @@ class Candidate:
 class TuneResult:
     winners: dict[int, Candidate]
     confirmed: list[Candidate] = field(default_factory=list)
+    taus: dict[SpecParams, float] = field(default_factory=dict)  # replayed, every shape
     replay_seconds: float = 0.0
     cost_seconds: float = 0.0
     confirm_seconds: float = 0.0
@@ -71,7 +72,7 @@ def tune(llm, prompts: list[list[int]], cfg: TuneConfig, say: Callable[[str], No
     started = time.perf_counter()
     grid = candidate_params(cfg.max_steps, cfg.topks, cfg.max_draft_tokens)
     say(f"greedy answers to {len(prompts)} prompts")
-    plain_params = SamplingParams(max_new_tokens=cfg.max_new_tokens)
+    plain_params = SamplingParams(max_new_tokens=cfg.max_new_tokens, ignore_eos=True)  # as the timed runs
     outputs = llm.generate(prompts, plain_params)
     say(f"replaying {len(grid)} tree shapes")
     recorded = [record(engine.model, engine.drafter.model, engine.drafter.hot_token_id, engine.feature,
@@ -88,7 +89,7 @@ def tune(llm, prompts: list[list[int]], cfg: TuneConfig, say: Callable[[str], No
         spec = [Candidate(bs, p, taus[p], bs * taus[p] / (costs.round(p, bs).total + host)) for p in grid]
         ranked[bs] = [plain] + sorted(spec, key=lambda c: -c.predicted)[:cfg.confirm]
     measured = time.perf_counter()
-    result = TuneResult({}, replay_seconds=replayed - started, cost_seconds=measured - replayed)
+    result = TuneResult({}, taus=taus, replay_seconds=replayed - started, cost_seconds=measured - replayed)
     remaining = cfg.budget - (measured - started)
     for bs in cfg.batch_sizes:
         say(f"confirming batch size {bs} end to end")
@@ -153,6 +154,7 @@ def _check_lossless(llm, prompts, winner: Candidate, expected, cfg: TuneConfig) 
     if winner.params is None:
         return
     llm.engine.use_schedule(((1 << 30, winner.params),))
-    outs = llm.engine.generate(prompts, [SamplingParams(max_new_tokens=cfg.max_new_tokens)] * len(prompts))
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+    outs = llm.engine.generate(prompts, [params] * len(prompts))
     if [o.output_ids for o in outs] != [o.output_ids for o in expected]:
         raise FastspecError(f"tuned shape {winner.params} changed greedy output: please report this bug")
