@@ -191,7 +191,6 @@ class Engine:
         return c.hidden_size * (len(self.model.capture_layers) if self.feature == "aux" else 1)
 
     def _verify_specs(self, n: int, width: int) -> list[StaticInput]:
-        dtype = self.config.torch_dtype
         return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
                 StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
                 StaticInput("prefix_slots", (width,), torch.int64), StaticInput("prefix_valid", (width,), torch.bool)]

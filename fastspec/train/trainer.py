@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 import zlib
@@ -19,16 +18,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from fastspec.config import ModelConfig
 from fastspec.errors import FastspecError
-from fastspec.models.eagle import LlamaForCausalLMEagle3
 from fastspec.models.llama import eagle3_capture_layers
 from fastspec.models.loader import load_target, read_config, resolve_model_dir
 from fastspec.prompts import load_prompts, read_jsonl_prompts
 from fastspec.train.data import (Features, choose_draft_vocab, extract_features, generate_conversations, pack,
                                  response_labels)
+from fastspec.train.checkpoint import atomic_save, export_head, head_config, init_head, load_checkpoint, save_checkpoint
 from fastspec.train.ttt import make_batch, ttt_loss
 
 EXPORTED = ("config.json", "model.safetensors")
@@ -157,7 +155,7 @@ def _features(target, conversations, work: Path, cfg: TrainConfig, on_progress) 
             return Features(**saved)
     report = lambda done, total: on_progress(Progress("features", done, total))  # noqa: E731
     features = extract_features(target, conversations, cfg.batch_tokens, cfg.bf16, report)
-    _atomic_save(asdict(features) | {"key": torch.tensor(key)}, path)
+    atomic_save(asdict(features) | {"key": torch.tensor(key)}, path)
     return features
 
 
@@ -167,7 +165,7 @@ def _vocab(features: Features, vocab_size: int, draft_vocab_size: int, work: Pat
     if path.exists():
         return torch.load(path, weights_only=True)
     vocab = choose_draft_vocab(response_labels(features), vocab_size, min(draft_vocab_size, vocab_size))
-    _atomic_save(vocab, path)
+    atomic_save(vocab, path)
     return vocab
 
 
@@ -176,46 +174,13 @@ def _is_val(prompts: list[str], conversation: int, cfg: TrainConfig) -> bool:
     return zlib.crc32(prompt.encode()) % 10_000 < cfg.val_fraction * 10_000
 
 
-def head_config(target_json: dict, draft_vocab_size: int, num_layers: int) -> dict:
-    """SGLang / SpecForge EAGLE-3 config.json: one Llama layer as wide as the target, own draft lm_head."""
-    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "hidden_act",
-            "bos_token_id", "eos_token_id", "pad_token_id")
-    config = {k: target_json[k] for k in keep if k in target_json}
-    aux_ids = [i - 1 for i in eagle3_capture_layers(num_layers, None)]
-    return config | {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-                     "tie_word_embeddings": False, "draft_vocab_size": draft_vocab_size,
-                     "target_hidden_size": target_json["hidden_size"], "torch_dtype": "bfloat16",
-                     "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True}}
-
-
-def init_head(config: ModelConfig, target, vocab: torch.Tensor, seed: int) -> LlamaForCausalLMEagle3:
-    """Random layer (std 0.02, unit norms); lm_head = the target's output rows of the draft vocabulary,
-    final norm = the target's; the embedding is the target's, shared and frozen."""
-    torch.manual_seed(seed)
-    head = LlamaForCausalLMEagle3(config, target.model.embed_tokens)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.startswith("embed_tokens."):
-                continue
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-        head.lm_head.weight.copy_(target.lm_head.weight[vocab])
-        head.norm.weight.copy_(target.model.norm.weight)
-        head.d2t.copy_(vocab - torch.arange(len(vocab)))
-    head.embed_tokens.requires_grad_(False)
-    return head
-
-
 def _fit(head, features, train_ids, val_ids, t2d, cfg: TrainConfig, work: Path, on_progress) -> dict:
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     epoch_groups = lambda epoch: _epoch_groups(features, train_ids, cfg, epoch)  # noqa: E731
     per_epoch = len(epoch_groups(0))
     total = per_epoch * cfg.epochs
-    start = _load_checkpoint(work / "checkpoint.pt", head, opt)
+    start = load_checkpoint(work / "checkpoint.pt", head, opt)
     groups, info, began = None, {}, time.perf_counter()
     for step in range(start, total):
         epoch, b = divmod(step, per_epoch)
@@ -231,7 +196,7 @@ def _fit(head, features, train_ids, val_ids, t2d, cfg: TrainConfig, work: Path, 
         opt.zero_grad(set_to_none=True)
         info = {"loss": round(stats.loss.item(), 4), "lr": opt.param_groups[0]["lr"], "epoch": epoch + 1}
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total:
-            _save_checkpoint(work / "checkpoint.pt", head, opt, step + 1)
+            save_checkpoint(work / "checkpoint.pt", head, opt, step + 1)
             info |= evaluate(head, features, val_ids, t2d, cfg)
         on_progress(Progress("train", step + 1, total, info))
     return evaluate(head, features, val_ids, t2d, cfg) | {
@@ -274,43 +239,6 @@ def evaluate(head, features: Features, val_ids: list[int], t2d: torch.Tensor, cf
 
 def _tokens(features: Features, ids: list[int]) -> int:
     return int(sum(int(features.offsets[c + 1] - features.offsets[c]) for c in ids))
-
-
-def _save_checkpoint(path: Path, head, opt, step: int) -> None:
-    state = {k: v for k, v in head.state_dict().items() if not k.startswith("embed_tokens.")}
-    _atomic_save({"step": step, "head": state, "optimizer": opt.state_dict()}, path)
-
-
-def _load_checkpoint(path: Path, head, opt) -> int:
-    """The step to continue from (0 without a checkpoint)."""
-    if not path.exists():
-        return 0
-    saved = torch.load(path, weights_only=True)
-    try:
-        head.load_state_dict(saved["head"], strict=False)
-        opt.load_state_dict(saved["optimizer"])
-    except (RuntimeError, ValueError) as e:
-        raise FastspecError(f"{path} was trained for a different target or draft vocabulary "
-                            f"({str(e).splitlines()[0][:120]}); use --overwrite to start over") from None
-    return int(saved["step"])
-
-
-def export_head(head, head_json: dict, vocab: torch.Tensor, out: Path) -> None:
-    """config.json + model.safetensors (bf16 weights, int64 d2t, bool t2d), written atomically."""
-    skip = ("embed_tokens.", "rope.")
-    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-             for k, v in head.state_dict().items() if not k.startswith(skip)}
-    state["t2d"] = torch.zeros(head_json["vocab_size"], dtype=torch.bool).index_fill_(0, vocab, True)
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp))
-    os.replace(tmp, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(head_json, indent=2) + "\n")
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def _jsonable(d: dict) -> dict:

@@ -1,0 +1,88 @@
+"""On-disk formats of a train-draft run: the exported head (SGLang / SpecForge EAGLE-3 config.json +
+model.safetensors) and the resumable checkpoint, both written atomically. Also builds a fresh head.
+Knows nothing about data or the training loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fastspec.config import ModelConfig
+from fastspec.errors import FastspecError
+from fastspec.models.eagle import LlamaForCausalLMEagle3
+from fastspec.models.llama import eagle3_capture_layers
+
+
+def head_config(target_json: dict, draft_vocab_size: int, num_layers: int) -> dict:
+    """SGLang / SpecForge EAGLE-3 config.json: one Llama layer as wide as the target, own draft lm_head."""
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "hidden_act",
+            "bos_token_id", "eos_token_id", "pad_token_id")
+    config = {k: target_json[k] for k in keep if k in target_json}
+    aux_ids = [i - 1 for i in eagle3_capture_layers(num_layers, None)]
+    return config | {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+                     "tie_word_embeddings": False, "draft_vocab_size": draft_vocab_size,
+                     "target_hidden_size": target_json["hidden_size"], "torch_dtype": "bfloat16",
+                     "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True}}
+
+
+def init_head(config: ModelConfig, target, vocab: torch.Tensor, seed: int) -> LlamaForCausalLMEagle3:
+    """Random layer (std 0.02, unit norms); lm_head = the target's output rows of the draft vocabulary,
+    final norm = the target's; the embedding is the target's, shared and frozen."""
+    torch.manual_seed(seed)
+    head = LlamaForCausalLMEagle3(config, target.model.embed_tokens)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.startswith("embed_tokens."):
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab])
+        head.norm.weight.copy_(target.model.norm.weight)
+        head.d2t.copy_(vocab - torch.arange(len(vocab)))
+    head.embed_tokens.requires_grad_(False)
+    return head
+
+
+def save_checkpoint(path: Path, head, opt, step: int) -> None:
+    state = {k: v for k, v in head.state_dict().items() if not k.startswith("embed_tokens.")}
+    atomic_save({"step": step, "head": state, "optimizer": opt.state_dict()}, path)
+
+
+def load_checkpoint(path: Path, head, opt) -> int:
+    """The step to continue from (0 without a checkpoint)."""
+    if not path.exists():
+        return 0
+    saved = torch.load(path, weights_only=True)
+    try:
+        head.load_state_dict(saved["head"], strict=False)
+        opt.load_state_dict(saved["optimizer"])
+    except (RuntimeError, ValueError) as e:
+        raise FastspecError(f"{path} was trained for a different target or draft vocabulary "
+                            f"({str(e).splitlines()[0][:120]}); use --overwrite to start over") from None
+    return int(saved["step"])
+
+
+def export_head(head, head_json: dict, vocab: torch.Tensor, out: Path) -> None:
+    """config.json + model.safetensors (bf16 weights, int64 d2t, bool t2d), written atomically."""
+    skip = ("embed_tokens.", "rope.")
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+             for k, v in head.state_dict().items() if not k.startswith(skip)}
+    state["t2d"] = torch.zeros(head_json["vocab_size"], dtype=torch.bool).index_fill_(0, vocab, True)
+    tmp = out / "model.safetensors.tmp"
+    save_file(state, str(tmp))
+    os.replace(tmp, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(head_json, indent=2) + "\n")
+
+
+def atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
