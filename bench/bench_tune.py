@@ -61,7 +61,7 @@ def main() -> None:
     for bs in sizes:
         batch = [prompts[i % len(prompts)] for i in range(bs)]
         measured = {}
-        for p in [None, *grid]:
+        for p in dict.fromkeys([None, result.winners[bs].params, *grid]):  # the tuned choice may be off-grid
             rate, tau = _run(llm, batch, Candidate(bs, p, 0.0, 0.0), cfg.max_new_tokens)
             measured[p] = (rate, tau)
             print(bs, p, round(rate, 2), round(tau, 3), flush=True)
