@@ -52,17 +52,18 @@ class CostModel:
         self._packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
 
     def round(self, p: SpecParams, bs: int) -> RoundCost:
-        return RoundCost(self._draft(p.num_steps, p.topk, bs), self._verify(p.num_draft_tokens, bs),
-                         self._extend(p.num_steps, bs))
+        return RoundCost(self._cost(self._draft, p.num_steps, p.topk, bs),
+                         self._cost(self._verify, p.num_draft_tokens, bs), self._cost(self._extend, p.num_steps, bs))
 
     def plain(self, bs: int) -> float:
         """One plain decode step (bs rows through the target, as a 1-node verify)."""
-        return self._verify(1, bs)
+        return self._cost(self._verify, 1, bs)
 
-    def _memoised(self, key, fn) -> float:
-        if key not in self._memo:
-            self._memo[key] = timed(fn, self.reps)
-        return self._memo[key]
+    def _cost(self, measure, *key) -> float:
+        """Memoised: inputs are built and weights repacked only the first time a shape is asked for."""
+        if (measure, *key) not in self._memo:
+            self._memo[(measure, *key)] = measure(*key)
+        return self._memo[(measure, *key)]
 
     def _verify(self, n: int, bs: int) -> float:
         e = self.engine
@@ -74,7 +75,7 @@ class CostModel:
         if self._packed:
             prepack_linears(e.model, (bs * n,))
         with torch.inference_mode():
-            return self._memoised(("verify", n, bs), lambda: target_verify(e.model, e.pool, e.feature, x))
+            return timed(lambda: target_verify(e.model, e.pool, e.feature, x), self.reps)
 
     def _draft(self, steps: int, topk: int, bs: int) -> float:
         d, c = self.drafter, self.drafter.model.config
@@ -87,8 +88,8 @@ class CostModel:
         if self._packed:
             prepack_linears(d.model, (bs * topk,))
         with torch.inference_mode():
-            return self._memoised(("draft", steps, topk, bs), lambda: draft_loop(
-                d.model, d.hot_token_id, d.pool, topk, steps, n, x))
+            return timed(lambda: draft_loop(
+                d.model, d.hot_token_id, d.pool, topk, steps, n, x), self.reps)
 
     def _extend(self, steps: int, bs: int) -> float:
         d, e = self.drafter, self.engine
@@ -101,8 +102,8 @@ class CostModel:
             "new_slots": self._free_slots(bs * rows).view(bs, rows),
             "new_valid": torch.ones(bs, rows, dtype=torch.bool), "last_rows": torch.arange(bs) * rows + rows - 1}
         with torch.inference_mode():
-            return self._memoised(("extend", steps, bs), lambda: draft_extend(
-                d.model, d.hot_token_id, d.pool, d.extend_topk, x))
+            return timed(lambda: draft_extend(
+                d.model, d.hot_token_id, d.pool, d.extend_topk, x), self.reps)
 
     def _prefix(self, bs: int) -> dict:
         slots = torch.arange(1, self.width + 1).expand(bs, self.width)
