@@ -77,7 +77,7 @@ class Engine:
         self.drafter = next(iter(self.drafters.values()), None)  # any of them extends and releases
         self.verify_graphs = {p.num_draft_tokens: StepGraphs(
             "verify" if len(self.drafters) < 2 else f"verify N={p.num_draft_tokens}",
-            partial(target_verify, self.model, self.pool, self.feature), partial(self._verify_specs, p.num_draft_tokens),
+            partial(target_verify, self.model, self.pool, self.feature), partial(verify_specs, p.num_draft_tokens),
             config.graph_mode, config.graph_buckets, config.device, on_prepare, self.times, "verify")
             for p in self.drafters}
 
@@ -189,11 +189,6 @@ class Engine:
     def _feature_width(self) -> int:
         c = self.model.config
         return c.hidden_size * (len(self.model.capture_layers) if self.feature == "aux" else 1)
-
-    def _verify_specs(self, n: int, width: int) -> list[StaticInput]:
-        return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
-                StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
-                StaticInput("prefix_slots", (width,), torch.int64), StaticInput("prefix_valid", (width,), torch.bool)]
 
     def _round_headroom(self) -> int:
         """KV one decode round may add per request: a token (its page), or verify slots plus draft scratch."""
@@ -409,3 +404,11 @@ class Engine:
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
         return sample(logits, sampling, [r.generator for r in reqs]).tolist()
+
+
+def verify_specs(n: int, width: int) -> list[StaticInput]:
+    """The verify graph's static inputs for trees of n tokens over a committed-KV width (a module function: a
+    bound method here would make a reference cycle that keeps a dropped engine's weights alive until gc runs)."""
+    return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
+            StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
+            StaticInput("prefix_slots", (width,), torch.int64), StaticInput("prefix_valid", (width,), torch.bool)]

@@ -69,9 +69,13 @@ class EagleDrafter:
         self._extend_fn = partial(draft_extend, model, self.hot_token_id, pool, self.extend_topk)
         loop = partial(draft_loop, model, self.hot_token_id, pool, topk, num_steps, num_draft_tokens)
         name = "draft loop" if extend_topk is None else f"draft loop {num_steps}/{topk}/{num_draft_tokens}"
-        self.loop_graphs = StepGraphs(name, loop, self._loop_specs, graph_mode, buckets, device, on_prepare,
-                                      times, "draft")
-        self.extend_graphs = StepGraphs("draft extend", self._extend_fn, partial(self._extend_specs, feature_width),
+        dtype = next(model.parameters()).dtype
+        # module functions, not bound methods: a method here would make a drafter <-> graphs reference cycle
+        # that keeps a dropped engine's weights alive until the garbage collector happens to run
+        self.loop_graphs = StepGraphs(name, loop, partial(loop_specs, topk, num_steps, model.config.hidden_size,
+                                                          dtype), graph_mode, buckets, device, on_prepare, times, "draft")
+        self.extend_graphs = StepGraphs("draft extend", self._extend_fn, partial(extend_specs, num_steps, dtype,
+                                                                                 feature_width),
                                         graph_mode, buckets, device, on_prepare, times, "draft_extend")
 
     @property
@@ -130,18 +134,19 @@ class EagleDrafter:
 
     # ---- static input layouts ------------------------------------------------------------------------------
 
-    def _loop_specs(self, width: int) -> list[StaticInput]:
-        k, hd = self.topk, self.model.config.hidden_size
-        dtype = next(self.model.parameters()).dtype
-        return [StaticInput("topk_p", (k,), torch.float32), StaticInput("topk_index", (k,), torch.int64),
-                StaticInput("hidden", (hd,), dtype), StaticInput("seq_lens", (), torch.int64),
-                StaticInput("prefix_slots", (width,), torch.int64), StaticInput("prefix_valid", (width,), torch.bool),
-                StaticInput("scratch", (max(self.num_steps, 1),), torch.int64, rows_per_request=k)]
 
-    def _extend_specs(self, feature_width: int, width: int) -> list[StaticInput]:
-        e = self.num_steps + 1
-        dtype = next(self.model.parameters()).dtype
-        return [StaticInput("input_ids", (), torch.int64, e), StaticInput("positions", (), torch.int64, e),
-                StaticInput("features", (feature_width,), dtype, e), StaticInput("new_slots", (e,), torch.int64),
-                StaticInput("new_valid", (e,), torch.bool), StaticInput("prefix_slots", (width,), torch.int64),
-                StaticInput("prefix_valid", (width,), torch.bool), StaticInput("last_rows", (), torch.int64)]
+def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype, width: int) -> list[StaticInput]:
+    """The draft loop's static inputs per request over a committed-KV width."""
+    return [StaticInput("topk_p", (topk,), torch.float32), StaticInput("topk_index", (topk,), torch.int64),
+            StaticInput("hidden", (hidden_size,), dtype), StaticInput("seq_lens", (), torch.int64),
+            StaticInput("prefix_slots", (width,), torch.int64), StaticInput("prefix_valid", (width,), torch.bool),
+            StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
+
+
+def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, width: int) -> list[StaticInput]:
+    """The draft extend's static inputs: num_steps + 1 padded rows per request."""
+    e = num_steps + 1
+    return [StaticInput("input_ids", (), torch.int64, e), StaticInput("positions", (), torch.int64, e),
+            StaticInput("features", (feature_width,), dtype, e), StaticInput("new_slots", (e,), torch.int64),
+            StaticInput("new_valid", (e,), torch.bool), StaticInput("prefix_slots", (width,), torch.int64),
+            StaticInput("prefix_valid", (width,), torch.bool), StaticInput("last_rows", (), torch.int64)]
