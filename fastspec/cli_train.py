@@ -31,7 +31,9 @@ def train_draft(
     val_fraction: float = TrainConfig.val_fraction,
     checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints.")] = TrainConfig.checkpoint_every,
     seed: int = 0,
-    bf16: Annotated[bool, typer.Option(help="bf16 autocast (float32 master weights).")] = True,
+    bf16: Annotated[Optional[bool], typer.Option(
+        help="bf16 autocast (float32 master weights); default: only where bf16 is measured faster on this CPU.")
+    ] = None,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Discard the run in --out and start over.")] = False,
 ):

@@ -21,6 +21,7 @@ import torch
 
 from fastspec.config import ModelConfig
 from fastspec.errors import FastspecError
+from fastspec.kernels.cpu_linear import bf16_matmul_is_faster
 from fastspec.models.llama import eagle3_capture_layers
 from fastspec.models.loader import load_target, read_config, resolve_model_dir
 from fastspec.prompts import load_prompts, read_jsonl_prompts
@@ -48,7 +49,7 @@ class TrainConfig:
     val_fraction: float = 0.05
     checkpoint_every: int = 50
     seed: int = 0
-    bf16: bool = True  # autocast; master weights stay float32
+    bf16: bool | None = None  # autocast, master weights stay float32; None: where bf16 is measured faster here
     resume: bool = False
     overwrite: bool = False
     generate_batch: int = 64
@@ -66,6 +67,8 @@ class TrainConfig:
             raise FastspecError(f"--lr must be > 0, got {self.lr}")
         if self.resume and self.overwrite:
             raise FastspecError("--resume and --overwrite exclude each other")
+        if self.bf16 is None:
+            object.__setattr__(self, "bf16", bf16_matmul_is_faster())  # resolved once, recorded in report.json
 
 
 @dataclass(frozen=True)
