@@ -6,8 +6,6 @@ transformers' own implementation is the oracle for logits. Everything here runs 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import os
 
@@ -15,12 +13,12 @@ import pytest
 import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
+from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
 from fastspec.models.heads import write_random_head
 from gpu_marker import pytest_collection_modifyitems  # noqa: F401  (skips @pytest.mark.gpu without CUDA)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
 
 
 @pytest.fixture(autouse=True)
@@ -30,8 +28,7 @@ def _release_memory():
     first large free), so without a trim the suite's resident memory only grows and CI runs out of it."""
     yield
     gc.collect()
-    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
-        _LIBC.malloc_trim(0)
+    trim_host_heap()
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,

@@ -5,11 +5,14 @@ tokens, a draft step over bs*topk rows) costs 2-3x a one-row GEMV: SmolLM2's lm_
 ~23 ms for 8, but ~9 ms for 8 over a weight packed once for exactly 8 rows (MKL's packed GEMM is per row count;
 any other count falls back to the plain linear). Applied after loading, on CPU in float32 when the round
 functions run eagerly (Inductor packs its own weights). Each packed row count costs one more copy of the weights.
-Owns only the module swap; the models stay plain nn.Linear math.
+Owns the module swap (the models stay plain nn.Linear math) and two host facts its callers need: whether bf16
+GEMMs are fast on this CPU, and handing freed weight copies back to the OS.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import time
 
@@ -61,8 +64,14 @@ class PackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module, rows: tuple[int, ...]) -> nn.Module:
-    """Make every linear of `model` (in place) packed for exactly these row counts (dropping other packs)."""
-    rows = tuple(sorted({m for m in rows if m > 1}))  # one row is a GEMV: nothing to gain
+    """Make every linear of `model` (in place) packed for exactly these row counts (dropping other packs),
+    then hand the dropped packs' memory back to the OS (`fastspec tune` repacks for every shape it times)."""
+    _prepack(model, tuple(sorted({m for m in rows if m > 1})))  # one row is a GEMV: nothing to gain
+    trim_host_heap()
+    return model
+
+
+def _prepack(model: nn.Module, rows: tuple[int, ...]) -> None:
     for name, child in list(model.named_children()):
         if isinstance(child, PackedLinear):
             w = child.weight.detach()
@@ -72,5 +81,22 @@ def prepack_linears(model: nn.Module, rows: tuple[int, ...]) -> nn.Module:
             if rows:
                 setattr(model, name, PackedLinear(child, rows))
         else:
-            prepack_linears(child, rows)
-    return model
+            _prepack(child, rows)
+
+
+def trim_host_heap() -> None:
+    """Return freed heap memory to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    Why: after the first large free glibc raises its mmap threshold (up to 32 MB), so later weight-sized blocks
+    (packed linears, a dropped engine's layers) come from the heap and stay resident after they are freed."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    lib = ctypes.CDLL(name) if name else None
+    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
+
+
+_LIBC = _libc()
