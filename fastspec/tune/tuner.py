@@ -3,9 +3,10 @@
 1. Greedy answers to the workload's prompts, then acceptance of every tree shape by replay (replay.py).
 2. Round costs of every shape per batch size measured in-process (costs.py) at the workload's KV width.
 3. Predicted tok/s = bs * tau / (draft + verify + extend + host); plain = bs / (decode + host).
-4. Successive halving end to end: the best predicted shapes and plain run the prompts at that batch size, the
-   faster half runs again with twice the tokens, until one is left; the winner is checked lossless against
-   plain greedy output. The chosen tiers go to the tuned file (tuned.py) the engine loads automatically.
+4. Successive halving end to end: the best predicted shapes (of several tree sizes) and plain run the prompts at
+   that batch size, the faster half of the shapes runs again with plain and twice the tokens, until one shape
+   is left to face plain; a speculative winner is checked lossless against plain greedy output. The chosen
+   tiers go to the tuned file (tuned.py) the engine loads automatically.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def tune(llm, prompts: list[list[int]], cfg: TuneConfig, say: Callable[[str], No
         say(f"measuring round costs at batch size {bs}")
         plain = Candidate(bs, None, 1.0, bs / (costs.plain(bs) + host))
         spec = [Candidate(bs, p, taus[p], bs * taus[p] / (costs.round(p, bs).total + host)) for p in grid]
-        ranked[bs] = [plain] + sorted(spec, key=lambda c: -c.predicted)[:cfg.confirm]
+        ranked[bs] = [plain] + _diverse(sorted(spec, key=lambda c: -c.predicted), cfg.confirm)
     measured = time.perf_counter()
     result = TuneResult({}, taus=taus, replay_seconds=replayed - started, cost_seconds=measured - replayed)
     remaining = cfg.budget - (measured - started)
@@ -107,6 +108,19 @@ def schedule_from(winners: dict[int, Candidate]):
     return tuple((bs, c.params) for bs, c in sorted(winners.items()))
 
 
+def _diverse(ranked: list[Candidate], n: int) -> list[Candidate]:
+    """The n best predicted, at most one per num_draft_tokens while others are left, then the next best.
+
+    Why: the predicted rates of shapes that share N differ by tau alone, but the cost model's error is mostly in
+    how round time grows with N (host work per tree token is one measured constant), so the end-to-end stage
+    must see more than one N: at bs 4 the top 3 were all N=7, measured 10% slower than an N=4 shape."""
+    first, rest, seen = [], [], set()
+    for c in ranked:
+        (rest if c.params.num_draft_tokens in seen else first).append(c)
+        seen.add(c.params.num_draft_tokens)
+    return (first + rest)[:n]
+
+
 def _tau(rounds: int, emitted: int) -> float:
     return emitted / rounds if rounds else 1.0
 
@@ -122,16 +136,20 @@ def _host_seconds(llm, prompts, cfg: TuneConfig) -> float:
 
 def _halve(llm, prompts, bs: int, candidates: list[Candidate], cfg: TuneConfig, budget: float,
            log: list[Candidate]) -> Candidate:
-    """Successive halving: every candidate runs `bs` prompts; the faster half reruns with twice the tokens."""
-    tokens, alive, start = max(8, cfg.max_new_tokens // 4), list(candidates), time.perf_counter()
+    """Successive halving: every candidate runs `bs` prompts; the faster half of the speculative shapes reruns
+    with twice the tokens, and plain decoding reruns every time, so the last round is always the surviving shape
+    against plain (one noisy short run must not knock "off" out: the tuned choice may never lose to it)."""
+    tokens, start = max(8, cfg.max_new_tokens // 4), time.perf_counter()
+    plain = next(c for c in candidates if c.params is None)
+    spec = [c for c in candidates if c.params is not None]
     batch = [prompts[i % len(prompts)] for i in range(bs)]
     while True:
-        for c in alive:
+        for c in [*spec, plain]:
             c.measured, c.measured_tau = _run(llm, batch, c, tokens)
             log.append(replace(c))
-        alive = sorted(alive, key=lambda c: -c.measured)[:max(1, len(alive) // 2)]
-        if len(alive) == 1 or tokens >= cfg.max_new_tokens or time.perf_counter() - start > budget / 2:
-            return alive[0]
+        if len(spec) <= 1 or tokens >= cfg.max_new_tokens or time.perf_counter() - start > budget / 2:
+            return max([*spec, plain], key=lambda c: c.measured)
+        spec = sorted(spec, key=lambda c: -c.measured)[:max(1, len(spec) // 2)]
         tokens *= 2
 
 
