@@ -3,15 +3,16 @@
 1. Greedy answers to the workload's prompts, then acceptance of every tree shape by replay (replay.py).
 2. Round costs of every shape per batch size measured in-process (costs.py) at the workload's KV width.
 3. Predicted tok/s = bs * tau / (draft + verify + extend + host); plain = bs / (decode + host).
-4. Successive halving end to end: the best predicted shapes (of several tree sizes) and plain run the prompts at
-   that batch size, the faster half of the shapes runs again with plain and twice the tokens, until one shape
-   is left to face plain; a speculative winner is checked lossless against plain greedy output. The chosen
-   tiers go to the tuned file (tuned.py) the engine loads automatically.
+4. Successive halving end to end: the best predicted shapes (of several tree sizes) run the prompts at that
+   batch size, the faster half runs again with twice the tokens until one is left, which then faces plain
+   decoding over alternating full-length runs (median); a speculative winner is checked lossless against plain
+   greedy output. The chosen tiers go to the tuned file (tuned.py) the engine loads automatically.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,7 @@ class TuneConfig:
     max_draft_tokens: int = 16
     max_new_tokens: int = 96
     confirm: int = 3  # speculative candidates per batch size confirmed end to end (plus plain)
+    final_trials: int = 3  # full-length runs of the last shape and of plain, alternating; median decides
     budget: float = 600.0  # seconds; the end-to-end stage shrinks to fit
 
 
@@ -136,21 +138,31 @@ def _host_seconds(llm, prompts, cfg: TuneConfig) -> float:
 
 def _halve(llm, prompts, bs: int, candidates: list[Candidate], cfg: TuneConfig, budget: float,
            log: list[Candidate]) -> Candidate:
-    """Successive halving: every candidate runs `bs` prompts; the faster half of the speculative shapes reruns
-    with twice the tokens, and plain decoding reruns every time, so the last round is always the surviving shape
-    against plain (one noisy short run must not knock "off" out: the tuned choice may never lose to it)."""
+    """Successive halving of the speculative shapes (the faster half reruns with twice the tokens), then the
+    survivor against plain decoding: `cfg.final_trials` alternating full-length runs each, decided by median.
+
+    Why a final rematch: one run on a shared 2-core CPU varies by +-20%, more than a weak head's gain, so a
+    single short run could crown a shape slower than no speculation (or knock plain out early)."""
     tokens, start = max(8, cfg.max_new_tokens // 4), time.perf_counter()
     plain = next(c for c in candidates if c.params is None)
-    spec = [c for c in candidates if c.params is not None]
+    spec = [c for c in candidates if c.params is not None]  # best predicted first
     batch = [prompts[i % len(prompts)] for i in range(bs)]
-    while True:
-        for c in [*spec, plain]:
+    while len(spec) > 1 and tokens < cfg.max_new_tokens and time.perf_counter() - start < budget / 2:
+        for c in spec:
             c.measured, c.measured_tau = _run(llm, batch, c, tokens)
             log.append(replace(c))
-        if len(spec) <= 1 or tokens >= cfg.max_new_tokens or time.perf_counter() - start > budget / 2:
-            return max([*spec, plain], key=lambda c: c.measured)
         spec = sorted(spec, key=lambda c: -c.measured)[:max(1, len(spec) // 2)]
         tokens *= 2
+    finalists = spec[:1] + [plain]
+    runs: dict[int, list[float]] = {id(c): [] for c in finalists}
+    for trial in range(cfg.final_trials):
+        for c in finalists if trial % 2 == 0 else finalists[::-1]:
+            rate, c.measured_tau = _run(llm, batch, c, cfg.max_new_tokens)
+            runs[id(c)].append(rate)
+    for c in finalists:
+        c.measured = statistics.median(runs[id(c)])
+        log.append(replace(c))
+    return max(finalists, key=lambda c: c.measured)
 
 
 def _run(llm, batch, c: Candidate, tokens: int) -> tuple[float, float]:
