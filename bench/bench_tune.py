@@ -57,14 +57,15 @@ def main() -> None:
     prompts = [llm.encode(t, chat=True) for t in load_prompts("all", "train")[::37][:args.num_prompts]]
     if args.rematch_only:
         out = json.loads(Path(args.output).read_text())
+        chosen = {row["bs"]: row["chosen"] for row in out["per_batch_size"]}
         if args.retune:  # a changed tuner on the same head and prompts: the first-pass grid still holds
             start = time.perf_counter()
             result = tune(llm, prompts, cfg, say=print)
             out["retune"] = {"tune_seconds": round(time.perf_counter() - start, 1), "tiers": result.tiers(),
                              "confirmed": [c.row() for c in result.confirmed]}
-            for row in out["per_batch_size"]:
-                row["chosen"] = _shape(result.winners[row["bs"]].params)
-        out["rematch"] = [_rematch(llm, prompts, row, cfg, args.trials) for row in out["per_batch_size"]]
+            chosen = {bs: _shape(c.params) for bs, c in result.winners.items()}
+        out["rematch"] = [_rematch(llm, prompts, row, chosen[row["bs"]], cfg, args.trials)
+                          for row in out["per_batch_size"]]
         Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
         _print_rematch(out["rematch"])
         return
@@ -104,17 +105,18 @@ def main() -> None:
     for r in rows:
         print(f"bs {r['bs']}: tuned {r['chosen']} {r['chosen_tok_s']:.1f} tok/s = {r['chosen_vs_best']:.1%} of "
               f"grid best {r['grid_best']} ({r['grid_best_tok_s']:.1f}); {r['chosen_vs_plain']:.2f}x plain")
-    out["rematch"] = [_rematch(llm, prompts, row, cfg, args.trials) for row in rows]
+    out["rematch"] = [_rematch(llm, prompts, row, row["chosen"], cfg, args.trials) for row in rows]
     Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
     _print_rematch(out["rematch"])
     print(f"tuning took {tune_seconds} s; wrote {args.output}")
 
 
-def _rematch(llm, prompts, row: dict, cfg: TuneConfig, trials: int) -> dict:
-    """Median tok/s over `trials` rotating runs of the tuned shape, the grid's top 3 and plain at one batch size."""
+def _rematch(llm, prompts, row: dict, chosen: str, cfg: TuneConfig, trials: int) -> dict:
+    """Median tok/s over `trials` rotating runs of the tuned shape, the grid's top 3 and plain at one batch size
+    (`row`: the first pass at that batch size)."""
     bs = row["bs"]
     top = sorted((s for s in row["grid"] if s != "plain"), key=lambda s: -row["grid"][s][0])[:3]
-    shapes = list(dict.fromkeys([row["chosen"], *top, "plain"]))
+    shapes = list(dict.fromkeys([chosen, *top, "plain"]))
     batch = [prompts[i % len(prompts)] for i in range(bs)]
     rates = {s: [] for s in shapes}
     for t in range(trials):
@@ -122,8 +124,8 @@ def _rematch(llm, prompts, row: dict, cfg: TuneConfig, trials: int) -> dict:
             rates[s].append(_run(llm, batch, Candidate(bs, _params(s), 0.0, 0.0), cfg.max_new_tokens)[0])
     median = {s: statistics.median(r) for s, r in rates.items()}
     best = max(median, key=median.get)
-    return {"bs": bs, "chosen": row["chosen"], "best": best, "chosen_vs_best": median[row["chosen"]] / median[best],
-            "chosen_vs_plain": median[row["chosen"]] / median["plain"], "median_tok_s": median, "runs": rates}
+    return {"bs": bs, "chosen": chosen, "best": best, "chosen_vs_best": median[chosen] / median[best],
+            "chosen_vs_plain": median[chosen] / median["plain"], "median_tok_s": median, "runs": rates}
 
 
 def _print_rematch(rematch: list[dict]) -> None:
