@@ -70,7 +70,8 @@ def main() -> None:
         _print_rematch(out["rematch"])
         return
     if args.from_tuned:  # the tuned file `fastspec tune` wrote (same prompts and lengths by default)
-        data = read_tuned(tuned_path(llm.engine.model_dir, embedded_head(DEFAULT_MODEL)))
+        data = read_tuned(tuned_path(llm.engine.model_dir, embedded_head(DEFAULT_MODEL), llm.engine.config.dtype,
+                                     llm.engine.config.device))
         winners = {t["max_batch_size"]: Candidate(t["max_batch_size"], t["params"] and SpecParams(*t["params"]),
                                                   t["tau"], t["predicted_tok_s"]) for t in data["tiers"]}
         result, tune_seconds = TuneResult(winners), None

@@ -7,7 +7,10 @@ Each turn re-prefills the whole conversation (KV prefix reuse across turns is no
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ class ChatSession:
     def __init__(self, llm, params: SamplingParams, system: str | None = None):
         self.llm, self.params, self.system = llm, params, system
         self.messages: list[dict] = []
+        self.cleared: list[dict] = []  # conversations ended by /reset, still saved at exit
         self.turns: list[TurnStats] = []
 
     def command(self, line: str) -> str | None:
@@ -47,6 +51,8 @@ class ChatSession:
         if name == "/exit":
             return None
         if name == "/reset":
+            if self.messages:
+                self.cleared.append({"system": self.system, "messages": self.messages})
             self.messages = []
             return "conversation cleared"
         if name == "/system":
@@ -87,11 +93,30 @@ class ChatSession:
                 + (tau if metrics.verify_rounds else ""))
 
     def save(self, directory: Path) -> Path | None:
-        """Write the conversation as JSON (so nothing typed or generated is lost); None if it is empty."""
-        if not self.messages:
+        """Write the conversation (and any cleared by /reset) as JSON, so nothing typed or generated is lost;
+        None if there is nothing to write. A new file each time, whole or not at all (OSError if impossible)."""
+        if not self.messages and not self.cleared:
             return None
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / time.strftime("chat-%Y%m%d-%H%M%S.json")
-        path.write_text(json.dumps({"system": self.system, "messages": self.messages}, indent=1, ensure_ascii=False))
-        return path
+        record = {"system": self.system, "messages": self.messages, "cleared": self.cleared}
+        return write_new_file(directory, time.strftime("chat-%Y%m%d-%H%M%S"), ".json",
+                              json.dumps(record, indent=1, ensure_ascii=False))
 
+
+def write_new_file(directory: Path, stem: str, suffix: str, text: str) -> Path:
+    """`directory/stem{suffix}` (or `stem-2{suffix}`, ...: never an existing file), written to a temporary file
+    and linked into place, so a reader or a crash never sees half of it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        for n in itertools.count(1):
+            path = directory / f"{stem}{'' if n == 1 else f'-{n}'}{suffix}"
+            try:
+                os.link(tmp, path)  # fails if the name is taken
+                return path
+            except FileExistsError:
+                continue
+    finally:
+        os.unlink(tmp)

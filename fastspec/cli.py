@@ -46,6 +46,22 @@ def user_errors(fn):
     return wrapper
 
 
+class Notes:
+    """Notes from building an LLM (a tuned file that is there but not used), shown once the command has accepted
+    its input: a rejected command prints its one error line and nothing else."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, message: str) -> None:
+        self.lines.append(message)
+
+    def show(self) -> None:
+        for line in self.lines:
+            typer.echo(line, err=True)
+        self.lines.clear()
+
+
 def prepare_progress():
     """on_prepare callback: one stderr line per graph bucket being captured / compiled."""
     from rich.console import Console
@@ -96,8 +112,10 @@ def generate(
     prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
     if any(p == "" for p in prompts):
         raise FastspecError("empty prompt")
-    llm = LLM(**options.llm_kwargs(), on_prepare=prepare_progress())
+    notes = Notes()
+    llm = LLM(**options.llm_kwargs(), on_prepare=prepare_progress(), say=notes)
     outputs = llm.generate(prompts, params, chat=chat)
+    notes.show()
     if as_json:
         records = [{"output_ids": o.output_ids, "text": o.text, "finish_reason": o.finish_reason,
                     "num_prompt_tokens": len(o.prompt_ids), **o.metrics.as_dict()} for o in outputs]
@@ -128,15 +146,29 @@ def chat(
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             max_new_tokens=max_new_tokens)
-    session = ChatSession(LLM(**options.llm_kwargs(), on_prepare=prepare_progress()), params, system)
+    notes = Notes()
+    session = ChatSession(LLM(**options.llm_kwargs(), on_prepare=prepare_progress(), say=notes), params, system)
     try:
-        run_chat(session, TerminalChatIO(session) if sys.stdin.isatty() else LinesChatIO())
+        io = TerminalChatIO(session) if sys.stdin.isatty() else LinesChatIO()
+        notes.show()
+        run_chat(session, io)
     except BrokenPipeError:  # the reader went away mid-answer: keep the conversation, exit quietly
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's final flush cannot fail)
     finally:
-        saved = session.save(cache_root() / "chats")
-        if saved is not None and sys.stdin.isatty():
-            typer.echo(f"conversation saved to {saved}", err=True)
+        save_chat(session, cache_root() / "chats")
+
+
+def save_chat(session, directory) -> None:
+    """Keep the conversation on disk; if the disk refuses, print it (one line) rather than lose it."""
+    try:
+        saved = session.save(directory)
+    except OSError as e:
+        record = {"system": session.system, "messages": session.messages, "cleared": session.cleared}
+        typer.echo(f"error: cannot save the conversation in {directory} ({e.strerror or e}): "
+                   f"{json.dumps(record, ensure_ascii=False)}", err=True)
+        return
+    if saved is not None and sys.stdin.isatty():
+        typer.echo(f"conversation saved to {saved}", err=True)
 
 
 def run_chat(session, io) -> None:
@@ -236,7 +268,8 @@ def bench(
     if not prompts:  # spread the first num_prompts over every set
         texts = texts[::max(1, len(texts) // num_prompts)]
     kwargs = options.llm_kwargs() | {"max_running_requests": max(max(sizes), options.max_running_requests)}
-    spec = LLM(**kwargs, on_prepare=prepare_progress())
+    notes = Notes()
+    spec = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)
     base_kwargs = kwargs | {"speculative_algorithm": "NONE", "draft_model": None, "token_map": None, "ngram": None}
     baseline = LLM(**{k: v for k, v in base_kwargs.items() if k not in ("num_steps", "topk", "num_draft_tokens")})
     ids = [spec.encode(t, chat=True) for t in texts[:num_prompts]]
@@ -246,6 +279,7 @@ def bench(
     with console.status("benchmarking") as status:
         results = run_bench(baseline, spec, ids, sizes, max_new_tokens, trials, warmup,
                             on_progress=lambda text: status.update(text))
+    notes.show()
     config = {"model": options.model, "algorithm": spec.engine.spec.algorithm, "num_steps": spec.engine.spec.num_steps,
               "topk": spec.engine.spec.topk, "num_draft_tokens": spec.engine.spec.num_draft_tokens,
               "dtype": options.dtype, "max_new_tokens": max_new_tokens, "num_prompts": len(ids), "trials": trials,

@@ -10,16 +10,20 @@ import functools
 import inspect
 import typing
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from fastspec.errors import FastspecError
 from fastspec.graphs.buckets import parse_buckets
 from fastspec.models.embedded import DEFAULT_MODEL
 
 SPEC = "Speculative decoding"
 GRAPHS = "Graphs and kernels"
 NGRAM = "NGRAM"
+ENGINE_FLAGS = ("model", "dtype", "page_size", "graphs", "cuda_graph_max_bs", "cuda_graph_bs", "attention_backend",
+                "max_total_tokens", "max_running_requests", "chunked_prefill_size", "speculative_fallback")
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,23 @@ class ModelOptions:
     speculative_ngram_match_type: Annotated[str, typer.Option(help="BFS | PROB", rich_help_panel=NGRAM)] = "BFS"
     speculative_ngram_branch_length: Annotated[int, typer.Option(rich_help_panel=NGRAM)] = 18
     speculative_ngram_capacity: Annotated[int, typer.Option(help="Trie nodes per request.", rich_help_panel=NGRAM)] = 1_000_000
+
+    def validate(self) -> None:
+        """Every check these flags allow without reading a model, a tuned file or a checkpoint, so that bad
+        input fails first, in one line, whatever the cache holds."""
+        from fastspec.config import EngineConfig, check_spec_flags
+        from fastspec.models.loader import check_model_spec
+
+        kwargs = self.llm_kwargs()  # parses --cuda-graph-bs and the NGRAM flags
+        EngineConfig(**{k: kwargs[k] for k in ENGINE_FLAGS})
+        algorithm = check_spec_flags(self.speculative_algorithm, self.speculative_num_steps,
+                                     self.speculative_eagle_topk, self.speculative_num_draft_tokens,
+                                     self.speculative_accept_threshold_single, self.speculative_accept_threshold_acc)
+        check_model_spec(self.model)
+        if self.speculative_draft_model_path is not None and algorithm not in ("NONE", "NGRAM"):
+            check_model_spec(self.speculative_draft_model_path, "--speculative-draft-model-path")
+        if self.speculative_token_map is not None and not Path(self.speculative_token_map).expanduser().is_file():
+            raise FastspecError(f"--speculative-token-map {self.speculative_token_map} is not a file")
 
     def llm_kwargs(self) -> dict:
         """Keyword arguments of `fastspec.LLM` for these options."""
@@ -90,6 +111,7 @@ def model_options(fn):
     @functools.wraps(fn)
     def wrapper(**kwargs):
         options = ModelOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        options.validate()
         return fn(options=options, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + extra)

@@ -31,6 +31,7 @@ def tune(
     from rich.console import Console
 
     from fastspec.cli import parse_ids, prepare_progress
+    from fastspec.config import EngineConfig
     from fastspec.llm import LLM
     from fastspec.models.embedded import default_speculation
     from fastspec.models.loader import resolve_model_dir
@@ -41,26 +42,27 @@ def tune(
 
     if emit not in (None, "sglang"):
         raise FastspecError(f"--emit supports sglang, got {emit!r}")
+    if from_tuned and emit is None:
+        raise FastspecError("--from-tuned only goes with --emit")
     sizes = tuple(parse_ids(batch_sizes, "--batch-sizes"))
     if min(sizes) < 1 or num_prompts < 1 or max_new_tokens < 8 or budget <= 0:
         raise FastspecError("batch sizes and --num-prompts must be >= 1, --max-new-tokens >= 8, --budget > 0")
+    if plot is not None and not plot.parent.is_dir():
+        raise FastspecError(f"--plot {plot}: no such directory {plot.parent}")
     algorithm, draft = default_speculation(options.model, options.speculative_algorithm,
                                            options.speculative_draft_model_path)
     if (algorithm or "").upper() not in ("EAGLE", "EAGLE3") or draft is None:
         raise FastspecError("fastspec tune tunes EAGLE / EAGLE3 heads: give --speculative-algorithm and --draft")
+    texts = read_jsonl_prompts(prompts) if prompts else load_prompts("all", "train")[::37]
     model_dir, draft_dir = resolve_model_dir(options.model), resolve_model_dir(draft)
-    path = tuned_file.tuned_path(model_dir, draft_dir)
+    path = tuned_file.tuned_path(model_dir, draft_dir, options.dtype, EngineConfig.device)
     console = Console(stderr=True)
     if from_tuned:
-        if emit is None:
-            raise FastspecError("--from-tuned only goes with --emit")
-        tiers = tuned_file.read_tuned(path)["tiers"] if path.exists() else None
-        if tiers is None:
+        if not path.exists():
             raise FastspecError(f"no tuned file at {path}: run fastspec tune first")
-        print(sglang_flags(tiers, algorithm, draft_dir))
+        print(sglang_flags(tuned_file.read_tuned(path)["tiers"], algorithm, draft_dir))
         return
     cfg = TuneConfig(batch_sizes=sizes, max_new_tokens=max_new_tokens, budget=budget)
-    texts = read_jsonl_prompts(prompts) if prompts else load_prompts("all", "train")[::37]
     kwargs = options.llm_kwargs() | dict(speculative_algorithm=algorithm, draft_model=draft, tuned=False,
                                          num_steps=cfg.max_steps, topk=max(cfg.topks),
                                          num_draft_tokens=cfg.max_draft_tokens, speculative_fallback=False,
@@ -112,7 +114,7 @@ def _plot(result, path: Path, console) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        console.print("[dim]no PNG plot: pip install matplotlib (fastspec[plot])[/dim]")
+        console.print("[dim]no PNG plot: pip install matplotlib (fastspec\\[plot])[/dim]")
         return
     last = {(c.bs, c.params): c for c in result.confirmed}
     sizes = sorted(result.winners)
@@ -124,5 +126,11 @@ def _plot(result, path: Path, console) -> None:
     ax.set_xlabel("batch size"), ax.set_ylabel("tokens / s"), ax.set_xscale("log", base=2), ax.legend()
     ax.set_title("fastspec tune")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        console.print(f"no PNG plot: cannot write {path} ({e.strerror or e})", markup=False)
+        return
+    finally:
+        plt.close(fig)
     console.print(f"plot: {path}")

@@ -291,7 +291,7 @@ class SpecConfig:
         if self.algorithm not in ("EAGLE", "EAGLE3") or not tiers:
             raise FastspecError("a batch-size schedule needs EAGLE / EAGLE3 and at least one speculative tier")
         for p in tiers:
-            _check_tree(p.num_steps, p.topk, p.num_draft_tokens)
+            check_tree(p.num_steps, p.topk, p.num_draft_tokens)
         return dataclasses.replace(self, schedule=tuple(sorted(schedule, key=lambda t: t[0])),
                                    num_steps=max(p.num_steps for p in tiers), topk=max(p.topk for p in tiers),
                                    num_draft_tokens=max(p.num_draft_tokens for p in tiers))
@@ -300,15 +300,8 @@ class SpecConfig:
     def resolve(cls, algorithm: str | None, target_arch: str, *, draft_model=None, num_steps=None, topk=None,
                 num_draft_tokens=None, accept_threshold_single=1.0, accept_threshold_acc=1.0, token_map=None,
                 ngram=None) -> SpecConfig:
-        algo = (algorithm or "NONE").upper()
-        algo = "EAGLE" if algo == "NEXTN" else algo
-        if algo not in SPEC_ALGORITHMS:
-            raise FastspecError(f"unknown speculative algorithm {algorithm!r}; choose one of "
-                                f"{', '.join(SPEC_ALGORITHMS)} (NEXTN = EAGLE)")
-        for name, value in (("accept-threshold-single", accept_threshold_single),
-                            ("accept-threshold-acc", accept_threshold_acc)):
-            if not 0 <= value <= 1:
-                raise FastspecError(f"--speculative-{name} must be in [0, 1], got {value}")
+        algo = check_spec_flags(algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
+                                accept_threshold_acc)
         common = dict(algorithm=algo, accept_threshold_single=accept_threshold_single,
                       accept_threshold_acc=accept_threshold_acc)
         if algo == "NONE":
@@ -334,6 +327,30 @@ class SpecConfig:
         return cls(num_steps=n - 1, topk=ngram.max_bfs_breadth, num_draft_tokens=n, ngram=ngram, **common)
 
 
+def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: int | None = None,
+                     num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
+                     accept_threshold_acc: float = 1.0) -> str:
+    """The canonical algorithm name, after every check that needs no model: the name, the thresholds, and the
+    tree flags as far as they are given (whether a partial shape is feasible depends on the target's defaults,
+    which `resolve` checks)."""
+    algo = (algorithm or "NONE").upper()
+    algo = "EAGLE" if algo == "NEXTN" else algo
+    if algo not in SPEC_ALGORITHMS:
+        raise FastspecError(f"unknown speculative algorithm {algorithm!r}; choose one of "
+                            f"{', '.join(SPEC_ALGORITHMS)} (NEXTN = EAGLE)")
+    for name, value in (("accept-threshold-single", accept_threshold_single),
+                        ("accept-threshold-acc", accept_threshold_acc)):
+        if not 0 <= value <= 1:
+            raise FastspecError(f"--speculative-{name} must be in [0, 1], got {value}")
+    for name, value, least in (("num-steps", num_steps, 1), ("eagle-topk", topk, 1),
+                               ("num-draft-tokens", num_draft_tokens, 2)):
+        if value is not None and value < least:
+            raise FastspecError(f"--speculative-{name} must be >= {least}, got {value}")
+    if algo in ("EAGLE", "EAGLE3", "STANDALONE") and None not in (num_steps, topk, num_draft_tokens):
+        check_tree(num_steps, topk, num_steps + 1 if topk == 1 else num_draft_tokens)
+    return algo
+
+
 def _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens) -> tuple[int, int, int]:
     auto = _AUTO_SPEC_FALLBACK if algo == "STANDALONE" else _AUTO_SPEC.get(target_arch, _AUTO_SPEC_FALLBACK)
     steps = num_steps if num_steps is not None else auto[0]
@@ -341,11 +358,11 @@ def _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens) -> t
     n = num_draft_tokens if num_draft_tokens is not None else auto[2]
     if k == 1:
         n = steps + 1  # a chain: SGLang forces num_draft_tokens = num_steps + 1
-    _check_tree(steps, k, n)
+    check_tree(steps, k, n)
     return steps, k, n
 
 
-def _check_tree(steps: int, k: int, n: int) -> None:
+def check_tree(steps: int, k: int, n: int) -> None:
     if steps < 1 or k < 1:
         raise FastspecError(f"--speculative-num-steps and --speculative-eagle-topk must be >= 1, got {steps}, {k}")
     capacity = 1 + k + (steps - 1) * k * k  # root + every candidate the top-k expansion produces

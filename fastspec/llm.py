@@ -5,11 +5,12 @@ Owns tokenisation and chat templating around the engine (which speaks token ids 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-from fastspec.config import EngineConfig, Schedule, SpecConfig
+from fastspec.config import EngineConfig, Schedule, SpecConfig, check_spec_flags
 from fastspec.engine import Engine
 from fastspec.metrics import SpecMetrics
 from fastspec.models.embedded import default_speculation
@@ -43,30 +44,36 @@ class LLM:
                  draft_model: str | None = None, num_steps: int | None = None, topk: int | None = None,
                  num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
                  accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, on_prepare=None,
-                 schedule: Schedule | None = None, tuned: bool = True, **engine_options):
+                 schedule: Schedule | None = None, tuned: bool = True, say: Callable[[str], None] | None = None,
+                 **engine_options):
         """`speculative_algorithm`: NONE, EAGLE (alias NEXTN), EAGLE3, STANDALONE or NGRAM; unset: EAGLE3 with the
         shipped head on an embedded model, NONE otherwise. Tree shape: `schedule` (per batch size, see
         SpecConfig.schedule), else explicit num_steps / topk / num_draft_tokens, else (`tuned`) the schedule
-        `fastspec tune` measured for this target, draft and machine, else SGLang's per-architecture defaults."""
+        `fastspec tune` measured for this target, draft and machine, else SGLang's per-architecture defaults.
+        `say` receives notes on a tuned file that exists but is not used (default: stderr).
+
+        Checks run cheapest first: the flags, then the model's config, and only then the tuned file."""
+        config = EngineConfig(model=model, **engine_options)
+        check_spec_flags(speculative_algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
+                         accept_threshold_acc)
         speculative_algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
         model_dir = resolve_model_dir(model)
-        target_arch = read_config(model_dir).architecture
-        untuned = schedule is None and num_steps is None and topk is None and num_draft_tokens is None
-        if tuned and untuned and (speculative_algorithm or "").upper() in ("EAGLE", "EAGLE3") and draft_model:
-            from fastspec.tune.tuned import find_schedule
-
-            found = find_schedule(model_dir, draft_model, engine_options.get("dtype", EngineConfig.dtype),
-                                  engine_options.get("device", EngineConfig.device))
-            if found is not None:
-                schedule, all_off = found
-                speculative_algorithm = "NONE" if all_off else speculative_algorithm
-        spec = SpecConfig.resolve(speculative_algorithm, target_arch, draft_model=draft_model, num_steps=num_steps,
-                                  topk=topk, num_draft_tokens=num_draft_tokens, token_map=token_map,
+        spec = SpecConfig.resolve(speculative_algorithm, read_config(model_dir).architecture,
+                                  draft_model=draft_model, num_steps=num_steps, topk=topk,
+                                  num_draft_tokens=num_draft_tokens, token_map=token_map,
                                   accept_threshold_single=accept_threshold_single,
                                   accept_threshold_acc=accept_threshold_acc, ngram=ngram)
+        untuned = schedule is None and num_steps is None and topk is None and num_draft_tokens is None
+        if tuned and untuned and spec.algorithm in ("EAGLE", "EAGLE3"):
+            from fastspec.tune.tuned import find_schedule
+
+            found = find_schedule(model_dir, draft_model, config.dtype, config.device, say or _to_stderr)
+            if found is not None:
+                schedule, all_off = found
+                spec = SpecConfig() if all_off else spec  # tuned: plain decoding at every batch size
         if schedule:
             spec = spec.with_schedule(schedule)
-        self.engine = Engine(EngineConfig(model=model, **engine_options), spec, on_prepare)
+        self.engine = Engine(config, spec, on_prepare)
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -134,3 +141,7 @@ class LLM:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)

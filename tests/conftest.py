@@ -6,8 +6,12 @@ transformers' own implementation is the oracle for logits. Everything here runs 
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +19,35 @@ import torch
 from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
+from fastspec.models.embedded import cache_root
 from fastspec.models.heads import write_random_head
 from gpu_marker import pytest_collection_modifyitems  # noqa: F401  (skips @pytest.mark.gpu without CUDA)
+from tiny_models import FAMILIES, make_hf_model  # noqa: F401  (tests import them from here)
 
+
+def _isolate_caches() -> tuple[Path, Path]:
+    """Point every cache the suite can touch (fastspec's: tuned files, chats, converted models, compiled graphs;
+    and any other tool's under $XDG_CACHE_HOME) at a fresh directory of the suite's own, removed at exit, so the
+    user's cache can neither change a result nor be changed. Runs at import, before any test (fastspec and torch
+    read these variables when they use a cache, not at import).
+
+    The one explicit exception: FASTSPEC_TEST_SHARED_CACHE=DIR keeps the converted models and Inductor's compiled
+    graphs (read-only, keyed by their sources) in DIR between runs. Returns (the user's cache, the suite's)."""
+    user = cache_root()
+    own = Path(tempfile.mkdtemp(prefix="fastspec-test-cache-"))
+    atexit.register(shutil.rmtree, own, ignore_errors=True)
+    shared = os.environ.get("FASTSPEC_TEST_SHARED_CACHE")
+    if shared and Path(shared).expanduser().resolve() in (user.resolve(), *user.resolve().parents):
+        raise pytest.UsageError(f"FASTSPEC_TEST_SHARED_CACHE={shared} holds your own fastspec cache {user}; "
+                                "give the tests a directory of their own")
+    keep = Path(shared).expanduser() if shared else own
+    os.environ.update(FASTSPEC_CACHE=str(own / "fastspec"), XDG_CACHE_HOME=str(own),
+                      FASTSPEC_MODEL_CACHE=str(keep / "models"), TORCHINDUCTOR_CACHE_DIR=str(keep / "inductor"),
+                      TRITON_CACHE_DIR=str(keep / "triton"))
+    return user, own
+
+
+USER_CACHE, SUITE_CACHE = _isolate_caches()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -29,33 +59,6 @@ def _release_memory():
     yield
     gc.collect()
     trim_host_heap()
-
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
-            eos_token_id=2)
-
-FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
-        tie_word_embeddings=False, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=24)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
-}
-
-
-def make_hf_model(family: str, seed: int = 0, **overrides):
-    import transformers
-
-    config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**(TINY | extra | overrides))
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # HF init is tiny (std 0.02); widen it so logits are far from uniform
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
-
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
@@ -102,7 +105,7 @@ class PoolRunner:
 
 @pytest.fixture(scope="session")
 def embedded_dir():
-    """The embedded SmolLM2-135M-Instruct, converted once into the user cache (reused across runs)."""
+    """The embedded SmolLM2-135M-Instruct, converted once per run into the suite's own cache."""
     from fastspec.models.embedded import embedded_model_dir
 
     return embedded_model_dir()

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from fastspec.errors import FastspecError
 from fastspec.models import embedded, gguf as gguf_mod
-from fastspec.models.embedded import EmbeddedModel, cache_root, embedded_model_dir
+from fastspec.models.embedded import EmbeddedModel, cache_root, embedded_model_dir, models_root
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -259,6 +259,10 @@ def test_cache_root_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_root() == tmp_path / "home" / ".cache" / "fastspec"
+    monkeypatch.delenv("FASTSPEC_MODEL_CACHE", raising=False)
+    assert models_root() == cache_root()  # converted models live in the cache unless told otherwise
+    monkeypatch.setenv("FASTSPEC_MODEL_CACHE", str(tmp_path / "models"))
+    assert models_root() == tmp_path / "models" and cache_root() == tmp_path / "home" / ".cache" / "fastspec"
 
 
 def test_embedded_reconverts_when_package_file_changes(tmp_path, monkeypatch):
@@ -269,7 +273,7 @@ def test_embedded_reconverts_when_package_file_changes(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     fake = EmbeddedModel("fake-pkg", "fastspec_fake_pkg", "tiny.gguf")
     monkeypatch.setitem(embedded.EMBEDDED_MODELS, "fake", fake)
-    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FASTSPEC_MODEL_CACHE", str(tmp_path / "cache"))
     out = embedded_model_dir("fake")
     assert out == tmp_path / "cache" / "fake"
     first = (out / "model.safetensors").stat().st_ino
@@ -286,14 +290,14 @@ def test_embedded_reconverts_when_package_file_changes(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def smollm_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTSPEC_CACHE", str(tmp_path_factory.mktemp("fastspec-cache")))
+        mp.setenv("FASTSPEC_MODEL_CACHE", str(tmp_path_factory.mktemp("fastspec-models")))
         yield embedded_model_dir()
 
 
 def test_embedded_converts_once(smollm_dir):
     stamp = (smollm_dir / "model.safetensors").stat().st_mtime_ns
     start = time.perf_counter()
-    assert embedded_model_dir() == smollm_dir == cache_root() / "smollm2-135m-instruct"
+    assert embedded_model_dir() == smollm_dir == models_root() / "smollm2-135m-instruct"
     assert time.perf_counter() - start < 1.0
     assert (smollm_dir / "model.safetensors").stat().st_mtime_ns == stamp
     config = json.loads((smollm_dir / "config.json").read_text())

@@ -43,7 +43,24 @@ def test_chat_session_keeps_an_interrupted_answer(tmp_path):
     assert answer and session.turns[-1].finish_reason in ("stop", "length") and len(session.messages) == 4
     assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
     assert session.command("/reset") == "conversation cleared" and session.messages == []
-    assert session.save(tmp_path) is None
+    saved = json.loads(session.save(tmp_path).read_text())  # /reset clears the screen's history, not the record
+    assert saved["messages"] == [] and saved["cleared"][0]["messages"][0]["content"].startswith("Write a long")
+
+
+def test_chat_saves_never_overwrite_and_an_unwritable_directory_prints_the_conversation(tmp_path, capsys):
+    from fastspec.chat import ChatSession
+    from fastspec.cli import save_chat
+
+    session = ChatSession(None, SamplingParams())
+    assert session.save(tmp_path) is None  # nothing said yet: nothing written
+    session.messages = [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi"}]
+    first, second = session.save(tmp_path), session.save(tmp_path)  # same second: two files
+    assert first != second and json.loads(first.read_text()) == json.loads(second.read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name])  # no temporary left
+    (tmp_path / "blocked").write_text("a file where the directory should be")
+    save_chat(session, tmp_path / "blocked")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: cannot save the conversation") and "héllo" in err
 
 
 def test_stop_strings_trim_exactly():

@@ -3,6 +3,8 @@ trained by train-draft (so drafts are accepted often enough for the comparison t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import fastspec
@@ -90,7 +92,7 @@ def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head
 
 def test_tuned_file_round_trips_and_guards_its_fingerprint(tmp_path):
     from fastspec.errors import FastspecError
-    from fastspec.tune.tuned import load_schedule, save_tuned
+    from fastspec.tune.tuned import load_schedule, read_tuned, save_tuned
 
     path, print_ = tmp_path / "t.json", {"hardware": "cpu", "model": "a", "draft": "b", "dtype": "float32"}
     tiers = [{"max_batch_size": 1, "params": [5, 4, 8]}, {"max_batch_size": 4, "params": [3, 1, 4]},
@@ -102,9 +104,17 @@ def test_tuned_file_round_trips_and_guards_its_fingerprint(tmp_path):
     assert "hardware" in said[0]
     save_tuned(path, print_, [{"max_batch_size": 1, "params": None}])
     assert load_schedule(path, print_) == ((), True)  # every tier off: decode plainly
-    save_tuned(path, print_, [{"max_batch_size": 1, "params": [2, 1, 7]}])
-    with pytest.raises(FastspecError, match="impossible tree"):
-        load_schedule(path, print_)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json"]  # no temporary file left behind
+    for damaged, why in ((json.dumps({"version": 1, "fingerprint": print_, "tiers": [
+            {"max_batch_size": 1, "params": [2, 1, 7]}]}), "impossible tree"),
+            ('{"version": 1, "fingerprint": {"hard', "unreadable"), ("[]", "unreadable"),
+            (json.dumps({"version": 1, "tiers": []}), "no fingerprint")):
+        path.write_text(damaged)
+        said = []
+        assert load_schedule(path, print_, said.append) is None  # ignored, with one note naming the file
+        assert len(said) == 1 and str(path) in said[0] and why in said[0], said
+        with pytest.raises(FastspecError, match=why):  # refused when asked for by name
+            read_tuned(path)
 
 
 def test_tune_end_to_end_on_the_tiny_target(chat_target, head, tmp_path, monkeypatch):  # noqa: F811
@@ -144,7 +154,8 @@ def test_cli_emits_sglang_flags_from_the_tuned_file_and_llm_loads_it(chat_target
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "run fastspec tune first" in result.output
     tiers = [{"max_batch_size": 1, "params": [3, 2, 5]}, {"max_batch_size": 4, "params": None}]
-    save_tuned(tuned_path(chat_target, head), fingerprint(chat_target, head, "float32", "cpu"), tiers)
+    save_tuned(tuned_path(chat_target, head, "float32", "cpu"), fingerprint(chat_target, head, "float32", "cpu"),
+               tiers)
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert ("--speculative-num-steps 3 --speculative-eagle-topk 2 --speculative-num-draft-tokens 5"

@@ -8,7 +8,6 @@ data-dependent Python control flow) and Inductor's on-disk cache. Does not own: 
 attention) nor tensors the function reads or writes by closure (KV pools), which are never copied.
 """
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,10 +16,10 @@ from torch import Tensor
 
 from fastspec.errors import FastspecError
 from fastspec.graphs.buckets import bucket_for
+from fastspec.graphs.compile_cache import configure_compile_caches, renew_compile_cache
 
 BACKENDS = ("cuda", "compile", "eager")
 CUDA_WARMUP_RUNS = 2  # eager runs on a side stream before capture (lazy init, cuBLAS workspaces, autotune)
-DYNAMO_RECOMPILE_LIMIT = 1024  # one dynamo cache entry per bucket (and per runner sharing a function)
 
 Outputs = dict[str, Tensor] | tuple[Tensor, ...]
 GraphFn = Callable[[dict[str, Tensor]], Outputs]
@@ -114,13 +113,21 @@ class GraphRunner:
     # ---- internals ----
 
     def _prepare_bucket(self, bs: int) -> Outputs:
-        if self.backend == "compile":
-            self._reset(bs)
-            compiled = torch.compile(self.fn, backend=_inductor_without_host_sync, fullgraph=True, dynamic=False)
-            outputs = compiled(dict(self._views[bs]))  # compiles now, not at the first request
-            self._compiled[bs] = compiled
-            return outputs
-        return self._capture(bs)
+        if self.backend != "compile":
+            return self._capture(bs)
+        try:
+            return self._compile(bs)
+        except Exception as e:
+            if not renew_compile_cache(e):  # not a damaged on-disk entry, or the cache is already new
+                raise
+            return self._compile(bs)
+
+    def _compile(self, bs: int) -> Outputs:
+        self._reset(bs)
+        compiled = torch.compile(self.fn, backend=_inductor_without_host_sync, fullgraph=True, dynamic=False)
+        outputs = compiled(dict(self._views[bs]))  # compiles now, not at the first request
+        self._compiled[bs] = compiled
+        return outputs
 
     def _capture(self, bs: int) -> Outputs:
         """Warm up on a side stream, then record one graph over the bucket's buffer views into the shared pool."""
@@ -181,37 +188,6 @@ class GraphRunner:
         if isinstance(outputs, tuple):
             return tuple(real_rows(i, t) for i, t in enumerate(outputs))
         raise FastspecError(f"graph '{self.name}' must return a dict or tuple of tensors, got {type(outputs).__name__}")
-
-
-def configure_compile_caches() -> None:
-    """Inductor's on-disk caches under `cache_root()/inductor` (a second process compiles from them in seconds),
-    FX-graph and AOTAutograd caches on, and room in dynamo's cache for one entry per bucket.
-
-    An explicit $TORCHINDUCTOR_CACHE_DIR wins; torch writes its own default into that variable on first use,
-    which is not treated as explicit.
-    """
-    import torch._dynamo.config
-    import torch._functorch.config
-    import torch._inductor.config
-
-    from fastspec.models.embedded import cache_root
-
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or current == _torch_default_cache_dir():
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
-    torch._inductor.config.fx_graph_cache = True
-    torch._functorch.config.enable_autograd_cache = True
-    dynamo = torch._dynamo.config
-    dynamo.cache_size_limit = max(dynamo.cache_size_limit, DYNAMO_RECOMPILE_LIMIT)
-    dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit, DYNAMO_RECOMPILE_LIMIT)
-
-
-def _torch_default_cache_dir() -> str | None:
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # older torch: only an unset variable is replaced
-        return None
-    return os.path.abspath(default_cache_dir())
 
 
 class HostSyncError(Exception):

@@ -1,6 +1,6 @@
 """Embedded default models: GGUF files shipped inside pip packages, converted once into a local cache.
 
-Owns: the table of embedded models, the cache location and the "convert once, reuse after" check.
+Owns: the table of embedded models, the cache locations and the "convert once, reuse after" check.
 Does not own: the conversion itself (gguf.py) nor loading the converted directory (loader.py).
 The package is located with `find_spec` and never imported (its own dependencies need not be installed).
 """
@@ -53,14 +53,22 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "fastspec"
 
 
+def models_root() -> Path:
+    """Where converted models live: $FASTSPEC_MODEL_CACHE, else cache_root(). A converted model is read-only and
+    checked against its source on every use, so this is the one part of the cache a test run may share."""
+    if os.environ.get("FASTSPEC_MODEL_CACHE"):
+        return Path(os.environ["FASTSPEC_MODEL_CACHE"]).expanduser()
+    return cache_root()
+
+
 def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
     """HF directory of embedded model `name`, converted from its GGUF on first use (float32)."""
     if name not in EMBEDDED_MODELS:
         known = ", ".join(sorted(EMBEDDED_MODELS))
         raise FastspecError(f"unknown embedded model '{name}' (known: {known})")
     gguf_path = find_embedded_gguf(name)
-    out_dir = cache_root() / name
-    if not _is_current(out_dir, gguf_path):
+    out_dir = models_root() / name
+    if not is_current_conversion(out_dir, gguf_path):
         convert_gguf(gguf_path, out_dir)
     return out_dir
 
@@ -80,11 +88,14 @@ def find_embedded_gguf(name: str) -> Path:
     raise missing
 
 
-def _is_current(out_dir: Path, gguf_path: Path) -> bool:
-    """True when out_dir was converted from this very GGUF (same path, size, mtime) by this converter."""
+def is_current_conversion(out_dir: Path, gguf_path: Path) -> bool:
+    """True when out_dir was converted from this very GGUF (same path, size, mtime) by this converter; False for a
+    missing, foreign or damaged marker (the caller converts again)."""
     try:
         marker = json.loads((out_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        return False
+    if not isinstance(marker, dict):
         return False
     stat = gguf_path.stat()
     return (marker.get("gguf") == str(gguf_path.resolve()) and marker.get("size") == stat.st_size

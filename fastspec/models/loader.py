@@ -25,29 +25,39 @@ def resolve_model_dir(spec: str) -> Path:
     """An embedded model name, a Hugging Face model directory or a .gguf file -> a model directory."""
     from fastspec.models import embedded
 
+    check_model_spec(spec)
     if spec in embedded.EMBEDDED_MODELS:
         return embedded.embedded_model_dir(spec)
     path = Path(spec).expanduser()
+    return _converted_gguf(path) if path.suffix == ".gguf" else path
+
+
+def check_model_spec(spec: str, flag: str = "model") -> None:
+    """Refuse a model spec that names nothing, before anything is read or converted."""
+    from fastspec.models import embedded
+
+    if spec in embedded.EMBEDDED_MODELS:
+        return
+    path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise FastspecError(f"model file {spec} does not exist")
-        return _converted_gguf(path)
+            raise FastspecError(f"{flag} file {spec} does not exist")
+        return
     if not path.exists():
         known = ", ".join(embedded.EMBEDDED_MODELS)
-        raise FastspecError(f"model {spec!r} is neither a directory, a .gguf file nor an embedded model ({known})")
+        raise FastspecError(f"{flag} {spec!r} is neither a directory, a .gguf file nor an embedded model ({known})")
     if not (path / "config.json").is_file():
-        raise FastspecError(f"model directory {spec} has no config.json")
-    return path
+        raise FastspecError(f"{flag} directory {spec} has no config.json")
 
 
 def _converted_gguf(path: Path) -> Path:
-    from fastspec.models.embedded import cache_root
+    from fastspec.models.embedded import is_current_conversion, models_root
     from fastspec.models.gguf import convert_gguf
 
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / "gguf" / f"{path.stem}-{key}"
-    return out if (out / "config.json").is_file() else convert_gguf(path, out)
+    out = models_root() / "gguf" / f"{path.stem}-{key}"
+    return out if is_current_conversion(out, path) else convert_gguf(path, out)
 
 
 def read_config(model_dir: Path) -> ModelConfig:

@@ -60,14 +60,16 @@ def load_checkpoint(path: Path, head, opt) -> int:
     """The step to continue from (0 without a checkpoint)."""
     if not path.exists():
         return 0
-    saved = torch.load(path, weights_only=True)
+    saved = load_artifact(path, lambda p: torch.load(p, weights_only=True))
     try:
         head.load_state_dict(saved["head"], strict=False)
         opt.load_state_dict(saved["optimizer"])
-    except (RuntimeError, ValueError) as e:
-        raise FastspecError(f"{path} was trained for a different target or draft vocabulary "
-                            f"({str(e).splitlines()[0][:120]}); use --overwrite to start over") from None
-    return int(saved["step"])
+        step = int(saved["step"])
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise FastspecError(f"{path} does not fit this run (another target or draft vocabulary?) "
+                            f"({(str(e).splitlines() or [e.__class__.__name__])[0][:120]}); use --overwrite to start "
+                            "over") from None
+    return step
 
 
 def export_head(head, head_json: dict, vocab: torch.Tensor, out: Path) -> None:
@@ -80,6 +82,15 @@ def export_head(head, head_json: dict, vocab: torch.Tensor, out: Path) -> None:
     save_file(state, str(tmp))
     os.replace(tmp, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(head_json, indent=2) + "\n")
+
+
+def load_artifact(path: Path, read):
+    """read(path), or a one-line FastspecError naming the file when it is truncated, corrupt or not ours."""
+    try:
+        return read(path)
+    except Exception as e:  # torch.load and json raise many kinds on damaged input
+        reason = str(e).splitlines()[0][:120] if str(e) else e.__class__.__name__
+        raise FastspecError(f"{path}: unreadable ({reason}); use --overwrite to start over") from None
 
 
 def atomic_save(obj, path: Path) -> None:

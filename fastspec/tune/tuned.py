@@ -1,8 +1,9 @@
 """The tuned file: per batch-size tree shapes that `fastspec tune` chose, keyed by a fingerprint.
 
 A tuned file is only valid for the hardware, target, draft and dtype it was measured on; `load_schedule`
-ignores (with a message) a file whose fingerprint differs, and refuses (FastspecError) one naming a tree
-shape that cannot exist. Lives in <cache>/tuned/<target>--<draft>.json. Knows nothing about tuning itself.
+ignores, with one note, a file whose fingerprint differs or that is damaged (unreadable, or naming a tree shape
+that cannot exist); `read_tuned` refuses such a file with a FastspecError. Lives in <cache>/tuned/<target>--<draft>--<dtype>-<device>.json. Knows nothing about
+tuning itself.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import hashlib
 import json
 import os
 import platform
+import tempfile
 from pathlib import Path
 
 import torch
 
-from fastspec.config import Schedule, SpecParams, _check_tree
+from fastspec.config import Schedule, SpecParams, check_tree
 from fastspec.errors import FastspecError
 from fastspec.models.embedded import cache_root
 
@@ -27,27 +29,42 @@ def fingerprint(model_dir: Path, draft_dir: Path, dtype: str, device: str) -> di
             "dtype": dtype, "torch": torch.__version__}
 
 
-def tuned_path(model_dir: Path, draft_dir: Path) -> Path:
-    return cache_root() / "tuned" / f"{Path(model_dir).name}--{Path(draft_dir).name}.json"
+def tuned_path(model_dir: Path, draft_dir: Path, dtype: str, device: str) -> Path:
+    """One file per target, draft, dtype and device kind: tuning one never replaces another's."""
+    kind = device.split(":")[0]
+    return cache_root() / "tuned" / f"{Path(model_dir).name}--{Path(draft_dir).name}--{dtype}-{kind}.json"
 
 
 def save_tuned(path: Path, print_: dict, tiers: list[dict]) -> None:
-    """tiers: [{"max_batch_size", "params": [num_steps, topk, num_draft_tokens] or null, ...measurements}]."""
+    """tiers: [{"max_batch_size", "params": [num_steps, topk, num_draft_tokens] or null, ...measurements}].
+    Written to a private temporary file, synced, then renamed over `path`: a reader sees the old file or the
+    new one, never half of one (also with two tunes at once)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"version": VERSION, "fingerprint": print_, "tiers": tiers}, indent=1) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps({"version": VERSION, "fingerprint": print_, "tiers": tiers}, indent=1) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read_tuned(path: Path) -> dict:
+    """The tuned file's contents, checked; a FastspecError naming the file if it is unreadable or unsound."""
     try:
         data = json.loads(Path(path).read_text())
-        tiers = data["tiers"]
-        schedule_of(tiers)
+        schedule_of(data["tiers"])
+        if not isinstance(data.get("fingerprint"), dict):
+            raise FastspecError("no fingerprint")
         return data
-    except FastspecError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except FastspecError as e:
+        raise FastspecError(f"tuned file {path}: {e}") from None
+    except Exception as e:  # truncated, not JSON, wrong types: whatever a damaged file holds
         raise FastspecError(f"tuned file {path}: unreadable ({e.__class__.__name__}: {e})") from None
 
 
@@ -57,14 +74,14 @@ def schedule_of(tiers: list[dict]) -> Schedule:
         params = t["params"]
         if params is not None:
             if len(params) != 3 or not all(isinstance(v, int) for v in params):
-                raise FastspecError(f"tuned file: params must be [num_steps, topk, num_draft_tokens], got {params}")
+                raise FastspecError(f"params must be [num_steps, topk, num_draft_tokens], got {params}")
             try:
-                _check_tree(*params)
+                check_tree(*params)
             except FastspecError as e:
-                raise FastspecError(f"tuned file names an impossible tree {params}: {e}") from None
+                raise FastspecError(f"names an impossible tree {params}: {e}") from None
             params = SpecParams(*params)
         if not isinstance(t["max_batch_size"], int) or t["max_batch_size"] < 1:
-            raise FastspecError(f"tuned file: max_batch_size must be a positive integer, got {t['max_batch_size']}")
+            raise FastspecError(f"max_batch_size must be a positive integer, got {t['max_batch_size']}")
         out.append((t["max_batch_size"], params))
     if not any(p is not None for _, p in out):
         return ()  # every tier is "off": nothing to switch, the caller decodes plainly
@@ -72,12 +89,17 @@ def schedule_of(tiers: list[dict]) -> Schedule:
 
 
 def load_schedule(path: Path, print_: dict, say=lambda message: None) -> tuple[Schedule, bool] | None:
-    """(schedule, every tier off) from the tuned file at `path` if it exists and matches `print_`, else None."""
+    """(schedule, every tier off) from the tuned file at `path` if it exists, is sound and matches `print_`;
+    else None, after one note through `say` when a file is there but not used."""
     if not Path(path).exists():
         return None
-    data = read_tuned(path)
+    try:
+        data = read_tuned(path)
+    except FastspecError as e:
+        say(f"ignoring {e}; run fastspec tune again to replace it")
+        return None
     if data.get("version") != VERSION or data.get("fingerprint") != print_:
-        differs = [k for k in print_ if data.get("fingerprint", {}).get(k) != print_[k]]
+        differs = [k for k in print_ if data["fingerprint"].get(k) != print_[k]]
         say(f"ignoring tuned file {path}: measured with a different {', '.join(differs) or 'version'}")
         return None
     schedule = schedule_of(data["tiers"])
@@ -109,12 +131,11 @@ def _dir_digest(directory: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def find_schedule(model_dir: Path, draft_model: str, dtype: str, device: str) -> tuple[Schedule, bool] | None:
+def find_schedule(model_dir: Path, draft_model: str, dtype: str, device: str,
+                  say=lambda message: None) -> tuple[Schedule, bool] | None:
     """The tuned schedule for this target, draft, dtype and machine, if `fastspec tune` wrote one."""
-    import sys
-
     from fastspec.models.loader import resolve_model_dir
 
     draft_dir = resolve_model_dir(draft_model)
-    say = lambda message: print(message, file=sys.stderr)  # noqa: E731
-    return load_schedule(tuned_path(model_dir, draft_dir), fingerprint(model_dir, draft_dir, dtype, device), say)
+    return load_schedule(tuned_path(model_dir, draft_dir, dtype, device),
+                         fingerprint(model_dir, draft_dir, dtype, device), say)

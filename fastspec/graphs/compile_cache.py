@@ -1,0 +1,105 @@
+"""Inductor's on-disk cache for `--graphs compile`: where it lives, and what happens when an entry in it is damaged.
+
+A second process compiles from the cache in a fraction of the cold time. An entry cut short or left by something
+else (a truncated pickle, kernel source or library) makes Inductor fail, not recompile; `renew_compile_cache`
+recognises that failure and moves the process to an empty cache (clearing fastspec's own directory, never one
+the user named), once, so the caller compiles again. Knows nothing about graphs or buckets.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+DYNAMO_RECOMPILE_LIMIT = 1024  # one dynamo cache entry per bucket (and per runner sharing a function)
+DAMAGE = (pickle.UnpicklingError, EOFError, SyntaxError, ImportError, OSError)  # how a damaged entry fails
+_renewed = False  # this process already moved to a new cache: a later failure is a real one
+
+
+def configure_compile_caches() -> None:
+    """Inductor's on-disk caches under `cache_root()/inductor`, FX-graph and AOTAutograd caches on, and room in
+    dynamo's cache for one entry per bucket.
+
+    An explicit $TORCHINDUCTOR_CACHE_DIR wins; torch writes its own default into that variable on first use,
+    which is not treated as explicit. Inductor's own warnings about unreadable entries are silenced (each is a
+    traceback on stderr): a damaged entry is handled by `renew_compile_cache`.
+    """
+    import torch._dynamo.config
+    import torch._functorch.config
+    import torch._inductor.config
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or current == _torch_default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(_own_cache_dir())
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    logging.getLogger("torch._inductor.codecache").setLevel(logging.ERROR)
+    dynamo = torch._dynamo.config
+    dynamo.cache_size_limit = max(dynamo.cache_size_limit, DYNAMO_RECOMPILE_LIMIT)
+    dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit, DYNAMO_RECOMPILE_LIMIT)
+
+
+def renew_compile_cache(error: BaseException) -> bool:
+    """After a failed compile: True if `error` came from a damaged cache entry and this process now compiles into an
+    empty cache (the caller compiles again); False for any other failure, or if the cache was already renewed."""
+    global _renewed
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    damage = None if _renewed or current is None else _cache_damage(error, current)
+    if damage is None:
+        return False
+    _renewed = True
+    if Path(current).resolve() == _own_cache_dir().resolve():
+        shutil.rmtree(current, ignore_errors=True)  # ours: later runs start clean too
+        where = f"cleared {current}"
+    else:  # the user's: left as it is, this process uses a new one
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fastspec-inductor-")
+        atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+        where = f"compiling into {os.environ['TORCHINDUCTOR_CACHE_DIR']} instead"
+    _clear_loaded_modules()
+    log.warning("the compiled-graph cache held a damaged entry (%s); %s", _first_line(damage), where)
+    return True
+
+
+def _cache_damage(error: BaseException, cache_dir: str) -> BaseException | None:
+    """The exception in `error`'s chain that a damaged file raised or that names a file in `cache_dir`, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, DAMAGE) or cache_dir in str(error):
+            return error
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return None
+
+
+def _clear_loaded_modules() -> None:
+    """Forget the kernels Inductor already loaded from the old cache (in-memory caches keyed like the files)."""
+    try:
+        from torch._inductor.utils import clear_caches
+    except ImportError:  # older torch: nothing registered to clear
+        return
+    clear_caches()
+
+
+def _own_cache_dir() -> Path:
+    from fastspec.models.embedded import cache_root
+
+    return cache_root() / "inductor"
+
+
+def _torch_default_cache_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # older torch: only an unset variable is replaced
+        return None
+    return os.path.abspath(default_cache_dir())
+
+
+def _first_line(error: BaseException) -> str:
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first}"[:200]

@@ -1,0 +1,62 @@
+"""Tiny random models in the Hugging Face format, for tests and for `hostile_cache.py`: no fixtures, no side
+effects, so a script can build the same models the tests use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+            eos_token_id=2)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=False, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=24)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+}
+
+
+def make_hf_model(family: str, seed: int = 0, **overrides):
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**(TINY | extra | overrides))
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # HF init is tiny (std 0.02); widen it so logits are far from uniform
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+WORDS = [f"w{i}" for i in range(3, 90)]
+
+
+def write_chat_target(directory: Path, seed: int = 0) -> Path:
+    """The tiny llama target with a word-level tokenizer (ids 0..89) and a chat template, saved in `directory`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    make_hf_model("llama", seed=seed).save_pretrained(directory)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {w: i for i, w in enumerate(WORDS, start=3)}
+    vocab |= {"<user>": 90, "<bot>": 91}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+    template = "{% for m in messages %}<user> {{ m.content }} {% endfor %}<bot>"
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "</s>"}))
+    return directory
+
+
+def write_prompt_file(path: Path) -> Path:
+    """Twelve JSONL prompts of tiny-target words."""
+    gen = torch.Generator().manual_seed(0)
+    lines = [json.dumps({"prompt": " ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (n,), generator=gen))})
+             for n in (3, 5, 8, 4, 6, 7, 3, 9, 5, 4, 6, 8)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
