@@ -23,6 +23,9 @@ def train_draft(
     samples_per_prompt: Annotated[int, typer.Option(help="Answers per prompt (first greedy).")] = 1,
     max_new_tokens: int = TrainConfig.max_new_tokens,
     draft_vocab_size: int = TrainConfig.draft_vocab_size,
+    soft_labels: Annotated[int, typer.Option(
+        help="Train against the target's top-k next-token probabilities (k; 0 = its argmax only).")]
+    = TrainConfig.soft_topk,
     ttt_steps: Annotated[int, typer.Option(help="Unrolled draft steps per position (training-time test).")]
     = TrainConfig.ttt_steps,
     epochs: int = TrainConfig.epochs,
@@ -44,13 +47,14 @@ def train_draft(
     from fastspec.train.trainer import train_draft as run
 
     cfg = TrainConfig(out=out, model=model, prompts=prompts, max_prompts=max_prompts, samples_per_prompt=samples_per_prompt,
-                      max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size, ttt_steps=ttt_steps,
-                      epochs=epochs, lr=lr, batch_tokens=batch_tokens, val_fraction=val_fraction,
+                      max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size, soft_topk=soft_labels,
+                      ttt_steps=ttt_steps, epochs=epochs, lr=lr, batch_tokens=batch_tokens, val_fraction=val_fraction,
                       checkpoint_every=checkpoint_every, seed=seed, bf16=bf16, resume=resume, overwrite=overwrite)
     console = Console(stderr=True)
     tasks, accept = {}, ""
+    # a live bar on a terminal; in a log, one line per held-out evaluation instead of a bar's last frame
     with Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-             TextColumn("{task.fields[info]}"), console=console) as bar:
+             TextColumn("{task.fields[info]}"), console=console, disable=not console.is_terminal) as bar:
         def show(p: Progress) -> None:
             nonlocal accept
             if p.phase == "done":
@@ -59,6 +63,8 @@ def train_draft(
                 tasks[p.phase] = bar.add_task(PHASES[p.phase], total=p.total, info="")
             if "val_acceptance" in p.info:
                 accept = "held-out acceptance " + " ".join(f"{a:.2f}" for a in p.info["val_acceptance"])
+                if not console.is_terminal:
+                    console.print(f"step {p.done}/{p.total} · loss {p.info['loss']:.3f} · {accept}")
             info = f"loss {p.info['loss']:.3f} · {accept}" if "loss" in p.info else ""
             bar.update(tasks[p.phase], completed=p.done, total=p.total, info=info)
 

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -21,37 +22,20 @@ from fastspec.models.loader import read_config
 from fastspec.sampling import SamplingParams
 from fastspec.train.data import Features, choose_draft_vocab, pack
 from fastspec.train.trainer import TrainConfig, train_draft
-from fastspec.train.ttt import NO_LABEL, TTTAttention, make_batch
+from fastspec.train.ttt import NO_LABEL, TTTAttention, make_batch, soft_cross_entropy
 
-WORDS = [f"w{i}" for i in range(3, 90)]
+from tiny_models import write_chat_target, write_prompt_file
 
 
 @pytest.fixture(scope="module")
-def chat_target(tiny_dirs, tmp_path_factory):
+def chat_target(tmp_path_factory):
     """The tiny llama target with a word-level tokenizer (ids 0..89) and a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    d = tmp_path_factory.mktemp("chat-target")
-    for f in tiny_dirs["llama"][0].iterdir():
-        shutil.copy(f, d / f.name)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {w: i for i, w in enumerate(WORDS, start=3)}
-    vocab |= {"<user>": 90, "<bot>": 91}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(d / "tokenizer.json"))
-    template = "{% for m in messages %}<user> {{ m.content }} {% endfor %}<bot>"
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "</s>"}))
-    return d
+    return write_chat_target(tmp_path_factory.mktemp("chat-target"))
 
 
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
-    gen = torch.Generator().manual_seed(0)
-    lines = [json.dumps({"prompt": " ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (n,), generator=gen))})
-             for n in (3, 5, 8, 4, 6, 7, 3, 9, 5, 4, 6, 8)]
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_prompt_file(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
 
 
 def tiny_config(out, target, prompts, **overrides) -> TrainConfig:
@@ -182,3 +166,76 @@ def test_resuming_with_another_target_is_a_one_line_error(chat_target, prompt_fi
         shutil.copy(chat_target / name, other / name)
     with pytest.raises(FastspecError, match="was made for the target"):
         train_draft(tiny_config(out, other, prompt_file, epochs=2, resume=True))
+
+
+def test_a_damaged_run_is_refused_in_one_line_and_bad_input_costs_nothing(chat_target, prompt_file, tmp_path):
+    out = tmp_path / "head"
+    train_draft(tiny_config(out, chat_target, prompt_file, epochs=1))
+    work = out / "train"
+    saved = {p.name: p.read_bytes() for p in work.iterdir()}
+    # a bad --model or --prompts with --overwrite is refused before the run in --out is touched
+    for bad in (["--model", str(tmp_path / "nope")], ["--model", str(chat_target), "--prompts", str(tmp_path / "x")]):
+        result = CliRunner().invoke(app, ["train-draft", "--out", str(out), *bad, "--overwrite"])
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert {p.name: p.read_bytes() for p in work.iterdir()} == saved
+    # features.pt is only a cache: a damaged one is computed again
+    (work / "features.pt").write_bytes(b"not a tensor file")
+    assert train_draft(tiny_config(out, chat_target, prompt_file, epochs=1, resume=True))["steps"] >= 1
+    args = ["train-draft", "--out", str(out), "--model", str(chat_target), "--prompts", str(prompt_file), "--resume",
+            "--max-new-tokens", "24", "--draft-vocab-size", "40", "--ttt-steps", "3", "--epochs", "1",
+            "--batch-tokens", "128", "--val-fraction", "0.2", "--no-bf16"]
+    for name in ("checkpoint.pt", "vocab.pt", "target.json"):
+        good = (work / name).read_bytes()
+        for damage in (good[: len(good) // 2], b"\x00garbage"):  # truncated, then foreign
+            (work / name).write_bytes(damage)
+            result = CliRunner().invoke(app, args)
+            assert result.exit_code == 2 and result.stderr.count("\n") == 1, (name, result.output)
+            assert name in result.stderr and "--overwrite" in result.stderr and "Traceback" not in result.output
+        (work / name).write_bytes(good)
+    assert CliRunner().invoke(app, args).exit_code == 0
+
+
+def test_soft_cross_entropy_is_hard_cross_entropy_for_a_one_hot_target_and_differs_otherwise():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(5, 7), torch.tensor([0, 3, 6, 2, 2])
+    ids = torch.stack([labels, (labels + 1) % 7, torch.full_like(labels, -1)], dim=1)  # [5, 3]; -1: outside Vd
+    one_hot = torch.tensor([[1.0, 0.0, 0.0]]).expand(5, 3)
+    torch.testing.assert_close(soft_cross_entropy(logits, ids, one_hot), F.cross_entropy(logits, labels))
+    spread = torch.tensor([[0.7, 0.3, 0.0]]).expand(5, 3)
+    by_hand = -(0.7 * logits.log_softmax(-1).gather(1, labels[:, None]) +
+                0.3 * logits.log_softmax(-1).gather(1, ids[:, 1:2])).mean()
+    torch.testing.assert_close(soft_cross_entropy(logits, ids, spread), by_hand)
+    assert not torch.isclose(by_hand, F.cross_entropy(logits, labels))
+
+
+def test_soft_labels_are_renormalised_over_the_draft_vocabulary():
+    features = Features(tokens=torch.tensor([10, 11, 12, 13]), aux=torch.zeros(4, 6),
+                        labels=torch.tensor([11, 12, 13, 14]), offsets=torch.tensor([0, 4]),
+                        prompt_lens=torch.tensor([1]),
+                        soft_ids=torch.tensor([[11, 50, 12]] * 4), soft_probs=torch.tensor([[0.5, 0.3, 0.2]] * 4,
+                                                                                       dtype=torch.float16))
+    t2d = torch.full((100,), -1)
+    t2d[[11, 12, 13]] = torch.tensor([0, 1, 2])  # 50 is outside the draft vocabulary
+    batch = make_batch(features, [0], t2d, steps=1)
+    assert batch.soft_ids[0, 0].tolist() == [0, -1, 1]
+    torch.testing.assert_close(batch.soft_probs[0, 0], torch.tensor([0.5 / 0.7, 0.0, 0.2 / 0.7]), atol=1e-3, rtol=0)  # fp16
+
+
+def test_soft_label_training_lowers_the_loss_and_decodes_losslessly(chat_target, prompt_file, tmp_path):
+    events = []
+    report = train_draft(tiny_config(tmp_path / "soft", chat_target, prompt_file, soft_topk=8, epochs=6),
+                         events.append)
+    losses = [e.info["loss"] for e in events if e.phase == "train"]
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3 and report["val_chain_tau"] >= 1
+    prompts, params = [[1, 5, 9, 13], [1, 40, 41]], SamplingParams(max_new_tokens=16, ignore_eos=True)
+    plain = LLM(model=str(chat_target), speculative_algorithm="NONE").generate(prompts, params)
+    spec = LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(tmp_path / "soft"),
+               num_steps=3, topk=2, num_draft_tokens=5).generate(prompts, params)
+    assert [o.output_ids for o in spec] == [o.output_ids for o in plain]
+
+
+def test_a_soft_label_k_past_the_draft_vocabulary_is_one_line(chat_target, tmp_path):
+    result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "o"), "--model", str(chat_target),
+                                      "--draft-vocab-size", "40", "--soft-labels", "41"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "--soft-labels" in result.stderr
+    assert not (tmp_path / "o").exists()

@@ -37,6 +37,8 @@ class Features:
     labels: torch.Tensor  # [N] int64 the target's greedy next token after this position (see extract_features)
     offsets: torch.Tensor  # [C + 1] int64 start of conversation c, then N
     prompt_lens: torch.Tensor  # [C] int64
+    soft_ids: torch.Tensor | None = None  # [N, k] int32 the k likeliest next tokens of the target (soft labels)
+    soft_probs: torch.Tensor | None = None  # [N, k] float16 their probabilities under the target
 
     def __len__(self) -> int:
         return self.prompt_lens.numel()
@@ -122,14 +124,16 @@ def pack(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 @torch.no_grad()
 def extract_features(target, conversations: list[Conversation], batch_tokens: int = 2048, bf16: bool = False,
-                     on_progress: Callable[[int, int], None] = lambda done, total: None) -> Features:
-    """Aux features and greedy labels of `target` (built with EAGLE-3 capture layers) on every conversation.
+                     on_progress: Callable[[int, int], None] = lambda done, total: None,
+                     soft_topk: int = 0) -> Features:
+    """Aux features and greedy labels of `target` (built with EAGLE-3 capture layers) on every conversation, and
+    with `soft_topk` > 0 the top-k of the target's next-token distribution at every position (soft labels).
 
     A greedy conversation is its own label (the target chose every response token by argmax); sampled ones
     take the argmax of the target's logits. `bf16` autocasts the forward (~2x faster on CPUs with AMX, ~7x slower
     on AVX2-only ones)."""
     device = target.lm_head.weight.device
-    tokens, aux, labels = [], [], []
+    tokens, aux, labels, soft_ids, soft_probs = [], [], [], [], []
     groups = pack([len(c.ids) for c in conversations], batch_tokens)
     for n, group in enumerate(groups):
         ids = torch.tensor([t for i in group for t in conversations[i].ids], device=device)
@@ -142,14 +146,31 @@ def extract_features(target, conversations: list[Conversation], batch_tokens: in
                                  for i in group]).to(device)
             if bool(sampled.any()):
                 label[sampled] = target.compute_logits(hidden.final[sampled]).argmax(-1)
+        if soft_topk:
+            ids_k, probs_k = top_probs(target, hidden.final, soft_topk)
+            soft_ids.append(ids_k.cpu())
+            soft_probs.append(probs_k.cpu())
         tokens.append(ids.cpu())
         aux.append(hidden.aux.to(torch.bfloat16).cpu())
         labels.append(label.cpu())
         on_progress(n + 1, len(groups))
     lengths = torch.tensor([len(c.ids) for c in conversations])
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    soft = (torch.cat(soft_ids), torch.cat(soft_probs)) if soft_topk else (None, None)
     return Features(torch.cat(tokens), torch.cat(aux), torch.cat(labels), offsets,
-                    torch.tensor([c.prompt_len for c in conversations]))
+                    torch.tensor([c.prompt_len for c in conversations]), *soft)
+
+
+def top_probs(target, final: torch.Tensor, k: int, rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T, k] int32 token ids, [T, k] float16 probabilities): the k likeliest next tokens at every position, computed
+    `rows` positions at a time (a [T, V] float32 logit matrix of a packed batch would take gigabytes)."""
+    ids, probs = [], []
+    for chunk in final.split(rows):
+        p = torch.softmax(target.compute_logits(chunk), dim=-1)  # [rows, V] float32
+        top = p.topk(min(k, p.shape[-1]), dim=-1)
+        ids.append(top.indices.to(torch.int32))
+        probs.append(top.values.to(torch.float16))
+    return torch.cat(ids), torch.cat(probs)
 
 
 def response_labels(features: Features) -> torch.Tensor:

@@ -27,7 +27,8 @@ from fastspec.models.loader import load_target, read_config, resolve_model_dir
 from fastspec.prompts import load_prompts, read_jsonl_prompts
 from fastspec.train.data import (Features, choose_draft_vocab, extract_features, generate_conversations, pack,
                                  response_labels)
-from fastspec.train.checkpoint import atomic_save, export_head, head_config, init_head, load_checkpoint, save_checkpoint
+from fastspec.train.checkpoint import (atomic_save, export_head, head_config, init_head, load_artifact, load_checkpoint,
+                                       save_checkpoint)
 from fastspec.train.ttt import make_batch, ttt_loss
 
 EXPORTED = ("config.json", "model.safetensors")
@@ -42,6 +43,7 @@ class TrainConfig:
     samples_per_prompt: int = 1  # the first answer is greedy, the others sampled
     max_new_tokens: int = 256
     draft_vocab_size: int = 4096
+    soft_topk: int = 0  # > 0: train against the target's top-k next-token probabilities (soft labels), not argmax
     ttt_steps: int = 5
     epochs: int = 6
     lr: float = 6e-4
@@ -65,6 +67,9 @@ class TrainConfig:
             raise FastspecError(f"--max-prompts must be >= 1, got {self.max_prompts}")
         if not self.lr > 0:
             raise FastspecError(f"--lr must be > 0, got {self.lr}")
+        if not 0 <= self.soft_topk <= self.draft_vocab_size:
+            raise FastspecError(f"--soft-labels must be in [0, --draft-vocab-size {self.draft_vocab_size}], "
+                                f"got {self.soft_topk}")
         if self.resume and self.overwrite:
             raise FastspecError("--resume and --overwrite exclude each other")
         if self.bf16 is None:
@@ -81,10 +86,11 @@ class Progress:
 
 def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lambda p: None) -> dict:
     """Run (or resume) the whole job; returns the final held-out evaluation."""
-    work = _prepare_out(cfg)
+    _check_out(cfg)  # every input before anything is read, converted or deleted
     model_dir = resolve_model_dir(cfg.model)
-    _check_same_target(work, model_dir)
     prompts = (read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train"))[:cfg.max_prompts]
+    work = _prepare_out(cfg)
+    _check_same_target(work, model_dir)
     conversations = _conversations(cfg, model_dir, prompts, work, on_progress)
     target_cfg = read_config(model_dir)
     target = load_target(model_dir, torch.float32, capture_layers=eagle3_capture_layers(target_cfg.num_layers, None))
@@ -107,7 +113,7 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     return report
 
 
-def _prepare_out(cfg: TrainConfig) -> Path:
+def _check_out(cfg: TrainConfig) -> None:
     out, work = Path(cfg.out), Path(cfg.out) / "train"
     if out.exists() and not out.is_dir():
         raise FastspecError(f"--out {out} exists and is not a directory")
@@ -116,6 +122,12 @@ def _prepare_out(cfg: TrainConfig) -> Path:
             raise FastspecError(f"--out {out} exists; pass --resume to continue it or --overwrite to start over")
         if not work.is_dir():
             raise FastspecError(f"--out {out} is not a train-draft directory; refusing to overwrite it")
+
+
+def _prepare_out(cfg: TrainConfig) -> Path:
+    """--out ready for this run (checked by _check_out): emptied with --overwrite, created if new."""
+    out, work = Path(cfg.out), Path(cfg.out) / "train"
+    if out.exists() and any(out.iterdir()) and not cfg.resume:
         shutil.rmtree(work)
         for name in EXPORTED:
             (out / name).unlink(missing_ok=True)
@@ -129,7 +141,9 @@ def _check_same_target(work: Path, model_dir: Path) -> None:
     record = {"model": str(model_dir), "config_crc": zlib.crc32(json.dumps(config, sort_keys=True).encode())}
     path = work / "target.json"
     if path.exists():
-        before = json.loads(path.read_text())
+        before = load_artifact(path, lambda p: json.loads(p.read_text()))
+        if not isinstance(before, dict) or "config_crc" not in before:
+            raise FastspecError(f"{path}: not a train-draft target record; use --overwrite to start over")
         if before["config_crc"] != record["config_crc"]:
             raise FastspecError(f"this run was made for the target {before['model']}, not {model_dir}: its data, "
                                 "features and head are that target's (use --overwrite or another --out)")
@@ -149,15 +163,18 @@ def _conversations(cfg, model_dir, prompts, work, on_progress):
 def _features(target, conversations, work: Path, cfg: TrainConfig, on_progress) -> Features:
     """Cached in train/features.pt, keyed by a checksum of the conversations' token ids."""
     tc = target.config
-    shape = [tc.hidden_size, tc.num_layers, tc.vocab_size]
+    shape = [tc.hidden_size, tc.num_layers, tc.vocab_size] + ([cfg.soft_topk] if cfg.soft_topk else [])
     key = zlib.crc32(json.dumps([shape] + [conv.ids for conv in conversations]).encode())
     path = work / "features.pt"
     if path.exists():
-        saved = torch.load(path, weights_only=True)
-        if int(saved.pop("key")) == key:
-            return Features(**saved)
+        try:
+            saved = torch.load(path, weights_only=True)
+            if int(saved.pop("key")) == key:
+                return Features(**saved)
+        except Exception:  # a damaged cache: computed again below
+            pass
     report = lambda done, total: on_progress(Progress("features", done, total))  # noqa: E731
-    features = extract_features(target, conversations, cfg.batch_tokens, cfg.bf16, report)
+    features = extract_features(target, conversations, cfg.batch_tokens, cfg.bf16, report, cfg.soft_topk)
     atomic_save(asdict(features) | {"key": torch.tensor(key)}, path)
     return features
 
@@ -166,7 +183,10 @@ def _vocab(features: Features, vocab_size: int, draft_vocab_size: int, work: Pat
     """[Vd] ascending target ids, chosen once and kept (a resumed run must keep its head's vocabulary)."""
     path = work / "vocab.pt"
     if path.exists():
-        return torch.load(path, weights_only=True)
+        vocab = load_artifact(path, lambda p: torch.load(p, weights_only=True))
+        if not isinstance(vocab, torch.Tensor) or vocab.ndim != 1 or vocab.dtype != torch.int64 or not len(vocab):
+            raise FastspecError(f"{path}: not a draft vocabulary; use --overwrite to start over")
+        return vocab
     vocab = choose_draft_vocab(response_labels(features), vocab_size, min(draft_vocab_size, vocab_size))
     atomic_save(vocab, path)
     return vocab

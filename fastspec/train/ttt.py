@@ -4,7 +4,9 @@ step fed the head's own hidden output of the step before, so training sees what 
 Glossary (index p of a conversation, step k = draft depth k + 1):
   input token   step k at p is fed the data token at p + 1 + k and (k = 0) the target's aux feature at p, or
                 (k > 0) the head's own carry from step k - 1 at p;
-  label         the target's greedy token after position p + 1 + k, as a draft-vocabulary id;
+  label         the target's greedy token after position p + 1 + k, as a draft-vocabulary id; with soft labels
+                the loss is against the target's whole distribution there (its top k, renormalised over the
+                draft vocabulary), the label still deciding which rows count and what is "correct";
   attention     step k at p sees step-0 keys at positions <= p (the draft extend's KV at inference) and its own
                 keys of steps 1..k at p (its chain of draft ancestors): `TTTAttention`.
 Owns the batch layout and the loss; knows nothing about data generation, optimisers or checkpoints.
@@ -29,6 +31,8 @@ class TTTBatch:
     doc_ids: torch.Tensor  # [T] which conversation of the batch
     inputs: torch.Tensor  # [S, T] token fed at step k
     labels: torch.Tensor  # [S, T] draft id; NO_LABEL; or Vd for a label outside the draft vocabulary (a miss)
+    soft_ids: torch.Tensor | None = None  # [S, T, k] draft ids of the target's likeliest tokens, -1 outside Vd
+    soft_probs: torch.Tensor | None = None  # [S, T, k] float32 their target probabilities, renormalised over Vd
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ def make_batch(features: Features, conversations: list[int], t2d: torch.Tensor, 
     lengths = torch.cat([torch.full((e - s,), e - s) for s, e, _ in spans])
     prompt_lens = torch.cat([torch.full((e - s,), plen) for s, e, plen in spans])
     doc_ids = torch.cat([torch.full((e - s,), j) for j, (s, e, _) in enumerate(spans)])
-    inputs, labels = [], []
+    inputs, labels, soft_ids, soft_probs = [], [], [], []
     for k in range(steps):
         # step k at p: input token p + 1 + k; label predicts token p + 2 + k, which must be a response token
         has_input = positions + 1 + k < lengths
@@ -59,7 +63,22 @@ def make_batch(features: Features, conversations: list[int], t2d: torch.Tensor, 
         labelled = (target_pos < lengths) & (target_pos >= prompt_lens)
         draft_id = t2d[features.labels[src]]
         labels.append(torch.where(labelled, torch.where(draft_id >= 0, draft_id, Vd), NO_LABEL))
-    return TTTBatch(features.aux[rows], positions, doc_ids, torch.stack(inputs), torch.stack(labels))
+        if features.soft_ids is not None:  # the distribution the label was drawn from, restricted to Vd
+            ids = t2d[features.soft_ids[src].long()]  # [T, k]
+            probs = features.soft_probs[src].float() * (ids >= 0)
+            soft_ids.append(ids)
+            soft_probs.append(probs / probs.sum(-1, keepdim=True).clamp(min=1e-12))
+    soft = (torch.stack(soft_ids), torch.stack(soft_probs)) if soft_ids else (None, None)
+    return TTTBatch(features.aux[rows], positions, doc_ids, torch.stack(inputs), torch.stack(labels), *soft)
+
+
+def soft_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of -sum_j probs[j] * log softmax(logits)[ids[j]]: cross-entropy against the target's
+    distribution (kept as its top k; ids < 0 carry probability 0). One-hot probs give F.cross_entropy exactly.
+
+    logits [M, Vd] float32; ids [M, k] int64; probs [M, k] float32, rows summing to 1 (or 0: no loss)."""
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids.clamp(min=0))  # [M, k]
+    return -(probs * logp).sum(-1).mean()
 
 
 class TTTAttention:
@@ -108,7 +127,11 @@ def ttt_loss(head, batch: TTTBatch, step_weight: float = 0.8) -> TTTStats:
         labels = batch.labels[k]
         trainable = (labels >= 0) & (labels < Vd)
         if trainable.any():
-            loss = loss + step_weight**k * F.cross_entropy(logits[trainable], labels[trainable])
+            if batch.soft_ids is None:
+                ce = F.cross_entropy(logits[trainable], labels[trainable])
+            else:
+                ce = soft_cross_entropy(logits[trainable], batch.soft_ids[k][trainable], batch.soft_probs[k][trainable])
+            loss = loss + step_weight**k * ce
         labelled = labels >= 0
         hit = (logits.argmax(-1) == labels) & labelled
         chain_ok = chain_ok & (hit | ~labelled)  # a root's steps before its first response token don't count
