@@ -22,7 +22,14 @@ def train_draft(
     max_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
     samples_per_prompt: Annotated[int, typer.Option(help="Answers per prompt (first greedy).")] = 1,
     max_new_tokens: int = TrainConfig.max_new_tokens,
+    corpus: Annotated[Optional[Path], typer.Option(
+        help="Keep the target's answers in this corpus directory and reuse every answer already there "
+             "(e.g. data/corpus/smollm2-135m-instruct).")] = None,
+    generate_only: Annotated[bool, typer.Option(help="Only make the answers (grow --corpus), do not train.")]
+    = False,
     draft_vocab_size: int = TrainConfig.draft_vocab_size,
+    init: Annotated[str, typer.Option(help="random | target (the midlayer from the target's layer that reads the "
+                                           "last feature; fc passing that feature through).")] = TrainConfig.init,
     soft_labels: Annotated[int, typer.Option(
         help="Train against the target's top-k next-token probabilities (k; 0 = its argmax only).")]
     = TrainConfig.soft_topk,
@@ -46,9 +53,10 @@ def train_draft(
 
     from fastspec.train.trainer import train_draft as run
 
-    cfg = TrainConfig(out=out, model=model, prompts=prompts, max_prompts=max_prompts, samples_per_prompt=samples_per_prompt,
-                      max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size, soft_topk=soft_labels,
-                      ttt_steps=ttt_steps, epochs=epochs, lr=lr, batch_tokens=batch_tokens, val_fraction=val_fraction,
+    cfg = TrainConfig(out=out, model=model, prompts=prompts, corpus=corpus, generate_only=generate_only,
+                      max_prompts=max_prompts, samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
+                      draft_vocab_size=draft_vocab_size, init=init, soft_topk=soft_labels, ttt_steps=ttt_steps,
+                      epochs=epochs, lr=lr, batch_tokens=batch_tokens, val_fraction=val_fraction,
                       checkpoint_every=checkpoint_every, seed=seed, bf16=bf16, resume=resume, overwrite=overwrite)
     console = Console(stderr=True)
     tasks, accept = {}, ""
@@ -69,5 +77,8 @@ def train_draft(
             bar.update(tasks[p.phase], completed=p.done, total=p.total, info=info)
 
         report = run(cfg, show)
+    if generate_only:
+        console.print(f"{report['conversations']} answers ({report['tokens']} tokens) in {corpus or out / 'train'}")
+        return
     console.print(f"wrote {out}/config.json and model.safetensors · held-out chain tau "
                   f"{report.get('val_chain_tau', float('nan'))} · acceptance by depth {report.get('val_acceptance')}")

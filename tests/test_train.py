@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,3 +240,34 @@ def test_a_soft_label_k_past_the_draft_vocabulary_is_one_line(chat_target, tmp_p
                                       "--draft-vocab-size", "40", "--soft-labels", "41"])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "--soft-labels" in result.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_warm_start_makes_the_head_the_targets_layer(chat_target):
+    """With the embedding half of q/k/v zeroed, a warm-started head at step 0 computes target layer L exactly:
+    fc passes the input of L through and the midlayer is L. On the tiny target the capture layers are (2, 2, 1),
+    so L = 1 and its output is the input of layer 2: the first captured feature, an independent oracle."""
+    from fastspec.config import ModelConfig
+    from fastspec.models.llama import eagle3_capture_layers
+    from fastspec.models.loader import load_target
+    from fastspec.train.checkpoint import head_config, init_head, warm_start
+    from fastspec.train.data import PackedCausalAttention
+
+    layers = eagle3_capture_layers(4, None)
+    assert layers == (2, 2, 1)
+    target = load_target(chat_target, torch.float32, capture_layers=layers)
+    head_json = head_config(json.loads((chat_target / "config.json").read_text()), 40, 4)
+    head = init_head(ModelConfig.from_hf(head_json), target, torch.arange(40), seed=0)
+    random_q = head.midlayer.self_attn.q_proj.weight[:, :64].clone()
+    warm_start(head, target, layers)
+    assert torch.equal(head.midlayer.self_attn.q_proj.weight[:, :64], random_q)  # the embedding half: untouched
+    assert torch.equal(head.midlayer.mlp.down_proj.weight, target.model.layers[1].mlp.down_proj.weight)
+    ids = torch.tensor([1, 90, 5, 9, 13, 91, 40, 41])
+    positions = torch.arange(len(ids))
+    with torch.no_grad():
+        aux = target(ids, positions, PackedCausalAttention(torch.zeros(len(ids)))).aux  # [T, 3H]
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(head.midlayer.self_attn, name).weight[:, :64] = 0
+        out = head(ids, positions, aux, TTTAttention(torch.zeros(len(ids))))
+    torch.testing.assert_close(out.carry, aux[:, :64], atol=1e-5, rtol=1e-5)
+    with pytest.raises(FastspecError, match="--init"):
+        TrainConfig(out=Path("x"), init="zeros")

@@ -71,7 +71,7 @@ def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head
     from fastspec.config import SpecConfig
 
     prompts = PROMPTS + [[1, 70, 71, 72]]
-    lengths = [40, 8, 25, 14, 33]
+    lengths = [64, 8, 25, 14, 33]  # the longest runs alone for a while: every tier is used
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
     plain = fastspec.LLM(model=str(chat_target), speculative_algorithm="NONE").generate(prompts, params)
     schedule = ((1, SpecParams(4, 1, 5)), (2, None), (8, SpecParams(3, 3, 6)))

@@ -21,8 +21,8 @@ from fastspec.models.llama import eagle3_capture_layers
 def head_config(target_json: dict, draft_vocab_size: int, num_layers: int) -> dict:
     """SGLang / SpecForge EAGLE-3 config.json: one Llama layer as wide as the target, own draft lm_head."""
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "hidden_act",
-            "bos_token_id", "eos_token_id", "pad_token_id")
+            "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "vocab_size",
+            "hidden_act", "bos_token_id", "eos_token_id", "pad_token_id")  # rope_parameters: transformers >= 5
     config = {k: target_json[k] for k in keep if k in target_json}
     aux_ids = [i - 1 for i in eagle3_capture_layers(num_layers, None)]
     return config | {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
@@ -49,6 +49,31 @@ def init_head(config: ModelConfig, target, vocab: torch.Tensor, seed: int) -> Ll
         head.d2t.copy_(vocab - torch.arange(len(vocab)))
     head.embed_tokens.requires_grad_(False)
     return head
+
+
+def warm_start(head: LlamaForCausalLMEagle3, target, capture_layers: tuple[int, ...]) -> None:
+    """Start the head from what the target can give: fc passes the last captured feature through (the input of
+    target layer L = capture_layers[-1]), and the midlayer is layer L, its hidden half (hidden_norm, the q/k/v
+    columns that read the hidden state, o_proj, MLP, post-attention norm) copied; the columns that read the
+    token embedding keep their random init. Needs the head as wide as the target (head_config makes it so)."""
+    layer, m = target.model.layers[capture_layers[-1]], head.midlayer
+    H = head.config.hidden_size
+    if head.config.target_hidden_size != H or m.mlp.gate_proj.weight.shape != layer.mlp.gate_proj.weight.shape:
+        raise FastspecError("--init target needs a head as wide as the target, with the same MLP")
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, 2 * H:].copy_(torch.eye(H))
+        if head.fc.bias is not None:
+            head.fc.bias.zero_()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            ours, theirs = getattr(m.self_attn, name), getattr(layer.self_attn, name)
+            ours.weight[:, H:].copy_(theirs.weight)
+            if ours.bias is not None and theirs.bias is not None:
+                ours.bias.copy_(theirs.bias)
+        m.self_attn.o_proj.weight.copy_(layer.self_attn.o_proj.weight)
+        m.hidden_norm.weight.copy_(layer.input_layernorm.weight)
+        m.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
+        m.mlp.load_state_dict(layer.mlp.state_dict())
 
 
 def save_checkpoint(path: Path, head, opt, step: int) -> None:

@@ -44,28 +44,49 @@ class Features:
         return self.prompt_lens.numel()
 
 
-def generate_conversations(llm, prompts: list[str], path: Path, samples: int, max_new_tokens: int, seed: int,
+def generate_conversations(llm, prompts: list[str], store, samples: int, max_new_tokens: int, seed: int,
                            chunk: int = 64, on_progress: Callable[[int, int], None] = lambda done, total: None
                            ) -> list[Conversation]:
-    """Answer every prompt `samples` times (the first greedily) with the target, appending to `path` per chunk;
-    jobs already in `path` (a resumed run) are not generated again."""
-    done = {(r["prompt"], r["sample"]): r for r in _read_records(path)}  # keyed by prompt text: sets may grow
+    """Answer every prompt `samples` times (the first greedily) with the target, appending each chunk to `store`
+    (a JsonlStore or a Corpus: `records()` and `append(records)`); answers already there are not made again."""
+    done = {(r["prompt"], r["sample"]): r for r in store.records()}  # keyed by prompt text: sets may grow
     jobs = [(i, s) for i in range(len(prompts)) for s in range(samples) if (prompts[i], s) not in done]
     total = len(prompts) * samples
     on_progress(total - len(jobs), total)
-    with path.open("a", encoding="utf-8") as f:
-        for start in range(0, len(jobs), chunk):
-            batch = jobs[start:start + chunk]
-            params = [_params(i, s, seed, max_new_tokens) for i, s in batch]
-            outs = llm.generate([prompts[i] for i, _ in batch], params, chat=True)
-            for (i, s), out in zip(batch, outs):
-                record = {"prompt": prompts[i], "sample": s, "prompt_ids": out.prompt_ids,
-                          "output_ids": out.output_ids}
-                done[(prompts[i], s)] = record
-                f.write(json.dumps(record) + "\n")
-            f.flush()
-            on_progress(total - len(jobs) + start + len(batch), total)
+    for start in range(0, len(jobs), chunk):
+        batch = jobs[start:start + chunk]
+        params = [_params(i, s, seed, max_new_tokens) for i, s in batch]
+        outs = llm.generate([prompts[i] for i, _ in batch], params, chat=True)
+        records = [{"prompt": prompts[i], "sample": s, "prompt_ids": out.prompt_ids, "output_ids": out.output_ids}
+                   for (i, s), out in zip(batch, outs)]
+        store.append(records)
+        done.update(((r["prompt"], r["sample"]), r) for r in records)
+        on_progress(total - len(jobs) + start + len(batch), total)
     return [_conversation(done[(p, s)]) for p in prompts for s in range(samples)]
+
+
+class JsonlStore:
+    """A run's own answers, one JSON line each, appended per chunk (an interrupted run keeps every finished
+    chunk; a last line cut short is dropped)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def records(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        records = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a line an interruption cut short: made again
+                continue
+        return records
+
+    def append(self, records: list[dict]) -> None:
+        cut = self.path.exists() and not self.path.read_bytes().endswith(b"\n") and self.path.stat().st_size > 0
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(("\n" if cut else "") + "".join(json.dumps(r) + "\n" for r in records))
 
 
 def _params(i: int, s: int, seed: int, max_new_tokens: int) -> SamplingParams:
@@ -77,19 +98,6 @@ def _params(i: int, s: int, seed: int, max_new_tokens: int) -> SamplingParams:
 def _conversation(record: dict) -> Conversation:
     return Conversation(tuple(record["prompt_ids"] + record["output_ids"]), len(record["prompt_ids"]),
                         record["sample"] == 0)
-
-
-def _read_records(path: Path) -> list[dict]:
-    """Finished records of a previous run; a last line cut short by an interruption is dropped."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return records
 
 
 class PackedCausalAttention:

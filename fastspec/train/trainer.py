@@ -25,13 +25,15 @@ from fastspec.kernels.cpu_linear import bf16_matmul_is_faster
 from fastspec.models.llama import eagle3_capture_layers
 from fastspec.models.loader import load_target, read_config, resolve_model_dir
 from fastspec.prompts import load_prompts, read_jsonl_prompts
-from fastspec.train.data import (Features, choose_draft_vocab, extract_features, generate_conversations, pack,
-                                 response_labels)
+from fastspec.train.corpus import Corpus
+from fastspec.train.data import (SAMPLED, Features, JsonlStore, choose_draft_vocab, extract_features,
+                                 generate_conversations, pack, response_labels)
 from fastspec.train.checkpoint import (atomic_save, export_head, head_config, init_head, load_artifact, load_checkpoint,
-                                       save_checkpoint)
+                                       save_checkpoint, warm_start)
 from fastspec.train.ttt import make_batch, ttt_loss
 
 EXPORTED = ("config.json", "model.safetensors")
+INITS = ("random", "target")
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,11 @@ class TrainConfig:
     max_prompts: int | None = None  # only the first N prompts
     samples_per_prompt: int = 1  # the first answer is greedy, the others sampled
     max_new_tokens: int = 256
+    corpus: Path | None = None  # a growing, committable store of the target's answers (train/corpus.py)
+    generate_only: bool = False  # stop once every answer is in the store (grow a corpus)
     draft_vocab_size: int = 4096
     soft_topk: int = 0  # > 0: train against the target's top-k next-token probabilities (soft labels), not argmax
+    init: str = "random"  # random | target: the midlayer and fc warm-started from the target (checkpoint.warm_start)
     ttt_steps: int = 5
     epochs: int = 6
     lr: float = 6e-4
@@ -70,6 +75,8 @@ class TrainConfig:
         if not 0 <= self.soft_topk <= self.draft_vocab_size:
             raise FastspecError(f"--soft-labels must be in [0, --draft-vocab-size {self.draft_vocab_size}], "
                                 f"got {self.soft_topk}")
+        if self.init not in INITS:
+            raise FastspecError(f"--init must be one of {', '.join(INITS)}, got {self.init!r}")
         if self.resume and self.overwrite:
             raise FastspecError("--resume and --overwrite exclude each other")
         if self.bf16 is None:
@@ -89,9 +96,13 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     _check_out(cfg)  # every input before anything is read, converted or deleted
     model_dir = resolve_model_dir(cfg.model)
     prompts = (read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train"))[:cfg.max_prompts]
+    corpus = Corpus(cfg.corpus, model_dir, _provenance(cfg)) if cfg.corpus else None  # refuses another target's
     work = _prepare_out(cfg)
     _check_same_target(work, model_dir)
-    conversations = _conversations(cfg, model_dir, prompts, work, on_progress)
+    store = corpus or JsonlStore(work / "conversations.jsonl")
+    conversations = _conversations(cfg, model_dir, prompts, store, on_progress)
+    if cfg.generate_only:
+        return {"conversations": len(conversations), "tokens": sum(len(c.ids) for c in conversations)}
     target_cfg = read_config(model_dir)
     target = load_target(model_dir, torch.float32, capture_layers=eagle3_capture_layers(target_cfg.num_layers, None))
     features = _features(target, conversations, work, cfg, on_progress)
@@ -100,6 +111,8 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
         raise FastspecError(f"{work / 'vocab.pt'} was chosen for a different target; use --overwrite to start over")
     head_json = head_config(json.loads((model_dir / "config.json").read_text()), len(vocab), target_cfg.num_layers)
     head = init_head(ModelConfig.from_hf(head_json), target, vocab, cfg.seed)
+    if cfg.init == "target":
+        warm_start(head, target, eagle3_capture_layers(target_cfg.num_layers, None))
     is_val = [_is_val(prompts, c, cfg) for c in range(len(conversations))]
     train_ids = [c for c, v in enumerate(is_val) if not v]
     val_ids = [c for c, v in enumerate(is_val) if v and conversations[c].greedy]
@@ -150,13 +163,19 @@ def _check_same_target(work: Path, model_dir: Path) -> None:
     path.write_text(json.dumps(record) + "\n")
 
 
-def _conversations(cfg, model_dir, prompts, work, on_progress):
+def _provenance(cfg: TrainConfig) -> dict:
+    """What made a corpus shard: enough to make it again."""
+    return {"command": "fastspec train-draft", "seed": cfg.seed, "max_new_tokens": cfg.max_new_tokens,
+            "first_sample": "greedy", "other_samples": SAMPLED, "dtype": "float32", "batch": cfg.generate_batch}
+
+
+def _conversations(cfg, model_dir, prompts, store, on_progress):
     from fastspec.llm import LLM
 
     llm = LLM(model=str(model_dir), speculative_algorithm="NONE", max_running_requests=cfg.generate_batch,
               max_total_tokens=cfg.generate_batch * (cfg.max_new_tokens + 512))
     report = lambda done, total: on_progress(Progress("generate", done, total))  # noqa: E731
-    return generate_conversations(llm, prompts, work / "conversations.jsonl", cfg.samples_per_prompt,
+    return generate_conversations(llm, prompts, store, cfg.samples_per_prompt,
                                   cfg.max_new_tokens, cfg.seed, cfg.generate_batch, report)
 
 

@@ -1,0 +1,115 @@
+"""The corpus: a target's own answers, kept as they grow, so that every `train-draft` run adds to all the data
+before it (and a corpus can be committed: ~2 bytes a token).
+
+A corpus is one directory per target: `corpus.json` (the target's name and a digest of its weights) and
+immutable shards `shard-NNNNN.npz`: compressed int32 token ids of the answers a run generated, with what made
+them (command, seed, sampling, dtype, date). A shard is written to a temporary file and renamed into place, never
+rewritten; a corpus of another target is refused, and a damaged shard is one error naming it. Knows nothing
+about generation or training: `data.generate_conversations` decides what to add.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastspec.errors import FastspecError
+
+FORMAT = 1
+MANIFEST = "corpus.json"
+
+
+class Corpus:
+    """`records()` -> every answer so far; `append(records)` -> one new shard. Records are
+    {"prompt": str, "sample": int, "prompt_ids": [int], "output_ids": [int]}."""
+
+    def __init__(self, root: Path, target_dir: Path, provenance: dict):
+        self.root, self.provenance = Path(root), provenance
+        self.target = {"name": Path(target_dir).name, "weights": weights_digest(target_dir)}
+        manifest = self.root / MANIFEST
+        if manifest.exists():
+            saved = _read(manifest, lambda p: json.loads(p.read_text()))
+            if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+                raise FastspecError(f"{manifest}: not a fastspec corpus (format {FORMAT})")
+            if saved.get("target", {}).get("weights") != self.target["weights"]:
+                raise FastspecError(f"corpus {self.root} holds answers of another target "
+                                    f"({saved.get('target', {}).get('name')}), not of {target_dir}")
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
+            _write_atomic(manifest, (json.dumps({"format": FORMAT, "target": self.target}, indent=1) + "\n").encode())
+
+    def shards(self) -> list[Path]:
+        return sorted(self.root.glob("shard-*.npz"))
+
+    def records(self) -> list[dict]:
+        return [r for shard in self.shards() for r in _read(shard, _read_shard)]
+
+    def append(self, records: list[dict]) -> Path:
+        """Write `records` as the next shard (atomically); returns its path."""
+        lengths = [(len(r["prompt_ids"]), len(r["output_ids"])) for r in records]
+        tokens = np.array([t for r in records for t in (*r["prompt_ids"], *r["output_ids"])], dtype=np.int32)
+        meta = {"prompts": [r["prompt"] for r in records], "samples": [r["sample"] for r in records],
+                "made_by": self.provenance | {"date": time.strftime("%Y-%m-%d %H:%M:%S")}}
+        index = int(self.shards()[-1].stem.split("-")[1]) + 1 if self.shards() else 0
+        path = self.root / f"shard-{index:05d}.npz"
+        with tempfile.NamedTemporaryFile(dir=self.root, prefix=".shard-", suffix=".tmp", delete=False) as f:
+            np.savez_compressed(f, tokens=tokens, lengths=np.array(lengths, dtype=np.int32).reshape(-1, 2),
+                                meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(f.name, 0o644)  # a data file like any other (the temporary file is private)
+        try:
+            os.link(f.name, path)  # fails if another run took this index: never overwrite a shard
+        finally:
+            os.unlink(f.name)
+        return path
+
+
+def weights_digest(model_dir: Path) -> str:
+    """sha256 over the target's tensors (names, dtypes, shapes, values) and config: the same for the same
+    weights however the files are laid out."""
+    from fastspec.models.loader import read_state_dict
+
+    h = hashlib.sha256(json.dumps(json.loads((Path(model_dir) / "config.json").read_text()).get("architectures"))
+                       .encode())
+    for name, t in sorted(read_state_dict(Path(model_dir)).items()):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:20]
+
+
+def _read_shard(path: Path) -> list[dict]:
+    with np.load(path, allow_pickle=False) as z:
+        tokens, lengths = z["tokens"].tolist(), z["lengths"].tolist()
+        meta = json.loads(z["meta"].tobytes())
+    if len(lengths) != len(meta["prompts"]) or sum(a + b for a, b in lengths) != len(tokens):
+        raise ValueError("lengths do not match the tokens")
+    out, start = [], 0
+    for prompt, sample, (n_prompt, n_output) in zip(meta["prompts"], meta["samples"], lengths):
+        out.append({"prompt": prompt, "sample": sample, "prompt_ids": tokens[start:start + n_prompt],
+                    "output_ids": tokens[start + n_prompt:start + n_prompt + n_output]})
+        start += n_prompt + n_output
+    return out
+
+
+def _read(path: Path, read):
+    try:
+        return read(path)
+    except Exception as e:  # truncated zip, bad JSON, missing arrays: whatever damage holds
+        reason = (str(e).splitlines() or [e.__class__.__name__])[0][:120]
+        raise FastspecError(f"corpus file {path} is damaged ({reason}); move it away to continue") from None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
