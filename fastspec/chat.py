@@ -97,9 +97,12 @@ class ChatSession:
         None if there is nothing to write. A new file each time, whole or not at all (OSError if impossible)."""
         if not self.messages and not self.cleared:
             return None
-        record = {"system": self.system, "messages": self.messages, "cleared": self.cleared}
         return write_new_file(directory, time.strftime("chat-%Y%m%d-%H%M%S"), ".json",
-                              json.dumps(record, indent=1, ensure_ascii=False))
+                              json.dumps(self.record(), indent=1, ensure_ascii=False))
+
+    def record(self) -> dict:
+        """Everything said: the current conversation and those cleared by /reset."""
+        return {"system": self.system, "messages": self.messages, "cleared": self.cleared}
 
 
 def write_new_file(directory: Path, stem: str, suffix: str, text: str) -> Path:

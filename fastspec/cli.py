@@ -163,9 +163,8 @@ def save_chat(session, directory) -> None:
     try:
         saved = session.save(directory)
     except OSError as e:
-        record = {"system": session.system, "messages": session.messages, "cleared": session.cleared}
         typer.echo(f"error: cannot save the conversation in {directory} ({e.strerror or e}): "
-                   f"{json.dumps(record, ensure_ascii=False)}", err=True)
+                   f"{json.dumps(session.record(), ensure_ascii=False)}", err=True)
         return
     if saved is not None and sys.stdin.isatty():
         typer.echo(f"conversation saved to {saved}", err=True)
