@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastspec.files import write_new
 from fastspec.metrics import SpecMetrics
 from fastspec.sampling import SamplingParams
 
@@ -97,29 +96,12 @@ class ChatSession:
         None if there is nothing to write. A new file each time, whole or not at all (OSError if impossible)."""
         if not self.messages and not self.cleared:
             return None
-        return write_new_file(directory, time.strftime("chat-%Y%m%d-%H%M%S"), ".json",
-                              json.dumps(self.record(), indent=1, ensure_ascii=False))
+        stem = time.strftime("chat-%Y%m%d-%H%M%S")
+        text = json.dumps(self.record(), indent=1, ensure_ascii=False).encode()
+        names = (f"{stem}{'' if n == 1 else f'-{n}'}.json" for n in itertools.count(1))  # two chats in a second
+        return write_new(directory, names, lambda f: f.write(text))
 
     def record(self) -> dict:
         """Everything said: the current conversation and those cleared by /reset."""
         return {"system": self.system, "messages": self.messages, "cleared": self.cleared}
 
-
-def write_new_file(directory: Path, stem: str, suffix: str, text: str) -> Path:
-    """`directory/stem{suffix}` (or `stem-2{suffix}`, ...: never an existing file), written to a temporary file
-    and linked into place, so a reader or a crash never sees half of it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        for n in itertools.count(1):
-            path = directory / f"{stem}{'' if n == 1 else f'-{n}'}{suffix}"
-            try:
-                os.link(tmp, path)  # fails if the name is taken
-                return path
-            except FileExistsError:
-                continue
-    finally:
-        os.unlink(tmp)

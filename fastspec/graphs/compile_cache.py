@@ -16,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from fastspec.errors import first_line
+
 log = logging.getLogger(__name__)
 DYNAMO_RECOMPILE_LIMIT = 1024  # one dynamo cache entry per bucket (and per runner sharing a function)
 DAMAGE = (pickle.UnpicklingError, EOFError, SyntaxError, ImportError, OSError)  # how a damaged entry fails
@@ -62,7 +64,7 @@ def renew_compile_cache(error: BaseException) -> bool:
         atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
         where = f"compiling into {os.environ['TORCHINDUCTOR_CACHE_DIR']} instead"
     _clear_loaded_modules()
-    log.warning("the compiled-graph cache held a damaged entry (%s); %s", _first_line(damage), where)
+    log.warning("the compiled-graph cache held a damaged entry (%s); %s", first_line(damage, 200), where)
     return True
 
 
@@ -98,8 +100,3 @@ def _torch_default_cache_dir() -> str | None:
     except ImportError:  # older torch: only an unset variable is replaced
         return None
     return os.path.abspath(default_cache_dir())
-
-
-def _first_line(error: BaseException) -> str:
-    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-    return f"{type(error).__name__}: {first}"[:200]

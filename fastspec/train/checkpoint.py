@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from fastspec.config import ModelConfig
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, first_line
+from fastspec.files import read_or_refuse, write_atomic
 from fastspec.models.eagle import LlamaForCausalLMEagle3
 from fastspec.models.llama import eagle3_capture_layers
 
@@ -92,8 +93,7 @@ def load_checkpoint(path: Path, head, opt) -> int:
         step = int(saved["step"])
     except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
         raise FastspecError(f"{path} does not fit this run (another target or draft vocabulary?) "
-                            f"({(str(e).splitlines() or [e.__class__.__name__])[0][:120]}); use --overwrite to start "
-                            "over") from None
+                            f"({first_line(e)}); use --overwrite to start over") from None
     return step
 
 
@@ -111,14 +111,8 @@ def export_head(head, head_json: dict, vocab: torch.Tensor, out: Path) -> None:
 
 def load_artifact(path: Path, read):
     """read(path), or a one-line FastspecError naming the file when it is truncated, corrupt or not ours."""
-    try:
-        return read(path)
-    except Exception as e:  # torch.load and json raise many kinds on damaged input
-        reason = str(e).splitlines()[0][:120] if str(e) else e.__class__.__name__
-        raise FastspecError(f"{path}: unreadable ({reason}); use --overwrite to start over") from None
+    return read_or_refuse(path, read, "use --overwrite to start over")
 
 
 def atomic_save(obj, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: torch.save(obj, f))

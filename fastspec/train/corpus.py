@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,9 +19,11 @@ import numpy as np
 import torch
 
 from fastspec.errors import FastspecError
+from fastspec.files import read_or_refuse, write_atomic, write_new
 
 FORMAT = 1
 MANIFEST = "corpus.json"
+MOVE_AWAY = "move it away to continue"
 
 
 class Corpus:
@@ -35,21 +35,21 @@ class Corpus:
         self.target = {"name": Path(target_dir).name, "weights": weights_digest(target_dir)}
         manifest = self.root / MANIFEST
         if manifest.exists():
-            saved = _read(manifest, lambda p: json.loads(p.read_text()))
+            saved = read_or_refuse(manifest, lambda p: json.loads(p.read_text()), MOVE_AWAY)
             if not isinstance(saved, dict) or saved.get("format") != FORMAT:
                 raise FastspecError(f"{manifest}: not a fastspec corpus (format {FORMAT})")
             if saved.get("target", {}).get("weights") != self.target["weights"]:
                 raise FastspecError(f"corpus {self.root} holds answers of another target "
                                     f"({saved.get('target', {}).get('name')}), not of {target_dir}")
         else:
-            self.root.mkdir(parents=True, exist_ok=True)
-            _write_atomic(manifest, (json.dumps({"format": FORMAT, "target": self.target}, indent=1) + "\n").encode())
+            manifest_text = json.dumps({"format": FORMAT, "target": self.target}, indent=1) + "\n"
+            write_atomic(manifest, lambda f: f.write(manifest_text.encode()))
 
     def shards(self) -> list[Path]:
         return sorted(self.root.glob("shard-*.npz"))
 
     def records(self) -> list[dict]:
-        return [r for shard in self.shards() for r in _read(shard, _read_shard)]
+        return [r for shard in self.shards() for r in read_or_refuse(shard, _read_shard, MOVE_AWAY)]
 
     def append(self, records: list[dict]) -> Path:
         """Write `records` as the next shard (atomically); returns its path."""
@@ -58,18 +58,9 @@ class Corpus:
         meta = {"prompts": [r["prompt"] for r in records], "samples": [r["sample"] for r in records],
                 "made_by": self.provenance | {"date": time.strftime("%Y-%m-%d %H:%M:%S")}}
         index = int(self.shards()[-1].stem.split("-")[1]) + 1 if self.shards() else 0
-        path = self.root / f"shard-{index:05d}.npz"
-        with tempfile.NamedTemporaryFile(dir=self.root, prefix=".shard-", suffix=".tmp", delete=False) as f:
-            np.savez_compressed(f, tokens=tokens, lengths=np.array(lengths, dtype=np.int32).reshape(-1, 2),
-                                meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(f.name, 0o644)  # a data file like any other (the temporary file is private)
-        try:
-            os.link(f.name, path)  # fails if another run took this index: never overwrite a shard
-        finally:
-            os.unlink(f.name)
-        return path
+        return write_new(self.root, [f"shard-{index:05d}.npz"], lambda f: np.savez_compressed(  # never overwrite
+            f, tokens=tokens, lengths=np.array(lengths, dtype=np.int32).reshape(-1, 2),
+            meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)))
 
 
 def weights_digest(model_dir: Path) -> str:
@@ -97,19 +88,3 @@ def _read_shard(path: Path) -> list[dict]:
                     "output_ids": tokens[start + n_prompt:start + n_prompt + n_output]})
         start += n_prompt + n_output
     return out
-
-
-def _read(path: Path, read):
-    try:
-        return read(path)
-    except Exception as e:  # truncated zip, bad JSON, missing arrays: whatever damage holds
-        reason = (str(e).splitlines() or [e.__class__.__name__])[0][:120]
-        raise FastspecError(f"corpus file {path} is damaged ({reason}); move it away to continue") from None
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)

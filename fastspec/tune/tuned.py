@@ -12,13 +12,13 @@ import hashlib
 import json
 import os
 import platform
-import tempfile
 from pathlib import Path
 
 import torch
 
 from fastspec.config import Schedule, SpecParams, check_tree
 from fastspec.errors import FastspecError
+from fastspec.files import write_atomic
 from fastspec.models.embedded import cache_root
 
 VERSION = 1
@@ -37,21 +37,9 @@ def tuned_path(model_dir: Path, draft_dir: Path, dtype: str, device: str) -> Pat
 
 def save_tuned(path: Path, print_: dict, tiers: list[dict]) -> None:
     """tiers: [{"max_batch_size", "params": [num_steps, topk, num_draft_tokens] or null, ...measurements}].
-    Written to a private temporary file, synced, then renamed over `path`: a reader sees the old file or the
-    new one, never half of one (also with two tunes at once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    Written atomically: a reader sees the old file or the new one, never half of one (also with two tunes at once)."""
     text = json.dumps({"version": VERSION, "fingerprint": print_, "tiers": tiers}, indent=1) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def read_tuned(path: Path) -> dict:
