@@ -22,7 +22,7 @@ from fastspec.llm import LLM
 from fastspec.models.loader import read_config
 from fastspec.sampling import SamplingParams
 from fastspec.train.data import Features, choose_draft_vocab, pack
-from fastspec.train.trainer import TrainConfig, train_draft
+from fastspec.train.trainer import TrainConfig, schedule, train_draft
 from fastspec.train.ttt import NO_LABEL, TTTAttention, make_batch, soft_cross_entropy
 
 from tiny_models import write_chat_target, write_prompt_file
@@ -155,6 +155,22 @@ def test_draft_vocab_is_the_most_frequent_labels_and_packing_keeps_order():
     labels = torch.tensor([5, 5, 5, 7, 7, 2, 9, 9, 9, 9, 3, 3])
     assert choose_draft_vocab(labels, 10, 3).tolist() == [3, 5, 9]  # 9x4, 5x3, then 3 and 7 tie: lower id
     assert pack([5, 3, 4, 10, 1], 8) == [[0, 1], [2], [3], [4]]
+
+
+def test_the_schedule_covers_every_conversation_once_an_epoch_however_each_shuffle_packs(tmp_path):
+    lengths = [300, 200, 260, 250, 40, 500, 120, 330, 90, 410, 210, 60]  # shuffles pack into 5 to 7 batches
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    features = Features(torch.zeros(0), torch.zeros(0), torch.zeros(0), offsets, torch.zeros(len(lengths)))
+    ids = [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11]  # 6 held out
+    cfg = TrainConfig(out=tmp_path, epochs=6, batch_tokens=512, bf16=False)
+    plan = schedule(features, ids, cfg)
+    assert len({sum(1 for e, _ in plan if e == epoch) for epoch in range(6)}) > 1  # the case that once crashed
+    for epoch in range(6):
+        batches = [group for e, group in plan if e == epoch]
+        assert sorted(c for group in batches for c in group) == ids
+        assert all(len(group) == 1 or sum(lengths[c] for c in group) <= 512 for group in batches)
+    assert [e for e, _ in plan] == sorted(e for e, _ in plan)
+    assert plan == schedule(features, ids, cfg)  # a resumed run follows the same plan
 
 
 def test_resuming_with_another_target_is_a_one_line_error(chat_target, prompt_file, tiny_dirs, tmp_path):

@@ -219,19 +219,16 @@ def _is_val(prompts: list[str], conversation: int, cfg: TrainConfig) -> bool:
 def _fit(head, features, train_ids, val_ids, t2d, cfg: TrainConfig, work: Path, on_progress) -> dict:
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    epoch_groups = lambda epoch: _epoch_groups(features, train_ids, cfg, epoch)  # noqa: E731
-    per_epoch = len(epoch_groups(0))
-    total = per_epoch * cfg.epochs
+    plan = schedule(features, train_ids, cfg)
+    total = len(plan)
     start = load_checkpoint(work / "checkpoint.pt", head, opt)
-    groups, info, began = None, {}, time.perf_counter()
+    info, began = {}, time.perf_counter()
     for step in range(start, total):
-        epoch, b = divmod(step, per_epoch)
-        if groups is None or b == 0:
-            groups = epoch_groups(epoch)
+        epoch, group = plan[step]
         for g in opt.param_groups:
             g["lr"] = _lr(step, total, cfg.lr)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            stats = ttt_loss(head, make_batch(features, groups[b], t2d, cfg.ttt_steps))
+            stats = ttt_loss(head, make_batch(features, group, t2d, cfg.ttt_steps))
         stats.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -246,11 +243,17 @@ def _fit(head, features, train_ids, val_ids, t2d, cfg: TrainConfig, work: Path, 
         "val_conversations": len(val_ids), "seconds_this_run": round(time.perf_counter() - began, 1)}
 
 
-def _epoch_groups(features: Features, ids: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
-    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch)).tolist()
-    shuffled = [ids[i] for i in order]
+def schedule(features: Features, ids: list[int], cfg: TrainConfig) -> list[tuple[int, list[int]]]:
+    """Every optimiser step's (epoch, conversations): each epoch a fresh shuffle of `ids` packed into batches.
+    Fixed by the seed, so a resumed run continues the same plan; epochs may pack into different numbers of
+    batches (a shuffle decides how well sequences fill `batch_tokens`)."""
     lengths = (features.offsets[1:] - features.offsets[:-1]).tolist()
-    return [[shuffled[i] for i in g] for g in pack([lengths[c] for c in shuffled], cfg.batch_tokens)]
+    plan = []
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(cfg.seed * 7919 + epoch)).tolist()
+        shuffled = [ids[i] for i in order]
+        plan += [(epoch, [shuffled[i] for i in g]) for g in pack([lengths[c] for c in shuffled], cfg.batch_tokens)]
+    return plan
 
 
 def _lr(step: int, total: int, peak: float) -> float:
