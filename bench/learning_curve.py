@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import time
 import zlib
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from fastspec.train.trainer import TrainConfig, train_draft
 VARIANTS = {"hard-random": (0, "random"), "soft-random": (32, "random"), "hard-target": (0, "target"),
             "soft-target": (32, "target")}
 RESULTS = Path(__file__).parent / "results" / "learning_curve.json"
+DEFAULTS = {"epochs": 4, "lr": 8e-4, "batch_tokens": 2048}  # what the first points (which did not record them) ran with
 
 
 def split_prompts(val_fraction: float) -> tuple[list[str], list[str]]:
@@ -33,20 +37,49 @@ def split_prompts(val_fraction: float) -> tuple[list[str], list[str]]:
     return held, [p for p in prompts if p not in set(held)]
 
 
+def settings(args) -> dict:
+    """What besides variant and fraction makes a point: points that differ in these are different points."""
+    return {"epochs": args.epochs, "lr": args.lr, "batch_tokens": args.batch_tokens}
+
+
 def train_point(args, variant: str, fraction: float, held: list[str], train: list[str]) -> dict:
     soft, init = VARIANTS[variant]
     chosen = held + train[: max(1, round(fraction * len(train)))]
-    work = Path(args.work) / f"{variant}-{fraction}"
-    work.mkdir(parents=True, exist_ok=True)
+    tag = "-".join(f"{k}{v}" for k, v in settings(args).items())
+    work = Path(args.work) / f"{variant}-{fraction}-{tag}"
+    (work / "head" / "train").mkdir(parents=True, exist_ok=True)
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in chosen))
+    _share_features(Path(args.work), work, f"{'soft' if soft else 'hard'}-", fraction)
     cfg = TrainConfig(out=work / "head", prompts=prompts, corpus=Path(args.corpus), soft_topk=soft, init=init,
                       epochs=args.epochs, draft_vocab_size=args.draft_vocab_size, val_fraction=args.val_fraction,
-                      lr=args.lr, resume=(work / "head").exists())
-    report = train_draft(cfg, lambda p: None)
-    return {"variant": variant, "fraction": fraction, "train_tokens": report["train_tokens"],
-            "seconds": report["seconds_this_run"], "val_acceptance": report["val_acceptance"],
-            "val_chain_tau": report["val_chain_tau"], "epochs": args.epochs}
+                      lr=args.lr, batch_tokens=args.batch_tokens, resume=True)
+    history, began = [], time.perf_counter()
+
+    def record(progress) -> None:  # every evaluation: the curve against wall-clock inside one run
+        if progress.phase == "train" and "val_chain_tau" in progress.info:
+            history.append({"step": progress.done, "seconds": round(time.perf_counter() - began, 1),
+                            "val_chain_tau": progress.info["val_chain_tau"],
+                            "depth0": progress.info["val_acceptance"][0]})
+
+    report = train_draft(cfg, record)
+    return {"variant": variant, "fraction": fraction, **settings(args), "train_tokens": report["train_tokens"],
+            "steps": report["steps"], "seconds": report["seconds_this_run"],
+            "val_acceptance": report["val_acceptance"], "val_chain_tau": report["val_chain_tau"], "history": history}
+
+
+def _share_features(root: Path, work: Path, labels: str, fraction: float) -> None:
+    """Link the features, vocabulary and target record of an earlier point on the same data (same labels and
+    fraction) into `work`, so a point that changes only training settings skips feature extraction.
+    train-draft checks the features' key against the conversations, so a wrong guess only costs the extraction."""
+    mine = work / "head" / "train"
+    if (mine / "features.pt").exists():
+        return
+    for other in sorted(root.glob(f"{labels}*-{fraction}*/head/train/features.pt")):
+        for name in ("features.pt", "vocab.pt", "target.json"):
+            if (other.parent / name).exists() and not (mine / name).exists():
+                os.link(other.parent / name, mine / name)
+        return
 
 
 def plot(points: list[dict], path: Path) -> None:
@@ -59,16 +92,46 @@ def plot(points: list[dict], path: Path) -> None:
         print("no PNG: pip install matplotlib")
         return
     fig, (by_tokens, by_seconds) = plt.subplots(1, 2, figsize=(10, 4))
-    for variant in VARIANTS:
-        mine = sorted((p for p in points if p["variant"] == variant), key=lambda p: p["train_tokens"])
-        if mine:
-            by_tokens.plot([p["train_tokens"] for p in mine], [p["val_chain_tau"] for p in mine], "o-", label=variant)
-            by_seconds.plot([p["seconds"] for p in mine], [p["val_chain_tau"] for p in mine], "o-", label=variant)
+    for label in dict.fromkeys(_label(p) for p in points):
+        mine = sorted((p for p in points if _label(p) == label), key=lambda p: p["train_tokens"])
+        by_tokens.plot([p["train_tokens"] for p in mine], [p["val_chain_tau"] for p in mine], "o-", label=label)
+        for p in mine:  # each run's evaluations against its own wall-clock
+            run = p.get("history") or [{"seconds": p["seconds"], "val_chain_tau": p["val_chain_tau"]}]
+            by_seconds.plot([h["seconds"] for h in run], [h["val_chain_tau"] for h in run], ".-", label=None)
     by_tokens.set_xscale("log"), by_tokens.set_xlabel("training tokens"), by_tokens.set_ylabel("held-out chain tau")
     by_seconds.set_xlabel("training seconds (this machine)"), by_tokens.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
+
+
+def slopes(points: list[dict]) -> list[str]:
+    """Per label with two or more data sizes: least-squares tau = a + b log10(tokens), and what +0.5 tau costs
+    in tokens and (at the run's measured seconds per token-epoch) in training time on this machine."""
+    lines = []
+    for label in dict.fromkeys(_label(p) for p in points):
+        mine = [p for p in points if _label(p) == label]
+        if len({p["train_tokens"] for p in mine}) < 2:
+            continue
+        xs = [math.log10(p["train_tokens"]) for p in mine]
+        ys = [p["val_chain_tau"] for p in mine]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        top = max(mine, key=lambda p: p["train_tokens"])
+        per_token_epoch = top["seconds"] / (top["train_tokens"] * top.get("epochs", DEFAULTS["epochs"]))
+        if b <= 0:
+            lines.append(f"{label}: tau does not rise with data ({b:+.3f} per 10x)")
+            continue
+        factor = 10 ** (0.5 / b)
+        hours = top["train_tokens"] * factor * top.get("epochs", DEFAULTS["epochs"]) * per_token_epoch / 3600
+        lines.append(f"{label}: {b:+.3f} tau per 10x tokens; +0.5 tau over {top['train_tokens']} tokens needs "
+                     f"{factor:.0f}x the tokens, ~{hours:.0f} h of training here (answer generation not counted)")
+    return lines
+
+
+def _label(point: dict) -> str:
+    changed = [f"{k} {point.get(k, DEFAULTS[k])}" for k in DEFAULTS if point.get(k, DEFAULTS[k]) != DEFAULTS[k]]
+    return ", ".join([point["variant"], *changed])
 
 
 def main() -> None:
@@ -77,6 +140,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=8e-4)
+    ap.add_argument("--batch-tokens", type=int, default=2048)
     ap.add_argument("--draft-vocab-size", type=int, default=6144)
     ap.add_argument("--val-fraction", type=float, default=0.04)
     ap.add_argument("--corpus", default="data/corpus/smollm2-135m-instruct")
@@ -86,8 +150,8 @@ def main() -> None:
     held, train = split_prompts(args.val_fraction)
     for variant in args.variants.split(","):
         for fraction in (float(f) for f in args.fractions.split(",")):
-            if any(p["variant"] == variant and p["fraction"] == fraction and p["epochs"] == args.epochs
-                   for p in points):
+            if any(p["variant"] == variant and p["fraction"] == fraction
+                   and all(p.get(k, DEFAULTS[k]) == v for k, v in settings(args).items()) for p in points):
                 continue
             point = train_point(args, variant, fraction, held, train)
             print(json.dumps(point))
@@ -95,6 +159,7 @@ def main() -> None:
             RESULTS.parent.mkdir(exist_ok=True)
             RESULTS.write_text(json.dumps({"points": points}, indent=1) + "\n")
     plot(points, RESULTS.with_suffix(".png"))
+    print("\n".join(slopes(points)))
 
 
 if __name__ == "__main__":
