@@ -44,6 +44,8 @@ def train_draft(
     bf16: Annotated[Optional[bool], typer.Option(
         help="bf16 autocast (float32 master weights); default: only where bf16 is measured faster on this CPU.")
     ] = None,
+    device: Annotated[str, typer.Option(help="cpu | cuda[:N]: where answers, features and training run.")]
+    = TrainConfig.device,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Discard the run in --out and start over.")] = False,
 ):
@@ -57,7 +59,8 @@ def train_draft(
                       max_prompts=max_prompts, samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
                       draft_vocab_size=draft_vocab_size, init=init, soft_topk=soft_labels, ttt_steps=ttt_steps,
                       epochs=epochs, lr=lr, batch_tokens=batch_tokens, val_fraction=val_fraction,
-                      checkpoint_every=checkpoint_every, seed=seed, bf16=bf16, resume=resume, overwrite=overwrite)
+                      checkpoint_every=checkpoint_every, seed=seed, bf16=bf16, device=device, resume=resume,
+                      overwrite=overwrite)
     console = Console(stderr=True)
     tasks, accept = {}, ""
     # a live bar on a terminal; in a log, one line per held-out evaluation instead of a bar's last frame

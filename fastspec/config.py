@@ -19,6 +19,17 @@ DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_device(device: str) -> None:
+    """`cpu`, or `cuda` / `cuda:N` naming a GPU this process can see; else a one-line FastspecError."""
+    index = device[len("cuda:"):] if device.startswith("cuda:") else None
+    if device not in ("cpu", "cuda") and not (index and index.isdigit()):
+        raise FastspecError(f"--device must be cpu or cuda[:N], got {device!r}")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise FastspecError(f"--device {device}: no CUDA device is visible to torch here")
+    if index and int(index) >= torch.cuda.device_count():
+        raise FastspecError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise FastspecError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
@@ -207,8 +218,7 @@ class EngineConfig:
             raise FastspecError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_running_requests < 1:
             raise FastspecError(f"max-running-requests must be >= 1, got {self.max_running_requests}")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise FastspecError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        check_device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -84,6 +84,29 @@ def test_exported_head_is_the_eagle3_format_and_decodes_losslessly(trained, chat
     assert [o.output_ids for o in spec] == [o.output_ids for o in plain]
 
 
+@pytest.mark.gpu
+def test_training_on_cuda_lowers_the_loss_and_its_head_decodes_losslessly(chat_target, prompt_file, tmp_path):
+    out = tmp_path / "head"
+    events = []
+    report = train_draft(tiny_config(out, chat_target, prompt_file, device="cuda"), events.append)
+    losses = [e.info["loss"] for e in events if e.phase == "train"]
+    assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3 and report["val_chain_tau"] >= 1
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = LLM(model=str(chat_target)).generate([[1, 5, 9, 13]], params)
+    spec = LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(out), num_steps=3, topk=2,
+               num_draft_tokens=5).generate([[1, 5, 9, 13]], params)
+    assert spec[0].output_ids == plain[0].output_ids
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "must be cpu or cuda"), ("cuda:x", "must be cpu or cuda"),
+                                             ("cuda:99", "cuda:99")])
+def test_a_bad_or_missing_device_is_one_line_before_anything_is_written(chat_target, tmp_path, device, message):
+    result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "o"), "--model", str(chat_target),
+                                      "--device", device])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
 def test_an_interrupted_run_resumes_from_its_last_checkpoint(chat_target, prompt_file, tmp_path):
     out = tmp_path / "head"
     cfg = tiny_config(out, chat_target, prompt_file, epochs=3)

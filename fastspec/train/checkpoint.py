@@ -6,11 +6,10 @@ Knows nothing about data or the training loop.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from fastspec.config import ModelConfig
 from fastspec.errors import FastspecError, first_line
@@ -86,7 +85,7 @@ def load_checkpoint(path: Path, head, opt) -> int:
     """The step to continue from (0 without a checkpoint)."""
     if not path.exists():
         return 0
-    saved = load_artifact(path, lambda p: torch.load(p, weights_only=True))
+    saved = load_artifact(path, lambda p: torch.load(p, weights_only=True, map_location="cpu"))
     try:
         head.load_state_dict(saved["head"], strict=False)
         opt.load_state_dict(saved["optimizer"])
@@ -100,13 +99,11 @@ def load_checkpoint(path: Path, head, opt) -> int:
 def export_head(head, head_json: dict, vocab: torch.Tensor, out: Path) -> None:
     """config.json + model.safetensors (bf16 weights, int64 d2t, bool t2d), written atomically."""
     skip = ("embed_tokens.", "rope.")
-    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous().cpu()
              for k, v in head.state_dict().items() if not k.startswith(skip)}
-    state["t2d"] = torch.zeros(head_json["vocab_size"], dtype=torch.bool).index_fill_(0, vocab, True)
-    tmp = out / "model.safetensors.tmp"
-    save_file(state, str(tmp))
-    os.replace(tmp, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(head_json, indent=2) + "\n")
+    state["t2d"] = torch.zeros(head_json["vocab_size"], dtype=torch.bool).index_fill_(0, vocab.cpu(), True)
+    write_atomic(out / "model.safetensors", lambda f: f.write(save(state)))
+    write_atomic(out / "config.json", lambda f: f.write((json.dumps(head_json, indent=2) + "\n").encode()))
 
 
 def load_artifact(path: Path, read):

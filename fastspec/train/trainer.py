@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fastspec.config import ModelConfig
+from fastspec.config import ModelConfig, check_device
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import bf16_matmul_is_faster
 from fastspec.models.llama import eagle3_capture_layers
@@ -56,7 +56,8 @@ class TrainConfig:
     val_fraction: float = 0.05
     checkpoint_every: int = 50
     seed: int = 0
-    bf16: bool | None = None  # autocast, master weights stay float32; None: where bf16 is measured faster here
+    bf16: bool | None = None  # autocast, master weights stay float32; None: on a GPU, or a CPU measured faster in bf16
+    device: str = "cpu"  # cpu | cuda[:N]: where the target answers, features are computed and the head trains
     resume: bool = False
     overwrite: bool = False
     generate_batch: int = 64
@@ -79,8 +80,9 @@ class TrainConfig:
             raise FastspecError(f"--init must be one of {', '.join(INITS)}, got {self.init!r}")
         if self.resume and self.overwrite:
             raise FastspecError("--resume and --overwrite exclude each other")
-        if self.bf16 is None:
-            object.__setattr__(self, "bf16", bf16_matmul_is_faster())  # resolved once, recorded in report.json
+        check_device(self.device)
+        if self.bf16 is None:  # resolved once, recorded in report.json
+            object.__setattr__(self, "bf16", self.device != "cpu" or bf16_matmul_is_faster())
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,8 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     if cfg.generate_only:
         return {"conversations": len(conversations), "tokens": sum(len(c.ids) for c in conversations)}
     target_cfg = read_config(model_dir)
-    target = load_target(model_dir, torch.float32, capture_layers=eagle3_capture_layers(target_cfg.num_layers, None))
+    target = load_target(model_dir, torch.float32, cfg.device,
+                         capture_layers=eagle3_capture_layers(target_cfg.num_layers, None))
     features = _features(target, conversations, work, cfg, on_progress)
     vocab = _vocab(features, target_cfg.vocab_size, cfg.draft_vocab_size, work)
     if int(vocab.max()) >= target_cfg.vocab_size:
@@ -113,12 +116,14 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     head = init_head(ModelConfig.from_hf(head_json), target, vocab, cfg.seed)
     if cfg.init == "target":
         warm_start(head, target, eagle3_capture_layers(target_cfg.num_layers, None))
+    head.to(cfg.device)
     is_val = [_is_val(prompts, c, cfg) for c in range(len(conversations))]
     train_ids = [c for c, v in enumerate(is_val) if not v]
     val_ids = [c for c, v in enumerate(is_val) if v and conversations[c].greedy]
     if not train_ids:
         raise FastspecError("no training conversations (every prompt fell in the validation split)")
     t2d = torch.full((target_cfg.vocab_size,), -1, dtype=torch.int64).index_put_((vocab,), torch.arange(len(vocab)))
+    del target  # the head keeps the embedding and nothing else of it
     report = _fit(head, features, train_ids, val_ids, t2d, cfg, work, on_progress)
     export_head(head, head_json, vocab, cfg.out)
     (work / "report.json").write_text(json.dumps(report | {"config": _jsonable(asdict(cfg))}, indent=1))
@@ -173,7 +178,7 @@ def _conversations(cfg, model_dir, prompts, store, on_progress):
     from fastspec.llm import LLM
 
     llm = LLM(model=str(model_dir), speculative_algorithm="NONE", max_running_requests=cfg.generate_batch,
-              max_total_tokens=cfg.generate_batch * (cfg.max_new_tokens + 512))
+              max_total_tokens=cfg.generate_batch * (cfg.max_new_tokens + 512), device=cfg.device)
     report = lambda done, total: on_progress(Progress("generate", done, total))  # noqa: E731
     return generate_conversations(llm, prompts, store, cfg.samples_per_prompt,
                                   cfg.max_new_tokens, cfg.seed, cfg.generate_batch, report)
@@ -187,7 +192,7 @@ def _features(target, conversations, work: Path, cfg: TrainConfig, on_progress) 
     path = work / "features.pt"
     if path.exists():
         try:
-            saved = torch.load(path, weights_only=True)
+            saved = torch.load(path, weights_only=True, map_location="cpu")
             if int(saved.pop("key")) == key:
                 return Features(**saved)
         except Exception:  # a damaged cache: computed again below
@@ -202,7 +207,7 @@ def _vocab(features: Features, vocab_size: int, draft_vocab_size: int, work: Pat
     """[Vd] ascending target ids, chosen once and kept (a resumed run must keep its head's vocabulary)."""
     path = work / "vocab.pt"
     if path.exists():
-        vocab = load_artifact(path, lambda p: torch.load(p, weights_only=True))
+        vocab = load_artifact(path, lambda p: torch.load(p, weights_only=True, map_location="cpu"))
         if not isinstance(vocab, torch.Tensor) or vocab.ndim != 1 or vocab.dtype != torch.int64 or not len(vocab):
             raise FastspecError(f"{path}: not a draft vocabulary; use --overwrite to start over")
         return vocab
@@ -227,8 +232,8 @@ def _fit(head, features, train_ids, val_ids, t2d, cfg: TrainConfig, work: Path, 
         epoch, group = plan[step]
         for g in opt.param_groups:
             g["lr"] = _lr(step, total, cfg.lr)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            stats = ttt_loss(head, make_batch(features, group, t2d, cfg.ttt_steps))
+        with torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            stats = ttt_loss(head, make_batch(features, group, t2d, cfg.ttt_steps).to(cfg.device))
         stats.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -274,9 +279,10 @@ def evaluate(head, features: Features, val_ids: list[int], t2d: torch.Tensor, cf
     lengths = (features.offsets[1:] - features.offsets[:-1]).tolist()
     sums = torch.zeros(3, cfg.ttt_steps, dtype=torch.int64)
     for group in pack([lengths[c] for c in val_ids], cfg.batch_tokens):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            stats = ttt_loss(head, make_batch(features, [val_ids[i] for i in group], t2d, cfg.ttt_steps))
-        sums += torch.stack([stats.correct, stats.chain_correct, stats.count])
+        with torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            batch = make_batch(features, [val_ids[i] for i in group], t2d, cfg.ttt_steps).to(cfg.device)
+            stats = ttt_loss(head, batch)
+        sums += torch.stack([stats.correct, stats.chain_correct, stats.count]).cpu()
     acceptance = (sums[1] / sums[2].clamp(min=1)).tolist()
     return {"val_top1": [round(x, 4) for x in (sums[0] / sums[2].clamp(min=1)).tolist()],
             "val_acceptance": [round(x, 4) for x in acceptance], "val_chain_tau": round(1 + sum(acceptance), 3)}

@@ -14,7 +14,7 @@ Owns the batch layout and the loss; knows nothing about data generation, optimis
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,10 @@ class TTTBatch:
     labels: torch.Tensor  # [S, T] draft id; NO_LABEL; or Vd for a label outside the draft vocabulary (a miss)
     soft_ids: torch.Tensor | None = None  # [S, T, k] draft ids of the target's likeliest tokens, -1 outside Vd
     soft_probs: torch.Tensor | None = None  # [S, T, k] float32 their target probabilities, renormalised over Vd
+
+    def to(self, device: str | torch.device) -> TTTBatch:
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if getattr(self, f.name) is not None})
 
 
 @dataclass(frozen=True)
