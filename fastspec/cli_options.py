@@ -22,7 +22,7 @@ from fastspec.models.embedded import DEFAULT_MODEL
 SPEC = "Speculative decoding"
 GRAPHS = "Graphs and kernels"
 NGRAM = "NGRAM"
-ENGINE_FLAGS = ("model", "dtype", "page_size", "graphs", "cuda_graph_max_bs", "cuda_graph_bs", "attention_backend",
+ENGINE_FLAGS = ("model", "dtype", "device", "page_size", "graphs", "cuda_graph_max_bs", "cuda_graph_bs", "attention_backend",
                 "max_total_tokens", "max_running_requests", "chunked_prefill_size", "speculative_fallback")
 
 
@@ -30,6 +30,7 @@ ENGINE_FLAGS = ("model", "dtype", "page_size", "graphs", "cuda_graph_max_bs", "c
 class ModelOptions:
     model: Annotated[str, typer.Option("--model", "-m", help="Embedded model name, HF directory or .gguf file.")] = DEFAULT_MODEL
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32"
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N] (auto: cuda when torch sees a GPU).")] = "auto"
     page_size: Annotated[int, typer.Option(help="KV page size in tokens.")] = 1
     max_total_tokens: Annotated[Optional[int], typer.Option(help="KV pool size in tokens (default: a fraction of free memory).")] = None
     max_running_requests: Annotated[int, typer.Option(help="Most requests decoded at once.")] = 48
@@ -76,6 +77,8 @@ class ModelOptions:
 
     def llm_kwargs(self) -> dict:
         """Keyword arguments of `fastspec.LLM` for these options."""
+        from fastspec.config import resolve_device
+
         ngram = None
         if (self.speculative_algorithm or "").upper() == "NGRAM":
             from fastspec.speculative.ngram import NgramParams
@@ -85,7 +88,8 @@ class ModelOptions:
                                    if f.name.startswith(prefix)})
         graphs = "eager" if self.disable_cuda_graph else "compile" if self.enable_torch_compile else self.graphs
         buckets = tuple(parse_buckets(self.cuda_graph_bs)) if self.cuda_graph_bs else None
-        return dict(model=self.model, dtype=self.dtype, page_size=self.page_size, graphs=graphs,
+        return dict(model=self.model, dtype=self.dtype, device=resolve_device(self.device), page_size=self.page_size,
+                    graphs=graphs,
                     cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_bs=buckets,
                     attention_backend=self.attention_backend,
                     max_total_tokens=self.max_total_tokens, max_running_requests=self.max_running_requests,

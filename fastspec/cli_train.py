@@ -44,7 +44,8 @@ def train_draft(
     bf16: Annotated[Optional[bool], typer.Option(
         help="bf16 autocast (float32 master weights); default: only where bf16 is measured faster on this CPU.")
     ] = None,
-    device: Annotated[str, typer.Option(help="cpu | cuda[:N]: where answers, features and training run.")]
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N]: where answers, features and training run "
+                                           "(auto: cuda when torch sees a GPU).")]
     = TrainConfig.device,
     resume: Annotated[bool, typer.Option(help="Continue the run in --out.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Discard the run in --out and start over.")] = False,

@@ -31,7 +31,6 @@ def tune(
     from rich.console import Console
 
     from fastspec.cli import parse_ids, prepare_progress
-    from fastspec.config import EngineConfig
     from fastspec.llm import LLM
     from fastspec.models.embedded import default_speculation
     from fastspec.models.loader import resolve_model_dir
@@ -55,7 +54,7 @@ def tune(
         raise FastspecError("fastspec tune tunes EAGLE / EAGLE3 heads: give --speculative-algorithm and --draft")
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts("all", "train")[::37]
     model_dir, draft_dir = resolve_model_dir(options.model), resolve_model_dir(draft)
-    path = tuned_file.tuned_path(model_dir, draft_dir, options.dtype, EngineConfig.device)
+    path = tuned_file.tuned_path(model_dir, draft_dir, options.dtype, options.llm_kwargs()["device"])
     console = Console(stderr=True)
     if from_tuned:
         if not path.exists():

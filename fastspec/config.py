@@ -19,11 +19,18 @@ DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_device(device: str) -> str:
+    """`auto`: cuda when torch sees a GPU, else cpu; anything else as given (check_device judges it)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def check_device(device: str) -> None:
     """`cpu`, or `cuda` / `cuda:N` naming a GPU this process can see; else a one-line FastspecError."""
     index = device[len("cuda:"):] if device.startswith("cuda:") else None
     if device not in ("cpu", "cuda") and not (index and index.isdigit()):
-        raise FastspecError(f"--device must be cpu or cuda[:N], got {device!r}")
+        raise FastspecError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
     if device != "cpu" and not torch.cuda.is_available():
         raise FastspecError(f"--device {device}: no CUDA device is visible to torch here")
     if index and int(index) >= torch.cuda.device_count():

@@ -62,6 +62,7 @@ BAD_GENERATE = [
     (["--speculative-eagle-topk", "0"], "--speculative-eagle-topk must be >= 1"),
     (["--speculative-accept-threshold-single", "2"], "must be in [0, 1]"),
     (["--graphs", "warp"], "--graphs must be one of"),
+    (["--device", "tpu"], "--device must be auto, cpu or cuda[:N]"),
     (["--cuda-graph-bs", "0,x"], "graph batch sizes"),
     (["--speculative-token-map", "/no/such/map.json"], "is not a file"),
     (["--draft", "/no/such/head"], "--speculative-draft-model-path '/no/such/head' is neither"),

@@ -98,7 +98,7 @@ def test_training_on_cuda_lowers_the_loss_and_its_head_decodes_losslessly(chat_t
     assert spec[0].output_ids == plain[0].output_ids
 
 
-@pytest.mark.parametrize("device, message", [("tpu", "must be cpu or cuda"), ("cuda:x", "must be cpu or cuda"),
+@pytest.mark.parametrize("device, message", [("tpu", "must be auto, cpu or cuda"), ("cuda:x", "must be auto, cpu or cuda"),
                                              ("cuda:99", "cuda:99")])
 def test_a_bad_or_missing_device_is_one_line_before_anything_is_written(chat_target, tmp_path, device, message):
     result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "o"), "--model", str(chat_target),

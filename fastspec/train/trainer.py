@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from fastspec.config import ModelConfig, check_device
+from fastspec.config import ModelConfig, check_device, resolve_device
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import bf16_matmul_is_faster
 from fastspec.models.llama import eagle3_capture_layers
@@ -57,7 +57,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     seed: int = 0
     bf16: bool | None = None  # autocast, master weights stay float32; None: on a GPU, or a CPU measured faster in bf16
-    device: str = "cpu"  # cpu | cuda[:N]: where the target answers, features are computed and the head trains
+    device: str = "auto"  # auto | cpu | cuda[:N]: where the target answers, features are computed and the head trains
     resume: bool = False
     overwrite: bool = False
     generate_batch: int = 64
@@ -80,6 +80,7 @@ class TrainConfig:
             raise FastspecError(f"--init must be one of {', '.join(INITS)}, got {self.init!r}")
         if self.resume and self.overwrite:
             raise FastspecError("--resume and --overwrite exclude each other")
+        object.__setattr__(self, "device", resolve_device(self.device))
         check_device(self.device)
         if self.bf16 is None:  # resolved once, recorded in report.json
             object.__setattr__(self, "bf16", self.device != "cpu" or bf16_matmul_is_faster())
