@@ -94,10 +94,11 @@ def plot(points: list[dict], path: Path) -> None:
     fig, (by_tokens, by_seconds) = plt.subplots(1, 2, figsize=(10, 4))
     for label in dict.fromkeys(_label(p) for p in points):
         mine = sorted((p for p in points if _label(p) == label), key=lambda p: p["train_tokens"])
-        by_tokens.plot([p["train_tokens"] for p in mine], [p["val_chain_tau"] for p in mine], "o-", label=label)
-        for p in mine:  # each run's evaluations against its own wall-clock
+        line, = by_tokens.plot([p["train_tokens"] for p in mine], [p["val_chain_tau"] for p in mine], "o-", label=label)
+        for p in mine:  # each run's evaluations against its own wall-clock, in its label's colour
             run = p.get("history") or [{"seconds": p["seconds"], "val_chain_tau": p["val_chain_tau"]}]
-            by_seconds.plot([h["seconds"] for h in run], [h["val_chain_tau"] for h in run], ".-", label=None)
+            by_seconds.plot([h["seconds"] for h in run], [h["val_chain_tau"] for h in run], ".-",
+                            color=line.get_color())
     by_tokens.set_xscale("log"), by_tokens.set_xlabel("training tokens"), by_tokens.set_ylabel("held-out chain tau")
     by_seconds.set_xlabel("training seconds (this machine)"), by_tokens.legend()
     fig.tight_layout()
