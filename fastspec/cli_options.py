@@ -70,6 +70,9 @@ class ModelOptions:
                                      self.speculative_eagle_topk, self.speculative_num_draft_tokens,
                                      self.speculative_accept_threshold_single, self.speculative_accept_threshold_acc)
         check_model_spec(self.model)
+        if self.speculative_draft_model_path is not None and self.speculative_algorithm is None:
+            raise FastspecError("--speculative-draft-model-path needs --speculative-algorithm (EAGLE, EAGLE3 or "
+                                "STANDALONE): without it the draft would be ignored")
         if self.speculative_draft_model_path is not None and algorithm not in ("NONE", "NGRAM"):
             check_model_spec(self.speculative_draft_model_path, "--speculative-draft-model-path")
         if self.speculative_token_map is not None and not Path(self.speculative_token_map).expanduser().is_file():

@@ -107,6 +107,12 @@ def test_bad_input_to_every_command_is_the_same_one_line_whatever_the_cache(args
     assert code == 2 and len(stderr) == 1 and message in stderr[0], stderr
 
 
+def test_a_draft_without_an_algorithm_is_refused_not_ignored(target_and_head, caches, monkeypatch):
+    target, head = target_and_head
+    code, stdout, stderr = run(caches["empty"], ["bench", "--model", str(target), "--draft", str(head)], monkeypatch)
+    assert code == 2 and stdout == "" and len(stderr) == 1 and "needs --speculative-algorithm" in stderr[0], stderr
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_good_input_does_the_same_work_over_a_hostile_cache(dtype, target_and_head, caches, monkeypatch):
     """float32: the tuned file is cut short (one note, then the default tree); bfloat16: a float32 file under the
