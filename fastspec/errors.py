@@ -8,8 +8,8 @@ class FastspecError(Exception):
     """
 
 
-def first_line(error: BaseException, limit: int = 120) -> str:
-    """The first non-blank line of `error`'s message (its type name if it has none), cut to `limit`: what a
-    one-line FastspecError quotes of an exception from a library."""
+def first_line(error: BaseException, limit: int | None = 120) -> str:
+    """The first non-blank line of `error`'s message (its type name if it has none), cut to `limit` (None: whole):
+    what a one-line FastspecError quotes of an exception from a library."""
     line = next((s.strip() for s in str(error).splitlines() if s.strip()), "") or type(error).__name__
     return line[:limit]

@@ -13,7 +13,7 @@ from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, first_line
 
 
 class Tokenizer:
@@ -24,7 +24,7 @@ class Tokenizer:
         try:
             self._tok = RustTokenizer.from_file(str(path))
         except Exception as e:
-            raise FastspecError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+            raise FastspecError(f"{path}: cannot load the tokenizer ({first_line(e, None)})") from None
         self.config = _read_json(Path(model_dir) / "tokenizer_config.json")
         template_file = Path(model_dir) / "chat_template.jinja"
         self.chat_template = (template_file.read_text() if template_file.is_file()

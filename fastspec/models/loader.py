@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fastspec.config import ModelConfig
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, first_line
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 
@@ -90,8 +90,7 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
             return load_file(str(path))
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # safetensors / unpickler errors have no common base class
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise FastspecError(f"{path}: corrupt or truncated weights file ({reason})") from None
+        raise FastspecError(f"{path}: corrupt or truncated weights file ({first_line(e, None)})") from None
 
 
 @contextlib.contextmanager
@@ -197,7 +196,7 @@ def load_token_map(path: Path, vocab_size: int) -> torch.Tensor:
         else:
             ids = torch.as_tensor(torch.load(path, map_location="cpu", weights_only=True), dtype=torch.int64)
     except Exception as e:
-        raise FastspecError(f"token map {path}: cannot read ({str(e).splitlines()[0] if str(e) else e!r})") from None
+        raise FastspecError(f"token map {path}: cannot read ({first_line(e, None)})") from None
     if ids.ndim != 1 or ids.numel() == 0:
         raise FastspecError(f"token map {path}: expected a non-empty 1-D list of token ids")
     _check_hot_map(ids, vocab_size, f"token map {path}")
