@@ -6,7 +6,7 @@ held-out prompts (the built-in split `train-draft` keeps out by prompt hash) are
 Points already in the results file are skipped, so the curve grows across sessions (`--fractions` adds points).
 
     .venv/bin/python bench/learning_curve.py [--fractions 0.25,0.5,1] [--variants hard-random,soft-target]
-        [--epochs 4] [--corpus data/corpus/smollm2-135m-instruct] [--work /tmp/fastspec-curve]
+        [--epochs 4] [--samples-per-prompt 1] [--corpus data/corpus/smollm2-135m-instruct] [--work /tmp/fastspec-curve]
 
 Writes bench/results/learning_curve.json and, with matplotlib, learning_curve.png next to it.
 """
@@ -27,7 +27,9 @@ from fastspec.train.trainer import TrainConfig, train_draft
 VARIANTS = {"hard-random": (0, "random"), "soft-random": (32, "random"), "hard-target": (0, "target"),
             "soft-target": (32, "target")}
 RESULTS = Path(__file__).parent / "results" / "learning_curve.json"
-DEFAULTS = {"epochs": 4, "lr": 8e-4, "batch_tokens": 2048}  # what the first points (which did not record them) ran with
+DEFAULTS = {"epochs": 4, "lr": 8e-4, "batch_tokens": 2048, "samples_per_prompt": 1}  # what the first points
+# (which did not record them) ran with
+DATA_SIZE = ("samples_per_prompt",)  # like the fraction, more answers per prompt is more data: one curve
 
 
 def split_prompts(val_fraction: float) -> tuple[list[str], list[str]]:
@@ -39,7 +41,8 @@ def split_prompts(val_fraction: float) -> tuple[list[str], list[str]]:
 
 def settings(args) -> dict:
     """What besides variant and fraction makes a point: points that differ in these are different points."""
-    return {"epochs": args.epochs, "lr": args.lr, "batch_tokens": args.batch_tokens}
+    return {"epochs": args.epochs, "lr": args.lr, "batch_tokens": args.batch_tokens,
+            "samples_per_prompt": args.samples_per_prompt}
 
 
 def train_point(args, variant: str, fraction: float, held: list[str], train: list[str]) -> dict:
@@ -53,7 +56,8 @@ def train_point(args, variant: str, fraction: float, held: list[str], train: lis
     _share_features(Path(args.work), work, f"{'soft' if soft else 'hard'}-", fraction)
     cfg = TrainConfig(out=work / "head", prompts=prompts, corpus=Path(args.corpus), soft_topk=soft, init=init,
                       epochs=args.epochs, draft_vocab_size=args.draft_vocab_size, val_fraction=args.val_fraction,
-                      lr=args.lr, batch_tokens=args.batch_tokens, resume=True)
+                      lr=args.lr, batch_tokens=args.batch_tokens, samples_per_prompt=args.samples_per_prompt,
+                      resume=True)
     history, began = [], time.perf_counter()
 
     def record(progress) -> None:  # every evaluation: the curve against wall-clock inside one run
@@ -64,7 +68,7 @@ def train_point(args, variant: str, fraction: float, held: list[str], train: lis
 
     report = train_draft(cfg, record)
     return {"variant": variant, "fraction": fraction, **settings(args), "train_tokens": report["train_tokens"],
-            "steps": report["steps"], "seconds": report["seconds_this_run"],
+            "steps": report["steps"], "seconds": report["seconds_this_run"], "bf16": cfg.bf16,
             "val_acceptance": report["val_acceptance"], "val_chain_tau": report["val_chain_tau"], "history": history}
 
 
@@ -106,32 +110,41 @@ def plot(points: list[dict], path: Path) -> None:
     print(f"plot: {path}")
 
 
-def slopes(points: list[dict]) -> list[str]:
-    """Per label with two or more data sizes: least-squares tau = a + b log10(tokens), and what +0.5 tau costs
-    in tokens and (at the run's measured seconds per token-epoch) in training time on this machine."""
+def slopes(points: list[dict], target_tau: float = 3.0) -> list[str]:
+    """Per label with two or more data sizes: least-squares tau = a + b log10(tokens) over all its points and over
+    its two largest (the curve bends down, so the last segment is the honest local slope), and what +0.5 tau and
+    `target_tau` cost in tokens and (at the largest run's measured seconds per token-epoch) in training time."""
     lines = []
     for label in dict.fromkeys(_label(p) for p in points):
-        mine = [p for p in points if _label(p) == label]
+        mine = sorted((p for p in points if _label(p) == label), key=lambda p: p["train_tokens"])
         if len({p["train_tokens"] for p in mine}) < 2:
             continue
-        xs = [math.log10(p["train_tokens"]) for p in mine]
-        ys = [p["val_chain_tau"] for p in mine]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        top = max(mine, key=lambda p: p["train_tokens"])
-        per_token_epoch = top["seconds"] / (top["train_tokens"] * top.get("epochs", DEFAULTS["epochs"]))
-        if b <= 0:
-            lines.append(f"{label}: tau does not rise with data ({b:+.3f} per 10x)")
-            continue
-        factor = 10 ** (0.5 / b)
-        hours = top["train_tokens"] * factor * top.get("epochs", DEFAULTS["epochs"]) * per_token_epoch / 3600
-        lines.append(f"{label}: {b:+.3f} tau per 10x tokens; +0.5 tau over {top['train_tokens']} tokens needs "
-                     f"{factor:.0f}x the tokens, ~{hours:.0f} h of training here (answer generation not counted)")
+        top = mine[-1]
+        hours_per_token = top["seconds"] / top["train_tokens"] / 3600  # at the same epochs
+        for fit, part in (("all points", mine), ("last two", mine[-2:])):
+            b = _slope(part)
+            if b <= 0:
+                lines.append(f"{label} ({fit}): tau does not rise with data ({b:+.3f} per 10x)")
+                continue
+            plus, reach = 10 ** (0.5 / b), 10 ** ((target_tau - top["val_chain_tau"]) / b)
+            lines.append(f"{label} ({fit}): {b:+.3f} tau per 10x tokens; from {top['train_tokens']} tokens "
+                         f"(tau {top['val_chain_tau']:.2f}) +0.5 tau needs {plus:.0f}x the tokens "
+                         f"(~{top['train_tokens'] * plus * hours_per_token:.0f} h of training here), tau "
+                         f"{target_tau:g} {reach:.0f}x (~{top['train_tokens'] * reach * hours_per_token:.0f} h); "
+                         f"answer generation not counted")
     return lines
 
 
+def _slope(points: list[dict]) -> float:
+    xs = [math.log10(p["train_tokens"]) for p in points]
+    ys = [p["val_chain_tau"] for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
 def _label(point: dict) -> str:
-    changed = [f"{k} {point.get(k, DEFAULTS[k])}" for k in DEFAULTS if point.get(k, DEFAULTS[k]) != DEFAULTS[k]]
+    changed = [f"{k} {point.get(k, DEFAULTS[k])}" for k in DEFAULTS
+               if k not in DATA_SIZE and point.get(k, DEFAULTS[k]) != DEFAULTS[k]]
     return ", ".join([point["variant"], *changed])
 
 
@@ -142,6 +155,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=8e-4)
     ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (the corpus's first "
+                    "is greedy, the others sampled; held-out prompts are scored on the greedy one only)")
     ap.add_argument("--draft-vocab-size", type=int, default=6144)
     ap.add_argument("--val-fraction", type=float, default=0.04)
     ap.add_argument("--corpus", default="data/corpus/smollm2-135m-instruct")
