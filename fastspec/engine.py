@@ -19,7 +19,7 @@ import torch
 from fastspec.attention import AttentionContext, decode_metadata, extend_metadata, make_backend
 from fastspec.config import EngineConfig, SpecConfig, SpecParams
 from fastspec.errors import FastspecError
-from fastspec.graphs import StaticInput
+from fastspec.graphs import StaticInput, size_varies
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
 from fastspec.metrics import PhaseTimes, SpecMetrics
 from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
@@ -28,9 +28,9 @@ from fastspec.scheduler import Request, Scheduler
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
 from fastspec.speculative.kv import plan_round_kv
-from fastspec.speculative.packing import kv_width, pack_verify
+from fastspec.speculative.packing import kv_width, pack_verify, prefix_specs
 from fastspec.speculative.policy import SpecPolicy
-from fastspec.speculative.runners import StepGraphs
+from fastspec.speculative.runners import GraphPlan, StepGraphs
 from fastspec.speculative.steps import target_verify
 from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
 
@@ -72,14 +72,16 @@ class Engine:
     def _build_rounds(self, on_prepare) -> None:
         """One drafter and one verify graph set per tree shape (several with a batch-size schedule)."""
         config = self.config
-        self.drafters = build_drafter(self.spec, config, self._draft_model, self.draft_pool, self.table,
-                                      self.allocator, self._feature_width(), on_prepare, self.times)
+        # explicit buckets (--cuda-graph-bs) are prepared ahead; otherwise each on the first batch that needs it
+        plan = GraphPlan(config.graph_mode, tuple(config.graph_buckets), config.device,
+                         ahead=bool(config.cuda_graph_bs), on_prepare=on_prepare)
+        self.drafters = build_drafter(self.spec, self._draft_model, self.draft_pool, self.table, self.allocator,
+                                      self._feature_width(), plan, self.times)
         self.drafter = next(iter(self.drafters.values()), None)  # any of them extends and releases
         self.verify_graphs = {p.num_draft_tokens: StepGraphs(
             "verify" if len(self.drafters) < 2 else f"verify N={p.num_draft_tokens}",
             partial(target_verify, self.model, self.pool, self.feature), partial(verify_specs, p.num_draft_tokens),
-            config.graph_mode, config.graph_buckets, config.device, on_prepare, self.times, "verify")
-            for p in self.drafters}
+            plan, self.times, "verify") for p in self.drafters}
 
     def use_schedule(self, schedule, on_prepare=None) -> None:
         """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way).
@@ -104,6 +106,9 @@ class Engine:
                            cfg.device)
         self.draft_pool = None if draft_shape is None else KVPool(*draft_shape, capacity, cfg.page_size,
                                                                   cfg.torch_dtype, cfg.device)
+        if cfg.graph_mode == "compile":  # capacity follows free memory: keep it out of the compiled graphs
+            for pool in filter(None, (self.pool, self.draft_pool)):
+                size_varies(pool.k, 1), size_varies(pool.v, 1)
         self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
         margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
@@ -411,4 +416,4 @@ def verify_specs(n: int, width: int) -> list[StaticInput]:
     bound method here would make a reference cycle that keeps a dropped engine's weights alive until gc runs)."""
     return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
             StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
-            StaticInput("prefix_slots", (width,), torch.int64), StaticInput("prefix_valid", (width,), torch.bool)]
+            *prefix_specs(width)]

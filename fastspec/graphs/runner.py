@@ -3,9 +3,13 @@
 Owns: the static input buffers (sized for the largest bucket), padding a batch up to its bucket, CUDA-graph
 capture and replay with one memory pool shared by all buckets, the `torch.compile(fullgraph=True,
 dynamic=False)` CPU twin (a successful fullgraph compile proves the function has no host sync and no
-data-dependent Python control flow) and Inductor's on-disk cache. Does not own: what the function computes
-(the draft loop, draft-extend and verify are handed in; this file knows nothing about EAGLE, models or
-attention) nor tensors the function reads or writes by closure (KV pools), which are never copied.
+data-dependent Python control flow) and Inductor's on-disk cache. Buckets are prepared ahead (`prepare`) or
+lazily on their first run. Sizes that differ between runners of one function (a KV width: `StaticInput.dynamic`)
+or between processes (a KV pool's capacity: `size_varies`) are symbolic in the compiled graph, so runners that
+share a `compiled` dict compile once for every width, and Inductor's on-disk cache serves the next process.
+Does not own: what the function computes (the draft loop, draft-extend and verify are handed in; this file knows
+nothing about EAGLE, models or attention) nor tensors the function reads or writes by closure (KV pools), which
+are never copied.
 """
 
 from collections.abc import Callable
@@ -34,6 +38,7 @@ class StaticInput:
     dtype: torch.dtype
     rows_per_request: int = 1
     pad_value: float | int = 0  # what padded rows hold, e.g. KV slot 0 = the dummy slot padded rows write to
+    dynamic: bool = False  # compile: shape[0] is symbolic (a KV width), so one compiled graph serves every value
 
     def rows(self, bs: int) -> int:
         return bs * self.rows_per_request
@@ -50,7 +55,12 @@ class GraphRunner:
     """
 
     def __init__(self, name: str, fn: GraphFn, inputs: list[StaticInput], buckets: list[int], backend: str,
-                 device: str | torch.device = "cpu", pool: tuple[int, int] | None = None):
+                 device: str | torch.device = "cpu", pool: tuple[int, int] | None = None,
+                 compiled: dict[int, GraphFn] | None = None, lazy: bool = False,
+                 on_bucket: Callable[[str, int], None] | None = None):
+        """`compiled`: compile backend, {bucket: compiled fn} shared by runners of the same `fn` whose inputs differ
+        only in dynamic dims (one compile serves them all). `lazy`: `run` prepares a bucket on its first use,
+        calling `on_bucket(name, bs)` first (a progress line)."""
         if backend not in BACKENDS:
             raise FastspecError(f"unknown graph backend '{backend}' (known: {', '.join(BACKENDS)})")
         if backend == "cuda" and (torch.device(device).type != "cuda" or not torch.cuda.is_available()):
@@ -67,7 +77,14 @@ class GraphRunner:
         self.buffers = {s.name: torch.full((s.rows(max_bs), *s.shape), s.pad_value, dtype=s.dtype,
                                            device=self.device) for s in self.inputs}
         self._views = {bs: {s.name: self.buffers[s.name][: s.rows(bs)] for s in self.inputs} for bs in self.buckets}
-        self._compiled: dict[int, GraphFn] = {}
+        if backend == "compile":
+            for views in self._views.values():
+                for s in self.inputs:
+                    if s.dynamic:
+                        size_varies(views[s.name], 1)
+        self.lazy, self.on_bucket = lazy, on_bucket
+        self._compiled: dict[int, GraphFn] = {} if compiled is None else compiled
+        self._prepared: set[int] = set()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_outputs: dict[int, Outputs] = {}
 
@@ -75,11 +92,13 @@ class GraphRunner:
         """Smallest bucket >= bs; FastspecError past the largest bucket."""
         return bucket_for(self.buckets, bs)
 
-    def prepare(self, on_bucket: Callable[[str, int], None] | None = None) -> None:
-        """Capture (cuda) or compile (compile) every bucket, largest first; eager has nothing to prepare.
+    def prepare(self, on_bucket: Callable[[str, int], None] | None = None, buckets: list[int] | None = None) -> None:
+        """Capture (cuda) or compile (compile) `buckets` (default: all) not prepared yet, largest first; eager has
+        nothing to prepare.
 
-        `on_bucket(name, bs)` is called before each bucket (a progress bar). Largest first so the smaller
-        graphs fit into the memory the larger ones already reserved in the shared pool.
+        `on_bucket(name, bs)` (default: the constructor's) is called before each bucket that needs work (a
+        compile already shared through `compiled` does not). Largest first so the smaller graphs fit into the
+        memory the larger ones already reserved in the shared pool.
         """
         if self.backend == "eager":
             return
@@ -87,8 +106,10 @@ class GraphRunner:
             configure_compile_caches()
         elif self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        for bs in reversed(self.buckets):
-            if on_bucket is not None:
+        on_bucket = on_bucket or self.on_bucket
+        todo = self.buckets if buckets is None else sorted({self.bucket_for(bs) for bs in buckets})
+        for bs in reversed([bs for bs in todo if bs not in self._prepared]):
+            if on_bucket is not None and (self.backend == "cuda" or bs not in self._compiled):
                 on_bucket(self.name, bs)
             try:
                 with torch.inference_mode():
@@ -98,6 +119,11 @@ class GraphRunner:
             except Exception as e:  # a graph break, a host sync, a CUDA capture error, a shape error in fn...
                 verb = "compile" if self.backend == "compile" else "capture"
                 raise FastspecError(f"cannot {verb} graph '{self.name}' for batch bucket {bs}: {_describe(e)}") from e
+            self._prepared.add(bs)
+
+    def prepared(self, bs: int) -> bool:
+        """Whether bs's bucket runs without preparing first (always, eagerly)."""
+        return self.backend == "eager" or self.bucket_for(bs) in self._prepared
 
     def run(self, bs: int, inputs: dict[str, Tensor]) -> Outputs:
         """Copy `inputs` (leading dim bs * rows_per_request) into the static buffers, pad, replay, slice to bs.
@@ -106,6 +132,8 @@ class GraphRunner:
         replay has run. The returned views are valid until the next `run` (see the class docstring).
         """
         bucket = self.bucket_for(bs)
+        if self.lazy and not self.prepared(bs):
+            self.prepare(buckets=[bucket])  # before loading: preparing runs the function on pad values
         with torch.inference_mode():
             self._load(bs, bucket, inputs)
             return self._slice_outputs(self._call(bucket), bucket, bs)
@@ -124,8 +152,9 @@ class GraphRunner:
 
     def _compile(self, bs: int) -> Outputs:
         self._reset(bs)
-        compiled = torch.compile(self.fn, backend=_inductor_without_host_sync, fullgraph=True, dynamic=False)
-        outputs = compiled(dict(self._views[bs]))  # compiles now, not at the first request
+        compiled = self._compiled.get(bs) or torch.compile(self.fn, backend=_inductor_without_host_sync,
+                                                           fullgraph=True, dynamic=False)
+        outputs = compiled(dict(self._views[bs]))  # compiles now (or checks the shared compile's guards)
         self._compiled[bs] = compiled
         return outputs
 
@@ -149,7 +178,7 @@ class GraphRunner:
     def _call(self, bucket: int) -> Outputs:
         if self.backend == "eager":
             return self.fn(dict(self._views[bucket]))
-        if bucket not in self._compiled and bucket not in self._graphs:
+        if bucket not in self._prepared:
             raise FastspecError(f"graph '{self.name}' is not prepared for bucket {bucket}: call prepare() first")
         if self.backend == "compile":
             return self._compiled[bucket](dict(self._views[bucket]))
@@ -188,6 +217,15 @@ class GraphRunner:
         if isinstance(outputs, tuple):
             return tuple(real_rows(i, t) for i, t in enumerate(outputs))
         raise FastspecError(f"graph '{self.name}' must return a dict or tuple of tensors, got {type(outputs).__name__}")
+
+
+def size_varies(tensor: Tensor, dim: int) -> None:
+    """Compile backend: `tensor`'s size along `dim` is symbolic in every graph that reads it, by argument or by
+    closure (a KV pool sized from free memory), so a different size neither recompiles nor misses the on-disk
+    cache. Dims a graph needs constant stay specialised (Inductor decides; nothing fails)."""
+    import torch._dynamo
+
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 class HostSyncError(Exception):

@@ -3,8 +3,10 @@
 Why: torch's CPU GEMM packs the weight on every call, so a linear over a handful of rows (a verify of 8 tree
 tokens, a draft step over bs*topk rows) costs 2-3x a one-row GEMV: SmolLM2's lm_head takes ~7 ms for 1 row and
 ~23 ms for 8, but ~9 ms for 8 over a weight packed once for exactly 8 rows (MKL's packed GEMM is per row count;
-any other count falls back to the plain linear). Applied after loading, on CPU in float32 when the round
-functions run eagerly (Inductor packs its own weights). Each packed row count costs one more copy of the weights.
+any other count falls back to the plain linear). Applied after loading, on CPU in float32, for eager and compiled
+round functions alike: inside a compiled graph the packed GEMM is the custom op `fastspec::packed_linear`
+(Inductor's own MKL lowering packs only frozen weights, and freezing would bake the weights into the graph and its
+cache key). Each packed row count costs one more copy of the weights.
 Owns the module swap (the models stay plain nn.Linear math) and two host facts its callers need: whether bf16
 GEMMs are fast on this CPU, and handing freed weight copies back to the OS.
 """
@@ -59,8 +61,21 @@ class PackedLinear(nn.Module):
         packed = self.packed.get(flat.shape[0])
         if packed is None:
             return F.linear(x, self.weight, self.bias)
-        y = torch.ops.mkl._mkl_linear(flat, packed, self.weight, self.bias, flat.shape[0])
+        gemm = packed_linear if torch.compiler.is_compiling() else torch.ops.mkl._mkl_linear
+        y = gemm(flat, packed, self.weight, self.bias, flat.shape[0])
         return y.view(*x.shape[:-1], self.out_features)
+
+
+@torch.library.custom_op("fastspec::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  rows: int) -> torch.Tensor:
+    """MKL's packed GEMM as an opaque op for torch.compile: x [rows, in] @ weight.T (+ bias) -> [rows, out]."""
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+
+
+@packed_linear.register_fake
+def _(x, packed, weight, bias, rows):
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def prepack_linears(model: nn.Module, rows: tuple[int, ...]) -> nn.Module:

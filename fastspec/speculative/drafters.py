@@ -19,6 +19,7 @@ from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.eagle import EagleDrafter, StandaloneDraft
+from fastspec.speculative.runners import GraphPlan
 from fastspec.speculative.tree import DraftTree, tree_from_parents
 
 
@@ -33,16 +34,16 @@ PREPACK_BS = (1, 2, 4)  # each packed row count is one more copy of the weights:
 
 
 def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
-    """Target and draft weights; on CPU with eager rounds, their linears are prepacked for the row counts of
-    the verify (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2 and 4."""
+    """Target and draft weights; on CPU in float32, their linears are prepacked for the row counts of the verify
+    (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2 and 4."""
     models = _load_models(model_dir, spec, config)
     pack_round_rows(models.target, models.draft, spec, config)
     return models
 
 
 def pack_round_rows(target, draft, spec: SpecConfig, config: EngineConfig) -> None:
-    """(Re)pack the linears for the row counts of spec's tree shapes (CPU, float32, eager rounds only)."""
-    if spec.enabled and config.graph_mode == "eager" and can_prepack(config.device, config.torch_dtype):
+    """(Re)pack the linears for the row counts of spec's tree shapes (CPU, float32; eager or compiled rounds)."""
+    if spec.enabled and config.graph_mode != "cuda" and can_prepack(config.device, config.torch_dtype):
         prepack_linears(target, tuple(bs * p.num_draft_tokens for p in spec.tiers for bs in PREPACK_BS))
         if isinstance(draft, nn.Module):
             prepack_linears(draft, tuple(bs * p.topk for p in spec.tiers for bs in PREPACK_BS))
@@ -111,8 +112,8 @@ class NgramTreeDrafter:
         self.ngram.release(rid)
 
 
-def build_drafter(spec: SpecConfig, config: EngineConfig, draft, draft_pool, table, allocator, feature_width: int,
-                  on_prepare=None, times=None) -> dict:
+def build_drafter(spec: SpecConfig, draft, draft_pool, table, allocator, feature_width: int, plan: GraphPlan,
+                  times=None) -> dict:
     """{tree shape: drafter}: one entry, or one per tier of a batch-size schedule (sharing request states)."""
     if spec.algorithm == "NONE":
         return {}
@@ -122,5 +123,4 @@ def build_drafter(spec: SpecConfig, config: EngineConfig, draft, draft_pool, tab
     shared = {} if len(tiers) > 1 else None
     extend_topk = max(p.topk for p in tiers) if shared is not None else None
     return {p: EagleDrafter(draft, draft_pool, table, allocator, p.num_steps, p.topk, p.num_draft_tokens,
-                            feature_width, config.graph_mode, config.graph_buckets, on_prepare, times,
-                            extend_topk, shared) for p in tiers}
+                            feature_width, plan, times, extend_topk, shared) for p in tiers}

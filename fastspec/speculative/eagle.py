@@ -18,8 +18,8 @@ import torch
 from fastspec.graphs import StaticInput
 from fastspec.models.eagle import DraftHidden
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
-from fastspec.speculative.packing import kv_width, pack_draft, pack_extend
-from fastspec.speculative.runners import StepGraphs
+from fastspec.speculative.packing import kv_width, pack_draft, pack_extend, prefix_specs
+from fastspec.speculative.runners import GraphPlan, StepGraphs
 from fastspec.speculative.steps import draft_extend, draft_loop
 from fastspec.speculative.tree import DraftTree, build_tree
 
@@ -56,8 +56,8 @@ class EagleDrafter:
     uses_extend = True
 
     def __init__(self, model, pool, table, allocator, num_steps: int, topk: int, num_draft_tokens: int,
-                 feature_width: int, graph_mode: str, buckets: list[int], on_prepare=None, times=None,
-                 extend_topk: int | None = None, states: dict | None = None):
+                 feature_width: int, plan: GraphPlan, times=None, extend_topk: int | None = None,
+                 states: dict | None = None):
         """`extend_topk` >= topk and a shared `states` dict let drafters of several tree shapes (a batch-size
         schedule) take turns on the same requests: the extend keeps the top extend_topk, each draft slices it."""
         self.model, self.pool, self.table, self.allocator = model, pool, table, allocator
@@ -65,18 +65,16 @@ class EagleDrafter:
         self.hot_token_id = model.hot_token_map()  # [Vd] draft id -> target id, or None
         self.states: dict[int, DraftState] = {} if states is None else states
         self.extend_topk = extend_topk or topk
-        device = pool.k.device
         self._extend_fn = partial(draft_extend, model, self.hot_token_id, pool, self.extend_topk)
         loop = partial(draft_loop, model, self.hot_token_id, pool, topk, num_steps, num_draft_tokens)
         name = "draft loop" if extend_topk is None else f"draft loop {num_steps}/{topk}/{num_draft_tokens}"
         dtype = next(model.parameters()).dtype
         # module functions, not bound methods: a method here would make a drafter <-> graphs reference cycle
         # that keeps a dropped engine's weights alive until the garbage collector happens to run
-        self.loop_graphs = StepGraphs(name, loop, partial(loop_specs, topk, num_steps, model.config.hidden_size,
-                                                          dtype), graph_mode, buckets, device, on_prepare, times, "draft")
-        self.extend_graphs = StepGraphs("draft extend", self._extend_fn, partial(extend_specs, num_steps, dtype,
-                                                                                 feature_width),
-                                        graph_mode, buckets, device, on_prepare, times, "draft_extend")
+        loop_inputs = partial(loop_specs, topk, num_steps, model.config.hidden_size, dtype)
+        self.loop_graphs = StepGraphs(name, loop, loop_inputs, plan, times, "draft")
+        extend_inputs = partial(extend_specs, num_steps, dtype, feature_width)
+        self.extend_graphs = StepGraphs("draft extend", self._extend_fn, extend_inputs, plan, times, "draft_extend")
 
     @property
     def uses_scratch(self) -> bool:
@@ -139,8 +137,7 @@ def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype, 
     """The draft loop's static inputs per request over a committed-KV width."""
     return [StaticInput("topk_p", (topk,), torch.float32), StaticInput("topk_index", (topk,), torch.int64),
             StaticInput("hidden", (hidden_size,), dtype), StaticInput("seq_lens", (), torch.int64),
-            StaticInput("prefix_slots", (width,), torch.int64), StaticInput("prefix_valid", (width,), torch.bool),
-            StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
+            *prefix_specs(width), StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
 
 
 def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, width: int) -> list[StaticInput]:
@@ -148,5 +145,4 @@ def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, width: 
     e = num_steps + 1
     return [StaticInput("input_ids", (), torch.int64, e), StaticInput("positions", (), torch.int64, e),
             StaticInput("features", (feature_width,), dtype, e), StaticInput("new_slots", (e,), torch.int64),
-            StaticInput("new_valid", (e,), torch.bool), StaticInput("prefix_slots", (width,), torch.int64),
-            StaticInput("prefix_valid", (width,), torch.bool), StaticInput("last_rows", (), torch.int64)]
+            StaticInput("new_valid", (e,), torch.bool), *prefix_specs(width), StaticInput("last_rows", (), torch.int64)]

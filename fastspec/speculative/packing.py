@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from fastspec.graphs import StaticInput
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.tree import DraftTree
 
@@ -17,6 +18,13 @@ KV_BUCKET = 256
 def kv_width(max_len: int, bucketed: bool) -> int:
     """Committed-KV width of a batch: the longest prefix, rounded up to KV_BUCKET for static graphs."""
     return max(1, -(-max_len // KV_BUCKET) * KV_BUCKET if bucketed else max_len)
+
+
+def prefix_specs(width: int) -> list[StaticInput]:
+    """The committed-KV inputs every step function takes: slots and validity [width] per request (a dynamic dim:
+    one compile serves every width)."""
+    return [StaticInput("prefix_slots", (width,), torch.int64, dynamic=True),
+            StaticInput("prefix_valid", (width,), torch.bool, dynamic=True)]
 
 
 def prefix_view(table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, width: int):
