@@ -58,8 +58,8 @@ class GraphRunner:
                  device: str | torch.device = "cpu", pool: tuple[int, int] | None = None,
                  compiled: dict[int, GraphFn] | None = None, lazy: bool = False,
                  on_bucket: Callable[[str, int], None] | None = None):
-        """`compiled`: compile backend, {bucket: compiled fn} shared by runners of the same `fn` whose inputs differ
-        only in dynamic dims (one compile serves them all). `lazy`: `run` prepares a bucket on its first use,
+        """`compiled`: compile backend, a dict shared by runners of the same `fn` whose inputs differ only in
+        dynamic dims (one compile per bucket serves them all). `lazy`: `run` prepares a bucket on its first use,
         calling `on_bucket(name, bs)` first (a progress line)."""
         if backend not in BACKENDS:
             raise FastspecError(f"unknown graph backend '{backend}' (known: {', '.join(BACKENDS)})")
@@ -83,7 +83,9 @@ class GraphRunner:
                     if s.dynamic:
                         size_varies(views[s.name], 1)
         self.lazy, self.on_bucket = lazy, on_bucket
-        self._compiled: dict[int, GraphFn] = {} if compiled is None else compiled
+        self._compiled: dict = {} if compiled is None else compiled  # {bucket: compiled fn}, {"fn": fn}
+        if self._compiled.setdefault("fn", fn) is not fn:
+            raise FastspecError(f"graph '{name}': runners share compiled graphs only for the same function")
         self._prepared: set[int] = set()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_outputs: dict[int, Outputs] = {}
