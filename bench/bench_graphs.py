@@ -1,10 +1,15 @@
-"""Round time split (draft loop / verify / draft extend / host) eager vs compiled graphs, and compile start-up
-cold vs warm cache, on the embedded SmolLM2-135M-Instruct with an untrained full-size EAGLE-3 head.
+"""Graphs: round time split (draft loop / verify / draft extend / host) eager vs compiled, and start-up: how long a
+fresh process takes to its first decode round, cold (empty Inductor cache) and warm, per mode and model size.
 
-    .venv/bin/python bench/bench_graphs.py [--batch-sizes 1,4] [--max-new-tokens 32] [--skip-startup]
+    .venv/bin/python bench/bench_graphs.py [--batch-sizes 1,4] [--max-new-tokens 32] [--skip-rounds]
+        [--skip-startup] [--models tiny,embedded] [--modes eager,compile]
 
-Writes bench/results/graphs.json. Phase times are wall time; `host` = round time outside the three graph
-phases (packing, allocation, acceptance, commit). Acceptance is whatever a random head gets (~0).
+Models: `tiny` is a random 2-layer, 64-token-vocabulary Llama with a random EAGLE head at 4/2/6 (what issue 13 ran);
+`embedded` is SmolLM2-135M-Instruct with a random full-size EAGLE-3 head at 5/4/8 (acceptance is whatever a random
+head gets, ~0: these are costs, not speedups). Start-up runs
+the defaults a user gets: KV pool sized from free memory, graph buckets prepared lazily. `cuda` joins the modes
+on a machine with a GPU. Writes bench/results/graphs.json. Phase times are wall time; `host` = round time outside
+the three graph phases (packing, allocation, acceptance, commit).
 """
 
 from __future__ import annotations
@@ -18,25 +23,50 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 import fastspec
 from fastspec.models.heads import write_random_head
 from fastspec.models.loader import read_config, resolve_model_dir
 from fastspec.sampling import SamplingParams
 
 PROMPT = "Explain how a refrigerator keeps food cold."
+STARTUP = """
+import json, sys, time
+began = time.perf_counter()
+from torch._dynamo.utils import counters
+import fastspec
+from fastspec.sampling import SamplingParams
+model, algorithm, head, (steps, topk, n), mode = json.loads(sys.argv[1])
+imported = time.perf_counter()
+llm = fastspec.LLM(model, speculative_algorithm=algorithm, draft_model=head, num_steps=steps, topk=topk,
+                   num_draft_tokens=n, graphs=mode)
+built = time.perf_counter()
+marks = [time.perf_counter() for _ in llm.engine.stream([[2 + i % 60 for i in range(24)]],
+                                                       [SamplingParams(max_new_tokens=16, ignore_eos=True)])]
+print(json.dumps({"import_s": imported - began, "build_s": built - imported, "first_token_s": marks[0] - built,
+                  "first_round_s": marks[1] - marks[0], "to_first_round_s": marks[1] - began,
+                  "compiled_graphs": counters["inductor"]["fxgraph_cache_miss"],
+                  "cached_graphs": counters["inductor"]["fxgraph_cache_hit"]}))
+"""
 
 
-def make_head(directory: Path) -> Path:
+def make_models(root: Path) -> dict[str, tuple]:
+    """name -> (model, algorithm, random head directory, tree shape (steps, topk, draft tokens))."""
+    import transformers
+
     c = read_config(resolve_model_dir("smollm2-135m-instruct"))
-    return write_random_head(directory, c.hidden_size, c.vocab_size, "eagle3", draft_vocab=4096,
-                             heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                             inter=c.intermediate_size)
-
-
-def llm_for(head: Path, mode: str, buckets: tuple[int, ...]):
-    return fastspec.LLM(speculative_algorithm="EAGLE3", draft_model=str(head), num_steps=5, topk=4,
-                        num_draft_tokens=8, max_total_tokens=8192, graphs=mode, cuda_graph_bs=buckets,
-                        max_running_requests=max(buckets))
+    embedded = write_random_head(root / "head-embedded", c.hidden_size, c.vocab_size, "eagle3", draft_vocab=4096,
+                                 heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                 inter=c.intermediate_size)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "tiny")
+    tiny = write_random_head(root / "head-tiny", 64, 64, "eagle")
+    return {"tiny": (str(root / "tiny"), "EAGLE", str(tiny), (4, 2, 6)),
+            "embedded": ("smollm2-135m-instruct", "EAGLE3", str(embedded), (5, 4, 8))}
 
 
 def round_split(llm, bs: int, new_tokens: int) -> dict:
@@ -53,40 +83,55 @@ def round_split(llm, bs: int, new_tokens: int) -> dict:
             "tok_s": round(sum(len(o.output_ids) for o in outputs) / wall, 2)}
 
 
-def startup(head: Path, cache: Path, buckets: str) -> float:
-    """Seconds for a fresh process to build a compiled engine and emit its first token."""
-    code = ("import time, sys, fastspec; t = time.perf_counter(); "
-            f"llm = fastspec.LLM(speculative_algorithm='EAGLE3', draft_model={str(head)!r}, num_steps=5, topk=4, "
-            f"num_draft_tokens=8, max_total_tokens=8192, graphs='compile', cuda_graph_bs=({buckets},), "
-            f"max_running_requests={buckets.split(',')[-1]}); "
-            f"llm.generate([{PROMPT!r}], fastspec.SamplingParams(max_new_tokens=2), chat=True); "
-            "print(time.perf_counter() - t)")
+def rounds(head: Path, sizes: tuple[int, ...], new_tokens: int) -> dict:
+    """Per mode, per batch size: ms per round in each phase (buckets prepared ahead, outside the timing)."""
+    out = {}
+    for mode in ("eager", "compile"):
+        llm = fastspec.LLM(speculative_algorithm="EAGLE3", draft_model=str(head), num_steps=5, topk=4,
+                           num_draft_tokens=8, max_total_tokens=8192, graphs=mode, cuda_graph_bs=sizes,
+                           max_running_requests=max(sizes))
+        out[mode] = [round_split(llm, bs, new_tokens) for bs in sizes]
+        del llm
+    return out
+
+
+def startup(setup: tuple, mode: str, cache: Path) -> dict:
+    """A fresh process: import, engine build, first token (prefill), first decode round (graphs prepared lazily)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return round(float(out.stdout.strip().splitlines()[-1]), 1)
+    done = subprocess.run([sys.executable, "-c", STARTUP, json.dumps([*setup, mode])], env=env,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"start-up run failed ({setup[0]}, {mode}):\n{done.stderr[-2000:]}")
+    return {k: round(v, 2) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--skip-rounds", action="store_true")
     parser.add_argument("--skip-startup", action="store_true")
+    parser.add_argument("--models", default="tiny,embedded")
+    parser.add_argument("--modes", default="eager,compile" + (",cuda" if torch.cuda.is_available() else ""))
     args = parser.parse_args()
-    sizes = tuple(int(b) for b in args.batch_sizes.split(","))
     tmp = Path(tempfile.mkdtemp())
-    head = make_head(tmp / "head")
-    results = {"modes": {}}
-    for mode in ("eager", "compile"):
-        llm = llm_for(head, mode, sizes)
-        results["modes"][mode] = [round_split(llm, bs, args.max_new_tokens) for bs in sizes]
-        del llm
-    if not args.skip_startup:
-        cache = tmp / "inductor"
-        results["startup_s"] = {"cold": startup(head, cache, args.batch_sizes),
-                                "warm": startup(head, cache, args.batch_sizes)}
-    print(json.dumps(results, indent=2))
+    models = make_models(tmp)
     out = Path(__file__).parent / "results" / "graphs.json"
     out.parent.mkdir(exist_ok=True)
+    results = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}}
+    if not args.skip_startup:
+        results["startup"] = {}
+        for name in args.models.split(","):
+            for mode in args.modes.split(","):
+                cache = tmp / f"inductor-{name}-{mode}"  # empty: the first run is cold, the second warm
+                key = f"{name} {mode}"
+                results["startup"][key] = {run: startup(models[name], mode, cache) for run in ("cold", "warm")}
+                print(key, json.dumps(results["startup"][key]), flush=True)
+                out.write_text(json.dumps(results, indent=2))  # what is measured so far survives a failure
+    if not args.skip_rounds:
+        sizes = tuple(int(b) for b in args.batch_sizes.split(","))
+        results["modes"] = rounds(models["embedded"][2], sizes, args.max_new_tokens)
+    print(json.dumps(results, indent=2))
     out.write_text(json.dumps(results, indent=2))
 
 
