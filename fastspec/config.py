@@ -233,7 +233,8 @@ class EngineConfig:
 
     @property
     def graph_mode(self) -> str:
-        """`auto`: CUDA graphs on a GPU; on CPU eager, which bench/bench_graphs.py measures faster than compiled."""
+        """`auto`: CUDA graphs on a GPU; on CPU eager. bench/bench_graphs.py measures compiled rounds within a few
+        percent of eager on CPU (either way, by the machine), which does not repay a cold compile of minutes."""
         if self.graphs != "auto":
             return self.graphs
         return "cuda" if self.device.startswith("cuda") else "eager"

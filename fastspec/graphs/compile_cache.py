@@ -1,9 +1,10 @@
 """Inductor's on-disk cache for `--graphs compile`: where it lives, and what happens when an entry in it is damaged.
 
 A second process compiles from the cache in a fraction of the cold time. An entry cut short or left by something
-else (a truncated pickle, kernel source or library) makes Inductor fail, not recompile; `renew_compile_cache`
-recognises that failure and moves the process to an empty cache (clearing fastspec's own directory, never one
-the user named), once, so the caller compiles again. Knows nothing about graphs or buckets.
+else (a truncated pickle, kernel source or library; a kernel module cut after a whole statement, so it imports but
+lacks its entry point) makes Inductor fail, not recompile; `renew_compile_cache` recognises that failure and moves
+the process to an empty cache (clearing fastspec's own directory, never one the user named), once, so the caller
+compiles again. Knows nothing about graphs or buckets.
 """
 
 from __future__ import annotations
@@ -73,10 +74,17 @@ def _cache_damage(error: BaseException, cache_dir: str) -> BaseException | None:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, DAMAGE) or cache_dir in str(error):
+        if isinstance(error, DAMAGE) or cache_dir in str(error) or _half_a_module(error, cache_dir):
             return error
         error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
     return None
+
+
+def _half_a_module(error: BaseException, cache_dir: str) -> bool:
+    """A kernel module from `cache_dir` that imports but lacks what Inductor looks up in it (a file cut short
+    after a complete statement)."""
+    module_file = getattr(getattr(error, "obj", None), "__file__", None) if isinstance(error, AttributeError) else None
+    return module_file is not None and os.path.abspath(module_file).startswith(os.path.abspath(cache_dir))
 
 
 def _clear_loaded_modules() -> None:

@@ -68,8 +68,18 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(H, config.intermediate_size, config.mlp_bias)
 
     def forward(self, positions, embeds, hidden, rope, attn) -> torch.Tensor:
+        q, k, v = self._project(positions, embeds, hidden, rope)
+        a = self.self_attn
+        return self._finish(hidden, attn.attend(a.layer_id, q, k, v, a.scale))
+
+    @torch.compiler.nested_compile_region
+    def _project(self, positions, embeds, hidden, rope):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(positions, x, rope, attn)
+        return self.self_attn.project(positions, x, rope)
+
+    @torch.compiler.nested_compile_region
+    def _finish(self, hidden, o):
+        h = hidden + self.self_attn.output(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -96,6 +96,10 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, rope: RotaryEmbedding, attn) -> torch.Tensor:
         # positions [T]; x [T, in_features]
+        q, k, v = self.project(positions, x, rope)
+        return self.output(attn.attend(self.layer_id, q, k, v, self.scale))  # attend: [T, Hq, D]
+
+    def project(self, positions, x, rope: RotaryEmbedding):
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
@@ -103,8 +107,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
-        o = attn.attend(self.layer_id, q, k, v, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        return q, k, v
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -118,6 +124,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, positions, x, rope, attn) -> torch.Tensor:
+        q, k, v = self._project(positions, x, rope)
+        a = self.self_attn
+        return self._finish(x, attn.attend(a.layer_id, q, k, v, a.scale))
+
+    @torch.compiler.nested_compile_region
+    def _project(self, positions, x, rope):
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
-        x = x + self.self_attn(positions, h, rope, attn)
+        return self.self_attn.project(positions, h, rope)
+
+    @torch.compiler.nested_compile_region
+    def _finish(self, x, o):
+        x = x + self.self_attn.output(o)
         return x + self.mlp(self.post_attention_layernorm(x))
