@@ -63,8 +63,8 @@ def train_draft(
                       checkpoint_every=checkpoint_every, seed=seed, bf16=bf16, device=device, resume=resume,
                       overwrite=overwrite)
     console = Console(stderr=True)
-    tasks, accept = {}, ""
-    # a live bar on a terminal; in a log, one line per held-out evaluation instead of a bar's last frame
+    tasks, accept, logged = {}, "", {}
+    # a live bar on a terminal; in a log, a line per tenth of each phase and per held-out evaluation instead
     with Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
              TextColumn("{task.fields[info]}"), console=console, disable=not console.is_terminal) as bar:
         def show(p: Progress) -> None:
@@ -77,6 +77,10 @@ def train_draft(
                 accept = "held-out acceptance " + " ".join(f"{a:.2f}" for a in p.info["val_acceptance"])
                 if not console.is_terminal:
                     console.print(f"step {p.done}/{p.total} · loss {p.info['loss']:.3f} · {accept}")
+            elif not console.is_terminal and p.total and logged.setdefault(p.phase, 10 * p.done // p.total) < (
+                    tenth := 10 * p.done // p.total):  # from where the phase started (a resumed one may be done)
+                logged[p.phase] = tenth
+                console.print(f"{PHASES[p.phase]} {p.done}/{p.total}", highlight=False)
             info = f"loss {p.info['loss']:.3f} · {accept}" if "loss" in p.info else ""
             bar.update(tasks[p.phase], completed=p.done, total=p.total, info=info)
 
