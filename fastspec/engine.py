@@ -1,9 +1,8 @@
-"""The engine: owns the target model, its static KV pool, the allocator, the request->slot table and the
-drafter; runs continuous batching (admit -> prefill -> decode rounds -> retire).
-
-A speculative round reads as the paper does: draft -> verify -> accept -> commit, then the draft extend.
-`_commit` / `_commit_round` are the only places where request lengths, tokens and KV slots advance.
-Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
+"""The engine: continuous batching over a worker (fastspec.worker), which owns the models, the KV pool and the
+round functions. Each step admits what fits, preempts what must wait, asks the worker for a prefill chunk or a
+decode round (speculative where a drafter exists and the measured policy says it pays), then emits what each
+request produced: tokens up to a stop token or `max_new_tokens`, the rest dropped, and a finished request's KV
+handed back. Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 """
 
 from __future__ import annotations
@@ -12,28 +11,16 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from fastspec.attention import AttentionContext, decode_metadata, extend_metadata, make_backend
-from fastspec.config import EngineConfig, SpecConfig, SpecParams
+from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
-from fastspec.graphs import StaticInput, size_varies
-from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
-from fastspec.metrics import PhaseTimes, SpecMetrics
-from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
-from fastspec.sampling import SamplingParams, SamplingTensors, draw_uniforms, make_generator, sample
+from fastspec.metrics import SpecMetrics
+from fastspec.sampling import SamplingParams, make_generator
 from fastspec.scheduler import Request, Scheduler
-from fastspec.speculative.batch import DecodeBatch, ExtendBatch
-from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
-from fastspec.speculative.kv import plan_round_kv
-from fastspec.speculative.packing import kv_width, pack_verify, prefix_specs
 from fastspec.speculative.policy import SpecPolicy
-from fastspec.speculative.runners import GraphPlan, StepGraphs
-from fastspec.speculative.steps import target_verify
-from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
-
+from fastspec.worker import Worker
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -55,66 +42,28 @@ class Engine:
     def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None):
         """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled."""
         self.config = config
-        self.model_dir = resolve_model_dir(config.model)
-        model_config = read_config(self.model_dir)
-        self.spec = spec or SpecConfig()
-        self.max_context_len = config.max_context_len or model_config.max_position_embeddings
-        self.times = PhaseTimes(sync_cuda=config.device.startswith("cuda"))
+        self.worker = Worker(config, spec, on_prepare)
+        self.policy = SpecPolicy() if config.speculative_fallback and self.worker.spec.enabled else None
         self.preemptions = 0  # requests taken out of a running batch to make room (recomputed later)
-        models = load_models(self.model_dir, self.spec, config)
-        self.model, self.feature = models.target, models.feature
-        self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
-        self._init_memory(draft_kv_shape(models.draft))
-        self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
-        self._draft_model, self._reserved = models.draft, self.spec.params
-        self._build_rounds(on_prepare)
 
-    def _build_rounds(self, on_prepare) -> None:
-        """One drafter and one verify graph set per tree shape (several with a batch-size schedule)."""
-        config = self.config
-        # explicit buckets (--cuda-graph-bs) are prepared ahead; otherwise each on the first batch that needs it
-        plan = GraphPlan(config.graph_mode, tuple(config.graph_buckets), config.device,
-                         ahead=bool(config.cuda_graph_bs), on_prepare=on_prepare)
-        self.drafters = build_drafter(self.spec, self._draft_model, self.draft_pool, self.table, self.allocator,
-                                      self._feature_width(), plan, self.times)
-        self.drafter = next(iter(self.drafters.values()), None)  # any of them extends and releases
-        self.verify_graphs = {p.num_draft_tokens: StepGraphs(
-            "verify" if len(self.drafters) < 2 else f"verify N={p.num_draft_tokens}",
-            partial(target_verify, self.model, self.pool, self.feature), partial(verify_specs, p.num_draft_tokens),
-            plan, self.times, "verify") for p in self.drafters}
+    # what the worker owns, read by the front ends, the tuner and the tests
+    model_dir = property(lambda self: self.worker.model_dir)
+    model = property(lambda self: self.worker.model)
+    feature = property(lambda self: self.worker.feature)
+    pool = property(lambda self: self.worker.pool)
+    allocator = property(lambda self: self.worker.allocator)
+    drafter = property(lambda self: self.worker.drafter)
+    drafters = property(lambda self: self.worker.drafters)
+    spec = property(lambda self: self.worker.spec)
+    times = property(lambda self: self.worker.times)
 
     def use_schedule(self, schedule, on_prepare=None) -> None:
-        """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way).
-        Each shape must fit the KV headroom reserved at start: no more steps, topk or draft tokens."""
-        spec = self.spec.with_schedule(schedule)
-        r = self._reserved
-        if spec.num_steps > r.num_steps or spec.topk > r.topk or spec.num_draft_tokens > r.num_draft_tokens:
-            raise FastspecError(f"schedule needs up to {spec.params}, the engine reserved {r}")
-        self.spec = spec
-        pack_round_rows(self.model, self._draft_model, spec, self.config)
-        self._build_rounds(on_prepare)
+        """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way)."""
+        self.worker.use_schedule(schedule, on_prepare)
 
-    def _init_memory(self, draft_shape) -> None:
-        c, cfg = self.model.config, self.config
-        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, cfg.torch_dtype)
-        if draft_shape is not None:  # the draft pool has the same slots, so it costs per token as well
-            per_token += KVPool.bytes_per_token(*draft_shape, cfg.torch_dtype)
-        capacity = KVPool.capacity_for(per_token, max_tokens=cfg.max_total_tokens,
-                                       mem_fraction=None if cfg.max_total_tokens else cfg.kv_mem_fraction,
-                                       device=cfg.device, page_size=cfg.page_size)
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, cfg.page_size, cfg.torch_dtype,
-                           cfg.device)
-        self.draft_pool = None if draft_shape is None else KVPool(*draft_shape, capacity, cfg.page_size,
-                                                                  cfg.torch_dtype, cfg.device)
-        if cfg.graph_mode == "compile":  # capacity follows free memory: keep it out of the compiled graphs
-            for pool in filter(None, (self.pool, self.draft_pool)):
-                size_varies(pool.k, 1), size_varies(pool.v, 1)
-        self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
-        margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
-        self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
-        c = self.model.config
-        self.backend = make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                                    head_dim=c.head_dim, dtype=cfg.torch_dtype, device=cfg.device)
+    def check_kv(self, running: list[Request] = ()) -> None:
+        """Leak check: free slots + slots held by `running` == capacity (AssertionError otherwise)."""
+        self.worker.check_kv(running)
 
     # ---- public API -------------------------------------------------------------------------------------
 
@@ -133,7 +82,7 @@ class Engine:
         """Continuous batching; yields, after every prefill or decode round, the requests that progressed.
         Between yields the caller may `abort(index)` a request (a stop string, a closed terminal, Ctrl-C)."""
         reqs = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-        scheduler = Scheduler(self.config.max_running_requests, self.config.page_size, self._round_headroom())
+        scheduler = Scheduler(self.config.max_running_requests, self.config.page_size, self.worker.round_headroom())
         for r in reqs:
             scheduler.add(r)
         self._aborted: set[int] = set()
@@ -141,7 +90,7 @@ class Engine:
             while not scheduler.idle:
                 with torch.inference_mode():
                     aborted = self._apply_aborts(scheduler)
-                    scheduler.admit(self.allocator.num_free())
+                    scheduler.admit(self.worker.allocator.num_free())
                     if not any(r.prefilling for r in scheduler.running):
                         self._preempt_until_a_round_fits(scheduler)
                     prefilling = [r for r in scheduler.running if r.prefilling]
@@ -149,7 +98,7 @@ class Engine:
                     seen = {r.rid: len(r.output_ids) for r in batch}
                     if prefilling:
                         with self.times("prefill"):
-                            self._prefill(batch)
+                            self._emit_all(batch, self.worker.prefill(batch))
                     elif batch:
                         self._decode(batch)
                     scheduler.retire()
@@ -158,14 +107,14 @@ class Engine:
         finally:  # the caller stopped iterating (an exception, a closed pipe): hand every slot back
             for r in scheduler.running:
                 if r.row >= 0:
-                    self._release(r)
+                    self.worker.release(r)
 
     def _preempt_until_a_round_fits(self, scheduler: Scheduler) -> None:
         """A decode round needs `headroom` free KV per request; preempt the newest requests until it has it."""
-        while len(scheduler.running) > 1 and (self.allocator.num_free()
-                                              < self._round_headroom() * len(scheduler.running)):
+        while len(scheduler.running) > 1 and (self.worker.allocator.num_free()
+                                              < self.worker.round_headroom() * len(scheduler.running)):
             req = scheduler.preempt()
-            self._release(req)
+            self.worker.release(req)
             req.seq_len = 0  # recomputed from its history when it is admitted again
             self.preemptions += 1
 
@@ -179,77 +128,27 @@ class Engine:
             if r.rid in self._aborted and not r.finished:
                 r.finish_reason = "abort"
                 if r.row >= 0:
-                    self._release(r)
+                    self.worker.release(r)
                 done.append(StepOutput(r.rid, [], "abort", r.metrics))
         scheduler.waiting = deque(r for r in scheduler.waiting if not r.finished)
         scheduler.retire()
         self._aborted.clear()
         return done
 
-    def check_kv(self, running: list[Request] = ()) -> None:
-        """Leak check: free slots + slots held by `running` == capacity (AssertionError otherwise)."""
-        held = [self.table.slots(r.row, 0, r.seq_len) for r in running]
-        self.allocator.check(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
-
-    def _feature_width(self) -> int:
-        c = self.model.config
-        return c.hidden_size * (len(self.model.capture_layers) if self.feature == "aux" else 1)
-
-    def _round_headroom(self) -> int:
-        """KV one decode round may add per request: a token (its page), or verify slots plus draft scratch."""
-        page = self.config.page_size
-        if not self.spec.enabled:
-            return page
-        scratch = -(-self.spec.topk * self.spec.num_steps // page) * page if self.drafter.uses_scratch else 0
-        return self.spec.num_draft_tokens + page + scratch
-
     def _make_request(self, rid: int, prompt: list[int], params: SamplingParams) -> Request:
         if not prompt:
             raise FastspecError("empty prompt")
-        if len(prompt) + params.max_new_tokens > self.max_context_len:
+        if len(prompt) + params.max_new_tokens > self.worker.max_context_len:
             raise FastspecError(f"prompt ({len(prompt)} tokens) + max-new-tokens ({params.max_new_tokens}) "
-                                f"exceeds the context length {self.max_context_len}")
-        vocab = self.model.config.vocab_size
+                                f"exceeds the context length {self.worker.max_context_len}")
+        vocab = self.worker.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise FastspecError(f"input token ids must be in [0, {vocab})")
         request = Request(rid, list(prompt), params, make_generator(params.seed, self.config.device))
-        if request.max_tokens(self.config.page_size, self._round_headroom()) > self.pool.capacity:
+        if request.max_tokens(self.config.page_size, self.worker.round_headroom()) > self.worker.pool.capacity:
             raise FastspecError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not "
-                                f"fit in the KV pool of {self.pool.capacity} tokens (raise --max-total-tokens)")
+                                f"fit in the KV pool of {self.worker.pool.capacity} tokens (raise --max-total-tokens)")
         return request
-
-    # ---- prefill ----------------------------------------------------------------------------------------
-
-    def _prefill(self, reqs: list[Request]) -> None:
-        """One chunked-prefill step: up to chunked_prefill_size prompt tokens, taken request by request.
-
-        A request whose prompt completes here samples its first token; the draft extend of a non-final chunk
-        ends with the next prompt token instead (draft position p pairs t_{p+1} with h_p)."""
-        chunks, budget = [], self.config.chunked_prefill_size
-        for r in reqs:
-            if budget <= 0:
-                break
-            r.row = self.table.alloc() if r.row < 0 else r.row
-            chunks.append(r.prefill_ids[r.seq_len: r.seq_len + budget])
-            budget -= len(chunks[-1])
-        reqs = reqs[: len(chunks)]
-        lens = [len(c) for c in chunks]
-        done = [r.seq_len + n == len(r.prefill_ids) for r, n in zip(reqs, lens)]
-        ids = torch.tensor([t for c in chunks for t in c], device=self.config.device)
-        rows, prefix, ext, positions = self._extend_slots(reqs, lens)
-        hidden = self._forward(ids, positions, extend_metadata(self.table.table, rows, prefix, ext))
-        last = torch.cumsum(ext, 0) - 1
-        finals = [b for b, d in enumerate(done) if d and not reqs[b].output_ids]  # recomputes know their token
-        first = self._sample([reqs[b] for b in finals], self.model.compute_logits(hidden.final[last[finals]]))
-        tails = [r.history[r.seq_len + n] if r.seq_len + n < len(r.history) else None for r, n in zip(reqs, lens)]
-        for b, token in zip(finals, first):
-            tails[b] = token
-        if self.drafter is not None and self.drafter.uses_extend:
-            shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each chunk's tail: see the docstring
-            shifted[last] = torch.tensor(tails, device=ids.device)
-            self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
-                                            self._features(hidden)), decode_round=False)
-        self._commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))])
 
     # ---- decode rounds ----------------------------------------------------------------------------------
 
@@ -259,101 +158,22 @@ class Engine:
         speculate = params is not None and (self.policy is None or self.policy.speculate(len(reqs)))
         before, start = sum(len(r.output_ids) for r in reqs), time.perf_counter()
         with self.times("round" if speculate else "plain_round"):  # "round" = speculative rounds only
-            self._spec_round(reqs, params) if speculate else self._plain_round(reqs)
+            if speculate:
+                self._emit_all(reqs, self.worker.spec_round(reqs, params), speculative=True)
+            else:
+                self._emit_all(reqs, self.worker.plain_round(reqs))
         if self.policy is not None:
             emitted = sum(len(r.output_ids) for r in reqs) - before
             self.policy.record(len(reqs), speculate, emitted / len(reqs), time.perf_counter() - start)
 
-    def _plain_round(self, reqs: list[Request]) -> None:
-        """One token per request. With an EAGLE drafter, the draft extends by that token too, so its state
-        stays exact and the next round may speculate again."""
-        ids = torch.tensor([r.output_ids[-1] for r in reqs], device=self.config.device)
-        rows, prefix, ext, positions = self._extend_slots(reqs, [1] * len(reqs))
-        hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1))
-        tokens = self._sample(reqs, self.model.compute_logits(hidden.final))
-        if self.drafter is not None and self.drafter.uses_extend:
-            self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
-                                            torch.tensor(tokens, device=ids.device), positions,
-                                            self._features(hidden)), decode_round=False)
-        self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
-
-    def _spec_round(self, reqs: list[Request], params: SpecParams) -> None:
-        batch = self._decode_batch(reqs)
-        drafter = self.drafters[params]
-        tree = drafter.draft(batch)                                            # draft
-        verify_slots, out = self._verify(batch, tree)                          # verify
-        result = self._accept(reqs, tree, out["logits"])                       # accept
-        extend = self._commit_round(reqs, batch, tree, verify_slots, result, out["features"])  # commit
-        if extend is not None and drafter.uses_extend:
-            drafter.extend(extend, decode_round=True)                          # draft extend
-
-    def _decode_batch(self, reqs: list[Request]) -> DecodeBatch:
-        device = self.config.device
-        seq = tuple(r.seq_len for r in reqs)
-        return DecodeBatch(tuple(r.rid for r in reqs), torch.tensor([r.row for r in reqs], device=device),
-                           torch.tensor(seq, device=device), seq,
-                           torch.tensor([r.output_ids[-1] for r in reqs], device=device),
-                           tuple(r.history for r in reqs))
-
-    def _verify(self, batch: DecodeBatch, tree: DraftTree):
-        """Target forward over bs*N tree rows into N newly allocated slots per request."""
-        n = tree.num_draft_tokens
-        self._alloc_slots(batch.rows, batch.seq_lens, batch.seq_lens + n)
-        graphs = self.verify_graphs[n]
-        width = kv_width(max(batch.seq_lens_cpu), graphs.bucketed)
-        x = pack_verify(batch, tree, self.table.table, width)
-        return x["new_slots"], graphs(batch.size, x, width)
-
-    def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-        sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
-        if sampling.all_greedy:
-            return verify_greedy(tree, logits)
-        uniforms = draw_uniforms([r.generator for r in reqs], tree.num_draft_tokens + 1, logits.device)
-        return verify_sampling(tree, logits, sampling.temperature, sampling.top_k, sampling.top_p, uniforms,
-                               self.spec.accept_threshold_single, self.spec.accept_threshold_acc)
-
-    # ---- commit -----------------------------------------------------------------------------------------
-
-    def _commit_round(self, reqs, batch: DecodeBatch, tree: DraftTree, verify_slots, result: VerifyResult,
-                      features: torch.Tensor) -> ExtendBatch | None:
-        """Emit accepted tokens + bonus (stopping inside the run), move/free KV, advance lengths."""
-        n = tree.num_draft_tokens
-        accept_index, emitted = result.accept_index.tolist(), result.emitted.tolist()
-        alive, kept_nodes, kept_rows, tokens = [], [], [], []
-        for b, r in enumerate(reqs):
-            run = [t for t in emitted[b] if t >= 0]
+    def _emit_all(self, reqs: list[Request], produced: list[list[int]], speculative: bool = False) -> None:
+        """Emit what each request produced this step; a request that finishes hands its KV back."""
+        for r, run in zip(reqs, produced):
             new = self._emit(r, run)
-            r.metrics = r.metrics.add_round(len(run) - 1, len(new))
+            if speculative:  # run = accepted draft tokens + the bonus token
+                r.metrics = r.metrics.add_round(len(run) - 1, len(new))
             if r.finished:
-                self._release(r, extra=verify_slots[b])
-                continue
-            rows = accept_index[b][: len(run)]  # flat verify rows of the kept nodes, root first
-            alive.append(b), kept_rows.extend(rows), tokens.extend(run)
-            kept_nodes.append([i - b * n for i in rows])
-        if not alive:
-            return None
-        plan = plan_round_kv(verify_slots[alive], kept_nodes, [batch.seq_lens_cpu[b] for b in alive],
-                             self.config.page_size)
-        self.allocator.free(plan.free_slots)
-        if plan.move_src.numel():
-            self.pool.move(plan.move_dst, plan.move_src)
-        idx = torch.tensor(alive)
-        rows, old = batch.rows[idx], batch.seq_lens[idx]
-        self.table.write(rows, old, plan.keep_lens, plan.table_slots)
-        for b in alive:
-            reqs[b].seq_len += len(kept_nodes[alive.index(b)])
-        positions = torch.cat([torch.arange(o, o + k) for o, k in zip(old.tolist(), plan.keep_lens.tolist())])
-        return ExtendBatch(tuple(reqs[b].rid for b in alive), rows, old, plan.keep_lens,
-                           torch.tensor(tokens, device=self.config.device), positions.to(old.device),
-                           features[torch.tensor(kept_rows)])
-
-    def _commit(self, reqs: list[Request], fed: list[int], tokens: list[list[int]]) -> None:
-        """Plain rounds and prefill: `fed[b]` tokens entered the KV, `tokens[b]` were emitted."""
-        for r, n, new in zip(reqs, fed, tokens):
-            r.seq_len += n
-            self._emit(r, new)
-            if r.finished:
-                self._release(r)
+                self.worker.release(r)
 
     def _emit(self, r: Request, run: list[int]) -> list[int]:
         """Append tokens until a stop condition; returns what was emitted (the rest is dropped)."""
@@ -367,53 +187,9 @@ class Engine:
         return emitted
 
     def _finish_reason(self, r: Request, token: int) -> str | None:
-        if token in r.params.stop_token_ids or (token in self.eos_ids and not r.params.ignore_eos):
+        if token in r.params.stop_token_ids or (token in self.worker.eos_ids and not r.params.ignore_eos):
             return "stop"
         if len(r.output_ids) >= r.params.max_new_tokens:
             return "length"
         return None
 
-    def _release(self, r: Request, extra: torch.Tensor | None = None) -> None:
-        slots = self.table.slots(r.row, 0, r.seq_len)
-        self.allocator.free(slots if extra is None else torch.cat([slots, extra]))
-        self.table.free(r.row)
-        if self.drafter is not None:
-            self.drafter.release(r.rid)
-        r.row = -1
-
-    # ---- shared helpers ---------------------------------------------------------------------------------
-
-    def _extend_slots(self, reqs: list[Request], lens: list[int]):
-        """Allocate slots for lens[b] new tokens of each request; (rows, prefix, ext, positions)."""
-        device = self.config.device
-        rows = torch.tensor([r.row for r in reqs], device=device)
-        prefix = torch.tensor([r.seq_len for r in reqs], device=device)
-        ext = torch.tensor(lens, device=device)
-        self._alloc_slots(rows, prefix, prefix + ext)
-        positions = torch.cat([torch.arange(r.seq_len, r.seq_len + n, device=device) for r, n in zip(reqs, lens)])
-        return rows, prefix, ext, positions
-
-    def _alloc_slots(self, rows: torch.Tensor, prefix: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        last_loc = torch.where(prefix > 0, self.table.table[rows, (prefix - 1).clamp(min=0)].long(), -1)
-        slots = self.allocator.alloc_extend(prefix, seq_lens, last_loc)
-        if slots is None:
-            raise FastspecError("KV pool exhausted")  # unreachable: a round's headroom is checked before it runs
-        self.table.write(rows, prefix, seq_lens - prefix, slots)
-
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta):
-        return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool))
-
-    def _features(self, hidden) -> torch.Tensor:
-        return hidden.aux if self.feature == "aux" else hidden.final
-
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
-        return sample(logits, sampling, [r.generator for r in reqs]).tolist()
-
-
-def verify_specs(n: int, width: int) -> list[StaticInput]:
-    """The verify graph's static inputs for trees of n tokens over a committed-KV width (a module function: a
-    bound method here would make a reference cycle that keeps a dropped engine's weights alive until gc runs)."""
-    return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
-            StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
-            *prefix_specs(width)]

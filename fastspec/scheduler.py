@@ -4,7 +4,7 @@ Admission is optimistic (as SGLang's): a request starts when its prompt plus one
 the free KV beside one round of headroom for every running request. When a running batch cannot grow, the
 engine preempts the most recently admitted request: its KV is freed and it waits at the front of the queue,
 to be recomputed (its prompt + output so far prefilled again) when it fits. The scheduler never touches KV
-slots or tensors; the engine's commit is the one place request state advances.
+slots or tensors; the worker's commit advances KV lengths, the engine emits tokens.
 """
 
 from __future__ import annotations

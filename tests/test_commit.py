@@ -49,8 +49,8 @@ class OracleDrafter:
 
 
 def use_drafter(engine, drafter) -> None:
-    engine.drafter = drafter
-    engine.drafters = {engine.spec.params: drafter}
+    engine.worker.drafter = drafter
+    engine.worker.drafters = {engine.spec.params: drafter}
 
 
 @pytest.mark.parametrize("page_size, steps, n, bs", [(1, 6, 14, 8), (16, 5, 12, 5), (4, 3, 9, 8)])

@@ -1,0 +1,274 @@
+"""The worker: owns the target model, its static KV pool, the allocator, the request->slot table, the drafters and
+the verify graphs, and runs one step at a time on the requests it is given: a prefill chunk, a plain round or a
+speculative round (draft -> verify -> accept -> commit, then the draft extend).
+
+Each step returns the tokens every request produced; it does not emit them. Which of them a request keeps (a stop
+token or `max_new_tokens` inside an accepted run) is the engine's business, which then `release`s a finished
+request. `_commit_round` / `_commit` are the only places where request lengths and KV slots advance.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from fastspec.attention import AttentionContext, decode_metadata, extend_metadata, make_backend
+from fastspec.config import EngineConfig, SpecConfig, SpecParams
+from fastspec.errors import FastspecError
+from fastspec.graphs import StaticInput, size_varies
+from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
+from fastspec.metrics import PhaseTimes
+from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
+from fastspec.sampling import SamplingTensors, draw_uniforms, sample
+from fastspec.scheduler import Request
+from fastspec.speculative.batch import DecodeBatch, ExtendBatch
+from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
+from fastspec.speculative.kv import plan_round_kv
+from fastspec.speculative.packing import kv_width, pack_verify, prefix_specs
+from fastspec.speculative.runners import GraphPlan, StepGraphs
+from fastspec.speculative.steps import target_verify
+from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None):
+        """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled."""
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        model_config = read_config(self.model_dir)
+        self.spec = spec or SpecConfig()
+        self.max_context_len = config.max_context_len or model_config.max_position_embeddings
+        self.times = PhaseTimes(sync_cuda=config.device.startswith("cuda"))
+        models = load_models(self.model_dir, self.spec, config)
+        self.model, self.feature = models.target, models.feature
+        self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
+        self._init_memory(draft_kv_shape(models.draft))
+        self._draft_model, self._reserved = models.draft, self.spec.params
+        self._build_rounds(on_prepare)
+
+    def _build_rounds(self, on_prepare) -> None:
+        """One drafter and one verify graph set per tree shape (several with a batch-size schedule)."""
+        config = self.config
+        # explicit buckets (--cuda-graph-bs) are prepared ahead; otherwise each on the first batch that needs it
+        plan = GraphPlan(config.graph_mode, tuple(config.graph_buckets), config.device,
+                         ahead=bool(config.cuda_graph_bs), on_prepare=on_prepare)
+        self.drafters = build_drafter(self.spec, self._draft_model, self.draft_pool, self.table, self.allocator,
+                                      self._feature_width(), plan, self.times)
+        self.drafter = next(iter(self.drafters.values()), None)  # any of them extends and releases
+        self.verify_graphs = {p.num_draft_tokens: StepGraphs(
+            "verify" if len(self.drafters) < 2 else f"verify N={p.num_draft_tokens}",
+            partial(target_verify, self.model, self.pool, self.feature), partial(verify_specs, p.num_draft_tokens),
+            plan, self.times, "verify") for p in self.drafters}
+
+    def use_schedule(self, schedule, on_prepare=None) -> None:
+        """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way).
+        Each shape must fit the KV headroom reserved at start: no more steps, topk or draft tokens."""
+        spec = self.spec.with_schedule(schedule)
+        r = self._reserved
+        if spec.num_steps > r.num_steps or spec.topk > r.topk or spec.num_draft_tokens > r.num_draft_tokens:
+            raise FastspecError(f"schedule needs up to {spec.params}, the engine reserved {r}")
+        self.spec = spec
+        pack_round_rows(self.model, self._draft_model, spec, self.config)
+        self._build_rounds(on_prepare)
+
+    def _init_memory(self, draft_shape) -> None:
+        c, cfg = self.model.config, self.config
+        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, cfg.torch_dtype)
+        if draft_shape is not None:  # the draft pool has the same slots, so it costs per token as well
+            per_token += KVPool.bytes_per_token(*draft_shape, cfg.torch_dtype)
+        capacity = KVPool.capacity_for(per_token, max_tokens=cfg.max_total_tokens,
+                                       mem_fraction=None if cfg.max_total_tokens else cfg.kv_mem_fraction,
+                                       device=cfg.device, page_size=cfg.page_size)
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, cfg.page_size, cfg.torch_dtype,
+                           cfg.device)
+        self.draft_pool = None if draft_shape is None else KVPool(*draft_shape, capacity, cfg.page_size,
+                                                                  cfg.torch_dtype, cfg.device)
+        if cfg.graph_mode == "compile":  # capacity follows free memory: keep it out of the compiled graphs
+            for pool in filter(None, (self.pool, self.draft_pool)):
+                size_varies(pool.k, 1), size_varies(pool.v, 1)
+        self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
+        margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
+        self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
+        c = self.model.config
+        self.backend = make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                    head_dim=c.head_dim, dtype=cfg.torch_dtype, device=cfg.device)
+
+    def check_kv(self, running: list[Request] = ()) -> None:
+        """Leak check: free slots + slots held by `running` == capacity (AssertionError otherwise)."""
+        held = [self.table.slots(r.row, 0, r.seq_len) for r in running]
+        self.allocator.check(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
+
+    def _feature_width(self) -> int:
+        c = self.model.config
+        return c.hidden_size * (len(self.model.capture_layers) if self.feature == "aux" else 1)
+
+    def round_headroom(self) -> int:
+        """KV one decode round may add per request: a token (its page), or verify slots plus draft scratch."""
+        page = self.config.page_size
+        if not self.spec.enabled:
+            return page
+        scratch = -(-self.spec.topk * self.spec.num_steps // page) * page if self.drafter.uses_scratch else 0
+        return self.spec.num_draft_tokens + page + scratch
+
+    # ---- prefill ----------------------------------------------------------------------------------------
+
+    def prefill(self, reqs: list[Request]) -> list[list[int]]:
+        """One chunked-prefill step: up to chunked_prefill_size prompt tokens, taken request by request.
+
+        A request whose prompt completes here samples its first token; the draft extend of a non-final chunk
+        ends with the next prompt token instead (draft position p pairs t_{p+1} with h_p)."""
+        chunks, budget = [], self.config.chunked_prefill_size
+        for r in reqs:
+            if budget <= 0:
+                break
+            r.row = self.table.alloc() if r.row < 0 else r.row
+            chunks.append(r.prefill_ids[r.seq_len: r.seq_len + budget])
+            budget -= len(chunks[-1])
+        reqs = reqs[: len(chunks)]
+        lens = [len(c) for c in chunks]
+        done = [r.seq_len + n == len(r.prefill_ids) for r, n in zip(reqs, lens)]
+        ids = torch.tensor([t for c in chunks for t in c], device=self.config.device)
+        rows, prefix, ext, positions = self._extend_slots(reqs, lens)
+        hidden = self._forward(ids, positions, extend_metadata(self.table.table, rows, prefix, ext))
+        last = torch.cumsum(ext, 0) - 1
+        finals = [b for b, d in enumerate(done) if d and not reqs[b].output_ids]  # recomputes know their token
+        first = self._sample([reqs[b] for b in finals], self.model.compute_logits(hidden.final[last[finals]]))
+        tails = [r.history[r.seq_len + n] if r.seq_len + n < len(r.history) else None for r, n in zip(reqs, lens)]
+        for b, token in zip(finals, first):
+            tails[b] = token
+        if self.drafter is not None and self.drafter.uses_extend:
+            shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each chunk's tail: see the docstring
+            shifted[last] = torch.tensor(tails, device=ids.device)
+            self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
+                                            self._features(hidden)), decode_round=False)
+        self._commit(reqs, lens)
+        return [[tails[b]] if b in finals else [] for b in range(len(reqs))]
+
+    # ---- decode rounds ----------------------------------------------------------------------------------
+
+    def plain_round(self, reqs: list[Request]) -> list[list[int]]:
+        """One token per request. With an EAGLE drafter, the draft extends by that token too, so its state
+        stays exact and the next round may speculate again."""
+        ids = torch.tensor([r.output_ids[-1] for r in reqs], device=self.config.device)
+        rows, prefix, ext, positions = self._extend_slots(reqs, [1] * len(reqs))
+        hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1))
+        tokens = self._sample(reqs, self.model.compute_logits(hidden.final))
+        if self.drafter is not None and self.drafter.uses_extend:
+            self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
+                                            torch.tensor(tokens, device=ids.device), positions,
+                                            self._features(hidden)), decode_round=False)
+        self._commit(reqs, [1] * len(reqs))
+        return [[t] for t in tokens]
+
+    def spec_round(self, reqs: list[Request], params: SpecParams) -> list[list[int]]:
+        """One speculative round; per request the accepted draft tokens and the bonus token, root first."""
+        batch = self._decode_batch(reqs)
+        drafter = self.drafters[params]
+        tree = drafter.draft(batch)                                            # draft
+        verify_slots, out = self._verify(batch, tree)                          # verify
+        result = self._accept(reqs, tree, out["logits"])                       # accept
+        runs, extend = self._commit_round(reqs, batch, tree, verify_slots, result, out["features"])  # commit
+        if drafter.uses_extend:
+            drafter.extend(extend, decode_round=True)                          # draft extend
+        return runs
+
+    def _decode_batch(self, reqs: list[Request]) -> DecodeBatch:
+        device = self.config.device
+        seq = tuple(r.seq_len for r in reqs)
+        return DecodeBatch(tuple(r.rid for r in reqs), torch.tensor([r.row for r in reqs], device=device),
+                           torch.tensor(seq, device=device), seq,
+                           torch.tensor([r.output_ids[-1] for r in reqs], device=device),
+                           tuple(r.history for r in reqs))
+
+    def _verify(self, batch: DecodeBatch, tree: DraftTree):
+        """Target forward over bs*N tree rows into N newly allocated slots per request."""
+        n = tree.num_draft_tokens
+        self._alloc_slots(batch.rows, batch.seq_lens, batch.seq_lens + n)
+        graphs = self.verify_graphs[n]
+        width = kv_width(max(batch.seq_lens_cpu), graphs.bucketed)
+        x = pack_verify(batch, tree, self.table.table, width)
+        return x["new_slots"], graphs(batch.size, x, width)
+
+    def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+        sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
+        if sampling.all_greedy:
+            return verify_greedy(tree, logits)
+        uniforms = draw_uniforms([r.generator for r in reqs], tree.num_draft_tokens + 1, logits.device)
+        return verify_sampling(tree, logits, sampling.temperature, sampling.top_k, sampling.top_p, uniforms,
+                               self.spec.accept_threshold_single, self.spec.accept_threshold_acc)
+
+    # ---- commit -----------------------------------------------------------------------------------------
+
+    def _commit_round(self, reqs, batch: DecodeBatch, tree: DraftTree, verify_slots, result: VerifyResult,
+                      features: torch.Tensor) -> tuple[list[list[int]], ExtendBatch]:
+        """Keep the KV of every accepted node (move / free the rest), advance lengths; (runs, draft extend).
+
+        The whole accepted run enters the KV even past a stop: the engine then finishes and releases the request."""
+        n = tree.num_draft_tokens
+        accept_index, emitted = result.accept_index.tolist(), result.emitted.tolist()
+        runs = [[t for t in row if t >= 0] for row in emitted]  # accepted draft tokens + bonus, root first
+        kept_rows = [i for b, run in enumerate(runs) for i in accept_index[b][: len(run)]]  # flat verify rows
+        kept_nodes = [[i - b * n for i in accept_index[b][: len(run)]] for b, run in enumerate(runs)]
+        plan = plan_round_kv(verify_slots, kept_nodes, list(batch.seq_lens_cpu), self.config.page_size)
+        self.allocator.free(plan.free_slots)
+        if plan.move_src.numel():
+            self.pool.move(plan.move_dst, plan.move_src)
+        self.table.write(batch.rows, batch.seq_lens, plan.keep_lens, plan.table_slots)
+        for r, run in zip(reqs, runs):
+            r.seq_len += len(run)
+        old = batch.seq_lens
+        positions = torch.cat([torch.arange(o, o + k) for o, k in zip(batch.seq_lens_cpu, plan.keep_lens.tolist())])
+        return runs, ExtendBatch(batch.rids, batch.rows, old, plan.keep_lens,
+                                 torch.tensor([t for run in runs for t in run], device=self.config.device),
+                                 positions.to(old.device), features[torch.tensor(kept_rows)])
+
+    def _commit(self, reqs: list[Request], fed: list[int]) -> None:
+        """Plain rounds and prefill: `fed[b]` tokens entered the KV."""
+        for r, n in zip(reqs, fed):
+            r.seq_len += n
+
+    def release(self, r: Request) -> None:
+        """Hand back a request's KV slots, table row and draft state."""
+        self.allocator.free(self.table.slots(r.row, 0, r.seq_len))
+        self.table.free(r.row)
+        if self.drafter is not None:
+            self.drafter.release(r.rid)
+        r.row = -1
+
+    # ---- shared helpers ---------------------------------------------------------------------------------
+
+    def _extend_slots(self, reqs: list[Request], lens: list[int]):
+        """Allocate slots for lens[b] new tokens of each request; (rows, prefix, ext, positions)."""
+        device = self.config.device
+        rows = torch.tensor([r.row for r in reqs], device=device)
+        prefix = torch.tensor([r.seq_len for r in reqs], device=device)
+        ext = torch.tensor(lens, device=device)
+        self._alloc_slots(rows, prefix, prefix + ext)
+        positions = torch.cat([torch.arange(r.seq_len, r.seq_len + n, device=device) for r, n in zip(reqs, lens)])
+        return rows, prefix, ext, positions
+
+    def _alloc_slots(self, rows: torch.Tensor, prefix: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        last_loc = torch.where(prefix > 0, self.table.table[rows, (prefix - 1).clamp(min=0)].long(), -1)
+        slots = self.allocator.alloc_extend(prefix, seq_lens, last_loc)
+        if slots is None:
+            raise FastspecError("KV pool exhausted")  # unreachable: a round's headroom is checked before it runs
+        self.table.write(rows, prefix, seq_lens - prefix, slots)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta):
+        return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool))
+
+    def _features(self, hidden) -> torch.Tensor:
+        return hidden.aux if self.feature == "aux" else hidden.final
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
+        sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
+        return sample(logits, sampling, [r.generator for r in reqs]).tolist()
+
+
+def verify_specs(n: int, width: int) -> list[StaticInput]:
+    """The verify graph's static inputs for trees of n tokens over a committed-KV width (a module function: a
+    bound method here would make a reference cycle that keeps a dropped engine's weights alive until gc runs)."""
+    return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
+            StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
+            *prefix_specs(width)]
