@@ -23,7 +23,8 @@ SPEC = "Speculative decoding"
 GRAPHS = "Graphs and kernels"
 NGRAM = "NGRAM"
 ENGINE_FLAGS = ("model", "dtype", "device", "page_size", "graphs", "cuda_graph_max_bs", "cuda_graph_bs", "attention_backend",
-                "max_total_tokens", "max_running_requests", "chunked_prefill_size", "speculative_fallback")
+                "max_total_tokens", "max_running_requests", "chunked_prefill_size", "speculative_fallback",
+                "overlap_schedule")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,8 @@ class ModelOptions:
     disable_cuda_graph: Annotated[bool, typer.Option(help="Run everything eagerly (= --graphs eager).", rich_help_panel=GRAPHS)] = False
     enable_torch_compile: Annotated[bool, typer.Option(help="torch.compile the graphs (= --graphs compile on CPU).", rich_help_panel=GRAPHS)] = False
     attention_backend: Annotated[str, typer.Option(help="torch | flashinfer (CUDA only).", rich_help_panel=GRAPHS)] = "torch"
+    overlap_schedule: Annotated[str, typer.Option(help="auto | on | off: launch the next decode round before handing out the last (auto: on with a GPU).")] = "auto"
+    disable_overlap_schedule: Annotated[bool, typer.Option(help="= --overlap-schedule off (SGLang's flag).")] = False
     speculative_algorithm: Annotated[Optional[str], typer.Option(help="NONE | EAGLE (NEXTN) | EAGLE3 | STANDALONE | NGRAM", rich_help_panel=SPEC)] = None
     speculative_draft_model_path: Annotated[Optional[str], typer.Option("--speculative-draft-model-path", "--draft", help="Draft head / model directory.", rich_help_panel=SPEC)] = None
     speculative_num_steps: Annotated[Optional[int], typer.Option(help="Draft depth.", rich_help_panel=SPEC)] = None
@@ -64,6 +67,8 @@ class ModelOptions:
         from fastspec.config import EngineConfig, check_spec_flags
         from fastspec.models.loader import check_model_spec
 
+        if self.disable_overlap_schedule and self.overlap_schedule == "on":
+            raise FastspecError("--disable-overlap-schedule contradicts --overlap-schedule on: give one of them")
         kwargs = self.llm_kwargs()  # parses --cuda-graph-bs and the NGRAM flags
         EngineConfig(**{k: kwargs[k] for k in ENGINE_FLAGS})
         algorithm = check_spec_flags(self.speculative_algorithm, self.speculative_num_steps,
@@ -90,6 +95,7 @@ class ModelOptions:
             ngram = NgramParams(**{f.name[len(prefix):]: getattr(self, f.name) for f in fields(self)
                                    if f.name.startswith(prefix)})
         graphs = "eager" if self.disable_cuda_graph else "compile" if self.enable_torch_compile else self.graphs
+        overlap = "off" if self.disable_overlap_schedule else self.overlap_schedule
         buckets = tuple(parse_buckets(self.cuda_graph_bs)) if self.cuda_graph_bs else None
         return dict(model=self.model, dtype=self.dtype, device=resolve_device(self.device), page_size=self.page_size,
                     graphs=graphs,
@@ -97,7 +103,7 @@ class ModelOptions:
                     attention_backend=self.attention_backend,
                     max_total_tokens=self.max_total_tokens, max_running_requests=self.max_running_requests,
                     chunked_prefill_size=self.chunked_prefill_size, speculative_fallback=self.speculative_fallback,
-                    speculative_algorithm=self.speculative_algorithm,
+                    overlap_schedule=overlap, speculative_algorithm=self.speculative_algorithm,
                     draft_model=self.speculative_draft_model_path, num_steps=self.speculative_num_steps,
                     topk=self.speculative_eagle_topk, num_draft_tokens=self.speculative_num_draft_tokens,
                     accept_threshold_single=self.speculative_accept_threshold_single,

@@ -208,8 +208,11 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # largest graph bucket (None: max_running_requests); larger: eager
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit bucket list
     attention_backend: str = "torch"  # torch | flashinfer
+    overlap_schedule: str = "auto"  # auto | on | off: launch the next decode round before handing out the last
 
     def __post_init__(self):
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise FastspecError(f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.graphs not in GRAPH_MODES:
             raise FastspecError(f"--graphs must be one of {', '.join(GRAPH_MODES)}, got {self.graphs!r}")
         if self.attention_backend not in ("torch", "flashinfer"):
@@ -238,6 +241,14 @@ class EngineConfig:
         if self.graphs != "auto":
             return self.graphs
         return "cuda" if self.device.startswith("cuda") else "eager"
+
+    @property
+    def overlap(self) -> bool:
+        """`auto`: on a GPU, where a captured round is a few ms and host work is what holds batch 1 back; off on
+        CPU, where the host and the round share the cores (bench/bench_overlap.py measures both)."""
+        if self.overlap_schedule != "auto":
+            return self.overlap_schedule == "on"
+        return self.device.startswith("cuda")
 
     @property
     def graph_buckets(self) -> list[int]:

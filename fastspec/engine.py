@@ -7,19 +7,16 @@ handed back. Tokenisation stays outside (fastspec.llm); the engine speaks token 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-
-import torch
 
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
 from fastspec.metrics import SpecMetrics
 from fastspec.sampling import SamplingParams, make_generator
 from fastspec.scheduler import Request, Scheduler
-from fastspec.speculative.policy import SpecPolicy
 from fastspec.worker import Worker
 
 @dataclass(frozen=True)
@@ -43,8 +40,11 @@ class Engine:
         """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled."""
         self.config = config
         self.worker = Worker(config, spec, on_prepare)
-        self.policy = SpecPolicy() if config.speculative_fallback and self.worker.spec.enabled else None
         self.preemptions = 0  # requests taken out of a running batch to make room (recomputed later)
+        self.overlap = config.overlap
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fastspec-worker") if self.overlap else None
+        self._last: Future | None = None  # the last thing submitted to the worker (a step or a release)
+        self._free_before = 0  # free KV before the step in flight (after the last one handed out)
 
     # what the worker owns, read by the front ends, the tuner and the tests
     model_dir = property(lambda self: self.worker.model_dir)
@@ -56,6 +56,14 @@ class Engine:
     drafters = property(lambda self: self.worker.drafters)
     spec = property(lambda self: self.worker.spec)
     times = property(lambda self: self.worker.times)
+
+    @property
+    def policy(self):
+        return self.worker.policy
+
+    @policy.setter
+    def policy(self, policy) -> None:  # tests drive the fallback with a scripted policy
+        self.worker.policy = policy
 
     def use_schedule(self, schedule, on_prepare=None) -> None:
         """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way)."""
@@ -79,35 +87,99 @@ class Engine:
                 for i, p in enumerate(prompts)]
 
     def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[StepOutput]]:
-        """Continuous batching; yields, after every prefill or decode round, the requests that progressed.
-        Between yields the caller may `abort(index)` a request (a stop string, a closed terminal, Ctrl-C)."""
+        """Continuous batching; yields, after every prefill or decode step, the requests that progressed.
+        Between yields the caller may `abort(index)` a request (a stop string, a closed terminal, Ctrl-C).
+
+        With the overlap schedule, the next decode round is launched (in the worker's thread) before the
+        previous one's tokens are handed out, whenever that round needs nothing the previous one decides:
+        no admission, no prefill, and KV for both rounds at their worst case (a round's headroom per request).
+        A request the previous round finished runs in the next one as done (skipped by the worker); an
+        aborted one runs once more and its tokens are dropped. Everything else waits for the round in flight
+        (a drain) and runs as without overlap, so the output is the same token for token."""
         reqs = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         scheduler = Scheduler(self.config.max_running_requests, self.config.page_size, self.worker.round_headroom())
         for r in reqs:
             scheduler.add(r)
         self._aborted: set[int] = set()
+        inflight = None  # (the running requests it was launched with, Future[StepResult]) under overlap
         try:
-            while not scheduler.idle:
-                with torch.inference_mode():
-                    aborted = self._apply_aborts(scheduler)
-                    scheduler.admit(self.worker.allocator.num_free())
-                    if not any(r.prefilling for r in scheduler.running):
-                        self._preempt_until_a_round_fits(scheduler)
-                    prefilling = [r for r in scheduler.running if r.prefilling]
-                    batch = prefilling or list(scheduler.running)
-                    seen = {r.rid: len(r.output_ids) for r in batch}
-                    if prefilling:
-                        with self.times("prefill"):
-                            self._emit_all(batch, self.worker.prefill(batch))
-                    elif batch:
-                        self._decode(batch)
-                    scheduler.retire()
-                yield aborted + [StepOutput(r.rid, r.output_ids[seen[r.rid]:], r.finish_reason, r.metrics)
-                                 for r in batch]
-        finally:  # the caller stopped iterating (an exception, a closed pipe): hand every slot back
+            while inflight is not None or not scheduler.idle:
+                out = self._apply_aborts(scheduler)
+                if inflight is not None and not self._may_run_ahead(scheduler, inflight[0]):
+                    out += self._hand_out(scheduler, inflight[1].result())
+                    inflight = None
+                launched = self._launch(scheduler, ahead=inflight is not None)
+                if inflight is not None:
+                    out += self._hand_out(scheduler, inflight[1].result())
+                inflight = launched
+                if not self.overlap and inflight is not None:
+                    out += self._hand_out(scheduler, inflight[1].result())
+                    inflight = None
+                yield out
+        finally:  # done, or the caller stopped iterating (an exception, a closed pipe): hand every slot back
+            self._drain(raise_errors=False)
             for r in scheduler.running:
-                if r.row >= 0:
-                    self.worker.release(r)
+                self.worker.release(r)
+
+    def _launch(self, scheduler: Scheduler, ahead: bool):
+        """Start the next step: a prefill chunk if a request is prefilling, else a decode round. Admission
+        and preemption read the allocator, so they run only with nothing in flight (`ahead` False)."""
+        if not ahead:
+            self._drain()
+            scheduler.admit(self.worker.allocator.num_free())
+            if not any(r.prefilling for r in scheduler.running):
+                self._preempt_until_a_round_fits(scheduler)
+        prefilling = [r for r in scheduler.running if r.prefilling] if not ahead else []
+        batch = prefilling or list(scheduler.running)
+        if not batch:
+            return None
+        self._free_before = self.worker.allocator.num_free() if not ahead else self._free_before
+        return (None if prefilling else batch), self._submit(self.worker.step, batch, bool(prefilling))
+
+    def _may_run_ahead(self, scheduler: Scheduler, launched_with) -> bool:
+        """The next decode round can start before the one in flight is handed out: it is a decode round, no
+        request can be admitted, and worst-case KV fits both rounds (each needs a round's headroom per request)."""
+        if launched_with is None or not scheduler.running:  # a prefill step, or nothing to run next
+            return False
+        if scheduler.waiting and len(scheduler.running) < scheduler.max_running and not scheduler.hold:
+            return False
+        headroom = self.worker.round_headroom()
+        return self._free_before >= headroom * (len(launched_with) + len(scheduler.running))
+
+    def _hand_out(self, scheduler: Scheduler, result) -> list[StepOutput]:
+        """Emit what a step produced (a request finished or aborted since it was launched gets nothing);
+        a request that finishes hands its KV back after the steps already launched."""
+        outputs = []
+        for b, (r, tokens) in enumerate(zip(result.reqs, result.tokens)):
+            if r.finished:
+                continue
+            r.output_ids.extend(tokens)
+            r.finish_reason = result.finish[b]
+            if result.accepted is not None:
+                r.metrics = r.metrics.add_round(result.accepted[b], len(tokens))
+            if r.finished:
+                self._submit(self.worker.release, r)
+            outputs.append(StepOutput(r.rid, list(tokens), r.finish_reason, r.metrics))
+        scheduler.retire()
+        self._free_before = result.free_kv
+        return outputs
+
+    def _submit(self, fn, *args) -> Future:
+        """Run `fn` in the worker's thread under overlap (in order, after what was submitted before), else now."""
+        if self._thread is None:
+            future = Future()
+            future.set_result(fn(*args))
+        else:
+            future = self._thread.submit(fn, *args)
+        self._last = future
+        return future
+
+    def _drain(self, raise_errors: bool = True) -> None:
+        """Wait for everything submitted to the worker's thread (steps and releases, run in order)."""
+        if self._last is not None:
+            wait([self._last])
+            if raise_errors:
+                self._last.result()
 
     def _preempt_until_a_round_fits(self, scheduler: Scheduler) -> None:
         """A decode round needs `headroom` free KV per request; preempt the newest requests until it has it."""
@@ -127,8 +199,7 @@ class Engine:
         for r in [*scheduler.waiting, *scheduler.running]:
             if r.rid in self._aborted and not r.finished:
                 r.finish_reason = "abort"
-                if r.row >= 0:
-                    self.worker.release(r)
+                self._submit(self.worker.release, r)  # after the step in flight, if any
                 done.append(StepOutput(r.rid, [], "abort", r.metrics))
         scheduler.waiting = deque(r for r in scheduler.waiting if not r.finished)
         scheduler.retire()
@@ -149,47 +220,3 @@ class Engine:
             raise FastspecError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not "
                                 f"fit in the KV pool of {self.worker.pool.capacity} tokens (raise --max-total-tokens)")
         return request
-
-    # ---- decode rounds ----------------------------------------------------------------------------------
-
-    def _decode(self, reqs: list[Request]) -> None:
-        """One decode round: speculative when a drafter exists and the policy says it pays, else plain."""
-        params = self.spec.params_for(len(reqs)) if self.drafter is not None else None
-        speculate = params is not None and (self.policy is None or self.policy.speculate(len(reqs)))
-        before, start = sum(len(r.output_ids) for r in reqs), time.perf_counter()
-        with self.times("round" if speculate else "plain_round"):  # "round" = speculative rounds only
-            if speculate:
-                self._emit_all(reqs, self.worker.spec_round(reqs, params), speculative=True)
-            else:
-                self._emit_all(reqs, self.worker.plain_round(reqs))
-        if self.policy is not None:
-            emitted = sum(len(r.output_ids) for r in reqs) - before
-            self.policy.record(len(reqs), speculate, emitted / len(reqs), time.perf_counter() - start)
-
-    def _emit_all(self, reqs: list[Request], produced: list[list[int]], speculative: bool = False) -> None:
-        """Emit what each request produced this step; a request that finishes hands its KV back."""
-        for r, run in zip(reqs, produced):
-            new = self._emit(r, run)
-            if speculative:  # run = accepted draft tokens + the bonus token
-                r.metrics = r.metrics.add_round(len(run) - 1, len(new))
-            if r.finished:
-                self.worker.release(r)
-
-    def _emit(self, r: Request, run: list[int]) -> list[int]:
-        """Append tokens until a stop condition; returns what was emitted (the rest is dropped)."""
-        emitted = []
-        for token in run:
-            r.output_ids.append(token)
-            emitted.append(token)
-            r.finish_reason = self._finish_reason(r, token)
-            if r.finished:
-                break
-        return emitted
-
-    def _finish_reason(self, r: Request, token: int) -> str | None:
-        if token in r.params.stop_token_ids or (token in self.worker.eos_ids and not r.params.ignore_eos):
-            return "stop"
-        if len(r.output_ids) >= r.params.max_new_tokens:
-            return "length"
-        return None
-

@@ -24,16 +24,20 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None = None
-    output_ids: list[int] = field(default_factory=list)
+    # the worker's (written only by the step that runs the request; with overlap, a step ahead of the engine)
     row: int = -1  # request->slot table row while running
-    seq_len: int = 0  # tokens whose KV is in the pool (the last emitted token is not, yet)
-    finish_reason: str | None = None  # "stop" | "length"
+    seq_len: int = 0  # tokens whose KV is in the pool (the last produced token is not, yet)
+    produced: list[int] = field(default_factory=list)  # every token produced, up to the one that finished it
+    done: str | None = None  # why the worker stopped producing: "stop" | "length"
+    # the engine's: what the caller has been given
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
     metrics: SpecMetrics = SpecMetrics()
 
     @property
     def history(self) -> list[int]:
-        """Prompt + output tokens; the last one is the pending token (not yet in the KV)."""
-        return self.prompt_ids + self.output_ids
+        """Prompt + produced tokens; the last one is the pending token (not yet in the KV)."""
+        return self.prompt_ids + self.produced
 
     @property
     def finished(self) -> bool:
@@ -43,12 +47,12 @@ class Request:
     def prefill_ids(self) -> list[int]:
         """What a prefill must put in the KV: the prompt, or after preemption the whole history but the
         pending token (which is fed by the next decode round, as always)."""
-        return self.prompt_ids + self.output_ids[:-1]
+        return self.prompt_ids + self.produced[:-1]
 
     @property
     def prefilling(self) -> bool:
         """Part of prefill_ids is not in the KV yet (chunked prefill, or recompute after preemption)."""
-        return self.seq_len < len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+        return self.seq_len < len(self.prompt_ids) + max(len(self.produced) - 1, 0)
 
     def max_tokens(self, page_size: int, headroom: int) -> int:
         """The most KV this request can ever hold: prompt + all output (whole pages) + a round's headroom."""

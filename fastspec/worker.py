@@ -1,14 +1,18 @@
-"""The worker: owns the target model, its static KV pool, the allocator, the request->slot table, the drafters and
-the verify graphs, and runs one step at a time on the requests it is given: a prefill chunk, a plain round or a
-speculative round (draft -> verify -> accept -> commit, then the draft extend).
+"""The worker: owns the target model, its static KV pool, the allocator, the request->slot table, the drafters, the
+verify graphs and the measured fallback policy, and runs one `step` at a time on the requests it is given: a
+prefill chunk, or a decode round, speculative (draft -> verify -> accept -> commit, then the draft extend) or plain.
 
-Each step returns the tokens every request produced; it does not emit them. Which of them a request keeps (a stop
-token or `max_new_tokens` inside an accepted run) is the engine's business, which then `release`s a finished
-request. `_commit_round` / `_commit` are the only places where request lengths and KV slots advance.
+A step returns what each request produced, up to a stop token or `max_new_tokens` (the rest of an accepted run
+is dropped), as a frozen StepResult; the engine hands it to the caller and `release`s a finished request. The
+worker reads and writes only its own fields of a request (row, seq_len, produced, done), so with the overlap
+schedule a step can run in a thread one step ahead of the engine. `_commit_round` / `_commit` are the only
+places where request lengths, produced tokens and KV slots advance.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -26,9 +30,19 @@ from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
 from fastspec.speculative.kv import plan_round_kv
 from fastspec.speculative.packing import kv_width, pack_verify, prefix_specs
+from fastspec.speculative.policy import SpecPolicy
 from fastspec.speculative.runners import GraphPlan, StepGraphs
 from fastspec.speculative.steps import target_verify
 from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
+
+
+@dataclass(frozen=True)
+class StepResult:
+    reqs: tuple[Request, ...]  # the requests the step ran (those already done are skipped)
+    tokens: tuple[tuple[int, ...], ...]  # per request, what it produced, up to a stop
+    finish: tuple[str | None, ...]  # per request, "stop" | "length" once this step finished it
+    accepted: tuple[int, ...] | None  # speculative rounds: accepted draft tokens per request (before a stop)
+    free_kv: int  # free KV slots after the step
 
 
 class Worker:
@@ -44,6 +58,7 @@ class Worker:
         self.model, self.feature = models.target, models.feature
         self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
         self._init_memory(draft_kv_shape(models.draft))
+        self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
         self._draft_model, self._reserved = models.draft, self.spec.params
         self._build_rounds(on_prepare)
 
@@ -111,6 +126,21 @@ class Worker:
         scratch = -(-self.spec.topk * self.spec.num_steps // page) * page if self.drafter.uses_scratch else 0
         return self.spec.num_draft_tokens + page + scratch
 
+    def step(self, reqs: list[Request], prefill: bool) -> StepResult:
+        """A prefill chunk or a decode round over the requests of `reqs` not already done."""
+        with torch.inference_mode():
+            reqs = [r for r in reqs if r.done is None]
+            accepted = None
+            if not reqs:
+                tokens = []
+            elif prefill:
+                with self.times("prefill"):
+                    tokens = self.prefill(reqs)
+            else:
+                tokens, accepted = self._decode(reqs)
+            return StepResult(tuple(reqs), tuple(map(tuple, tokens)), tuple(r.done for r in reqs),
+                              None if accepted is None else tuple(accepted), self.allocator.num_free())
+
     # ---- prefill ----------------------------------------------------------------------------------------
 
     def prefill(self, reqs: list[Request]) -> list[list[int]]:
@@ -125,14 +155,14 @@ class Worker:
             r.row = self.table.alloc() if r.row < 0 else r.row
             chunks.append(r.prefill_ids[r.seq_len: r.seq_len + budget])
             budget -= len(chunks[-1])
-        reqs = reqs[: len(chunks)]
+        skipped, reqs = len(reqs) - len(chunks), reqs[: len(chunks)]
         lens = [len(c) for c in chunks]
         done = [r.seq_len + n == len(r.prefill_ids) for r, n in zip(reqs, lens)]
         ids = torch.tensor([t for c in chunks for t in c], device=self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, lens)
         hidden = self._forward(ids, positions, extend_metadata(self.table.table, rows, prefix, ext))
         last = torch.cumsum(ext, 0) - 1
-        finals = [b for b, d in enumerate(done) if d and not reqs[b].output_ids]  # recomputes know their token
+        finals = [b for b, d in enumerate(done) if d and not reqs[b].produced]  # recomputes know their token
         first = self._sample([reqs[b] for b in finals], self.model.compute_logits(hidden.final[last[finals]]))
         tails = [r.history[r.seq_len + n] if r.seq_len + n < len(r.history) else None for r, n in zip(reqs, lens)]
         for b, token in zip(finals, first):
@@ -142,15 +172,26 @@ class Worker:
             shifted[last] = torch.tensor(tails, device=ids.device)
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
                                             self._features(hidden)), decode_round=False)
-        self._commit(reqs, lens)
-        return [[tails[b]] if b in finals else [] for b in range(len(reqs))]
+        return self._commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))]) + [[]] * skipped
 
     # ---- decode rounds ----------------------------------------------------------------------------------
+
+    def _decode(self, reqs: list[Request]) -> tuple[list[list[int]], list[int] | None]:
+        """One decode round: speculative when a drafter exists and the policy says it pays, else plain."""
+        params = self.spec.params_for(len(reqs)) if self.drafter is not None else None
+        speculate = params is not None and (self.policy is None or self.policy.speculate(len(reqs)))
+        start = time.perf_counter()
+        with self.times("round" if speculate else "plain_round"):  # "round" = speculative rounds only
+            tokens, accepted = self.spec_round(reqs, params) if speculate else (self.plain_round(reqs), None)
+        if self.policy is not None:
+            emitted = sum(map(len, tokens)) / len(reqs)
+            self.policy.record(len(reqs), speculate, emitted, time.perf_counter() - start)
+        return tokens, accepted
 
     def plain_round(self, reqs: list[Request]) -> list[list[int]]:
         """One token per request. With an EAGLE drafter, the draft extends by that token too, so its state
         stays exact and the next round may speculate again."""
-        ids = torch.tensor([r.output_ids[-1] for r in reqs], device=self.config.device)
+        ids = torch.tensor([r.produced[-1] for r in reqs], device=self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, [1] * len(reqs))
         hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1))
         tokens = self._sample(reqs, self.model.compute_logits(hidden.final))
@@ -158,11 +199,10 @@ class Worker:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
                                             torch.tensor(tokens, device=ids.device), positions,
                                             self._features(hidden)), decode_round=False)
-        self._commit(reqs, [1] * len(reqs))
-        return [[t] for t in tokens]
+        return self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
 
-    def spec_round(self, reqs: list[Request], params: SpecParams) -> list[list[int]]:
-        """One speculative round; per request the accepted draft tokens and the bonus token, root first."""
+    def spec_round(self, reqs: list[Request], params: SpecParams) -> tuple[list[list[int]], list[int]]:
+        """One speculative round; per request (what it produced, how many draft tokens were accepted)."""
         batch = self._decode_batch(reqs)
         drafter = self.drafters[params]
         tree = drafter.draft(batch)                                            # draft
@@ -171,14 +211,14 @@ class Worker:
         runs, extend = self._commit_round(reqs, batch, tree, verify_slots, result, out["features"])  # commit
         if drafter.uses_extend:
             drafter.extend(extend, decode_round=True)                          # draft extend
-        return runs
+        return [self._produce(r, run) for r, run in zip(reqs, runs)], [len(run) - 1 for run in runs]
 
     def _decode_batch(self, reqs: list[Request]) -> DecodeBatch:
         device = self.config.device
         seq = tuple(r.seq_len for r in reqs)
         return DecodeBatch(tuple(r.rid for r in reqs), torch.tensor([r.row for r in reqs], device=device),
                            torch.tensor(seq, device=device), seq,
-                           torch.tensor([r.output_ids[-1] for r in reqs], device=device),
+                           torch.tensor([r.produced[-1] for r in reqs], device=device),
                            tuple(r.history for r in reqs))
 
     def _verify(self, batch: DecodeBatch, tree: DraftTree):
@@ -202,9 +242,9 @@ class Worker:
 
     def _commit_round(self, reqs, batch: DecodeBatch, tree: DraftTree, verify_slots, result: VerifyResult,
                       features: torch.Tensor) -> tuple[list[list[int]], ExtendBatch]:
-        """Keep the KV of every accepted node (move / free the rest), advance lengths; (runs, draft extend).
-
-        The whole accepted run enters the KV even past a stop: the engine then finishes and releases the request."""
+        """Keep the KV of every accepted node (move / free the rest), advance lengths; (runs, draft extend), a run
+        being the accepted draft tokens and the bonus token, root first. The whole run enters the KV, even past a
+        stop: the request is done then, and released by the engine."""
         n = tree.num_draft_tokens
         accept_index, emitted = result.accept_index.tolist(), result.emitted.tolist()
         runs = [[t for t in row if t >= 0] for row in emitted]  # accepted draft tokens + bonus, root first
@@ -223,17 +263,39 @@ class Worker:
                                  torch.tensor([t for run in runs for t in run], device=self.config.device),
                                  positions.to(old.device), features[torch.tensor(kept_rows)])
 
-    def _commit(self, reqs: list[Request], fed: list[int]) -> None:
-        """Plain rounds and prefill: `fed[b]` tokens entered the KV."""
+    def _commit(self, reqs: list[Request], fed: list[int], tokens: list[list[int]]) -> list[list[int]]:
+        """Plain rounds and prefill: `fed[b]` tokens entered the KV, `tokens[b]` were produced."""
         for r, n in zip(reqs, fed):
             r.seq_len += n
+        return [self._produce(r, new) for r, new in zip(reqs, tokens)]
+
+    def _produce(self, r: Request, run: list[int]) -> list[int]:
+        """Append tokens until a stop condition (the request is done then); returns what was kept."""
+        kept = []
+        for token in run:
+            r.produced.append(token)
+            kept.append(token)
+            r.done = self._finish_reason(r, token)
+            if r.done:
+                break
+        return kept
+
+    def _finish_reason(self, r: Request, token: int) -> str | None:
+        if token in r.params.stop_token_ids or (token in self.eos_ids and not r.params.ignore_eos):
+            return "stop"
+        if len(r.produced) >= r.params.max_new_tokens:
+            return "length"
+        return None
 
     def release(self, r: Request) -> None:
-        """Hand back a request's KV slots, table row and draft state."""
-        self.allocator.free(self.table.slots(r.row, 0, r.seq_len))
-        self.table.free(r.row)
-        if self.drafter is not None:
-            self.drafter.release(r.rid)
+        """Hand back a request's KV slots, table row and draft state (nothing if it holds none)."""
+        if r.row < 0:
+            return
+        with torch.inference_mode():
+            self.allocator.free(self.table.slots(r.row, 0, r.seq_len))
+            self.table.free(r.row)
+            if self.drafter is not None:
+                self.drafter.release(r.rid)
         r.row = -1
 
     # ---- shared helpers ---------------------------------------------------------------------------------
