@@ -42,7 +42,7 @@ class ModelOptions:
     disable_cuda_graph: Annotated[bool, typer.Option(help="Run everything eagerly (= --graphs eager).", rich_help_panel=GRAPHS)] = False
     enable_torch_compile: Annotated[bool, typer.Option(help="torch.compile the graphs (= --graphs compile on CPU).", rich_help_panel=GRAPHS)] = False
     attention_backend: Annotated[str, typer.Option(help="torch | flashinfer (CUDA only).", rich_help_panel=GRAPHS)] = "torch"
-    overlap_schedule: Annotated[str, typer.Option(help="auto | on | off: launch the next decode round before handing out the last (auto: on with a GPU).")] = "auto"
+    overlap_schedule: Annotated[str, typer.Option(help="auto | on | off: launch the next decode round before handing out the last (auto: off until measured faster).")] = "auto"
     disable_overlap_schedule: Annotated[bool, typer.Option(help="= --overlap-schedule off (SGLang's flag).")] = False
     speculative_algorithm: Annotated[Optional[str], typer.Option(help="NONE | EAGLE (NEXTN) | EAGLE3 | STANDALONE | NGRAM", rich_help_panel=SPEC)] = None
     speculative_draft_model_path: Annotated[Optional[str], typer.Option("--speculative-draft-model-path", "--draft", help="Draft head / model directory.", rich_help_panel=SPEC)] = None

@@ -1,0 +1,143 @@
+"""Overlap schedule: tok/s with the next round launched ahead (`--overlap-schedule on`) vs serial (`off`), and how
+much of the host work outside the worker's steps the overlap hides.
+
+    .venv/bin/python bench/bench_overlap.py [--batch-sizes 1,4,8,16] [--max-new-tokens 48] [--trials 2]
+        [--gpu-ms 4] [--skip-real] [--skip-simulated]
+
+Two parts. **Real**: the embedded model with EAGLE-3 (the shipped head) and with NGRAM, on this machine, through
+`fastspec.LLM.generate` with a stop string (so the incremental detokenizer runs between steps, as in a chat),
+fallback off. **Simulated GPU**: a 2-layer random Llama whose every worker step also sleeps `--gpu-ms` (the
+core is free meanwhile, as while a GPU runs a captured round), to see what overlap hides when rounds are a few
+ms. Trials alternate the two modes; medians. `host` = wall time per step outside the worker's step (the engine's
+hand-out, the caller's detokenizing); `hidden` = (serial wall - overlap wall) / serial host. Both modes must hand
+out the same tokens (checked). Writes bench/results/overlap.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import fastspec
+from fastspec.sampling import SamplingParams
+
+PROMPTS = ["Explain how a refrigerator keeps food cold.", "Write a haiku about autumn rain.",
+           "List three uses of a paperclip.", "What is the capital of Australia, and why not Sydney?"]
+
+
+def timed_worker(llm, gpu_ms: float) -> dict:
+    """Wrap the worker's step: count the time inside it (in whichever thread runs it), plus a simulated GPU sleep."""
+    worker, busy = llm.engine.worker, {"s": 0.0, "steps": 0}
+    step = worker.step
+
+    def timed(reqs, prefill):
+        start = time.perf_counter()
+        result = step(reqs, prefill)
+        if result.reqs:  # a step whose requests were all done already launches nothing
+            time.sleep(gpu_ms / 1000)
+            busy["steps"] += 1
+        busy["s"] += time.perf_counter() - start
+        return result
+
+    worker.step = timed
+    return busy
+
+
+def run(llm, busy, prompts, bs: int, params) -> tuple[float, float, int, list]:
+    """(wall seconds, seconds inside worker steps, steps, outputs) for all prompts in batches of bs."""
+    busy["s"], busy["steps"], outputs = 0.0, 0, []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), bs):
+        chunk = prompts[i:i + bs]  # with a stop string through the text API (detokenizing), else token ids only
+        done = llm.generate(chunk, params) if params.stop else llm.engine.generate(chunk, [params] * len(chunk))
+        outputs += [o.output_ids for o in done]
+    return time.perf_counter() - start, busy["s"], busy["steps"], outputs
+
+
+def compare(make, prompts, batch_sizes, params, trials: int, gpu_ms: float = 0.0) -> list[dict]:
+    llms = {mode: make(mode) for mode in ("off", "on")}
+    busy = {mode: timed_worker(llm, gpu_ms) for mode, llm in llms.items()}
+    rows = []
+    for bs in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(max(bs, len(prompts)))]
+        for mode in llms:  # warm-up (graphs, allocator, caches)
+            run(llms[mode], busy[mode], batch[:bs], bs, params)
+        seen = {m: {"wall": [], "busy": [], "steps": [], "tokens": 0, "out": None} for m in llms}
+        for _ in range(trials):
+            for mode in llms:
+                wall, inside, steps, outs = run(llms[mode], busy[mode], batch, bs, params)
+                s = seen[mode]
+                s["wall"].append(wall), s["busy"].append(inside), s["steps"].append(steps)
+                s["tokens"], s["out"] = sum(map(len, outs)), outs
+        med = {m: {k: statistics.median(seen[m][k]) for k in ("wall", "busy", "steps")} for m in llms}
+        off, on = med["off"], med["on"]
+        host_off = (off["wall"] - off["busy"]) / off["steps"]
+        rows.append({"batch_size": bs, "tok_s_off": round(seen["off"]["tokens"] / off["wall"], 2),
+                     "tok_s_on": round(seen["on"]["tokens"] / on["wall"], 2),
+                     "speedup": round(off["wall"] / on["wall"], 3),
+                     "step_ms_off": round(off["busy"] / off["steps"] * 1000, 2),
+                     "host_ms_per_step_off": round(host_off * 1000, 2),
+                     "wall_ms_per_step_off": round(off["wall"] / off["steps"] * 1000, 2),
+                     "wall_ms_per_step_on": round(on["wall"] / on["steps"] * 1000, 2),
+                     "hidden": round((off["wall"] - on["wall"]) / off["steps"] / host_off, 2) if host_off > 0 else None,
+                     "same_tokens": seen["off"]["out"] == seen["on"]["out"]})
+        print(json.dumps({k: v for k, v in rows[-1].items()}), file=sys.stderr)
+    return rows
+
+
+def tiny_model(root: Path) -> str:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "tiny")
+    return str(root / "tiny")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", default="1,4,8,16")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--gpu-ms", type=float, default=4.0)
+    parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument("--skip-simulated", action="store_true")
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "overlap.json"))
+    args = parser.parse_args()
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, stop=("<never printed>",))
+    results = {"machine": {"cpus": torch.get_num_threads()}, "gpu_ms": args.gpu_ms}
+    if not args.skip_real:
+        base = fastspec.LLM(speculative_algorithm="NONE")
+        prompts = [base.encode(p, chat=True) for p in PROMPTS]
+        del base
+        for algorithm in ("EAGLE3", "NGRAM"):
+            print(f"real: {algorithm}", file=sys.stderr)
+            results[f"real {algorithm}"] = compare(
+                lambda mode, a=algorithm: fastspec.LLM(speculative_algorithm=a, overlap_schedule=mode,
+                                                       speculative_fallback=False, max_total_tokens=16384),
+                prompts, sizes, params, args.trials)
+    if not args.skip_simulated:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = tiny_model(Path(tmp))
+            prompts = [[1 + (7 * i + j) % 60 for j in range(12 + i)] for i in range(4)]
+            print(f"simulated GPU: {args.gpu_ms} ms per step", file=sys.stderr)
+            results["simulated NGRAM"] = compare(
+                lambda mode: fastspec.LLM(model, speculative_algorithm="NGRAM", overlap_schedule=mode,
+                                          speculative_fallback=False, max_total_tokens=8192),
+                prompts, sizes, SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True),
+                args.trials, gpu_ms=args.gpu_ms)
+    Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.output}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
