@@ -123,7 +123,7 @@ def generate(
         typer.echo(json.dumps(result))
     else:
         for o in outputs:
-            typer.echo(o.text)
+            typer.echo(o.text if o.text is not None else ",".join(map(str, o.output_ids)))
 
 
 @app.command()

@@ -34,7 +34,7 @@ class TextDelta:
 class Completion:
     prompt_ids: list[int]
     output_ids: list[int]
-    text: str
+    text: str | None  # None: token-id prompts to a model without a tokenizer
     finish_reason: str
     metrics: SpecMetrics
 
@@ -93,7 +93,8 @@ class LLM:
         """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams or one each."""
         ids, params = self._inputs(prompts, params, chat)
         if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
-            return [Completion(o.prompt_ids, o.output_ids, self.decode(o.output_ids), o.finish_reason, o.metrics)
+            text = self.decode if (self.engine.model_dir / "tokenizer.json").is_file() else lambda ids: None
+            return [Completion(o.prompt_ids, o.output_ids, text(o.output_ids), o.finish_reason, o.metrics)
                     for o in self.engine.generate(ids, params)]
         final, out_ids = {}, {i: [] for i in range(len(ids))}
         streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
