@@ -1,8 +1,8 @@
 """The engine: continuous batching over a worker (fastspec.worker), which owns the models, the KV pool and the
-round functions. Each step admits what fits, preempts what must wait, asks the worker for a prefill chunk or a
-decode round (speculative where a drafter exists and the measured policy says it pays), then emits what each
-request produced: tokens up to a stop token or `max_new_tokens`, the rest dropped, and a finished request's KV
-handed back. Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
+round functions. Each step admits what fits, preempts what must wait, launches a worker step (a prefill chunk
+or a decode round), hands out what each request produced and releases the requests that finished. With the
+overlap schedule the worker runs in a thread of its own, one decode round ahead of the hand-out (see `stream`).
+Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fastspec.metrics import SpecMetrics
 from fastspec.sampling import SamplingParams, make_generator
 from fastspec.scheduler import Request, Scheduler
 from fastspec.worker import Worker
+
 
 @dataclass(frozen=True)
 class StepOutput:
@@ -133,7 +134,8 @@ class Engine:
         batch = prefilling or list(scheduler.running)
         if not batch:
             return None
-        self._free_before = self.worker.allocator.num_free() if not ahead else self._free_before
+        if not ahead:
+            self._free_before = self.worker.allocator.num_free()
         return (None if prefilling else batch), self._submit(self.worker.step, batch, bool(prefilling))
 
     def _may_run_ahead(self, scheduler: Scheduler, launched_with) -> bool:
