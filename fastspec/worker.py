@@ -157,12 +157,12 @@ class Worker:
             budget -= len(chunks[-1])
         skipped, reqs = len(reqs) - len(chunks), reqs[: len(chunks)]
         lens = [len(c) for c in chunks]
-        done = [r.seq_len + n == len(r.prefill_ids) for r, n in zip(reqs, lens)]
+        complete = [r.seq_len + n == len(r.prefill_ids) for r, n in zip(reqs, lens)]
         ids = torch.tensor([t for c in chunks for t in c], device=self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, lens)
         hidden = self._forward(ids, positions, extend_metadata(self.table.table, rows, prefix, ext))
         last = torch.cumsum(ext, 0) - 1
-        finals = [b for b, d in enumerate(done) if d and not reqs[b].produced]  # recomputes know their token
+        finals = [b for b, c in enumerate(complete) if c and not reqs[b].produced]  # recomputes know their token
         first = self._sample([reqs[b] for b in finals], self.model.compute_logits(hidden.final[last[finals]]))
         tails = [r.history[r.seq_len + n] if r.seq_len + n < len(r.history) else None for r, n in zip(reqs, lens)]
         for b, token in zip(finals, first):
@@ -172,7 +172,8 @@ class Worker:
             shifted[last] = torch.tensor(tails, device=ids.device)
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
                                             self._features(hidden)), decode_round=False)
-        return self._commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))]) + [[]] * skipped
+        produced = self._commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))])
+        return produced + [[]] * skipped  # the requests this chunk had no budget left for
 
     # ---- decode rounds ----------------------------------------------------------------------------------
 
