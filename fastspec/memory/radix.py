@@ -1,0 +1,156 @@
+"""The radix prefix cache's tree: which KV slots already hold which token prefixes.
+
+A compressed trie keyed by token ids; each node holds the KV slots of the tokens on its edge. Requests `lock`
+the path they reuse or wrote (a reference count per node), so a locked node is never evicted; `evict` frees
+the least recently used unlocked leaves first, whole nodes, until enough slots came back. With pages larger
+than one token, only whole pages are cached (a key is cut to a multiple of the page size), so a matched prefix
+always ends on a page boundary and a request continues on pages of its own.
+
+Knows nothing about requests, models or the allocator: it returns the slots it lets go and the caller frees
+them. Slot tensors are 1-D int64 on the pool's device; token keys are Python tuples.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+_clock = itertools.count()  # last-access stamps: a counter, not wall time (deterministic, no ties)
+
+
+@dataclass(eq=False)
+class RadixNode:
+    key: tuple[int, ...] = ()  # the tokens on the edge from the parent
+    slots: torch.Tensor | None = None  # [len(key)] their KV slots
+    parent: RadixNode | None = None
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # first page of the key -> child
+    locks: int = 0  # requests using this node (and so its whole path)
+    last_use: int = 0
+
+
+@dataclass(frozen=True)
+class Match:
+    slots: torch.Tensor  # [n] KV slots of the longest cached prefix (n a multiple of the page size)
+    node: RadixNode  # its last node: lock / unlock it to protect the path
+
+
+class RadixTree:
+    def __init__(self, page_size: int = 1, device: str | torch.device = "cpu"):
+        self.page_size, self.device = page_size, device
+        self.root = RadixNode(slots=torch.zeros(0, dtype=torch.int64, device=device), locks=1)  # never evicted
+        self.cached_tokens = 0  # slots held by the tree
+        self.locked_tokens = 0  # of those, on a locked path
+
+    def _page_key(self, tokens) -> tuple[int, ...]:
+        """The first page of `tokens`: how a child is found among its siblings."""
+        return tuple(tokens[: self.page_size])
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def match(self, tokens: list[int] | tuple[int, ...]) -> Match:
+        """The longest cached page-aligned prefix of `tokens`; a node ending inside it is split there."""
+        tokens = tuple(tokens[: self._aligned(len(tokens))])
+        node, found, pos = self.root, [], 0
+        stamp = next(_clock)
+        node.last_use = stamp
+        while pos < len(tokens):
+            child = node.children.get(self._page_key(tokens[pos:]))
+            if child is None:
+                break
+            common = self._common(child.key, tokens[pos:])
+            if common < len(child.key):
+                child = self._split(child, common)
+            child.last_use = stamp
+            found.append(child.slots)
+            node, pos = child, pos + common
+        slots = torch.cat(found) if found else self.root.slots
+        return Match(slots, node)
+
+    def insert(self, tokens: list[int] | tuple[int, ...], slots: torch.Tensor) -> int:
+        """Cache `slots` ([len(tokens)]) as the KV of `tokens` (cut to whole pages). Returns how many leading
+        tokens were already cached: the caller's own slots for those are duplicates it should free (the tree
+        keeps the first copy). Slots past the cut are not taken either."""
+        n = self._aligned(len(tokens))
+        tokens, slots = tuple(tokens[:n]), slots[:n]
+        node, pos, stamp = self.root, 0, next(_clock)
+        while pos < n:
+            node.last_use = stamp
+            child = node.children.get(self._page_key(tokens[pos:]))
+            if child is None:
+                leaf = RadixNode(tokens[pos:], slots[pos:].clone(), node, last_use=stamp)
+                node.children[self._page_key(leaf.key)] = leaf
+                self.cached_tokens += len(leaf.key)
+                return pos
+            common = self._common(child.key, tokens[pos:])
+            if common < len(child.key):
+                child = self._split(child, common)
+            node, pos = child, pos + common
+        node.last_use = stamp
+        return pos
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect `node` and every node above it from eviction (one request more uses them)."""
+        while node is not self.root:
+            if node.locks == 0:
+                self.locked_tokens += len(node.key)
+            node.locks += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not self.root:
+            node.locks -= 1
+            assert node.locks >= 0, "unlocked more often than locked"
+            if node.locks == 0:
+                self.locked_tokens -= len(node.key)
+            node = node.parent
+
+    @property
+    def evictable_tokens(self) -> int:
+        return self.cached_tokens - self.locked_tokens
+
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Let go of at least `num_tokens` slots (or all that are unlocked), least recently used leaves first,
+        a parent once it has become a leaf; returns the slots, which the caller frees."""
+        heap = [(leaf.last_use, id(leaf), leaf) for leaf in self._leaves() if leaf.locks == 0]
+        heapq.heapify(heap)
+        freed, count = [], 0
+        while heap and count < num_tokens:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[self._page_key(leaf.key)]
+            freed.append(leaf.slots)
+            count += len(leaf.key)
+            self.cached_tokens -= len(leaf.key)
+            if parent is not self.root and not parent.children and parent.locks == 0:
+                heapq.heappush(heap, (parent.last_use, id(parent), parent))
+        return torch.cat(freed) if freed else self.root.slots
+
+    def _leaves(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if node is not self.root and not node.children:
+                yield node
+            stack.extend(node.children.values())
+
+    def _common(self, key: tuple[int, ...], tokens: tuple[int, ...]) -> int:
+        """Length of the common prefix of `key` and `tokens`, cut to whole pages."""
+        n = 0
+        for a, b in zip(key, tokens):
+            if a != b:
+                break
+            n += 1
+        return self._aligned(n)
+
+    def _split(self, child: RadixNode, at: int) -> RadixNode:
+        """Cut `child`'s edge after `at` tokens (a page boundary): a new node holds the first part."""
+        parent = child.parent
+        head = RadixNode(child.key[:at], child.slots[:at], parent, {}, child.locks, child.last_use)
+        parent.children[self._page_key(head.key)] = head
+        child.key, child.slots, child.parent = child.key[at:], child.slots[at:], head
+        head.children[self._page_key(child.key)] = child
+        return head
