@@ -209,6 +209,7 @@ class EngineConfig:
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit bucket list
     attention_backend: str = "torch"  # torch | flashinfer
     overlap_schedule: str = "auto"  # auto | on | off: launch the next decode round before handing out the last
+    radix_cache: bool = False  # keep finished requests' KV in a radix tree of token prefixes for reuse
 
     def __post_init__(self):
         if self.overlap_schedule not in ("auto", "on", "off"):

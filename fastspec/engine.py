@@ -71,8 +71,13 @@ class Engine:
         self.worker.use_schedule(schedule, on_prepare)
 
     def check_kv(self, running: list[Request] = ()) -> None:
-        """Leak check: free slots + slots held by `running` == capacity (AssertionError otherwise)."""
+        """Leak check: free slots + slots held by `running` and the prefix cache == capacity (AssertionError
+        otherwise)."""
         self.worker.check_kv(running)
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (its slots go back to the allocator)."""
+        self.worker.flush_cache()
 
     # ---- public API -------------------------------------------------------------------------------------
 
@@ -127,7 +132,7 @@ class Engine:
         and preemption read the allocator, so they run only with nothing in flight (`ahead` False)."""
         if not ahead:
             self._drain()
-            scheduler.admit(self.worker.allocator.num_free())
+            scheduler.admit(self.worker.available_kv())
             if not any(r.prefilling for r in scheduler.running):
                 self._preempt_until_a_round_fits(scheduler)
         prefilling = [r for r in scheduler.running if r.prefilling] if not ahead else []
@@ -135,7 +140,7 @@ class Engine:
         if not batch:
             return None
         if not ahead:
-            self._free_before = self.worker.allocator.num_free()
+            self._free_before = self.worker.available_kv()
         return (None if prefilling else batch), self._submit(self.worker.step, batch, bool(prefilling))
 
     def _may_run_ahead(self, scheduler: Scheduler, launched_with) -> bool:
@@ -185,7 +190,7 @@ class Engine:
 
     def _preempt_until_a_round_fits(self, scheduler: Scheduler) -> None:
         """A decode round needs `headroom` free KV per request; preempt the newest requests until it has it."""
-        while len(scheduler.running) > 1 and (self.worker.allocator.num_free()
+        while len(scheduler.running) > 1 and (self.worker.available_kv()
                                               < self.worker.round_headroom() * len(scheduler.running)):
             req = scheduler.preempt()
             self.worker.release(req)

@@ -29,6 +29,8 @@ class Request:
     seq_len: int = 0  # tokens whose KV is in the pool (the last produced token is not, yet)
     produced: list[int] = field(default_factory=list)  # every token produced, up to the one that finished it
     done: str | None = None  # why the worker stopped producing: "stop" | "length"
+    cached_len: int = 0  # leading positions whose KV the prefix cache owns (and this request has locked)
+    cached_node: object = None  # the prefix cache's node it locked (fastspec.memory.radix.RadixNode)
     # the engine's: what the caller has been given
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"

@@ -22,6 +22,7 @@ from fastspec.config import EngineConfig, SpecConfig, SpecParams
 from fastspec.errors import FastspecError
 from fastspec.graphs import StaticInput, size_varies
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
+from fastspec.memory.radix import RadixTree
 from fastspec.metrics import PhaseTimes
 from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
 from fastspec.sampling import SamplingTensors, draw_uniforms, sample
@@ -103,6 +104,8 @@ class Worker:
             for pool in filter(None, (self.pool, self.draft_pool)):
                 size_varies(pool.k, 1), size_varies(pool.v, 1)
         self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
+        self.tree = RadixTree(cfg.page_size, cfg.device) if cfg.radix_cache else None  # the prefix cache
+        self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead of a prefill
         margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
         c = self.model.config
@@ -110,9 +113,28 @@ class Worker:
                                     head_dim=c.head_dim, dtype=cfg.torch_dtype, device=cfg.device)
 
     def check_kv(self, running: list[Request] = ()) -> None:
-        """Leak check: free slots + slots held by `running` == capacity (AssertionError otherwise)."""
-        held = [self.table.slots(r.row, 0, r.seq_len) for r in running]
+        """Leak check: free slots + slots held by `running` (past their cached prefix) + slots the prefix cache
+        holds == capacity (AssertionError otherwise)."""
+        held = [self.table.slots(r.row, r.cached_len, r.seq_len) for r in running]
+        if self.tree is not None:
+            held.append(self.tree.all_slots())
         self.allocator.check(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
+
+    def available_kv(self) -> int:
+        """Free KV slots, counting what the prefix cache would give back (its unlocked entries)."""
+        return self.allocator.num_free() + (self.tree.evictable_tokens if self.tree is not None else 0)
+
+    def flush_cache(self) -> None:
+        """Hand every unlocked prefix-cache entry back to the allocator."""
+        if self.tree is not None:
+            self.allocator.free(self.tree.evict(self.tree.cached_tokens))
+
+    def _make_room(self, num_tokens: int) -> None:
+        """Evict from the prefix cache until `num_tokens` slots are free (the engine checked they can be), so
+        nothing inside a step (drafting's scratch, verify, commit) ever needs to evict."""
+        short = num_tokens - self.allocator.num_free()
+        if self.tree is not None and short > 0:
+            self.allocator.free(self.tree.evict(short))
 
     def _feature_width(self) -> int:
         c = self.model.config
@@ -137,9 +159,10 @@ class Worker:
                 with self.times("prefill"):
                     tokens = self.prefill(reqs)
             else:
+                self._make_room(self.round_headroom() * len(reqs))
                 tokens, accepted = self._decode(reqs)
             return StepResult(tuple(reqs), tuple(map(tuple, tokens)), tuple(r.done for r in reqs),
-                              None if accepted is None else tuple(accepted), self.allocator.num_free())
+                              None if accepted is None else tuple(accepted), self.available_kv())
 
     # ---- prefill ----------------------------------------------------------------------------------------
 
@@ -152,11 +175,15 @@ class Worker:
         for r in reqs:
             if budget <= 0:
                 break
-            r.row = self.table.alloc() if r.row < 0 else r.row
+            if r.row < 0:
+                r.row = self.table.alloc()
+                self._reuse_prefix(r)
             chunks.append(r.prefill_ids[r.seq_len: r.seq_len + budget])
             budget -= len(chunks[-1])
         skipped, reqs = len(reqs) - len(chunks), reqs[: len(chunks)]
         lens = [len(c) for c in chunks]
+        page = self.config.page_size
+        self._make_room(sum(-(-n // page) * page + page for n in lens))
         complete = [r.seq_len + n == len(r.prefill_ids) for r, n in zip(reqs, lens)]
         ids = torch.tensor([t for c in chunks for t in c], device=self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, lens)
@@ -289,15 +316,46 @@ class Worker:
         return None
 
     def release(self, r: Request) -> None:
-        """Hand back a request's KV slots, table row and draft state (nothing if it holds none)."""
+        """Hand back a request's KV slots, table row and draft state (nothing if it holds none). With the prefix
+        cache, the KV of its tokens goes into the cache instead (whole pages; what the cache already holds
+        and what lies past the last token are freed)."""
         if r.row < 0:
             return
         with torch.inference_mode():
-            self.allocator.free(self.table.slots(r.row, 0, r.seq_len))
+            slots = self.table.slots(r.row, 0, r.seq_len)
+            if self.tree is None:
+                self.allocator.free(slots)
+            else:
+                known = min(r.seq_len, len(r.history))  # past a stop, an accepted run's KV has no tokens here
+                already = self.tree.insert(r.history[:known], slots[:known])
+                kept = known - known % self.config.page_size
+                self.allocator.free(torch.cat([slots[r.cached_len:already], slots[kept:]]))
+                self.tree.unlock(r.cached_node)
+                r.cached_node, r.cached_len = None, 0
             self.table.free(r.row)
             if self.drafter is not None:
                 self.drafter.release(r.rid)
         r.row = -1
+
+    def _reuse_prefix(self, r: Request) -> None:
+        """Start a request on the longest cached prefix of what it must prefill (at least one token is left to
+        prefill). With a drafter that extends, less its last token: an EAGLE draft's KV at position p was made
+        with token p+1, which the cache's key does not hold; with pages, that costs up to a page."""
+        if self.tree is None:
+            return
+        ids = r.prefill_ids
+        matched = len(self.tree.match(ids).slots)
+        shifted = self.drafter is not None and self.drafter.uses_extend
+        reuse = max(min(matched - shifted, len(ids) - 1), 0)
+        match = self.tree.match(ids[: reuse - reuse % self.config.page_size])
+        self.tree.lock(match.node)
+        n = len(match.slots)
+        if n:
+            device = self.config.device
+            self.table.write(torch.tensor([r.row], device=device), torch.zeros(1, dtype=torch.int64, device=device),
+                             torch.tensor([n], device=device), match.slots)
+        r.seq_len, r.cached_len, r.cached_node = n, n, match.node
+        self.reused_tokens += n
 
     # ---- shared helpers ---------------------------------------------------------------------------------
 

@@ -129,6 +129,15 @@ class RadixTree:
                 heapq.heappush(heap, (parent.last_use, id(parent), parent))
         return torch.cat(freed) if freed else self.root.slots
 
+    def all_slots(self) -> torch.Tensor:
+        """Every slot the tree holds (for leak checks)."""
+        stack, found = [self.root], []
+        while stack:
+            node = stack.pop()
+            found.append(node.slots)
+            stack.extend(node.children.values())
+        return torch.cat(found)
+
     def _leaves(self):
         stack = [self.root]
         while stack:
