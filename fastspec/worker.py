@@ -70,7 +70,7 @@ class Worker:
         plan = GraphPlan(config.graph_mode, tuple(config.graph_buckets), config.device,
                          ahead=bool(config.cuda_graph_bs), on_prepare=on_prepare)
         self.drafters = build_drafter(self.spec, self._draft_model, self.draft_pool, self.table, self.allocator,
-                                      self._feature_width(), plan, self.times)
+                                      self.feature_width(), plan, self.times)
         self.drafter = next(iter(self.drafters.values()), None)  # any of them extends and releases
         self.verify_graphs = {p.num_draft_tokens: StepGraphs(
             "verify" if len(self.drafters) < 2 else f"verify N={p.num_draft_tokens}",
@@ -136,7 +136,7 @@ class Worker:
         if self.tree is not None and short > 0:
             self.allocator.free(self.tree.evict(short))
 
-    def _feature_width(self) -> int:
+    def feature_width(self) -> int:
         c = self.model.config
         return c.hidden_size * (len(self.model.capture_layers) if self.feature == "aux" else 1)
 

@@ -99,7 +99,7 @@ class CostModel:
         x = self._prefix(bs) | {
             "input_ids": torch.randint(0, e.model.config.vocab_size, (bs * rows,)),
             "positions": (self.width + torch.arange(rows)).repeat(bs),
-            "features": torch.randn(bs * rows, e._feature_width(), dtype=dtype),
+            "features": torch.randn(bs * rows, e.worker.feature_width(), dtype=dtype),
             "new_slots": self._free_slots(bs * rows).view(bs, rows),
             "new_valid": torch.ones(bs, rows, dtype=torch.bool), "last_rows": torch.arange(bs) * rows + rows - 1}
         with torch.inference_mode():
