@@ -92,3 +92,16 @@ def test_small_pool_evicts_preempts_and_stays_exact(tiny_dirs, draft_dirs, algor
         on.engine.check_kv()
     assert on.engine.worker.reused_tokens > 0
     assert all_free_after_flush(on.engine)
+
+
+def test_cache_with_the_overlap_schedule(tiny_dirs, draft_dirs):
+    """Releases into the cache run in the worker's thread after the round in flight: the same tokens."""
+    params = [SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True) for i in range(len(SHARED))]
+    off = make(tiny_dirs, draft_dirs, "llama", "EAGLE", "eagle", 3, 2, 5, 1, False, max_running_requests=3)
+    on = make(tiny_dirs, draft_dirs, "llama", "EAGLE", "eagle", 3, 2, 5, 1, True, max_running_requests=3,
+              overlap_schedule="on")
+    expected = [o.output_ids for o in off.engine.generate(SHARED, params)]
+    for _ in range(2):
+        assert [o.output_ids for o in on.engine.generate(SHARED, params)] == expected
+    assert on.engine.worker.reused_tokens > 0
+    assert all_free_after_flush(on.engine)
