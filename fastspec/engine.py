@@ -193,8 +193,7 @@ class Engine:
         while len(scheduler.running) > 1 and (self.worker.available_kv()
                                               < self.worker.round_headroom() * len(scheduler.running)):
             req = scheduler.preempt()
-            self.worker.release(req)
-            req.seq_len = 0  # recomputed from its history when it is admitted again
+            self.worker.release(req)  # its KV is recomputed from its history when it is admitted again
             self.preemptions += 1
 
     def abort(self, index: int) -> None:

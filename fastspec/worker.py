@@ -335,7 +335,7 @@ class Worker:
             self.table.free(r.row)
             if self.drafter is not None:
                 self.drafter.release(r.rid)
-        r.row = -1
+        r.row, r.seq_len = -1, 0  # it holds no KV now (a preempted request prefills its history again)
 
     def _reuse_prefix(self, r: Request) -> None:
         """Start a request on the longest cached prefix of what it must prefill (at least one token is left to
