@@ -1,8 +1,7 @@
-"""Frozen configuration values, each resolved once at construction.
+"""Frozen engine and speculative configuration values, each resolved once at construction.
 
-`ModelConfig.from_hf` normalises the Hugging Face config.json fields (old `rope_theta`/`rope_scaling` and new
-`rope_parameters` spellings, Qwen/Mistral/Llama differences, EAGLE-3 draft fields) into one flat value.
-Nothing here touches tensors beyond naming a dtype.
+A model's own configuration (config.json normalised) lives in fastspec.models.config. Nothing here touches
+tensors beyond naming a dtype.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ import torch
 
 from fastspec.errors import FastspecError
 
-TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,153 +38,6 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise FastspecError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling (`rope_type: llama3`) or plain linear position scaling."""
-
-    rope_type: str  # "llama3" | "linear"
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool = False  # q/k/v projection bias (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
-    mlp_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    torch_dtype: str = "float32"
-    # EAGLE / EAGLE-3 draft heads only
-    draft_vocab_size: int | None = None  # EAGLE-3 lm_head rows (None: the full vocabulary)
-    target_hidden_size: int | None = None  # width of one target feature (EAGLE-3 fc input is 3x this)
-    fc_bias: bool = False
-    aux_layer_ids: tuple[int, ...] | None = None  # eagle_config.eagle_aux_hidden_state_layer_ids
-    use_aux_hidden_state: bool = True
-
-    @property
-    def is_draft(self) -> bool:
-        return self.architecture in DRAFT_ARCHITECTURES
-
-    @property
-    def is_eagle3(self) -> bool:
-        return self.architecture == "LlamaForCausalLMEagle3"
-
-    @property
-    def load_lm_head_from_target(self) -> bool:
-        """EAGLE-3 rule: an untied head without its own `draft_vocab_size` shares the target's lm_head."""
-        return not self.tie_word_embeddings and self.draft_vocab_size is None
-
-    @classmethod
-    def from_hf(cls, hf: dict, *, source: str = "config.json") -> ModelConfig:
-        arch = _architecture(hf, source)
-        try:
-            hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-            vocab = int(hf["vocab_size"])
-            fields = dict(
-                architecture=arch,
-                vocab_size=vocab,
-                hidden_size=hidden,
-                intermediate_size=int(hf.get("intermediate_size_mlp") or hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-                qk_norm=arch == "Qwen3ForCausalLM",
-                mlp_bias=bool(hf.get("mlp_bias", False)),
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_ids=_int_tuple(hf.get("eos_token_id")),
-                torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
-                **_rope_fields(hf),
-                **_draft_fields(hf, arch),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise FastspecError(f"{source}: missing or malformed field {e}") from None
-        config = cls(**fields)
-        config.validate(source)
-        return config
-
-    def validate(self, source: str) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise FastspecError(f"{source}: num_attention_heads {self.num_heads} is not a multiple of "
-                                f"num_key_value_heads {self.num_kv_heads}")
-        if self.is_draft and self.num_layers != 1 and self.is_eagle3:
-            raise FastspecError(f"{source}: an EAGLE-3 head has exactly one layer, not {self.num_layers}")
-        for field in ("vocab_size", "hidden_size", "num_layers", "head_dim"):
-            if getattr(self, field) <= 0:
-                raise FastspecError(f"{source}: {field} must be positive")
-
-    def replace(self, **changes) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
-
-
-def _architecture(hf: dict, source: str) -> str:
-    archs = hf.get("architectures") or []
-    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                   "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-        hf.get("model_type", ""), "")
-    if arch == "LlamaForCausalLMEagle3" or arch == "Eagle3LlamaForCausalLM":
-        return "LlamaForCausalLMEagle3"
-    if arch not in TARGET_ARCHITECTURES + DRAFT_ARCHITECTURES:
-        known = ", ".join(TARGET_ARCHITECTURES + DRAFT_ARCHITECTURES)
-        raise FastspecError(f"{source}: unsupported architecture {arch or '(none)'!r}; supported: {known}")
-    return arch
-
-
-def _int_tuple(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
-
-
-def _rope_fields(hf: dict) -> dict:
-    """Old (`rope_theta` + `rope_scaling`) and new (`rope_parameters`) spellings of the same thing."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or params)
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", None):
-        return {"rope_theta": theta, "rope_scaling": None}
-    if kind not in ("llama3", "linear"):
-        raise FastspecError(f"unsupported rope scaling type {kind!r} (supported: llama3, linear)")
-    names = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    extra = {k: scaling[k] for k in names if k in scaling}
-    return {"rope_theta": theta, "rope_scaling": RopeScaling(kind, float(scaling["factor"]), **extra)}
-
-
-def _draft_fields(hf: dict, arch: str) -> dict:
-    if arch != "LlamaForCausalLMEagle3":
-        return {"draft_vocab_size": hf.get("hot_vocab_size")}
-    eagle = hf.get("eagle_config") or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-    return {
-        "draft_vocab_size": int(hf["draft_vocab_size"]) if hf.get("draft_vocab_size") else None,
-        "target_hidden_size": int(hf.get("target_hidden_size") or hf["hidden_size"]),
-        "fc_bias": bool(hf.get("bias", False)),
-        "aux_layer_ids": tuple(int(i) for i in ids) if ids is not None else None,
-        "use_aux_hidden_state": bool(eagle.get("use_aux_hidden_state", True)),
-    }
 
 
 @dataclass(frozen=True)

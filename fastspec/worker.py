@@ -90,19 +90,22 @@ class Worker:
 
     def _init_memory(self, draft_shape) -> None:
         c, cfg = self.model.config, self.config
-        per_token = KVPool.bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, cfg.torch_dtype)
+        heads, dim, separate_v = c.kv_layout
+        per_token = KVPool.bytes_per_token(c.num_layers, heads, dim, cfg.torch_dtype, separate_v)
         if draft_shape is not None:  # the draft pool has the same slots, so it costs per token as well
-            per_token += KVPool.bytes_per_token(*draft_shape, cfg.torch_dtype)
+            d_layers, d_heads, d_dim, d_separate_v = draft_shape
+            per_token += KVPool.bytes_per_token(d_layers, d_heads, d_dim, cfg.torch_dtype, d_separate_v)
         capacity = KVPool.capacity_for(per_token, max_tokens=cfg.max_total_tokens,
                                        mem_fraction=None if cfg.max_total_tokens else cfg.kv_mem_fraction,
                                        device=cfg.device, page_size=cfg.page_size)
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, cfg.page_size, cfg.torch_dtype,
-                           cfg.device)
-        self.draft_pool = None if draft_shape is None else KVPool(*draft_shape, capacity, cfg.page_size,
-                                                                  cfg.torch_dtype, cfg.device)
+        self.pool = KVPool(c.num_layers, heads, dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device,
+                           separate_v)
+        self.draft_pool = None if draft_shape is None else KVPool(
+            d_layers, d_heads, d_dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device, d_separate_v)
         if cfg.graph_mode == "compile":  # capacity follows free memory: keep it out of the compiled graphs
             for pool in filter(None, (self.pool, self.draft_pool)):
-                size_varies(pool.k, 1), size_varies(pool.v, 1)
+                for kv in filter(None, (pool.k, pool.v)):
+                    size_varies(kv, 1)
         self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
         self.tree = RadixTree(cfg.page_size, cfg.device) if cfg.radix_cache else None  # the prefix cache
         self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead of a prefill

@@ -79,7 +79,8 @@ class PoolRunner:
         c = model.config
         self.model, self.page_size = model, page_size
         dtype = next(model.parameters()).dtype
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, page_size, dtype)
+        heads, dim, separate_v = c.kv_layout
+        self.pool = KVPool(c.num_layers, heads, dim, capacity, page_size, dtype, separate_v=separate_v)
         self.allocator = make_allocator(self.pool.capacity, page_size)
         self.table = ReqToTokenTable(max_requests, max_len)
         self.backend = TorchAttnBackend()

@@ -12,6 +12,10 @@ TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
             eos_token_id=2)
 
+DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
+                moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+                topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, tie_word_embeddings=False)
+
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         tie_word_embeddings=False, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -19,6 +23,13 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=24)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+    # MLA (q LoRA, interleaved rope, YaRN with both mscales) and sigmoid-routed MoE with the correction bias
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        DEEPSEEK, q_lora_rank=48, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8})),
+    # MLA without q LoRA, softmax-routed group-limited greedy MoE, plain rope
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy")),
 }
 
 
@@ -32,6 +43,9 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
     with torch.no_grad():  # HF init is tiny (std 0.02); widen it so logits are far from uniform
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # the routing bias matters: make it non-zero
+                b.copy_(torch.randn_like(b) * 0.1)
     return model
 
 

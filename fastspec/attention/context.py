@@ -19,9 +19,9 @@ class KVPoolLike(Protocol):
     """The slice of the KV pool attention uses (fastspec.memory's pool satisfies it)."""
 
     k: torch.Tensor  # [num_layers, num_slots, Hkv, D]
-    v: torch.Tensor  # [num_layers, num_slots, Hkv, D]
+    v: torch.Tensor | None  # [num_layers, num_slots, Hkv, D]; None for a latent (MLA) pool
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -42,3 +42,13 @@ class AttentionContext:
                scale: float) -> torch.Tensor:  # [T, Hq, D]
         self.pool.write(layer, self.plan.out_cache_loc, k, v)
         return self.backend.run(self.plan, q, self.pool.k[layer], self.pool.v[layer], scale)
+
+    def attend_latent(self, layer: int,
+                      q: torch.Tensor,       # [T, Hq, C+R]  absorbed q_nope | q_rope
+                      latent: torch.Tensor,  # [T, 1, C+R]   compressed KV | rope key of the new tokens
+                      v_dim: int,            # C: V is the first C dims of the latent
+                      scale: float) -> torch.Tensor:  # [T, Hq, C]
+        """MLA as multi-query attention over the latent pool (weight absorption: K = latent, V = latent[:C])."""
+        self.pool.write(layer, self.plan.out_cache_loc, latent, None)
+        cache = self.pool.k[layer]
+        return self.backend.run(self.plan, q, cache, cache[..., :v_dim], scale)

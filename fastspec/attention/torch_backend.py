@@ -59,25 +59,24 @@ class TorchAttnBackend:
             q: torch.Tensor,        # [T, Hq, D]
             k_cache: torch.Tensor,  # [num_slots, Hkv, D]  one layer, new tokens' K/V already written
             v_cache: torch.Tensor,  # [num_slots, Hkv, D]
-            scale: float) -> torch.Tensor:  # [T, Hq, D] in q's dtype
-        out = attend_padded(plan, q, k_cache, v_cache, scale)         # [bs, max_qo, Hq, D]
+            scale: float) -> torch.Tensor:  # [T, Hq, Dv] in q's dtype (Dv = v_cache's last dim)
+        out = attend_padded(plan, q, k_cache, v_cache, scale)         # [bs, max_qo, Hq, Dv]
         if plan.uniform_qo:
-            return out.reshape(q.shape)
+            return out.reshape(*q.shape[:-1], v_cache.shape[-1])
         return out.flatten(0, 1).index_select(0, plan.out_index)
 
 
 def attend_padded(plan: TorchAttnPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   scale: float) -> torch.Tensor:
-    """The padded output [bs, max_qo, Hq, D], padded query rows included (always finite)."""
+    """The padded output [bs, max_qo, Hq, Dv], padded query rows included (always finite)."""
     bs, max_qo = plan.q_index.shape
     max_kv = plan.kv_slots.shape[1]
     # index_select on flat indices: several times faster on CPU than advanced indexing with a 2-D index
     qp = q if plan.uniform_qo else q.index_select(0, plan.q_index.flatten())
     qp = qp.reshape(bs, max_qo, *q.shape[1:]).transpose(1, 2)                              # [bs, Hq, max_qo, D]
     slots = plan.kv_slots.flatten()
-    kv_shape = (bs, max_kv, *k_cache.shape[1:])
-    kp = k_cache.index_select(0, slots).view(kv_shape).transpose(1, 2)                   # [bs, Hkv, max_kv, D]
-    vp = v_cache.index_select(0, slots).view(kv_shape).transpose(1, 2)
+    kp = k_cache.index_select(0, slots).view(bs, max_kv, *k_cache.shape[1:]).transpose(1, 2)  # [bs, Hkv, max_kv, D]
+    vp = v_cache.index_select(0, slots).view(bs, max_kv, *v_cache.shape[1:]).transpose(1, 2)  # [.., Dv]
     out = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), attn_mask=plan.mask, scale=scale,
                                          enable_gqa=True)
     return out.transpose(1, 2)

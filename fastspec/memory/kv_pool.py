@@ -36,10 +36,13 @@ def available_bytes(device="cpu") -> int:
 class KVPool:
     """One model's K/V for all layers. k, v: [num_layers, num_slots, num_kv_heads, head_dim] (NHD, page-size-1
     view). num_slots = capacity + page_size: the first page (slot 0 when page_size == 1) is the reserved dummy.
-    Slot s of page p is p * page_size + s % page_size, so k[l].view(-1, page_size, H, D) is the paged view."""
+    Slot s of page p is p * page_size + s % page_size, so k[l].view(-1, page_size, H, D) is the paged view.
+
+    A latent pool (`separate_v=False`, MLA) stores only k: per token one compressed-KV | rope-key vector, whose
+    leading dims serve as V; v is None."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, page_size: int = 1,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", separate_v: bool = True):
         if capacity < 1 or page_size < 1:
             raise ValueError(f"KVPool needs capacity >= 1 and page_size >= 1, got {capacity}, {page_size}")
         self.page_size = page_size
@@ -48,9 +51,9 @@ class KVPool:
         shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
         # zeros, not empty: padded rows may read unwritten slots, and 0 * NaN garbage would poison attention
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [num_layers, num_slots, num_kv_heads, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [num_layers, num_slots, num_kv_heads, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device) if separate_v else None  # like k
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Store K/V of T tokens of one layer in place. Several padded rows may all name the dummy slot 0;
         which of them lands there is unspecified, and nothing reads it as real data."""
         # slots: [T] int64; k, v: [T, num_kv_heads, head_dim]
@@ -60,22 +63,25 @@ class KVPool:
             # itself is reinplaced into a scatter of the T rows
             index = (torch.full_like(slots, layer), slots)
             self.k.index_put_(index, k.to(self.k.dtype))
-            self.v.index_put_(index, v.to(self.v.dtype))
+            if self.v is not None:
+                self.v.index_put_(index, v.to(self.v.dtype))
             return
         self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+        if self.v is not None:
+            self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
 
     def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy K and V of slots src[i] to slots dst[i], all layers. The right side is gathered into a new
         tensor before the scatter, so overlapping dst/src (even a swap) behave like a simultaneous copy."""
         # dst, src: [n] int64
         self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        if self.v is not None:
+            self.v[:, dst] = self.v[:, src]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-        """K and V of one token across all layers."""
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype, separate_v: bool = True) -> int:
+        """K and V (or the latent alone) of one token across all layers."""
+        return (1 + separate_v) * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     @staticmethod
     def capacity_for(bytes_per_token: int, *, max_tokens: int | None = None, mem_fraction: float | None = None,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.config import ModelConfig, RopeScaling
+from fastspec.models.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -35,6 +35,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between
     old_len = scaling.original_max_position_embeddings
     low_wavelen, high_wavelen = old_len / scaling.low_freq_factor, old_len / scaling.high_freq_factor
@@ -46,19 +48,52 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(middle, blended, scaled)
 
 
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the pretrained context are interpolated
+    (divided by `factor`), those turning more than beta_fast times are kept, with a linear ramp between."""
+    def dim_at(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times
+        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_at(scaling.beta_fast), dim_at(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The multiplier YaRN puts on cos / sin (1 for every other rope)."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return yarn_mscale(scaling.factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE; cos/sin computed per call from the positions (cheap, exact, no position cap)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.inv_freq_cpu = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.attention_factor = rope_attention_factor(config.rope_scaling)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
         inv_freq = self.inv_freq_cpu.to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

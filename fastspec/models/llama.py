@@ -1,8 +1,9 @@
-"""The target family: Llama (incl. Llama-3 rope scaling), Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral.
+"""The target family: Llama (incl. Llama-3 rope scaling), Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral, and
+DeepSeek-V2 / V3 (their MLA / MoE decoder layers, fastspec.models.deepseek).
 
-One implementation configured by `ModelConfig` (the architectures differ only in flags). `forward` returns
-hidden states (and, when asked at construction, the EAGLE-3 auxiliary residual-stream states); logits are a
-separate call. Parameter names equal Hugging Face's, so checkpoints load without renaming.
+One implementation configured by `ModelConfig` (the architectures differ in flags and in the decoder layer).
+`forward` returns hidden states (and, when asked at construction, the EAGLE-3 auxiliary residual-stream
+states); logits are a separate call. Parameter names equal Hugging Face's, so checkpoints load without renaming.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fastspec.config import ModelConfig
+from fastspec.models.config import ModelConfig
+from fastspec.models.deepseek import DeepseekDecoderLayer, is_moe_layer
 from fastspec.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 
 
@@ -28,11 +30,17 @@ def eagle3_capture_layers(num_layers: int, aux_layer_ids: tuple[int, ...] | None
     return tuple(i + 1 for i in aux_layer_ids)
 
 
+def make_layer(config: ModelConfig, layer_id: int) -> nn.Module:
+    if config.mla is not None:
+        return DeepseekDecoderLayer(config, layer_id, is_moe_layer(config, layer_id))
+    return DecoderLayer(config, layer_id)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -66,4 +74,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()  # [T, V] float32
 
 
-Qwen2ForCausalLM = Qwen3ForCausalLM = MistralForCausalLM = LlamaForCausalLM
+Qwen2ForCausalLM = Qwen3ForCausalLM = MistralForCausalLM = DeepseekV2ForCausalLM = DeepseekV3ForCausalLM = LlamaForCausalLM

@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fastspec.config import ModelConfig
+from fastspec.models.config import ModelConfig
 from fastspec.errors import FastspecError, first_line
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
+from fastspec.models.deepseek import DeepseekMTP
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
+from fastspec.models.moe import Router, stack_experts
 
 
 def resolve_model_dir(spec: str) -> Path:
@@ -130,10 +132,61 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
     if any(not 0 <= i <= config.num_layers for i in capture_layers):
         raise FastspecError(f"capture layers {capture_layers} outside 0..{config.num_layers}")
     with _skip_init(), torch.device(device):
-        model = LlamaForCausalLM(config, capture_layers).to(dtype)
+        model = _keep_routers_float32(LlamaForCausalLM(config, capture_layers).to(dtype))
     skip = ("lm_head.",) if config.tie_word_embeddings else ()
-    _load_into(model, read_state_dict(model_dir), skip, str(model_dir))
+    _load_into(model, stack_experts(read_state_dict(model_dir)), skip, str(model_dir))
     return model.eval().requires_grad_(False)
+
+
+def load_mtp(model_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu") -> DeepseekMTP:
+    """The checkpoint's first MTP layer (`model.layers.{num_hidden_layers}.`) as a draft model (NEXTN); its
+    embedding and head are the target's unless the checkpoint stores its own."""
+    config = target.config
+    prefix = f"model.layers.{config.num_layers}."
+    state = {k.removeprefix(prefix): v for k, v in read_state_dict(model_dir).items() if k.startswith(prefix)}
+    if config.mla is None or not state:
+        raise FastspecError(f"{model_dir}: NEXTN needs the checkpoint's MTP layer ({prefix}*), and this "
+                            f"{config.architecture} checkpoint has none; give an EAGLE head with --draft")
+    with _skip_init(), torch.device(device):
+        model = _keep_routers_float32(DeepseekMTP(config, config.num_layers).to(dtype))
+    if "embed_tokens.weight" not in state:
+        model.embed_tokens = target.model.embed_tokens
+    if "shared_head.head.weight" not in state:
+        model.shared_head.head = target.lm_head
+    skip = tuple(p for p, w in (("embed_tokens.", "embed_tokens.weight"), ("shared_head.head.",
+                                                                           "shared_head.head.weight"))
+                 if w not in state)
+    _load_into(model, stack_experts(state), skip, str(model_dir))
+    return model.eval().requires_grad_(False)
+
+
+def has_mtp_layer(model_dir: Path, config: ModelConfig) -> bool:
+    """Whether a DeepSeek checkpoint stores an MTP layer (config.json's count alone is not proof: transformers
+    writes num_nextn_predict_layers = 1 into checkpoints without one)."""
+    if config.mla is None or config.num_nextn_predict_layers < 1:
+        return False
+    return any(name.startswith(f"model.layers.{config.num_layers}.") for name in _weight_names(model_dir))
+
+
+def _weight_names(model_dir: Path) -> list[str]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    names = []
+    for f in sorted(model_dir.glob("*.safetensors")):
+        from safetensors import safe_open
+
+        with safe_open(str(f), "pt") as handle:
+            names += list(handle.keys())
+    return names or list(read_state_dict(model_dir))
+
+
+def _keep_routers_float32(model: nn.Module) -> nn.Module:
+    """MoE routers score in float32 whatever the model's dtype (as DeepSeek and transformers do)."""
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.float()
+    return model
 
 
 def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu",

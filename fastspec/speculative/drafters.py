@@ -77,12 +77,12 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
     return LoadedModels(target, draft, "aux" if aux else "final")
 
 
-def draft_kv_shape(draft) -> tuple[int, int, int] | None:
-    """(num_layers, num_kv_heads, head_dim) of the draft's KV pool, or None without a draft model."""
+def draft_kv_shape(draft) -> tuple[int, int, int, bool] | None:
+    """(num_layers, num_kv_heads, head_dim, separate_v) of the draft's KV pool, or None without a draft model."""
     if draft is None:
         return None
     c = draft.config
-    return c.num_layers, c.num_kv_heads, c.head_dim
+    return c.num_layers, *c.kv_layout
 
 
 class NgramTreeDrafter:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from fastspec.config import ModelConfig
+from fastspec.models.config import ModelConfig
 from fastspec.errors import FastspecError, first_line
 from fastspec.files import read_or_refuse, write_atomic
 from fastspec.models.eagle import LlamaForCausalLMEagle3

@@ -116,6 +116,10 @@ class PackedCausalAttention:
                for qd, kd, vd in zip(q.split(self.lengths), k.split(self.lengths), v.split(self.lengths))]
         return torch.cat(out)
 
+    def attend_latent(self, layer: int, q: torch.Tensor, latent: torch.Tensor, v_dim: int, scale: float):
+        # MLA: q [T, Hq, C+R]; latent [T, 1, C+R] is K, its first C dims are V -> [T, Hq, C]
+        return self.attend(layer, q, latent, latent[..., :v_dim], scale)
+
 
 def pack(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Greedy packing of sequence indices (in order) into groups of at most `batch_tokens` tokens

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from fastspec.config import ModelConfig, check_device, resolve_device
+from fastspec.config import check_device, resolve_device
+from fastspec.models.config import ModelConfig
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import bf16_matmul_is_faster
 from fastspec.models.llama import eagle3_capture_layers

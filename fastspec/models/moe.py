@@ -1,0 +1,135 @@
+"""DeepSeek's mixture of experts: a router picking `top_k` routed experts per token, plus shared experts.
+
+Routing follows DeepSeek-V2 (softmax scores; greedy or group-limited greedy) and V3 (sigmoid scores plus a
+learned correction bias used only to choose; groups ranked by the sum of their two best experts; weights
+renormalised), always in float32. The routed experts' weights are stacked [E, ...] (`stack_experts` turns a
+checkpoint's per-expert keys into that layout).
+
+Two ways to run the experts: eagerly, only the chosen experts on their tokens (a host sync per layer: token
+counts); inside a compiled or captured graph, every expert on every token weighted by a dense [T, E] routing
+matrix (static shapes, no sync, E / top_k times the work: fine for the tiny models tests compile, a fused MoE
+kernel is what a GPU wants). Both are tested against each other and against transformers.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastspec.models.config import MoEConfig
+from fastspec.models.layers import MLP
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, m: MoEConfig):
+        super().__init__()
+        self.m = m
+        self.weight = nn.Parameter(torch.zeros(m.num_experts, hidden))
+        if m.scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(m.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 [T, top_k], expert ids int64 [T, top_k]) for x [T, H]."""
+        m = self.m
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        if m.scoring == "sigmoid":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias.float()  # the bias steers the choice, not the weights
+            group_rank = choice.view(-1, m.n_group, m.num_experts // m.n_group).topk(2, dim=-1)[0].sum(-1)
+            choice = choice.masked_fill(~self._group_mask(group_rank), float("-inf"))
+        else:
+            scores = choice = logits.softmax(-1)
+            if m.topk_method == "group_limited_greedy":
+                group_rank = scores.view(-1, m.n_group, m.num_experts // m.n_group).max(-1).values
+                choice = scores.masked_fill(~self._group_mask(group_rank), 0.0)
+        index = choice.topk(m.top_k, dim=-1)[1]
+        weights = scores.gather(1, index)
+        if m.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * m.routed_scaling_factor, index
+
+    def _group_mask(self, group_rank: torch.Tensor) -> torch.Tensor:
+        """bool [T, E]: experts in each token's best topk_group groups."""
+        m = self.m
+        best = group_rank.topk(m.topk_group, dim=-1)[1]  # [T, topk_group]
+        groups = torch.zeros_like(group_rank, dtype=torch.bool).scatter(1, best, True)
+        return groups.repeat_interleave(m.num_experts // m.n_group, dim=1)
+
+
+class Experts(nn.Module):
+    """E gated MLPs stacked: gate_proj, up_proj [E, I, H]; down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        # x [T, H]; weights float32 [T, k]; index [T, k] -> [T, H]
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if torch.compiler.is_compiling() or capturing:
+            return self.forward_dense(x, weights, index)
+        return self.forward_sparse(x, weights, index)
+
+    def forward_dense(self, x, weights, index) -> torch.Tensor:
+        """Every expert on every token; unchosen experts weigh 0. Static shapes."""
+        dense = torch.zeros(x.shape[0], self.gate_proj.shape[0], device=x.device).scatter(1, index, weights)
+        h = F.silu(torch.einsum("th,eih->eti", x, self.gate_proj)) * torch.einsum("th,eih->eti", x, self.up_proj)
+        y = torch.einsum("eti,ehi->eth", h, self.down_proj)  # [E, T, H]
+        return torch.einsum("te,eth->th", dense.to(x.dtype), y)
+
+    def forward_sparse(self, x, weights, index) -> torch.Tensor:
+        """Each chosen expert on its own tokens (host sync: how many tokens each expert got)."""
+        k = index.shape[1]
+        order = index.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
+        counts = torch.bincount(index.flatten(), minlength=self.gate_proj.shape[0]).tolist()
+        flat_weights = weights.flatten()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            tokens = pairs // k
+            xe = x.index_select(0, tokens)
+            h = F.silu(xe @ self.gate_proj[e].T) * (xe @ self.up_proj[e].T)
+            out.index_add_(0, tokens, (h @ self.down_proj[e].T) * flat_weights[pairs, None].to(x.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, hidden: int, m: MoEConfig):
+        super().__init__()
+        self.gate = Router(hidden, m)
+        self.experts = Experts(m.num_experts, hidden, m.intermediate_size)
+        self.shared_experts = MLP(hidden, m.intermediate_size * m.num_shared_experts) if m.num_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, index = self.gate(x)
+        y = self.experts(x, weights, index)
+        return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+
+_EXPERT_KEY = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint keys `...experts.{e}.{proj}.weight` -> `...experts.{proj}` [E, ...] (others unchanged)."""
+    out, groups = {}, {}
+    for name, tensor in state.items():
+        match = _EXPERT_KEY.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            prefix, e, proj = match.groups()
+            groups.setdefault(f"{prefix}.{proj}", {})[int(e)] = tensor
+    for name, experts in groups.items():
+        if sorted(experts) != list(range(len(experts))):
+            continue  # a gap: leave the stacked key missing, so loading names it
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
