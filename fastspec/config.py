@@ -111,7 +111,7 @@ class EngineConfig:
 GRAPH_MODES = ("auto", "cuda", "compile", "eager")
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 # SGLang's auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) by target architecture
-_AUTO_SPEC = {"LlamaForCausalLM": (5, 4, 8)}
+_AUTO_SPEC = {"LlamaForCausalLM": (5, 4, 8), "DeepseekV2ForCausalLM": (3, 1, 4), "DeepseekV3ForCausalLM": (3, 1, 4)}
 _AUTO_SPEC_FALLBACK = (3, 1, 4)
 
 

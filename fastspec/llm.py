@@ -14,7 +14,7 @@ from fastspec.config import EngineConfig, Schedule, SpecConfig, check_spec_flags
 from fastspec.engine import Engine
 from fastspec.metrics import SpecMetrics
 from fastspec.models.embedded import default_speculation
-from fastspec.models.loader import read_config, resolve_model_dir
+from fastspec.models.loader import mtp_draft, read_config, resolve_model_dir
 from fastspec.detokenizer import IncrementalDetokenizer
 from fastspec.tokenizer import Tokenizer
 from fastspec.sampling import SamplingParams
@@ -58,7 +58,9 @@ class LLM:
                          accept_threshold_acc)
         speculative_algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
         model_dir = resolve_model_dir(model)
-        spec = SpecConfig.resolve(speculative_algorithm, read_config(model_dir).architecture,
+        model_config = read_config(model_dir)
+        draft_model = mtp_draft(model, model_dir, model_config, speculative_algorithm, draft_model)
+        spec = SpecConfig.resolve(speculative_algorithm, model_config.architecture,
                                   draft_model=draft_model, num_steps=num_steps, topk=topk,
                                   num_draft_tokens=num_draft_tokens, token_map=token_map,
                                   accept_threshold_single=accept_threshold_single,

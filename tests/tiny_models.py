@@ -46,6 +46,33 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # the routing bias matters: make it non-zero
                 b.copy_(torch.randn_like(b) * 0.1)
+        if family.startswith("deepseek"):  # their logits come out flat (near-ties make greedy fragile): sharpen
+            model.lm_head.weight.mul_(4)
+    return model
+
+
+def write_deepseek(directory: Path, family: str = "deepseek_v3", mtp: bool = True, seed: int = 0):
+    """A tiny DeepSeek target saved in `directory`, with (`mtp`) a random MTP layer stored under DeepSeek's key
+    names after the last decoder layer (its own embedding and shared head included). Returns the HF model."""
+    from safetensors.torch import load_file, save_file
+
+    model = make_hf_model(family, seed=seed)
+    model.save_pretrained(directory)
+    if not mtp:
+        return model
+    state = load_file(directory / "model.safetensors")
+    L, H = model.config.num_hidden_layers, model.config.hidden_size
+    gen = torch.Generator().manual_seed(seed + 1)
+    rand = lambda *shape, scale=0.1: scale * torch.randn(*shape, generator=gen)  # noqa: E731
+    last, mtp_prefix = f"model.layers.{L - 1}.", f"model.layers.{L}."
+    for name, tensor in list(state.items()):  # the decoder layer: the last one's weights, perturbed
+        if name.startswith(last):
+            state[mtp_prefix + name[len(last):]] = tensor + rand(*tensor.shape, scale=0.02)
+    state |= {mtp_prefix + "enorm.weight": 1 + rand(H), mtp_prefix + "hnorm.weight": 1 + rand(H),
+              mtp_prefix + "eh_proj.weight": rand(H, 2 * H), mtp_prefix + "shared_head.norm.weight": 1 + rand(H),
+              mtp_prefix + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+              mtp_prefix + "shared_head.head.weight": state["lm_head.weight"].clone()}
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     return model
 
 

@@ -141,7 +141,7 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
 def load_mtp(model_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu") -> DeepseekMTP:
     """The checkpoint's first MTP layer (`model.layers.{num_hidden_layers}.`) as a draft model (NEXTN); its
     embedding and head are the target's unless the checkpoint stores its own."""
-    config = target.config
+    config = read_config(model_dir)
     prefix = f"model.layers.{config.num_layers}."
     state = {k.removeprefix(prefix): v for k, v in read_state_dict(model_dir).items() if k.startswith(prefix)}
     if config.mla is None or not state:
@@ -168,16 +168,33 @@ def has_mtp_layer(model_dir: Path, config: ModelConfig) -> bool:
     return any(name.startswith(f"model.layers.{config.num_layers}.") for name in _weight_names(model_dir))
 
 
+def mtp_draft(model: str, model_dir: Path, config: ModelConfig, algorithm: str | None, draft: str | None) -> str | None:
+    """The draft of NEXTN / EAGLE without one on a DeepSeek target: the target checkpoint itself, whose MTP layer
+    drafts (SGLang's default). NEXTN on a checkpoint without an MTP layer is an error."""
+    algorithm = (algorithm or "").upper()
+    if draft is not None or algorithm not in ("NEXTN", "EAGLE"):
+        return draft
+    if has_mtp_layer(model_dir, config):
+        return model
+    if algorithm == "NEXTN":
+        raise FastspecError(f"{model_dir}: NEXTN drafts with the checkpoint's MTP layer, and this "
+                            f"{config.architecture} checkpoint has none (model.layers.{config.num_layers}.*)")
+    return draft
+
+
 def _weight_names(model_dir: Path) -> list[str]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         return list(json.loads(index.read_text()).get("weight_map", {}))
-    names = []
-    for f in sorted(model_dir.glob("*.safetensors")):
-        from safetensors import safe_open
+    from safetensors import safe_open
 
-        with safe_open(str(f), "pt") as handle:
-            names += list(handle.keys())
+    names = []
+    try:
+        for f in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as handle:
+                names += list(handle.keys())
+    except Exception:  # safetensors has no common error class: let the full read name the damage
+        names = []
     return names or list(read_state_dict(model_dir))
 
 
@@ -217,6 +234,14 @@ def _build_eagle3(config: ModelConfig, target: LlamaForCausalLM):
     model = LlamaForCausalLMEagle3(config, target.model.embed_tokens if share_embed else None, lm_head)
     skip = (("embed_tokens.",) if share_embed else ()) + (("lm_head.",) if lm_head is not None else ())
     return model, skip
+
+
+def check_mtp_fits(draft: ModelConfig, target: ModelConfig, source: str) -> None:
+    """An MTP layer from another DeepSeek checkpoint must share the target's width and vocabulary."""
+    for field in ("hidden_size", "vocab_size"):
+        if getattr(draft, field) != getattr(target, field):
+            raise FastspecError(f"{source}: the MTP draft's {field} {getattr(draft, field)} != the target's "
+                                f"{getattr(target, field)}")
 
 
 def check_draft_fits(draft: ModelConfig, target: ModelConfig, source: str) -> None:

@@ -16,7 +16,8 @@ from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import can_prepack, prepack_linears
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
-from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
+from fastspec.models.loader import (check_draft_fits, check_mtp_fits, load_draft, load_mtp, load_target, read_config,
+                                    resolve_model_dir)
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.eagle import EagleDrafter, StandaloneDraft
 from fastspec.speculative.runners import GraphPlan
@@ -64,6 +65,10 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
             raise FastspecError(f"{draft_dir}: draft vocabulary {draft_config.vocab_size} != target vocabulary "
                                 f"{target.config.vocab_size}")
         return LoadedModels(target, StandaloneDraft(load_target(draft_dir, dtype, device)), "none")
+    if spec.algorithm == "EAGLE" and draft_config.mla is not None:  # NEXTN: a DeepSeek checkpoint's MTP layer
+        target = load_target(model_dir, dtype, device)
+        check_mtp_fits(draft_config, target.config, str(draft_dir))
+        return LoadedModels(target, load_mtp(draft_dir, target, dtype, device), "final")
     if (spec.algorithm == "EAGLE3") != draft_config.is_eagle3:
         wanted = "LlamaForCausalLMEagle3" if spec.algorithm == "EAGLE3" else "LlamaForCausalLMEagle"
         raise FastspecError(f"{draft_dir}: {spec.algorithm} needs a {wanted} head, got {draft_config.architecture}")
