@@ -104,7 +104,7 @@ class Worker:
             d_layers, d_heads, d_dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device, d_separate_v)
         if cfg.graph_mode == "compile":  # capacity follows free memory: keep it out of the compiled graphs
             for pool in filter(None, (self.pool, self.draft_pool)):
-                for kv in filter(None, (pool.k, pool.v)):
+                for kv in (t for t in (pool.k, pool.v) if t is not None):
                     size_varies(kv, 1)
         self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
         self.tree = RadixTree(cfg.page_size, cfg.device) if cfg.radix_cache else None  # the prefix cache
@@ -112,6 +112,9 @@ class Worker:
         margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
         c = self.model.config
+        if c.mla is not None and cfg.attention_backend != "torch":
+            raise FastspecError(f"--attention-backend {cfg.attention_backend}: {c.architecture} (MLA) attends "
+                                "through the torch backend only so far")
         self.backend = make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                                     head_dim=c.head_dim, dtype=cfg.torch_dtype, device=cfg.device)
 

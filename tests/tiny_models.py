@@ -51,12 +51,12 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
     return model
 
 
-def write_deepseek(directory: Path, family: str = "deepseek_v3", mtp: bool = True, seed: int = 0):
+def write_deepseek(directory: Path, family: str = "deepseek_v3", mtp: bool = True, seed: int = 0, **overrides):
     """A tiny DeepSeek target saved in `directory`, with (`mtp`) a random MTP layer stored under DeepSeek's key
     names after the last decoder layer (its own embedding and shared head included). Returns the HF model."""
     from safetensors.torch import load_file, save_file
 
-    model = make_hf_model(family, seed=seed)
+    model = make_hf_model(family, seed=seed, **overrides)
     model.save_pretrained(directory)
     if not mtp:
         return model
