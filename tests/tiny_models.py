@@ -79,11 +79,15 @@ def write_deepseek(directory: Path, family: str = "deepseek_v3", mtp: bool = Tru
 WORDS = [f"w{i}" for i in range(3, 90)]
 
 
-def write_chat_target(directory: Path, seed: int = 0) -> Path:
-    """The tiny llama target with a word-level tokenizer (ids 0..89) and a chat template, saved in `directory`."""
+def write_chat_target(directory: Path, seed: int = 0, family: str = "llama") -> Path:
+    """A tiny target (llama, or a DeepSeek family with its MTP layer) with a word-level tokenizer (ids 0..89) and
+    a chat template, saved in `directory`."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    make_hf_model("llama", seed=seed).save_pretrained(directory)
+    if family.startswith("deepseek"):
+        write_deepseek(directory, family, seed=seed)
+    else:
+        make_hf_model(family, seed=seed).save_pretrained(directory)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {w: i for i, w in enumerate(WORDS, start=3)}
     vocab |= {"<user>": 90, "<bot>": 91}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
