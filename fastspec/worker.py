@@ -25,6 +25,7 @@ from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
 from fastspec.memory.radix import RadixTree
 from fastspec.metrics import PhaseTimes
 from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
+from fastspec.models.mla import mla_softmax_scale
 from fastspec.sampling import SamplingTensors, draw_uniforms, sample
 from fastspec.scheduler import Request
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
@@ -112,11 +113,9 @@ class Worker:
         margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
         c = self.model.config
-        if c.mla is not None and cfg.attention_backend != "torch":
-            raise FastspecError(f"--attention-backend {cfg.attention_backend}: {c.architecture} (MLA) attends "
-                                "through the torch backend only so far")
-        self.backend = make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                                    head_dim=c.head_dim, dtype=cfg.torch_dtype, device=cfg.device)
+        mla = {} if c.mla is None else dict(kv_lora_rank=c.mla.kv_lora_rank, sm_scale=mla_softmax_scale(c))
+        self.backend = make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=heads,
+                                    head_dim=dim, dtype=cfg.torch_dtype, device=cfg.device, **mla)
 
     def check_kv(self, running: list[Request] = ()) -> None:
         """Leak check: free slots + slots held by `running` (past their cached prefix) + slots the prefix cache

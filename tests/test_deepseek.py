@@ -193,11 +193,19 @@ def test_unsupported_checkpoints_are_refused_before_loading(ds, tmp_path, change
     (tmp_path / "config.json").write_text(json.dumps(config | change))
     with pytest.raises(FastspecError, match=message):
         fastspec.LLM(str(tmp_path), max_total_tokens=512)
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path), "--input-ids", "1,2"])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
 
 
-def test_flashinfer_backend_on_an_mla_target_is_refused(ds):
-    with pytest.raises(FastspecError, match="attention-backend flashinfer: DeepseekV3ForCausalLM .MLA."):
-        fastspec.LLM(str(ds["deepseek_v3"][0]), attention_backend="flashinfer", max_total_tokens=512)
+def test_an_mtp_draft_of_another_width_is_refused(ds, tmp_path):
+    write_deepseek(tmp_path, "deepseek_v3", hidden_size=32)
+    with pytest.raises(FastspecError, match="the MTP draft's hidden_size 32 != the target's 64"):
+        fastspec.LLM(str(ds["deepseek_v3"][0]), speculative_algorithm="NEXTN", draft_model=str(tmp_path),
+                     max_total_tokens=512)
 
 
 def test_bench_and_tune_run_on_a_deepseek_target(tmp_path, monkeypatch):

@@ -298,8 +298,10 @@ class FlashInferAttnBackend:
 
 
 def make_backend(name: str, *, num_qo_heads: int | None = None, num_kv_heads: int | None = None,
-                 head_dim: int | None = None, dtype: torch.dtype | None = None, device="cpu", **kwargs):
-    """"torch" -> TorchAttnBackend (any device); "flashinfer" -> FlashInferAttnBackend (CUDA only)."""
+                 head_dim: int | None = None, dtype: torch.dtype | None = None, device="cpu",
+                 kv_lora_rank: int | None = None, **kwargs):
+    """"torch" -> TorchAttnBackend (any device); "flashinfer" -> FlashInferAttnBackend (CUDA only), or with
+    `kv_lora_rank` (an MLA latent pool of width head_dim = kv_lora_rank + rope dim) FlashInferMLABackend."""
     if name == "torch":
         return TorchAttnBackend()
     if name != "flashinfer":
@@ -308,4 +310,9 @@ def make_backend(name: str, *, num_qo_heads: int | None = None, num_kv_heads: in
         raise FastspecError("flashinfer needs a CUDA device")
     if None in (num_qo_heads, num_kv_heads, head_dim, dtype):
         raise FastspecError("the flashinfer backend needs num_qo_heads, num_kv_heads, head_dim and dtype")
+    if kv_lora_rank is not None:
+        from fastspec.attention.flashinfer_mla import FlashInferMLABackend
+
+        return FlashInferMLABackend(num_qo_heads, kv_lora_rank, head_dim - kv_lora_rank, dtype, device,
+                                    kwargs["sm_scale"])
     return FlashInferAttnBackend(num_qo_heads, num_kv_heads, head_dim, dtype, device, **kwargs)

@@ -27,7 +27,7 @@ class MLAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank = (m.qk_nope_head_dim, m.qk_rope_head_dim,
                                                                   m.v_head_dim, m.kv_lora_rank)
         self.interleaved, self.q_lora = m.rope_interleave, m.q_lora_rank is not None
-        qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+        qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim  # per head: [nope | rope]
         if m.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, H * qk_dim, bias=False)
         else:
@@ -38,10 +38,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LORA_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * m.v_head_dim, hidden, bias=config.attention_bias)
-        self.scale = qk_dim ** -0.5
-        s = config.rope_scaling
-        if s is not None and s.rope_type == "yarn" and s.mscale_all_dim:  # YaRN sharpens the softmax as well
-            self.scale *= yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+        self.scale = mla_softmax_scale(config)
 
     def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, C], W_UV [H, v, C]): kv_b_proj's rows per head are [k_nope rows | v rows]."""
@@ -80,6 +77,15 @@ class MLAttention(nn.Module):
         v = torch.einsum("tc,hvc->thv", c_kv, w_uv)
         k = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1)], -1)
         return torch.cat([q_nope, q_rope], -1), k, v
+
+
+def mla_softmax_scale(config: ModelConfig) -> float:
+    """1/sqrt(qk head dim), times YaRN's mscale squared (it sharpens the softmax as well as the rope)."""
+    m, s = config.mla, config.rope_scaling
+    scale = (m.qk_nope_head_dim + m.qk_rope_head_dim) ** -0.5
+    if s is not None and s.rope_type == "yarn" and s.mscale_all_dim:
+        scale *= yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+    return scale
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
