@@ -33,7 +33,7 @@ GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 def ds(tmp_path_factory):
     """family -> (directory, transformers model); V3 with an MTP layer, V2 without; random EAGLE heads for V3."""
     root = tmp_path_factory.mktemp("deepseek")
-    out = {f: (root / f, write_deepseek(root / f, f, mtp=f == "deepseek_v3")) for f in ("deepseek_v3", "deepseek_v2")}
+    out = {f: (root / f, write_deepseek(root / f, f, mtp=int(f == "deepseek_v3"))) for f in ("deepseek_v3", "deepseek_v2")}
     c = out["deepseek_v3"][1].config
     for kind in ("eagle", "eagle3"):
         write_random_head(root / kind, c.hidden_size, c.vocab_size, kind)
@@ -243,3 +243,19 @@ def _word_prompts(path):
 
     path.write_text("".join(json.dumps({"prompt": " ".join(WORDS[i:i + 5])}) + "\n" for i in (0, 10, 20)))
     return path
+
+
+def test_a_checkpoint_with_several_mtp_layers_drafts_with_the_first(ds, tmp_path):
+    """As SGLang without multi-layer EAGLE: layer num_hidden_layers drafts every step; the others are not loaded."""
+    write_deepseek(tmp_path, "deepseek_v3", mtp=2)
+    llm = fastspec.LLM(str(tmp_path), speculative_algorithm="NEXTN", num_steps=3, topk=2, num_draft_tokens=5,
+                       max_total_tokens=2048)
+    from safetensors.torch import load_file
+
+    state = load_file(tmp_path / "model.safetensors")
+    mtp = llm.engine.drafter.model
+    assert torch.equal(mtp.eh_proj.weight, state["model.layers.4.eh_proj.weight"])
+    assert not torch.equal(mtp.eh_proj.weight, state["model.layers.5.eh_proj.weight"])
+    plain = fastspec.LLM(str(tmp_path), max_total_tokens=2048).engine.generate(PROMPTS[:3], [GREEDY] * 3)
+    outputs = llm.engine.generate(PROMPTS[:3], [GREEDY] * 3)
+    assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]

@@ -51,9 +51,9 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
     return model
 
 
-def write_deepseek(directory: Path, family: str = "deepseek_v3", mtp: bool = True, seed: int = 0, **overrides):
-    """A tiny DeepSeek target saved in `directory`, with (`mtp`) a random MTP layer stored under DeepSeek's key
-    names after the last decoder layer (its own embedding and shared head included). Returns the HF model."""
+def write_deepseek(directory: Path, family: str = "deepseek_v3", mtp: int = 1, seed: int = 0, **overrides):
+    """A tiny DeepSeek target saved in `directory`, with `mtp` random MTP layers stored under DeepSeek's key
+    names after the last decoder layer (each with its own embedding and shared head). Returns the HF model."""
     from safetensors.torch import load_file, save_file
 
     model = make_hf_model(family, seed=seed, **overrides)
@@ -64,15 +64,19 @@ def write_deepseek(directory: Path, family: str = "deepseek_v3", mtp: bool = Tru
     L, H = model.config.num_hidden_layers, model.config.hidden_size
     gen = torch.Generator().manual_seed(seed + 1)
     rand = lambda *shape, scale=0.1: scale * torch.randn(*shape, generator=gen)  # noqa: E731
-    last, mtp_prefix = f"model.layers.{L - 1}.", f"model.layers.{L}."
-    for name, tensor in list(state.items()):  # the decoder layer: the last one's weights, perturbed
-        if name.startswith(last):
-            state[mtp_prefix + name[len(last):]] = tensor + rand(*tensor.shape, scale=0.02)
-    state |= {mtp_prefix + "enorm.weight": 1 + rand(H), mtp_prefix + "hnorm.weight": 1 + rand(H),
-              mtp_prefix + "eh_proj.weight": rand(H, 2 * H), mtp_prefix + "shared_head.norm.weight": 1 + rand(H),
-              mtp_prefix + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
-              mtp_prefix + "shared_head.head.weight": state["lm_head.weight"].clone()}
+    last = f"model.layers.{L - 1}."
+    for i in range(mtp):
+        prefix = f"model.layers.{L + i}."
+        for name, tensor in list(state.items()):  # the decoder layer: the last one's weights, perturbed
+            if name.startswith(last):
+                state[prefix + name[len(last):]] = tensor + rand(*tensor.shape, scale=0.02)
+        state |= {prefix + "enorm.weight": 1 + rand(H), prefix + "hnorm.weight": 1 + rand(H),
+                  prefix + "eh_proj.weight": rand(H, 2 * H), prefix + "shared_head.norm.weight": 1 + rand(H),
+                  prefix + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+                  prefix + "shared_head.head.weight": state["lm_head.weight"].clone()}
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": mtp}))
     return model
 
 
