@@ -259,3 +259,19 @@ def test_a_checkpoint_with_several_mtp_layers_drafts_with_the_first(ds, tmp_path
     plain = fastspec.LLM(str(tmp_path), max_total_tokens=2048).engine.generate(PROMPTS[:3], [GREEDY] * 3)
     outputs = llm.engine.generate(PROMPTS[:3], [GREEDY] * 3)
     assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
+
+
+def test_train_draft_on_a_deepseek_target(tmp_path, monkeypatch):
+    """train-draft reads an MLA target's EAGLE-3 features; the head it exports decodes losslessly."""
+    from test_train import tiny_config
+    from fastspec.train.trainer import train_draft
+    from tiny_models import write_chat_target, write_prompt_file
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
+    target = write_chat_target(tmp_path / "target", family="deepseek_v3")
+    report = train_draft(tiny_config(tmp_path / "head", target, write_prompt_file(tmp_path / "p.jsonl"), epochs=4))
+    assert report["steps"] > 0
+    plain = fastspec.LLM(str(target), speculative_algorithm="NONE").engine.generate(PROMPTS[:2], [GREEDY] * 2)
+    spec = fastspec.LLM(str(target), speculative_algorithm="EAGLE3", draft_model=str(tmp_path / "head"), num_steps=3,
+                        topk=2, num_draft_tokens=5).engine.generate(PROMPTS[:2], [GREEDY] * 2)
+    assert [o.output_ids for o in spec] == [o.output_ids for o in plain]
