@@ -112,7 +112,6 @@ class Worker:
         self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead of a prefill
         margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
-        c = self.model.config
         mla = {} if c.mla is None else dict(kv_lora_rank=c.mla.kv_lora_rank, sm_scale=mla_softmax_scale(c))
         self.backend = make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=heads,
                                     head_dim=dim, dtype=cfg.torch_dtype, device=cfg.device, **mla)

@@ -149,14 +149,12 @@ def load_mtp(model_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, devi
                             f"{config.architecture} checkpoint has none; give an EAGLE head with --draft")
     with _skip_init(), torch.device(device):
         model = _keep_routers_float32(DeepseekMTP(config, config.num_layers).to(dtype))
-    if "embed_tokens.weight" not in state:
+    borrowed = [name for name in ("embed_tokens", "shared_head.head") if f"{name}.weight" not in state]
+    if "embed_tokens" in borrowed:
         model.embed_tokens = target.model.embed_tokens
-    if "shared_head.head.weight" not in state:
+    if "shared_head.head" in borrowed:
         model.shared_head.head = target.lm_head
-    skip = tuple(p for p, w in (("embed_tokens.", "embed_tokens.weight"), ("shared_head.head.",
-                                                                           "shared_head.head.weight"))
-                 if w not in state)
-    _load_into(model, stack_experts(state), skip, str(model_dir))
+    _load_into(model, stack_experts(state), tuple(f"{name}." for name in borrowed), str(model_dir))
     return model.eval().requires_grad_(False)
 
 
