@@ -91,16 +91,15 @@ class Worker:
 
     def _init_memory(self, draft_shape) -> None:
         c, cfg = self.model.config, self.config
-        heads, dim, separate_v = c.kv_layout
-        per_token = KVPool.bytes_per_token(c.num_layers, heads, dim, cfg.torch_dtype, separate_v)
+        layers, heads, dim, separate_v = c.kv_layout
+        per_token = KVPool.bytes_per_token(layers, heads, dim, cfg.torch_dtype, separate_v)
         if draft_shape is not None:  # the draft pool has the same slots, so it costs per token as well
             d_layers, d_heads, d_dim, d_separate_v = draft_shape
             per_token += KVPool.bytes_per_token(d_layers, d_heads, d_dim, cfg.torch_dtype, d_separate_v)
         capacity = KVPool.capacity_for(per_token, max_tokens=cfg.max_total_tokens,
                                        mem_fraction=None if cfg.max_total_tokens else cfg.kv_mem_fraction,
                                        device=cfg.device, page_size=cfg.page_size)
-        self.pool = KVPool(c.num_layers, heads, dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device,
-                           separate_v)
+        self.pool = KVPool(layers, heads, dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device, separate_v)
         self.draft_pool = None if draft_shape is None else KVPool(
             d_layers, d_heads, d_dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device, d_separate_v)
         if cfg.graph_mode == "compile":  # capacity follows free memory: keep it out of the compiled graphs

@@ -18,6 +18,7 @@ import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.kernels.cpu_linear import trim_host_heap
+from fastspec.memory.state_pool import RecurrentView, StatePool
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
 from fastspec.models.embedded import cache_root
 from fastspec.models.heads import write_random_head
@@ -79,12 +80,13 @@ class PoolRunner:
         c = model.config
         self.model, self.page_size = model, page_size
         dtype = next(model.parameters()).dtype
-        heads, dim, separate_v = c.kv_layout
-        self.pool = KVPool(c.num_layers, heads, dim, capacity, page_size, dtype, separate_v=separate_v)
+        layers, heads, dim, separate_v = c.kv_layout
+        self.pool = KVPool(layers, heads, dim, capacity, page_size, dtype, separate_v=separate_v)
         self.allocator = make_allocator(self.pool.capacity, page_size)
         self.table = ReqToTokenTable(max_requests, max_len)
         self.backend = TorchAttnBackend()
         self.rows = [self.table.alloc() for _ in range(max_requests)]
+        self.states = StatePool(c.hybrid, max_requests, 0) if c.hybrid is not None else None
 
     def extend(self, seq_lens: list[int], chunks: list[list[int]]):
         """Append chunks[b] to request b (which holds seq_lens[b] tokens). Returns the model output."""
@@ -100,8 +102,12 @@ class PoolRunner:
             meta = extend_metadata(self.table.table, rows, prefix, lens)
         ids = torch.tensor([t for c in chunks for t in c])
         positions = torch.cat([torch.arange(p, p + len(c)) for p, c in zip(seq_lens, chunks)])
+        states = None
+        if self.states is not None:  # a hybrid model: its linear layers read and advance the rows' states
+            self.states.reset(rows[prefix == 0])
+            states = RecurrentView(self.states, rows, lens=tuple(len(c) for c in chunks))
         with torch.inference_mode():
-            return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool))
+            return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool, states))
 
 
 @pytest.fixture(scope="session")

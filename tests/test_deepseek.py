@@ -75,7 +75,7 @@ def test_latent_pool_stores_kv_lora_plus_rope_per_token_and_layer(ds):
         assert pool.v is None and pool.k.shape == (layers, pool.num_slots, 1, latent)
         per_token = pool.k[:, 0].numel() * pool.k.element_size()
         assert per_token == latent * layers * 4  # float32: no expanded K or V anywhere
-    assert KVPool.bytes_per_token(c.num_layers, *c.kv_layout[:2], torch.bfloat16, c.kv_layout[2]) == latent * 4 * 2
+    assert KVPool.bytes_per_token(*c.kv_layout[:3], torch.bfloat16, c.kv_layout[3]) == latent * 4 * 2
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])

@@ -30,6 +30,11 @@ FAMILIES = {
     # MLA without q LoRA, softmax-routed group-limited greedy MoE, plain rope
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
         DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy")),
+    # gated delta net layers 0-2, gated attention layer 3 (partial rope), MoE with a gated shared expert
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
+        linear_num_value_heads=4, moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts_per_tok=2,
+        num_experts=6, tie_word_embeddings=False)),
 }
 
 

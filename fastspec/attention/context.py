@@ -29,11 +29,13 @@ class AttentionContext:
     backend: TorchAttnBackend  # or any backend with the same plan()/run() interface
     plan: TorchAttnPlan
     pool: KVPoolLike
+    states: object = None  # fastspec.memory.state_pool.RecurrentView for a hybrid target's linear layers
 
     @classmethod
-    def build(cls, backend: TorchAttnBackend, meta: AttnMetadata, pool: KVPoolLike) -> "AttentionContext":
+    def build(cls, backend: TorchAttnBackend, meta: AttnMetadata, pool: KVPoolLike, states=None
+              ) -> "AttentionContext":
         """Plan once per forward; the returned context is reused by every layer."""
-        return cls(backend=backend, plan=backend.plan(meta), pool=pool)
+        return cls(backend=backend, plan=backend.plan(meta), pool=pool, states=states)
 
     def attend(self, layer: int,
                q: torch.Tensor,  # [T, Hq, D]

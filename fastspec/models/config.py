@@ -15,11 +15,12 @@ from fastspec.errors import FastspecError
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-TARGET_ARCHITECTURES = LLAMA_FAMILY + DEEPSEEK_FAMILY
+HYBRID_FAMILY = ("Qwen3NextForCausalLM",)
+TARGET_ARCHITECTURES = LLAMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "mistral": "MistralForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,34 @@ class MoEConfig:
     norm_topk_prob: bool  # V3: the chosen weights are renormalised to sum to 1
     routed_scaling_factor: float
     first_k_dense_replace: int  # layers below this one have a dense MLP instead
+    shared_expert_gate: bool = False  # Qwen3-Next: the shared expert's output is scaled by sigmoid(gate(x))
+    shared_intermediate_size: int | None = None  # None: intermediate_size * num_shared_experts
+    sparse_step: int = 1  # Qwen3-Next: layer i is MoE when (i + 1) % sparse_step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (layer_id >= self.first_k_dense_replace and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.sparse_step == 0)
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """Linear-attention (gated delta net) layers beside full attention (Qwen3-Next)."""
+
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" | "full_attention"
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def conv_dim(self) -> int:  # channels of the short convolution: q, k and v
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
 
 @dataclass(frozen=True)
@@ -97,6 +126,10 @@ class ModelConfig:
     torch_dtype: str = "float32"
     mla: MLAConfig | None = None  # DeepSeek targets
     moe: MoEConfig | None = None
+    hybrid: HybridConfig | None = None  # Qwen3-Next
+    partial_rotary_factor: float = 1.0  # rope turns only the first head_dim * factor dims
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight) (Qwen3-Next)
+    attn_output_gate: bool = False  # q_proj also yields a per-head gate; attention output * sigmoid(gate)
     num_nextn_predict_layers: int = 0  # MTP layers stored after the last decoder layer (DeepSeek-V3)
     # EAGLE / EAGLE-3 draft heads only
     draft_vocab_size: int | None = None  # EAGLE-3 lm_head rows (None: the full vocabulary)
@@ -119,12 +152,14 @@ class ModelConfig:
         return not self.tie_word_embeddings and self.draft_vocab_size is None
 
     @property
-    def kv_layout(self) -> tuple[int, int, bool]:
-        """(KV heads, head dim, separate V) of one layer's KV cache. MLA caches one latent "head" per token and
-        reads V from its first kv_lora_rank dims, so it stores no separate V."""
+    def kv_layout(self) -> tuple[int, int, int, bool]:
+        """(KV layers, KV heads, head dim, separate V) of the KV cache. MLA caches one latent "head" per token and
+        reads V from its first kv_lora_rank dims, so it stores no separate V; a hybrid model caches KV only for
+        its full-attention layers."""
         if self.mla is not None:
-            return 1, self.mla.latent_dim, False
-        return self.num_kv_heads, self.head_dim, True
+            return self.num_layers, 1, self.mla.latent_dim, False
+        layers = self.num_layers - len(self.hybrid.linear_layers) if self.hybrid else self.num_layers
+        return layers, self.num_kv_heads, self.head_dim, True
 
     @classmethod
     def from_hf(cls, hf: dict, *, source: str = "config.json") -> ModelConfig:
@@ -147,7 +182,7 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3NextForCausalLM"),
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=_int_tuple(hf.get("eos_token_id")),
@@ -155,6 +190,7 @@ class ModelConfig:
                 **_rope_fields(hf),
                 **_draft_fields(hf, arch),
                 **(_deepseek_fields(hf, arch) if arch in DEEPSEEK_FAMILY else {}),
+                **(_hybrid_fields(hf) if arch in HYBRID_FAMILY else {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise FastspecError(f"{source}: missing or malformed field {e}") from None
@@ -256,6 +292,32 @@ def _deepseek_fields(hf: dict, arch: str) -> dict:
                         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
                         first_k_dense_replace=int(hf.get("first_k_dense_replace", 0)))
     return {"mla": mla, "moe": moe, "num_nextn_predict_layers": int(hf.get("num_nextn_predict_layers") or 0)}
+
+
+def _hybrid_fields(hf: dict) -> dict:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise FastspecError(f"unsupported hidden_act {hf['hidden_act']!r} (supported: silu)")
+    n = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % int(hf.get("full_attention_interval", 4)) == 0
+                                      else "linear_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"linear_attention", "full_attention"}:
+        raise FastspecError(f"layer_types must name linear_attention / full_attention for each of {n} layers")
+    hybrid = HybridConfig(tuple(types), int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"]),
+                          int(hf["linear_key_head_dim"]), int(hf["linear_value_head_dim"]),
+                          int(hf["linear_conv_kernel_dim"]))
+    if hybrid.num_v_heads % hybrid.num_k_heads:
+        raise FastspecError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    experts = int(hf.get("num_experts") or 0)
+    moe = None if not experts else MoEConfig(
+        num_experts=experts, num_shared_experts=1, intermediate_size=int(hf["moe_intermediate_size"]),
+        top_k=int(hf["num_experts_per_tok"]), n_group=1, topk_group=1, scoring="softmax", topk_method="greedy",
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)), routed_scaling_factor=1.0, first_k_dense_replace=0,
+        shared_expert_gate=True, shared_intermediate_size=int(hf["shared_expert_intermediate_size"]),
+        sparse_step=int(hf.get("decoder_sparse_step", 1)), mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
+    params = dict(hf.get("rope_parameters") or {})
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
+    return {"hybrid": hybrid, "moe": moe, "partial_rotary_factor": factor, "norm_offset": True,
+            "attn_output_gate": True}
 
 
 def _draft_fields(hf: dict, arch: str) -> dict:

@@ -47,7 +47,7 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 def is_moe_layer(config: ModelConfig, layer_id: int) -> bool:
-    return config.moe is not None and layer_id >= config.moe.first_k_dense_replace
+    return config.moe is not None and config.moe.is_moe_layer(layer_id)
 
 
 class SharedHead(nn.Module):

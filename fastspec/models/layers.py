@@ -28,6 +28,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Qwen3-Next's RMSNorm: scales by (1 + weight), in float32, then casts (weight 0 is the identity)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm:
+    return (OffsetRMSNorm if config.norm_offset else RMSNorm)(dim or config.hidden_size, config.rms_norm_eps)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], float32, with Llama-3 or linear scaling applied."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
@@ -82,11 +94,17 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.inv_freq_cpu = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)  # the rest passes unrotated
+        self.inv_freq_cpu = rope_inv_freq(self.rotary_dim, config.rope_theta, config.rope_scaling)
         self.attention_factor = rope_attention_factor(config.rope_scaling)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
+        r = self.rotary_dim
+        if r < q.shape[-1]:
+            (q_rot, q_pass), (k_rot, k_pass) = q.split([r, q.shape[-1] - r], -1), k.split([r, k.shape[-1] - r], -1)
+            q_rot, k_rot = self.forward(positions, q_rot, k_rot)
+            return torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1)
         inv_freq = self.inv_freq_cpu.to(positions.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]

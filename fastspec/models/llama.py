@@ -1,5 +1,6 @@
-"""The target family: Llama (incl. Llama-3 rope scaling), Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral, and
-DeepSeek-V2 / V3 (their MLA / MoE decoder layers, fastspec.models.deepseek).
+"""The target family: Llama (incl. Llama-3 rope scaling), Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral,
+DeepSeek-V2 / V3 (their MLA / MoE decoder layers, fastspec.models.deepseek) and Qwen3-Next (gated delta net
+layers beside gated attention, fastspec.models.qwen3_next).
 
 One implementation configured by `ModelConfig` (the architectures differ in flags and in the decoder layer).
 `forward` returns hidden states (and, when asked at construction, the EAGLE-3 auxiliary residual-stream
@@ -15,7 +16,8 @@ from torch import nn
 
 from fastspec.models.config import ModelConfig
 from fastspec.models.deepseek import DeepseekDecoderLayer, is_moe_layer
-from fastspec.models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from fastspec.models.layers import DecoderLayer, RotaryEmbedding, make_norm
+from fastspec.models.qwen3_next import HybridDecoderLayer
 
 
 class TargetHidden(NamedTuple):
@@ -31,6 +33,8 @@ def eagle3_capture_layers(num_layers: int, aux_layer_ids: tuple[int, ...] | None
 
 
 def make_layer(config: ModelConfig, layer_id: int) -> nn.Module:
+    if config.hybrid is not None:
+        return HybridDecoderLayer(config, layer_id)
     if config.mla is not None:
         return DeepseekDecoderLayer(config, layer_id, is_moe_layer(config, layer_id))
     return DecoderLayer(config, layer_id)
@@ -41,7 +45,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -74,4 +78,5 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()  # [T, V] float32
 
 
-Qwen2ForCausalLM = Qwen3ForCausalLM = MistralForCausalLM = DeepseekV2ForCausalLM = DeepseekV3ForCausalLM = LlamaForCausalLM
+Qwen2ForCausalLM = Qwen3ForCausalLM = MistralForCausalLM = LlamaForCausalLM
+DeepseekV2ForCausalLM = DeepseekV3ForCausalLM = Qwen3NextForCausalLM = LlamaForCausalLM

@@ -87,7 +87,7 @@ def draft_kv_shape(draft) -> tuple[int, int, int, bool] | None:
     if draft is None:
         return None
     c = draft.config
-    return c.num_layers, *c.kv_layout
+    return c.kv_layout
 
 
 class NgramTreeDrafter:

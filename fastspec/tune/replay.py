@@ -56,8 +56,8 @@ def record(target, draft, hot_token_id, feature: str, prompt_ids: list[int], out
     max_steps, max_k = max(p.num_steps for p in params), max(p.topk for p in params)
     c = draft.config
     dtype = next(draft.parameters()).dtype
-    heads, dim, separate_v = c.kv_layout
-    pool = KVPool(c.num_layers, heads, dim, L + chunk * max_k * max_steps, 1, dtype, separate_v=separate_v)
+    layers, heads, dim, separate_v = c.kv_layout
+    pool = KVPool(layers, heads, dim, L + chunk * max_k * max_steps, 1, dtype, separate_v=separate_v)
     rows = _draft_prefix(draft, pool, seq, features)  # row p: (token p+1, feature p) in slot p + 1
     accept = {p: [] for p in params}
     for i in range(0, len(starts), chunk):

@@ -1,0 +1,65 @@
+"""Static pool of recurrent states for a hybrid target's linear-attention layers, beside the KV pool.
+
+A request's states live at its request->slot table row (preallocated for max_running_requests rows, never
+resized): the short-convolution window [conv_dim, kernel-1] and the delta-rule state [Hv, Dk, Dv] (float32) of
+every linear layer. A verify forward writes each draft node's states into the `track_*` buffers (row, node)
+instead, and the commit copies the accepted node's into the row, so a rejected branch leaves nothing behind.
+Knows nothing about models or attention; `RecurrentView` tells a forward which rows it reads and writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastspec.models.config import HybridConfig
+
+
+class StatePool:
+    def __init__(self, hybrid: HybridConfig, max_rows: int, max_nodes: int, dtype=torch.float32, device="cpu"):
+        """`max_nodes`: draft-tree nodes a verify tracks per request (0: no speculation, no track buffers)."""
+        L, h = len(hybrid.linear_layers), hybrid
+        conv = (h.conv_dim, h.conv_kernel - 1)
+        ssm = (h.num_v_heads, h.k_head_dim, h.v_head_dim)
+        self.conv = torch.zeros(L, max_rows, *conv, dtype=dtype, device=device)  # [L, rows, C, K-1]
+        self.ssm = torch.zeros(L, max_rows, *ssm, dtype=torch.float32, device=device)  # [L, rows, Hv, Dk, Dv]
+        self.track_conv = torch.zeros(L, max_rows, max_nodes, *conv, dtype=dtype, device=device)
+        self.track_ssm = torch.zeros(L, max_rows, max_nodes, *ssm, dtype=torch.float32, device=device)
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Zero the states of rows starting a sequence from its first token."""
+        self.conv[:, rows] = 0
+        self.ssm[:, rows] = 0
+
+    def keep_node(self, rows: torch.Tensor, nodes: torch.Tensor) -> None:
+        """Commit: each row's state becomes the one its verify tracked at `nodes` (the last accepted token)."""
+        # rows, nodes: [bs] int64
+        self.conv[:, rows] = self.track_conv[:, rows, nodes]
+        self.ssm[:, rows] = self.track_ssm[:, rows, nodes]
+
+    @staticmethod
+    def write(buffer: torch.Tensor, layer: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """buffer[layer, rows] = values, as an index_put_ on the pool tensor itself (an in-place write into a
+        view of a compiled graph's input would make Inductor rebuild the whole pool)."""
+        buffer.index_put_((torch.full_like(rows, layer), rows), values.to(buffer.dtype))
+
+    @staticmethod
+    def bytes_per_row(hybrid: HybridConfig, max_nodes: int, dtype: torch.dtype) -> int:
+        h = hybrid
+        conv = h.conv_dim * (h.conv_kernel - 1) * dtype.itemsize
+        ssm = h.num_v_heads * h.k_head_dim * h.v_head_dim * 4
+        return len(h.linear_layers) * (conv + ssm) * (1 + max_nodes)
+
+
+@dataclass(frozen=True)
+class RecurrentView:
+    """The recurrent states one forward uses: the pool, whose rows (one per request, in batch order), and how
+    the forward's tokens relate: consecutive segments of `lens` tokens (prefill chunks, plain decode: read each
+    row's state, advance it, write it back), or draft trees of `parents` (verify: per-node states into the
+    track buffers, the rows' states untouched)."""
+
+    pool: StatePool
+    rows: torch.Tensor  # int64 [bs]
+    lens: tuple[int, ...] | None = None  # tokens per request, host ints
+    parents: torch.Tensor | None = None  # int64 [bs, N]  parent node of node i, -1 for the root

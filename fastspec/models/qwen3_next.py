@@ -1,0 +1,160 @@
+"""Qwen3-Next blocks: gated delta net (linear attention) layers beside gated full-attention layers, MoE MLPs.
+
+The target is fastspec.models.llama's CausalLM with these layers (`make_layer` picks them by config). A
+full-attention layer is GQA with per-head q / k norm, partial rope and an output gate (q_proj yields [q | gate]
+per head; the attention output is scaled by sigmoid(gate)); its KV goes to the KV pool at its index among the
+full-attention layers. A linear layer mixes tokens with the gated delta rule (fastspec.models.gated_delta)
+after a short causal convolution; its states live in the state pool at the requests' rows (the forward's
+`attn.states` says which rows and how the tokens relate). Parameter names equal Hugging Face's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastspec.memory.state_pool import RecurrentView, StatePool
+from fastspec.models import gated_delta
+from fastspec.models.config import ModelConfig
+from fastspec.models.layers import MLP, make_norm
+from fastspec.models.moe import Experts, Router
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, kv_layer_id: int):
+        super().__init__()
+        c = config
+        self.layer_id, self.num_heads, self.num_kv_heads, self.head_dim = kv_layer_id, c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim ** -0.5
+        self.q_proj = nn.Linear(c.hidden_size, 2 * c.num_heads * c.head_dim, bias=c.attention_bias)  # [q | gate]
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm, self.k_norm = make_norm(c, c.head_dim), make_norm(c, c.head_dim)
+
+    def forward(self, positions, x, rope, attn) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).view(T, self.num_heads, 2 * D).split([D, D], -1)
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, D))
+        q, k = rope(positions, self.q_norm(q), k)
+        v = self.v_proj(x).view(T, self.num_kv_heads, D)
+        o = attn.attend(self.layer_id, q, k, v, self.scale)  # [T, H, D]
+        return self.o_proj((o * torch.sigmoid(gate)).reshape(T, -1))
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of the delta-rule output, then times silu(z)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * normed.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig, linear_id: int):
+        super().__init__()
+        h, H = config.hybrid, config.hidden_size
+        self.linear_id = linear_id
+        self.hk, self.hv, self.dk, self.dv = h.num_k_heads, h.num_v_heads, h.k_head_dim, h.v_head_dim
+        self.in_proj_qkvz = nn.Linear(H, 2 * self.hk * self.dk + 2 * self.hv * self.dv, bias=False)
+        self.in_proj_ba = nn.Linear(H, 2 * self.hv, bias=False)
+        self.conv1d = nn.Conv1d(h.conv_dim, h.conv_dim, h.conv_kernel, groups=h.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.hv * self.dv, H, bias=False)
+
+    def forward(self, x: torch.Tensor, states: RecurrentView) -> torch.Tensor:
+        T, r = x.shape[0], self.hv // self.hk
+        # per key head: [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)]
+        q, k, v, z = self.in_proj_qkvz(x).view(T, self.hk, -1).split([self.dk, self.dk, r * self.dv, r * self.dv], -1)
+        b, a = self.in_proj_ba(x).view(T, self.hk, 2 * r).split([r, r], -1)
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1)  # [T, conv_dim]
+        beta = b.reshape(T, self.hv).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(T, self.hv).float() + self.dt_bias.float())
+        mix = self._mix_tree if states.parents is not None else self._mix_segments
+        o = mix(mixed, g, beta, states)  # [T, Hv, Dv] float32
+        o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
+        return self.out_proj(o.reshape(T, -1))
+
+    def _heads(self, mixed: torch.Tensor):
+        """[..., conv_dim] after the conv -> q, k [..., Hv, Dk] (l2-normalised, q scaled), v [..., Hv, Dv]."""
+        lead, r = mixed.shape[:-1], self.hv // self.hk
+        q, k, v = mixed.float().split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], -1)
+        q, k = (t.view(*lead, self.hk, self.dk).repeat_interleave(r, -2) for t in (q, k))
+        q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+        return q * self.dk ** -0.5, k, v.view(*lead, self.hv, self.dv)
+
+    def _mix_segments(self, mixed, g, beta, states: RecurrentView) -> torch.Tensor:
+        """Consecutive per-request segments: each row's state advances by its tokens and is written back."""
+        lens, pool, lid, weight = states.lens, states.pool, self.linear_id, self.conv1d.weight[:, 0]
+        uniform = len(set(lens)) == 1
+        groups = [(states.rows, 0, lens[0], len(lens))] if uniform else [
+            (states.rows[b:b + 1], sum(lens[:b]), n, 1) for b, n in enumerate(lens) if n]
+        out = []
+        for rows, start, n, bs in groups:
+            seg = slice(start, start + n * bs)
+            y, window = gated_delta.conv(mixed[seg].view(bs, n, mixed.shape[-1]), weight, pool.conv[lid, rows])
+            q, k, v = self._heads(y)
+            run = gated_delta.recurrent if n <= 8 else gated_delta.chunked
+            o, ssm = run(q, k, v, g[seg].view(bs, n, self.hv), beta[seg].view(bs, n, self.hv), pool.ssm[lid, rows])
+            StatePool.write(pool.conv, lid, rows, window)
+            StatePool.write(pool.ssm, lid, rows, ssm)
+            out.append(o.reshape(bs * n, self.hv, self.dv))
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _mix_tree(self, mixed, g, beta, states: RecurrentView) -> torch.Tensor:
+        """Verify: N tree nodes per request, each from its parent's state; every node's state is tracked."""
+        pool, lid, rows, parents = states.pool, self.linear_id, states.rows, states.parents
+        bs, n = parents.shape
+        y, windows = gated_delta.conv_tree(mixed.view(bs, n, -1), self.conv1d.weight[:, 0], pool.conv[lid, rows],
+                                           parents)
+        q, k, v = self._heads(y)
+        o, ssm = gated_delta.tree(q, k, v, g.view(bs, n, -1), beta.view(bs, n, -1), pool.ssm[lid, rows], parents)
+        StatePool.write(pool.track_conv, lid, rows, windows)
+        StatePool.write(pool.track_ssm, lid, rows, ssm)
+        return o.reshape(bs * n, self.hv, self.dv)
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts (softmax top-k) plus one shared expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        m, H = config.moe, config.hidden_size
+        self.gate = Router(H, m)
+        self.experts = Experts(m.num_experts, H, m.intermediate_size)
+        self.shared_expert = MLP(H, m.shared_intermediate_size)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, index = self.gate(x)
+        return self.experts(x, weights, index) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        types = config.hybrid.layer_types
+        self.linear = types[layer_id] == "linear_attention"
+        index = sum(t == types[layer_id] for t in types[:layer_id])  # among layers of its kind
+        self.input_layernorm = make_norm(config)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config, index)
+        else:
+            self.self_attn = GatedAttention(config, index)
+        self.post_attention_layernorm = make_norm(config)
+        moe = config.moe is not None and config.moe.is_moe_layer(layer_id)
+        self.mlp = SparseMoeBlock(config) if moe else MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, positions, x, rope, attn) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, attn.states) if self.linear else self.self_attn(positions, h, rope, attn)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
