@@ -23,6 +23,7 @@ from fastspec.errors import FastspecError
 from fastspec.graphs import StaticInput, size_varies
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
 from fastspec.memory.radix import RadixTree
+from fastspec.memory.state_pool import StatePool
 from fastspec.metrics import PhaseTimes
 from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
 from fastspec.models.mla import mla_softmax_scale
@@ -73,10 +74,11 @@ class Worker:
         self.drafters = build_drafter(self.spec, self._draft_model, self.draft_pool, self.table, self.allocator,
                                       self.feature_width(), plan, self.times)
         self.drafter = next(iter(self.drafters.values()), None)  # any of them extends and releases
+        hybrid = self.states is not None
         self.verify_graphs = {p.num_draft_tokens: StepGraphs(
             "verify" if len(self.drafters) < 2 else f"verify N={p.num_draft_tokens}",
-            partial(target_verify, self.model, self.pool, self.feature), partial(verify_specs, p.num_draft_tokens),
-            plan, self.times, "verify") for p in self.drafters}
+            partial(target_verify, self.model, self.pool, self.feature, states=self.states),
+            partial(verify_specs, p.num_draft_tokens, hybrid), plan, self.times, "verify") for p in self.drafters}
 
     def use_schedule(self, schedule, on_prepare=None) -> None:
         """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way).
@@ -107,6 +109,13 @@ class Worker:
                 for kv in (t for t in (pool.k, pool.v) if t is not None):
                     size_varies(kv, 1)
         self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
+        self.states = None  # a hybrid target's recurrent states, per request row
+        if c.hybrid is not None:
+            if cfg.radix_cache:
+                raise FastspecError(f"--radix-cache: {c.architecture} keeps recurrent states, which the prefix "
+                                    "cache cannot restore yet")
+            nodes = self.spec.num_draft_tokens if self.spec.enabled else 0
+            self.states = StatePool(c.hybrid, cfg.max_running_requests, nodes, cfg.torch_dtype, cfg.device)
         self.tree = RadixTree(cfg.page_size, cfg.device) if cfg.radix_cache else None  # the prefix cache
         self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead of a prefill
         margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
@@ -190,7 +199,9 @@ class Worker:
         complete = [r.seq_len + n == len(r.prefill_ids) for r, n in zip(reqs, lens)]
         ids = torch.tensor([t for c in chunks for t in c], device=self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, lens)
-        hidden = self._forward(ids, positions, extend_metadata(self.table.table, rows, prefix, ext))
+        if self.states is not None:  # a sequence's first chunk starts from zero states
+            self.states.reset(rows[prefix == 0])
+        hidden = self._forward(ids, positions, extend_metadata(self.table.table, rows, prefix, ext), rows, lens)
         last = torch.cumsum(ext, 0) - 1
         finals = [b for b, c in enumerate(complete) if c and not reqs[b].produced]  # recomputes know their token
         first = self._sample([reqs[b] for b in finals], self.model.compute_logits(hidden.final[last[finals]]))
@@ -224,7 +235,8 @@ class Worker:
         stays exact and the next round may speculate again."""
         ids = torch.tensor([r.produced[-1] for r in reqs], device=self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, [1] * len(reqs))
-        hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1))
+        hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1), rows,
+                               [1] * len(reqs))
         tokens = self._sample(reqs, self.model.compute_logits(hidden.final))
         if self.drafter is not None and self.drafter.uses_extend:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
@@ -259,6 +271,8 @@ class Worker:
         graphs = self.verify_graphs[n]
         width = kv_width(max(batch.seq_lens_cpu), graphs.bucketed)
         x = pack_verify(batch, tree, self.table.table, width)
+        if self.states is not None:
+            x["state_rows"] = self.states.state_rows(batch.rows)
         return x["new_slots"], graphs(batch.size, x, width)
 
     def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
@@ -286,6 +300,9 @@ class Worker:
         if plan.move_src.numel():
             self.pool.move(plan.move_dst, plan.move_src)
         self.table.write(batch.rows, batch.seq_lens, plan.keep_lens, plan.table_slots)
+        if self.states is not None:  # the state after the last kept node (the bonus token is the next root)
+            self.states.keep_node(batch.rows, torch.tensor([nodes[-1] for nodes in kept_nodes],
+                                                           device=batch.rows.device))
         for r, run in zip(reqs, runs):
             r.seq_len += len(run)
         old = batch.seq_lens
@@ -379,8 +396,9 @@ class Worker:
             raise FastspecError("KV pool exhausted")  # unreachable: a round's headroom is checked before it runs
         self.table.write(rows, prefix, seq_lens - prefix, slots)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta):
-        return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool))
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta, rows: torch.Tensor, lens: list[int]):
+        states = None if self.states is None else self.states.view(rows, lens=tuple(lens))
+        return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool, states))
 
     def _features(self, hidden) -> torch.Tensor:
         return hidden.aux if self.feature == "aux" else hidden.final
@@ -390,9 +408,10 @@ class Worker:
         return sample(logits, sampling, [r.generator for r in reqs]).tolist()
 
 
-def verify_specs(n: int, width: int) -> list[StaticInput]:
+def verify_specs(n: int, hybrid: bool, width: int) -> list[StaticInput]:
     """The verify graph's static inputs for trees of n tokens over a committed-KV width (a module function: a
-    bound method here would make a reference cycle that keeps a dropped engine's weights alive until gc runs)."""
+    bound method here would make a reference cycle that keeps a dropped engine's weights alive until gc runs).
+    A hybrid target's verify also takes each request's state row (padded rows: the dummy row 0)."""
     return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
             StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
-            *prefix_specs(width)]
+            *prefix_specs(width), *([StaticInput("state_rows", (), torch.int64)] if hybrid else [])]

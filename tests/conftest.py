@@ -18,7 +18,7 @@ import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.kernels.cpu_linear import trim_host_heap
-from fastspec.memory.state_pool import RecurrentView, StatePool
+from fastspec.memory.state_pool import StatePool
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
 from fastspec.models.embedded import cache_root
 from fastspec.models.heads import write_random_head
@@ -105,7 +105,7 @@ class PoolRunner:
         states = None
         if self.states is not None:  # a hybrid model: its linear layers read and advance the rows' states
             self.states.reset(rows[prefix == 0])
-            states = RecurrentView(self.states, rows, lens=tuple(len(c) for c in chunks))
+            states = self.states.view(rows, lens=tuple(len(c) for c in chunks))
         with torch.inference_mode():
             return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool, states))
 

@@ -1,8 +1,9 @@
 """Static pool of recurrent states for a hybrid target's linear-attention layers, beside the KV pool.
 
-A request's states live at its request->slot table row (preallocated for max_running_requests rows, never
-resized): the short-convolution window [conv_dim, kernel-1] and the delta-rule state [Hv, Dk, Dv] (float32) of
-every linear layer. A verify forward writes each draft node's states into the `track_*` buffers (row, node)
+A request's states live at state row = its request->slot table row + 1 (preallocated for max_running_requests
+rows, never resized; state row 0 is the dummy that padded graph rows read and write, as KV slot 0 is): the
+short-convolution window [conv_dim, kernel-1] and the delta-rule state [Hv, Dk, Dv] (float32) of every linear
+layer. A verify forward writes each draft node's states into the `track_*` buffers (row, node)
 instead, and the commit copies the accepted node's into the row, so a rejected branch leaves nothing behind.
 Knows nothing about models or attention; `RecurrentView` tells a forward which rows it reads and writes.
 """
@@ -19,22 +20,32 @@ from fastspec.models.config import HybridConfig
 class StatePool:
     def __init__(self, hybrid: HybridConfig, max_rows: int, max_nodes: int, dtype=torch.float32, device="cpu"):
         """`max_nodes`: draft-tree nodes a verify tracks per request (0: no speculation, no track buffers)."""
-        L, h = len(hybrid.linear_layers), hybrid
+        L, h, rows = len(hybrid.linear_layers), hybrid, max_rows + 1
         conv = (h.conv_dim, h.conv_kernel - 1)
         ssm = (h.num_v_heads, h.k_head_dim, h.v_head_dim)
-        self.conv = torch.zeros(L, max_rows, *conv, dtype=dtype, device=device)  # [L, rows, C, K-1]
-        self.ssm = torch.zeros(L, max_rows, *ssm, dtype=torch.float32, device=device)  # [L, rows, Hv, Dk, Dv]
-        self.track_conv = torch.zeros(L, max_rows, max_nodes, *conv, dtype=dtype, device=device)
-        self.track_ssm = torch.zeros(L, max_rows, max_nodes, *ssm, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(L, rows, *conv, dtype=dtype, device=device)  # [L, rows, C, K-1]
+        self.ssm = torch.zeros(L, rows, *ssm, dtype=torch.float32, device=device)  # [L, rows, Hv, Dk, Dv]
+        self.track_conv = torch.zeros(L, rows, max_nodes, *conv, dtype=dtype, device=device)
+        self.track_ssm = torch.zeros(L, rows, max_nodes, *ssm, dtype=torch.float32, device=device)
 
-    def reset(self, rows: torch.Tensor) -> None:
-        """Zero the states of rows starting a sequence from its first token."""
+    @staticmethod
+    def state_rows(table_rows: torch.Tensor) -> torch.Tensor:
+        return table_rows + 1  # row 0 is the dummy
+
+    def view(self, table_rows: torch.Tensor, lens: tuple[int, ...] | None = None,
+             parents: torch.Tensor | None = None) -> RecurrentView:
+        return RecurrentView(self, self.state_rows(table_rows), lens, parents)
+
+    def reset(self, table_rows: torch.Tensor) -> None:
+        """Zero the states of requests starting a sequence from its first token."""
+        rows = self.state_rows(table_rows)
         self.conv[:, rows] = 0
         self.ssm[:, rows] = 0
 
-    def keep_node(self, rows: torch.Tensor, nodes: torch.Tensor) -> None:
-        """Commit: each row's state becomes the one its verify tracked at `nodes` (the last accepted token)."""
-        # rows, nodes: [bs] int64
+    def keep_node(self, table_rows: torch.Tensor, nodes: torch.Tensor) -> None:
+        """Commit: each request's state becomes the one its verify tracked at `nodes` (the last accepted token)."""
+        # table_rows, nodes: [bs] int64
+        rows = self.state_rows(table_rows)
         self.conv[:, rows] = self.track_conv[:, rows, nodes]
         self.ssm[:, rows] = self.track_ssm[:, rows, nodes]
 
@@ -43,13 +54,6 @@ class StatePool:
         """buffer[layer, rows] = values, as an index_put_ on the pool tensor itself (an in-place write into a
         view of a compiled graph's input would make Inductor rebuild the whole pool)."""
         buffer.index_put_((torch.full_like(rows, layer), rows), values.to(buffer.dtype))
-
-    @staticmethod
-    def bytes_per_row(hybrid: HybridConfig, max_nodes: int, dtype: torch.dtype) -> int:
-        h = hybrid
-        conv = h.conv_dim * (h.conv_kernel - 1) * dtype.itemsize
-        ssm = h.num_v_heads * h.k_head_dim * h.v_head_dim * 4
-        return len(h.linear_layers) * (conv + ssm) * (1 + max_nodes)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,6 @@ class RecurrentView:
     track buffers, the rows' states untouched)."""
 
     pool: StatePool
-    rows: torch.Tensor  # int64 [bs]
+    rows: torch.Tensor  # int64 [bs]  state rows (table rows + 1; 0 = the dummy)
     lens: tuple[int, ...] | None = None  # tokens per request, host ints
     parents: torch.Tensor | None = None  # int64 [bs, N]  parent node of node i, -1 for the root

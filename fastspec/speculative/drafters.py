@@ -61,6 +61,9 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
         if draft_config.is_draft:
             raise FastspecError(f"{draft_dir}: STANDALONE needs a full model, not the draft head "
                                 f"{draft_config.architecture} (use EAGLE / EAGLE3)")
+        if draft_config.hybrid is not None:
+            raise FastspecError(f"{draft_dir}: STANDALONE with a {draft_config.architecture} draft: drafting does not "
+                                "track recurrent states yet (a hybrid target drafted by an attention model works)")
         if draft_config.vocab_size != target.config.vocab_size:
             raise FastspecError(f"{draft_dir}: draft vocabulary {draft_config.vocab_size} != target vocabulary "
                                 f"{target.config.vocab_size}")

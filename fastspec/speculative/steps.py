@@ -14,6 +14,8 @@ import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend
 from fastspec.attention.torch_backend import block_plan
+from fastspec.memory.state_pool import RecurrentView
+from fastspec.models.gated_delta import tree_parents
 from fastspec.kernels import fast_topk
 from fastspec.speculative.tree import organize_draft_results, select_top_k
 
@@ -86,13 +88,16 @@ def draft_candidates(model, hot_token_id, pool, topk: int, num_steps: int, x: di
     return score_list, token_list, parents_list
 
 
-def target_verify(model, pool, feature: str, x: dict) -> dict:
+def target_verify(model, pool, feature: str, x: dict, states=None) -> dict:
     """Target forward over the N tree tokens of every request under the tree mask.
 
     x: input_ids, positions [bs*N]; new_slots [bs, N]; tree_mask bool [bs, N, N] (ancestors + self);
-       prefix_slots [bs, Kp], prefix_valid [bs, Kp]. Returns logits [bs*N, V] f32 and features [bs*N, F].
+       prefix_slots [bs, Kp], prefix_valid [bs, Kp]; with a hybrid target's `states` (a StatePool) also
+       state_rows [bs], whose states every node starts from along its tree path (each node's state is tracked).
+    Returns logits [bs*N, V] f32 and features [bs*N, F].
     """
     plan = block_plan(x["prefix_slots"], x["prefix_valid"], x["new_slots"], x["tree_mask"])
-    hidden = model(x["input_ids"], x["positions"], AttentionContext(_BACKEND, plan, pool))
+    view = None if states is None else RecurrentView(states, x["state_rows"], parents=tree_parents(x["tree_mask"]))
+    hidden = model(x["input_ids"], x["positions"], AttentionContext(_BACKEND, plan, pool, view))
     features = hidden.aux if feature == "aux" else hidden.final
     return {"logits": model.compute_logits(hidden.final), "features": features}
