@@ -1,0 +1,226 @@
+"""Hybrid targets (Qwen3-Next: gated delta net layers beside gated attention) and speculative decoding over them.
+
+transformers is the oracle for the math (logit parity in prefill and paged decode is in test_models.py, which
+runs every family); here: the delta-rule kernels against transformers' torch paths and against each other,
+per-node tree states against sequential paths, greedy output against transformers' argmax, and the lossless
+invariant through the engine. Random drafts are rarely accepted, so an oracle drafter (NGRAM's slot, proposing
+the known greedy continuation plus wrong branches) drives multi-token commits and rejected branches, while a
+check after every step compares each request's recurrent state with a fresh prefill of its committed tokens.
+"""
+
+import pytest
+import torch
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
+
+import fastspec
+from conftest import PoolRunner, make_hf_model
+from fastspec.errors import FastspecError
+from fastspec.models import gated_delta as gd
+from fastspec.models.heads import write_random_head
+from fastspec.sampling import SamplingParams
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50], [3], [28, 84, 19, 71],
+           [69, 39, 93, 75, 10, 58, 20, 96, 44, 59, 23, 7, 81, 64, 6], [28, 62], [8, 89, 9], [86, 32]]
+NEW = 20
+GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+
+
+def random_inputs(B=2, T=37, H=4, Dk=8, Dv=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, T, H, Dk, generator=gen), torch.randn(B, T, H, Dk, generator=gen)
+    v = torch.randn(B, T, H, Dv, generator=gen)
+    g, beta = -torch.rand(B, T, H, generator=gen), torch.rand(B, T, H, generator=gen)
+    return q, k, v, g, beta, torch.randn(B, H, Dk, Dv, generator=gen)
+
+
+def test_delta_rule_kernels_match_transformers_and_each_other():
+    q, k, v, g, beta, state = random_inputs()
+    expected, expected_state = hf_qwen3_next.torch_recurrent_gated_delta_rule(
+        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    qn, kn = hf_qwen3_next.l2norm(q), hf_qwen3_next.l2norm(k)
+    qn = qn * q.shape[-1] ** -0.5
+    chain = torch.arange(q.shape[1]).expand(q.shape[0], -1) - 1
+    for name, (o, s) in {"recurrent": gd.recurrent(qn, kn, v, g, beta, state),
+                         "chunked": gd.chunked(qn, kn, v, g, beta, state, chunk=16),
+                         "tree": gd.tree(qn, kn, v, g, beta, state, chain)}.items():
+        s = s[:, -1] if name == "tree" else s  # the tree keeps every node's state: the chain's last is the final
+        torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(s, expected_state, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_conv_matches_transformers_and_its_tree_twin():
+    gen = torch.Generator().manual_seed(1)
+    x, weight = torch.randn(2, 9, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    y, window = gd.conv(x, weight, torch.zeros(2, 6, 3))
+    expected = hf_qwen3_next.causal_conv1d_fn(x.transpose(1, 2), weight, None, activation="silu").transpose(1, 2)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(window, x[:, -3:].transpose(1, 2))
+    head, tail = gd.conv(x[:, :5], weight, torch.zeros(2, 6, 3))  # a sequence in two chunks, the window between
+    y_tree, windows = gd.conv_tree(x[:, 5:], weight, tail, torch.arange(4).expand(2, -1) - 1)
+    torch.testing.assert_close(torch.cat([head, y_tree], 1), y)
+    torch.testing.assert_close(windows[:, -1], window)
+
+
+def test_tree_node_states_equal_their_paths():
+    """Every node's output and state equal a sequential run over the root ... node path; parents from a mask."""
+    parents = torch.tensor([[-1, 0, 0, 1, 2, 1, 4]])
+    mask = torch.eye(7, dtype=torch.bool)[None].clone()
+    for i in range(7):
+        j = int(parents[0, i])
+        while j >= 0:
+            mask[0, i, j], j = True, int(parents[0, j])
+    assert torch.equal(gd.tree_parents(mask), parents)
+    q, k, v, g, beta, state = random_inputs(B=1, T=7)
+    o, states = gd.tree(q, k, v, g, beta, state, parents)
+    for i in range(7):
+        path = mask[0, i].nonzero().flatten()  # ancestors in node order, then i
+        o_path, s_path = gd.recurrent(q[:, path], k[:, path], v[:, path], g[:, path], beta[:, path], state)
+        torch.testing.assert_close(o[:, i], o_path[:, -1])
+        torch.testing.assert_close(states[:, i], s_path)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3-next")
+    hf = make_hf_model("qwen3_next")
+    hf.save_pretrained(root / "target")
+    write_random_head(root / "eagle", hf.config.hidden_size, hf.config.vocab_size, "eagle")
+    write_random_head(root / "eagle3", hf.config.hidden_size, hf.config.vocab_size, "eagle3")
+    make_hf_model("llama", seed=5, num_hidden_layers=1).save_pretrained(root / "llama-draft")
+    return root, hf
+
+
+_reference = {}
+
+
+def reference(root, bs):
+    if bs not in _reference:
+        llm = fastspec.LLM(str(root / "target"), max_total_tokens=4096)
+        _reference[bs] = [o.output_ids for o in llm.engine.generate(PROMPTS[:bs], [GREEDY] * bs)]
+    return _reference[bs]
+
+
+def test_greedy_output_is_transformers_argmax(hybrid):
+    root, hf = hybrid
+    for prompt, output in zip(PROMPTS[:4], reference(root, 4)):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
+        top2 = logits.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3
+        assert logits.argmax(-1)[clear].tolist() == torch.tensor(output)[clear].tolist()
+        assert int(clear.sum()) >= NEW - 2
+
+
+def oracle_drafter(engine, prompts, outputs, vocab):
+    """Make the NGRAM drafter propose, per request, the next 4 tokens of the known greedy output as a chain, plus
+    3 wrong nodes (a wrong sibling of the first, a wrong child of the second, a wrong child of that sibling)."""
+    full = [p + o for p, o in zip(prompts, outputs)]
+
+    def propose(rids, contexts):
+        tokens, parents = [], []
+        for context in contexts:
+            seq = next(f for f in full if f[:len(context)] == context)
+            nxt = (seq[len(context):] + [0] * 4)[:4]
+            tokens.append([nxt[0], (nxt[0] + 1) % vocab, nxt[1], (nxt[2] + 1) % vocab, nxt[2], nxt[3], 5])
+            parents.append([0, 0, 1, 3, 3, 5, 2])
+        return torch.tensor(tokens), torch.tensor(parents)
+
+    engine.drafter.ngram.propose = propose
+
+
+def check_states_after_every_step(llm, model):
+    """Wrap the worker's step: afterwards every running request's recurrent state equals a fresh prefill of its
+    committed tokens (nothing a rejected branch computed survives; the accepted path's state is kept)."""
+    worker = llm.engine.worker
+    step = worker.step
+    checked = []
+
+    def checked_step(reqs, prefill):
+        result = step(reqs, prefill)
+        for r in reqs:
+            if r.row < 0 or r.seq_len == 0 or r.done:
+                continue
+            fresh = PoolRunner(model, max_requests=1)
+            fresh.extend([0], [r.history[:r.seq_len]])
+            row = worker.states.state_rows(torch.tensor([r.row]))
+            torch.testing.assert_close(worker.states.ssm[:, row], fresh.states.ssm[:, 1:2], atol=1e-4, rtol=1e-3)
+            torch.testing.assert_close(worker.states.conv[:, row], fresh.states.conv[:, 1:2], atol=1e-5, rtol=1e-4)
+            checked.append(r.seq_len)
+        return result
+
+    worker.step = checked_step
+    return checked
+
+
+@pytest.mark.parametrize("page_size, bs", [(1, 8), (16, 5)])
+def test_oracle_drafts_commit_multi_token_runs_and_drop_wrong_branches(hybrid, page_size, bs):
+    root, hf = hybrid
+    expected = reference(root, bs)
+    llm = fastspec.LLM(str(root / "target"), speculative_algorithm="NGRAM", num_draft_tokens=8, page_size=page_size,
+                       max_total_tokens=4096)
+    oracle_drafter(llm.engine, PROMPTS[:bs], expected, hf.config.vocab_size)
+    checked = check_states_after_every_step(llm, llm.engine.model)
+    outputs = llm.engine.generate(PROMPTS[:bs], [GREEDY] * bs)
+    assert [o.output_ids for o in outputs] == expected
+    assert all(o.metrics.depth_counts and len(o.metrics.depth_counts) >= 4 for o in outputs)  # 4-token runs
+    assert len(checked) > bs
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    llm.engine.check_kv()
+
+
+# (algorithm, draft, num_steps, topk, num_draft_tokens, page_size, batch size, chunked prefill size)
+CASES = [
+    ("NGRAM", None, None, None, 8, 1, 8, 2048),
+    ("EAGLE", "eagle", 3, 2, 6, 16, 6, 2048),
+    ("EAGLE", "eagle", 4, 1, 5, 1, 3, 5),
+    ("EAGLE3", "eagle3", 3, 4, 8, 1, 8, 2048),
+    ("STANDALONE", "llama-draft", 2, 2, 4, 16, 4, 7),
+]
+
+
+@pytest.mark.parametrize("algorithm, draft, steps, topk, n, page_size, bs, chunk", CASES)
+def test_greedy_speculative_equals_target_only(hybrid, algorithm, draft, steps, topk, n, page_size, bs, chunk):
+    root, _ = hybrid
+    llm = fastspec.LLM(str(root / "target"), speculative_algorithm=algorithm,
+                       draft_model=str(root / draft) if draft else None, num_steps=steps, topk=topk,
+                       num_draft_tokens=n, page_size=page_size, max_total_tokens=4096, chunked_prefill_size=chunk)
+    outputs = llm.engine.generate(PROMPTS[:bs], [GREEDY] * bs)
+    assert [o.output_ids for o in outputs] == reference(root, bs)
+    assert sum(o.metrics.verify_rounds for o in outputs) > 0
+    llm.engine.check_kv()
+
+
+def test_preemption_and_chunked_prefill_recompute_states(hybrid):
+    """A pool too small for every request: preempted requests prefill again (in chunks) from zero states."""
+    root, hf = hybrid
+    expected = reference(root, 8)
+    llm = fastspec.LLM(str(root / "target"), speculative_algorithm="NGRAM", num_draft_tokens=8, max_total_tokens=96,
+                       chunked_prefill_size=6)
+    oracle_drafter(llm.engine, PROMPTS, expected, hf.config.vocab_size)
+    outputs = llm.engine.generate(PROMPTS, [GREEDY] * 8)
+    assert [o.output_ids for o in outputs] == expected
+    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+
+
+def test_compiled_verify_equals_eager(hybrid):
+    """Verify with per-node state tracking compiles with fullgraph (padded rows use the dummy state row)."""
+    root, hf = hybrid
+    expected = reference(root, 3)
+    llm = fastspec.LLM(str(root / "target"), speculative_algorithm="NGRAM", num_draft_tokens=8,
+                       max_total_tokens=2048, graphs="compile", cuda_graph_bs=(4,))
+    oracle_drafter(llm.engine, PROMPTS[:3], expected, hf.config.vocab_size)
+    outputs = llm.engine.generate(PROMPTS[:3], [GREEDY] * 3)
+    assert [o.output_ids for o in outputs] == expected
+    assert all(len(o.metrics.depth_counts) >= 4 for o in outputs)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(radix_cache=True), "--radix-cache: Qwen3NextForCausalLM keeps recurrent states"),
+    (dict(speculative_algorithm="STANDALONE", draft_model="SELF", num_steps=2, topk=1, num_draft_tokens=3),
+     "STANDALONE with a Qwen3NextForCausalLM draft"),
+])
+def test_unsupported_options_are_one_line_errors(hybrid, options, message):
+    root, _ = hybrid
+    options = {k: str(root / "target") if v == "SELF" else v for k, v in options.items()}
+    with pytest.raises(FastspecError, match=message):
+        fastspec.LLM(str(root / "target"), max_total_tokens=512, **options)
