@@ -16,6 +16,7 @@ import fastspec
 from conftest import PoolRunner, make_hf_model
 from fastspec.errors import FastspecError
 from fastspec.models import gated_delta as gd
+from fastspec.models import recurrent
 from fastspec.models.heads import write_random_head
 from fastspec.sampling import SamplingParams
 
@@ -51,12 +52,12 @@ def test_delta_rule_kernels_match_transformers_and_each_other():
 def test_conv_matches_transformers_and_its_tree_twin():
     gen = torch.Generator().manual_seed(1)
     x, weight = torch.randn(2, 9, 6, generator=gen), torch.randn(6, 4, generator=gen)
-    y, window = gd.conv(x, weight, torch.zeros(2, 6, 3))
+    y, window = recurrent.conv(x, weight, None, torch.zeros(2, 6, 3))
     expected = hf_qwen3_next.causal_conv1d_fn(x.transpose(1, 2), weight, None, activation="silu").transpose(1, 2)
     torch.testing.assert_close(y, expected)
     torch.testing.assert_close(window, x[:, -3:].transpose(1, 2))
-    head, tail = gd.conv(x[:, :5], weight, torch.zeros(2, 6, 3))  # a sequence in two chunks, the window between
-    y_tree, windows = gd.conv_tree(x[:, 5:], weight, tail, torch.arange(4).expand(2, -1) - 1)
+    head, tail = recurrent.conv(x[:, :5], weight, None, torch.zeros(2, 6, 3))  # two chunks, the window between
+    y_tree, windows = recurrent.conv_tree(x[:, 5:], weight, None, tail, torch.arange(4).expand(2, -1) - 1)
     torch.testing.assert_close(torch.cat([head, y_tree], 1), y)
     torch.testing.assert_close(windows[:, -1], window)
 
@@ -69,7 +70,7 @@ def test_tree_node_states_equal_their_paths():
         j = int(parents[0, i])
         while j >= 0:
             mask[0, i, j], j = True, int(parents[0, j])
-    assert torch.equal(gd.tree_parents(mask), parents)
+    assert torch.equal(recurrent.tree_parents(mask), parents)
     q, k, v, g, beta, state = random_inputs(B=1, T=7)
     o, states = gd.tree(q, k, v, g, beta, state, parents)
     for i in range(7):

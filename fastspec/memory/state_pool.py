@@ -2,8 +2,8 @@
 
 A request's states live at state row = its request->slot table row + 1 (preallocated for max_running_requests
 rows, never resized; state row 0 is the dummy that padded graph rows read and write, as KV slot 0 is): the
-short-convolution window [conv_dim, kernel-1] and the delta-rule state [Hv, Dk, Dv] (float32) of every linear
-layer. A verify forward writes each draft node's states into the `track_*` buffers (row, node)
+short-convolution window [conv_dim, kernel-1] and the recurrent state (float32; a delta-rule [Hv, Dk, Dv] or a
+Mamba2 [heads, head_dim, d_state]) of every recurrent layer. A verify forward writes each draft node's states into the `track_*` buffers (row, node)
 instead, and the commit copies the accepted node's into the row, so a rejected branch leaves nothing behind.
 Knows nothing about models or attention; `RecurrentView` tells a forward which rows it reads and writes.
 """
@@ -21,10 +21,9 @@ class StatePool:
     def __init__(self, hybrid: HybridConfig, max_rows: int, max_nodes: int, dtype=torch.float32, device="cpu"):
         """`max_nodes`: draft-tree nodes a verify tracks per request (0: no speculation, no track buffers)."""
         L, h, rows = len(hybrid.linear_layers), hybrid, max_rows + 1
-        conv = (h.conv_dim, h.conv_kernel - 1)
-        ssm = (h.num_v_heads, h.k_head_dim, h.v_head_dim)
+        conv, ssm = (h.conv_dim, h.conv_kernel - 1), h.state_shape
         self.conv = torch.zeros(L, rows, *conv, dtype=dtype, device=device)  # [L, rows, C, K-1]
-        self.ssm = torch.zeros(L, rows, *ssm, dtype=torch.float32, device=device)  # [L, rows, Hv, Dk, Dv]
+        self.ssm = torch.zeros(L, rows, *ssm, dtype=torch.float32, device=device)  # [L, rows, *state_shape]
         self.track_conv = torch.zeros(L, rows, max_nodes, *conv, dtype=dtype, device=device)
         self.track_ssm = torch.zeros(L, rows, max_nodes, *ssm, dtype=torch.float32, device=device)
 

@@ -85,22 +85,37 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """Linear-attention (gated delta net) layers beside full attention (Qwen3-Next)."""
+    """Recurrent layers beside full attention: gated delta nets (Qwen3-Next: heads of k / v) or Mamba2 mixers
+    (Bamba: heads of head_dim channels, a d_state-wide state, B / C shared by groups of heads)."""
 
-    layer_types: tuple[str, ...]  # per layer: "linear_attention" | "full_attention"
-    num_k_heads: int
-    num_v_heads: int
-    k_head_dim: int
-    v_head_dim: int
+    layer_types: tuple[str, ...]  # per layer: "linear_attention" (recurrent) | "full_attention"
+    mixer: str  # "gated_delta" | "mamba2"
+    num_k_heads: int  # gated delta: q / k heads; mamba2: B / C groups
+    num_v_heads: int  # gated delta: v heads; mamba2: heads
+    k_head_dim: int  # gated delta: q / k head dim; mamba2: d_state
+    v_head_dim: int  # gated delta: v head dim; mamba2: head dim
     conv_kernel: int
+    conv_bias: bool = False
+    proj_bias: bool = False  # mamba2 in_proj / out_proj
+    dt_limit: tuple[float, float] = (0.0, float("inf"))  # mamba2: clamp of the softplus time step
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
 
     @property
-    def conv_dim(self) -> int:  # channels of the short convolution: q, k and v
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k, v (gated delta); x, B, C (mamba2)."""
+        if self.mixer == "mamba2":
+            return self.num_v_heads * self.v_head_dim + 2 * self.num_k_heads * self.k_head_dim
         return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        """One layer's recurrent state: [Hv, Dk, Dv] (gated delta) or [heads, head_dim, d_state] (mamba2)."""
+        if self.mixer == "mamba2":
+            return self.num_v_heads, self.v_head_dim, self.k_head_dim
+        return self.num_v_heads, self.k_head_dim, self.v_head_dim
 
 
 @dataclass(frozen=True)
@@ -302,9 +317,9 @@ def _hybrid_fields(hf: dict) -> dict:
                                       else "linear_attention" for i in range(n)]
     if len(types) != n or set(types) - {"linear_attention", "full_attention"}:
         raise FastspecError(f"layer_types must name linear_attention / full_attention for each of {n} layers")
-    hybrid = HybridConfig(tuple(types), int(hf["linear_num_key_heads"]), int(hf["linear_num_value_heads"]),
-                          int(hf["linear_key_head_dim"]), int(hf["linear_value_head_dim"]),
-                          int(hf["linear_conv_kernel_dim"]))
+    hybrid = HybridConfig(tuple(types), "gated_delta", int(hf["linear_num_key_heads"]),
+                          int(hf["linear_num_value_heads"]), int(hf["linear_key_head_dim"]),
+                          int(hf["linear_value_head_dim"]), int(hf["linear_conv_kernel_dim"]))
     if hybrid.num_v_heads % hybrid.num_k_heads:
         raise FastspecError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     experts = int(hf.get("num_experts") or 0)

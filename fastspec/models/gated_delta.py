@@ -7,9 +7,8 @@ Three ways to run it, equal up to rounding (tested against each other and agains
   `chunked`:   C tokens at a time with one triangular solve per chunk (prefill);
   `tree`:      every node of a draft tree from its parent's state (speculative verify), keeping each node's
                state, so that accept can keep the state of the last accepted token and nothing else survives.
-The convolution is depthwise over the last `kernel` inputs (q, k and v channels), followed by SiLU; its state is
-the last kernel - 1 inputs. Shapes: q, k [B, T, H, Dk] (already one per value head), v [B, T, H, Dv],
-g, beta [B, T, H]; states float32 [B, H, Dk, Dv]. No KV, no pools: callers pass and keep states.
+Shapes: q, k [B, T, H, Dk] (already one per value head), v [B, T, H, Dv], g, beta [B, T, H]; states float32
+[B, H, Dk, Dv]. No KV, no pools: callers pass and keep states (fastspec.models.recurrent runs a layer).
 """
 
 from __future__ import annotations
@@ -84,36 +83,3 @@ def tree(q, k, v, g, beta, state, parents):
         states[:, i + 1] = S
         out.append(o)
     return torch.stack(out, 1), states[:, 1:]
-
-
-def conv(x, weight, window):
-    """Causal depthwise conv + SiLU over a sequence. x [B, T, C]; weight [C, K]; window [B, C, K-1] (the inputs
-    before x, oldest first). Returns (y [B, T, C], the new window)."""
-    K = weight.shape[1]
-    full = torch.cat([window.to(x.dtype), x.transpose(1, 2)], -1)  # [B, C, K-1+T]
-    y = F.conv1d(full, weight[:, None, :].to(x.dtype), groups=weight.shape[0])  # [B, C, T]
-    return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - (K - 1):]
-
-
-def conv_tree(x, weight, window, parents):
-    """The convolution along each node's ancestor path. x [B, N, C]; window [B, C, K-1]; parents as in `tree`.
-    Returns (y [B, N, C], node windows [B, N, C, K-1])."""
-    B, N = parents.shape
-    windows = window.new_zeros(B, N + 1, *window.shape[1:])
-    windows[:, 0] = window
-    batch = torch.arange(B, device=parents.device)
-    out = []
-    for i in range(N):
-        full = torch.cat([windows[batch, parents[:, i] + 1].to(x.dtype), x[:, i, :, None]], -1)  # [B, C, K]
-        out.append(F.silu((full * weight.to(x.dtype)).sum(-1)))
-        windows[:, i + 1] = full[..., 1:]
-    return torch.stack(out, 1), windows[:, 1:]
-
-
-def tree_parents(tree_mask: torch.Tensor) -> torch.Tensor:
-    """[B, N] parent of each node from an ancestor mask [B, N, N] (row i: i and its ancestors): the deepest
-    ancestor, i.e. the largest j < i the row sees; -1 for the root."""
-    N = tree_mask.shape[-1]
-    cols = torch.arange(N, device=tree_mask.device)
-    seen = tree_mask & (cols[None, :] < cols[:, None])  # strict ancestors
-    return torch.where(seen, cols, -1).amax(-1)

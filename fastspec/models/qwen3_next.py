@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.memory.state_pool import RecurrentView, StatePool
+from fastspec.memory.state_pool import RecurrentView
 from fastspec.models import gated_delta
 from fastspec.models.config import ModelConfig
 from fastspec.models.layers import MLP, make_norm
 from fastspec.models.moe import Experts, Router
+from fastspec.models.recurrent import run_layer
 
 
 class GatedAttention(nn.Module):
@@ -78,8 +79,17 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1)  # [T, conv_dim]
         beta = b.reshape(T, self.hv).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.reshape(T, self.hv).float() + self.dt_bias.float())
-        mix = self._mix_tree if states.parents is not None else self._mix_segments
-        o = mix(mixed, g, beta, states)  # [T, Hv, Dv] float32
+
+        def kernel(y, tokens, state, parents):
+            bs, n = y.shape[:2]
+            q, k, v = self._heads(y)
+            g_, beta_ = g[tokens].view(bs, n, self.hv), beta[tokens].view(bs, n, self.hv)
+            if parents is not None:
+                return gated_delta.tree(q, k, v, g_, beta_, state, parents)
+            run = gated_delta.recurrent if n <= 8 else gated_delta.chunked
+            return run(q, k, v, g_, beta_, state)
+
+        o = run_layer(states, self.linear_id, mixed, self.conv1d.weight[:, 0], None, kernel)  # [T, Hv, Dv]
         o = self.norm(o.to(x.dtype), z.reshape(T, self.hv, self.dv))
         return self.out_proj(o.reshape(T, -1))
 
@@ -90,36 +100,6 @@ class GatedDeltaNet(nn.Module):
         q, k = (t.view(*lead, self.hk, self.dk).repeat_interleave(r, -2) for t in (q, k))
         q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
         return q * self.dk ** -0.5, k, v.view(*lead, self.hv, self.dv)
-
-    def _mix_segments(self, mixed, g, beta, states: RecurrentView) -> torch.Tensor:
-        """Consecutive per-request segments: each row's state advances by its tokens and is written back."""
-        lens, pool, lid, weight = states.lens, states.pool, self.linear_id, self.conv1d.weight[:, 0]
-        uniform = len(set(lens)) == 1
-        groups = [(states.rows, 0, lens[0], len(lens))] if uniform else [
-            (states.rows[b:b + 1], sum(lens[:b]), n, 1) for b, n in enumerate(lens) if n]
-        out = []
-        for rows, start, n, bs in groups:
-            seg = slice(start, start + n * bs)
-            y, window = gated_delta.conv(mixed[seg].view(bs, n, mixed.shape[-1]), weight, pool.conv[lid, rows])
-            q, k, v = self._heads(y)
-            run = gated_delta.recurrent if n <= 8 else gated_delta.chunked
-            o, ssm = run(q, k, v, g[seg].view(bs, n, self.hv), beta[seg].view(bs, n, self.hv), pool.ssm[lid, rows])
-            StatePool.write(pool.conv, lid, rows, window)
-            StatePool.write(pool.ssm, lid, rows, ssm)
-            out.append(o.reshape(bs * n, self.hv, self.dv))
-        return torch.cat(out) if len(out) > 1 else out[0]
-
-    def _mix_tree(self, mixed, g, beta, states: RecurrentView) -> torch.Tensor:
-        """Verify: N tree nodes per request, each from its parent's state; every node's state is tracked."""
-        pool, lid, rows, parents = states.pool, self.linear_id, states.rows, states.parents
-        bs, n = parents.shape
-        y, windows = gated_delta.conv_tree(mixed.view(bs, n, -1), self.conv1d.weight[:, 0], pool.conv[lid, rows],
-                                           parents)
-        q, k, v = self._heads(y)
-        o, ssm = gated_delta.tree(q, k, v, g.view(bs, n, -1), beta.view(bs, n, -1), pool.ssm[lid, rows], parents)
-        StatePool.write(pool.track_conv, lid, rows, windows)
-        StatePool.write(pool.track_ssm, lid, rows, ssm)
-        return o.reshape(bs * n, self.hv, self.dv)
 
 
 class SparseMoeBlock(nn.Module):
