@@ -1,7 +1,8 @@
-"""Hybrid targets (Qwen3-Next: gated delta net layers beside gated attention) and speculative decoding over them.
+"""Hybrid targets (Qwen3-Next: gated delta nets beside gated attention; Bamba: Mamba2 mixers beside attention)
+and speculative decoding over them.
 
 transformers is the oracle for the math (logit parity in prefill and paged decode is in test_models.py, which
-runs every family); here: the delta-rule kernels against transformers' torch paths and against each other,
+runs every family); here: the delta-rule and SSD kernels against transformers' torch paths and each other,
 per-node tree states against sequential paths, greedy output against transformers' argmax, and the lossless
 invariant through the engine. Random drafts are rarely accepted, so an oracle drafter (NGRAM's slot, proposing
 the known greedy continuation plus wrong branches) drives multi-token commits and rejected branches, while a
@@ -16,7 +17,7 @@ import fastspec
 from conftest import PoolRunner, make_hf_model
 from fastspec.errors import FastspecError
 from fastspec.models import gated_delta as gd
-from fastspec.models import recurrent
+from fastspec.models import recurrent, ssd
 from fastspec.models.heads import write_random_head
 from fastspec.sampling import SamplingParams
 
@@ -47,6 +48,28 @@ def test_delta_rule_kernels_match_transformers_and_each_other():
         s = s[:, -1] if name == "tree" else s  # the tree keeps every node's state: the chain's last is the final
         torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-4, msg=name)
         torch.testing.assert_close(s, expected_state, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_ssd_kernels_match_transformers_and_each_other():
+    from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
+
+    gen = torch.Generator().manual_seed(2)
+    B, T, H, P, N, G = 2, 37, 4, 6, 8, 2
+    x, dt_raw = torch.randn(B, T, H, P, generator=gen), torch.randn(B, T, H, generator=gen)
+    Bg, Cg = torch.randn(B, T, G, N, generator=gen), torch.randn(B, T, G, N, generator=gen)
+    A, D, dt_bias = -2 * torch.rand(H, generator=gen), torch.randn(H, generator=gen), torch.randn(H, generator=gen)
+    state = torch.randn(B, H, P, N, generator=gen)
+    expected, expected_state = mamba2_chunk_scan(x, dt_raw, A, Bg, Cg, chunk_size=16, D=D, dt_bias=dt_bias,
+                                                 initial_states=state, dt_softplus=True, return_final_states=True)
+    dt = torch.nn.functional.softplus(dt_raw + dt_bias)
+    Bm, Cm = Bg.repeat_interleave(H // G, 2), Cg.repeat_interleave(H // G, 2)
+    chain = torch.arange(T).expand(B, -1) - 1
+    for name, (y, s) in {"recurrent": ssd.recurrent(x, dt, A, Bm, Cm, D, state),
+                         "chunked": ssd.chunked(x, dt, A, Bm, Cm, D, state, chunk=16),
+                         "tree": ssd.tree(x, dt, A, Bm, Cm, D, state, chain)}.items():
+        s = s[:, -1] if name == "tree" else s
+        torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4, msg=name)
+        torch.testing.assert_close(s, expected_state, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_conv_matches_transformers_and_its_tree_twin():
@@ -80,10 +103,10 @@ def test_tree_node_states_equal_their_paths():
         torch.testing.assert_close(states[:, i], s_path)
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3-next")
-    hf = make_hf_model("qwen3_next")
+@pytest.fixture(scope="module", params=["qwen3_next", "bamba"])
+def hybrid(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_model(request.param)
     hf.save_pretrained(root / "target")
     write_random_head(root / "eagle", hf.config.hidden_size, hf.config.vocab_size, "eagle")
     write_random_head(root / "eagle3", hf.config.hidden_size, hf.config.vocab_size, "eagle3")
@@ -95,10 +118,10 @@ _reference = {}
 
 
 def reference(root, bs):
-    if bs not in _reference:
+    if (root, bs) not in _reference:
         llm = fastspec.LLM(str(root / "target"), max_total_tokens=4096)
-        _reference[bs] = [o.output_ids for o in llm.engine.generate(PROMPTS[:bs], [GREEDY] * bs)]
-    return _reference[bs]
+        _reference[root, bs] = [o.output_ids for o in llm.engine.generate(PROMPTS[:bs], [GREEDY] * bs)]
+    return _reference[root, bs]
 
 
 def test_greedy_output_is_transformers_argmax(hybrid):
@@ -216,9 +239,9 @@ def test_compiled_verify_equals_eager(hybrid):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(radix_cache=True), "--radix-cache: Qwen3NextForCausalLM keeps recurrent states"),
+    (dict(radix_cache=True), "--radix-cache: .*ForCausalLM keeps recurrent states"),
     (dict(speculative_algorithm="STANDALONE", draft_model="SELF", num_steps=2, topk=1, num_draft_tokens=3),
-     "STANDALONE with a Qwen3NextForCausalLM draft"),
+     "STANDALONE with a .*ForCausalLM draft"),
 ])
 def test_unsupported_options_are_one_line_errors(hybrid, options, message):
     root, _ = hybrid

@@ -35,6 +35,10 @@ FAMILIES = {
         head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
         linear_num_value_heads=4, moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts_per_tok=2,
         num_experts=6, tie_word_embeddings=False)),
+    # Mamba2 mixers (2 groups of 4 heads, conv bias) in layers 0, 1, 3; GQA attention with half-rotated heads in 2
+    "bamba": ("BambaConfig", "BambaForCausalLM", dict(
+        attn_layer_indices=[2], mamba_n_heads=8, mamba_d_head="auto", mamba_n_groups=2, mamba_d_state=16,
+        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, tie_word_embeddings=False)),
 }
 
 

@@ -15,12 +15,13 @@ from fastspec.errors import FastspecError
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-HYBRID_FAMILY = ("Qwen3NextForCausalLM",)
+HYBRID_FAMILY = ("Qwen3NextForCausalLM", "BambaForCausalLM")
 TARGET_ARCHITECTURES = LLAMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "mistral": "MistralForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+               "bamba": "BambaForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,8 @@ class ModelConfig:
                 **_rope_fields(hf),
                 **_draft_fields(hf, arch),
                 **(_deepseek_fields(hf, arch) if arch in DEEPSEEK_FAMILY else {}),
-                **(_hybrid_fields(hf) if arch in HYBRID_FAMILY else {}),
+                **(_qwen3_next_fields(hf) if arch == "Qwen3NextForCausalLM" else {}),
+                **(_bamba_fields(hf) if arch == "BambaForCausalLM" else {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise FastspecError(f"{source}: missing or malformed field {e}") from None
@@ -286,8 +288,7 @@ def _rope_fields(hf: dict) -> dict:
 
 
 def _deepseek_fields(hf: dict, arch: str) -> dict:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise FastspecError(f"unsupported hidden_act {hf['hidden_act']!r} (supported: silu)")
+    _check_silu(hf)
     v3 = arch == "DeepseekV3ForCausalLM"
     q_lora = hf.get("q_lora_rank")
     mla = MLAConfig(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(hf["kv_lora_rank"]),
@@ -309,9 +310,8 @@ def _deepseek_fields(hf: dict, arch: str) -> dict:
     return {"mla": mla, "moe": moe, "num_nextn_predict_layers": int(hf.get("num_nextn_predict_layers") or 0)}
 
 
-def _hybrid_fields(hf: dict) -> dict:
-    if hf.get("hidden_act", "silu") != "silu":
-        raise FastspecError(f"unsupported hidden_act {hf['hidden_act']!r} (supported: silu)")
+def _qwen3_next_fields(hf: dict) -> dict:
+    _check_silu(hf)
     n = int(hf["num_hidden_layers"])
     types = hf.get("layer_types") or ["full_attention" if (i + 1) % int(hf.get("full_attention_interval", 4)) == 0
                                       else "linear_attention" for i in range(n)]
@@ -333,6 +333,37 @@ def _hybrid_fields(hf: dict) -> dict:
     factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
     return {"hybrid": hybrid, "moe": moe, "partial_rotary_factor": factor, "norm_offset": True,
             "attn_output_gate": True}
+
+
+def _bamba_fields(hf: dict) -> dict:
+    """Bamba: Mamba2 mixers everywhere but `attn_layer_indices` (plain GQA attention, half the head rotated)."""
+    _check_silu(hf)
+    n, hidden = int(hf["num_hidden_layers"]), int(hf["hidden_size"])
+    attention = set(hf.get("attn_layer_indices") or ())
+    heads, expand = int(hf.get("mamba_n_heads", 128)), int(hf.get("mamba_expand", 2))
+    head_dim = hf.get("mamba_d_head", "auto")
+    head_dim = expand * hidden // heads if head_dim in (None, "auto") else int(head_dim)
+    groups = int(hf.get("mamba_n_groups", 1))
+    if heads * head_dim != expand * hidden or heads % groups:
+        raise FastspecError(f"inconsistent Mamba2 shape: {heads} heads x {head_dim} != {expand} x {hidden}, or "
+                            f"{groups} groups do not divide the heads")
+    limit = tuple(_json_float(v) for v in (hf.get("time_step_limit") or (0.0, float("inf"))))
+    hybrid = HybridConfig(tuple("full_attention" if i in attention else "linear_attention" for i in range(n)),
+                          "mamba2", groups, heads, int(hf.get("mamba_d_state", 256)), head_dim,
+                          int(hf.get("mamba_d_conv", 4)), conv_bias=bool(hf.get("mamba_conv_bias", True)),
+                          proj_bias=bool(hf.get("mamba_proj_bias", False)), dt_limit=limit)
+    params = dict(hf.get("rope_parameters") or {})
+    return {"hybrid": hybrid, "partial_rotary_factor": float(params.get("partial_rotary_factor", 0.5))}
+
+
+def _json_float(value) -> float:
+    """A float as transformers may write it: plain, or {"__float__": "Infinity"}."""
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
+def _check_silu(hf: dict) -> None:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise FastspecError(f"unsupported hidden_act {hf['hidden_act']!r} (supported: silu)")
 
 
 def _draft_fields(hf: dict, arch: str) -> dict:

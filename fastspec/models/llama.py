@@ -1,6 +1,6 @@
 """The target family: Llama (incl. Llama-3 rope scaling), Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral,
-DeepSeek-V2 / V3 (their MLA / MoE decoder layers, fastspec.models.deepseek) and Qwen3-Next (gated delta net
-layers beside gated attention, fastspec.models.qwen3_next).
+DeepSeek-V2 / V3 (their MLA / MoE decoder layers, fastspec.models.deepseek), Qwen3-Next (gated delta net
+layers beside gated attention, fastspec.models.qwen3_next) and Bamba (Mamba2 mixers, fastspec.models.bamba).
 
 One implementation configured by `ModelConfig` (the architectures differ in flags and in the decoder layer).
 `forward` returns hidden states (and, when asked at construction, the EAGLE-3 auxiliary residual-stream
@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fastspec.models.bamba import BambaDecoderLayer
 from fastspec.models.config import ModelConfig
 from fastspec.models.deepseek import DeepseekDecoderLayer, is_moe_layer
 from fastspec.models.layers import DecoderLayer, RotaryEmbedding, make_norm
@@ -34,7 +35,8 @@ def eagle3_capture_layers(num_layers: int, aux_layer_ids: tuple[int, ...] | None
 
 def make_layer(config: ModelConfig, layer_id: int) -> nn.Module:
     if config.hybrid is not None:
-        return HybridDecoderLayer(config, layer_id)
+        layer = BambaDecoderLayer if config.hybrid.mixer == "mamba2" else HybridDecoderLayer
+        return layer(config, layer_id)
     if config.mla is not None:
         return DeepseekDecoderLayer(config, layer_id, is_moe_layer(config, layer_id))
     return DecoderLayer(config, layer_id)
@@ -79,4 +81,4 @@ class LlamaForCausalLM(nn.Module):
 
 
 Qwen2ForCausalLM = Qwen3ForCausalLM = MistralForCausalLM = LlamaForCausalLM
-DeepseekV2ForCausalLM = DeepseekV3ForCausalLM = Qwen3NextForCausalLM = LlamaForCausalLM
+DeepseekV2ForCausalLM = DeepseekV3ForCausalLM = Qwen3NextForCausalLM = BambaForCausalLM = LlamaForCausalLM

@@ -134,7 +134,10 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
     with _skip_init(), torch.device(device):
         model = _keep_routers_float32(LlamaForCausalLM(config, capture_layers).to(dtype))
     skip = ("lm_head.",) if config.tie_word_embeddings else ()
-    _load_into(model, stack_experts(read_state_dict(model_dir)), skip, str(model_dir))
+    state = stack_experts(read_state_dict(model_dir))
+    if "model.final_layernorm.weight" in state:  # Bamba's name for the final norm
+        state["model.norm.weight"] = state.pop("model.final_layernorm.weight")
+    _load_into(model, state, skip, str(model_dir))
     return model.eval().requires_grad_(False)
 
 
