@@ -24,7 +24,7 @@ GRAPHS = "Graphs and kernels"
 NGRAM = "NGRAM"
 ENGINE_FLAGS = ("model", "dtype", "device", "page_size", "graphs", "cuda_graph_max_bs", "cuda_graph_bs", "attention_backend",
                 "max_total_tokens", "max_running_requests", "chunked_prefill_size", "speculative_fallback",
-                "overlap_schedule", "radix_cache")
+                "overlap_schedule", "radix_cache", "mamba_track_interval")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class ModelOptions:
     overlap_schedule: Annotated[str, typer.Option(help="auto | on | off: launch the next decode round before handing out the last (auto: off until measured faster).")] = "auto"
     disable_overlap_schedule: Annotated[bool, typer.Option(help="= --overlap-schedule off (SGLang's flag).")] = False
     radix_cache: Annotated[bool, typer.Option("--radix-cache/--disable-radix-cache", help="Reuse the KV of cached token prefixes (chat turns, shared system prompts).")] = False
+    mamba_track_interval: Annotated[int, typer.Option(help="Hybrid targets with --radix-cache: save the recurrent state every N tokens (a multiple of the page size), where a cached prefix can resume.")] = 256
     speculative_algorithm: Annotated[Optional[str], typer.Option(help="NONE | EAGLE (NEXTN) | EAGLE3 | STANDALONE | NGRAM", rich_help_panel=SPEC)] = None
     speculative_draft_model_path: Annotated[Optional[str], typer.Option("--speculative-draft-model-path", "--draft", help="Draft head / model directory.", rich_help_panel=SPEC)] = None
     speculative_num_steps: Annotated[Optional[int], typer.Option(help="Draft depth.", rich_help_panel=SPEC)] = None
@@ -104,7 +105,8 @@ class ModelOptions:
                     attention_backend=self.attention_backend,
                     max_total_tokens=self.max_total_tokens, max_running_requests=self.max_running_requests,
                     chunked_prefill_size=self.chunked_prefill_size, speculative_fallback=self.speculative_fallback,
-                    overlap_schedule=overlap, radix_cache=self.radix_cache, speculative_algorithm=self.speculative_algorithm,
+                    overlap_schedule=overlap, radix_cache=self.radix_cache,
+                    mamba_track_interval=self.mamba_track_interval, speculative_algorithm=self.speculative_algorithm,
                     draft_model=self.speculative_draft_model_path, num_steps=self.speculative_num_steps,
                     topk=self.speculative_eagle_topk, num_draft_tokens=self.speculative_num_draft_tokens,
                     accept_threshold_single=self.speculative_accept_threshold_single,

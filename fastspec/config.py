@@ -60,6 +60,7 @@ class EngineConfig:
     attention_backend: str = "torch"  # torch | flashinfer
     overlap_schedule: str = "auto"  # auto | on | off: launch the next decode round before handing out the last
     radix_cache: bool = False  # keep finished requests' KV in a radix tree of token prefixes for reuse
+    mamba_track_interval: int = 256  # hybrid targets with the prefix cache: save the recurrent state every N tokens
 
     def __post_init__(self):
         if self.overlap_schedule not in ("auto", "on", "off"):
@@ -75,6 +76,8 @@ class EngineConfig:
             raise FastspecError(f"page size must be a power of two >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise FastspecError(f"max-total-tokens must be >= the page size, got {self.max_total_tokens}")
+        if self.mamba_track_interval < 1:
+            raise FastspecError(f"--mamba-track-interval must be >= 1, got {self.mamba_track_interval}")
         if self.chunked_prefill_size < 1:
             raise FastspecError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_running_requests < 1:

@@ -31,6 +31,7 @@ class Request:
     done: str | None = None  # why the worker stopped producing: "stop" | "length"
     cached_len: int = 0  # leading positions whose KV the prefix cache owns (and this request has locked)
     cached_node: object = None  # the prefix cache's node it locked (fastspec.memory.radix.RadixNode)
+    checkpoints: list = field(default_factory=list)  # hybrid targets: (length, state checkpoint) saved so far
     # the engine's: what the caller has been given
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"

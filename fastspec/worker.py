@@ -23,6 +23,8 @@ from fastspec.errors import FastspecError
 from fastspec.graphs import StaticInput, size_varies
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
 from fastspec.memory.radix import RadixTree
+from fastspec.memory.state_checkpoints import check as check_checkpoints
+from fastspec.memory.state_checkpoints import hand_over, prefill_budget, resume, save_crossed
 from fastspec.memory.state_pool import StatePool
 from fastspec.metrics import PhaseTimes
 from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
@@ -111,12 +113,17 @@ class Worker:
         self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
         self.states = None  # a hybrid target's recurrent states, per request row
         if c.hybrid is not None:
-            if cfg.radix_cache:
-                raise FastspecError(f"--radix-cache: {c.architecture} keeps recurrent states, which the prefix "
-                                    "cache cannot restore yet")
+            if cfg.radix_cache and cfg.mamba_track_interval % cfg.page_size:
+                raise FastspecError(f"--mamba-track-interval {cfg.mamba_track_interval} is not a multiple of the "
+                                    f"page size {cfg.page_size}")
             nodes = self.spec.num_draft_tokens if self.spec.enabled else 0
-            self.states = StatePool(c.hybrid, cfg.max_running_requests, nodes, cfg.torch_dtype, cfg.device)
-        self.tree = RadixTree(cfg.page_size, cfg.device) if cfg.radix_cache else None  # the prefix cache
+            checkpoints = CHECKPOINTS_PER_ROW * cfg.max_running_requests if cfg.radix_cache else 0
+            self.states = StatePool(c.hybrid, cfg.max_running_requests, nodes, cfg.torch_dtype, cfg.device,
+                                    checkpoints)
+        # the prefix cache; with a hybrid target it also holds state checkpoints
+        drop = self.states.drop if self.states is not None else None
+        self.tree = RadixTree(cfg.page_size, cfg.device, drop) if cfg.radix_cache else None
+        self.track = self.tree is not None and self.states is not None  # save states every interval tokens
         self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead of a prefill
         margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
@@ -131,6 +138,8 @@ class Worker:
         if self.tree is not None:
             held.append(self.tree.all_slots())
         self.allocator.check(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
+        if self.track:
+            check_checkpoints(self.states, self.tree, running)
 
     def available_kv(self) -> int:
         """Free KV slots, counting what the prefix cache would give back (its unlocked entries)."""
@@ -190,7 +199,8 @@ class Worker:
             if r.row < 0:
                 r.row = self.table.alloc()
                 self._reuse_prefix(r)
-            chunks.append(r.prefill_ids[r.seq_len: r.seq_len + budget])
+            take = min(budget, prefill_budget(r.seq_len, self.config.mamba_track_interval)) if self.track else budget
+            chunks.append(r.prefill_ids[r.seq_len: r.seq_len + take])
             budget -= len(chunks[-1])
         skipped, reqs = len(reqs) - len(chunks), reqs[: len(chunks)]
         lens = [len(c) for c in chunks]
@@ -214,6 +224,7 @@ class Worker:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
                                             self._features(hidden)), decode_round=False)
         produced = self._commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))])
+        self._save_states(reqs, lens)
         return produced + [[]] * skipped  # the requests this chunk had no budget left for
 
     # ---- decode rounds ----------------------------------------------------------------------------------
@@ -242,7 +253,9 @@ class Worker:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
                                             torch.tensor(tokens, device=ids.device), positions,
                                             self._features(hidden)), decode_round=False)
-        return self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
+        produced = self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
+        self._save_states(reqs, [1] * len(reqs))
+        return produced
 
     def spec_round(self, reqs: list[Request], params: SpecParams) -> tuple[list[list[int]], list[int]]:
         """One speculative round; per request (what it produced, how many draft tokens were accepted)."""
@@ -303,13 +316,21 @@ class Worker:
         if self.states is not None:  # the state after the last kept node (the bonus token is the next root)
             self.states.keep_node(batch.rows, torch.tensor([nodes[-1] for nodes in kept_nodes],
                                                            device=batch.rows.device))
-        for r, run in zip(reqs, runs):
+        for r, run, nodes in zip(reqs, runs, kept_nodes):
             r.seq_len += len(run)
+            if self.track:  # the states its verify tracked along the kept nodes
+                save_crossed(self.states, r, r.seq_len - len(run), nodes, self.config.mamba_track_interval)
         old = batch.seq_lens
         positions = torch.cat([torch.arange(o, o + k) for o, k in zip(batch.seq_lens_cpu, plan.keep_lens.tolist())])
         return runs, ExtendBatch(batch.rids, batch.rows, old, plan.keep_lens,
                                  torch.tensor([t for run in runs for t in run], device=self.config.device),
                                  positions.to(old.device), features[torch.tensor(kept_rows)])
+
+    def _save_states(self, reqs: list[Request], fed: list[int]) -> None:
+        """Prefill chunks and plain rounds end on at most one interval boundary: save the row's state there."""
+        if self.track:
+            for r, n in zip(reqs, fed):
+                save_crossed(self.states, r, r.seq_len - n, None, self.config.mamba_track_interval)
 
     def _commit(self, reqs: list[Request], fed: list[int], tokens: list[list[int]]) -> list[list[int]]:
         """Plain rounds and prefill: `fed[b]` tokens entered the KV, `tokens[b]` were produced."""
@@ -348,6 +369,8 @@ class Worker:
             else:
                 known = min(r.seq_len, len(r.history))  # past a stop, an accepted run's KV has no tokens here
                 already = self.tree.insert(r.history[:known], slots[:known])
+                if self.track:
+                    hand_over(self.states, self.tree, r, known)
                 kept = known - known % self.config.page_size
                 self.allocator.free(torch.cat([slots[r.cached_len:already], slots[kept:]]))
                 self.tree.unlock(r.cached_node)
@@ -367,7 +390,8 @@ class Worker:
         matched = len(self.tree.match(ids).slots)
         shifted = self.drafter is not None and self.drafter.uses_extend
         reuse = max(min(matched - shifted, len(ids) - 1), 0)
-        match = self.tree.match(ids[: reuse - reuse % self.config.page_size])
+        cut = ids[: reuse - reuse % self.config.page_size]
+        match = resume(self.states, self.tree, r, cut) if self.track else self.tree.match(cut)  # hybrid: on a state
         self.tree.lock(match.node)
         n = len(match.slots)
         if n:
@@ -406,6 +430,9 @@ class Worker:
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
         return sample(logits, sampling, [r.generator for r in reqs]).tolist()
+
+
+CHECKPOINTS_PER_ROW = 8  # hybrid targets with the prefix cache: saved states per running-request row
 
 
 def verify_specs(n: int, hybrid: bool, width: int) -> list[StaticInput]:

@@ -118,3 +118,24 @@ def write_prompt_file(path: Path) -> Path:
              for n in (3, 5, 8, 4, 6, 7, 3, 9, 5, 4, 6, 8)]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def write_qwen3_next_mtp(directory: Path, seed: int = 0):
+    """A tiny Qwen3-Next target saved in `directory` with a random MTP layer under `mtp.` (its decoder layer: the
+    full-attention layer's weights, perturbed). Returns the HF model."""
+    from safetensors.torch import load_file, save_file
+
+    model = make_hf_model("qwen3_next", seed=seed)
+    model.save_pretrained(directory)
+    state = load_file(directory / "model.safetensors")
+    H = model.config.hidden_size
+    gen = torch.Generator().manual_seed(seed + 1)
+    rand = lambda *shape, scale=0.1: scale * torch.randn(*shape, generator=gen)  # noqa: E731
+    attention = f"model.layers.{model.config.layer_types.index('full_attention')}."
+    for name, tensor in list(state.items()):
+        if name.startswith(attention):
+            state["mtp.layers.0." + name[len(attention):]] = tensor + rand(*tensor.shape, scale=0.02)
+    state |= {"mtp.fc.weight": rand(H, 2 * H), "mtp.pre_fc_norm_embedding.weight": rand(H),
+              "mtp.pre_fc_norm_hidden.weight": rand(H), "mtp.norm.weight": rand(H)}
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    return model

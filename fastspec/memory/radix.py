@@ -29,6 +29,7 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # first page of the key -> child
     locks: int = 0  # requests using this node (and so its whole path)
     last_use: int = 0
+    state: int | None = None  # hybrid targets: the checkpoint holding the recurrent state after this node's key
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,9 @@ class Match:
 
 
 class RadixTree:
-    def __init__(self, page_size: int = 1, device: str | torch.device = "cpu"):
-        self.page_size, self.device = page_size, device
+    def __init__(self, page_size: int = 1, device: str | torch.device = "cpu", drop_state=None):
+        """`drop_state(checkpoint)` is called for the state checkpoint of every node evicted."""
+        self.page_size, self.device, self.drop_state = page_size, device, drop_state
         self.root = RadixNode(slots=torch.zeros(0, dtype=torch.int64, device=device), locks=1)  # never evicted
         self.cached_tokens = 0  # slots held by the tree
         self.locked_tokens = 0  # of those, on a locked path
@@ -92,6 +94,24 @@ class RadixTree:
         node.last_use = stamp
         return pos
 
+    def match_state(self, tokens: list[int] | tuple[int, ...]) -> tuple[Match, int | None]:
+        """The longest cached prefix of `tokens` that ends on a state checkpoint (hybrid targets resume there),
+        and that checkpoint; (the root's empty match, None) when no node on the path has one."""
+        match = self.match(tokens)
+        node, depth = match.node, len(match.slots)
+        while node is not self.root and node.state is None:
+            node, depth = node.parent, depth - len(node.key)
+        return Match(match.slots[:depth], node), node.state
+
+    def set_state(self, tokens: list[int] | tuple[int, ...], checkpoint: int) -> bool:
+        """Attach a state checkpoint to the cached prefix `tokens` (page-aligned, fully cached). False when the
+        prefix is not cached whole or already has one: the caller keeps (and drops) its checkpoint."""
+        match = self.match(tokens)
+        if len(match.slots) != len(tokens) or match.node is self.root or match.node.state is not None:
+            return False
+        match.node.state = checkpoint
+        return True
+
     def lock(self, node: RadixNode) -> None:
         """Protect `node` and every node above it from eviction (one request more uses them)."""
         while node is not self.root:
@@ -123,6 +143,8 @@ class RadixTree:
             parent = leaf.parent
             del parent.children[self._page_key(leaf.key)]
             freed.append(leaf.slots)
+            if leaf.state is not None:
+                self.drop_state(leaf.state)
             count += len(leaf.key)
             self.cached_tokens -= len(leaf.key)
             if parent is not self.root and not parent.children and parent.locks == 0:
@@ -137,6 +159,15 @@ class RadixTree:
             found.append(node.slots)
             stack.extend(node.children.values())
         return torch.cat(found)
+
+    def all_states(self) -> list[int]:
+        """Every state checkpoint the tree holds (for leak checks)."""
+        stack, found = [self.root], []
+        while stack:
+            node = stack.pop()
+            found += [] if node.state is None else [node.state]
+            stack.extend(node.children.values())
+        return found
 
     def _leaves(self):
         stack = [self.root]
@@ -158,7 +189,8 @@ class RadixTree:
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Cut `child`'s edge after `at` tokens (a page boundary): a new node holds the first part."""
         parent = child.parent
-        head = RadixNode(child.key[:at], child.slots[:at], parent, {}, child.locks, child.last_use)
+        head = RadixNode(child.key[:at], child.slots[:at], parent, {}, child.locks, child.last_use)  # no state:
+        # a checkpoint holds the state after the child's whole key, which stays the child's
         parent.children[self._page_key(head.key)] = head
         child.key, child.slots, child.parent = child.key[at:], child.slots[at:], head
         head.children[self._page_key(child.key)] = child

@@ -18,14 +18,37 @@ from fastspec.models.config import HybridConfig
 
 
 class StatePool:
-    def __init__(self, hybrid: HybridConfig, max_rows: int, max_nodes: int, dtype=torch.float32, device="cpu"):
-        """`max_nodes`: draft-tree nodes a verify tracks per request (0: no speculation, no track buffers)."""
+    def __init__(self, hybrid: HybridConfig, max_rows: int, max_nodes: int, dtype=torch.float32, device="cpu",
+                 max_checkpoints: int = 0):
+        """`max_nodes`: draft-tree nodes a verify tracks per request (0: no speculation, no track buffers);
+        `max_checkpoints`: saved states the prefix cache can resume from (0: none)."""
         L, h, rows = len(hybrid.linear_layers), hybrid, max_rows + 1
         conv, ssm = (h.conv_dim, h.conv_kernel - 1), h.state_shape
         self.conv = torch.zeros(L, rows, *conv, dtype=dtype, device=device)  # [L, rows, C, K-1]
         self.ssm = torch.zeros(L, rows, *ssm, dtype=torch.float32, device=device)  # [L, rows, *state_shape]
         self.track_conv = torch.zeros(L, rows, max_nodes, *conv, dtype=dtype, device=device)
         self.track_ssm = torch.zeros(L, rows, max_nodes, *ssm, dtype=torch.float32, device=device)
+        self.ckpt_conv = torch.zeros(L, max_checkpoints, *conv, dtype=dtype, device=device)
+        self.ckpt_ssm = torch.zeros(L, max_checkpoints, *ssm, dtype=torch.float32, device=device)
+        self.free_checkpoints = list(range(max_checkpoints))
+
+    def save(self, table_row: int, node: int | None = None) -> int | None:
+        """Copy a request's state (its row's, or the one its last verify tracked at `node`) into a free
+        checkpoint; its id, or None when every checkpoint is taken."""
+        if not self.free_checkpoints:
+            return None
+        ckpt, row = self.free_checkpoints.pop(), table_row + 1
+        conv, ssm = (self.conv[:, row], self.ssm[:, row]) if node is None else (
+            self.track_conv[:, row, node], self.track_ssm[:, row, node])
+        self.ckpt_conv[:, ckpt], self.ckpt_ssm[:, ckpt] = conv, ssm
+        return ckpt
+
+    def restore(self, table_row: int, ckpt: int) -> None:
+        """A request resumes from a checkpoint (which stays saved)."""
+        self.conv[:, table_row + 1], self.ssm[:, table_row + 1] = self.ckpt_conv[:, ckpt], self.ckpt_ssm[:, ckpt]
+
+    def drop(self, ckpt: int) -> None:
+        self.free_checkpoints.append(ckpt)
 
     @staticmethod
     def state_rows(table_rows: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
 from fastspec.models.deepseek import DeepseekMTP
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.moe import Router, stack_experts
+from fastspec.models.qwen3_next import Qwen3NextMTP
 
 
 def resolve_model_dir(spec: str) -> Path:
@@ -141,32 +142,45 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
     return model.eval().requires_grad_(False)
 
 
-def load_mtp(model_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu") -> DeepseekMTP:
-    """The checkpoint's first MTP layer (`model.layers.{num_hidden_layers}.`) as a draft model (NEXTN); its
-    embedding and head are the target's unless the checkpoint stores its own."""
+def load_mtp(model_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu"):
+    """The checkpoint's own multi-token-prediction layer as a draft model (NEXTN): DeepSeek's first MTP layer
+    (`model.layers.{num_hidden_layers}.`; its embedding and head are the target's unless the checkpoint stores its
+    own) or Qwen3-Next's (`mtp.`; the target's embedding and lm_head)."""
     config = read_config(model_dir)
-    prefix = f"model.layers.{config.num_layers}."
-    state = {k.removeprefix(prefix): v for k, v in read_state_dict(model_dir).items() if k.startswith(prefix)}
-    if config.mla is None or not state:
-        raise FastspecError(f"{model_dir}: NEXTN needs the checkpoint's MTP layer ({prefix}*), and this "
+    prefix = mtp_prefix(config)
+    state = {} if prefix is None else {k.removeprefix(prefix): v for k, v in read_state_dict(model_dir).items()
+                                       if k.startswith(prefix)}
+    if not state:
+        raise FastspecError(f"{model_dir}: NEXTN needs the checkpoint's MTP layer ({prefix or 'none'}*), and this "
                             f"{config.architecture} checkpoint has none; give an EAGLE head with --draft")
     with _skip_init(), torch.device(device):
-        model = _keep_routers_float32(DeepseekMTP(config, config.num_layers).to(dtype))
-    borrowed = [name for name in ("embed_tokens", "shared_head.head") if f"{name}.weight" not in state]
+        if config.mla is not None:
+            model = DeepseekMTP(config, config.num_layers)
+            borrowed = [name for name in ("embed_tokens", "shared_head.head") if f"{name}.weight" not in state]
+        else:
+            model, borrowed = Qwen3NextMTP(config, target.model.embed_tokens, target.lm_head), []
+        model = _keep_routers_float32(model.to(dtype))
     if "embed_tokens" in borrowed:
         model.embed_tokens = target.model.embed_tokens
     if "shared_head.head" in borrowed:
         model.shared_head.head = target.lm_head
-    _load_into(model, stack_experts(state), tuple(f"{name}." for name in borrowed), str(model_dir))
+    skip = tuple(f"{name}." for name in borrowed) if config.mla is not None else ("embed_tokens.", "lm_head.")
+    _load_into(model, stack_experts(state), skip, str(model_dir))
     return model.eval().requires_grad_(False)
 
 
+def mtp_prefix(config: ModelConfig) -> str | None:
+    """Where a checkpoint keeps its MTP layer's weights (None: an architecture without one)."""
+    if config.mla is not None:
+        return f"model.layers.{config.num_layers}."
+    return "mtp." if config.architecture == "Qwen3NextForCausalLM" else None
+
+
 def has_mtp_layer(model_dir: Path, config: ModelConfig) -> bool:
-    """Whether a DeepSeek checkpoint stores an MTP layer (config.json's count alone is not proof: transformers
-    writes num_nextn_predict_layers = 1 into checkpoints without one)."""
-    if config.mla is None or config.num_nextn_predict_layers < 1:
-        return False
-    return any(name.startswith(f"model.layers.{config.num_layers}.") for name in _weight_names(model_dir))
+    """Whether the checkpoint stores an MTP layer (config.json's count alone is not proof: transformers writes
+    num_nextn_predict_layers = 1 into DeepSeek checkpoints without one)."""
+    prefix = mtp_prefix(config)
+    return prefix is not None and any(name.startswith(prefix) for name in _weight_names(model_dir))
 
 
 def mtp_draft(model: str, model_dir: Path, config: ModelConfig, algorithm: str | None, draft: str | None) -> str | None:
@@ -178,8 +192,9 @@ def mtp_draft(model: str, model_dir: Path, config: ModelConfig, algorithm: str |
     if has_mtp_layer(model_dir, config):
         return model
     if algorithm == "NEXTN":
+        where = f" ({mtp_prefix(config)}*)" if mtp_prefix(config) else ""
         raise FastspecError(f"{model_dir}: NEXTN drafts with the checkpoint's MTP layer, and this "
-                            f"{config.architecture} checkpoint has none (model.layers.{config.num_layers}.*)")
+                            f"{config.architecture} checkpoint has none{where}")
     return draft
 
 

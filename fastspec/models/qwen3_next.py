@@ -5,10 +5,13 @@ full-attention layer is GQA with per-head q / k norm, partial rope and an output
 per head; the attention output is scaled by sigmoid(gate)); its KV goes to the KV pool at its index among the
 full-attention layers. A linear layer mixes tokens with the gated delta rule (fastspec.models.gated_delta)
 after a short causal convolution; its states live in the state pool at the requests' rows (the forward's
-`attn.states` says which rows and how the tokens relate). Parameter names equal Hugging Face's.
+`attn.states` says which rows and how the tokens relate). `Qwen3NextMTP` is the checkpoint's own draft layer.
+Parameter names equal Hugging Face's (the MTP's, the checkpoint's under `mtp.`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +20,8 @@ from torch import nn
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models import gated_delta
 from fastspec.models.config import ModelConfig
-from fastspec.models.layers import MLP, make_norm
+from fastspec.models.eagle import DraftHidden
+from fastspec.models.layers import MLP, RotaryEmbedding, make_norm
 from fastspec.models.moe import Experts, Router
 from fastspec.models.recurrent import run_layer
 
@@ -138,3 +142,34 @@ class HybridDecoderLayer(nn.Module):
         h = self.linear_attn(h, attn.states) if self.linear else self.self_attn(positions, h, rope, attn)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3NextMTP(nn.Module):
+    """Qwen3-Next's multi-token prediction layer as a draft model (NEXTN), stored under `mtp.` in the checkpoint:
+    fc([pre_fc_norm_embedding(embed(t)), pre_fc_norm_hidden(h)]), one full-attention decoder layer (its own KV
+    layer 0 in the draft pool; no recurrent state), a final norm, the target's embedding and lm_head."""
+
+    def __init__(self, config: ModelConfig, embed: nn.Embedding, lm_head: nn.Linear):
+        super().__init__()
+        hybrid = dataclasses.replace(config.hybrid, layer_types=("full_attention",))
+        self.config = config.replace(num_layers=1, hybrid=hybrid)  # the draft KV pool holds one layer
+        c, H = self.config, config.hidden_size
+        self.embed_tokens, self.lm_head = embed, lm_head
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = make_norm(c), make_norm(c)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layers = nn.ModuleList([HybridDecoderLayer(c, 0)])
+        self.norm = make_norm(c)
+        self.rope = RotaryEmbedding(c)
+
+    def forward(self, input_ids, positions, hidden, attn) -> DraftHidden:
+        # hidden [T, H]: the target's final hidden state (extend) or this layer's own output (draft steps)
+        e = self.pre_fc_norm_embedding(self.embed_tokens(input_ids))
+        x = self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
+        normed = self.norm(self.layers[0](positions, x, self.rope, attn))
+        return DraftHidden(normed, normed)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(normed).float()  # [T, V] float32
+
+    def hot_token_map(self) -> None:
+        return None

@@ -16,8 +16,8 @@ from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import can_prepack, prepack_linears
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
-from fastspec.models.loader import (check_draft_fits, check_mtp_fits, load_draft, load_mtp, load_target, read_config,
-                                    resolve_model_dir)
+from fastspec.models.loader import (check_draft_fits, check_mtp_fits, load_draft, load_mtp, load_target, mtp_prefix,
+                                    read_config, resolve_model_dir)
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.eagle import EagleDrafter, StandaloneDraft
 from fastspec.speculative.runners import GraphPlan
@@ -68,7 +68,7 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
             raise FastspecError(f"{draft_dir}: draft vocabulary {draft_config.vocab_size} != target vocabulary "
                                 f"{target.config.vocab_size}")
         return LoadedModels(target, StandaloneDraft(load_target(draft_dir, dtype, device)), "none")
-    if spec.algorithm == "EAGLE" and draft_config.mla is not None:  # NEXTN: a DeepSeek checkpoint's MTP layer
+    if spec.algorithm == "EAGLE" and mtp_prefix(draft_config) is not None:  # NEXTN: the checkpoint's MTP layer
         target = load_target(model_dir, dtype, device)
         check_mtp_fits(draft_config, target.config, str(draft_dir))
         return LoadedModels(target, load_mtp(draft_dir, target, dtype, device), "final")

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from fastspec.errors import FastspecError
+from fastspec.memory.state_pool import StatePool
 from fastspec.sampling import SamplingParams
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)  # the non-greedy answers: varied, still the target's own text
@@ -106,8 +107,14 @@ class PackedCausalAttention:
     One causal SDPA per sequence: a single masked SDPA over the packed row would take torch's math path and
     spend ~90% of a 2048-token forward on [T, T] scores that the mask throws away."""
 
-    def __init__(self, doc_ids: torch.Tensor):  # [T], equal ids contiguous
+    def __init__(self, doc_ids: torch.Tensor, hybrid=None):  # [T], equal ids contiguous
+        """`hybrid`: a hybrid target's HybridConfig: its recurrent layers get fresh zero states per sequence."""
         self.lengths = torch.unique_consecutive(doc_ids, return_counts=True)[1].tolist()
+        self.states = None
+        if hybrid is not None:
+            rows = torch.arange(len(self.lengths), device=doc_ids.device)
+            pool = StatePool(hybrid, len(self.lengths), 0, device=doc_ids.device)
+            self.states = pool.view(rows, lens=tuple(self.lengths))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         # q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D]
@@ -152,7 +159,7 @@ def extract_features(target, conversations: list[Conversation], batch_tokens: in
         doc = torch.cat([torch.full((len(conversations[i].ids),), j, device=device) for j, i in enumerate(group)])
         positions = torch.cat([torch.arange(len(conversations[i].ids), device=device) for i in group])
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            hidden = target(ids, positions, PackedCausalAttention(doc))
+            hidden = target(ids, positions, PackedCausalAttention(doc, target.config.hybrid))
             label = torch.roll(ids, -1)  # next data token; a document's last label is never used
             sampled = torch.cat([torch.full((len(conversations[i].ids),), not conversations[i].greedy)
                                  for i in group]).to(device)

@@ -50,7 +50,8 @@ def record(target, draft, hot_token_id, feature: str, prompt_ids: list[int], out
     """Replay one (prompt, greedy output) for every configuration in `params`."""
     seq = torch.tensor(prompt_ids + output_ids)
     L, P = seq.numel(), len(prompt_ids)
-    hidden = target(seq, torch.arange(L), PackedCausalAttention(torch.zeros(L, dtype=torch.long)))
+    attn = PackedCausalAttention(torch.zeros(L, dtype=torch.long), target.config.hybrid)
+    hidden = target(seq, torch.arange(L), attn)
     features = hidden.aux if feature == "aux" else hidden.final
     starts = list(range(P, P + len(output_ids) - 1))  # committed length n at each possible round start
     max_steps, max_k = max(p.num_steps for p in params), max(p.topk for p in params)
