@@ -22,11 +22,10 @@ from fastspec.config import EngineConfig, SpecConfig, SpecParams
 from fastspec.errors import FastspecError
 from fastspec.graphs import StaticInput, size_varies
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
-from fastspec.memory.radix import RadixTree
-from fastspec.memory.state_checkpoints import check as check_checkpoints
-from fastspec.memory.state_checkpoints import hand_over, prefill_budget, resume, save_crossed
+from fastspec.memory.state_checkpoints import prefill_budget, save_crossed
 from fastspec.memory.state_pool import StatePool
 from fastspec.metrics import PhaseTimes
+from fastspec.prefix_cache import PrefixCache
 from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
 from fastspec.models.mla import mla_softmax_scale
 from fastspec.sampling import SamplingTensors, draw_uniforms, sample
@@ -111,51 +110,55 @@ class Worker:
                 for kv in (t for t in (pool.k, pool.v) if t is not None):
                     size_varies(kv, 1)
         self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
-        self.states = None  # a hybrid target's recurrent states, per request row
-        if c.hybrid is not None:
-            if cfg.radix_cache and cfg.mamba_track_interval % cfg.page_size:
-                raise FastspecError(f"--mamba-track-interval {cfg.mamba_track_interval} is not a multiple of the "
-                                    f"page size {cfg.page_size}")
-            nodes = self.spec.num_draft_tokens if self.spec.enabled else 0
-            checkpoints = CHECKPOINTS_PER_ROW * cfg.max_running_requests if cfg.radix_cache else 0
-            self.states = StatePool(c.hybrid, cfg.max_running_requests, nodes, cfg.torch_dtype, cfg.device,
-                                    checkpoints)
-        # the prefix cache; with a hybrid target it also holds state checkpoints
-        drop = self.states.drop if self.states is not None else None
-        self.tree = RadixTree(cfg.page_size, cfg.device, drop) if cfg.radix_cache else None
-        self.track = self.tree is not None and self.states is not None  # save states every interval tokens
-        self.reused_tokens = 0  # prompt tokens whose KV came from the prefix cache instead of a prefill
+        self.states = self._state_pool()  # a hybrid target's recurrent states, per request row
         margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
         self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
+        self.cache = PrefixCache(self.allocator, self.table, cfg.page_size, cfg.device, self.states) \
+            if cfg.radix_cache else None
+        self.track = self.cache is not None and self.states is not None  # save states every interval tokens
         mla = {} if c.mla is None else dict(kv_lora_rank=c.mla.kv_lora_rank, sm_scale=mla_softmax_scale(c))
         self.backend = make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=heads,
                                     head_dim=dim, dtype=cfg.torch_dtype, device=cfg.device, **mla)
+
+    def _state_pool(self) -> StatePool | None:
+        """A hybrid target's recurrent states: a row per running request, per-node track buffers for verify and,
+        with the prefix cache, checkpoints saved every mamba_track_interval tokens."""
+        c, cfg = self.model.config, self.config
+        if c.hybrid is None:
+            return None
+        if cfg.radix_cache and cfg.mamba_track_interval % cfg.page_size:
+            raise FastspecError(f"--mamba-track-interval {cfg.mamba_track_interval} is not a multiple of the page "
+                                f"size {cfg.page_size}")
+        nodes = self.spec.num_draft_tokens if self.spec.enabled else 0
+        checkpoints = CHECKPOINTS_PER_ROW * cfg.max_running_requests if cfg.radix_cache else 0
+        return StatePool(c.hybrid, cfg.max_running_requests, nodes, cfg.torch_dtype, cfg.device, checkpoints)
 
     def check_kv(self, running: list[Request] = ()) -> None:
         """Leak check: free slots + slots held by `running` (past their cached prefix) + slots the prefix cache
         holds == capacity (AssertionError otherwise)."""
         held = [self.table.slots(r.row, r.cached_len, r.seq_len) for r in running]
-        if self.tree is not None:
-            held.append(self.tree.all_slots())
+        if self.cache is not None:
+            held.append(self.cache.check(running))
         self.allocator.check(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
-        if self.track:
-            check_checkpoints(self.states, self.tree, running)
 
     def available_kv(self) -> int:
         """Free KV slots, counting what the prefix cache would give back (its unlocked entries)."""
-        return self.allocator.num_free() + (self.tree.evictable_tokens if self.tree is not None else 0)
+        return self.allocator.num_free() + (self.cache.evictable if self.cache is not None else 0)
 
     def flush_cache(self) -> None:
         """Hand every unlocked prefix-cache entry back to the allocator."""
-        if self.tree is not None:
-            self.allocator.free(self.tree.evict(self.tree.cached_tokens))
+        if self.cache is not None:
+            self.cache.flush()
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.cache.reused_tokens if self.cache is not None else 0
 
     def _make_room(self, num_tokens: int) -> None:
         """Evict from the prefix cache until `num_tokens` slots are free (the engine checked they can be), so
         nothing inside a step (drafting's scratch, verify, commit) ever needs to evict."""
-        short = num_tokens - self.allocator.num_free()
-        if self.tree is not None and short > 0:
-            self.allocator.free(self.tree.evict(short))
+        if self.cache is not None:
+            self.cache.make_room(num_tokens)
 
     def feature_width(self) -> int:
         c = self.model.config
@@ -198,7 +201,8 @@ class Worker:
                 break
             if r.row < 0:
                 r.row = self.table.alloc()
-                self._reuse_prefix(r)
+                if self.cache is not None:
+                    self.cache.reuse(r, shifted=self.drafter is not None and self.drafter.uses_extend)
             take = min(budget, prefill_budget(r.seq_len, self.config.mamba_track_interval)) if self.track else budget
             chunks.append(r.prefill_ids[r.seq_len: r.seq_len + take])
             budget -= len(chunks[-1])
@@ -364,42 +368,14 @@ class Worker:
             return
         with torch.inference_mode():
             slots = self.table.slots(r.row, 0, r.seq_len)
-            if self.tree is None:
+            if self.cache is None:
                 self.allocator.free(slots)
             else:
-                known = min(r.seq_len, len(r.history))  # past a stop, an accepted run's KV has no tokens here
-                already = self.tree.insert(r.history[:known], slots[:known])
-                if self.track:
-                    hand_over(self.states, self.tree, r, known)
-                kept = known - known % self.config.page_size
-                self.allocator.free(torch.cat([slots[r.cached_len:already], slots[kept:]]))
-                self.tree.unlock(r.cached_node)
-                r.cached_node, r.cached_len = None, 0
+                self.cache.take(r, slots)
             self.table.free(r.row)
             if self.drafter is not None:
                 self.drafter.release(r.rid)
         r.row, r.seq_len = -1, 0  # it holds no KV now (a preempted request prefills its history again)
-
-    def _reuse_prefix(self, r: Request) -> None:
-        """Start a request on the longest cached prefix of what it must prefill (at least one token is left to
-        prefill). With a drafter that extends, less its last token: an EAGLE draft's KV at position p was made
-        with token p+1, which the cache's key does not hold; with pages, that costs up to a page."""
-        if self.tree is None:
-            return
-        ids = r.prefill_ids
-        matched = len(self.tree.match(ids).slots)
-        shifted = self.drafter is not None and self.drafter.uses_extend
-        reuse = max(min(matched - shifted, len(ids) - 1), 0)
-        cut = ids[: reuse - reuse % self.config.page_size]
-        match = resume(self.states, self.tree, r, cut) if self.track else self.tree.match(cut)  # hybrid: on a state
-        self.tree.lock(match.node)
-        n = len(match.slots)
-        if n:
-            device = self.config.device
-            self.table.write(torch.tensor([r.row], device=device), torch.zeros(1, dtype=torch.int64, device=device),
-                             torch.tensor([n], device=device), match.slots)
-        r.seq_len, r.cached_len, r.cached_node = n, n, match.node
-        self.reused_tokens += n
 
     # ---- shared helpers ---------------------------------------------------------------------------------
 
