@@ -176,12 +176,12 @@ def check_states_after_every_step(llm, model):
     return checked
 
 
-@pytest.mark.parametrize("page_size, bs", [(1, 8), (16, 5)])
-def test_oracle_drafts_commit_multi_token_runs_and_drop_wrong_branches(hybrid, page_size, bs):
+@pytest.mark.parametrize("page_size, bs, overlap", [(1, 8, "off"), (16, 5, "on")])
+def test_oracle_drafts_commit_multi_token_runs_and_drop_wrong_branches(hybrid, page_size, bs, overlap):
     root, hf = hybrid
     expected = reference(root, bs)
     llm = fastspec.LLM(str(root / "target"), speculative_algorithm="NGRAM", num_draft_tokens=8, page_size=page_size,
-                       max_total_tokens=4096)
+                       max_total_tokens=4096, overlap_schedule=overlap)
     oracle_drafter(llm.engine, PROMPTS[:bs], expected, hf.config.vocab_size)
     checked = check_states_after_every_step(llm, llm.engine.model)
     outputs = llm.engine.generate(PROMPTS[:bs], [GREEDY] * bs)
