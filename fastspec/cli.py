@@ -96,6 +96,7 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable); trimmed from the text.")] = None,
     stop_token_ids: Annotated[Optional[str], typer.Option(help="Comma-separated token ids that end generation.")] = None,
     chat: Annotated[bool, typer.Option(help="Apply the model's chat template to --prompt.")] = False,
+    logprobs: Annotated[Optional[int], typer.Option(help="With --json: the target's logprob of each output token and of its N most likely alternatives (0-20).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Generate a completion (or several, with repeated --prompt)."""
@@ -107,7 +108,7 @@ def generate(
     if chat and input_ids is not None:
         raise FastspecError("--chat applies to --prompt, not to --input-ids")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=tuple(stop or ()),
+                            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=tuple(stop or ()), logprobs=logprobs,
                             stop_token_ids=tuple(parse_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids else ())
     prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
     if any(p == "" for p in prompts):
@@ -118,7 +119,10 @@ def generate(
     notes.show()
     if as_json:
         records = [{"output_ids": o.output_ids, "text": o.text, "finish_reason": o.finish_reason,
-                    "num_prompt_tokens": len(o.prompt_ids), **o.metrics.as_dict()} for o in outputs]
+                    "num_prompt_tokens": len(o.prompt_ids), **o.metrics.as_dict(),
+                    **({} if o.logprobs is None else {"logprobs": [
+                        {"token": t.token, "logprob": t.logprob, "top": [[i, v] for i, v in t.top]}
+                        for t in o.logprobs]})} for o in outputs]
         result = records[0] if len(records) == 1 else {"outputs": records}
         typer.echo(json.dumps(result))
     else:

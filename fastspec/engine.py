@@ -26,6 +26,7 @@ class StepOutput:
     new_ids: list[int]  # tokens emitted by this step (several per speculative round)
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     metrics: SpecMetrics
+    logprobs: tuple | None = None  # TokenLogprob per new id, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class GenerateOutput:
     output_ids: list[int]
     finish_reason: str
     metrics: SpecMetrics
+    logprobs: list | None = None  # TokenLogprob per output id, when the request asked for them
 
 
 class Engine:
@@ -83,13 +85,16 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerateOutput]:
         outputs = {i: [] for i in range(len(prompts))}
+        logprobs = {i: [] if p.logprobs is not None else None for i, p in enumerate(params)}
         final: dict[int, StepOutput] = {}
         for step in self.stream(prompts, params):
             for out in step:
                 outputs[out.index].extend(out.new_ids)
+                if out.logprobs is not None:
+                    logprobs[out.index].extend(out.logprobs)
                 if out.finish_reason is not None:
                     final[out.index] = out
-        return [GenerateOutput(list(p), outputs[i], final[i].finish_reason, final[i].metrics)
+        return [GenerateOutput(list(p), outputs[i], final[i].finish_reason, final[i].metrics, logprobs[i])
                 for i, p in enumerate(prompts)]
 
     def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[StepOutput]]:
@@ -166,7 +171,8 @@ class Engine:
                 r.metrics = r.metrics.add_round(result.accepted[b], len(tokens))
             if r.finished:
                 self._submit(self.worker.release, r)
-            outputs.append(StepOutput(r.rid, list(tokens), r.finish_reason, r.metrics))
+            logprobs = result.logprobs[b] if result.logprobs else None
+            outputs.append(StepOutput(r.rid, list(tokens), r.finish_reason, r.metrics, logprobs))
         scheduler.retire()
         self._free_before = result.free_kv
         return outputs

@@ -28,6 +28,7 @@ class TextDelta:
     metrics: SpecMetrics
     new_ids: list[int]
     kept_tokens: int | None  # after a stop string: how many output tokens the kept text covers
+    logprobs: tuple | None = None  # TokenLogprob per new id, when asked for
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class Completion:
     text: str | None  # None: token-id prompts to a model without a tokenizer
     finish_reason: str
     metrics: SpecMetrics
+    logprobs: list | None = None  # TokenLogprob per output id (the target's), when SamplingParams.logprobs is set
 
 
 class LLM:
@@ -96,17 +98,21 @@ class LLM:
         ids, params = self._inputs(prompts, params, chat)
         if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
             text = self.decode if (self.engine.model_dir / "tokenizer.json").is_file() else lambda ids: None
-            return [Completion(o.prompt_ids, o.output_ids, text(o.output_ids), o.finish_reason, o.metrics)
+            return [Completion(o.prompt_ids, o.output_ids, text(o.output_ids), o.finish_reason, o.metrics, o.logprobs)
                     for o in self.engine.generate(ids, params)]
         final, out_ids = {}, {i: [] for i in range(len(ids))}
+        logprobs = {i: [] if p.logprobs is not None else None for i, p in enumerate(params)}
         streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
         for step in self.stream_ids(ids, params, streams):
             for d in step:
                 out_ids[d.index].extend(d.new_ids)
+                if d.logprobs is not None:
+                    logprobs[d.index].extend(d.logprobs)
                 if d.finish_reason is not None:
                     final[d.index] = d
-        return [Completion(ids[i], out_ids[i][: final[i].kept_tokens], streams[i].text, final[i].finish_reason,
-                           final[i].metrics) for i in range(len(ids))]
+        kept = {i: final[i].kept_tokens for i in range(len(ids))}
+        return [Completion(ids[i], out_ids[i][: kept[i]], streams[i].text, final[i].finish_reason, final[i].metrics,
+                           None if logprobs[i] is None else logprobs[i][: kept[i]]) for i in range(len(ids))]
 
     def stream(self, prompts, params=SamplingParams(), chat: bool = False) -> Iterator[list[TextDelta]]:
         """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
@@ -130,7 +136,7 @@ class LLM:
                 if reason is not None:
                     text += stream.finish()
                 kept = stream.num_tokens_kept if stream.stopped else None
-                deltas.append(TextDelta(out.index, text, reason, out.metrics, out.new_ids, kept))
+                deltas.append(TextDelta(out.index, text, reason, out.metrics, out.new_ids, kept, out.logprobs))
             yield deltas
 
     def abort(self, index: int) -> None:

@@ -27,6 +27,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # report the target's logprob of each output token and of its top-n alternatives
 
     def __post_init__(self):
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -39,6 +40,8 @@ class SamplingParams:
             raise FastspecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
             raise FastspecError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise FastspecError(f"logprobs must be in [0, 20] (top alternatives per token), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,7 @@ from fastspec.graphs import StaticInput, size_varies
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
 from fastspec.memory.state_checkpoints import prefill_budget, save_crossed
 from fastspec.memory.state_pool import StatePool
+from fastspec.logprobs import TokenLogprob, token_logprobs
 from fastspec.metrics import PhaseTimes
 from fastspec.prefix_cache import PrefixCache
 from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
@@ -47,6 +48,7 @@ class StepResult:
     finish: tuple[str | None, ...]  # per request, "stop" | "length" once this step finished it
     accepted: tuple[int, ...] | None  # speculative rounds: accepted draft tokens per request (before a stop)
     free_kv: int  # free KV slots after the step
+    logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()  # per request asking for them, aligned with tokens
 
 
 class Worker:
@@ -176,6 +178,7 @@ class Worker:
         """A prefill chunk or a decode round over the requests of `reqs` not already done."""
         with torch.inference_mode():
             reqs = [r for r in reqs if r.done is None]
+            self._logprobs = {}  # rid -> the target's logprobs of what it produced (filled by the rounds)
             accepted = None
             if not reqs:
                 tokens = []
@@ -186,7 +189,8 @@ class Worker:
                 self._make_room(self.round_headroom() * len(reqs))
                 tokens, accepted = self._decode(reqs)
             return StepResult(tuple(reqs), tuple(map(tuple, tokens)), tuple(r.done for r in reqs),
-                              None if accepted is None else tuple(accepted), self.available_kv())
+                              None if accepted is None else tuple(accepted), self.available_kv(),
+                              tuple(self._logprobs.get(r.rid) for r in reqs))
 
     # ---- prefill ----------------------------------------------------------------------------------------
 
@@ -218,7 +222,8 @@ class Worker:
         hidden = self._forward(ids, positions, extend_metadata(self.table.table, rows, prefix, ext), rows, lens)
         last = torch.cumsum(ext, 0) - 1
         finals = [b for b, c in enumerate(complete) if c and not reqs[b].produced]  # recomputes know their token
-        first = self._sample([reqs[b] for b in finals], self.model.compute_logits(hidden.final[last[finals]]))
+        first_logits = self.model.compute_logits(hidden.final[last[finals]])
+        first = self._sample([reqs[b] for b in finals], first_logits)
         tails = [r.history[r.seq_len + n] if r.seq_len + n < len(r.history) else None for r, n in zip(reqs, lens)]
         for b, token in zip(finals, first):
             tails[b] = token
@@ -228,6 +233,8 @@ class Worker:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
                                             self._features(hidden)), decode_round=False)
         produced = self._commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))])
+        self._record_logprobs(reqs, first_logits, [[finals.index(b)] if b in finals else [] for b in range(len(reqs))],
+                              produced)
         self._save_states(reqs, lens)
         return produced + [[]] * skipped  # the requests this chunk had no budget left for
 
@@ -252,12 +259,14 @@ class Worker:
         rows, prefix, ext, positions = self._extend_slots(reqs, [1] * len(reqs))
         hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1), rows,
                                [1] * len(reqs))
-        tokens = self._sample(reqs, self.model.compute_logits(hidden.final))
+        logits = self.model.compute_logits(hidden.final)
+        tokens = self._sample(reqs, logits)
         if self.drafter is not None and self.drafter.uses_extend:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
                                             torch.tensor(tokens, device=ids.device), positions,
                                             self._features(hidden)), decode_round=False)
         produced = self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
+        self._record_logprobs(reqs, logits, [[b] for b in range(len(reqs))], produced)
         self._save_states(reqs, [1] * len(reqs))
         return produced
 
@@ -271,7 +280,10 @@ class Worker:
         runs, extend = self._commit_round(reqs, batch, tree, verify_slots, result, out["features"])  # commit
         if drafter.uses_extend:
             drafter.extend(extend, decode_round=True)                          # draft extend
-        return [self._produce(r, run) for r, run in zip(reqs, runs)], [len(run) - 1 for run in runs]
+        produced = [self._produce(r, run) for r, run in zip(reqs, runs)]
+        if any(r.params.logprobs is not None for r in reqs):  # token j of a run came from accepted node j's row
+            self._record_logprobs(reqs, out["logits"], result.accept_index.tolist(), produced)
+        return produced, [len(run) - 1 for run in runs]
 
     def _decode_batch(self, reqs: list[Request]) -> DecodeBatch:
         device = self.config.device
@@ -341,6 +353,15 @@ class Worker:
         for r, n in zip(reqs, fed):
             r.seq_len += n
         return [self._produce(r, new) for r, new in zip(reqs, tokens)]
+
+    def _record_logprobs(self, reqs: list[Request], logits: torch.Tensor, rows: list[list[int]],
+                         produced: list[list[int]]) -> None:
+        """The target's logprobs of what each request asking for them produced; rows[b][j]: the logits row that
+        produced its j-th token."""
+        for b, r in enumerate(reqs):
+            if r.params.logprobs is not None and produced[b]:
+                picked = logits[torch.tensor(rows[b][: len(produced[b])], device=logits.device)]
+                self._logprobs[r.rid] = token_logprobs(picked, produced[b], r.params.logprobs)
 
     def _produce(self, r: Request, run: list[int]) -> list[int]:
         """Append tokens until a stop condition (the request is done then); returns what was kept."""

@@ -1,0 +1,92 @@
+"""Logprobs: the target's log-softmax of each output token and its top-n alternatives, equal to transformers'
+(teacher-forced over prompt + output), identical with and without speculation, greedy and sampled."""
+
+import pytest
+import torch
+
+import fastspec
+from fastspec.errors import FastspecError
+from fastspec.sampling import SamplingParams
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43], [2 + 1], [28, 84, 19, 71]]
+
+
+def hf_logprobs(hf, prompt, output):
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].double(), -1)
+
+
+def check_against_transformers(hf, prompt, output, logprobs, top):
+    expected = hf_logprobs(hf, prompt, output)
+    assert [lp.token for lp in logprobs] == output
+    for i, lp in enumerate(logprobs):
+        assert lp.logprob == pytest.approx(float(expected[i, output[i]]), abs=2e-4)
+        assert len(lp.top) == top
+        values, ids = expected[i].topk(top)
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=2e-4)
+        assert all(expected[i, t] == pytest.approx(v, abs=2e-4) for t, v in lp.top)  # (near-)ties may swap ids
+
+
+@pytest.mark.parametrize("algorithm, draft, steps, topk, n", [("NONE", None, None, None, None),
+                                                             ("STANDALONE", "self", 4, 2, 6),
+                                                             ("EAGLE", "eagle", 3, 1, 4)])
+def test_greedy_logprobs_equal_transformers_with_and_without_speculation(tiny_dirs, draft_dirs, algorithm, draft,
+                                                                         steps, topk, n):
+    directory, hf = tiny_dirs["llama"]
+    draft_path = str(directory) if draft == "self" else str(draft_dirs["llama"][draft]) if draft else None
+    llm = fastspec.LLM(str(directory), speculative_algorithm=algorithm, draft_model=draft_path, num_steps=steps,
+                       topk=topk, num_draft_tokens=n, max_total_tokens=4096)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3)
+    outputs = llm.engine.generate(PROMPTS, [params] * len(PROMPTS))
+    for prompt, out in zip(PROMPTS, outputs):
+        check_against_transformers(hf, prompt, out.output_ids, out.logprobs, 3)
+    if draft == "self":
+        assert any(len(o.metrics.depth_counts) >= 2 for o in outputs)  # several tokens per round were reported
+
+
+def test_sampled_logprobs_are_the_targets_and_stop_where_the_output_stops(tiny_dirs):
+    directory, hf = tiny_dirs["llama"]
+    llm = fastspec.LLM(str(directory), speculative_algorithm="STANDALONE", draft_model=str(directory), num_steps=3,
+                       topk=1, num_draft_tokens=4, max_total_tokens=4096)
+    params = [SamplingParams(temperature=0.9, seed=s, max_new_tokens=10, ignore_eos=True, logprobs=0,
+                             stop_token_ids=(7,)) for s in range(4)]
+    for prompt, out in zip(PROMPTS, llm.engine.generate(PROMPTS, params)):
+        assert len(out.logprobs) == len(out.output_ids)  # a stop inside an accepted run cuts both
+        check_against_transformers(hf, prompt, out.output_ids, out.logprobs, 0)
+
+
+def test_no_logprobs_unless_asked_and_bad_counts_refused(tiny_dirs):
+    directory, _ = tiny_dirs["llama"]
+    out = fastspec.LLM(str(directory), max_total_tokens=1024).engine.generate(
+        [PROMPTS[0]], [SamplingParams(max_new_tokens=3)])[0]
+    assert out.logprobs is None
+    for bad in (-1, 21):
+        with pytest.raises(FastspecError, match="logprobs must be in"):
+            SamplingParams(logprobs=bad)
+
+
+def test_text_api_and_cli_report_logprobs(tmp_path):
+    """With stop strings the logprobs cover exactly the kept tokens; `generate --json --logprobs N` prints them."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+    from tiny_models import write_chat_target
+
+    target = write_chat_target(tmp_path / "target")
+    llm = fastspec.LLM(str(target), max_total_tokens=1024)
+    full = llm.generate(["w5 w9 w13"], SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=1))[0]
+    stop = llm.decode(full.output_ids[4:6])
+    cut = llm.generate(["w5 w9 w13"], SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=1,
+                                                      stop=(stop,)))[0]
+    assert len(cut.logprobs) == len(cut.output_ids) < len(full.output_ids)
+    assert cut.logprobs == full.logprobs[: len(cut.logprobs)]
+    result = CliRunner().invoke(app, ["generate", "--model", str(target), "--input-ids", "1,5,9", "--max-new-tokens",
+                                      "4", "--logprobs", "2", "--json", "--max-total-tokens", "512"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert [t["token"] for t in record["logprobs"]] == record["output_ids"]
+    assert all(len(t["top"]) == 2 and t["top"][0][1] >= t["top"][1][1] for t in record["logprobs"])
+    bad = CliRunner().invoke(app, ["generate", "--model", str(target), "--input-ids", "1", "--logprobs", "21"])
+    assert bad.exit_code == 2 and "logprobs must be in [0, 20]" in bad.stderr
