@@ -245,21 +245,32 @@ def _word_prompts(path):
     return path
 
 
-def test_a_checkpoint_with_several_mtp_layers_drafts_with_the_first(ds, tmp_path):
-    """As SGLang without multi-layer EAGLE: layer num_hidden_layers drafts every step; the others are not loaded."""
-    write_deepseek(tmp_path, "deepseek_v3", mtp=2)
-    llm = fastspec.LLM(str(tmp_path), speculative_algorithm="NEXTN", num_steps=3, topk=2, num_draft_tokens=5,
-                       max_total_tokens=2048)
+def test_several_mtp_layers_draft_one_step_each(ds, tmp_path):
+    """A checkpoint with 2 MTP layers: step s drafts with layer s mod 2 (each with its own draft KV layer), the
+    extend runs both; output equals target-only for chains and trees, and tune's replay of that draft predicts
+    the engine's rounds exactly (the same layered extend and steps offline)."""
     from safetensors.torch import load_file
 
-    state = load_file(tmp_path / "model.safetensors")
-    mtp = llm.engine.drafter.model
-    assert torch.equal(mtp.eh_proj.weight, state["model.layers.4.eh_proj.weight"])
-    assert not torch.equal(mtp.eh_proj.weight, state["model.layers.5.eh_proj.weight"])
-    plain = fastspec.LLM(str(tmp_path), max_total_tokens=2048).engine.generate(PROMPTS[:3], [GREEDY] * 3)
-    outputs = llm.engine.generate(PROMPTS[:3], [GREEDY] * 3)
-    assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
+    from fastspec.models.deepseek import MTPStack
+    from fastspec.tune.replay import candidate_params, record, replay_tau
 
+    write_deepseek(tmp_path, "deepseek_v3", mtp=2)
+    state = load_file(tmp_path / "model.safetensors")
+    plain = fastspec.LLM(str(tmp_path), max_total_tokens=2048).engine.generate(PROMPTS[:4], [GREEDY] * 4)
+    for steps, topk, n, page_size in ((3, 1, 4, 1), (3, 2, 6, 16)):
+        llm = fastspec.LLM(str(tmp_path), speculative_algorithm="NEXTN", num_steps=steps, topk=topk,
+                           num_draft_tokens=n, page_size=page_size, max_total_tokens=2048, chunked_prefill_size=5)
+        e = llm.engine
+        mtp = e.drafter.model
+        assert isinstance(mtp, MTPStack) and mtp.per_step_layers == 2 and e.worker.draft_pool.k.shape[0] == 2
+        assert torch.equal(mtp.layers[1].eh_proj.weight, state["model.layers.5.eh_proj.weight"])
+        outputs = e.generate(PROMPTS[:4], [GREEDY] * 4)
+        assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
+        e.check_kv()
+    recorded = [record(e.model, mtp, None, e.feature, o.prompt_ids, o.output_ids, candidate_params(3, (1, 2), 6))
+                for o in plain]
+    rounds, emitted = (sum(getattr(o.metrics, f) for o in outputs) for f in ("verify_rounds", "emitted_tokens"))
+    assert replay_tau(recorded, e.spec.params) == (rounds, emitted)
 
 def test_train_draft_on_a_deepseek_target(tmp_path, monkeypatch):
     """train-draft reads an MLA target's EAGLE-3 features; the head it exports decodes losslessly."""

@@ -61,8 +61,10 @@ class DeepseekMTP(DeepseekDecoderLayer):
     """One MTP module as a draft model (the EAGLE drafter's interface). Its parameter names are the checkpoint's
     under `model.layers.{N}.`; `embed_tokens` and `shared_head.head` fall back to the target's when absent."""
 
-    def __init__(self, config: ModelConfig, layer_id: int):
-        super().__init__(config, layer_id, is_moe_layer(config, layer_id), attn_layer_id=0)
+    per_step_layers = 1  # one layer drafts every step
+
+    def __init__(self, config: ModelConfig, layer_id: int, attn_layer_id: int = 0):
+        super().__init__(config, layer_id, is_moe_layer(config, layer_id), attn_layer_id=attn_layer_id)
         H = config.hidden_size
         self.config = config.replace(num_layers=1)  # the draft KV pool holds one layer
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
@@ -82,6 +84,43 @@ class DeepseekMTP(DeepseekDecoderLayer):
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.shared_head.head(normed).float()  # [T, V] float32
+
+    def hot_token_map(self) -> None:
+        return None
+
+
+class MTPStack(nn.Module):
+    """Several MTP layers, one per draft step (step s uses layer s mod D), in the EAGLE frame: layer k at position
+    j reads token t_{j+1} and layer k-1's output at position j-1 (layer 1: the target's hidden state at j). That is
+    DeepSeek's module k at position j-k+1, with each layer's positions shifted by a constant (its attention sees
+    relative positions only). Each layer has its own KV layer k in the draft pool; a draft step attends only its
+    own layer's committed KV (the draft positions before it were made by other layers). The heads of DeepSeek's
+    MTP layers are the target's lm_head: the first layer's scores every step."""
+
+    def __init__(self, layers: list[DeepseekMTP]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.per_step_layers = len(layers)
+        self.config = layers[0].config.replace(num_layers=len(layers))  # the draft pool: a KV layer each
+
+    def forward(self, input_ids, positions, hidden, attn, step: int = 0) -> DraftHidden:
+        return self.layers[step % self.per_step_layers](input_ids, positions, hidden, attn)
+
+    def extend(self, input_ids, positions, features, prev: torch.Tensor, attn, rows_per_request: int):
+        """Every layer over E = rows_per_request rows per request (consecutive positions, padding last).
+        prev [bs, D-1, H]: layers 1..D-1's outputs at the position before the first row (from the last extend).
+        Returns (the first layer's DraftHidden [bs*E], layers 1..D-1's outputs [bs*E, D-1, H])."""
+        bs = prev.shape[0]
+        first = self.layers[0](input_ids, positions, features, attn)
+        outputs, h = [first.carry], first.carry
+        for k in range(1, self.per_step_layers):
+            before = torch.cat([prev[:, k - 1:k].to(h.dtype), h.view(bs, rows_per_request, -1)[:, :-1]], 1)
+            h = self.layers[k](input_ids, positions, before.flatten(0, 1), attn).carry
+            outputs.append(h)
+        return first, torch.stack(outputs[:-1], 1)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.layers[0].compute_logits(normed)
 
     def hot_token_map(self) -> None:
         return None

@@ -27,6 +27,8 @@ class LlamaForCausalLMEagle(nn.Module):
     With an FR-Spec token map the head's lm_head is the target's restricted to `hot_token_id` rows.
     """
 
+    per_step_layers = 1  # one draft model for every step (fastspec.models.deepseek.MTPStack: one each)
+
     def __init__(self, config: ModelConfig, embed: nn.Embedding, lm_head_weight: torch.Tensor,
                  hot_token_id: torch.Tensor | None = None):
         super().__init__()
@@ -86,6 +88,8 @@ class Eagle3Layer(nn.Module):
 class LlamaForCausalLMEagle3(nn.Module):
     """EAGLE-3: fc over three target features (3Ht->Hd), one midlayer, final norm, own lm_head over
     `draft_vocab_size` tokens with the d2t offsets (draft id i -> target id i + d2t[i])."""
+
+    per_step_layers = 1  # one draft model for every step (fastspec.models.deepseek.MTPStack: one each)
 
     def __init__(self, config: ModelConfig, embed: nn.Embedding | None = None, lm_head: nn.Linear | None = None):
         super().__init__()

@@ -18,7 +18,7 @@ from torch import nn
 from fastspec.models.config import ModelConfig
 from fastspec.errors import FastspecError, first_line
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
-from fastspec.models.deepseek import DeepseekMTP
+from fastspec.models.deepseek import DeepseekMTP, MTPStack
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.moe import Router, stack_experts
 from fastspec.models.qwen3_next import Qwen3NextMTP
@@ -143,30 +143,41 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
 
 
 def load_mtp(model_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu"):
-    """The checkpoint's own multi-token-prediction layer as a draft model (NEXTN): DeepSeek's first MTP layer
-    (`model.layers.{num_hidden_layers}.`; its embedding and head are the target's unless the checkpoint stores its
-    own) or Qwen3-Next's (`mtp.`; the target's embedding and lm_head)."""
+    """The checkpoint's own multi-token-prediction layers as a draft model (NEXTN): DeepSeek's (`model.layers.
+    {num_hidden_layers + k}.`, one per draft step when there are several; each layer's embedding and head are the
+    target's unless the checkpoint stores its own) or Qwen3-Next's (`mtp.`; the target's embedding and lm_head)."""
     config = read_config(model_dir)
     prefix = mtp_prefix(config)
-    state = {} if prefix is None else {k.removeprefix(prefix): v for k, v in read_state_dict(model_dir).items()
-                                       if k.startswith(prefix)}
-    if not state:
+    weights = {} if prefix is None else read_state_dict(model_dir)
+    if not any(k.startswith(prefix) for k in weights):
         raise FastspecError(f"{model_dir}: NEXTN needs the checkpoint's MTP layer ({prefix or 'none'}*), and this "
                             f"{config.architecture} checkpoint has none; give an EAGLE head with --draft")
+    if config.mla is None:
+        state = {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
+        with _skip_init(), torch.device(device):
+            model = _keep_routers_float32(Qwen3NextMTP(config, target.model.embed_tokens, target.lm_head).to(dtype))
+        _load_into(model, stack_experts(state), ("embed_tokens.", "lm_head."), str(model_dir))
+        return model.eval().requires_grad_(False)
+    layers = []
+    for k in range(max(config.num_nextn_predict_layers, 1)):
+        layer_prefix = f"model.layers.{config.num_layers + k}."
+        state = {n.removeprefix(layer_prefix): v for n, v in weights.items() if n.startswith(layer_prefix)}
+        if not state:
+            break  # fewer layers stored than config.json counts
+        layers.append(_deepseek_mtp_layer(config, k, state, target, dtype, device, str(model_dir)))
+    return (layers[0] if len(layers) == 1 else MTPStack(layers)).eval().requires_grad_(False)
+
+
+def _deepseek_mtp_layer(config: ModelConfig, k: int, state: dict, target, dtype, device, source: str) -> DeepseekMTP:
     with _skip_init(), torch.device(device):
-        if config.mla is not None:
-            model = DeepseekMTP(config, config.num_layers)
-            borrowed = [name for name in ("embed_tokens", "shared_head.head") if f"{name}.weight" not in state]
-        else:
-            model, borrowed = Qwen3NextMTP(config, target.model.embed_tokens, target.lm_head), []
-        model = _keep_routers_float32(model.to(dtype))
+        layer = _keep_routers_float32(DeepseekMTP(config, config.num_layers + k, attn_layer_id=k).to(dtype))
+    borrowed = [name for name in ("embed_tokens", "shared_head.head") if f"{name}.weight" not in state]
     if "embed_tokens" in borrowed:
-        model.embed_tokens = target.model.embed_tokens
+        layer.embed_tokens = target.model.embed_tokens
     if "shared_head.head" in borrowed:
-        model.shared_head.head = target.lm_head
-    skip = tuple(f"{name}." for name in borrowed) if config.mla is not None else ("embed_tokens.", "lm_head.")
-    _load_into(model, stack_experts(state), skip, str(model_dir))
-    return model.eval().requires_grad_(False)
+        layer.shared_head.head = target.lm_head
+    _load_into(layer, stack_experts(state), tuple(f"{name}." for name in borrowed), source)
+    return layer
 
 
 def mtp_prefix(config: ModelConfig) -> str | None:

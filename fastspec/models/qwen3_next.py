@@ -149,6 +149,8 @@ class Qwen3NextMTP(nn.Module):
     fc([pre_fc_norm_embedding(embed(t)), pre_fc_norm_hidden(h)]), one full-attention decoder layer (its own KV
     layer 0 in the draft pool; no recurrent state), a final norm, the target's embedding and lm_head."""
 
+    per_step_layers = 1  # one draft model for every step (fastspec.models.deepseek.MTPStack: one each)
+
     def __init__(self, config: ModelConfig, embed: nn.Embedding, lm_head: nn.Linear):
         super().__init__()
         hybrid = dataclasses.replace(config.hybrid, layer_types=("full_attention",))

@@ -31,10 +31,13 @@ class DraftState:
     topk_p: torch.Tensor  # float32 [topk]
     topk_index: torch.Tensor  # int64 [topk]  target-vocabulary ids
     hidden: torch.Tensor  # [Hd]  the draft hidden state of the last extended position
+    layers: torch.Tensor | None = None  # [D-1, Hd]  a draft with a layer per step: layers 1..D-1's, alike
 
 
 class StandaloneDraft(torch.nn.Module):
     """A full small LM as the draft (STANDALONE): same interface as the EAGLE heads, features ignored."""
+
+    per_step_layers = 1  # one draft model for every step (fastspec.models.deepseek.MTPStack: one each)
 
     def __init__(self, lm):
         super().__init__()
@@ -73,7 +76,8 @@ class EagleDrafter:
         # that keeps a dropped engine's weights alive until the garbage collector happens to run
         loop_inputs = partial(loop_specs, topk, num_steps, model.config.hidden_size, dtype)
         self.loop_graphs = StepGraphs(name, loop, loop_inputs, plan, times, "draft")
-        extend_inputs = partial(extend_specs, num_steps, dtype, feature_width)
+        extend_inputs = partial(extend_specs, num_steps, dtype, feature_width,
+                                model.per_step_layers - 1, model.config.hidden_size)
         self.extend_graphs = StepGraphs("draft extend", self._extend_fn, extend_inputs, plan, times, "draft_extend")
 
     @property
@@ -91,9 +95,20 @@ class EagleDrafter:
         rows = self.num_steps + 1 if decode_round else int(batch.extend_lens.max())
         width = kv_width(int(batch.prefix_lens.max()), graphs is not None and graphs.bucketed)
         x = pack_extend(batch, self.table.table, rows, width)
+        layered = self.model.per_step_layers > 1
+        if layered:  # what each layer after the first reads at the position before this extend's first row
+            x["prev_hidden"] = torch.stack([self._layers_before(rid, x["features"]) for rid in batch.rids])
         out = graphs(len(batch.rids), x, width) if graphs else self._extend_fn(x)
         for b, rid in enumerate(batch.rids):
-            self.states[rid] = DraftState(out["topk_p"][b], out["topk_index"][b], out["hidden"][b])
+            layers = out["layer_hidden"][b].clone() if layered else None
+            self.states[rid] = DraftState(out["topk_p"][b], out["topk_index"][b], out["hidden"][b], layers)
+
+    def _layers_before(self, rid: int, like: torch.Tensor) -> torch.Tensor:
+        """[D-1, Hd]: the last extend's per-layer outputs, zeros before a sequence's first position."""
+        state = self.states.get(rid)
+        if state is not None:
+            return state.layers
+        return like.new_zeros(self.model.per_step_layers - 1, self.model.config.hidden_size)
 
     def release(self, rid: int) -> None:
         self.states.pop(rid, None)
@@ -140,9 +155,13 @@ def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype, 
             *prefix_specs(width), StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
 
 
-def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, width: int) -> list[StaticInput]:
-    """The draft extend's static inputs: num_steps + 1 padded rows per request."""
+def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, extra_layers: int, hidden_size: int,
+                 width: int) -> list[StaticInput]:
+    """The draft extend's static inputs: num_steps + 1 padded rows per request (and, for a draft with a layer
+    per step, the extra layers' outputs before the first row)."""
     e = num_steps + 1
+    layered = [StaticInput("prev_hidden", (extra_layers, hidden_size), dtype)] if extra_layers else []
     return [StaticInput("input_ids", (), torch.int64, e), StaticInput("positions", (), torch.int64, e),
             StaticInput("features", (feature_width,), dtype, e), StaticInput("new_slots", (e,), torch.int64),
-            StaticInput("new_valid", (e,), torch.bool), *prefix_specs(width), StaticInput("last_rows", (), torch.int64)]
+            StaticInput("new_valid", (e,), torch.bool), *prefix_specs(width), StaticInput("last_rows", (), torch.int64),
+            *layered]

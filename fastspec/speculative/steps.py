@@ -32,17 +32,22 @@ def draft_extend(model, hot_token_id, pool, topk: int, x: dict) -> dict:
     """Draft forward over E new positions per request (causal) -> the top-k after each request's last row.
 
     x: input_ids, positions [bs*E]; features [bs*E, F]; new_slots [bs, E]; new_valid bool [bs, E];
-       prefix_slots [bs, Kp], prefix_valid bool [bs, Kp]; last_rows int64 [bs] (flat row of each last token).
+       prefix_slots [bs, Kp], prefix_valid bool [bs, Kp]; last_rows int64 [bs] (flat row of each last token);
+       a draft with a layer per step (D > 1) also prev_hidden [bs, D-1, H] and returns layer_hidden alike.
     """
     e = x["new_slots"].shape[1]
     causal = torch.ones(e, e, dtype=torch.bool, device=x["new_slots"].device).tril()
     valid = x["new_valid"]
     new_mask = causal & valid[:, None, :]  # padded rows see only themselves (block_plan adds the diagonal)
     plan = block_plan(x["prefix_slots"], x["prefix_valid"], x["new_slots"], new_mask)
-    out = model(x["input_ids"], x["positions"], x["features"], AttentionContext(_BACKEND, plan, pool))
-    last = x["last_rows"]
+    attn, last = AttentionContext(_BACKEND, plan, pool), x["last_rows"]
+    if model.per_step_layers > 1:  # one layer per step: each reads the layer before at the position before
+        out, layers = model.extend(x["input_ids"], x["positions"], x["features"], x["prev_hidden"], attn, e)
+        extra = {"layer_hidden": layers[last]}  # [bs, D-1, H]: the next extend's `prev_hidden`
+    else:
+        out, extra = model(x["input_ids"], x["positions"], x["features"], attn), {}
     topk_p, topk_index = draft_top_k(model, hot_token_id, out.normed[last], topk)
-    return {"topk_p": topk_p, "topk_index": topk_index, "hidden": out.carry[last]}
+    return {"topk_p": topk_p, "topk_index": topk_index, "hidden": out.carry[last], **extra}
 
 
 def draft_loop(model, hot_token_id, pool, topk: int, num_steps: int, num_draft_tokens: int, x: dict) -> dict:
@@ -77,12 +82,15 @@ def draft_candidates(model, hot_token_id, pool, topk: int, num_steps: int, x: di
         parents_list.append(sel.parent_entry)
         if step == num_steps - 1:
             break
-        if step > 0:  # a row's path = its parent's path + the slot its parent wrote last step
+        layered = model.per_step_layers > 1  # each step its own layer: the ancestors' draft KV is another's
+        if step > 0 and not layered:  # a row's path = its parent's path + the slot its parent wrote last step
             ancestors = torch.cat([ancestors[sel.parent_rows], scratch[sel.parent_rows, step - 1:step]], 1)
         seen = torch.cat([prefix_slots, ancestors], 1)
         seen_valid = torch.cat([prefix_valid, torch.ones_like(ancestors, dtype=torch.bool)], 1)
         plan = block_plan(seen, seen_valid, scratch[:, step:step + 1], own_mask)
-        out = model(sel.input_ids, positions + step, sel.hidden, AttentionContext(_BACKEND, plan, pool))
+        attn = AttentionContext(_BACKEND, plan, pool)
+        args = (sel.input_ids, positions + step, sel.hidden, attn)
+        out = model(*args, step=step + 1) if layered else model(*args)  # the extend was step 0
         topk_p, topk_index = draft_top_k(model, hot_token_id, out.normed, topk)
         hidden, scores = out.carry, sel.scores
     return score_list, token_list, parents_list

@@ -76,7 +76,11 @@ def _draft_prefix(draft, pool, seq, features):
     causal = torch.ones(1, e, e, dtype=torch.bool).tril()
     plan = block_plan(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.bool),
                       torch.arange(1, e + 1)[None], causal)
-    return draft(seq[1:], torch.arange(e), features[:-1], AttentionContext(_BACKEND, plan, pool))
+    attn = AttentionContext(_BACKEND, plan, pool)
+    if draft.per_step_layers > 1:  # every layer's KV, each reading the layer before one position back
+        prev = features.new_zeros(1, draft.per_step_layers - 1, draft.config.hidden_size)
+        return draft.extend(seq[1:], torch.arange(e), features[:-1], prev, attn, e)[0]
+    return draft(seq[1:], torch.arange(e), features[:-1], attn)
 
 
 def _candidates(draft, hot_token_id, pool, rows, n, topk: int, steps: int, L: int):
