@@ -20,13 +20,11 @@ import torch
 from fastspec.attention import AttentionContext, decode_metadata, extend_metadata, make_backend
 from fastspec.config import EngineConfig, SpecConfig, SpecParams
 from fastspec.errors import FastspecError
-from fastspec.graphs import StaticInput, size_varies
-from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
-from fastspec.memory.state_checkpoints import prefill_budget, save_crossed
-from fastspec.memory.state_pool import StatePool
+from fastspec.graphs import StaticInput
 from fastspec.logprobs import TokenLogprob, token_logprobs
+from fastspec.memory.setup import build_memory
+from fastspec.memory.state_checkpoints import prefill_budget, save_crossed
 from fastspec.metrics import PhaseTimes
-from fastspec.prefix_cache import PrefixCache
 from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
 from fastspec.models.mla import mla_softmax_scale
 from fastspec.sampling import SamplingTensors, draw_uniforms, sample
@@ -96,44 +94,14 @@ class Worker:
 
     def _init_memory(self, draft_shape) -> None:
         c, cfg = self.model.config, self.config
-        layers, heads, dim, separate_v = c.kv_layout
-        per_token = KVPool.bytes_per_token(layers, heads, dim, cfg.torch_dtype, separate_v)
-        if draft_shape is not None:  # the draft pool has the same slots, so it costs per token as well
-            d_layers, d_heads, d_dim, d_separate_v = draft_shape
-            per_token += KVPool.bytes_per_token(d_layers, d_heads, d_dim, cfg.torch_dtype, d_separate_v)
-        capacity = KVPool.capacity_for(per_token, max_tokens=cfg.max_total_tokens,
-                                       mem_fraction=None if cfg.max_total_tokens else cfg.kv_mem_fraction,
-                                       device=cfg.device, page_size=cfg.page_size)
-        self.pool = KVPool(layers, heads, dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device, separate_v)
-        self.draft_pool = None if draft_shape is None else KVPool(
-            d_layers, d_heads, d_dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device, d_separate_v)
-        if cfg.graph_mode == "compile":  # capacity follows free memory: keep it out of the compiled graphs
-            for pool in filter(None, (self.pool, self.draft_pool)):
-                for kv in (t for t in (pool.k, pool.v) if t is not None):
-                    size_varies(kv, 1)
-        self.allocator = make_allocator(self.pool.capacity, cfg.page_size, cfg.device)
-        self.states = self._state_pool()  # a hybrid target's recurrent states, per request row
-        margin = max(self.spec.topk * self.spec.num_steps, self.spec.num_draft_tokens) + cfg.page_size
-        self.table = ReqToTokenTable(cfg.max_running_requests, self.max_context_len + margin, cfg.device)
-        self.cache = PrefixCache(self.allocator, self.table, cfg.page_size, cfg.device, self.states) \
-            if cfg.radix_cache else None
+        m = build_memory(c, draft_shape, cfg, self.spec, self.max_context_len)
+        self.pool, self.draft_pool, self.allocator, self.table = m.pool, m.draft_pool, m.allocator, m.table
+        self.states, self.cache = m.states, m.cache
         self.track = self.cache is not None and self.states is not None  # save states every interval tokens
+        _, heads, dim, _ = c.kv_layout
         mla = {} if c.mla is None else dict(kv_lora_rank=c.mla.kv_lora_rank, sm_scale=mla_softmax_scale(c))
         self.backend = make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=heads,
                                     head_dim=dim, dtype=cfg.torch_dtype, device=cfg.device, **mla)
-
-    def _state_pool(self) -> StatePool | None:
-        """A hybrid target's recurrent states: a row per running request, per-node track buffers for verify and,
-        with the prefix cache, checkpoints saved every mamba_track_interval tokens."""
-        c, cfg = self.model.config, self.config
-        if c.hybrid is None:
-            return None
-        if cfg.radix_cache and cfg.mamba_track_interval % cfg.page_size:
-            raise FastspecError(f"--mamba-track-interval {cfg.mamba_track_interval} is not a multiple of the page "
-                                f"size {cfg.page_size}")
-        nodes = self.spec.num_draft_tokens if self.spec.enabled else 0
-        checkpoints = CHECKPOINTS_PER_ROW * cfg.max_running_requests if cfg.radix_cache else 0
-        return StatePool(c.hybrid, cfg.max_running_requests, nodes, cfg.torch_dtype, cfg.device, checkpoints)
 
     def check_kv(self, running: list[Request] = ()) -> None:
         """Leak check: free slots + slots held by `running` (past their cached prefix) + slots the prefix cache
@@ -427,9 +395,6 @@ class Worker:
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
         return sample(logits, sampling, [r.generator for r in reqs]).tolist()
-
-
-CHECKPOINTS_PER_ROW = 8  # hybrid targets with the prefix cache: saved states per running-request row
 
 
 def verify_specs(n: int, hybrid: bool, width: int) -> list[StaticInput]:

@@ -1,0 +1,70 @@
+"""A worker's memory, sized and built once at start-up: the target's (and the draft's) static KV pools sharing
+one allocator, the request->slot table, a hybrid target's recurrent state pool, and the prefix cache.
+
+Only construction: sizing by a token budget or a fraction of free memory, symbolic pool dims for compiled graphs,
+the checks that need the model (a state-save interval against the page size). The worker uses what it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastspec.config import EngineConfig, SpecConfig
+from fastspec.errors import FastspecError
+from fastspec.graphs import size_varies
+from fastspec.memory.allocator import make_allocator
+from fastspec.memory.kv_pool import KVPool
+from fastspec.memory.req_table import ReqToTokenTable
+from fastspec.memory.state_pool import StatePool
+from fastspec.models.config import ModelConfig
+from fastspec.prefix_cache import PrefixCache
+
+CHECKPOINTS_PER_ROW = 8  # hybrid targets with the prefix cache: saved states per running-request row
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    pool: KVPool
+    draft_pool: KVPool | None
+    allocator: object  # fastspec.memory.allocator's token or paged allocator
+    table: ReqToTokenTable
+    states: StatePool | None  # a hybrid target's recurrent states
+    cache: PrefixCache | None  # --radix-cache
+
+
+def build_memory(c: ModelConfig, draft_shape: tuple | None, cfg: EngineConfig, spec: SpecConfig,
+                 max_context_len: int) -> WorkerMemory:
+    """draft_shape: the draft pool's (layers, heads, head dim, separate V), or None without a draft model."""
+    layers, heads, dim, separate_v = c.kv_layout
+    per_token = KVPool.bytes_per_token(layers, heads, dim, cfg.torch_dtype, separate_v)
+    if draft_shape is not None:  # the draft pool has the same slots, so it costs per token as well
+        per_token += KVPool.bytes_per_token(*draft_shape[:3], cfg.torch_dtype, draft_shape[3])
+    capacity = KVPool.capacity_for(per_token, max_tokens=cfg.max_total_tokens,
+                                   mem_fraction=None if cfg.max_total_tokens else cfg.kv_mem_fraction,
+                                   device=cfg.device, page_size=cfg.page_size)
+    pool = KVPool(layers, heads, dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device, separate_v)
+    draft_pool = None if draft_shape is None else KVPool(*draft_shape[:3], capacity, cfg.page_size,
+                                                         cfg.torch_dtype, cfg.device, draft_shape[3])
+    if cfg.graph_mode == "compile":  # capacity follows free memory: keep it out of the compiled graphs
+        for p in filter(None, (pool, draft_pool)):
+            for kv in (t for t in (p.k, p.v) if t is not None):
+                size_varies(kv, 1)
+    allocator = make_allocator(pool.capacity, cfg.page_size, cfg.device)
+    states = _state_pool(c, cfg, spec)
+    margin = max(spec.topk * spec.num_steps, spec.num_draft_tokens) + cfg.page_size
+    table = ReqToTokenTable(cfg.max_running_requests, max_context_len + margin, cfg.device)
+    cache = PrefixCache(allocator, table, cfg.page_size, cfg.device, states) if cfg.radix_cache else None
+    return WorkerMemory(pool, draft_pool, allocator, table, states, cache)
+
+
+def _state_pool(c: ModelConfig, cfg: EngineConfig, spec: SpecConfig) -> StatePool | None:
+    """A hybrid target's recurrent states: a row per running request, per-node track buffers for verify and,
+    with the prefix cache, checkpoints saved every mamba_track_interval tokens."""
+    if c.hybrid is None:
+        return None
+    if cfg.radix_cache and cfg.mamba_track_interval % cfg.page_size:
+        raise FastspecError(f"--mamba-track-interval {cfg.mamba_track_interval} is not a multiple of the page "
+                            f"size {cfg.page_size}")
+    nodes = spec.num_draft_tokens if spec.enabled else 0
+    checkpoints = CHECKPOINTS_PER_ROW * cfg.max_running_requests if cfg.radix_cache else 0
+    return StatePool(c.hybrid, cfg.max_running_requests, nodes, cfg.torch_dtype, cfg.device, checkpoints)
