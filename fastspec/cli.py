@@ -80,6 +80,16 @@ def parse_ids(text: str, flag: str = "--input-ids") -> list[int]:
     return ids
 
 
+def parse_bias(text: str | None) -> tuple[tuple[int, float], ...]:
+    """"5:2.5,17:-100" -> ((5, 2.5), (17, -100.0)); a malformed pair is a one-line error."""
+    if not text:
+        return ()
+    try:
+        return tuple((int(t), float(v)) for t, v in (pair.split(":") for pair in text.split(",")))
+    except ValueError:
+        raise FastspecError(f"--logit-bias must be comma-separated id:bias pairs, got {text!r}") from None
+
+
 @app.command()
 @user_errors
 @model_options
@@ -97,6 +107,11 @@ def generate(
     stop_token_ids: Annotated[Optional[str], typer.Option(help="Comma-separated token ids that end generation.")] = None,
     chat: Annotated[bool, typer.Option(help="Apply the model's chat template to --prompt.")] = False,
     logprobs: Annotated[Optional[int], typer.Option(help="With --json: the target's logprob of each output token and of its N most likely alternatives (0-20).")] = None,
+    repetition_penalty: Annotated[float, typer.Option(help="> 1 discourages prompt and output tokens (1 = off).")] = 1.0,
+    frequency_penalty: Annotated[float, typer.Option(help="Subtracted per occurrence in the output, in [-2, 2].")] = 0.0,
+    presence_penalty: Annotated[float, typer.Option(help="Subtracted once per token in the output, in [-2, 2].")] = 0.0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min-p x the most likely one's probability.")] = 0.0,
+    logit_bias: Annotated[Optional[str], typer.Option(help="Comma-separated id:bias pairs added to the logits, e.g. 5:2.5,17:-100.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Generate a completion (or several, with repeated --prompt)."""
@@ -109,6 +124,8 @@ def generate(
         raise FastspecError("--chat applies to --prompt, not to --input-ids")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=tuple(stop or ()), logprobs=logprobs,
+                            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, min_p=min_p, logit_bias=parse_bias(logit_bias),
                             stop_token_ids=tuple(parse_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids else ())
     prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
     if any(p == "" for p in prompts):

@@ -227,6 +227,8 @@ class Engine:
         vocab = self.worker.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise FastspecError(f"input token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise FastspecError(f"logit bias token ids must be in [0, {vocab})")
         request = Request(rid, list(prompt), params, make_generator(params.seed, self.config.device))
         if request.max_tokens(self.config.page_size, self.worker.round_headroom()) > self.worker.pool.capacity:
             raise FastspecError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not "

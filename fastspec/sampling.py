@@ -28,6 +28,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # report the target's logprob of each output token and of its top-n alternatives
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (fastspec.controls)
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    presence_penalty: float = 0.0  # subtracted once if the token occurs in the output
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted too
 
     def __post_init__(self):
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -40,6 +45,17 @@ class SamplingParams:
             raise FastspecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
             raise FastspecError("stop strings must not be empty")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise FastspecError(f"repetition penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise FastspecError(f"{name.replace('_', ' ')} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 <= self.min_p <= 1:
+            raise FastspecError(f"min-p must be in [0, 1], got {self.min_p}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in bias)))  # hashable
+        if any(not isinstance(t, int) or t < 0 or not math.isfinite(v) for t, v in self.logit_bias):
+            raise FastspecError("logit bias must map token ids >= 0 to finite numbers")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise FastspecError(f"logprobs must be in [0, 20] (top alternatives per token), got {self.logprobs}")
 

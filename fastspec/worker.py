@@ -21,6 +21,8 @@ from fastspec.attention import AttentionContext, decode_metadata, extend_metadat
 from fastspec.config import EngineConfig, SpecConfig, SpecParams
 from fastspec.errors import FastspecError
 from fastspec.graphs import StaticInput
+from fastspec.controls import active as controls_active
+from fastspec.controls import apply_controls
 from fastspec.logprobs import TokenLogprob, token_logprobs
 from fastspec.memory.setup import build_memory
 from fastspec.memory.state_checkpoints import prefill_budget, save_crossed
@@ -191,7 +193,7 @@ class Worker:
         last = torch.cumsum(ext, 0) - 1
         finals = [b for b, c in enumerate(complete) if c and not reqs[b].produced]  # recomputes know their token
         first_logits = self.model.compute_logits(hidden.final[last[finals]])
-        first = self._sample([reqs[b] for b in finals], first_logits)
+        first = self._sample([reqs[b] for b in finals], self._controlled([reqs[b] for b in finals], first_logits))
         tails = [r.history[r.seq_len + n] if r.seq_len + n < len(r.history) else None for r, n in zip(reqs, lens)]
         for b, token in zip(finals, first):
             tails[b] = token
@@ -228,7 +230,7 @@ class Worker:
         hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1), rows,
                                [1] * len(reqs))
         logits = self.model.compute_logits(hidden.final)
-        tokens = self._sample(reqs, logits)
+        tokens = self._sample(reqs, self._controlled(reqs, logits))
         if self.drafter is not None and self.drafter.uses_extend:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
                                             torch.tensor(tokens, device=ids.device), positions,
@@ -244,7 +246,8 @@ class Worker:
         drafter = self.drafters[params]
         tree = drafter.draft(batch)                                            # draft
         verify_slots, out = self._verify(batch, tree)                          # verify
-        result = self._accept(reqs, tree, out["logits"])                       # accept
+        logits = self._controlled(reqs, out["logits"], tree)
+        result = self._accept(reqs, tree, logits)                              # accept
         runs, extend = self._commit_round(reqs, batch, tree, verify_slots, result, out["features"])  # commit
         if drafter.uses_extend:
             drafter.extend(extend, decode_round=True)                          # draft extend
@@ -321,6 +324,15 @@ class Worker:
         for r, n in zip(reqs, fed):
             r.seq_len += n
         return [self._produce(r, new) for r, new in zip(reqs, tokens)]
+
+    def _controlled(self, reqs: list[Request], logits: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
+        """The logits after each request's penalties / bias / min_p (fastspec.controls), at every position: a
+        verify node with the draft tokens on its path counted as output."""
+        if not any(controls_active(r.params) for r in reqs):
+            return logits
+        if tree is None:
+            return apply_controls(logits, reqs)
+        return apply_controls(logits, reqs, tree.tree_mask, tree.draft_tokens)
 
     def _record_logprobs(self, reqs: list[Request], logits: torch.Tensor, rows: list[list[int]],
                          produced: list[list[int]]) -> None:

@@ -1,0 +1,131 @@
+"""Penalties, logit bias and min_p at every position: greedy output equals an independent reference (the
+transformers model's logits with the controls applied by hand, token by token), speculative output equals
+target-only output under the same controls, and sampled speculative output follows the controlled target
+distribution (chi-square)."""
+
+import pytest
+import torch
+
+import fastspec
+from conftest import make_hf_model
+from fastspec.errors import FastspecError
+from fastspec.sampling import SamplingParams
+from test_hybrid import oracle_drafter
+
+PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43], [2 + 1], [28, 84, 19, 71]]
+CONTROLS = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.7, presence_penalty=0.4),
+            dict(repetition_penalty=0.8, logit_bias={5: 3.0, 17: -2.0}, presence_penalty=-0.3)]
+
+
+def controlled(logits, prompt, output, c):
+    """The controls by hand, in float64 (the test's own implementation)."""
+    logits = logits.double().clone()
+    counts = torch.zeros_like(logits)
+    for t in output:
+        counts[t] += 1
+    seen = counts > 0
+    for t in prompt:
+        seen[t] = True
+    r = c.get("repetition_penalty", 1.0)
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    logits = logits - c.get("frequency_penalty", 0.0) * counts - c.get("presence_penalty", 0.0) * (counts > 0)
+    for t, v in c.get("logit_bias", {}).items():
+        logits[t] += v
+    return logits
+
+
+def reference_greedy(hf, prompt, c, n):
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1]
+            out.append(int(controlled(logits, prompt, out, c).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("c", CONTROLS)
+def test_greedy_with_controls_equals_reference_and_speculation(tiny_dirs, draft_dirs, c):
+    directory, hf = tiny_dirs["llama"]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, **c)
+    plain = fastspec.LLM(str(directory), max_total_tokens=4096).engine.generate(PROMPTS, [params] * 4)
+    assert [o.output_ids for o in plain] == [reference_greedy(hf, p, c, 12) for p in PROMPTS]
+    unpenalized = fastspec.LLM(str(directory), max_total_tokens=4096).engine.generate(
+        PROMPTS, [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 4)
+    assert [o.output_ids for o in unpenalized] != [o.output_ids for o in plain]  # the controls did something
+    for algorithm, draft, steps, topk, n in (("STANDALONE", str(directory), 4, 3, 8),
+                                             ("EAGLE", str(draft_dirs["llama"]["eagle"]), 3, 1, 4),
+                                             ("NGRAM", None, None, None, 8)):
+        llm = fastspec.LLM(str(directory), speculative_algorithm=algorithm, draft_model=draft, num_steps=steps,
+                           topk=topk, num_draft_tokens=n, max_total_tokens=4096)
+        if algorithm == "NGRAM":  # the controlled continuation + wrong branches: every node's controls matter
+            oracle_drafter(llm.engine, PROMPTS, [o.output_ids for o in plain], hf.config.vocab_size)
+        outputs = llm.engine.generate(PROMPTS, [params] * 4)
+        assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
+        if algorithm == "NGRAM":  # 4-token runs: deeper nodes saw the drafts before them as output
+            assert all(len(o.metrics.depth_counts) >= 4 for o in outputs)
+
+
+VOCAB, PROMPT, SAMPLES = 8, [1, 5, 3], 3000
+
+
+def test_sampled_speculation_follows_the_controlled_target(tmp_path):
+    target = make_hf_model("llama", seed=3, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
+    target.save_pretrained(tmp_path / "target")
+    make_hf_model("llama", seed=9, vocab_size=VOCAB, num_hidden_layers=1, bos_token_id=0,
+                  eos_token_id=0).save_pretrained(tmp_path / "draft")
+    c = dict(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.5, logit_bias={2: 1.0})
+    min_p, temperature = 0.05, 0.9
+
+    def dist(logits, output):
+        p = torch.softmax(controlled(logits, PROMPT, output, c) / temperature, -1)
+        p = torch.where(p < min_p * p.max(), 0, p)
+        return p / p.sum()
+
+    with torch.no_grad():
+        first = dist(target(torch.tensor([PROMPT])).logits[0, -1], [])
+        rows = target(torch.tensor([PROMPT + [t] for t in range(VOCAB)])).logits[:, -1]
+        second = torch.stack([dist(rows[t], [t]) for t in range(VOCAB)])
+    expected = (first[:, None] * second).flatten() * SAMPLES
+    llm = fastspec.LLM(str(tmp_path / "target"), speculative_algorithm="STANDALONE",
+                       draft_model=str(tmp_path / "draft"), num_steps=2, topk=2, num_draft_tokens=4,
+                       max_total_tokens=20000, max_running_requests=256)
+    params = [SamplingParams(temperature=temperature, min_p=min_p, seed=s, max_new_tokens=2, ignore_eos=True, **c)
+              for s in range(SAMPLES)]
+    outputs = llm.engine.generate([PROMPT] * SAMPLES, params)
+    pairs = torch.tensor([o.output_ids[0] * VOCAB + o.output_ids[1] for o in outputs])
+    observed = torch.bincount(pairs, minlength=VOCAB * VOCAB).double()
+    assert observed[expected == 0].sum() == 0  # min_p's dropped tokens never appear
+    cells = expected > 5
+    chi2 = ((observed[cells] - expected[cells]) ** 2 / expected[cells]).sum()
+    p_value = float(torch.special.gammaincc(torch.tensor((int(cells.sum()) - 1) / 2.0), chi2 / 2))
+    assert sum(o.metrics.verify_rounds for o in outputs) > 0
+    assert p_value > 1e-3, f"chi2={float(chi2):.1f}"
+
+
+@pytest.mark.parametrize("bad, message", [(dict(repetition_penalty=0.0), "repetition penalty must be > 0"),
+                                          (dict(frequency_penalty=2.5), "frequency penalty must be in"),
+                                          (dict(min_p=1.5), "min-p must be in"),
+                                          (dict(logit_bias={-1: 1.0}), "logit bias must map")])
+def test_out_of_range_controls_are_one_line_errors(bad, message):
+    with pytest.raises(FastspecError, match=message):
+        SamplingParams(**bad)
+
+
+def test_cli_controls_and_bad_bias(tiny_dirs):
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    directory, hf = tiny_dirs["llama"]
+    c = dict(repetition_penalty=1.6, logit_bias={5: 3.0})
+    args = ["generate", "--model", str(directory), "--input-ids", "3,14,15", "--max-new-tokens", "8", "--ignore-eos",
+            "--repetition-penalty", "1.6", "--json", "--max-total-tokens", "512"]
+    result = CliRunner().invoke(app, args + ["--logit-bias", "5:3.0"])
+    assert result.exit_code == 0, result.output
+    import json
+
+    assert json.loads(result.stdout)["output_ids"] == reference_greedy(hf, [3, 14, 15], c, 8)
+    for bias, message in (("5=3", "--logit-bias must be comma-separated id:bias pairs"),
+                          ("500:1", "logit bias token ids must be in")):
+        bad = CliRunner().invoke(app, args + ["--logit-bias", bias])
+        assert bad.exit_code == 2 and message in bad.stderr, bad.output
