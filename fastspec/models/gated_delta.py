@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastspec.models.recurrent import scan_tree
+
 
 def _step(S, q, k, v, g, beta):
     # S [B, H, Dk, Dv]; q, k [B, H, Dk]; v [B, H, Dv]; g, beta [B, H]
@@ -72,14 +74,4 @@ def chunked(q, k, v, g, beta, state, chunk: int = 64):
 def tree(q, k, v, g, beta, state, parents):
     """Every node from its parent's state. parents [B, N]: the parent node of node i (< i), -1 for a root
     (which starts from `state`). Returns (o [B, N, H, Dv], node states [B, N, H, Dk, Dv])."""
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
-    B, N = parents.shape
-    states = state.new_zeros(B, N + 1, *state.shape[1:])  # slot 0: the committed state, slot i + 1: node i
-    states[:, 0] = state
-    batch = torch.arange(B, device=parents.device)
-    out = []
-    for i in range(N):
-        S, o = _step(states[batch, parents[:, i] + 1], q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i])
-        states[:, i + 1] = S
-        out.append(o)
-    return torch.stack(out, 1), states[:, 1:]
+    return scan_tree(_step, state, parents, *(t.float() for t in (q, k, v, g, beta)))

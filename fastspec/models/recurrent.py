@@ -32,21 +32,32 @@ def conv(x, weight, bias, window):
     return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - (K - 1):]
 
 
+def scan_tree(step, state, parents, *inputs):
+    """Every node of draft trees from its parent's state: step(parent state [B, *S], *inputs at node i) ->
+    (node state, node output). parents [B, N]: the parent node of node i (< i), -1 for a root (which starts from
+    `state`). Returns (outputs [B, N, ...], node states [B, N, *S])."""
+    B, N = parents.shape
+    states = state.new_zeros(B, N + 1, *state.shape[1:])  # slot 0: the committed state, slot i + 1: node i
+    states[:, 0] = state
+    batch = torch.arange(B, device=parents.device)
+    out = []
+    for i in range(N):
+        node_state, y = step(states[batch, parents[:, i] + 1], *(t[:, i] for t in inputs))
+        states[:, i + 1] = node_state
+        out.append(y)
+    return torch.stack(out, 1), states[:, 1:]
+
+
 def conv_tree(x, weight, bias, window, parents):
     """The convolution along each node's ancestor path. x [B, N, C]; window [B, C, K-1]; parents [B, N] (the parent
     node of node i, < i; -1 for a root, which continues `window`). Returns (y [B, N, C], node windows
     [B, N, C, K-1])."""
-    B, N = parents.shape
-    windows = window.new_zeros(B, N + 1, *window.shape[1:])  # slot 0: the committed window, slot i + 1: node i
-    windows[:, 0] = window
-    batch = torch.arange(B, device=parents.device)
-    out = []
-    for i in range(N):
-        full = torch.cat([windows[batch, parents[:, i] + 1].to(x.dtype), x[:, i, :, None]], -1)  # [B, C, K]
+    def step(parent_window, xi):
+        full = torch.cat([parent_window.to(x.dtype), xi[..., None]], -1)  # [B, C, K]
         y = (full * weight.to(x.dtype)).sum(-1)
-        out.append(F.silu(y if bias is None else y + bias.to(x.dtype)))
-        windows[:, i + 1] = full[..., 1:]
-    return torch.stack(out, 1), windows[:, 1:]
+        return full[..., 1:], F.silu(y if bias is None else y + bias.to(x.dtype))
+
+    return scan_tree(step, window, parents, x)
 
 
 def tree_parents(tree_mask: torch.Tensor) -> torch.Tensor:

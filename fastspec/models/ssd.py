@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from fastspec.models.recurrent import scan_tree
+
 
 def _step(S, x, dt, A, Bm, Cm, D):
     # S [B, H, P, N]; x [B, H, P]; dt [B, H]; Bm, Cm [B, H, N]
@@ -59,15 +61,6 @@ def chunked(x, dt, A, Bm, Cm, D, state, chunk: int = 64):
 def tree(x, dt, A, Bm, Cm, D, state, parents):
     """Every node from its parent's state. parents [B, N]: parent node of node i (< i), -1 for a root (which starts
     from `state`). Returns (y [B, N, H, P], node states [B, N, H, P, N])."""
-    x, dt, Bm, Cm = (t.float() for t in (x, dt, Bm, Cm))
     A, D = A.float(), D.float()
-    B, N = parents.shape
-    states = state.new_zeros(B, N + 1, *state.shape[1:])  # slot 0: the committed state, slot i + 1: node i
-    states[:, 0] = state
-    batch = torch.arange(B, device=parents.device)
-    out = []
-    for i in range(N):
-        S, y = _step(states[batch, parents[:, i] + 1], x[:, i], dt[:, i], A, Bm[:, i], Cm[:, i], D)
-        states[:, i + 1] = S
-        out.append(y)
-    return torch.stack(out, 1), states[:, 1:]
+    return scan_tree(lambda S, xi, dti, Bi, Ci: _step(S, xi, dti, A, Bi, Ci, D), state, parents,
+                     *(t.float() for t in (x, dt, Bm, Cm)))
