@@ -19,10 +19,10 @@ import torch
 
 from fastspec.attention import AttentionContext, decode_metadata, extend_metadata, make_backend
 from fastspec.config import EngineConfig, SpecConfig, SpecParams
-from fastspec.errors import FastspecError
-from fastspec.graphs import StaticInput
 from fastspec.controls import active as controls_active
 from fastspec.controls import apply_controls
+from fastspec.errors import FastspecError
+from fastspec.graphs import StaticInput
 from fastspec.logprobs import TokenLogprob, token_logprobs
 from fastspec.memory.setup import build_memory
 from fastspec.memory.state_checkpoints import prefill_budget, save_crossed
