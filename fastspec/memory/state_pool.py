@@ -37,7 +37,7 @@ class StatePool:
         checkpoint; its id, or None when every checkpoint is taken."""
         if not self.free_checkpoints:
             return None
-        ckpt, row = self.free_checkpoints.pop(), table_row + 1
+        ckpt, row = self.free_checkpoints.pop(), self.state_rows(table_row)
         conv, ssm = (self.conv[:, row], self.ssm[:, row]) if node is None else (
             self.track_conv[:, row, node], self.track_ssm[:, row, node])
         self.ckpt_conv[:, ckpt], self.ckpt_ssm[:, ckpt] = conv, ssm
@@ -45,13 +45,14 @@ class StatePool:
 
     def restore(self, table_row: int, ckpt: int) -> None:
         """A request resumes from a checkpoint (which stays saved)."""
-        self.conv[:, table_row + 1], self.ssm[:, table_row + 1] = self.ckpt_conv[:, ckpt], self.ckpt_ssm[:, ckpt]
+        row = self.state_rows(table_row)
+        self.conv[:, row], self.ssm[:, row] = self.ckpt_conv[:, ckpt], self.ckpt_ssm[:, ckpt]
 
     def drop(self, ckpt: int) -> None:
         self.free_checkpoints.append(ckpt)
 
     @staticmethod
-    def state_rows(table_rows: torch.Tensor) -> torch.Tensor:
+    def state_rows(table_rows):  # int or int64 tensor
         return table_rows + 1  # row 0 is the dummy
 
     def view(self, table_rows: torch.Tensor, lens: tuple[int, ...] | None = None,

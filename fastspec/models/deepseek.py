@@ -17,7 +17,7 @@ from fastspec.models.config import ModelConfig
 from fastspec.models.eagle import DraftHidden
 from fastspec.models.layers import MLP, RMSNorm, RotaryEmbedding
 from fastspec.models.mla import MLAttention
-from fastspec.models.moe import MoE
+from fastspec.models.moe import MoE, is_moe_layer
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -44,10 +44,6 @@ class DeepseekDecoderLayer(nn.Module):
     def _finish(self, x, o):  # not a nested region: the MoE layers' experts differ in how they run eagerly
         x = x + self.self_attn.output(o)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def is_moe_layer(config: ModelConfig, layer_id: int) -> bool:
-    return config.moe is not None and config.moe.is_moe_layer(layer_id)
 
 
 class SharedHead(nn.Module):

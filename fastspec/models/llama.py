@@ -16,7 +16,8 @@ from torch import nn
 
 from fastspec.models.bamba import BambaDecoderLayer
 from fastspec.models.config import ModelConfig
-from fastspec.models.deepseek import DeepseekDecoderLayer, is_moe_layer
+from fastspec.models.deepseek import DeepseekDecoderLayer
+from fastspec.models.moe import is_moe_layer
 from fastspec.models.layers import DecoderLayer, RotaryEmbedding, make_norm
 from fastspec.models.qwen3_next import HybridDecoderLayer
 

@@ -19,8 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.models.config import MoEConfig
+from fastspec.models.config import ModelConfig, MoEConfig
 from fastspec.models.layers import MLP
+
+
+def is_moe_layer(config: ModelConfig, layer_id: int) -> bool:
+    """Whether decoder layer `layer_id` of this model has a MoE MLP (else a dense one)."""
+    return config.moe is not None and config.moe.is_moe_layer(layer_id)
 
 
 class Router(nn.Module):

@@ -22,7 +22,7 @@ from fastspec.models import gated_delta
 from fastspec.models.config import ModelConfig
 from fastspec.models.eagle import DraftHidden
 from fastspec.models.layers import MLP, RotaryEmbedding, make_norm
-from fastspec.models.moe import Experts, Router
+from fastspec.models.moe import Experts, Router, is_moe_layer
 from fastspec.models.recurrent import run_layer
 
 
@@ -134,8 +134,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(config, index)
         self.post_attention_layernorm = make_norm(config)
-        moe = config.moe is not None and config.moe.is_moe_layer(layer_id)
-        self.mlp = SparseMoeBlock(config) if moe else MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = SparseMoeBlock(config) if is_moe_layer(config, layer_id) else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, positions, x, rope, attn) -> torch.Tensor:
         h = self.input_layernorm(x)
