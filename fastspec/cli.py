@@ -112,9 +112,13 @@ def generate(
     presence_penalty: Annotated[float, typer.Option(help="Subtracted once per token in the output, in [-2, 2].")] = 0.0,
     min_p: Annotated[float, typer.Option(help="Drop tokens below min-p x the most likely one's probability.")] = 0.0,
     logit_bias: Annotated[Optional[str], typer.Option(help="Comma-separated id:bias pairs added to the logits, e.g. 5:2.5,17:-100.")] = None,
+    json_schema: Annotated[Optional[str], typer.Option(help="Structured output: the answer is JSON valid under this schema (the schema, or a file holding it).")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="Structured output: the answer matches this regular expression (or a file's).")] = None,
+    ebnf: Annotated[Optional[str], typer.Option(help="Structured output: the answer follows this GBNF grammar, root ::= ... (or a file's).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ):
     """Generate a completion (or several, with repeated --prompt)."""
+    from fastspec.grammar import read_grammar_arg
     from fastspec.llm import LLM
     from fastspec.sampling import SamplingParams
 
@@ -126,7 +130,9 @@ def generate(
                             max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=tuple(stop or ()), logprobs=logprobs,
                             repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                             presence_penalty=presence_penalty, min_p=min_p, logit_bias=parse_bias(logit_bias),
-                            stop_token_ids=tuple(parse_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids else ())
+                            stop_token_ids=tuple(parse_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids else (),
+                            json_schema=read_grammar_arg(json_schema), regex=read_grammar_arg(regex),
+                            ebnf=read_grammar_arg(ebnf))
     prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
     if any(p == "" for p in prompts):
         raise FastspecError("empty prompt")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
+from fastspec.grammar import GrammarCompiler
 from fastspec.metrics import SpecMetrics
 from fastspec.sampling import SamplingParams, make_generator
 from fastspec.scheduler import Request, Scheduler
@@ -48,6 +49,8 @@ class Engine:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fastspec-worker") if self.overlap else None
         self._last: Future | None = None  # the last thing submitted to the worker (a step or a release)
         self._free_before = 0  # free KV before the step in flight (after the last one handed out)
+        w = self.worker
+        self.grammars = GrammarCompiler(w.model_dir, w.model.config.vocab_size, w.eos_ids)  # structured output
 
     # what the worker owns, read by the front ends, the tuner and the tests
     model_dir = property(lambda self: self.worker.model_dir)
@@ -229,7 +232,8 @@ class Engine:
             raise FastspecError(f"input token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise FastspecError(f"logit bias token ids must be in [0, {vocab})")
-        request = Request(rid, list(prompt), params, make_generator(params.seed, self.config.device))
+        request = Request(rid, list(prompt), params, make_generator(params.seed, self.config.device),
+                          grammar=self.grammars.compile(params))
         if request.max_tokens(self.config.page_size, self.worker.round_headroom()) > self.worker.pool.capacity:
             raise FastspecError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not "
                                 f"fit in the KV pool of {self.worker.pool.capacity} tokens (raise --max-total-tokens)")

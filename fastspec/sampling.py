@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fastspec.errors import FastspecError
+from fastspec.grammar import KINDS, normalise_schema
 from fastspec.kernels import top_k_renorm_prob, top_p_renorm_prob
 
 TOP_K_ALL = 1 << 30
@@ -33,6 +34,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once if the token occurs in the output
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted too
+    json_schema: str | None = None  # structured output (fastspec.grammar), at most one: a JSON schema (a dict too),
+    regex: str | None = None  # a regular expression the whole output matches,
+    ebnf: str | None = None  # or a GBNF grammar (llama.cpp's / xgrammar's EBNF: `root ::= ...`)
 
     def __post_init__(self):
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -56,8 +60,18 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in bias)))  # hashable
         if any(not isinstance(t, int) or t < 0 or not math.isfinite(v) for t, v in self.logit_bias):
             raise FastspecError("logit bias must map token ids >= 0 to finite numbers")
+        self._check_grammar()
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise FastspecError(f"logprobs must be in [0, 20] (top alternatives per token), got {self.logprobs}")
+
+    def _check_grammar(self) -> None:
+        kinds = [k for k in KINDS if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise FastspecError(f"one grammar per request: {' and '.join(kinds)} are both set")
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", normalise_schema(self.json_schema))
+        if kinds and self.ignore_eos:
+            raise FastspecError(f"ignore-eos with a {kinds[0].replace('_', ' ')}: the grammar ends the output at EOS")
 
     @property
     def greedy(self) -> bool:

@@ -22,6 +22,7 @@ from fastspec.config import EngineConfig, SpecConfig, SpecParams
 from fastspec.controls import active as controls_active
 from fastspec.controls import apply_controls
 from fastspec.errors import FastspecError
+from fastspec.grammar import mask_logits, verify_paths
 from fastspec.graphs import StaticInput
 from fastspec.logprobs import TokenLogprob, token_logprobs
 from fastspec.memory.setup import build_memory
@@ -262,7 +263,8 @@ class Worker:
         return DecodeBatch(tuple(r.rid for r in reqs), torch.tensor([r.row for r in reqs], device=device),
                            torch.tensor(seq, device=device), seq,
                            torch.tensor([r.produced[-1] for r in reqs], device=device),
-                           tuple(r.history for r in reqs))
+                           tuple(r.history for r in reqs),
+                           tuple(r.grammar for r in reqs) if any(r.grammar is not None for r in reqs) else None)
 
     def _verify(self, batch: DecodeBatch, tree: DraftTree):
         """Target forward over bs*N tree rows into N newly allocated slots per request."""
@@ -326,13 +328,14 @@ class Worker:
         return [self._produce(r, new) for r, new in zip(reqs, tokens)]
 
     def _controlled(self, reqs: list[Request], logits: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
-        """The logits after each request's penalties / bias / min_p (fastspec.controls), at every position: a
-        verify node with the draft tokens on its path counted as output."""
-        if not any(controls_active(r.params) for r in reqs):
-            return logits
-        if tree is None:
-            return apply_controls(logits, reqs)
-        return apply_controls(logits, reqs, tree.tree_mask, tree.draft_tokens)
+        """The logits after each request's penalties / bias / min_p (fastspec.controls) and grammar mask
+        (fastspec.grammar), at every position: a verify node with the draft tokens on its path as output."""
+        if any(controls_active(r.params) for r in reqs):
+            logits = apply_controls(logits, reqs, *(() if tree is None else (tree.tree_mask, tree.draft_tokens)))
+        grammars = [r.grammar for r in reqs]
+        if any(g is not None for g in grammars):
+            logits = mask_logits(logits, grammars, verify_paths(tree) if tree is not None else [[[]]] * len(reqs))
+        return logits
 
     def _record_logprobs(self, reqs: list[Request], logits: torch.Tensor, rows: list[list[int]],
                          produced: list[list[int]]) -> None:
@@ -348,6 +351,8 @@ class Worker:
         kept = []
         for token in run:
             r.produced.append(token)
+            if r.grammar is not None:
+                r.grammar.advance(token)
             kept.append(token)
             r.done = self._finish_reason(r, token)
             if r.done:

@@ -139,3 +139,19 @@ def write_qwen3_next_mtp(directory: Path, seed: int = 0):
               "mtp.pre_fc_norm_hidden.weight": rand(H), "mtp.norm.weight": rand(H)}
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     return model
+
+
+def write_char_tokenizer(directory: Path) -> Path:
+    """A byte-level tokenizer for the tiny vocabulary (97): <unk> <s> </s>, then one token per printable ASCII
+    character '!'..'~' (ids 3..96; no space), so grammars over text have a real tokenizer to mask. Returns
+    `directory`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {chr(c): c - 30 for c in range(33, 127)}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    return directory

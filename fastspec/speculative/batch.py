@@ -22,6 +22,7 @@ class DecodeBatch:
     seq_lens_cpu: tuple[int, ...]
     verified_id: torch.Tensor  # int64 [bs]  the last emitted token (tree root)
     histories: tuple[list[int], ...]  # prompt + output tokens so far (read-only), last = root
+    grammars: tuple | None = None  # per request its fastspec.grammar.Grammar or None; None: no request has one
 
     @property
     def size(self) -> int:

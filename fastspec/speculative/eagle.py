@@ -15,12 +15,13 @@ from functools import partial
 
 import torch
 
+from fastspec.grammar import draft_masks
 from fastspec.graphs import StaticInput
 from fastspec.models.eagle import DraftHidden
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.packing import kv_width, pack_draft, pack_extend, prefix_specs
 from fastspec.speculative.runners import GraphPlan, StepGraphs
-from fastspec.speculative.steps import draft_extend, draft_loop
+from fastspec.speculative.steps import draft_extend, draft_loop, draft_top_k
 from fastspec.speculative.tree import DraftTree, build_tree
 
 
@@ -32,6 +33,7 @@ class DraftState:
     topk_index: torch.Tensor  # int64 [topk]  target-vocabulary ids
     hidden: torch.Tensor  # [Hd]  the draft hidden state of the last extended position
     layers: torch.Tensor | None = None  # [D-1, Hd]  a draft with a layer per step: layers 1..D-1's, alike
+    normed: torch.Tensor | None = None  # [Hd]  what the top-k was scored from (a grammar re-scores it masked)
 
 
 class StandaloneDraft(torch.nn.Module):
@@ -69,7 +71,7 @@ class EagleDrafter:
         self.states: dict[int, DraftState] = {} if states is None else states
         self.extend_topk = extend_topk or topk
         self._extend_fn = partial(draft_extend, model, self.hot_token_id, pool, self.extend_topk)
-        loop = partial(draft_loop, model, self.hot_token_id, pool, topk, num_steps, num_draft_tokens)
+        self._loop = loop = partial(draft_loop, model, self.hot_token_id, pool, topk, num_steps, num_draft_tokens)
         name = "draft loop" if extend_topk is None else f"draft loop {num_steps}/{topk}/{num_draft_tokens}"
         dtype = next(model.parameters()).dtype
         # module functions, not bound methods: a method here would make a drafter <-> graphs reference cycle
@@ -101,7 +103,8 @@ class EagleDrafter:
         out = graphs(len(batch.rids), x, width) if graphs else self._extend_fn(x)
         for b, rid in enumerate(batch.rids):
             layers = out["layer_hidden"][b].clone() if layered else None
-            self.states[rid] = DraftState(out["topk_p"][b], out["topk_index"][b], out["hidden"][b], layers)
+            self.states[rid] = DraftState(out["topk_p"][b], out["topk_index"][b], out["hidden"][b], layers,
+                                          out["normed"][b])
 
     def _layers_before(self, rid: int, like: torch.Tensor) -> torch.Tensor:
         """[D-1, Hd]: the last extend's per-layer outputs, zeros before a sequence's first position."""
@@ -123,8 +126,16 @@ class EagleDrafter:
         hidden = torch.stack([s.hidden for s in states])  # [bs, Hd]
         scratch = self._assign_scratch_slots(batch) if self.num_steps > 1 else None
         width = kv_width(max(batch.seq_lens_cpu), self.loop_graphs.bucketed)
+        if batch.grammars is not None:  # structured output: every step's top-k masked, eagerly (host callbacks)
+            normed = torch.stack([s.normed for s in states])
+            root = draft_masks(batch.grammars, batch.verified_id.new_zeros(batch.size, 0))
+            topk_p, topk_index = draft_top_k(self.model, self.hot_token_id, normed, self.topk, root)
         x = pack_draft(batch, self.table.table, topk_p, topk_index, hidden, scratch, width, self.topk)
-        out = self.loop_graphs(batch.size, x, width)
+        if batch.grammars is None:
+            out = self.loop_graphs(batch.size, x, width)
+        else:
+            with self.loop_graphs.times("draft"):
+                out = self._loop(x, partial(draft_masks, batch.grammars))
         return build_tree(batch.verified_id, out["parent_list"], out["top_scores_index"], out["draft_tokens"],
                           batch.seq_lens, self.topk, self.num_steps, self.num_draft_tokens)
 

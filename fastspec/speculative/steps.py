@@ -22,9 +22,15 @@ from fastspec.speculative.tree import organize_draft_results, select_top_k
 _BACKEND = TorchAttnBackend()
 
 
-def draft_top_k(model, hot_token_id, normed: torch.Tensor, topk: int):
-    """Draft logits -> (probs [T, topk] float32, target-vocabulary ids [T, topk])."""
-    topk_p, index = fast_topk(torch.softmax(model.compute_logits(normed), dim=-1), topk, -1)
+def draft_top_k(model, hot_token_id, normed: torch.Tensor, topk: int, allowed: torch.Tensor | None = None):
+    """Draft logits -> (probs [T, topk] float32, target-vocabulary ids [T, topk]). `allowed` (bool [T, V] over
+    the target vocabulary, a grammar's mask; eager drafting only): the top-k among the allowed tokens, their
+    probabilities renormalised over the allowed ones (a row allowing none keeps probability 0 everywhere)."""
+    probs = torch.softmax(model.compute_logits(normed), dim=-1)
+    if allowed is not None:
+        probs = probs * (allowed if hot_token_id is None else allowed[:, hot_token_id])
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+    topk_p, index = fast_topk(probs, topk, -1)
     return topk_p, index if hot_token_id is None else hot_token_id[index]
 
 
@@ -47,11 +53,15 @@ def draft_extend(model, hot_token_id, pool, topk: int, x: dict) -> dict:
     else:
         out, extra = model(x["input_ids"], x["positions"], x["features"], attn), {}
     topk_p, topk_index = draft_top_k(model, hot_token_id, out.normed[last], topk)
-    return {"topk_p": topk_p, "topk_index": topk_index, "hidden": out.carry[last], **extra}
+    return {"topk_p": topk_p, "topk_index": topk_index, "hidden": out.carry[last], "normed": out.normed[last],
+            **extra}
 
 
-def draft_loop(model, hot_token_id, pool, topk: int, num_steps: int, num_draft_tokens: int, x: dict) -> dict:
+def draft_loop(model, hot_token_id, pool, topk: int, num_steps: int, num_draft_tokens: int, x: dict,
+               allowed=None) -> dict:
     """select_top_k + num_steps-1 draft forwards over bs*topk rows + organize, with exact ancestry.
+    `allowed(paths int64 [R, depth]) -> bool [R, V]` (eager only: a host callback) masks each step's top-k by
+    what may follow each row's draft path (structured output).
 
     x: topk_p [bs, topk] f32, topk_index [bs, topk] i64, hidden [bs, Hd], seq_lens [bs],
        prefix_slots [bs, Kp], prefix_valid bool [bs, Kp], scratch int64 [bs*topk, S] (row b*topk+k, step i).
@@ -59,11 +69,11 @@ def draft_loop(model, hot_token_id, pool, topk: int, num_steps: int, num_draft_t
     wrote in earlier steps) and itself; unlike SGLang's per-branch-slot history this is exact for any topk.
     """
     parent_list, top_scores_index, draft_tokens = organize_draft_results(
-        *draft_candidates(model, hot_token_id, pool, topk, num_steps, x), num_draft_tokens)
+        *draft_candidates(model, hot_token_id, pool, topk, num_steps, x, allowed), num_draft_tokens)
     return {"parent_list": parent_list, "top_scores_index": top_scores_index, "draft_tokens": draft_tokens}
 
 
-def draft_candidates(model, hot_token_id, pool, topk: int, num_steps: int, x: dict):
+def draft_candidates(model, hot_token_id, pool, topk: int, num_steps: int, x: dict, allowed=None):
     """The draft loop before `organize`: per step, the candidates' scores, tokens and parents (lists of
     num_steps tensors; see select_top_k). A tree of fewer steps or fewer draft tokens is organised from a prefix
     of these lists, which is how `fastspec tune` replays every (num_steps, num_draft_tokens) from one run."""
@@ -85,13 +95,16 @@ def draft_candidates(model, hot_token_id, pool, topk: int, num_steps: int, x: di
         layered = model.per_step_layers > 1  # each step its own layer: the ancestors' draft KV is another's
         if step > 0 and not layered:  # a row's path = its parent's path + the slot its parent wrote last step
             ancestors = torch.cat([ancestors[sel.parent_rows], scratch[sel.parent_rows, step - 1:step]], 1)
+        if allowed is not None:  # each row's draft tokens so far
+            paths = sel.input_ids[:, None] if step == 0 else torch.cat([paths[sel.parent_rows], sel.input_ids[:, None]], 1)
         seen = torch.cat([prefix_slots, ancestors], 1)
         seen_valid = torch.cat([prefix_valid, torch.ones_like(ancestors, dtype=torch.bool)], 1)
         plan = block_plan(seen, seen_valid, scratch[:, step:step + 1], own_mask)
         attn = AttentionContext(_BACKEND, plan, pool)
         args = (sel.input_ids, positions + step, sel.hidden, attn)
         out = model(*args, step=step + 1) if layered else model(*args)  # the extend was step 0
-        topk_p, topk_index = draft_top_k(model, hot_token_id, out.normed, topk)
+        topk_p, topk_index = draft_top_k(model, hot_token_id, out.normed, topk,
+                                         None if allowed is None else allowed(paths))
         hidden, scores = out.carry, sel.scores
     return score_list, token_list, parents_list
 
