@@ -33,7 +33,9 @@ class BenchResult:
 
 
 def timed_run(llm, prompts: list[list[int]], bs: int, params: SamplingParams) -> tuple[float, int, SpecMetrics]:
-    """Run `prompts` in batches of `bs`; (seconds, generated tokens, summed metrics)."""
+    """Run `prompts` in batches of `bs`; (seconds, generated tokens, summed metrics). Every run starts with an
+    empty prefix cache: trials repeat the same prompts, and a decode benchmark must not time cached prefills."""
+    llm.engine.flush_cache()
     start, tokens, metrics = time.perf_counter(), 0, SpecMetrics()
     for i in range(0, len(prompts), bs):
         for out in llm.engine.generate(prompts[i:i + bs], [params] * len(prompts[i:i + bs])):

@@ -64,7 +64,7 @@ def tune(
     cfg = TuneConfig(batch_sizes=sizes, max_new_tokens=max_new_tokens, budget=budget)
     kwargs = options.llm_kwargs() | dict(speculative_algorithm=algorithm, draft_model=draft, tuned=False,
                                          num_steps=cfg.max_steps, topk=max(cfg.topks),
-                                         num_draft_tokens=cfg.max_draft_tokens, speculative_fallback=False,
+                                         num_draft_tokens=cfg.max_draft_tokens, speculative_fallback=False, radix_cache=False,
                                          max_running_requests=max(max(sizes), 2))
     llm = LLM(**kwargs, on_prepare=prepare_progress())
     ids = [llm.encode(t, chat=True) for t in texts[:num_prompts]]

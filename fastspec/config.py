@@ -59,7 +59,7 @@ class EngineConfig:
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit bucket list
     attention_backend: str = "torch"  # torch | flashinfer
     overlap_schedule: str = "auto"  # auto | on | off: launch the next decode round before handing out the last
-    radix_cache: bool = False  # keep finished requests' KV in a radix tree of token prefixes for reuse
+    radix_cache: bool = True  # keep finished requests' KV in a radix tree of token prefixes for reuse
     mamba_track_interval: int = 256  # hybrid targets with the prefix cache: save the recurrent state every N tokens
 
     def __post_init__(self):

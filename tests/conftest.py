@@ -50,6 +50,7 @@ def _isolate_caches() -> tuple[Path, Path]:
 
 USER_CACHE, SUITE_CACHE = _isolate_caches()
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["FASTSPEC_THREADS"] = str(torch.get_num_threads())  # CLI commands run in-process: keep the suite's count
 
 
 @pytest.fixture(autouse=True)
@@ -132,3 +133,11 @@ def draft_dirs(tiny_dirs, tmp_path_factory):
                        "eagle3": write_random_head(root / "eagle3", c.hidden_size, c.vocab_size, "eagle3"),
                        "standalone": root / "standalone"}
     return out
+
+
+def all_slots_free(engine) -> bool:
+    """Nothing leaked: the KV the prefix cache holds accounts for every slot not free (check_kv), and once the
+    cache hands its entries back every slot is free."""
+    engine.check_kv()
+    engine.flush_cache()
+    return engine.allocator.num_free() == engine.pool.capacity

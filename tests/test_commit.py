@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fastspec
+from conftest import all_slots_free
 from fastspec.sampling import SamplingParams
 from fastspec.speculative.kv import plan_round_kv
 from fastspec.speculative.tree import tree_from_parents
@@ -67,7 +68,7 @@ def test_oracle_drafts_accept_long_runs_and_stay_lossless(tiny_dirs, page_size, 
     assert [o.output_ids for o in outputs] == plain
     metrics = sum((o.metrics for o in outputs[1:]), outputs[0].metrics)
     assert metrics.tau > steps * 0.8  # nearly every round accepts the whole true path
-    assert engine.allocator.num_free() == engine.pool.capacity
+    assert all_slots_free(engine)
 
 
 def test_oracle_stop_token_inside_run(tiny_dirs):
@@ -79,7 +80,7 @@ def test_oracle_stop_token_inside_run(tiny_dirs):
     stops = [SamplingParams(max_new_tokens=30, ignore_eos=True, stop_token_ids=(out[12],)) for out in plain]
     outputs = llm.engine.generate(PROMPTS, stops)
     assert [o.output_ids for o in outputs] == [out[: out.index(out[12]) + 1] for out in plain]
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert all_slots_free(llm.engine)
 
 
 def test_plan_round_kv_worked_examples():

@@ -8,6 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 import fastspec
+from conftest import all_slots_free
 from fastspec.cli import app
 from fastspec.sampling import SamplingParams
 
@@ -52,7 +53,7 @@ def test_batched_generation_equals_transformers(hf_greedy, page_size):
     outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
     assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
     assert "Paris" in outputs[0].text
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity  # no slot leaked
+    assert all_slots_free(llm.engine)  # no slot leaked
     llm.engine.check_kv()
 
 
@@ -112,7 +113,7 @@ def test_speculative_on_the_embedded_model_equals_transformers(hf_greedy, embedd
     outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
     assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
     assert all(o.metrics.verify_rounds > 0 for o in outputs)
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert all_slots_free(llm.engine)
 
 
 def test_the_shipped_eagle3_head_is_the_default_and_is_trained(hf_greedy):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fastspec
-from conftest import make_hf_model
+from conftest import all_slots_free, make_hf_model
 from fastspec.errors import FastspecError
 from fastspec.grammar import GrammarCompiler, tree_paths
 from fastspec.sampling import SamplingParams
@@ -164,7 +164,7 @@ def test_grammars_survive_preemption_chunked_prefill_and_the_prefix_cache(char_t
     assert [o.output_ids for o in llm.engine.generate(prompts[:4], params[:4])] == reference[:4]
     assert llm.engine.worker.reused_tokens > 0
     llm.engine.flush_cache()
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert all_slots_free(llm.engine)
 
 
 def test_eagle_drafts_are_grammatical(char_target, draft_dirs):

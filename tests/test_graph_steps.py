@@ -12,6 +12,7 @@ from fastspec.config import EngineConfig, SpecConfig
 from fastspec.engine import Engine
 from fastspec.sampling import SamplingParams
 from fastspec.speculative.steps import draft_extend, draft_loop
+from conftest import all_slots_free
 from test_speculative import PROMPTS, reference
 
 BUCKETS = (1, 4)
@@ -46,7 +47,7 @@ def test_requests_joining_and_leaving_move_between_buckets(compiled, tiny_dirs):
     outputs = engine.generate(PROMPTS[:4], params)
     for out, p, prompt in zip(outputs, params, PROMPTS):
         assert out.output_ids == reference(tiny_dirs, "llama", 1, [prompt], p)[0]
-    assert engine.allocator.num_free() == engine.pool.capacity
+    assert all_slots_free(engine)
 
 
 def test_compiled_draft_loop_equals_eager_and_padding_leaves_real_kv_alone(compiled):
@@ -126,7 +127,7 @@ def test_reduced_lossless_matrix_with_compiled_graphs(tiny_dirs, draft_dirs, alg
     params = SamplingParams(max_new_tokens=14, ignore_eos=True)
     outputs = engine.generate(PROMPTS[:4], [params] * 4)
     assert [o.output_ids for o in outputs] == reference(tiny_dirs, "qwen2", page_size, PROMPTS[:4], params)
-    assert engine.allocator.num_free() == engine.pool.capacity
+    assert all_slots_free(engine)
 
 
 @pytest.mark.gpu

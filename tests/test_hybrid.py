@@ -14,7 +14,7 @@ import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
 
 import fastspec
-from conftest import PoolRunner, make_hf_model
+from conftest import PoolRunner, all_slots_free, make_hf_model
 from fastspec.errors import FastspecError
 from fastspec.models import gated_delta as gd
 from fastspec.models import recurrent, ssd
@@ -188,7 +188,7 @@ def test_oracle_drafts_commit_multi_token_runs_and_drop_wrong_branches(hybrid, p
     assert [o.output_ids for o in outputs] == expected
     assert all(o.metrics.depth_counts and len(o.metrics.depth_counts) >= 4 for o in outputs)  # 4-token runs
     assert len(checked) > bs
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert all_slots_free(llm.engine)
     llm.engine.check_kv()
 
 
@@ -223,7 +223,7 @@ def test_preemption_and_chunked_prefill_recompute_states(hybrid):
     oracle_drafter(llm.engine, PROMPTS, expected, hf.config.vocab_size)
     outputs = llm.engine.generate(PROMPTS, [GREEDY] * 8)
     assert [o.output_ids for o in outputs] == expected
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert all_slots_free(llm.engine)
 
 
 def test_compiled_verify_equals_eager(hybrid):

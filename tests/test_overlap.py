@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fastspec
+from conftest import all_slots_free
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
 from test_speculative import PROMPTS, reference
@@ -55,7 +56,7 @@ def test_overlap_equals_serial_with_mixed_lengths_and_stops(tiny_dirs, draft_dir
     for o, out, sp in zip(got, plain, params):  # and both are the target's own greedy output, cut where it stops
         stop = next((i for i, t in enumerate(out) if t in sp.stop_token_ids), len(out))
         assert o.output_ids == out[: min(stop + 1, sp.max_new_tokens)]
-    assert overlap.engine.allocator.num_free() == overlap.engine.pool.capacity
+    assert all_slots_free(overlap.engine)
     overlap.engine.check_kv()
 
 
@@ -89,7 +90,7 @@ def test_overlap_under_preemption_and_chunked_prefill(tiny_dirs, draft_dirs, alg
     got = overlap.engine.generate(PROMPTS, params)
     assert [o.output_ids for o in got] == [o.output_ids for o in expected]
     assert overlap.engine.preemptions > 0
-    assert overlap.engine.allocator.num_free() == overlap.engine.pool.capacity
+    assert all_slots_free(overlap.engine)
 
 
 def consume_with_aborts(engine, prompts, params, abort_after: dict[int, int]) -> dict[int, list[int]]:
@@ -110,7 +111,7 @@ def test_aborts_mid_round_hand_out_the_same_tokens(tiny_dirs, draft_dirs):
     expected = consume_with_aborts(serial.engine, PROMPTS[:6], params, abort_after)
     got = consume_with_aborts(overlap.engine, PROMPTS[:6], params, abort_after)
     assert got == expected
-    assert overlap.engine.allocator.num_free() == overlap.engine.pool.capacity
+    assert all_slots_free(overlap.engine)
 
 
 def test_an_abandoned_overlapped_stream_returns_every_slot(tiny_dirs, draft_dirs):
@@ -119,7 +120,7 @@ def test_an_abandoned_overlapped_stream_returns_every_slot(tiny_dirs, draft_dirs
     for _ in range(4):  # prefill, then rounds with the next one in flight; then the consumer walks away
         next(stream)
     stream.close()
-    assert overlap.engine.allocator.num_free() == overlap.engine.pool.capacity
+    assert all_slots_free(overlap.engine)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -138,7 +139,7 @@ def test_random_workloads_overlap_equals_serial(tiny_dirs, draft_dirs, seed):
     expected = consume_with_aborts(llms[0].engine, prompts, params, abort_after)
     got = consume_with_aborts(llms[1].engine, prompts, params, abort_after)
     assert got == expected
-    assert llms[1].engine.allocator.num_free() == llms[1].engine.pool.capacity
+    assert all_slots_free(llms[1].engine)
 
 
 _llms = {}

@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import fastspec
+from conftest import all_slots_free
 from fastspec.cli import app
 from fastspec.sampling import SamplingParams
 
@@ -41,7 +42,7 @@ def test_chat_session_keeps_an_interrupted_answer(tmp_path):
     assert session.messages[-1] == {"role": "assistant", "content": "".join(seen)}
     answer = "".join(session.respond("What is 2 + 2?"))  # the conversation is still usable
     assert answer and session.turns[-1].finish_reason in ("stop", "length") and len(session.messages) == 4
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert all_slots_free(llm.engine)
     assert session.command("/reset") == "conversation cleared" and session.messages == []
     saved = json.loads(session.save(tmp_path).read_text())  # /reset clears the screen's history, not the record
     assert saved["messages"] == [] and saved["cleared"][0]["messages"][0]["content"].startswith("Write a long")
@@ -72,7 +73,7 @@ def test_stop_strings_trim_exactly():
                            chat=True)[0]
     assert stopped.text == plain.text[:cut] and stopped.finish_reason == "stop"
     assert stopped.output_ids == plain.output_ids[: len(stopped.output_ids)]
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert all_slots_free(llm.engine)
 
 
 def test_bench_json_shape():
@@ -108,4 +109,4 @@ def test_abandoned_stream_returns_every_slot():
     stream = llm.engine.stream([[1, 2, 3], [4, 5]], [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 2)
     next(stream), next(stream)  # prefill and one round, then the consumer walks away
     stream.close()
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert all_slots_free(llm.engine)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fastspec
+from conftest import all_slots_free
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
 
@@ -68,7 +69,7 @@ def test_greedy_speculative_equals_target_only(tiny_dirs, draft_dirs, family, al
     outputs = llm.engine.generate(prompts, [params] * bs)
     assert [o.output_ids for o in outputs] == reference(tiny_dirs, family, page_size, prompts, params)
     assert all(len(o.output_ids) == NEW for o in outputs)
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity  # every slot came back
+    assert all_slots_free(llm.engine)  # every slot came back
     llm.engine.check_kv()
     rounds = sum(o.metrics.verify_rounds for o in outputs)
     assert rounds > 0
@@ -87,7 +88,7 @@ def test_stop_token_inside_an_accepted_run(tiny_dirs, draft_dirs, page_size, top
         stopped = SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop_token_ids=(stop,))
         got = llm.engine.generate([prompt], [stopped])[0]
         assert got.output_ids == out[: out.index(stop) + 1] and got.finish_reason == "stop"
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert all_slots_free(llm.engine)
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 9, 13])
@@ -175,7 +176,7 @@ def test_chunked_prefill_is_lossless(tiny_dirs, draft_dirs, algorithm, draft, ch
     llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, steps, topk, n, 1, chunked_prefill_size=chunk)
     outputs = llm.engine.generate(PROMPTS, [params] * len(PROMPTS))
     assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, PROMPTS, params)
-    assert llm.engine.allocator.num_free() == llm.engine.pool.capacity
+    assert all_slots_free(llm.engine)
     if draft:  # the draft saw exactly what an unchunked prefill shows it: the same trees, the same acceptance
         whole = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, steps, topk, n, 1)
         unchunked = whole.engine.generate(PROMPTS, [params] * len(PROMPTS))
@@ -200,7 +201,7 @@ def test_overload_preempts_and_recomputes_losslessly(tiny_dirs, draft_dirs, algo
     outputs = cramped.engine.generate(PROMPTS, params)
     assert [o.output_ids for o in outputs] == expected
     assert cramped.engine.preemptions > 0
-    assert cramped.engine.allocator.num_free() == cramped.engine.pool.capacity
+    assert all_slots_free(cramped.engine)
 
 
 @pytest.mark.parametrize("algorithm, draft, steps, topk, n", [("EAGLE3", "eagle3", 3, 2, 4),

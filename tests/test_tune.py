@@ -8,6 +8,7 @@ import json
 import pytest
 
 import fastspec
+from conftest import all_slots_free
 from fastspec.sampling import SamplingParams
 from fastspec.train.trainer import train_draft
 from fastspec.config import SpecParams
@@ -87,7 +88,7 @@ def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head
     assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
     assert {p for _, p in seen} == {SpecParams(4, 1, 5), SpecParams(3, 3, 6)}
     assert all((bs == 1) == (p.topk == 1) and bs != 2 for bs, p in seen)
-    assert scheduled.engine.allocator.num_free() == scheduled.engine.pool.capacity
+    assert all_slots_free(scheduled.engine)
 
 
 def test_tuned_file_round_trips_and_guards_its_fingerprint(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from fastspec import threads
 from fastspec.config import Schedule, SpecParams, check_tree
 from fastspec.errors import FastspecError
 from fastspec.files import write_atomic
@@ -105,7 +106,7 @@ def _hardware(device: str) -> str:
                 break
     except OSError:
         pass
-    return f"{model} x{os.cpu_count()} threads={torch.get_num_threads()}"
+    return f"{model} x{os.cpu_count()} threads={threads.ALL}"  # torch's default: `--threads auto` varies with load
 
 
 def _dir_digest(directory: Path) -> str:
