@@ -83,13 +83,13 @@ def round_split(llm, bs: int, new_tokens: int) -> dict:
             "tok_s": round(sum(len(o.output_ids) for o in outputs) / wall, 2)}
 
 
-def rounds(head: Path, sizes: tuple[int, ...], new_tokens: int) -> dict:
+def rounds(head: Path, sizes: tuple[int, ...], new_tokens: int, modes: list[str], dtype: str) -> dict:
     """Per mode, per batch size: ms per round in each phase (buckets prepared ahead, outside the timing)."""
     out = {}
-    for mode in ("eager", "compile"):
+    for mode in modes:
         llm = fastspec.LLM(speculative_algorithm="EAGLE3", draft_model=str(head), num_steps=5, topk=4,
                            num_draft_tokens=8, max_total_tokens=8192, graphs=mode, cuda_graph_bs=sizes,
-                           max_running_requests=max(sizes))
+                           max_running_requests=max(sizes), dtype=dtype)
         out[mode] = [round_split(llm, bs, new_tokens) for bs in sizes]
         del llm
     return out
@@ -112,13 +112,16 @@ def main() -> None:
     parser.add_argument("--skip-rounds", action="store_true")
     parser.add_argument("--skip-startup", action="store_true")
     parser.add_argument("--models", default="tiny,embedded")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "graphs.json"))
     parser.add_argument("--modes", default="eager,compile" + (",cuda" if torch.cuda.is_available() else ""))
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     models = make_models(tmp)
-    out = Path(__file__).parent / "results" / "graphs.json"
+    out = Path(args.output)
     out.parent.mkdir(exist_ok=True)
-    results = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}}
+    results = {"machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                           "cuda": torch.cuda.is_available() and torch.cuda.get_device_name()}, "dtype": args.dtype}
     if not args.skip_startup:
         results["startup"] = {}
         for name in args.models.split(","):
@@ -130,7 +133,7 @@ def main() -> None:
                 out.write_text(json.dumps(results, indent=2))  # what is measured so far survives a failure
     if not args.skip_rounds:
         sizes = tuple(int(b) for b in args.batch_sizes.split(","))
-        results["modes"] = rounds(models["embedded"][2], sizes, args.max_new_tokens)
+        results["modes"] = rounds(models["embedded"][2], sizes, args.max_new_tokens, args.modes.split(","), args.dtype)
     print(json.dumps(results, indent=2))
     out.write_text(json.dumps(results, indent=2))
 

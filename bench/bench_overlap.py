@@ -110,11 +110,13 @@ def main() -> None:
     parser.add_argument("--gpu-ms", type=float, default=4.0)
     parser.add_argument("--skip-real", action="store_true")
     parser.add_argument("--skip-simulated", action="store_true")
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "overlap.json"))
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, stop=("<never printed>",))
-    results = {"machine": {"cpus": torch.get_num_threads()}, "gpu_ms": args.gpu_ms}
+    results = {"machine": {"cpus": torch.get_num_threads(), "cuda": torch.cuda.is_available() and
+                           torch.cuda.get_device_name()}, "gpu_ms": args.gpu_ms, "dtype": args.dtype}
     if not args.skip_real:
         base = fastspec.LLM(speculative_algorithm="NONE")
         prompts = [base.encode(p, chat=True) for p in PROMPTS]
@@ -123,7 +125,8 @@ def main() -> None:
             print(f"real: {algorithm}", file=sys.stderr)
             results[f"real {algorithm}"] = compare(
                 lambda mode, a=algorithm: fastspec.LLM(speculative_algorithm=a, overlap_schedule=mode,
-                                                       speculative_fallback=False, max_total_tokens=16384),
+                                                       speculative_fallback=False, max_total_tokens=16384,
+                                                       dtype=args.dtype),
                 prompts, sizes, params, args.trials)
     if not args.skip_simulated:
         with tempfile.TemporaryDirectory() as tmp:

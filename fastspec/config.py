@@ -46,7 +46,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"  # embedded name, HF directory or .gguf file
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
     page_size: int = 1
     max_total_tokens: int | None = None  # KV pool size in tokens; None: kv_mem_fraction of available memory
     kv_mem_fraction: float = 0.05
@@ -63,6 +63,7 @@ class EngineConfig:
     mamba_track_interval: int = 256  # hybrid targets with the prefix cache: save the recurrent state every N tokens
 
     def __post_init__(self):
+        object.__setattr__(self, "device", resolve_device(self.device))
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise FastspecError(f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.graphs not in GRAPH_MODES:

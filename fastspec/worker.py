@@ -313,7 +313,7 @@ class Worker:
         positions = torch.cat([torch.arange(o, o + k) for o, k in zip(batch.seq_lens_cpu, plan.keep_lens.tolist())])
         return runs, ExtendBatch(batch.rids, batch.rows, old, plan.keep_lens,
                                  torch.tensor([t for run in runs for t in run], device=self.config.device),
-                                 positions.to(old.device), features[torch.tensor(kept_rows)])
+                                 positions.to(old.device), features[torch.tensor(kept_rows, device=features.device)])
 
     def _save_states(self, reqs: list[Request], fed: list[int]) -> None:
         """Prefill chunks and plain rounds end on at most one interval boundary: save the row's state there."""

@@ -70,7 +70,7 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: Rope
     if scaling.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
     return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
 
 
@@ -95,8 +95,14 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.rotary_dim = int(config.head_dim * config.partial_rotary_factor)  # the rest passes unrotated
-        self.inv_freq_cpu = rope_inv_freq(self.rotary_dim, config.rope_theta, config.rope_scaling)
+        # float32 on the model's device: a plain attribute, so a dtype cast of the model leaves it (see _apply)
+        self.inv_freq = rope_inv_freq(self.rotary_dim, config.rope_theta, config.rope_scaling).to(
+            torch.get_default_device())
         self.attention_factor = rope_attention_factor(config.rope_scaling)
+
+    def _apply(self, fn, recurse=True):
+        self.inv_freq = self.inv_freq.to(fn(self.inv_freq).device)  # follows .to(device) / .cuda(), not dtypes
+        return super()._apply(fn, recurse)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
@@ -105,8 +111,7 @@ class RotaryEmbedding(nn.Module):
             (q_rot, q_pass), (k_rot, k_pass) = q.split([r, q.shape[-1] - r], -1), k.split([r, k.shape[-1] - r], -1)
             q_rot, k_rot = self.forward(positions, q_rot, k_rot)
             return torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1)
-        inv_freq = self.inv_freq_cpu.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:

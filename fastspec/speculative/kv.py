@@ -30,7 +30,7 @@ def plan_round_kv(verify_slots: torch.Tensor,  # int64 [bs, N]
                   kept_nodes: list[list[int]],  # per request: tree node indices to keep, root first
                   seq_lens: list[int], page_size: int) -> RoundKV:
     empty = verify_slots.new_zeros(0)
-    keep_lens = torch.tensor([len(k) for k in kept_nodes], dtype=torch.int64)
+    keep_lens = torch.tensor([len(k) for k in kept_nodes], dtype=torch.int64, device=verify_slots.device)
     table, free, src, dst = [], [], [], []
     for b, nodes in enumerate(kept_nodes):
         slots = verify_slots[b]
