@@ -1,6 +1,6 @@
 """Why `--threads auto`: plain decoding tok/s on the embedded model with every core vs one thread, on a quiet
-machine and beside a busy process (one core kept spinning), and what a start-up probe (decode-sized matmul timings, the
-`auto` fastspec tried and dropped) picks in each case.
+machine and beside a busy process (one core kept spinning), what auto (the load other processes put on the cores,
+from /proc/stat) picks in each case, and what a dropped start-up probe (decode-sized matmul timings) picked.
 
     .venv/bin/python bench/bench_threads.py [--max-new-tokens 32] [--trials 3]
 
@@ -77,12 +77,13 @@ def main() -> None:
             for n in rates:
                 torch.set_num_threads(n)
                 rates[n].append(tok_s(llm, ids, params))
-        auto = probe_pick()
+        auto, probe = threads.auto_threads(), probe_pick()
         if busy:
             busy.terminate()
         median = {n: statistics.median(r) for n, r in rates.items()}
         row = {"condition": condition, "tok_s": {f"{n} threads": round(v, 2) for n, v in median.items()},
-               "one_thread_vs_all": round(median[1] / median[threads.ALL], 2), "start_up_probe_picks": auto}
+               "one_thread_vs_all": round(median[1] / median[threads.ALL], 2), "auto_picks": auto,
+               "dropped_matmul_probe_picks": probe}
         results.append(row)
         print(json.dumps(row))
     torch.set_num_threads(threads.ALL)

@@ -8,7 +8,7 @@ Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -110,14 +110,30 @@ class Engine:
         A request the previous round finished runs in the next one as done (skipped by the worker); an
         aborted one runs once more and its tokens are dropped. Everything else waits for the round in flight
         (a drain) and runs as without overlap, so the output is the same token for token."""
-        reqs = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        reqs = [self.request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        yield from self.run(reqs)
+
+    def run(self, reqs: list[Request], poll: Callable[[bool], list[Request] | None] | None = None
+            ) -> Iterator[list[StepOutput]]:
+        """`stream` over Requests made by `request`; with `poll`, requests also arrive while it runs (a server):
+        `poll(idle)` is called before every step and returns the requests that arrived (it may block while
+        `idle`, nothing being left to run), or None to stop (what still runs is released)."""
         scheduler = Scheduler(self.config.max_running_requests, self.config.page_size, self.worker.round_headroom())
         for r in reqs:
             scheduler.add(r)
         self._aborted: set[int] = set()
         inflight = None  # (the running requests it was launched with, Future[StepResult]) under overlap
         try:
-            while inflight is not None or not scheduler.idle:
+            while True:
+                arrived = [] if poll is None else poll(inflight is None and scheduler.idle)
+                if arrived is None:
+                    break
+                for r in arrived:
+                    scheduler.add(r)
+                if inflight is None and scheduler.idle:
+                    if poll is None:
+                        break
+                    continue
                 out = self._apply_aborts(scheduler)
                 if inflight is not None and not self._may_run_ahead(scheduler, inflight[0]):
                     out += self._hand_out(scheduler, inflight[1].result())
@@ -221,7 +237,9 @@ class Engine:
         self._aborted.clear()
         return done
 
-    def _make_request(self, rid: int, prompt: list[int], params: SamplingParams) -> Request:
+    def request(self, rid: int, prompt: list[int], params: SamplingParams) -> Request:
+        """A checked request for `run` (FastspecError: empty, too long for the context or the pool, bad ids or
+        grammar); `rid` names it in the StepOutputs and for `abort`."""
         if not prompt:
             raise FastspecError("empty prompt")
         if len(prompt) + params.max_new_tokens > self.worker.max_context_len:

@@ -1,27 +1,62 @@
-"""How many threads torch's CPU ops use: `--threads N`, or 0 = auto (every core, torch's default).
+"""How many threads torch's CPU ops use: `--threads N`, or 0 = auto (every core no other process keeps busy).
 
 torch runs one OpenMP thread per core. When another process keeps a core busy, every parallel op waits at its
 barrier for the thread sharing that core, and the small ops of a decode step become much slower: measured by
 bench/bench_threads.py on a 2-core VM, one thread decodes 2.5x faster than two beside a spinning process, and
-0.89x as fast on a quiet machine, so auto keeps every core and `--threads 1` is the advice beside a busy job. A
-start-up probe (timing decode-sized matmuls at both counts) picked wrongly in both conditions there, so auto
-does not probe (the bench keeps the probe and its picks as evidence).
+0.89x as fast on a quiet machine. So auto measures the machine's load at start-up (/proc/stat read twice, 0.2 s
+apart, while this process waits) and leaves out the cores others keep busy. Timing matmuls at both counts (the
+first auto tried) picked wrongly in both conditions there: single small matmuls flip-flop run to run.
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import torch
 
 from fastspec.errors import FastspecError
 
 ALL = torch.get_num_threads()  # torch's own default (every core, or OMP_NUM_THREADS), before anyone changes it
+SAMPLE_S = 0.2
 
 
 def apply_threads(requested: int, device: str) -> int:
-    """Set torch's thread count: `requested` >= 1, or 0 = auto (every core); returns the count in use."""
+    """Set torch's thread count: `requested` >= 1, or 0 = auto (see auto_threads); returns the count in use."""
     if requested < 0:
         raise FastspecError(f"--threads must be >= 1, or 0 for auto, got {requested}")
     if requested == 0:
-        requested = ALL
+        requested = auto_threads()
     torch.set_num_threads(requested)
     return requested
+
+
+def auto_threads() -> int:
+    """Every core (torch's default) less the cores other processes keep busy right now; at least one."""
+    before = _cpu_times()
+    if before is None:  # not Linux: no cheap load reading
+        return ALL
+    time.sleep(SAMPLE_S)
+    return threads_for_load(ALL, busy_cores(before, _cpu_times(), os.cpu_count() or ALL))
+
+
+def busy_cores(before: list[int], after: list[int], cores: int) -> float:
+    """Cores busy over the interval between two /proc/stat `cpu` lines (user nice system idle iowait irq softirq
+    steal ...): everything but idle and iowait, steal included (the hypervisor gave that time to someone else)."""
+    delta = [a - b for a, b in zip(after, before)]
+    total = sum(delta[:8])
+    return 0.0 if total <= 0 else cores * (total - delta[3] - delta[4]) / total
+
+
+def threads_for_load(all_threads: int, busy: float) -> int:
+    """E.g. 2 threads beside 0.97 busy cores -> 1; on a quiet machine (0.05 busy) -> 2."""
+    return max(1, all_threads - round(busy))
+
+
+def _cpu_times() -> list[int] | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    return [int(v) for v in fields[1:9]] if fields and fields[0] == "cpu" else None
