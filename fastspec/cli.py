@@ -346,10 +346,12 @@ def stop_on_ctrl_c():
 
 
 from fastspec.cli_train import train_draft  # noqa: E402  (own modules: cli.py's size budget)
+from fastspec.cli_serve import serve  # noqa: E402
 from fastspec.cli_tune import tune  # noqa: E402
 
 app.command("train-draft")(user_errors(train_draft))
 app.command("tune")(user_errors(model_options(tune)))
+app.command("serve")(user_errors(model_options(serve)))
 
 if __name__ == "__main__":
     app()

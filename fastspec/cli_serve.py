@@ -1,0 +1,32 @@
+"""`fastspec serve`: the OpenAI-compatible server (fastspec.serve) with every model / engine / speculative flag."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from fastspec.cli_options import ModelOptions
+
+
+def serve(
+    options: ModelOptions,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 30000,
+    served_model_name: Annotated[Optional[str], typer.Option(help="The model name clients send (default: --model).")]
+    = None,
+    max_queued_requests: Annotated[int, typer.Option(help="Open requests (waiting + running) past which a new one "
+                                                          "gets a 503.")] = 256,
+):
+    """Serve the model over the OpenAI HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /health."""
+    from fastspec.errors import FastspecError
+    from fastspec.llm import LLM
+    from fastspec.serve import bind, serve as run
+
+    if max_queued_requests < 1:
+        raise FastspecError(f"--max-queued-requests must be >= 1, got {max_queued_requests}")
+    sock = bind(host, port)  # before the model loads: a port in use fails at once
+    llm = LLM(**options.llm_kwargs())
+    name = served_model_name or options.model
+    run(llm, sock, name, max_queued_requests,
+        on_ready=lambda url: typer.echo(f"fastspec serve: {name} on {url}/v1 (Ctrl-C stops)", err=True))

@@ -1,0 +1,47 @@
+"""`fastspec serve`: the OpenAI HTTP API over one engine (protocol.py: the API's values; service.py: the engine on
+its own thread; app.py: the routes). `bind` takes the port before the model loads, `serve` runs until Ctrl-C."""
+
+from __future__ import annotations
+
+import socket
+
+from fastspec.errors import FastspecError
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening address, taken now (a port in use is a one-line error before the model loads)."""
+    if not 0 <= port <= 65535:
+        raise FastspecError(f"--port must be in [0, 65535], got {port}")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise FastspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def make_server(llm, model_name: str, max_queued: int):
+    """(uvicorn.Server, EngineService started) for `llm`; run with `server.run(sockets=[sock])`."""
+    import uvicorn
+
+    from fastspec.serve.app import build_app
+    from fastspec.serve.service import EngineService
+
+    service = EngineService(llm, max_queued).start()
+    config = uvicorn.Config(build_app(service, model_name), log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=5)
+    return uvicorn.Server(config), service
+
+
+def serve(llm, sock: socket.socket, model_name: str, max_queued: int, on_ready=None) -> None:
+    """Serve `llm` on the bound `sock` until interrupted; the engine thread stops with the server."""
+    server, service = make_server(llm, model_name, max_queued)
+    if on_ready is not None:
+        host, port = sock.getsockname()[:2]
+        on_ready(f"http://{host}:{port}")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.stop()

@@ -1,0 +1,245 @@
+"""The OpenAI HTTP API as values: request bodies checked and turned into (prompt, SamplingParams, options), and
+the response / stream-chunk / error objects built from what the engine produced.
+
+Owns: which fields each endpoint takes (an unknown one is a 400, as OpenAI answers), their types and ranges,
+OpenAI's defaults (temperature 1, completions max_tokens 16), the error object. Does not own: running
+requests (service.py) or HTTP (app.py). Extra fields SGLang and vLLM accept ride along: top_k, min_p,
+repetition_penalty, ignore_eos, regex, ebnf.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastspec.errors import FastspecError
+from fastspec.metrics import SpecMetrics
+from fastspec.sampling import SamplingParams
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+          "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs", "response_format",
+          "top_k", "min_p", "repetition_penalty", "ignore_eos", "regex", "ebnf"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
+DEFAULT_CHAT_MAX_TOKENS = 1024  # OpenAI's chat default is "the rest of the context"; capped so the KV pool holds it
+
+
+class APIError(Exception):
+    """An OpenAI error object with its HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.kind, self.code = status, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    chat: bool
+    messages: list[dict] | None  # chat
+    prompt: str | list[int] | None  # completions: text or token ids
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: bool  # report logprobs (chat: `logprobs: true`; completions: `logprobs: n`)
+    max_tokens_given: bool  # False: the chat default applies once the prompt's length is known
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
+    unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+    if unknown:
+        raise APIError(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
+    model = body.get("model")
+    if model != model_name:
+        raise APIError(f"the model '{model}' does not exist (this server serves '{model_name}')", status=404,
+                       param="model", code="model_not_found")
+    if _get(body, "n", int, 1) != 1 or _get(body, "best_of", int, 1) != 1:
+        raise APIError("only n = 1 is supported", param="n")
+    if not chat and (_get(body, "echo", bool, False) or _get(body, "suffix", str, None)):
+        raise APIError("echo and suffix are not supported", param="echo")
+    messages, prompt = (_messages(body), None) if chat else (None, _prompt(body))
+    stop = _get(body, "stop", (str, list), None)
+    stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(isinstance(s, str) for s in stop) or len(stop) > 4:
+        raise APIError("stop must be a string or a list of at most 4 strings", param="stop")
+    if chat:
+        want_logprobs = _get(body, "logprobs", bool, False)
+        top = _get(body, "top_logprobs", int, 0)
+        if top and not want_logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    else:
+        top = _get(body, "logprobs", int, None)
+        want_logprobs = top is not None
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    given = max_tokens is not None
+    if given and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
+        raise APIError(f"max_tokens must be an integer >= 1, got {max_tokens!r}", param="max_tokens")
+    stream_options = _get(body, "stream_options", dict, {}) or {}
+    try:
+        params = SamplingParams(
+            temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+            top_k=_get(body, "top_k", int, -1), min_p=_number(body, "min_p", 0.0),
+            seed=_get(body, "seed", int, None), max_new_tokens=max_tokens or (DEFAULT_CHAT_MAX_TOKENS if chat else 16),
+            stop=stop, ignore_eos=_get(body, "ignore_eos", bool, False),
+            logprobs=top if want_logprobs else None,
+            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            logit_bias=_logit_bias(body), regex=_get(body, "regex", str, None), ebnf=_get(body, "ebnf", str, None),
+            json_schema=_response_format(body))
+    except FastspecError as e:
+        raise APIError(str(e)) from None
+    return ParsedRequest(chat, messages, prompt, params, _get(body, "stream", bool, False),
+                         bool(stream_options.get("include_usage")), want_logprobs, given)
+
+
+def _get(body: dict, name: str, kind, default):
+    value = body.get(name, default)
+    if value is None or value is default:
+        return default
+    if isinstance(value, bool) and kind is int or not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise APIError(f"{name} must be of type {names}, got {type(value).__name__}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise APIError(f"{name} must be a number, got {type(value).__name__}", param=name)
+    return float(value)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages must be a non-empty list", param="messages")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise APIError("each message needs a role: system, developer, user or assistant", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError("only text content parts are supported", param="messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError("message content must be a string or a list of text parts", param="messages")
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+    return out
+
+
+def _prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise APIError("prompt must be a non-empty string or list of token ids (one prompt per request)", param="prompt")
+
+
+def _logit_bias(body: dict) -> dict:
+    bias = _get(body, "logit_bias", dict, {}) or {}
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except (TypeError, ValueError):
+        raise APIError("logit_bias must map token ids to numbers", param="logit_bias") from None
+
+
+def _response_format(body: dict) -> str | None:
+    fmt = _get(body, "response_format", dict, None)
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return json.dumps({"type": "object"})
+    if fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+        schema = fmt["json_schema"].get("schema", {"type": "object"})
+        return schema if isinstance(schema, str) else json.dumps(schema)
+    raise APIError("response_format must be text, json_object or json_schema {schema}", param="response_format")
+
+
+# ---- responses ----------------------------------------------------------------------------------------------
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def meta_info(metrics: SpecMetrics) -> dict:
+    """The speculative figures, in an extra field OpenAI clients ignore (SGLang reports these in meta_info)."""
+    return {"spec_verify_ct": metrics.verify_rounds, "spec_accepted_tokens": metrics.accepted_tokens,
+            "spec_accept_length": round(metrics.tau, 4)}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def logprobs_object(chat: bool, entries: list, token_text) -> dict | None:
+    """OpenAI's logprobs for TokenLogprob entries: chat {"content": [...]}, completions parallel lists."""
+    if entries is None:
+        return None
+    if chat:
+        def item(token: int, logprob: float) -> dict:
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+    return {"tokens": [token_text(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries]}
+
+
+def response(rid: str, chat: bool, model: str, text: str, reason: str, prompt_tokens: int, completion_tokens: int,
+             metrics: SpecMetrics, logprobs: dict | None) -> dict:
+    choice = {"index": 0, "finish_reason": finish_reason(reason), "logprobs": logprobs}
+    choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens),
+            "meta_info": meta_info(metrics)}
+
+
+def chunk(rid: str, chat: bool, model: str, text: str | None, reason: str | None, logprobs: dict | None = None,
+          role: bool = False) -> dict:
+    choice = {"index": 0, "finish_reason": finish_reason(reason), "logprobs": logprobs}
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, chat: bool, model: str, prompt_tokens: int, completion_tokens: int,
+                metrics: SpecMetrics) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens),
+            "meta_info": meta_info(metrics)}
+
+
+def sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()

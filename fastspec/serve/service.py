@@ -1,0 +1,163 @@
+"""The engine on a thread of its own, fed by a queue: requests arrive from the HTTP side at any time, join the
+running batch at the next step (`Engine.run` with a poll), and come back as text deltas through a callback.
+
+Owns: request ids, the bound on open requests (overload = a 503, never an unbounded queue), detokenizing with
+stop strings (a stop string aborts the request in the engine, as LLM.stream does), aborts from clients that
+went away, and the engine's health. Only the engine thread touches the engine after start; the HTTP side only
+makes checked requests (Engine.request reads the config) and puts them in the inbox.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from fastspec.detokenizer import IncrementalDetokenizer
+from fastspec.errors import FastspecError
+from fastspec.metrics import SpecMetrics
+from fastspec.sampling import SamplingParams
+from fastspec.serve.protocol import APIError
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one engine step produced for one request."""
+
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    logprobs: tuple | None  # TokenLogprob per new kept token
+    completion_tokens: int  # kept output tokens so far
+    metrics: SpecMetrics
+    error: str | None = None  # the engine failed: the request ends with a 500
+
+
+@dataclass
+class _Live:
+    detok: IncrementalDetokenizer
+    deliver: Callable[[Event], None]
+    tokens: int = 0
+
+
+class EngineService:
+    def __init__(self, llm, max_queued: int):
+        self.llm, self.engine, self.max_queued = llm, llm.engine, max_queued
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, _Live] = {}  # the engine thread's own
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._open = 0  # submitted and not finished (waiting + running)
+        self.error: str | None = None
+        self.aborted = 0  # requests ended because their client went away
+        self._thread = threading.Thread(target=self._run, name="fastspec-engine", daemon=True)
+
+    def start(self) -> EngineService:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def open_requests(self) -> int:
+        return self._open
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, deliver: Callable[[Event], None]) -> int:
+        """Queue a request (APIError 400: it can never run; 503: too many open requests); returns its id.
+        `deliver(Event)` is called from the engine thread after every step that made progress."""
+        if not self.healthy:
+            raise APIError(f"the engine has stopped: {self.error}", status=503, kind="server_error")
+        with self._lock:
+            if self._open >= self.max_queued:
+                raise APIError(f"the server is overloaded ({self._open} open requests; --max-queued-requests "
+                               f"{self.max_queued}): retry later", status=503, kind="server_error")
+            self._open += 1
+        rid = next(self._ids)
+        try:
+            request = self.engine.request(rid, prompt_ids, params)
+            detok = IncrementalDetokenizer(self.llm.tokenizer, prompt_ids, params.stop)
+        except FastspecError as e:
+            self._close()
+            raise APIError(str(e)) from None
+        self._inbox.put(("add", request, _Live(detok, deliver)))
+        return rid
+
+    def call(self, fn: Callable, timeout: float = 60.0):
+        """fn() run by the engine thread between two steps (e.g. a cache flush, a leak check); its result."""
+        done: Future = Future()
+        self._inbox.put(("call", fn, done))
+        return done.result(timeout)
+
+    def abort(self, rid: int) -> None:
+        """The client went away: the engine frees the request's KV before its next step."""
+        self._inbox.put(("abort", rid))
+
+    # ---- the engine thread ----
+
+    def _run(self) -> None:
+        try:
+            for step in self.engine.run([], poll=self._poll):
+                for out in step:
+                    self._handle(out)
+        except Exception as e:  # a bug in a step: every open request ends with the error, /health says so
+            self.error = f"{type(e).__name__}: {e}"
+            for live in self._live.values():
+                live.deliver(Event("", "abort", None, live.tokens, SpecMetrics(), self.error))
+            self._live.clear()
+
+    def _poll(self, idle: bool) -> list | None:
+        """What arrived since the last step; blocks while the engine is idle until something does."""
+        arrived = []
+        while True:
+            try:
+                item = self._inbox.get(block=idle and not arrived)
+            except queue.Empty:
+                return arrived
+            if item[0] == "stop":
+                return None
+            if item[0] == "add":
+                arrived.append(item[1])
+                self._live[item[1].rid] = item[2]
+            elif item[0] == "call":
+                _run_into(item[2], item[1])
+            elif item[1] in self._live:
+                self.engine.abort(item[1])
+
+    def _handle(self, out) -> None:
+        live = self._live.get(out.index)
+        if live is None:  # finished by a stop string already: the engine confirming the abort
+            return
+        d = live.detok
+        text, reason = d.add(out.new_ids), out.finish_reason
+        if d.stopped and reason is None:
+            self.engine.abort(out.index)  # the stop string ends it; its KV is freed before the next step
+            reason = "stop"
+        if reason is not None:
+            text += d.finish()
+        before = live.tokens
+        live.tokens = d.num_tokens_kept if d.stopped else live.tokens + len(out.new_ids)
+        logprobs = None if out.logprobs is None else tuple(out.logprobs[: max(0, live.tokens - before)])
+        live.deliver(Event(text, reason, logprobs, live.tokens, out.metrics))
+        if reason is not None:
+            self.aborted += reason == "abort"
+            del self._live[out.index]
+            self._close()
+
+    def _close(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+
+def _run_into(future: Future, fn: Callable) -> None:
+    try:
+        future.set_result(fn())
+    except Exception as e:
+        future.set_exception(e)

@@ -1,0 +1,213 @@
+"""`fastspec serve` through the official `openai` client: a tiny Llama with a character tokenizer and a random
+EAGLE-3 head, served on 127.0.0.1 at a free port by a uvicorn thread. Greedy answers over HTTP equal
+`LLM.generate` for the same prompts; streams, stop strings, max tokens, logprobs and grammars ride through;
+32 concurrent streams finish right and hand every KV slot back; a client that disconnects mid-stream frees its
+request; bad requests get OpenAI's error object and the server keeps serving."""
+
+import shutil
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import http.client
+import json
+import openai
+import pytest
+from typer.testing import CliRunner
+
+import fastspec
+from fastspec.cli import app
+from fastspec.sampling import SamplingParams
+from fastspec.serve import bind, make_server
+from conftest import all_slots_free
+from tiny_models import write_char_tokenizer
+
+MODEL = "tiny-served"
+PROMPTS = ["Hello!", "abc", "[x]{y}", "What?", "1+1=2", "zz", "~!~", "Q"]
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dirs, draft_dirs, tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("served") / "llama"
+    shutil.copytree(tiny_dirs["llama"][0], model_dir)
+    write_char_tokenizer(model_dir)
+    (model_dir / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    llm = fastspec.LLM(str(model_dir), speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]),
+                       num_steps=3, topk=2, num_draft_tokens=4, max_total_tokens=4096, max_running_requests=16)
+    sock = bind("127.0.0.1", 0)
+    server, service = make_server(llm, MODEL, max_queued=64)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    yield client, url, llm, service
+    server.should_exit = True
+    thread.join(10)
+    service.stop()
+
+
+def raw(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    """A plain HTTP request (what a non-OpenAI client may send): (status, JSON body)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request(method, path, body, {"content-type": "application/json"} if body is not None else {})
+    response = conn.getresponse()
+    status, data = response.status, json.loads(response.read() or b"null")
+    conn.close()
+    return status, data
+
+
+def engine_settled(service, timeout: float = 10.0) -> bool:
+    """No open request, then every slot free after a cache flush (checked by the engine thread itself)."""
+    deadline = time.monotonic() + timeout
+    while service.open_requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+    service.call(lambda: None)  # one more step boundary: aborts seen after the last hand-out are applied
+    return service.open_requests == 0 and service.call(lambda: all_slots_free(service.engine))
+
+
+def greedy(llm, prompt: str, n: int, chat: bool, **extra):
+    return llm.generate([prompt], SamplingParams(max_new_tokens=n, **extra), chat=chat)[0]
+
+
+def test_chat_and_completion_equal_generate_streamed_or_not(served):
+    client, _, llm, service = served
+    for prompt in PROMPTS[:4]:
+        want = greedy(llm, prompt, 12, chat=True)
+        got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                             max_tokens=12, temperature=0)
+        assert got.choices[0].message.content == want.text
+        assert got.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
+        assert got.usage.completion_tokens == len(want.output_ids)
+        assert got.usage.prompt_tokens == len(llm.encode(prompt, chat=True))
+        assert got.model_extra["meta_info"]["spec_verify_ct"] >= 1  # the speculative figures ride along
+        chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=12, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+        assert chunks[-1].usage.completion_tokens == len(want.output_ids)
+        plain = greedy(llm, prompt, 9, chat=False)
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=0)
+        assert done.choices[0].text == plain.text and done.choices[0].finish_reason == "length"
+        streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == plain.text
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0)
+    assert ids.choices[0].text == llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5))[0].text
+    assert engine_settled(service)
+
+
+def test_stop_strings_and_max_tokens_end_where_generate_ends(served):
+    client, _, llm, service = served
+    full = greedy(llm, "abc", 20, chat=False)
+    stop = full.text[4:6]  # a string the greedy answer contains
+    want = greedy(llm, "abc", 20, chat=False, stop=(stop,))
+    assert want.finish_reason == "stop" and stop not in want.text
+    got = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=0, stop=[stop])
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens == len(want.output_ids)
+    chunks = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=0, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    one = client.completions.create(model=MODEL, prompt="abc", max_tokens=1, temperature=0)
+    assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+    assert engine_settled(service)
+
+
+def test_logprobs_and_grammar_through_the_api(served):
+    client, _, llm, _ = served
+    want = greedy(llm, "What?", 6, chat=True, logprobs=2)
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What?"}], max_tokens=6,
+                                         temperature=0, logprobs=True, top_logprobs=2)
+    entries = got.choices[0].logprobs.content
+    assert [e.logprob for e in entries] == pytest.approx([t.logprob for t in want.logprobs])
+    assert all(len(e.top_logprobs) == 2 for e in entries)
+    regex = client.completions.create(model=MODEL, prompt="Q", max_tokens=8, temperature=0,
+                                      extra_body={"regex": "[a-d]{3}"})
+    assert regex.choices[0].text == greedy(llm, "Q", 8, chat=False, regex="[a-d]{3}").text
+    assert len(regex.choices[0].text) == 3 and set(regex.choices[0].text) <= set("abcd")
+
+
+def test_32_concurrent_streams_complete_and_free_every_slot(served):
+    client, _, llm, service = served
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    lengths = [4 + i % 9 for i in range(32)]
+    want = [greedy(llm, p, n, chat=True).text for p, n in zip(prompts, lengths)]
+
+    def one(i):
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
+                                                max_tokens=lengths[i], temperature=0, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(one, range(32))) == want
+    assert engine_settled(service)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_request(served):
+    _, url, _, service = served
+    aborted = service.aborted
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data:")  # it is running
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    assert engine_settled(service) and service.aborted == aborted + 1  # aborted, not run to its 240 tokens
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
+    client, url, _, service = served
+    message = [{"role": "user", "content": "abc"}]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-9", messages=message)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=MODEL, messages=message, max_tokens=-3)
+    with pytest.raises(openai.BadRequestError, match="unknown field"):
+        client.chat.completions.create(model=MODEL, messages=message, extra_body={"frobnicate": 1})
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="abc", temperature=-1)
+    status, bad = raw(url, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and bad["error"]["type"] == "invalid_request_error"
+    assert raw(url, "GET", "/v1/nowhere")[0] == 404
+    assert raw(url, "GET", "/health")[1]["status"] == "ok"
+    assert raw(url, "GET", "/v1/models")[1]["data"][0]["id"] == MODEL
+    assert client.models.list().data[0].id == MODEL
+    assert client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0).choices[0].text
+    assert engine_settled(service)
+
+
+def test_overload_is_a_503_not_a_crash(served):
+    client, _, _, service = served
+    service.max_queued = 1
+    try:
+        long = client.completions.create(model=MODEL, prompt="abc", max_tokens=240, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+        next(iter(long))
+        with pytest.raises(openai.InternalServerError, match="overloaded"):
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=3)
+        long.close()
+    finally:
+        service.max_queued = 64
+    assert engine_settled(service)
+    assert client.completions.create(model=MODEL, prompt="abc", max_tokens=3).choices[0].text is not None
+
+
+def test_cli_port_in_use_and_model_errors_are_one_line_before_listening(tiny_dirs, tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_dirs["llama"][0]), "--port", str(port)])
+    assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    taken.close()
+    missing = CliRunner().invoke(app, ["serve", "--model", str(tmp_path / "missing"), "--port", "0"])
+    assert missing.exit_code == 2 and missing.stderr.startswith("error:")
+    assert len(missing.stderr.strip().splitlines()) == 1
