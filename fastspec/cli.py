@@ -281,10 +281,14 @@ def bench(
     trials: Annotated[int, typer.Option(help="Timed trials per configuration (median reported).")] = 2,
     warmup: Annotated[int, typer.Option(help="Warm-up runs per configuration and batch size.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    url: Annotated[Optional[str], typer.Option(help="Measure a running server instead (http://HOST:PORT): TTFT, "
+                                                    "inter-token latency, throughput; no model is loaded.")] = None,
+    request_rate: Annotated[float, typer.Option(help="--url: requests per second, Poisson (inf: all at once).")]
+    = float("inf"),
+    max_concurrency: Annotated[int, typer.Option(help="--url: most requests in flight.")] = 16,
 ):
-    """Throughput of the speculative configuration against no speculation, in the same process and run."""
-    from fastspec.bench import run_bench
-    from fastspec.llm import LLM
+    """Throughput of the speculative configuration against no speculation, in the same process and run; with
+    --url, a running OpenAI-compatible server under load."""
     from fastspec.prompts import load_prompts, read_jsonl_prompts
 
     sizes = parse_ids(batch_sizes, "--batch-sizes")
@@ -293,6 +297,13 @@ def bench(
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts(prompt_set)
     if not prompts:  # spread the first num_prompts over every set
         texts = texts[::max(1, len(texts) // num_prompts)]
+    if url is not None:
+        from fastspec.cli_bench import bench_url
+
+        return bench_url(url, [texts[i % len(texts)] for i in range(num_prompts)], max_new_tokens, request_rate,
+                         max_concurrency, as_json)
+    from fastspec.bench import run_bench
+    from fastspec.llm import LLM
     kwargs = options.llm_kwargs() | {"max_running_requests": max(max(sizes), options.max_running_requests)}
     notes = Notes()
     spec = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)

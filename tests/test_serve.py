@@ -211,3 +211,20 @@ def test_cli_port_in_use_and_model_errors_are_one_line_before_listening(tiny_dir
     missing = CliRunner().invoke(app, ["serve", "--model", str(tmp_path / "missing"), "--port", "0"])
     assert missing.exit_code == 2 and missing.stderr.startswith("error:")
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_bench_url_measures_a_running_server(served):
+    from fastspec.bench_serving import run_serving
+
+    _, url, _, service = served
+    summary = run_serving(url, PROMPTS, max_tokens=6, request_rate=50.0, max_concurrency=4)
+    assert summary["model"] == MODEL and summary["completed"] == len(PROMPTS) and summary["failed"] == 0
+    assert summary["output_tok_s"] > 0 and 0 < summary["ttft_ms"]["median"] <= summary["e2e_latency_ms"]["p99"]
+    assert summary["itl_ms"]["p99"] >= summary["itl_ms"]["median"] > 0
+    out = CliRunner().invoke(app, ["bench", "--url", url, "--num-prompts", "5", "--max-new-tokens", "4", "--json"])
+    assert out.exit_code == 0, out.stderr
+    cli = json.loads(out.stdout)
+    assert cli["completed"] == 5 and cli["request_rate"] == float("inf") and cli["max_concurrency"] == 16
+    down = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--num-prompts", "1"])
+    assert down.exit_code == 2 and "cannot reach a server" in down.stderr
+    assert engine_settled(service)
