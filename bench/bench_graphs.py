@@ -69,12 +69,13 @@ def make_models(root: Path) -> dict[str, tuple]:
             "embedded": ("smollm2-135m-instruct", "EAGLE3", str(embedded), (5, 4, 8))}
 
 
-def round_split(llm, bs: int, new_tokens: int) -> dict:
+def round_split(llm, bs: int, new_tokens: int, prompt: str | list[int]) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    llm.generate([PROMPT] * bs, SamplingParams(max_new_tokens=4, ignore_eos=True), chat=True)  # warm-up
+    chat = isinstance(prompt, str)
+    llm.generate([prompt] * bs, SamplingParams(max_new_tokens=4, ignore_eos=True), chat=chat)  # warm-up
     llm.engine.times.reset()
     start = time.perf_counter()
-    outputs = llm.generate([PROMPT] * bs, params, chat=True)
+    outputs = llm.generate([prompt] * bs, params, chat=chat)
     wall = time.perf_counter() - start
     rounds = max(o.metrics.verify_rounds for o in outputs)
     split = {k: round(v / rounds * 1000, 2) for k, v in llm.engine.times.split().items() if k != "prefill"}
@@ -83,14 +84,16 @@ def round_split(llm, bs: int, new_tokens: int) -> dict:
             "tok_s": round(sum(len(o.output_ids) for o in outputs) / wall, 2)}
 
 
-def rounds(head: Path, sizes: tuple[int, ...], new_tokens: int, modes: list[str], dtype: str) -> dict:
+def rounds(setup: tuple, sizes: tuple[int, ...], new_tokens: int, modes: list[str], dtype: str) -> dict:
     """Per mode, per batch size: ms per round in each phase (buckets prepared ahead, outside the timing)."""
+    model, algorithm, head, (steps, topk, n) = setup
     out = {}
     for mode in modes:
-        llm = fastspec.LLM(speculative_algorithm="EAGLE3", draft_model=str(head), num_steps=5, topk=4,
-                           num_draft_tokens=8, max_total_tokens=8192, graphs=mode, cuda_graph_bs=sizes,
+        llm = fastspec.LLM(model, speculative_algorithm=algorithm, draft_model=head, num_steps=steps, topk=topk,
+                           num_draft_tokens=n, max_total_tokens=8192, graphs=mode, cuda_graph_bs=sizes,
                            max_running_requests=max(sizes), dtype=dtype)
-        out[mode] = [round_split(llm, bs, new_tokens) for bs in sizes]
+        prompt = PROMPT if model == "smollm2-135m-instruct" else [2 + i % 60 for i in range(24)]  # tiny: no tokenizer
+        out[mode] = [round_split(llm, bs, new_tokens, prompt) for bs in sizes]
         del llm
     return out
 
@@ -111,7 +114,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--skip-rounds", action="store_true")
     parser.add_argument("--skip-startup", action="store_true")
-    parser.add_argument("--models", default="tiny,embedded")
+    parser.add_argument("--models", default="tiny,embedded", help="start-up and rounds: tiny, embedded or both")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "graphs.json"))
     parser.add_argument("--modes", default="eager,compile" + (",cuda" if torch.cuda.is_available() else ""))
@@ -133,7 +136,8 @@ def main() -> None:
                 out.write_text(json.dumps(results, indent=2))  # what is measured so far survives a failure
     if not args.skip_rounds:
         sizes = tuple(int(b) for b in args.batch_sizes.split(","))
-        results["modes"] = rounds(models["embedded"][2], sizes, args.max_new_tokens, args.modes.split(","), args.dtype)
+        results["rounds"] = {name: rounds(models[name], sizes, args.max_new_tokens, args.modes.split(","), args.dtype)
+                             for name in args.models.split(",")}
     print(json.dumps(results, indent=2))
     out.write_text(json.dumps(results, indent=2))
 

@@ -305,6 +305,10 @@ def bench(
     from fastspec.bench import run_bench
     from fastspec.llm import LLM
     kwargs = options.llm_kwargs() | {"max_running_requests": max(max(sizes), options.max_running_requests)}
+    if kwargs["cuda_graph_bs"] is None:  # graphs for every batch a run shrinks through, captured before any timing
+        from fastspec.graphs.buckets import default_buckets
+
+        kwargs["cuda_graph_bs"] = tuple(default_buckets(max(sizes)))
     notes = Notes()
     spec = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)
     base_kwargs = kwargs | {"speculative_algorithm": "NONE", "draft_model": None, "token_map": None, "ngram": None}
