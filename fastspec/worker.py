@@ -35,7 +35,7 @@ from fastspec.scheduler import Request
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
 from fastspec.speculative.kv import plan_round_kv
-from fastspec.speculative.packing import kv_width, pack_verify, prefix_specs
+from fastspec.speculative.packing import kv_width, pack_verify, prefix_specs, prefix_view
 from fastspec.speculative.policy import SpecPolicy
 from fastspec.speculative.runners import GraphPlan, StepGraphs
 from fastspec.speculative.steps import target_verify
@@ -83,6 +83,11 @@ class Worker:
             "verify" if len(self.drafters) < 2 else f"verify N={p.num_draft_tokens}",
             partial(target_verify, self.model, self.pool, self.feature, states=self.states),
             partial(verify_specs, p.num_draft_tokens, hybrid), plan, self.times, "verify") for p in self.drafters}
+        # plain decode rounds through the same function as a one-node verify: captured too (not for hybrid targets,
+        # whose plain rounds advance their recurrent states in place)
+        self.decode_graphs = None if hybrid or plan.mode == "eager" else StepGraphs(
+            "decode", partial(target_verify, self.model, self.pool, self.feature),
+            partial(verify_specs, 1, False), plan, self.times, "decode")
 
     def use_schedule(self, schedule, on_prepare=None) -> None:
         """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way).
@@ -228,18 +233,31 @@ class Worker:
         stays exact and the next round may speculate again."""
         ids = torch.tensor([r.produced[-1] for r in reqs], device=self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, [1] * len(reqs))
-        hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1), rows,
-                               [1] * len(reqs))
-        logits = self.model.compute_logits(hidden.final)
+        if self.decode_graphs is not None:
+            logits, features = self._decode_graph(reqs, ids, rows, prefix, positions)
+        else:
+            hidden = self._forward(ids, positions, decode_metadata(self.table.table, rows, prefix + 1), rows,
+                                   [1] * len(reqs))
+            logits, features = self.model.compute_logits(hidden.final), self._features(hidden)
         tokens = self._sample(reqs, self._controlled(reqs, logits))
         if self.drafter is not None and self.drafter.uses_extend:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
-                                            torch.tensor(tokens, device=ids.device), positions,
-                                            self._features(hidden)), decode_round=False)
+                                            torch.tensor(tokens, device=ids.device), positions, features),
+                                decode_round=False)
         produced = self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
         self._record_logprobs(reqs, logits, [[b] for b in range(len(reqs))], produced)
         self._save_states(reqs, [1] * len(reqs))
         return produced
+
+    def _decode_graph(self, reqs, ids, rows, prefix, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """A plain round's target forward as a one-node tree (its slot already in the table): (logits, features)."""
+        width = kv_width(max(r.seq_len for r in reqs), self.decode_graphs.bucketed)
+        prefix_slots, prefix_valid = prefix_view(self.table.table, rows, prefix, width)
+        x = {"input_ids": ids, "positions": positions, "new_slots": self.table.table[rows, prefix].long()[:, None],
+             "tree_mask": torch.ones(len(reqs), 1, 1, dtype=torch.bool, device=ids.device),
+             "prefix_slots": prefix_slots, "prefix_valid": prefix_valid}
+        out = self.decode_graphs(len(reqs), x, width)
+        return out["logits"], out["features"]
 
     def spec_round(self, reqs: list[Request], params: SpecParams) -> tuple[list[list[int]], list[int]]:
         """One speculative round; per request (what it produced, how many draft tokens were accepted)."""

@@ -35,7 +35,7 @@ def test_graphs_compile_fullgraph_for_two_buckets_and_stay_lossless(compiled, ti
     outputs = engine.generate(PROMPTS[:4], [params] * 4)
     assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, PROMPTS[:4], params)
     names = {name.split(" (")[0] for name, _ in prepared}
-    assert names == {"draft loop", "draft extend", "verify"}
+    assert names == {"draft loop", "draft extend", "verify", "decode"}  # decode: plain rounds, graphed too
     for name in names:  # every graph compiled for both buckets, largest first
         assert [bs for n, bs in prepared if n.startswith(name)][:2] == [4, 1]
 
@@ -89,6 +89,42 @@ def test_compiled_draft_loop_equals_eager_and_padding_leaves_real_kv_alone(compi
         assert torch.equal(eager[key], seen["out"][key]), key
 
 
+class EveryOther:
+    """A scripted fallback policy: plain and speculative rounds alternate."""
+
+    def __init__(self):
+        self.n = 0
+
+    def speculate(self, bs):
+        self.n += 1
+        return self.n % 2 == 0
+
+    def record(self, *args):
+        pass
+
+
+def test_plain_rounds_run_the_compiled_decode_graph_and_stay_lossless(compiled, tiny_dirs):
+    engine, _ = compiled
+    calls = []
+    real_call = type(engine.worker.decode_graphs).__call__
+
+    def spy(graphs, bs, x, width):
+        if graphs is engine.worker.decode_graphs:
+            calls.append(bs)
+        return real_call(graphs, bs, x, width)
+
+    engine.policy, params = EveryOther(), SamplingParams(max_new_tokens=13, ignore_eos=True)
+    type(engine.worker.decode_graphs).__call__ = spy
+    try:
+        outputs = engine.generate(PROMPTS[:3], [params] * 3)
+    finally:
+        type(engine.worker.decode_graphs).__call__ = real_call
+        engine.policy = None
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, PROMPTS[:3], params)
+    assert 3 in calls and all(o.metrics.verify_rounds for o in outputs)  # both kinds of round ran
+    assert all_slots_free(engine)
+
+
 def test_compiled_draft_extend_equals_eager(compiled):
     engine, _ = compiled
     drafter = engine.drafter
@@ -115,11 +151,12 @@ def test_compiled_draft_extend_equals_eager(compiled):
 @pytest.mark.parametrize("algorithm, draft, steps, topk, n, page_size", [
     ("STANDALONE", "self", 4, 1, 5, 16),
     ("EAGLE", "eagle", 3, 4, 8, 1),
+    ("NONE", None, None, None, None, 16),  # plain decoding through the decode graph
 ])
 def test_reduced_lossless_matrix_with_compiled_graphs(tiny_dirs, draft_dirs, algorithm, draft, steps, topk, n,
                                                       page_size):
     directory = str(tiny_dirs["qwen2"][0])
-    draft_path = directory if draft == "self" else str(draft_dirs["qwen2"][draft])
+    draft_path = directory if draft == "self" else (str(draft_dirs["qwen2"][draft]) if draft else None)
     spec = SpecConfig.resolve(algorithm, "Qwen2ForCausalLM", draft_model=draft_path, num_steps=steps, topk=topk,
                               num_draft_tokens=n)
     engine = Engine(EngineConfig(model=directory, max_total_tokens=4096, page_size=page_size, graphs="compile",
