@@ -8,8 +8,9 @@ Models: `tiny` is a random 2-layer, 64-token-vocabulary Llama with a random EAGL
 `embedded` is SmolLM2-135M-Instruct with a random full-size EAGLE-3 head at 5/4/8 (acceptance is whatever a random
 head gets, ~0: these are costs, not speedups). Start-up runs
 the defaults a user gets: KV pool sized from free memory, graph buckets prepared lazily. `cuda` joins the modes
-on a machine with a GPU. Writes bench/results/graphs.json. Phase times are wall time; `host` = round time outside
-the three graph phases (packing, allocation, acceptance, commit).
+on a machine with a GPU. Writes bench/results/graphs.json. Phase times are wall time (on a GPU from a run that
+synchronises at every phase boundary; tok/s from one that does not); `host` = round time outside the three graph
+phases (packing, allocation, acceptance, commit); on a GPU also the device->host syncs per round.
 """
 
 from __future__ import annotations
@@ -73,15 +74,36 @@ def round_split(llm, bs: int, new_tokens: int, prompt: str | list[int]) -> dict:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     chat = isinstance(prompt, str)
     llm.generate([prompt] * bs, SamplingParams(max_new_tokens=4, ignore_eos=True), chat=chat)  # warm-up
-    llm.engine.times.reset()
+    syncs = count_syncs(lambda: llm.generate([prompt] * bs, params, chat=chat))
     start = time.perf_counter()
-    outputs = llm.generate([prompt] * bs, params, chat=chat)
+    outputs = llm.generate([prompt] * bs, params, chat=chat)  # tok/s without phase syncs
     wall = time.perf_counter() - start
+    llm.engine.times.reset()
+    llm.engine.times.sync_cuda = llm.engine.config.device.startswith("cuda")  # phase times, not launch times
+    llm.generate([prompt] * bs, params, chat=chat)
+    llm.engine.times.sync_cuda = False
     rounds = max(o.metrics.verify_rounds for o in outputs)
     split = {k: round(v / rounds * 1000, 2) for k, v in llm.engine.times.split().items() if k != "prefill"}
     split["host_share"] = round(split["host"] / split["round"], 3)
     return {"batch_size": bs, "rounds": rounds, "ms_per_round": split,
-            "tok_s": round(sum(len(o.output_ids) for o in outputs) / wall, 2)}
+            "tok_s": round(sum(len(o.output_ids) for o in outputs) / wall, 2),
+            "host_syncs_per_round": None if syncs is None else round(syncs / rounds, 2)}
+
+
+def count_syncs(run) -> int | None:
+    """Device -> host synchronisations during `run()` (CUDA's sync debug mode; None without a GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def rounds(setup: tuple, sizes: tuple[int, ...], new_tokens: int, modes: list[str], dtype: str) -> dict:

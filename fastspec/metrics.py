@@ -54,7 +54,8 @@ class SpecMetrics:
 
 class PhaseTimes:
     """Wall time per round phase, accumulated: `with times("verify"): ...`. On CUDA the device is synchronised
-    at both ends so the time is the phase's, not its launch's (only when `sync` is set: benchmarks)."""
+    at both ends so the time is the phase's, not its launch's (only when `sync_cuda` is set: benchmarks; every
+    synchronisation stalls the launch queue, so a serving engine leaves it off)."""
 
     def __init__(self, sync_cuda: bool = False):
         self.seconds: dict[str, float] = {}
