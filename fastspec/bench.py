@@ -84,7 +84,8 @@ def _phase_split(spec, prompts: list[list[int]], bs: int, params: SamplingParams
 def _result(bs: int, rates: dict, metrics: SpecMetrics, split: dict) -> BenchResult:
     base, spec = statistics.median(rates["baseline"]), statistics.median(rates["spec"])
     rounds = max(metrics.verify_rounds, 1) / bs  # rounds of the whole batch (every request verifies each round)
-    per_round = {k: round(v / rounds * 1000, 2) for k, v in split.items() if k not in ("prefill", "plain_round", "decode")}
+    skip = ("prefill", "plain_round", "decode")  # not parts of a speculative round
+    per_round = {k: round(v / rounds * 1000, 2) for k, v in split.items() if k not in skip}
     return BenchResult(bs, round(base, 2), round(spec, 2), round(spec / base, 3), round(base / bs, 2),
                        round(spec / bs, 2), round(metrics.tau, 3), [round(a, 3) for a in metrics.acceptance_by_depth],
                        per_round)
