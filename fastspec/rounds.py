@@ -117,7 +117,7 @@ class DecodeRounds:
         being the accepted draft tokens and the bonus token, root first. The whole run enters the KV, even past a
         stop: the request is done then, and released by the engine."""
         n = tree.num_draft_tokens
-        accept_index, emitted = result.accept_index.tolist(), result.emitted.tolist()
+        accept_index, emitted = torch.stack([result.accept_index, result.emitted]).tolist()  # one read
         runs = [[t for t in row if t >= 0] for row in emitted]  # accepted draft tokens + bonus, root first
         kept_rows = [i for b, run in enumerate(runs) for i in accept_index[b][: len(run)]]  # flat verify rows
         kept_nodes = [[i - b * n for i in accept_index[b][: len(run)]] for b, run in enumerate(runs)]
@@ -134,8 +134,9 @@ class DecodeRounds:
             if self.track:  # the states its verify tracked along the kept nodes
                 save_crossed(self.states, r, r.seq_len - len(run), nodes, self.config.mamba_track_interval)
         old = batch.seq_lens
-        positions = torch.cat([torch.arange(o, o + k) for o, k in zip(batch.seq_lens_cpu, plan.keep_lens.tolist())])
+        positions = torch.tensor([p for o, run in zip(batch.seq_lens_cpu, runs) for p in range(o, o + len(run))],
+                                 device=old.device)
         return runs, ExtendBatch(batch.rids, batch.rows, old, plan.keep_lens,
                                  torch.tensor([t for run in runs for t in run], device=self.config.device),
-                                 positions.to(old.device), features[torch.tensor(kept_rows, device=features.device)])
+                                 positions, features[torch.tensor(kept_rows, device=features.device)])
 

@@ -1,4 +1,4 @@
-"""Which KV slots a verify round keeps, frees and moves (pure host-side planning; the engine applies it).
+"""Which KV slots a verify round keeps, frees and moves (planned on the host; the engine applies it).
 
 The N verify slots of a request sit at positions seq_len .. seq_len+N-1 (tree node i at slot column i).
 After acceptance the kept nodes (root + accepted drafts, in path order) must end up at positions
@@ -29,22 +29,27 @@ class RoundKV:
 def plan_round_kv(verify_slots: torch.Tensor,  # int64 [bs, N]
                   kept_nodes: list[list[int]],  # per request: tree node indices to keep, root first
                   seq_lens: list[int], page_size: int) -> RoundKV:
-    empty = verify_slots.new_zeros(0)
+    """Every choice is made on the host from `kept_nodes` (already there); the slots are then read with one
+    gather per output, so planning costs a few launches whatever the batch and never waits for the device."""
+    bs, n = verify_slots.shape
+    flat = verify_slots.flatten()
+
+    def take(cells: list[int]) -> torch.Tensor:  # flat (request, node) cells -> their slots
+        return flat[torch.tensor(cells, dtype=torch.int64, device=flat.device)] if cells else flat.new_zeros(0)
+
     keep_lens = torch.tensor([len(k) for k in kept_nodes], dtype=torch.int64, device=verify_slots.device)
     table, free, src, dst = [], [], [], []
     for b, nodes in enumerate(kept_nodes):
-        slots = verify_slots[b]
-        kept = slots[torch.tensor(nodes, dtype=torch.int64)]
+        base = b * n
         if page_size == 1:
-            rejected = torch.ones(slots.numel(), dtype=torch.bool)
-            rejected[nodes] = False
-            table.append(kept)
-            free.append(slots[rejected])
+            table += [base + i for i in nodes]
+            kept = set(nodes)
+            free += [base + i for i in range(n) if i not in kept]
             continue
-        first = slots[: len(nodes)]
-        moved = kept != first
-        src.append(kept[moved]), dst.append(first[moved]), table.append(first)
+        table += range(base, base + len(nodes))
+        moved = [j for j, node in enumerate(nodes) if node != j]  # node j's KV belongs at column j
+        src += [base + nodes[j] for j in moved]
+        dst += [base + j for j in moved]
         page_end = -(-(seq_lens[b] + len(nodes)) // page_size) * page_size  # first position past the last kept page
-        free.append(slots[max(page_end - seq_lens[b], 0):])
-    cat = lambda xs: torch.cat(xs) if xs else empty  # noqa: E731
-    return RoundKV(cat(table), keep_lens, cat(free), cat(src), cat(dst))
+        free += range(base + max(page_end - seq_lens[b], 0), base + n)
+    return RoundKV(take(table), keep_lens, take(free), take(src), take(dst))

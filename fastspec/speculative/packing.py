@@ -41,7 +41,9 @@ def pack_extend(batch: ExtendBatch, table: torch.Tensor, rows_per_request: int, 
     bs, e = batch.rows.shape[0], rows_per_request
     lens = batch.extend_lens
     valid = torch.arange(e, device=lens.device)[None, :] < lens[:, None]  # [bs, E]
-    flat = torch.nonzero(valid.flatten()).squeeze(1)  # padded row of each real token, in order
+    total = batch.input_ids.shape[0]  # real tokens, known on the host: no nonzero (a device sync) needed
+    req = torch.repeat_interleave(torch.arange(bs, device=lens.device), lens, output_size=total)
+    flat = req * e + torch.arange(total, device=lens.device) - (torch.cumsum(lens, 0) - lens)[req]  # padded row
     pad = lambda src, fill=0: torch.full((bs * e, *src.shape[1:]), fill, dtype=src.dtype,  # noqa: E731
                                          device=src.device).index_copy_(0, flat, src)
     cols = batch.prefix_lens[:, None] + torch.arange(e, device=lens.device)[None, :]
