@@ -1,6 +1,6 @@
 """A speculative round reads the device once (twice with pages): the accepted nodes and emitted tokens, in one
-`.tolist()` (and the paged allocator's input check). Every other
-read (an `.item()`, `nonzero`, a `.tolist()`) stalls a GPU's launch queue each round, so adding one fails here.
+`.tolist()` (and the paged allocator's input check). Every other read (an `.item()`, `nonzero`, a `.tolist()`)
+stalls a GPU's launch queue each round, so adding one fails here.
 Counted on CPU through the dispatcher (boolean-mask indexing does not show there; the commit plan uses none)."""
 
 import pytest
