@@ -48,8 +48,8 @@ class DecodeRounds:
         tokens = self._sample(reqs, self._controlled(reqs, logits))
         if self.drafter is not None and self.drafter.uses_extend:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
-                                            torch.tensor(tokens, device=ids.device), positions, features),
-                                decode_round=False)
+                                            torch.tensor(tokens, device=ids.device), positions, features,
+                                            max(r.seq_len for r in reqs)), decode_round=False)
         produced = self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
         self._record_logprobs(reqs, logits, [[b] for b in range(len(reqs))], produced)
         self._save_states(reqs, [1] * len(reqs))
@@ -93,7 +93,8 @@ class DecodeRounds:
     def _verify(self, batch: DecodeBatch, tree: DraftTree):
         """Target forward over bs*N tree rows into N newly allocated slots per request."""
         n = tree.num_draft_tokens
-        self._alloc_slots(batch.rows, batch.seq_lens, batch.seq_lens + n)
+        starts = list(batch.seq_lens_cpu)
+        self._alloc_slots(batch.rows, batch.seq_lens, batch.seq_lens + n, (starts, [s + n for s in starts]))
         graphs = self.verify_graphs[n]
         width = kv_width(max(batch.seq_lens_cpu), graphs.bucketed)
         x = pack_verify(batch, tree, self.table.table, width)
@@ -138,5 +139,6 @@ class DecodeRounds:
                                  device=old.device)
         return runs, ExtendBatch(batch.rids, batch.rows, old, plan.keep_lens,
                                  torch.tensor([t for run in runs for t in run], device=self.config.device),
-                                 positions, features[torch.tensor(kept_rows, device=features.device)])
+                                 positions, features[torch.tensor(kept_rows, device=features.device)],
+                                 max(batch.seq_lens_cpu))
 

@@ -290,13 +290,17 @@ class Worker(DecodeRounds):
         rows = torch.tensor([r.row for r in reqs], device=device)
         prefix = torch.tensor([r.seq_len for r in reqs], device=device)
         ext = torch.tensor(lens, device=device)
-        self._alloc_slots(rows, prefix, prefix + ext)
-        positions = torch.cat([torch.arange(r.seq_len, r.seq_len + n, device=device) for r, n in zip(reqs, lens)])
+        starts = [r.seq_len for r in reqs]
+        self._alloc_slots(rows, prefix, prefix + ext, (starts, [s + n for s, n in zip(starts, lens)]))
+        positions = torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], device=device)
         return rows, prefix, ext, positions
 
-    def _alloc_slots(self, rows: torch.Tensor, prefix: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    def _alloc_slots(self, rows: torch.Tensor, prefix: torch.Tensor, seq_lens: torch.Tensor,
+                     host_lens: tuple[list[int], list[int]]) -> None:
+        """Slots for positions prefix..seq_lens-1 of each row into the table; `host_lens` = the same two lengths
+        on the host (so the allocator reads nothing back from the device)."""
         last_loc = torch.where(prefix > 0, self.table.table[rows, (prefix - 1).clamp(min=0)].long(), -1)
-        slots = self.allocator.alloc_extend(prefix, seq_lens, last_loc)
+        slots = self.allocator.alloc_extend(prefix, seq_lens, last_loc, host_lens)
         if slots is None:
             raise FastspecError("KV pool exhausted")  # unreachable: a round's headroom is checked before it runs
         self.table.write(rows, prefix, seq_lens - prefix, slots)

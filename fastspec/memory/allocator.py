@@ -55,10 +55,12 @@ class TokenAllocator:
         self._free = self._free[n:]
         return slots
 
-    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor
-                     ) -> torch.Tensor | None:
+    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                     host_lens: tuple[list[int], list[int]] | None = None) -> torch.Tensor | None:
         """Page-size-1 twin of PagedAllocator.alloc_extend: no partial pages, so last_loc is unused."""
         # prefix_lens, seq_lens, last_loc: [bs] int64
+        if host_lens is not None:  # the same lengths on the host: no device read
+            return self.alloc(sum(host_lens[1]) - sum(host_lens[0]))
         return self.alloc(int((seq_lens - prefix_lens).sum()))
 
     def free(self, slots: torch.Tensor) -> None:
@@ -107,13 +109,15 @@ class PagedAllocator:
         pages = self._take_pages(n // self.page_size)
         return None if pages is None else (pages[:, None] * self.page_size + self._offsets).flatten()
 
-    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor
-                     ) -> torch.Tensor | None:
+    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                     host_lens: tuple[list[int], list[int]] | None = None) -> torch.Tensor | None:
         """Slots for positions prefix_lens[b] .. seq_lens[b]-1 of every request b, concatenated in order.
 
         Positions in the request's partial last page continue at last_loc[b]+1, last_loc[b]+2, ...
         (last_loc = slot of position prefix_lens[b]-1; ignored, pass -1, when prefix_lens[b] % P == 0); the
         rest take fresh pages. None, with the state unchanged, if there are not enough free pages.
+        `host_lens` = (prefix_lens, seq_lens) as host lists, when the caller has them: the counts are taken from
+        those with no device read (and the inputs are not checked: the caller's lengths are its own).
         """
         # prefix_lens, seq_lens, last_loc: [bs] int64
         P = self.page_size
@@ -124,10 +128,15 @@ class PagedAllocator:
         new_pages = ((seq_lens + P - 1) // P * P - owned_end).clamp_min(0) // P  # [bs]
         partial = (prefix_lens % P != 0) & (extend_lens > 0)  # [bs] will continue a partial page
         bad_tail = partial & ((last_loc + 1) % P != prefix_lens % P)  # last_loc not at position prefix-1
-        stats = torch.stack([extend_lens.sum(), new_pages.sum(), extend_lens.min(), bad_tail.sum()])
-        num_tokens, num_new_pages, min_len, num_bad = stats.tolist()  # the one host sync
-        if min_len < 0 or num_bad:
-            raise ValueError("alloc_extend needs seq_lens >= prefix_lens and last_loc on position prefix_len-1")
+        if host_lens is not None:
+            pre, seq = host_lens
+            num_tokens = sum(seq) - sum(pre)
+            num_new_pages = sum(max(0, -(-s // P) - -(-p // P)) for p, s in zip(pre, seq))
+        else:
+            stats = torch.stack([extend_lens.sum(), new_pages.sum(), extend_lens.min(), bad_tail.sum()])
+            num_tokens, num_new_pages, min_len, num_bad = stats.tolist()  # the one host sync
+            if min_len < 0 or num_bad:
+                raise ValueError("alloc_extend needs seq_lens >= prefix_lens and last_loc on position prefix_len-1")
         pages = self._take_pages(num_new_pages)
         if pages is None:
             return None

@@ -43,6 +43,7 @@ class ExtendBatch:
     input_ids: torch.Tensor  # int64 [T]  shifted tokens (t_{p+1} at position p)
     positions: torch.Tensor  # int64 [T]
     features: torch.Tensor  # [T, F]  target features h_p (final hidden for EAGLE, aux for EAGLE-3)
+    max_prefix: int | None = None  # max(prefix_lens), when the caller knows it on the host (saves a device read)
 
     @property
     def last_rows(self) -> torch.Tensor:  # int64 [bs]  each request's last row in the flat T dimension

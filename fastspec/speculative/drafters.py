@@ -108,10 +108,8 @@ class NgramTreeDrafter:
     def draft(self, batch: DecodeBatch) -> DraftTree:  # host-side trie walk: counted as host time
         for rid, history in zip(batch.rids, batch.histories):
             self.ngram.update(rid, history)
-        tokens, parents = self.ngram.propose(list(batch.rids), list(batch.histories))
-        device = batch.seq_lens.device
-        return tree_from_parents(batch.verified_id, tokens.to(device), parents.to(device), batch.seq_lens,
-                                 self.num_steps)
+        tokens, parents = self.ngram.propose(list(batch.rids), list(batch.histories))  # host tensors
+        return tree_from_parents(batch.verified_id, tokens, parents, batch.seq_lens, self.num_steps)
 
     def extend(self, batch: ExtendBatch, decode_round: bool) -> None:
         raise AssertionError("NGRAM has no draft extend")

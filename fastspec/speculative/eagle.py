@@ -95,7 +95,8 @@ class EagleDrafter:
         chunks have arbitrary lengths and run eagerly at exact shapes (as SGLang does)."""
         graphs = self.extend_graphs if decode_round else None
         rows = self.num_steps + 1 if decode_round else int(batch.extend_lens.max())
-        width = kv_width(int(batch.prefix_lens.max()), graphs is not None and graphs.bucketed)
+        longest = batch.max_prefix if batch.max_prefix is not None else int(batch.prefix_lens.max())
+        width = kv_width(longest, graphs is not None and graphs.bucketed)
         x = pack_extend(batch, self.table.table, rows, width)
         layered = self.model.per_step_layers > 1
         if layered:  # what each layer after the first reads at the position before this extend's first row

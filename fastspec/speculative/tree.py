@@ -150,12 +150,14 @@ def tree_from_parents(verified_id: torch.Tensor,  # int64 [bs]
                       parents: torch.Tensor,      # int64 [bs, N-1]  parent POSITION of node 1..N-1, 0 = root
                       seq_lens: torch.Tensor,     # int64 [bs]
                       num_steps: int, topk: int = 0) -> DraftTree:
-    """An arbitrary tree (NGRAM, test drafters). Requires parent position < own position (checked: one
-    host sync). Nodes deeper than num_steps are never accepted."""
+    """An arbitrary tree (NGRAM, test drafters) on verified_id's device. Requires parent position < own position
+    (checked where `parents` lives: free for host tensors such as NGRAM's, a device sync otherwise). Nodes
+    deeper than num_steps are never accepted."""
     bs, n = tokens.shape[0], tokens.shape[1] + 1
     own = torch.arange(1, n, device=parents.device)
     if bool(((parents < 0) | (parents >= own)).any()):
         raise ValueError("tree_from_parents: every parent position must lie in [0, own position)")
+    tokens, parents = tokens.to(verified_id.device), parents.to(verified_id.device)
     parent_pos = torch.cat([parents.new_full((bs, 1), -1), parents.to(torch.int64)], 1)
     qlen_mask = ancestor_mask(parent_pos)  # [bs, N, N]
     positions = torch.empty(bs * n, dtype=torch.int64, device=tokens.device)
