@@ -126,13 +126,13 @@ class PagedAllocator:
         extend_lens = seq_lens - prefix_lens  # [bs]
         owned_end = (prefix_lens + P - 1) // P * P  # [bs] first position not covered by the request's pages
         new_pages = ((seq_lens + P - 1) // P * P - owned_end).clamp_min(0) // P  # [bs]
-        partial = (prefix_lens % P != 0) & (extend_lens > 0)  # [bs] will continue a partial page
-        bad_tail = partial & ((last_loc + 1) % P != prefix_lens % P)  # last_loc not at position prefix-1
         if host_lens is not None:
             pre, seq = host_lens
             num_tokens = sum(seq) - sum(pre)
             num_new_pages = sum(max(0, -(-s // P) - -(-p // P)) for p, s in zip(pre, seq))
         else:
+            partial = (prefix_lens % P != 0) & (extend_lens > 0)  # [bs] will continue a partial page
+            bad_tail = partial & ((last_loc + 1) % P != prefix_lens % P)  # last_loc not at position prefix-1
             stats = torch.stack([extend_lens.sum(), new_pages.sum(), extend_lens.min(), bad_tail.sum()])
             num_tokens, num_new_pages, min_len, num_bad = stats.tolist()  # the one host sync
             if min_len < 0 or num_bad:

@@ -56,8 +56,8 @@ async def _complete(service: EngineService, model_name: str, chat: bool, request
         prompt_ids = _encode(service, parsed)
         params = parsed.params
         if not parsed.max_tokens_given:  # chat's default: the rest of the context, capped
-            params = replace(params, max_new_tokens=max(1, min(params.max_new_tokens,
-                                                                 service.engine.worker.max_context_len - len(prompt_ids))))
+            room = service.engine.worker.max_context_len - len(prompt_ids)
+            params = replace(params, max_new_tokens=max(1, min(params.max_new_tokens, room)))
         rid = service.submit(prompt_ids, params, lambda e: _post(loop, events, e))
     except APIError as e:
         return _error(e)
@@ -98,16 +98,17 @@ class _Reply:
         return api.logprobs_object(self.parsed.chat, list(event.logprobs), text)
 
     async def stream(self):
-        chat, last = self.parsed.chat, None
+        chat = self.parsed.chat
         try:
             if chat:
                 yield api.sse(api.chunk(self.id, chat, self.model, None, None, role=True))
             while True:
                 event: Event = await self.events.get()
-                if event.error:
+                if event.error:  # the engine ended every open request already
+                    self.finished = True
                     yield api.sse(APIError(event.error, 500, kind="server_error").body())
                     break
-                logprobs, last = self._logprobs(event), event
+                logprobs = self._logprobs(event)
                 if event.text or logprobs:
                     yield api.sse(api.chunk(self.id, chat, self.model, event.text, None, logprobs))
                 if event.finish_reason is not None:
@@ -119,7 +120,7 @@ class _Reply:
                     break
             yield api.sse("[DONE]")
         finally:  # the client went away (the task is cancelled) or the stream ended
-            if not self.finished and (last is None or not last.error):
+            if not self.finished:
                 self.service.abort(self.engine_rid)
 
     async def collect(self, request: Request) -> Response:
