@@ -136,14 +136,14 @@ class Engine:
                     continue
                 out = self._apply_aborts(scheduler)
                 if inflight is not None and not self._may_run_ahead(scheduler, inflight[0]):
-                    out += self._hand_out(scheduler, inflight[1].result())
+                    out += self._hand_out(scheduler, self._result(inflight[1], last=True))
                     inflight = None
                 launched = self._launch(scheduler, ahead=inflight is not None)
                 if inflight is not None:
-                    out += self._hand_out(scheduler, inflight[1].result())
+                    out += self._hand_out(scheduler, self._result(inflight[1], last=launched is None))
                 inflight = launched
                 if not self.overlap and inflight is not None:
-                    out += self._hand_out(scheduler, inflight[1].result())
+                    out += self._hand_out(scheduler, self._result(inflight[1], last=True))
                     inflight = None
                 yield out
         finally:  # done, or the caller stopped iterating (an exception, a closed pipe): hand every slot back
@@ -206,8 +206,21 @@ class Engine:
         self._last = future
         return future
 
+    def _result(self, step: Future, last: bool):
+        """A step's StepResult. A round the worker launched ahead is finished by the next step it runs: when
+        `step` is the `last` one submitted, the worker is asked to finish it (a flush) instead."""
+        result = step.result()
+        if isinstance(result, Future):
+            if last and not result.done():
+                self._submit(self.worker.flush)
+            result = result.result()
+        return result
+
     def _drain(self, raise_errors: bool = True) -> None:
-        """Wait for everything submitted to the worker's thread (steps and releases, run in order)."""
+        """Wait for everything submitted to the worker's thread (steps and releases, run in order), the round
+        it launched ahead finished."""
+        if self._thread is not None:
+            self._submit(self.worker.flush)
         if self._last is not None:
             wait([self._last])
             if raise_errors:

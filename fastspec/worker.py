@@ -12,6 +12,7 @@ slots advance.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 
@@ -35,6 +36,7 @@ from fastspec.sampling import SamplingTensors, sample
 from fastspec.scheduler import Request
 from fastspec.speculative.batch import ExtendBatch
 from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
+from fastspec.speculative.future import FutureMaps, PendingRound
 from fastspec.speculative.packing import prefix_specs
 from fastspec.speculative.policy import SpecPolicy
 from fastspec.speculative.runners import GraphPlan, StepGraphs
@@ -67,6 +69,9 @@ class Worker(DecodeRounds):
         self._init_memory(draft_kv_shape(models.draft))
         self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
         self._draft_model, self._reserved = models.draft, self.spec.params
+        self.futures = FutureMaps(self.table.max_requests, config.device)
+        self._pending: PendingRound | None = None  # the round launched ahead, not finished yet (overlap)
+        self._release_after: list[Request] = []  # released while in the pending round
         self._build_rounds(on_prepare)
 
     def _build_rounds(self, on_prepare) -> None:
@@ -150,9 +155,18 @@ class Worker(DecodeRounds):
         scratch = -(-self.spec.topk * self.spec.num_steps // page) * page if self.drafter.uses_scratch else 0
         return self.spec.num_draft_tokens + page + scratch
 
-    def step(self, reqs: list[Request], prefill: bool) -> StepResult:
-        """A prefill chunk or a decode round over the requests of `reqs` not already done."""
+    def step(self, reqs: list[Request], prefill: bool) -> StepResult | Future:
+        """A prefill chunk or a decode round over the requests of `reqs` not already done.
+
+        Under the overlap schedule a speculative round that needs nothing from the host is launched before the
+        round in flight is finished, and returned as a Future of its StepResult, set when a later step (or
+        `flush`) finishes it; anything else finishes the round in flight first and returns its own result."""
         with torch.inference_mode():
+            if not prefill and self.config.overlap and self._may_launch_ahead(reqs):
+                ahead = self._step_ahead([r for r in reqs if r.done is None])
+                if ahead is not None:
+                    return ahead
+            self.flush()
             reqs = [r for r in reqs if r.done is None]
             self._logprobs = {}  # rid -> the target's logprobs of what it produced (filled by the rounds)
             accepted = None
@@ -163,10 +177,75 @@ class Worker(DecodeRounds):
                     tokens = self.prefill(reqs)
             else:
                 self._make_room(self.round_headroom() * len(reqs))
-                tokens, accepted = self._decode(reqs)
-            return StepResult(tuple(reqs), tuple(map(tuple, tokens)), tuple(r.done for r in reqs),
-                              None if accepted is None else tuple(accepted), self.available_kv(),
-                              tuple(self._logprobs.get(r.rid) for r in reqs))
+                tokens, accepted = self._decode(reqs, self._round_params(reqs))
+            return self._result(reqs, tokens, accepted)
+
+    def _result(self, reqs: list[Request], tokens: list[list[int]], accepted: list[int] | None,
+                reserved: int = 0) -> StepResult:
+        """`reserved`: KV a round launched since took; counted as free (the engine plans from the KV free
+        before the round in flight)."""
+        return StepResult(tuple(reqs), tuple(map(tuple, tokens)), tuple(r.done for r in reqs),
+                          None if accepted is None else tuple(accepted), self.available_kv() + reserved,
+                          tuple(self._logprobs.get(r.rid) for r in reqs))
+
+    # ---- the overlap schedule: launch round K+1 before finishing round K ------------------------------------
+
+    def _may_launch_ahead(self, reqs: list[Request]) -> bool:
+        """Nothing the host decides from a round's tokens feeds this one: an EAGLE-family drafter (NGRAM drafts
+        from the tokens themselves), no recurrent target state, no grammar, penalties or logprobs; and every
+        request is in the round in flight, if any (a new one needs its prefill's lengths)."""
+        if self.drafter is None or not self.drafter.uses_extend or self.states is not None:
+            return False
+        live = [r for r in reqs if r.done is None]
+        if any(r.grammar is not None or controls_active(r.params) or r.params.logprobs is not None for r in live):
+            return False
+        return self._pending is None or {r.rid for r in live} <= self._pending.rids
+
+    def _step_ahead(self, reqs: list[Request]) -> Future | None:
+        """Launch a speculative round, then finish the one in flight; None if this round is plain (the
+        caller runs it after finishing the one in flight)."""
+        if not reqs:
+            return None
+        params = self._round_params(reqs)
+        if params is None:
+            self.flush()
+            self._logprobs = {}
+            self._make_room(self.round_headroom() * len(reqs))
+            tokens, accepted = self._decode(reqs, None)
+            done = Future()
+            done.set_result(self._result(reqs, tokens, accepted))
+            return done
+        self._make_room(self.round_headroom() * len(reqs))
+        before = self._pending
+        with self.times("round"):
+            self._pending = self._launch_round(reqs, params, before)
+            if before is not None:
+                self._finish_pending(before)
+        return self._pending.done
+
+    def flush(self) -> None:
+        """Finish the round in flight, if any (its Future gets its StepResult)."""
+        if self._pending is not None:
+            with torch.inference_mode(), self.times("round"):
+                self._finish_pending(self._pending)
+
+    def _finish_pending(self, p) -> None:
+        try:
+            if self._pending is p:
+                self._pending = None
+            self._logprobs = {}
+            alive = [r for r in p.reqs if r.done is None]  # the others finished in the round before
+            tokens, accepted = self._finish_round(p)
+            keep = [b for b, r in enumerate(p.reqs) if r in alive]
+            self._record_rate(list(p.reqs), True, tokens, p.started)
+            later = self._pending.reserved if self._pending is not None else 0
+            p.done.set_result(self._result(alive, [tokens[b] for b in keep], [accepted[b] for b in keep], later))
+        except BaseException as error:
+            p.done.set_exception(error)
+            raise
+        for r in [r for r in self._release_after if r in p.reqs]:  # released while this round was in flight
+            self._release_after.remove(r)
+            self.release(r)
 
     # ---- prefill ----------------------------------------------------------------------------------------
 
@@ -271,6 +350,9 @@ class Worker(DecodeRounds):
         and what lies past the last token are freed)."""
         if r.row < 0:
             return
+        if self._pending is not None and r in self._pending.reqs:
+            self._release_after.append(r)  # after the round in flight has finished with its KV
+            return
         with torch.inference_mode():
             slots = self.table.slots(r.row, 0, r.seq_len)
             if self.cache is None:
@@ -299,11 +381,14 @@ class Worker(DecodeRounds):
                      host_lens: tuple[list[int], list[int]]) -> None:
         """Slots for positions prefix..seq_lens-1 of each row into the table; `host_lens` = the same two lengths
         on the host (so the allocator reads nothing back from the device)."""
-        last_loc = torch.where(prefix > 0, self.table.table[rows, (prefix - 1).clamp(min=0)].long(), -1)
-        slots = self.allocator.alloc_extend(prefix, seq_lens, last_loc, host_lens)
+        slots = self.allocator.alloc_extend(prefix, seq_lens, self._last_loc(rows, prefix), host_lens)
         if slots is None:
             raise FastspecError("KV pool exhausted")  # unreachable: a round's headroom is checked before it runs
         self.table.write(rows, prefix, seq_lens - prefix, slots)
+
+    def _last_loc(self, rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """int64 [bs]: the slot of each row's position prefix-1 (-1 for an empty prefix)."""
+        return torch.where(prefix > 0, self.table.table[rows, (prefix - 1).clamp(min=0)].long(), -1)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta, rows: torch.Tensor, lens: list[int]):
         states = None if self.states is None else self.states.view(rows, lens=tuple(lens))

@@ -10,7 +10,7 @@ import torch
 import fastspec
 from conftest import all_slots_free
 from fastspec.sampling import SamplingParams
-from fastspec.speculative.kv import plan_round_kv
+from fastspec.speculative.kv import plan_round_kv, plan_round_kv_on_device
 from fastspec.speculative.tree import tree_from_parents
 from test_speculative import PROMPTS, reference
 
@@ -98,3 +98,68 @@ def test_plan_round_kv_worked_examples():
     assert plan.free_slots.tolist() == [32, 33]  # page B is past the last kept position (7)
     plan = plan_round_kv(paged, [[0, 1, 2]], [6], page_size=4)  # a chain: nothing moves, page B stays
     assert plan.move_src.numel() == 0 and plan.free_slots.numel() == 0
+
+
+@pytest.mark.parametrize("page_size, topk", [(1, 2), (4, 2), (1, 1), (4, 1)])
+def test_the_device_commit_plan_matches_the_host_plan(page_size, topk):
+    """plan_round_kv_on_device (fixed shapes, no host read) puts the same slot / KV at every kept position as
+    plan_round_kv (the host plan, a worked-example-tested oracle), over random accepted paths."""
+    gen = torch.Generator().manual_seed(page_size * 10 + topk)
+    bs, n, e = 5, 6, 4
+    verify_slots = torch.randperm(200, generator=gen)[: bs * n].view(bs, n) + 1
+    kept_nodes = []
+    for b in range(bs):
+        keep = int(torch.randint(1, e + 1, (1,), generator=gen))
+        if topk == 1:  # a chain keeps nodes 0..keep-1
+            kept_nodes.append(list(range(keep)))
+        else:  # a tree path: the root, then increasing node ids
+            kept_nodes.append([0] + sorted(torch.randperm(n - 1, generator=gen)[: keep - 1].add(1).tolist()))
+    accept_index = torch.full((bs, e), -1)
+    for b, nodes in enumerate(kept_nodes):
+        accept_index[b, : len(nodes)] = torch.tensor(nodes) + b * n
+    seq_lens = [3, 8, 0, 13, 4]
+    host = plan_round_kv(verify_slots, kept_nodes, seq_lens, page_size)
+    device = plan_round_kv_on_device(verify_slots, accept_index, page_size, chain=topk == 1)
+    assert device.keep_lens.tolist() == [len(k) for k in kept_nodes]
+    kv = {int(s): int(s) for s in verify_slots.flatten()}  # slot -> whose KV it holds (its own, before the move)
+    if device.move_src is not None:
+        moved = {int(d): kv[int(s)] for d, s in zip(device.move_dst, device.move_src)}
+        kv.update(moved)
+    host_kv = {int(s): int(s) for s in verify_slots.flatten()}
+    host_kv.update({int(d): host_kv[int(s)] for d, s in zip(host.move_dst, host.move_src)})
+    flat_host = host.table_slots.tolist()
+    for b, nodes in enumerate(kept_nodes):  # position seq_len + j: same slot, holding the same node's KV
+        first = sum(len(k) for k in kept_nodes[:b])
+        for j in range(len(nodes)):
+            slot = int(device.table_slots[b, j])
+            assert slot == flat_host[first + j]
+            assert kv[slot] == host_kv[flat_host[first + j]] == int(verify_slots[b, nodes[j]])
+        assert device.nodes[b].tolist() == nodes + [-1] * (e - len(nodes))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_reserved_verify_slots_match_an_exact_allocation(page_size):
+    """reserve_extend (lengths known only on the device) gives every position a slot on the request's own
+    pages, continuing its partial page as alloc_extend does; the pages it did not reach go back, and then
+    the allocator holds exactly what the requests hold."""
+    from fastspec.memory.allocator import make_allocator
+
+    alloc = make_allocator(256, page_size)
+    prefix = [5, 8, 1, 0]
+    held = []
+    last_loc = []
+    for p in prefix:  # each request's existing KV
+        slots = alloc.alloc_extend(torch.tensor([0]), torch.tensor([p]), torch.tensor([-1]))
+        held.append(slots)
+        last_loc.append(int(slots[-1]) if p else -1)
+    n = 6
+    slots, pages = alloc.reserve_extend(torch.tensor(prefix), n, torch.tensor(last_loc))
+    slots = slots.view(len(prefix), n)
+    for b, p in enumerate(prefix):
+        full = torch.cat([held[b], slots[b]])
+        assert full.unique().numel() == p + n  # no slot twice
+        if page_size > 1:  # position q sits at offset q % P of its page
+            assert (full % page_size).tolist() == [q % page_size for q in range(p + n)]
+    if pages is not None:
+        alloc.free(alloc.unused_pages(pages, prefix, n))
+    alloc.check(torch.cat([*held, slots.flatten()]))

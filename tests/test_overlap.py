@@ -4,6 +4,8 @@ waits or is preempted in between, and every KV slot must come back."""
 
 import random
 
+import torch
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -163,3 +165,65 @@ def test_contradicting_overlap_flags_are_one_line():
     assert "--disable-overlap-schedule" in result.stderr and "--overlap-schedule" in result.stderr
     with pytest.raises(FastspecError, match="--overlap-schedule"):
         fastspec.LLM(overlap_schedule="sometimes")
+
+
+@pytest.mark.parametrize("algorithm, draft, topk, n, page_size, launched_ahead", [
+    ("STANDALONE", "self", 1, 4, 16, True), ("EAGLE", "eagle", 2, 6, 1, True), ("EAGLE3", "eagle3", 1, 4, 1, True),
+    ("NGRAM", None, None, 6, 1, False)])
+def test_the_worker_launches_a_round_before_reading_the_last(tiny_dirs, draft_dirs, algorithm, draft, topk, n,
+                                                             page_size, launched_ahead):
+    """Not a timing: under overlap, round K+1 of an EAGLE-family drafter is launched (from the future maps)
+    before round K's accept result is read; NGRAM drafts from the tokens themselves and never is. Each launch
+    ahead reads, for every request, the length and root round K wrote: checked against the host's values
+    once K is finished."""
+    serial, overlap = both(tiny_dirs, draft_dirs, "llama", algorithm, draft, 3 if draft else None, topk, n,
+                           page_size, speculative_fallback=False)
+    worker, events = overlap.engine.worker, []
+    launch, finish = worker._launch_round, worker._finish_round
+
+    def launched(reqs, params, before):
+        events.append("ahead" if before is not None else "launch")
+        if before is not None:  # what K+1 resolves == what K leaves on the host, once finished
+            rows = torch.tensor([r.row for r in reqs])
+            events.append((before, reqs, *worker.futures.resolve(rows)))
+        return launch(reqs, params, before)
+
+    def finished(p):
+        out = finish(p)
+        for e in [e for e in events if isinstance(e, tuple) and e[0] is p]:
+            _, reqs, seq, root = e
+            assert seq.tolist() == [r.seq_len for r in reqs]
+            # the root: the last token, for the requests the round did not stop (their run is cut there)
+            assert [t for t, r in zip(root.tolist(), reqs) if r.done is None] == \
+                [r.produced[-1] for r in reqs if r.done is None]
+            events.remove(e)
+        return out
+
+    worker._launch_round, worker._finish_round = launched, finished
+    params = [SamplingParams(max_new_tokens=12 + 4 * i, ignore_eos=True) for i in range(4)]
+    got = overlap.engine.generate(PROMPTS[:4], params)
+    assert [o.output_ids for o in got] == [o.output_ids for o in serial.engine.generate(PROMPTS[:4], params)]
+    ahead = events.count("ahead")
+    assert (ahead > events.count("launch") if launched_ahead else ahead == 0), events
+    assert not [e for e in events if isinstance(e, tuple)]  # every resolved round was checked
+    assert all_slots_free(overlap.engine)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 7), max_size=8), min_size=1, max_size=12))
+def test_future_maps_resolve_what_the_last_round_over_a_row_wrote(batches):
+    """Rounds over arbitrary (filtered, reordered) batches of table rows: each row resolves to exactly what the
+    last round that ran it wrote, never a later or an earlier round's value."""
+    from fastspec.speculative.future import FutureMaps
+
+    maps, last = FutureMaps(8, "cpu"), {}
+    for k, rows in enumerate(batches):
+        rows = list(dict.fromkeys(rows))  # a batch holds a row once
+        if not rows:
+            continue
+        index = torch.tensor(rows)
+        seq, root = maps.resolve(index)
+        assert seq.tolist() == [last.get(r, (0, 0))[0] for r in rows]
+        assert root.tolist() == [last.get(r, (0, 0))[1] for r in rows]
+        maps.write(index, torch.tensor([100 * k + r for r in rows]), torch.tensor([k] * len(rows)))
+        last.update({r: (100 * k + r, k) for r in rows})

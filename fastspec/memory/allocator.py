@@ -63,6 +63,10 @@ class TokenAllocator:
             return self.alloc(sum(host_lens[1]) - sum(host_lens[0]))
         return self.alloc(int((seq_lens - prefix_lens).sum()))
 
+    def reserve_extend(self, prefix_lens: torch.Tensor, n: int, last_loc: torch.Tensor):
+        """n slots per request when only the device knows prefix_lens: (slots [bs*n], None); nothing to give back."""
+        return self.alloc(prefix_lens.numel() * n), None
+
     def free(self, slots: torch.Tensor) -> None:
         # slots: [n] int64 (int32 accepted)
         if slots.numel():
@@ -140,10 +144,35 @@ class PagedAllocator:
         pages = self._take_pages(num_new_pages)
         if pages is None:
             return None
-        return self._extend_slots(prefix_lens, extend_lens, last_loc, owned_end, new_pages, pages, num_tokens)
+        first_page = torch.cumsum(new_pages, 0) - new_pages  # [bs] index of each request's first fresh page
+        return self._extend_slots(prefix_lens, extend_lens, last_loc, owned_end, first_page, pages, num_tokens)
 
-    def _extend_slots(self, prefix_lens, extend_lens, last_loc, owned_end, new_pages, pages, num_tokens):
-        """Vectorised slot assignment for alloc_extend; pages [sum(new_pages)] are this call's fresh pages.
+    def reserve_extend(self, prefix_lens: torch.Tensor, n: int, last_loc: torch.Tensor):
+        """alloc_extend of n positions per request when only the device knows prefix_lens (the overlap schedule):
+        each request takes the most fresh pages n positions can need, W = ceil(n / P), and uses the first ones.
+        Returns (slots [bs*n], pages int64 [bs, W]), or None with the state unchanged; `unused_pages` names the
+        pages to give back once the host knows prefix_lens."""
+        P, bs = self.page_size, prefix_lens.numel()
+        w = -(-n // P)
+        pages = self._take_pages(bs * w)
+        if pages is None:
+            return None
+        owned_end = (prefix_lens + P - 1) // P * P
+        first_page = torch.arange(bs, device=pages.device) * w
+        slots = self._extend_slots(prefix_lens, torch.full_like(prefix_lens, n), last_loc, owned_end, first_page,
+                                   pages, bs * n)
+        return slots, pages.view(bs, w)
+
+    def unused_pages(self, pages: torch.Tensor, prefix_lens: list[int], n: int) -> torch.Tensor:
+        """Slots naming the pages of a reserve_extend(prefix_lens, n) that its positions did not reach."""
+        P = self.page_size
+        cells = [b * pages.shape[1] + j for b, p in enumerate(prefix_lens)
+                 for j in range(-(-(p + n) // P) - -(-p // P), pages.shape[1])]
+        flat = pages.flatten()
+        return flat[torch.tensor(cells, dtype=torch.int64, device=flat.device)] * P if cells else flat[:0]
+
+    def _extend_slots(self, prefix_lens, extend_lens, last_loc, owned_end, first_page, pages, num_tokens):
+        """Vectorised slot assignment; pages are this call's fresh pages, request b's from first_page[b] on.
 
         E.g. P=4, one request with prefix 6, last_loc 9, seq 11, fresh page 3: positions 6, 7 -> slots 10, 11
         (tail of the partial page 2), positions 8, 9, 10 -> slots 12, 13, 14 (page 3).
@@ -156,7 +185,6 @@ class PagedAllocator:
         pos = prefix_lens[req] + torch.arange(num_tokens, device=pages.device) - first_out[req]  # [T]
         in_tail = pos < owned_end[req]  # [T] inside the request's current partial page
         tail_slot = last_loc[req] + (pos - prefix_lens[req]) + 1
-        first_page = torch.cumsum(new_pages, 0) - new_pages  # [bs] index of each request's first fresh page
         page_idx = (first_page[req] + (pos - owned_end[req]) // P).clamp(0, pages.numel())  # tail rows clamp
         padded = torch.cat([pages, pages.new_zeros(1)])  # a pad entry keeps the clamped tail rows in range
         fresh_slot = padded[page_idx] * P + pos % P

@@ -51,7 +51,9 @@ def build_memory(c: ModelConfig, draft_shape: tuple | None, cfg: EngineConfig, s
                 size_varies(kv, 1)
     allocator = make_allocator(pool.capacity, cfg.page_size, cfg.device)
     states = _state_pool(c, cfg, spec)
-    margin = max(spec.topk * spec.num_steps, spec.num_draft_tokens) + cfg.page_size
+    # a round's draft scratch or verify rows past the context, twice: under the overlap schedule a request that
+    # finished runs one more round before the host knows
+    margin = 2 * max(spec.topk * spec.num_steps, spec.num_draft_tokens) + cfg.page_size
     table = ReqToTokenTable(cfg.max_running_requests, max_context_len + margin, cfg.device)
     cache = PrefixCache(allocator, table, cfg.page_size, cfg.device, states) if cfg.radix_cache else None
     return WorkerMemory(pool, draft_pool, allocator, table, states, cache)

@@ -19,7 +19,7 @@ from fastspec.grammar import draft_masks
 from fastspec.graphs import StaticInput
 from fastspec.models.eagle import DraftHidden
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
-from fastspec.speculative.packing import kv_width, pack_draft, pack_extend, prefix_specs
+from fastspec.speculative.packing import kv_width, pack_draft, pack_extend, pack_extend_padded, prefix_specs
 from fastspec.speculative.runners import GraphPlan, StepGraphs
 from fastspec.speculative.steps import draft_extend, draft_loop, draft_top_k
 from fastspec.speculative.tree import DraftTree, build_tree
@@ -97,12 +97,25 @@ class EagleDrafter:
         rows = self.num_steps + 1 if decode_round else int(batch.extend_lens.max())
         longest = batch.max_prefix if batch.max_prefix is not None else int(batch.prefix_lens.max())
         width = kv_width(longest, graphs is not None and graphs.bucketed)
-        x = pack_extend(batch, self.table.table, rows, width)
+        self._run_extend(batch.rids, pack_extend(batch, self.table.table, rows, width), width, graphs)
+
+    def extend_round(self, rids: tuple[int, ...], rows, prefix_lens, keep_lens,  # int64 [bs] each
+                     input_ids, positions,  # int64 [bs*E], E = num_steps + 1 rows per request
+                     features: torch.Tensor,  # [bs*E, F]
+                     max_prefix: int) -> None:
+        """A decode round's draft extend from rows already padded on the device (row b*E + j real while
+        j < keep_lens[b]): no host value but `max_prefix` (an upper bound will do) is needed."""
+        width = kv_width(max_prefix, self.extend_graphs.bucketed)
+        x = pack_extend_padded(rows, prefix_lens, keep_lens, input_ids, positions, features, self.table.table,
+                               self.num_steps + 1, width)
+        self._run_extend(rids, x, width, self.extend_graphs)
+
+    def _run_extend(self, rids: tuple[int, ...], x: dict, width: int, graphs) -> None:
         layered = self.model.per_step_layers > 1
         if layered:  # what each layer after the first reads at the position before this extend's first row
-            x["prev_hidden"] = torch.stack([self._layers_before(rid, x["features"]) for rid in batch.rids])
-        out = graphs(len(batch.rids), x, width) if graphs else self._extend_fn(x)
-        for b, rid in enumerate(batch.rids):
+            x["prev_hidden"] = torch.stack([self._layers_before(rid, x["features"]) for rid in rids])
+        out = graphs(len(rids), x, width) if graphs else self._extend_fn(x)
+        for b, rid in enumerate(rids):
             layers = out["layer_hidden"][b].clone() if layered else None
             self.states[rid] = DraftState(out["topk_p"][b], out["topk_index"][b], out["hidden"][b], layers,
                                           out["normed"][b])

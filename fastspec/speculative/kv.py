@@ -53,3 +53,37 @@ def plan_round_kv(verify_slots: torch.Tensor,  # int64 [bs, N]
         page_end = -(-(seq_lens[b] + len(nodes)) // page_size) * page_size  # first position past the last kept page
         free += range(base + max(page_end - seq_lens[b], 0), base + n)
     return RoundKV(take(table), keep_lens, take(free), take(src), take(dst))
+
+
+@dataclass(frozen=True)
+class DeviceKV:
+    """The same plan made on the device from the accept result, without the host knowing it (the overlap
+    schedule launches the next round first). Fixed shapes: E = num_steps + 1 columns per request."""
+
+    nodes: torch.Tensor  # int64 [bs, E]  kept tree node j of each request (position seq_len + j), -1 past keep
+    table_slots: torch.Tensor  # int64 [bs, E]  slot of position seq_len + j (j < keep; past keep: unchanged)
+    move_src: torch.Tensor | None  # int64 [bs*E]  paged trees: copy src -> dst (dst == src past keep: a no-op)
+    move_dst: torch.Tensor | None
+    keep_lens: torch.Tensor  # int64 [bs]
+
+
+def plan_round_kv_on_device(verify_slots: torch.Tensor,  # int64 [bs, N]
+                            accept_index: torch.Tensor,  # int64 [bs, E]  flat verify rows b*N + node, -1 pad
+                            page_size: int, chain: bool) -> DeviceKV:
+    """plan_round_kv's table and moves for every request at once, with no host read; the slots it frees are
+    only known on the host (plan_round_kv, once the accept result is read), as seed 004's plan A returns the
+    unused part of a worst-case reservation after verify. Chains keep node j at column j: nothing to remap.
+    E.g. P=1, kept nodes [0, 2] of slots [7, 9, 4, 5]: table_slots [7, 4, ...] (plan_round_kv's table)."""
+    bs, n = verify_slots.shape
+    accept_index = accept_index[:, :n]  # a path never holds more than the tree's N nodes
+    kept = accept_index >= 0  # [bs, E]
+    nodes = torch.where(kept, accept_index - torch.arange(bs, device=accept_index.device)[:, None] * n, -1)
+    keep_lens = kept.sum(1)
+    cols = torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes)
+    if chain:
+        return DeviceKV(nodes, verify_slots[:, : nodes.shape[1]], None, None, keep_lens)
+    source = torch.where(kept, nodes, cols)  # past keep: the column itself
+    if page_size == 1:  # remap the table: position seq_len + j -> the slot of kept node j
+        return DeviceKV(nodes, verify_slots.gather(1, source), None, None, keep_lens)
+    dst = verify_slots[:, : nodes.shape[1]]  # paged: node j's KV moves into column j's slot
+    return DeviceKV(nodes, dst, verify_slots.gather(1, source).flatten(), dst.flatten(), keep_lens)

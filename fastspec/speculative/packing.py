@@ -40,18 +40,29 @@ def pack_extend(batch: ExtendBatch, table: torch.Tensor, rows_per_request: int, 
     """An ExtendBatch (ragged, extend_lens[b] <= rows_per_request) as draft_extend's padded inputs."""
     bs, e = batch.rows.shape[0], rows_per_request
     lens = batch.extend_lens
-    valid = torch.arange(e, device=lens.device)[None, :] < lens[:, None]  # [bs, E]
     total = batch.input_ids.shape[0]  # real tokens, known on the host: no nonzero (a device sync) needed
     req = torch.repeat_interleave(torch.arange(bs, device=lens.device), lens, output_size=total)
     flat = req * e + torch.arange(total, device=lens.device) - (torch.cumsum(lens, 0) - lens)[req]  # padded row
     pad = lambda src, fill=0: torch.full((bs * e, *src.shape[1:]), fill, dtype=src.dtype,  # noqa: E731
                                          device=src.device).index_copy_(0, flat, src)
-    cols = batch.prefix_lens[:, None] + torch.arange(e, device=lens.device)[None, :]
-    new_slots = torch.where(valid, table[batch.rows[:, None], cols.clamp(max=table.shape[1] - 1)].to(torch.int64), 0)
-    prefix_slots, prefix_valid = prefix_view(table, batch.rows, batch.prefix_lens, width)
-    return {"input_ids": pad(batch.input_ids), "positions": pad(batch.positions), "features": pad(batch.features),
-            "new_slots": new_slots, "new_valid": valid, "prefix_slots": prefix_slots, "prefix_valid": prefix_valid,
-            "last_rows": torch.arange(bs, device=lens.device) * e + lens - 1}
+    return pack_extend_padded(batch.rows, batch.prefix_lens, lens, pad(batch.input_ids), pad(batch.positions),
+                              pad(batch.features), table, e, width)
+
+
+def pack_extend_padded(rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,  # [bs] each
+                       input_ids: torch.Tensor, positions: torch.Tensor,  # int64 [bs*E], E rows per request
+                       features: torch.Tensor,  # [bs*E, F]
+                       table: torch.Tensor, e: int, width: int) -> dict:
+    """Already padded rows (row b*E + j real while j < extend_lens[b]) as draft_extend's inputs; new slots are
+    read from the table at positions prefix_lens[b] + j."""
+    bs = rows.shape[0]
+    valid = torch.arange(e, device=rows.device)[None, :] < extend_lens[:, None]  # [bs, E]
+    cols = prefix_lens[:, None] + torch.arange(e, device=rows.device)[None, :]
+    new_slots = torch.where(valid, table[rows[:, None], cols.clamp(max=table.shape[1] - 1)].to(torch.int64), 0)
+    prefix_slots, prefix_valid = prefix_view(table, rows, prefix_lens, width)
+    return {"input_ids": input_ids, "positions": positions, "features": features, "new_slots": new_slots,
+            "new_valid": valid, "prefix_slots": prefix_slots, "prefix_valid": prefix_valid,
+            "last_rows": torch.arange(bs, device=rows.device) * e + extend_lens - 1}
 
 
 def pack_draft(batch: DecodeBatch, table: torch.Tensor, topk_p, topk_index, hidden, scratch: torch.Tensor | None,
