@@ -5,9 +5,10 @@ prefill chunk, or a decode round, speculative (draft -> verify -> accept -> comm
 A step returns what each request produced, up to a stop token or `max_new_tokens` (the rest of an accepted run
 is dropped), as a frozen StepResult; the engine hands it to the caller and `release`s a finished request. The
 worker reads and writes only its own fields of a request (row, seq_len, produced, done), so with the overlap
-schedule a step can run in a thread one step ahead of the engine. The decode rounds live in fastspec.rounds (a
-mixin); its `_commit_round` and `_commit` here are the only places where request lengths, produced tokens and KV
-slots advance.
+schedule a step can run in a thread one step ahead of the engine, and a speculative round can be launched before
+the one in flight is finished (fastspec.overlap, a mixin). The decode rounds live in fastspec.rounds (a mixin);
+its `_commit_on_device` / `_finish_round` and `_commit` here are the only places where request lengths, produced
+tokens and KV slots advance.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from fastspec.memory.state_checkpoints import prefill_budget, save_crossed
 from fastspec.metrics import PhaseTimes
 from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
 from fastspec.models.mla import mla_softmax_scale
+from fastspec.overlap import OverlapRounds
 from fastspec.rounds import DecodeRounds
 from fastspec.sampling import SamplingTensors, sample
 from fastspec.scheduler import Request
@@ -54,7 +56,7 @@ class StepResult:
     logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()  # per request asking for them, aligned with tokens
 
 
-class Worker(DecodeRounds):
+class Worker(OverlapRounds, DecodeRounds):
     def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None):
         """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled."""
         self.config = config
@@ -187,65 +189,6 @@ class Worker(DecodeRounds):
         return StepResult(tuple(reqs), tuple(map(tuple, tokens)), tuple(r.done for r in reqs),
                           None if accepted is None else tuple(accepted), self.available_kv() + reserved,
                           tuple(self._logprobs.get(r.rid) for r in reqs))
-
-    # ---- the overlap schedule: launch round K+1 before finishing round K ------------------------------------
-
-    def _may_launch_ahead(self, reqs: list[Request]) -> bool:
-        """Nothing the host decides from a round's tokens feeds this one: an EAGLE-family drafter (NGRAM drafts
-        from the tokens themselves), no recurrent target state, no grammar, penalties or logprobs; and every
-        request is in the round in flight, if any (a new one needs its prefill's lengths)."""
-        if self.drafter is None or not self.drafter.uses_extend or self.states is not None:
-            return False
-        live = [r for r in reqs if r.done is None]
-        if any(r.grammar is not None or controls_active(r.params) or r.params.logprobs is not None for r in live):
-            return False
-        return self._pending is None or {r.rid for r in live} <= self._pending.rids
-
-    def _step_ahead(self, reqs: list[Request]) -> Future | None:
-        """Launch a speculative round, then finish the one in flight; None if this round is plain (the
-        caller runs it after finishing the one in flight)."""
-        if not reqs:
-            return None
-        params = self._round_params(reqs)
-        if params is None:
-            self.flush()
-            self._logprobs = {}
-            self._make_room(self.round_headroom() * len(reqs))
-            tokens, accepted = self._decode(reqs, None)
-            done = Future()
-            done.set_result(self._result(reqs, tokens, accepted))
-            return done
-        self._make_room(self.round_headroom() * len(reqs))
-        before = self._pending
-        with self.times("round"):
-            self._pending = self._launch_round(reqs, params, before)
-            if before is not None:
-                self._finish_pending(before)
-        return self._pending.done
-
-    def flush(self) -> None:
-        """Finish the round in flight, if any (its Future gets its StepResult)."""
-        if self._pending is not None:
-            with torch.inference_mode(), self.times("round"):
-                self._finish_pending(self._pending)
-
-    def _finish_pending(self, p) -> None:
-        try:
-            if self._pending is p:
-                self._pending = None
-            self._logprobs = {}
-            alive = [r for r in p.reqs if r.done is None]  # the others finished in the round before
-            tokens, accepted = self._finish_round(p)
-            keep = [b for b, r in enumerate(p.reqs) if r in alive]
-            self._record_rate(list(p.reqs), True, tokens, p.started)
-            later = self._pending.reserved if self._pending is not None else 0
-            p.done.set_result(self._result(alive, [tokens[b] for b in keep], [accepted[b] for b in keep], later))
-        except BaseException as error:
-            p.done.set_exception(error)
-            raise
-        for r in [r for r in self._release_after if r in p.reqs]:  # released while this round was in flight
-            self._release_after.remove(r)
-            self.release(r)
 
     # ---- prefill ----------------------------------------------------------------------------------------
 

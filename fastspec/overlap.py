@@ -1,0 +1,79 @@
+"""The overlap schedule inside the worker (fastspec.worker, a mixin): launch speculative round K+1 before
+finishing round K, so the host's part of round K (its read, freeing the KV it did not keep, handing out tokens
+up to a stop) runs while the device runs round K+1.
+
+Round K+1 reads each request's length and root from the future maps K's commit wrote on the device
+(fastspec.speculative.future) and reserves verify KV for the longest those can be. A request round K finished
+runs once more in K+1 (its tokens dropped, its KV returned after K+1); one released meanwhile is released after
+the round in flight. Anything the host must decide from round K's tokens (NGRAM drafting, grammars, penalties,
+logprobs, recurrent-state checkpoints, a plain round, a prefill, a new request) finishes round K first.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from fastspec.controls import active as controls_active
+from fastspec.scheduler import Request
+from fastspec.speculative.future import PendingRound
+
+
+class OverlapRounds:
+    def _may_launch_ahead(self, reqs: list[Request]) -> bool:
+        """Nothing the host decides from a round's tokens feeds this one: an EAGLE-family drafter (NGRAM drafts
+        from the tokens themselves), no recurrent target state, no grammar, penalties or logprobs; and every
+        request is in the round in flight, if any (a new one needs its prefill's lengths)."""
+        if self.drafter is None or not self.drafter.uses_extend or self.states is not None:
+            return False
+        live = [r for r in reqs if r.done is None]
+        if any(r.grammar is not None or controls_active(r.params) or r.params.logprobs is not None for r in live):
+            return False
+        return self._pending is None or {r.rid for r in live} <= self._pending.rids
+
+    def _step_ahead(self, reqs: list[Request]) -> Future | None:
+        """Launch a speculative round, then finish the one in flight; None if this round is plain (the
+        caller runs it after finishing the one in flight)."""
+        if not reqs:
+            return None
+        params = self._round_params(reqs)
+        if params is None:
+            self.flush()
+            self._logprobs = {}
+            self._make_room(self.round_headroom() * len(reqs))
+            tokens, accepted = self._decode(reqs, None)
+            done = Future()
+            done.set_result(self._result(reqs, tokens, accepted))
+            return done
+        self._make_room(self.round_headroom() * len(reqs))
+        before = self._pending
+        with self.times("round"):
+            self._pending = self._launch_round(reqs, params, before)
+            if before is not None:
+                self._finish_pending(before)
+        return self._pending.done
+
+    def flush(self) -> None:
+        """Finish the round in flight, if any (its Future gets its StepResult)."""
+        if self._pending is not None:
+            with torch.inference_mode(), self.times("round"):
+                self._finish_pending(self._pending)
+
+    def _finish_pending(self, p: PendingRound) -> None:
+        try:
+            if self._pending is p:
+                self._pending = None
+            self._logprobs = {}
+            alive = [r for r in p.reqs if r.done is None]  # the others finished in the round before
+            tokens, accepted = self._finish_round(p)
+            keep = [b for b, r in enumerate(p.reqs) if r in alive]
+            self._record_rate(list(p.reqs), True, tokens, p.started)
+            later = self._pending.reserved if self._pending is not None else 0
+            p.done.set_result(self._result(alive, [tokens[b] for b in keep], [accepted[b] for b in keep], later))
+        except BaseException as error:
+            p.done.set_exception(error)
+            raise
+        for r in [r for r in self._release_after if r in p.reqs]:  # released while this round was in flight
+            self._release_after.remove(r)
+            self.release(r)
