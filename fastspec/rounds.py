@@ -26,6 +26,7 @@ from fastspec.speculative.future import PendingRound, start_readback
 from fastspec.speculative.kv import DeviceKV, plan_round_kv, plan_round_kv_on_device
 from fastspec.speculative.packing import kv_width, pack_verify, prefix_view
 from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
+from fastspec.transfer import to_device
 
 
 class DecodeRounds:
@@ -50,7 +51,7 @@ class DecodeRounds:
     def plain_round(self, reqs: list[Request]) -> list[list[int]]:
         """One token per request. With an EAGLE drafter, the draft extends by that token too, so its state
         stays exact and the next round may speculate again."""
-        ids = torch.tensor([r.produced[-1] for r in reqs], device=self.config.device)
+        ids = to_device([r.produced[-1] for r in reqs], self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, [1] * len(reqs))
         if self.decode_graphs is not None:
             logits, features = self._decode_graph(reqs, ids, rows, prefix, positions)
@@ -61,7 +62,7 @@ class DecodeRounds:
         tokens = self._sample(reqs, self._controlled(reqs, logits))
         if self.drafter is not None and self.drafter.uses_extend:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
-                                            torch.tensor(tokens, device=ids.device), positions, features,
+                                            to_device(tokens, ids.device), positions, features,
                                             max(r.seq_len for r in reqs)), decode_round=False)
         produced = self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
         self._record_logprobs(reqs, logits, [[b] for b in range(len(reqs))], produced)
@@ -127,11 +128,10 @@ class DecodeRounds:
 
     def _decode_batch(self, reqs: list[Request], before: PendingRound | None = None) -> DecodeBatch:
         device = self.config.device
-        rows = torch.tensor([r.row for r in reqs], device=device)
+        rows = to_device([r.row for r in reqs], device)
         if before is None:
             seq = tuple(r.seq_len for r in reqs)
-            seq_lens, roots = torch.tensor(seq, device=device), torch.tensor([r.produced[-1] for r in reqs],
-                                                                               device=device)
+            seq_lens, roots = to_device(seq, device), to_device([r.produced[-1] for r in reqs], device)
         else:  # the round in flight wrote them: the host knows only that they grew by at most its N tokens
             seq_lens, roots = self.futures.resolve(rows)
             seq = tuple(r.seq_len + before.verify_slots.shape[1] for r in reqs)

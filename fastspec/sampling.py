@@ -14,6 +14,7 @@ import torch
 from fastspec.errors import FastspecError
 from fastspec.grammar import KINDS, normalise_schema
 from fastspec.kernels import top_k_renorm_prob, top_p_renorm_prob
+from fastspec.transfer import to_device
 
 TOP_K_ALL = 1 << 30
 
@@ -92,9 +93,9 @@ class SamplingTensors:
         temperature = [1.0 if p.greedy else p.temperature for p in params]
         top_k = [1 if p.greedy else (TOP_K_ALL if p.top_k == -1 else p.top_k) for p in params]
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            temperature=to_device(temperature, device, torch.float32),
+            top_k=to_device(top_k, device),
+            top_p=to_device([p.top_p for p in params], device, torch.float32),
             all_greedy=all(p.greedy for p in params),
         )
 

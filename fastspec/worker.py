@@ -44,6 +44,7 @@ from fastspec.speculative.policy import SpecPolicy
 from fastspec.speculative.runners import GraphPlan, StepGraphs
 from fastspec.speculative.steps import target_verify
 from fastspec.speculative.tree import DraftTree
+from fastspec.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ class Worker(OverlapRounds, DecodeRounds):
         page = self.config.page_size
         self._make_room(sum(-(-n // page) * page + page for n in lens))
         complete = [r.seq_len + n == len(r.prefill_ids) for r, n in zip(reqs, lens)]
-        ids = torch.tensor([t for c in chunks for t in c], device=self.config.device)
+        ids = to_device([t for c in chunks for t in c], self.config.device)
         rows, prefix, ext, positions = self._extend_slots(reqs, lens)
         if self.states is not None:  # a sequence's first chunk starts from zero states
             self.states.reset(rows[prefix == 0])
@@ -227,7 +228,7 @@ class Worker(OverlapRounds, DecodeRounds):
             tails[b] = token
         if self.drafter is not None and self.drafter.uses_extend:
             shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each chunk's tail: see the docstring
-            shifted[last] = torch.tensor(tails, device=ids.device)
+            shifted[last] = to_device(tails, ids.device)
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
                                             self._features(hidden)), decode_round=False)
         produced = self._commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))])
@@ -264,7 +265,7 @@ class Worker(OverlapRounds, DecodeRounds):
         produced its j-th token."""
         for b, r in enumerate(reqs):
             if r.params.logprobs is not None and produced[b]:
-                picked = logits[torch.tensor(rows[b][: len(produced[b])], device=logits.device)]
+                picked = logits[to_device(rows[b][: len(produced[b])], logits.device)]
                 self._logprobs[r.rid] = token_logprobs(picked, produced[b], r.params.logprobs)
 
     def _produce(self, r: Request, run: list[int]) -> list[int]:
@@ -312,12 +313,12 @@ class Worker(OverlapRounds, DecodeRounds):
     def _extend_slots(self, reqs: list[Request], lens: list[int]):
         """Allocate slots for lens[b] new tokens of each request; (rows, prefix, ext, positions)."""
         device = self.config.device
-        rows = torch.tensor([r.row for r in reqs], device=device)
-        prefix = torch.tensor([r.seq_len for r in reqs], device=device)
-        ext = torch.tensor(lens, device=device)
+        rows = to_device([r.row for r in reqs], device)
+        prefix = to_device([r.seq_len for r in reqs], device)
+        ext = to_device(lens, device)
         starts = [r.seq_len for r in reqs]
         self._alloc_slots(rows, prefix, prefix + ext, (starts, [s + n for s, n in zip(starts, lens)]))
-        positions = torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], device=device)
+        positions = to_device([p for s, n in zip(starts, lens) for p in range(s, s + n)], device)
         return rows, prefix, ext, positions
 
     def _alloc_slots(self, rows: torch.Tensor, prefix: torch.Tensor, seq_lens: torch.Tensor,

@@ -3,6 +3,8 @@ other read (`.item()`, `int(t)`, `nonzero`, another `.tolist()`) stalls a GPU's 
 one fails here. Counted on CPU: through the dispatcher, and by wrapping the tensor methods that read a value
 (boolean-mask indexing does not show on CPU; the commit plan uses none)."""
 
+import traceback
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,3 +66,44 @@ def test_a_speculative_round_reads_the_device_once(tiny_dirs, draft_dirs, monkey
     rounds = max(o.metrics.verify_rounds for o in outputs)
     assert rounds > 2
     assert reads.count == 0 and tolists == ["tolist"] * rounds
+
+
+@pytest.mark.parametrize("algorithm, draft, topk, page, overlap", [("EAGLE", "eagle", 2, 1, "on"),
+                                                                   ("EAGLE3", "eagle3", 1, 16, "off"),
+                                                                   ("NGRAM", None, None, 1, "off"),
+                                                                   ("NONE", None, None, 16, "off")])
+def test_steps_copy_host_values_without_waiting_for_the_device(tiny_dirs, draft_dirs, monkeypatch, algorithm, draft,
+                                                               topk, page, overlap):
+    """`torch.tensor(values, device=d)` and a blocking `.to(d)` synchronise a CUDA stream (the host waits for every
+    queued kernel): a step moves host values with fastspec.transfer.to_device instead. Watched on CPU, where the
+    same calls are visible: no step (prefill, plain or speculative round, sampled or greedy) makes one."""
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, 3 if draft else None, topk, 6, page,
+                   overlap_schedule=overlap)
+    worker, blocking, inside = llm.engine.worker, [], {"on": False}
+    real_tensor, real_to, real_step = torch.tensor, torch.Tensor.to, worker.step
+
+    def tensor(*args, **kwargs):
+        if inside["on"] and kwargs.get("device") is not None:
+            blocking.append(("torch.tensor", kwargs["device"], traceback.format_stack(limit=3)[0].strip()))
+        return real_tensor(*args, **kwargs)
+
+    def to(t, *args, **kwargs):
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+        if inside["on"] and device is not None and not kwargs.get("non_blocking", False):
+            blocking.append(("Tensor.to", device, traceback.format_stack(limit=3)[0].strip()))
+        return real_to(t, *args, **kwargs)
+
+    def step(reqs, prefill):
+        inside["on"] = True
+        try:
+            return real_step(reqs, prefill)
+        finally:
+            inside["on"] = False
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(worker, "step", step)
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.8, seed=3)]
+    llm.engine.generate(PROMPTS[:2], params)
+    assert blocking == []

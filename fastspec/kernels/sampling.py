@@ -16,7 +16,7 @@ def _per_row(value, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  #
     if isinstance(value, torch.Tensor):
         if value.numel() != probs.shape[0]:
             raise ValueError(f"per-row parameter has {value.numel()} entries for {probs.shape[0]} rows")
-        return value.to(device=probs.device, dtype=dtype).reshape(-1, 1)
+        return value.to(device=probs.device, dtype=dtype, non_blocking=True).reshape(-1, 1)  # no stream sync
     return torch.full((probs.shape[0], 1), value, dtype=dtype, device=probs.device)
 
 

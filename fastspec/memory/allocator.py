@@ -9,6 +9,8 @@ hot path; `check` is the leak / double-allocation audit for tests and debug runs
 
 import torch
 
+from fastspec.transfer import to_device
+
 
 def check_ids(free: torch.Tensor, held: torch.Tensor, num_ids: int, unit: str) -> None:
     """Assert free and held ids partition 1..num_ids exactly; the message names the first offending id."""
@@ -169,7 +171,7 @@ class PagedAllocator:
         cells = [b * pages.shape[1] + j for b, p in enumerate(prefix_lens)
                  for j in range(-(-(p + n) // P) - -(-p // P), pages.shape[1])]
         flat = pages.flatten()
-        return flat[torch.tensor(cells, dtype=torch.int64, device=flat.device)] * P if cells else flat[:0]
+        return flat[to_device(cells, flat.device)] * P if cells else flat[:0]
 
     def _extend_slots(self, prefix_lens, extend_lens, last_loc, owned_end, first_page, pages, num_tokens):
         """Vectorised slot assignment; pages are this call's fresh pages, request b's from first_page[b] on.

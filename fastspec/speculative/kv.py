@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastspec.transfer import to_device
+
 
 @dataclass(frozen=True)
 class RoundKV:
@@ -35,9 +37,9 @@ def plan_round_kv(verify_slots: torch.Tensor,  # int64 [bs, N]
     flat = verify_slots.flatten()
 
     def take(cells: list[int]) -> torch.Tensor:  # flat (request, node) cells -> their slots
-        return flat[torch.tensor(cells, dtype=torch.int64, device=flat.device)] if cells else flat.new_zeros(0)
+        return flat[to_device(cells, flat.device)] if cells else flat.new_zeros(0)
 
-    keep_lens = torch.tensor([len(k) for k in kept_nodes], dtype=torch.int64, device=verify_slots.device)
+    keep_lens = to_device([len(k) for k in kept_nodes], verify_slots.device)
     table, free, src, dst = [], [], [], []
     for b, nodes in enumerate(kept_nodes):
         base = b * n

@@ -30,6 +30,7 @@ from fastspec.kernels import (
     tree_speculative_sampling_target_only,
     verify_tree_greedy,
 )
+from fastspec.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def tree_from_parents(verified_id: torch.Tensor,  # int64 [bs]
     own = torch.arange(1, n, device=parents.device)
     if bool(((parents < 0) | (parents >= own)).any()):
         raise ValueError("tree_from_parents: every parent position must lie in [0, own position)")
-    tokens, parents = tokens.to(verified_id.device), parents.to(verified_id.device)
+    tokens, parents = to_device(tokens, verified_id.device), to_device(parents, verified_id.device)
     parent_pos = torch.cat([parents.new_full((bs, 1), -1), parents.to(torch.int64)], 1)
     qlen_mask = ancestor_mask(parent_pos)  # [bs, N, N]
     positions = torch.empty(bs * n, dtype=torch.int64, device=tokens.device)
