@@ -1,7 +1,8 @@
 """The engine: continuous batching over a worker (fastspec.worker), which owns the models, the KV pool and the
 round functions. Each step admits what fits, preempts what must wait, launches a worker step (a prefill chunk
 or a decode round), hands out what each request produced and releases the requests that finished. With the
-overlap schedule the worker runs in a thread of its own, one decode round ahead of the hand-out (see `stream`).
+overlap schedule the worker runs in a thread of its own, one decode round ahead of the hand-out, and launches
+each round on the device before reading the last (see `stream`).
 Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 """
 
@@ -107,9 +108,10 @@ class Engine:
         With the overlap schedule, the next decode round is launched (in the worker's thread) before the
         previous one's tokens are handed out, whenever that round needs nothing the previous one decides:
         no admission, no prefill, and KV for both rounds at their worst case (a round's headroom per request).
-        A request the previous round finished runs in the next one as done (skipped by the worker); an
-        aborted one runs once more and its tokens are dropped. Everything else waits for the round in flight
-        (a drain) and runs as without overlap, so the output is the same token for token."""
+        The worker in turn launches that round on the device before it reads the previous one's accept result
+        (fastspec.overlap), so a request the previous round finished may run once more: its tokens are
+        dropped, as an aborted one's are. Everything else waits for the round in flight (a drain) and runs as
+        without overlap, so the output is the same token for token."""
         reqs = [self.request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         yield from self.run(reqs)
 

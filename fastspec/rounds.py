@@ -23,7 +23,7 @@ from fastspec.sampling import SamplingTensors, draw_uniforms
 from fastspec.scheduler import Request
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.future import PendingRound, start_readback
-from fastspec.speculative.kv import DeviceKV, plan_round_kv, plan_round_kv_on_device
+from fastspec.speculative.kv import DeviceKV, plan_round_kv_on_device, round_free_slots
 from fastspec.speculative.packing import kv_width, pack_verify, prefix_view
 from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
 from fastspec.transfer import to_device
@@ -113,7 +113,7 @@ class DecodeRounds:
         runs = [[t for t in row if t >= 0] for row in emitted]  # accepted draft tokens + bonus, root first
         kept_nodes = [[i - b * n for i in accept_index[b][: len(run)]] for b, run in enumerate(runs)]
         seq_lens = [r.seq_len for r in p.reqs]  # exact: every round before this one is finished
-        self.allocator.free(plan_round_kv(p.verify_slots, kept_nodes, seq_lens, self.config.page_size).free_slots)
+        self.allocator.free(round_free_slots(p.verify_slots, kept_nodes, seq_lens, self.config.page_size))
         if p.spare_pages is not None:
             self.allocator.free(self.allocator.unused_pages(p.spare_pages, seq_lens, n))
         produced = []

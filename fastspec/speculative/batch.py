@@ -19,7 +19,8 @@ class DecodeBatch:
     rids: tuple[int, ...]
     rows: torch.Tensor  # int64 [bs]  request->slot table rows
     seq_lens: torch.Tensor  # int64 [bs]  committed KV lengths
-    seq_lens_cpu: tuple[int, ...]
+    seq_lens_cpu: tuple[int, ...]  # the same on the host; under the overlap schedule, launched before the round
+    #                                that decides them is read: an upper bound (sizes KV widths, never a position)
     verified_id: torch.Tensor  # int64 [bs]  the last emitted token (tree root)
     histories: tuple[list[int], ...]  # prompt + output tokens so far (read-only), last = root
     grammars: tuple | None = None  # per request its fastspec.grammar.Grammar or None; None: no request has one

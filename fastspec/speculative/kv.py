@@ -33,13 +33,25 @@ def plan_round_kv(verify_slots: torch.Tensor,  # int64 [bs, N]
                   seq_lens: list[int], page_size: int) -> RoundKV:
     """Every choice is made on the host from `kept_nodes` (already there); the slots are then read with one
     gather per output, so planning costs a few launches whatever the batch and never waits for the device."""
-    bs, n = verify_slots.shape
-    flat = verify_slots.flatten()
-
-    def take(cells: list[int]) -> torch.Tensor:  # flat (request, node) cells -> their slots
-        return flat[to_device(cells, flat.device)] if cells else flat.new_zeros(0)
-
+    table, free, src, dst = _plan_cells(verify_slots.shape[1], kept_nodes, seq_lens, page_size)
     keep_lens = to_device([len(k) for k in kept_nodes], verify_slots.device)
+    return RoundKV(_take(verify_slots, table), keep_lens, _take(verify_slots, free), _take(verify_slots, src),
+                   _take(verify_slots, dst))
+
+
+def round_free_slots(verify_slots: torch.Tensor, kept_nodes: list[list[int]], seq_lens: list[int],
+                     page_size: int) -> torch.Tensor:
+    """plan_round_kv's free_slots alone (what the host frees once a round committed on the device is read)."""
+    return _take(verify_slots, _plan_cells(verify_slots.shape[1], kept_nodes, seq_lens, page_size)[1])
+
+
+def _take(verify_slots: torch.Tensor, cells: list[int]) -> torch.Tensor:  # flat (request, node) cells -> slots
+    flat = verify_slots.flatten()
+    return flat[to_device(cells, flat.device)] if cells else flat.new_zeros(0)
+
+
+def _plan_cells(n: int, kept_nodes: list[list[int]], seq_lens: list[int], page_size: int):
+    """(table, free, move src, move dst) as flat cells b*N + node of the verify slots."""
     table, free, src, dst = [], [], [], []
     for b, nodes in enumerate(kept_nodes):
         base = b * n
@@ -54,7 +66,7 @@ def plan_round_kv(verify_slots: torch.Tensor,  # int64 [bs, N]
         dst += [base + j for j in moved]
         page_end = -(-(seq_lens[b] + len(nodes)) // page_size) * page_size  # first position past the last kept page
         free += range(base + max(page_end - seq_lens[b], 0), base + n)
-    return RoundKV(take(table), keep_lens, take(free), take(src), take(dst))
+    return table, free, src, dst
 
 
 @dataclass(frozen=True)
