@@ -83,3 +83,29 @@ def test_rounds_capture_as_cuda_graphs_and_stay_lossless(tiny_dirs, draft_dirs, 
                    1, device="cuda", graphs="cuda", cuda_graph_bs=(1, 2, 4), max_running_requests=4)
     got = [o.output_ids for o in llm.engine.generate(PROMPTS[:3], [params] * 3)]
     assert got == reference(tiny_dirs, "llama", 1, PROMPTS[:3], params)
+
+
+@pytest.mark.parametrize("algorithm, draft, shape, page", [("EAGLE3", "eagle3", (3, 2, 5), 1),
+                                                           ("STANDALONE", "self", (3, 1, 4), 16)])
+def test_launching_a_round_never_waits_for_the_device(tiny_dirs, draft_dirs, algorithm, draft, shape, page):
+    """Under overlap, launching a speculative round (draft, verify, accept, commit, draft extend, the start of its
+    readback) makes no stream synchronisation: CUDA's sync debug mode raises on one. Rounds launched ahead
+    happen, captured as CUDA graphs, and the output equals the reference."""
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, *shape, page, device="cuda", graphs="cuda",
+                   cuda_graph_bs=(1, 2, 4), max_running_requests=4, overlap_schedule="on",
+                   speculative_fallback=False)
+    worker, real, ahead = llm.engine.worker, llm.engine.worker._launch_round, []
+
+    def launch(reqs, spec_params, before):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(reqs, spec_params, before)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            ahead.append(before is not None)
+
+    worker._launch_round = launch
+    got = [o.output_ids for o in llm.engine.generate(PROMPTS[:3], [params] * 3)]
+    assert got == reference(tiny_dirs, "llama", page, PROMPTS[:3], params)
+    assert sum(ahead) > len(ahead) // 2
