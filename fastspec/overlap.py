@@ -23,18 +23,27 @@ from fastspec.speculative.future import PendingRound
 class OverlapRounds:
     def _may_launch_ahead(self, reqs: list[Request]) -> bool:
         """Nothing the host decides from a round's tokens feeds this one: an EAGLE-family drafter (NGRAM drafts
-        from the tokens themselves), no recurrent target state, no grammar, penalties or logprobs; and every
-        request is in the round in flight, if any (a new one needs its prefill's lengths)."""
+        from the tokens themselves), no recurrent target state, no grammar, penalties or logprobs; every request
+        is in the round in flight, if any (a new one needs its prefill's lengths), and not all of them may end in
+        it by their token budget."""
         if self.drafter is None or not self.drafter.uses_extend or self.states is not None:
             return False
         live = [r for r in reqs if r.done is None]
         if any(r.grammar is not None or controls_active(r.params) or r.params.logprobs is not None for r in live):
             return False
-        return self._pending is None or {r.rid for r in live} <= self._pending.rids
+        if self._pending is None:
+            return True
+        if not {r.rid for r in live} <= self._pending.rids:
+            return False
+        # a round launched now would be wasted if the round in flight may end every request by its token budget
+        most = self._pending.params.num_steps + 1  # the most tokens a round emits per request
+        return any(r.params.max_new_tokens - len(r.produced) > most for r in live)
 
     def _step_ahead(self, reqs: list[Request]) -> Future | None:
         """Launch a speculative round, then finish the one in flight; None if this round is plain (the
         caller runs it after finishing the one in flight)."""
+        if self._pending is not None:  # one token left: the round in flight ends it (by length) for sure
+            reqs = [r for r in reqs if r.params.max_new_tokens - len(r.produced) > 1]
         if not reqs:
             return None
         params = self._round_params(reqs)

@@ -227,3 +227,18 @@ def test_future_maps_resolve_what_the_last_round_over_a_row_wrote(batches):
         assert root.tolist() == [last.get(r, (0, 0))[1] for r in rows]
         maps.write(index, torch.tensor([100 * k + r for r in rows]), torch.tensor([k] * len(rows)))
         last.update({r: (100 * k + r, k) for r in rows})
+
+
+def test_no_round_is_launched_after_the_budget_is_spent(tiny_dirs, draft_dirs):
+    """A round launched ahead is wasted when the round in flight ends every request by max_new_tokens: such a
+    round is not launched (nor one for a request with one token left), so overlap runs as many rounds as the
+    serial engine for requests that end by length."""
+    counts = []
+    for llm in both(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", 3, 1, 4, 1, speculative_fallback=False):
+        worker, launched = llm.engine.worker, []
+        real = worker._launch_round
+        worker._launch_round = lambda reqs, params, before: launched.append(len(reqs)) or real(reqs, params, before)
+        for bs, new in ((1, 20), (3, 17)):
+            llm.engine.generate(PROMPTS[:bs], [SamplingParams(max_new_tokens=new, ignore_eos=True)] * bs)
+        counts.append(launched)
+    assert len(counts[1]) == len(counts[0]), counts
