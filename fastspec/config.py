@@ -99,8 +99,9 @@ class EngineConfig:
 
     @property
     def overlap(self) -> bool:
-        """`auto` is off for now: bench/bench_overlap.py measures no gain on CPU (the host work outside the
-        worker's steps is ~0.2 ms of a 100+ ms round) and it has not been measured on a GPU yet."""
+        """`auto` is off for now: bench/bench_overlap.py measures no gain on CPU (the device is the host there:
+        nothing overlaps but the ~0.2-0.6 ms hand-out of a 100+ ms step); a simulated GPU round gains 1.1-1.7x,
+        but a real GPU has not measured the rounds launched ahead yet (bench/gpu_check.sh does)."""
         return self.overlap_schedule == "on"
 
     @property
