@@ -18,6 +18,7 @@ from test_speculative import PROMPTS, reference
 # (family, algorithm, draft, num_steps, topk, num_draft_tokens, page_size, batch size)
 CASES = [
     ("llama", "EAGLE", "eagle", 4, 2, 6, 1, 8),
+    ("qwen3", "EAGLE", "eagle", 3, 2, 6, 16, 7),  # a paged tree: kept KV moves on the device
     ("llama", "EAGLE3", "eagle3", 3, 1, 4, 16, 5),
     ("llama", "STANDALONE", "self", 4, 1, 5, 16, 8),
     ("qwen2", "STANDALONE", "self", 3, 3, 10, 1, 6),
@@ -168,8 +169,8 @@ def test_contradicting_overlap_flags_are_one_line():
 
 
 @pytest.mark.parametrize("algorithm, draft, topk, n, page_size, launched_ahead", [
-    ("STANDALONE", "self", 1, 4, 16, True), ("EAGLE", "eagle", 2, 6, 1, True), ("EAGLE3", "eagle3", 1, 4, 1, True),
-    ("NGRAM", None, None, 6, 1, False)])
+    ("STANDALONE", "self", 1, 4, 16, True), ("EAGLE", "eagle", 2, 6, 1, True), ("EAGLE", "eagle", 2, 6, 16, True),
+    ("EAGLE3", "eagle3", 1, 4, 1, True), ("NGRAM", None, None, 6, 1, False)])
 def test_the_worker_launches_a_round_before_reading_the_last(tiny_dirs, draft_dirs, algorithm, draft, topk, n,
                                                              page_size, launched_ahead):
     """Not a timing: under overlap, round K+1 of an EAGLE-family drafter is launched (from the future maps)
