@@ -11,6 +11,7 @@ logprobs, recurrent-state checkpoints, a plain round, a prefill, a new request) 
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import torch
@@ -39,21 +40,16 @@ class OverlapRounds:
         most = self._pending.params.num_steps + 1  # the most tokens a round emits per request
         return any(r.params.max_new_tokens - len(r.produced) > most for r in live)
 
-    def _step_ahead(self, reqs: list[Request]) -> Future | None:
-        """Launch a speculative round, then finish the one in flight; None if this round is plain (the
-        caller runs it after finishing the one in flight)."""
+    def _step_ahead(self, reqs: list[Request]) -> Future:
+        """Launch a speculative round, then finish the one in flight. A plain round (the policy's choice) runs
+        after the one in flight is finished, its Future already set."""
         if self._pending is not None:  # one token left: the round in flight ends it (by length) for sure
             reqs = [r for r in reqs if r.params.max_new_tokens - len(r.produced) > 1]
-        if not reqs:
-            return None
-        params = self._round_params(reqs)
+        params = self._round_params(reqs) if reqs else None
         if params is None:
             self.flush()
-            self._logprobs = {}
-            self._make_room(self.round_headroom() * len(reqs))
-            tokens, accepted = self._decode(reqs, None)
             done = Future()
-            done.set_result(self._result(reqs, tokens, accepted))
+            done.set_result(self._step_now(reqs, False, None))
             return done
         self._make_room(self.round_headroom() * len(reqs))
         before = self._pending
@@ -77,7 +73,9 @@ class OverlapRounds:
             alive = [r for r in p.reqs if r.done is None]  # the others finished in the round before
             tokens, accepted = self._finish_round(p)
             keep = [b for b, r in enumerate(p.reqs) if r in alive]
-            self._record_rate(list(p.reqs), True, tokens, p.started)
+            # a round's time under overlap: from the later of its launch and the last finish (one round apart)
+            self._record_rate(list(p.reqs), True, tokens, max(p.started, self._finished_at))
+            self._finished_at = time.perf_counter()
             later = self._pending.reserved if self._pending is not None else 0
             p.done.set_result(self._result(alive, [tokens[b] for b in keep], [accepted[b] for b in keep], later))
         except BaseException as error:

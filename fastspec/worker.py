@@ -20,7 +20,7 @@ from functools import partial
 import torch
 
 from fastspec.attention import AttentionContext, extend_metadata, make_backend
-from fastspec.config import EngineConfig, SpecConfig
+from fastspec.config import EngineConfig, SpecConfig, SpecParams
 from fastspec.controls import active as controls_active
 from fastspec.controls import apply_controls
 from fastspec.errors import FastspecError
@@ -75,6 +75,7 @@ class Worker(OverlapRounds, DecodeRounds):
         self.futures = FutureMaps(self.table.max_requests, config.device)
         self._pending: PendingRound | None = None  # the round launched ahead, not finished yet (overlap)
         self._release_after: list[Request] = []  # released while in the pending round
+        self._finished_at = 0.0  # perf_counter when the last round launched ahead was finished
         self._build_rounds(on_prepare)
 
     def _build_rounds(self, on_prepare) -> None:
@@ -161,27 +162,30 @@ class Worker(OverlapRounds, DecodeRounds):
     def step(self, reqs: list[Request], prefill: bool) -> StepResult | Future:
         """A prefill chunk or a decode round over the requests of `reqs` not already done.
 
-        Under the overlap schedule a speculative round that needs nothing from the host is launched before the
-        round in flight is finished, and returned as a Future of its StepResult, set when a later step (or
-        `flush`) finishes it; anything else finishes the round in flight first and returns its own result."""
+        Under the overlap schedule a decode round that needs nothing from the host is returned as a Future of its
+        StepResult: a speculative round is launched before the round in flight is finished, and its Future set
+        when a later step (or `flush`) finishes it. Anything else finishes the round in flight first and
+        returns its own result."""
         with torch.inference_mode():
             if not prefill and self.config.overlap and self._may_launch_ahead(reqs):
-                ahead = self._step_ahead([r for r in reqs if r.done is None])
-                if ahead is not None:
-                    return ahead
+                return self._step_ahead([r for r in reqs if r.done is None])
             self.flush()
-            reqs = [r for r in reqs if r.done is None]
-            self._logprobs = {}  # rid -> the target's logprobs of what it produced (filled by the rounds)
-            accepted = None
-            if not reqs:
-                tokens = []
-            elif prefill:
-                with self.times("prefill"):
-                    tokens = self.prefill(reqs)
-            else:
-                self._make_room(self.round_headroom() * len(reqs))
-                tokens, accepted = self._decode(reqs, self._round_params(reqs))
-            return self._result(reqs, tokens, accepted)
+            return self._step_now(reqs, prefill)
+
+    def _step_now(self, reqs: list[Request], prefill: bool, params: SpecParams | None | str = "policy") -> StepResult:
+        """Run the step to its end; a decode round speculates with `params` (None: plain; "policy": ask it)."""
+        reqs = [r for r in reqs if r.done is None]
+        self._logprobs = {}  # rid -> the target's logprobs of what it produced (filled by the rounds)
+        accepted = None
+        if not reqs:
+            tokens = []
+        elif prefill:
+            with self.times("prefill"):
+                tokens = self.prefill(reqs)
+        else:
+            self._make_room(self.round_headroom() * len(reqs))
+            tokens, accepted = self._decode(reqs, self._round_params(reqs) if params == "policy" else params)
+        return self._result(reqs, tokens, accepted)
 
     def _result(self, reqs: list[Request], tokens: list[list[int]], accepted: list[int] | None,
                 reserved: int = 0) -> StepResult:

@@ -243,3 +243,17 @@ def test_no_round_is_launched_after_the_budget_is_spent(tiny_dirs, draft_dirs):
             llm.engine.generate(PROMPTS[:bs], [SamplingParams(max_new_tokens=new, ignore_eos=True)] * bs)
         counts.append(launched)
     assert len(counts[1]) == len(counts[0]), counts
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_the_fallback_switching_modes_under_overlap_is_lossless(tiny_dirs, draft_dirs, page_size):
+    """Plain rounds (the measured fallback's choice) between rounds launched ahead: each plain round finishes
+    the round in flight first; the output is the target's own, every slot comes back."""
+    from test_policy import Alternating
+
+    params = SamplingParams(max_new_tokens=25, ignore_eos=True)
+    _, overlap = both(tiny_dirs, draft_dirs, "llama", "EAGLE3", "eagle3", 3, 2, 5, page_size)
+    overlap.engine.policy = Alternating(1)
+    outputs = overlap.engine.generate(PROMPTS, [params] * len(PROMPTS))
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", page_size, PROMPTS, params)
+    assert all_slots_free(overlap.engine)
