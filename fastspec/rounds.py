@@ -63,7 +63,7 @@ class DecodeRounds:
         if self.drafter is not None and self.drafter.uses_extend:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
                                             to_device(tokens, ids.device), positions, features,
-                                            max(r.seq_len for r in reqs)), decode_round=False)
+                                            max(r.seq_len for r in reqs), 1), decode_round=False)
         produced = self._commit(reqs, [1] * len(reqs), [[t] for t in tokens])
         self._record_logprobs(reqs, logits, [[b] for b in range(len(reqs))], produced)
         self._save_states(reqs, [1] * len(reqs))

@@ -234,7 +234,8 @@ class Worker(OverlapRounds, DecodeRounds):
             shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each chunk's tail: see the docstring
             shifted[last] = to_device(tails, ids.device)
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
-                                            self._features(hidden)), decode_round=False)
+                                            self._features(hidden), max(r.seq_len for r in reqs), max(lens)),
+                                decode_round=False)
         produced = self._commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))])
         self._record_logprobs(reqs, first_logits, [[finals.index(b)] if b in finals else [] for b in range(len(reqs))],
                               produced)

@@ -45,6 +45,7 @@ class ExtendBatch:
     positions: torch.Tensor  # int64 [T]
     features: torch.Tensor  # [T, F]  target features h_p (final hidden for EAGLE, aux for EAGLE-3)
     max_prefix: int | None = None  # max(prefix_lens), when the caller knows it on the host (saves a device read)
+    max_extend: int | None = None  # max(extend_lens), likewise
 
     @property
     def last_rows(self) -> torch.Tensor:  # int64 [bs]  each request's last row in the flat T dimension

@@ -94,7 +94,7 @@ class EagleDrafter:
         Decode rounds extend by at most num_steps+1 tokens per request and run as a static graph; prefill
         chunks have arbitrary lengths and run eagerly at exact shapes (as SGLang does)."""
         graphs = self.extend_graphs if decode_round else None
-        rows = self.num_steps + 1 if decode_round else int(batch.extend_lens.max())
+        rows = self.num_steps + 1 if decode_round else (batch.max_extend or int(batch.extend_lens.max()))
         longest = batch.max_prefix if batch.max_prefix is not None else int(batch.prefix_lens.max())
         width = kv_width(longest, graphs is not None and graphs.bucketed)
         self._run_extend(batch.rids, pack_extend(batch, self.table.table, rows, width), width, graphs)
