@@ -66,9 +66,11 @@ def test_replayed_tau_equals_the_engine_exactly(chat_target, head):  # noqa: F81
     assert checked >= 2
 
 
-def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head):  # noqa: F811
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head, overlap):  # noqa: F811
     """Tiers: bs 1 a chain, bs 2 plain, bs 3+ a tree; requests of different lengths finish at different
-    times, so rounds move between all three tiers while requests keep their draft state."""
+    times, so rounds move between all three tiers while requests keep their draft state (under overlap, a round
+    launched ahead may take another tier's shape than the round in flight)."""
     from fastspec.config import SpecConfig
 
     prompts = PROMPTS + [[1, 70, 71, 72]]
@@ -79,7 +81,7 @@ def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head
     spec = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model=str(head)).with_schedule(schedule)
     assert (spec.num_steps, spec.topk, spec.num_draft_tokens) == (4, 3, 6) and spec.params_for(2) is None
     scheduled = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head),
-                             schedule=schedule)
+                             schedule=schedule, overlap_schedule=overlap)
     seen = []
     for p, d in scheduled.engine.drafters.items():
         real = d.draft
