@@ -347,3 +347,17 @@ def test_prefix_cache_resumes_from_saved_states(hybrid, algorithm, page_size, in
     llm.engine.check_kv()
     worker.flush_cache()
     assert sorted(worker.states.free_checkpoints) == list(range(worker.states.ckpt_ssm.shape[1]))
+
+
+def test_a_kv_pool_sized_from_free_memory_leaves_room_for_the_states(hybrid, monkeypatch):
+    """With --kv-mem-fraction the KV pool takes its share of the memory the recurrent states (rows, verify
+    tracks, prefix-cache checkpoints) have left: they are built before free memory is read."""
+    import fastspec.memory.kv_pool as kv_pool
+    from fastspec.memory.state_pool import StatePool
+
+    root, _ = hybrid
+    events, real_init, real_available = [], StatePool.__init__, kv_pool.available_bytes
+    monkeypatch.setattr(StatePool, "__init__", lambda self, *a, **k: events.append("states") or real_init(self, *a, **k))
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device="cpu": events.append("free") or 2**27)
+    llm = fastspec.LLM(str(root / "target"), kv_mem_fraction=0.5)
+    assert events == ["states", "free"] and llm.engine.pool.capacity > 0

@@ -35,6 +35,8 @@ class WorkerMemory:
 def build_memory(c: ModelConfig, draft_shape: tuple | None, cfg: EngineConfig, spec: SpecConfig,
                  max_context_len: int) -> WorkerMemory:
     """draft_shape: the draft pool's (layers, heads, head dim, separate V), or None without a draft model."""
+    # a hybrid target's states first: a KV pool sized from free memory then sizes from what they left
+    states = _state_pool(c, cfg, spec)
     layers, heads, dim, separate_v = c.kv_layout
     per_token = KVPool.bytes_per_token(layers, heads, dim, cfg.torch_dtype, separate_v)
     if draft_shape is not None:  # the draft pool has the same slots, so it costs per token as well
@@ -50,7 +52,6 @@ def build_memory(c: ModelConfig, draft_shape: tuple | None, cfg: EngineConfig, s
             for kv in (t for t in (p.k, p.v) if t is not None):
                 size_varies(kv, 1)
     allocator = make_allocator(pool.capacity, cfg.page_size, cfg.device)
-    states = _state_pool(c, cfg, spec)
     # a round's draft scratch or verify rows past the context, twice: under the overlap schedule a request that
     # finished runs one more round before the host knows
     margin = 2 * max(spec.topk * spec.num_steps, spec.num_draft_tokens) + cfg.page_size
