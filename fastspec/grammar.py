@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from fastspec.errors import FastspecError
+from fastspec.transfer import to_device
 
 KINDS = ("json_schema", "regex", "ebnf")
 
@@ -137,7 +138,7 @@ def mask_logits(logits: torch.Tensor,  # [bs * n, V]  n positions per request
     out = logits.clone()
     for b, g in enumerate(grammars):
         if g is not None:
-            allowed = g.masks(paths[b]).to(logits.device)
+            allowed = to_device(g.masks(paths[b]), logits.device)
             out[b * n:(b + 1) * n].masked_fill_(~allowed, -torch.inf)
     return out
 
@@ -152,7 +153,7 @@ def draft_masks(grammars, paths: torch.Tensor) -> torch.Tensor:
     for b, g in enumerate(grammars):
         if g is not None:
             allowed[b * per:(b + 1) * per] = g.masks(host[b * per:(b + 1) * per])
-    return allowed.to(paths.device)
+    return to_device(allowed, paths.device)
 
 
 def read_grammar_arg(value: str | None) -> str | None:
