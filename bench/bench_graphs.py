@@ -78,12 +78,10 @@ def round_split(llm, bs: int, new_tokens: int, prompt: str | list[int]) -> dict:
     start = time.perf_counter()
     outputs = llm.generate([prompt] * bs, params, chat=chat)  # tok/s without phase syncs
     wall = time.perf_counter() - start
-    llm.engine.times.reset()
-    llm.engine.times.sync_cuda = llm.engine.config.device.startswith("cuda")  # phase times, not launch times
-    llm.generate([prompt] * bs, params, chat=chat)
-    llm.engine.times.sync_cuda = False
+    split = llm.engine.times.synced_split(lambda: llm.generate([prompt] * bs, params, chat=chat),
+                                          llm.engine.config.device)  # phase times, not launch times
     rounds = max(o.metrics.verify_rounds for o in outputs)
-    split = {k: round(v / rounds * 1000, 2) for k, v in llm.engine.times.split().items() if k != "prefill"}
+    split = {k: round(v / rounds * 1000, 2) for k, v in split.items() if k != "prefill"}
     split["host_share"] = round(split["host"] / split["round"], 3)
     return {"batch_size": bs, "rounds": rounds, "ms_per_round": split,
             "tok_s": round(sum(len(o.output_ids) for o in outputs) / wall, 2),

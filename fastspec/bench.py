@@ -69,16 +69,10 @@ def run_bench(baseline, spec, prompts: list[list[int]], batch_sizes: list[int], 
 def _phase_split(spec, prompts: list[list[int]], bs: int, params: SamplingParams) -> dict:
     """The timed trials' phase times; on a GPU those are launch times, so one more run synchronises at every
     phase boundary (untimed for tok/s: the syncs stall the launch queue)."""
-    times = spec.engine.times
-    if not spec.engine.config.device.startswith("cuda"):
+    times, device = spec.engine.times, spec.engine.config.device
+    if not device.startswith("cuda"):
         return times.split()
-    times.reset()
-    times.sync_cuda = True
-    try:
-        timed_run(spec, prompts, bs, params)
-    finally:
-        times.sync_cuda = False
-    return times.split()
+    return times.synced_split(lambda: timed_run(spec, prompts, bs, params), device)
 
 
 def _result(bs: int, rates: dict, metrics: SpecMetrics, split: dict) -> BenchResult:

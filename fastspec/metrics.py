@@ -78,6 +78,17 @@ class PhaseTimes:
     def reset(self) -> None:
         self.seconds, self.counts = {}, {}
 
+    def synced_split(self, run, device: str) -> dict[str, float]:
+        """The split of `run()` alone, on CUDA with the device synchronised at every phase boundary (otherwise
+        the phases' times are their launches'). The syncs stall the launch queue: do not time `run` for tok/s."""
+        self.reset()
+        self.sync_cuda = device.startswith("cuda")
+        try:
+            run()
+        finally:
+            self.sync_cuda = False
+        return self.split()
+
     def split(self) -> dict[str, float]:
         """Seconds per phase; `host` = speculative rounds minus the graph phases inside them (plain rounds are
         timed apart as `plain_round`)."""
