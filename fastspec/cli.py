@@ -5,17 +5,11 @@ Every FastspecError becomes `error: <one line>` on stderr with exit code 2; Ctrl
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
-import signal
-import sys
-import threading
 from typing import Annotated, Optional
 
 import typer
-from rich.markup import escape
 
 from fastspec.cli_options import ModelOptions, model_options
 from fastspec.errors import FastspecError
@@ -156,120 +150,6 @@ def generate(
 @app.command()
 @user_errors
 @model_options
-def chat(
-    options: ModelOptions,
-    max_new_tokens: Annotated[int, typer.Option(help="Maximum tokens per answer.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_k: int = -1,
-    top_p: float = 1.0,
-    seed: Optional[int] = None,
-    system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
-):
-    """Chat in the terminal. Without a terminal on stdin: one user message per line, plain answers on stdout."""
-    from fastspec.chat import ChatSession
-    from fastspec.llm import LLM
-    from fastspec.models.embedded import cache_root
-    from fastspec.sampling import SamplingParams
-
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            max_new_tokens=max_new_tokens)
-    notes = Notes()
-    session = ChatSession(LLM(**options.llm_kwargs(), on_prepare=prepare_progress(), say=notes), params, system)
-    try:
-        io = TerminalChatIO(session) if sys.stdin.isatty() else LinesChatIO()
-        notes.show()
-        run_chat(session, io)
-    except BrokenPipeError:  # the reader went away mid-answer: keep the conversation, exit quietly
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's final flush cannot fail)
-    finally:
-        save_chat(session, cache_root() / "chats")
-
-
-def save_chat(session, directory) -> None:
-    """Keep the conversation on disk; if the disk refuses, print it (one line) rather than lose it."""
-    try:
-        saved = session.save(directory)
-    except OSError as e:
-        typer.echo(f"error: cannot save the conversation in {directory} ({e.strerror or e}): "
-                   f"{json.dumps(session.record(), ensure_ascii=False)}", err=True)
-        return
-    if saved is not None and sys.stdin.isatty():
-        typer.echo(f"conversation saved to {saved}", err=True)
-
-
-def run_chat(session, io) -> None:
-    """One loop for both front ends: read a line, run a /command or stream an answer, show the turn's status."""
-    while (text := io.read()) is not None:
-        if not text:
-            continue
-        if text.startswith("/"):
-            message = session.command(text)
-            if message is None:
-                return
-            io.info(message)
-            continue
-        with stop_on_ctrl_c() as interrupted:
-            try:
-                for delta in session.respond(text, should_stop=interrupted.is_set):
-                    io.write(delta)
-            except FastspecError as e:
-                io.info(f"error: {e}")
-                continue
-        io.end_answer(session.turns[-1].line())
-
-
-class LinesChatIO:
-    """stdin is not a terminal: one message per line; answers on stdout, everything else on stderr."""
-
-    def read(self) -> str | None:
-        line = sys.stdin.readline()
-        return line.strip() if line else None
-
-    def info(self, message: str) -> None:
-        typer.echo(message, err=True)
-
-    def write(self, text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    def end_answer(self, status: str) -> None:
-        self.write("\n")
-        self.info(status)
-
-
-class TerminalChatIO:
-    """A terminal: rich prompt, streamed answer, dim status lines."""
-
-    def __init__(self, session):
-        from rich.console import Console
-
-        from fastspec.chat import HELP
-
-        self.console = Console(highlight=False)
-        engine = session.llm.engine
-        self.console.print(f"[bold]fastspec chat[/bold] · {engine.model_dir.name} · {engine.spec.algorithm}\n"
-                           f"[dim]{HELP} · Ctrl-C stops an answer[/dim]")
-
-    def read(self) -> str | None:
-        try:
-            return self.console.input("[bold green]you>[/bold green] ").strip()
-        except (EOFError, KeyboardInterrupt):
-            self.console.print()
-            return None
-
-    def info(self, message: str) -> None:
-        self.console.print(f"[dim]{escape(message)}[/dim]")
-
-    def write(self, text: str) -> None:
-        self.console.print(text, end="", markup=False)
-
-    def end_answer(self, status: str) -> None:
-        self.console.print(f"\n[dim]{escape(status)}[/dim]")
-
-
-@app.command()
-@user_errors
-@model_options
 def bench(
     options: ModelOptions,
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,4,8",
@@ -349,21 +229,12 @@ def print_bench_table(config: dict, results) -> None:
     Console().print(table)
 
 
-@contextlib.contextmanager
-def stop_on_ctrl_c():
-    """While generating, Ctrl-C sets an event (checked between rounds) instead of raising mid-step."""
-    event = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda *_: event.set())
-    try:
-        yield event
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-from fastspec.cli_train import train_draft  # noqa: E402  (own modules: cli.py's size budget)
+from fastspec.cli_chat import chat  # noqa: E402  (own modules: cli.py's size budget)
+from fastspec.cli_train import train_draft  # noqa: E402
 from fastspec.cli_serve import serve  # noqa: E402
 from fastspec.cli_tune import tune  # noqa: E402
 
+app.command("chat")(user_errors(model_options(chat)))
 app.command("train-draft")(user_errors(train_draft))
 app.command("tune")(user_errors(model_options(tune)))
 app.command("serve")(user_errors(model_options(serve)))

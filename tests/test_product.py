@@ -50,7 +50,7 @@ def test_chat_session_keeps_an_interrupted_answer(tmp_path):
 
 def test_chat_saves_never_overwrite_and_an_unwritable_directory_prints_the_conversation(tmp_path, capsys):
     from fastspec.chat import ChatSession
-    from fastspec.cli import save_chat
+    from fastspec.cli_chat import save_chat
 
     session = ChatSession(None, SamplingParams())
     assert session.save(tmp_path) is None  # nothing said yet: nothing written
