@@ -27,14 +27,15 @@ MODEL = "tiny-served"
 PROMPTS = ["Hello!", "abc", "[x]{y}", "What?", "1+1=2", "zz", "~!~", "Q"]
 
 
-@pytest.fixture(scope="module")
-def served(tiny_dirs, draft_dirs, tmp_path_factory):
+@pytest.fixture(scope="module", params=["off", "on"], ids=["serial", "overlap"])
+def served(tiny_dirs, draft_dirs, tmp_path_factory, request):
     model_dir = tmp_path_factory.mktemp("served") / "llama"
     shutil.copytree(tiny_dirs["llama"][0], model_dir)
     write_char_tokenizer(model_dir)
     (model_dir / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
     llm = fastspec.LLM(str(model_dir), speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]),
-                       num_steps=3, topk=2, num_draft_tokens=4, max_total_tokens=4096, max_running_requests=16)
+                       num_steps=3, topk=2, num_draft_tokens=4, max_total_tokens=4096, max_running_requests=16,
+                       overlap_schedule=request.param)
     sock = bind("127.0.0.1", 0)
     server, service = make_server(llm, MODEL, max_queued=64)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
