@@ -2,7 +2,7 @@
 EAGLE-3 head, served on 127.0.0.1 at a free port by a uvicorn thread. Greedy answers over HTTP equal
 `LLM.generate` for the same prompts; streams, stop strings, max tokens, logprobs and grammars ride through;
 32 concurrent streams finish right and hand every KV slot back; a client that disconnects mid-stream frees its
-request; bad requests get OpenAI's error object and the server keeps serving."""
+request; bad requests get OpenAI's error object and the server keeps serving. All with overlap off and on."""
 
 import shutil
 import socket
