@@ -7,6 +7,7 @@ MLA target, the sampled distribution under NEXTN, a fullgraph compile, and the o
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,3 +288,18 @@ def test_train_draft_on_a_deepseek_target(tmp_path, monkeypatch):
     spec = fastspec.LLM(str(target), speculative_algorithm="EAGLE3", draft_model=str(tmp_path / "head"), num_steps=3,
                         topk=2, num_draft_tokens=5).engine.generate(PROMPTS[:2], [GREEDY] * 2)
     assert [o.output_ids for o in spec] == [o.output_ids for o in plain]
+
+
+def test_nextn_reads_the_target_checkpoint_once(ds, monkeypatch):
+    """The MTP layer's tensors are read alone: the target's weights are not loaded a second time for the draft."""
+    import safetensors.torch
+
+    full_reads, real = [], safetensors.torch.load_file
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda path, *a, **k: full_reads.append(path) or
+                        real(path, *a, **k))
+    directory = ds["deepseek_v3"][0]
+    llm = fastspec.LLM(str(directory), speculative_algorithm="NEXTN", max_total_tokens=512)
+    assert len(full_reads) == len(list(Path(directory).glob("*.safetensors")))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert llm.engine.generate(PROMPTS[:2], [params] * 2)[0].output_ids == \
+        fastspec.LLM(str(directory), max_total_tokens=512).engine.generate(PROMPTS[:2], [params] * 2)[0].output_ids

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -74,24 +75,31 @@ def read_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw, source=source)
 
 
-def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory, on CPU, in their stored dtype."""
+def read_state_dict(model_dir: Path, keep=None) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory (or those whose name `keep(name)` accepts: safetensors files then
+    read only those), on CPU, in their stored dtype."""
     files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("pytorch_model*.bin"))
     if not files:
         raise FastspecError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(_read_weight_file(f))
+        state.update(_read_weight_file(f, keep))
     return state
 
 
-def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
+def _read_weight_file(path: Path, keep=None) -> dict[str, torch.Tensor]:
     try:
+        if path.suffix == ".safetensors" and keep is not None:
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as handle:
+                return {name: handle.get_tensor(name) for name in handle.keys() if keep(name)}
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
             return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        return state if keep is None else {name: t for name, t in state.items() if keep(name)}
     except Exception as e:  # safetensors / unpickler errors have no common base class
         raise FastspecError(f"{path}: corrupt or truncated weights file ({first_line(e, None)})") from None
 
@@ -148,7 +156,7 @@ def load_mtp(model_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, devi
     target's unless the checkpoint stores its own) or Qwen3-Next's (`mtp.`; the target's embedding and lm_head)."""
     config = read_config(model_dir)
     prefix = mtp_prefix(config)
-    weights = {} if prefix is None else read_state_dict(model_dir)
+    weights = {} if prefix is None else read_state_dict(model_dir, partial(_is_mtp_weight, config))
     if not any(k.startswith(prefix) for k in weights):
         raise FastspecError(f"{model_dir}: NEXTN needs the checkpoint's MTP layer ({prefix or 'none'}*), and this "
                             f"{config.architecture} checkpoint has none; give an EAGLE head with --draft")
@@ -178,6 +186,15 @@ def _deepseek_mtp_layer(config: ModelConfig, k: int, state: dict, target, dtype,
         layer.shared_head.head = target.lm_head
     _load_into(layer, stack_experts(state), tuple(f"{name}." for name in borrowed), source)
     return layer
+
+
+def _is_mtp_weight(config: ModelConfig, name: str) -> bool:
+    """An MTP layer's tensor: Qwen3-Next's `mtp.*`, DeepSeek's layers past the last decoder layer (the target's
+    own weights are not read a second time)."""
+    if config.mla is None:
+        return name.startswith("mtp.")
+    parts = name.split(".")
+    return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= config.num_layers
 
 
 def mtp_prefix(config: ModelConfig) -> str | None:
