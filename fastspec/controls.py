@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from fastspec.transfer import to_device
+
 
 def active(params) -> bool:
     return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
@@ -37,7 +39,7 @@ def apply_controls(logits: torch.Tensor,  # [bs * n, V]  n positions per request
         p = r.params
         if not active(p):
             continue
-        counts = torch.bincount(torch.tensor(r.produced, dtype=torch.int64, device=device), minlength=V).float()
+        counts = torch.bincount(to_device(r.produced, device), minlength=V).float()
         counts = counts[None].expand(n, V) + (path[b] if path is not None else 0)  # [n, V] output so far
         row = out[b]
         if p.repetition_penalty != 1.0:
@@ -46,8 +48,8 @@ def apply_controls(logits: torch.Tensor,  # [bs * n, V]  n positions per request
             row = torch.where(seen, penalized, row)
         row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
         if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
-            bias = torch.tensor([v for _, v in p.logit_bias], device=device)
+            ids = to_device([t for t, _ in p.logit_bias], device)
+            bias = to_device([v for _, v in p.logit_bias], device, torch.float32)
             row = row.index_add(1, ids, bias.expand(n, -1))
         if p.min_p > 0 and not p.greedy:
             probs = torch.softmax(row / p.temperature, -1)
@@ -59,5 +61,5 @@ def apply_controls(logits: torch.Tensor,  # [bs * n, V]  n positions per request
 def _present(tokens: list[int], V: int, device) -> torch.Tensor:
     mask = torch.zeros(V, dtype=torch.bool, device=device)
     if tokens:
-        mask[torch.tensor(tokens, device=device)] = True
+        mask[to_device(tokens, device)] = True
     return mask

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastspec.transfer import to_device
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -24,7 +26,7 @@ class TokenLogprob:
 def token_logprobs(logits: torch.Tensor,  # [n, V]  the rows that produced `tokens`
                    tokens: list[int], top: int) -> tuple[TokenLogprob, ...]:
     logp = torch.log_softmax(logits.float(), -1)
-    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    chosen = logp.gather(1, to_device(tokens, logp.device)[:, None])[:, 0].tolist()
     values, ids = logp.topk(top, -1) if top else (logp[:, :0], logp[:, :0].long())
     return tuple(TokenLogprob(t, lp, tuple(zip(i, v))) for t, lp, i, v in
                  zip(tokens, chosen, ids.tolist(), values.tolist()))

@@ -14,6 +14,7 @@ from fastspec.memory.radix import RadixTree
 from fastspec.memory.state_checkpoints import check as check_checkpoints
 from fastspec.memory.state_checkpoints import hand_over, resume
 from fastspec.scheduler import Request
+from fastspec.transfer import to_device
 
 
 class PrefixCache:
@@ -50,8 +51,8 @@ class PrefixCache:
         self.tree.lock(match.node)
         n = len(match.slots)
         if n:
-            rows, start = torch.tensor([r.row], device=self.device), torch.zeros(1, dtype=torch.int64, device=self.device)
-            self.table.write(rows, start, torch.tensor([n], device=self.device), match.slots)
+            rows, start = to_device([r.row], self.device), torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.table.write(rows, start, to_device([n], self.device), match.slots)
         r.seq_len, r.cached_len, r.cached_node = n, n, match.node
         self.reused_tokens += n
 

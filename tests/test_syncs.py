@@ -76,7 +76,8 @@ def test_steps_copy_host_values_without_waiting_for_the_device(tiny_dirs, draft_
                                                                topk, page, overlap):
     """`torch.tensor(values, device=d)` and a blocking `.to(d)` synchronise a CUDA stream (the host waits for every
     queued kernel): a step moves host values with fastspec.transfer.to_device instead. Watched on CPU, where the
-    same calls are visible: no step (prefill, plain or speculative round, sampled or greedy) makes one."""
+    same calls are visible: no step (prefill, plain or speculative round, sampled or greedy, controlled, with
+    logprobs, from the prefix cache) makes one."""
     llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, 3 if draft else None, topk, 6, page,
                    overlap_schedule=overlap)
     worker, blocking, inside = llm.engine.worker, [], {"on": False}
@@ -106,4 +107,9 @@ def test_steps_copy_host_values_without_waiting_for_the_device(tiny_dirs, draft_
     params = [SamplingParams(max_new_tokens=10, ignore_eos=True),
               SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.8, seed=3)]
     llm.engine.generate(PROMPTS[:2], params)
+    # again, from the prefix cache, with penalties, a logit bias, min_p and logprobs
+    controlled = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.7, seed=1, repetition_penalty=1.3,
+                                frequency_penalty=0.2, presence_penalty=0.1, logit_bias=((5, 2.0),), min_p=0.05,
+                                logprobs=2)
+    llm.engine.generate(PROMPTS[:2], [params[0], controlled])
     assert blocking == []
