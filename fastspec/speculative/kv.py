@@ -1,4 +1,4 @@
-"""Which KV slots a verify round keeps, frees and moves (planned on the host; the engine applies it).
+"""Which KV slots a verify round keeps, frees and moves (the worker applies it).
 
 The N verify slots of a request sit at positions seq_len .. seq_len+N-1 (tree node i at slot column i).
 After acceptance the kept nodes (root + accepted drafts, in path order) must end up at positions
@@ -8,6 +8,10 @@ seq_len .. seq_len+keep-1:
                      verify slots (a no-op for chains, where node i == depth i) and free the whole pages past
                      the page holding position seq_len+keep-1.
 E.g. P=1, N=4, kept nodes [0, 2] of slots [7, 9, 4, 5]: positions seq_len, seq_len+1 -> slots 7, 4; free 9, 5.
+
+A round keeps and moves on the device (`plan_round_kv_on_device`: no host read, so the next round can be
+launched first) and frees from the host once its accept result is read (`round_free_slots`). `plan_round_kv`
+plans all three on the host: the slow twin the device plan is tested against.
 """
 
 from __future__ import annotations
@@ -84,8 +88,8 @@ class DeviceKV:
 def plan_round_kv_on_device(verify_slots: torch.Tensor,  # int64 [bs, N]
                             accept_index: torch.Tensor,  # int64 [bs, E]  flat verify rows b*N + node, -1 pad
                             page_size: int, chain: bool) -> DeviceKV:
-    """plan_round_kv's table and moves for every request at once, with no host read; the slots it frees are
-    only known on the host (plan_round_kv, once the accept result is read), as seed 004's plan A returns the
+    """plan_round_kv's table and moves for every request at once, with no host read; the slots to free are
+    only known on the host (round_free_slots, once the accept result is read), as seed 004's plan A returns the
     unused part of a worst-case reservation after verify. Chains keep node j at column j: nothing to remap.
     E.g. P=1, kept nodes [0, 2] of slots [7, 9, 4, 5]: table_slots [7, 4, ...] (plan_round_kv's table)."""
     bs, n = verify_slots.shape
