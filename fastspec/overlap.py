@@ -38,13 +38,13 @@ class OverlapRounds:
             return False
         # a round launched now would be wasted if the round in flight may end every request by its token budget
         most = self._pending.params.num_steps + 1  # the most tokens a round emits per request
-        return any(r.params.max_new_tokens - len(r.produced) > most for r in live)
+        return any(r.tokens_left > most for r in live)
 
     def _step_ahead(self, reqs: list[Request]) -> Future:
         """Launch a speculative round, then finish the one in flight. A plain round (the policy's choice) runs
         after the one in flight is finished, its Future already set."""
         if self._pending is not None:  # one token left: the round in flight ends it (by length) for sure
-            reqs = [r for r in reqs if r.params.max_new_tokens - len(r.produced) > 1]
+            reqs = [r for r in reqs if r.tokens_left > 1]
         params = self._round_params(reqs) if reqs else None
         if params is None:
             self.flush()
@@ -70,14 +70,14 @@ class OverlapRounds:
             if self._pending is p:
                 self._pending = None
             self._logprobs = {}
-            alive = [r for r in p.reqs if r.done is None]  # the others finished in the round before
+            live = [b for b, r in enumerate(p.reqs) if r.done is None]  # the others finished in the round before
             tokens, accepted = self._finish_round(p)
-            keep = [b for b, r in enumerate(p.reqs) if r in alive]
             # a round's time under overlap: from the later of its launch and the last finish (one round apart)
             self._record_rate(list(p.reqs), True, tokens, max(p.started, self._finished_at))
             self._finished_at = time.perf_counter()
             later = self._pending.reserved if self._pending is not None else 0
-            p.done.set_result(self._result(alive, [tokens[b] for b in keep], [accepted[b] for b in keep], later))
+            p.done.set_result(self._result([p.reqs[b] for b in live], [tokens[b] for b in live],
+                                           [accepted[b] for b in live], later))
         except BaseException as error:
             p.done.set_exception(error)
             raise

@@ -174,12 +174,12 @@ class DecodeRounds:
         """The device part of the commit: every accepted node's KV at positions seq_len.. (a table remap, or
         KV moves when paged), the target's recurrent state at the last kept node, and the next round's
         lengths and root into the future maps. The slots it does not keep are freed by `_finish_round`."""
-        kv = plan_round_kv_on_device(verify_slots, result.accept_index, self.config.page_size, tree.topk == 1)
-        e = kv.nodes.shape[1]
+        chain = tree.topk == 1  # node j at depth j: its KV already sits at position seq_len + j
+        kv = plan_round_kv_on_device(verify_slots, result.accept_index, self.config.page_size, chain)
         if kv.move_src is not None:
             self.pool.move(kv.move_dst, kv.move_src)
-        elif tree.topk != 1:
-            cols = batch.seq_lens[:, None] + torch.arange(e, device=batch.rows.device)
+        elif not chain:
+            cols = batch.seq_lens[:, None] + torch.arange(kv.nodes.shape[1], device=batch.rows.device)
             self.table.table[batch.rows[:, None], cols] = kv.table_slots.to(self.table.table.dtype)
         if self.states is not None:  # the state after the last kept node (the bonus token is the next root)
             self.states.keep_node(batch.rows, kv.nodes.gather(1, (kv.keep_lens - 1)[:, None]).squeeze(1))

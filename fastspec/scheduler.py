@@ -58,6 +58,11 @@ class Request:
         """Part of prefill_ids is not in the KV yet (chunked prefill, or recompute after preemption)."""
         return self.seq_len < len(self.prompt_ids) + max(len(self.produced) - 1, 0)
 
+    @property
+    def tokens_left(self) -> int:
+        """What max_new_tokens still allows it to produce."""
+        return self.params.max_new_tokens - len(self.produced)
+
     def max_tokens(self, page_size: int, headroom: int) -> int:
         """The most KV this request can ever hold: prompt + all output (whole pages) + a round's headroom."""
         tokens = len(self.prompt_ids) + self.params.max_new_tokens

@@ -135,7 +135,7 @@ class PagedAllocator:
         if host_lens is not None:
             pre, seq = host_lens
             num_tokens = sum(seq) - sum(pre)
-            num_new_pages = sum(max(0, -(-s // P) - -(-p // P)) for p, s in zip(pre, seq))
+            num_new_pages = sum(self._new_pages(p, s) for p, s in zip(pre, seq))
         else:
             partial = (prefix_lens % P != 0) & (extend_lens > 0)  # [bs] will continue a partial page
             bad_tail = partial & ((last_loc + 1) % P != prefix_lens % P)  # last_loc not at position prefix-1
@@ -167,11 +167,15 @@ class PagedAllocator:
 
     def unused_pages(self, pages: torch.Tensor, prefix_lens: list[int], n: int) -> torch.Tensor:
         """Slots naming the pages of a reserve_extend(prefix_lens, n) that its positions did not reach."""
-        P = self.page_size
         cells = [b * pages.shape[1] + j for b, p in enumerate(prefix_lens)
-                 for j in range(-(-(p + n) // P) - -(-p // P), pages.shape[1])]
+                 for j in range(self._new_pages(p, p + n), pages.shape[1])]
         flat = pages.flatten()
-        return flat[to_device(cells, flat.device)] * P if cells else flat[:0]
+        return flat[to_device(cells, flat.device)] * self.page_size if cells else flat[:0]
+
+    def _new_pages(self, prefix_len: int, seq_len: int) -> int:
+        """Fresh pages positions prefix_len .. seq_len-1 take (host lengths; the first continue a partial page)."""
+        P = self.page_size
+        return max(0, -(-seq_len // P) - -(-prefix_len // P))
 
     def _extend_slots(self, prefix_lens, extend_lens, last_loc, owned_end, first_page, pages, num_tokens):
         """Vectorised slot assignment; pages are this call's fresh pages, request b's from first_page[b] on.

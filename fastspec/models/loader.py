@@ -192,7 +192,7 @@ def _is_mtp_weight(config: ModelConfig, name: str) -> bool:
     """An MTP layer's tensor: Qwen3-Next's `mtp.*`, DeepSeek's layers past the last decoder layer (the target's
     own weights are not read a second time)."""
     if config.mla is None:
-        return name.startswith("mtp.")
+        return name.startswith(mtp_prefix(config))
     parts = name.split(".")
     return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= config.num_layers
 
