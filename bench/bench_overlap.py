@@ -41,7 +41,7 @@ def timed_worker(llm, gpu_ms: float) -> dict:
     round's one read (its finish) sleeps until then, so the core is free meanwhile, as while a GPU runs the
     round's kernels; a round launched ahead of the last one's read queues behind it, as on a stream."""
     worker, busy = llm.engine.worker, {"s": 0.0, "steps": 0}
-    step, launch, finish = worker.step, worker._launch_round, worker._finish_round
+    step, launch, finish = worker.step, worker.spec_rounds.launch, worker.spec_rounds.finish
     device = {"free_at": 0.0, "done_at": {}}
 
     def timed(reqs, prefill):
@@ -63,7 +63,7 @@ def timed_worker(llm, gpu_ms: float) -> dict:
 
     worker.step = timed
     if gpu_ms:
-        worker._launch_round, worker._finish_round = launched, finished
+        worker.spec_rounds.launch, worker.spec_rounds.finish = launched, finished
     return busy
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 import fastspec
-from fastspec import threads
 from fastspec.sampling import SamplingParams
+from fastspec.utils import threads
 
 
 def probe_pick(hidden: int = 576, inner: int = 1536, reps: int = 40, rounds: int = 3) -> int:

@@ -38,7 +38,7 @@ from fastspec.models.embedded import find_embedded_gguf
 from fastspec.models.loader import resolve_model_dir
 from fastspec.sampling import SamplingParams
 from fastspec.speculative.ngram import NgramParams
-from fastspec.tokenizer import Tokenizer
+from fastspec.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
 NGRAM_FIELDS = [f.name for f in dataclasses.fields(NgramParams)]

@@ -10,7 +10,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from fastspec.sampling import SamplingParams
+        from fastspec.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'fastspec' has no attribute {name!r}")

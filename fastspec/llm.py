@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from fastspec.config import EngineConfig, Schedule, SpecConfig, check_spec_flags
-from fastspec.engine import Engine
-from fastspec.metrics import SpecMetrics
+from fastspec.engine.engine import Engine
 from fastspec.models.embedded import default_speculation
-from fastspec.models.loader import mtp_draft, read_config, resolve_model_dir
-from fastspec.detokenizer import IncrementalDetokenizer
-from fastspec.tokenizer import Tokenizer
-from fastspec.sampling import SamplingParams
+from fastspec.models.loader import read_config, resolve_model_dir
+from fastspec.models.mtp_loader import mtp_draft
+from fastspec.sampling.params import SamplingParams
+from fastspec.text.detokenizer import IncrementalDetokenizer
+from fastspec.text.tokenizer import Tokenizer
+from fastspec.utils.metrics import SpecMetrics
 
 
 @dataclass(frozen=True)

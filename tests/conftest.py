@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_marker import pytest_collection_modifyitems  # noqa: F401  (skips @pytest.mark.gpu without CUDA)
+from tiny_models import FAMILIES, make_hf_model  # noqa: F401  (tests import them from here)
 
 from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.kernels.cpu_linear import trim_host_heap
-from fastspec.memory.state_pool import StatePool
 from fastspec.memory import KVPool, ReqToTokenTable, make_allocator
+from fastspec.memory.state_pool import StatePool
 from fastspec.models.embedded import cache_root
 from fastspec.models.heads import write_random_head
-from gpu_marker import pytest_collection_modifyitems  # noqa: F401  (skips @pytest.mark.gpu without CUDA)
-from tiny_models import FAMILIES, make_hf_model  # noqa: F401  (tests import them from here)
 
 
 def _isolate_caches() -> tuple[Path, Path]:

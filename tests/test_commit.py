@@ -6,13 +6,13 @@ import random
 
 import pytest
 import torch
+from conftest import all_slots_free
+from test_speculative import PROMPTS, reference
 
 import fastspec
-from conftest import all_slots_free
 from fastspec.sampling import SamplingParams
 from fastspec.speculative.kv import plan_round_kv, plan_round_kv_on_device
 from fastspec.speculative.tree import tree_from_parents
-from test_speculative import PROMPTS, reference
 
 
 class OracleDrafter:
@@ -50,8 +50,7 @@ class OracleDrafter:
 
 
 def use_drafter(engine, drafter) -> None:
-    engine.worker.drafter = drafter
-    engine.worker.drafters = {engine.spec.params: drafter}
+    engine.worker.use_drafters({engine.spec.params: drafter})
 
 
 @pytest.mark.parametrize("page_size, steps, n, bs", [(1, 6, 14, 8), (16, 5, 12, 5), (4, 3, 9, 8)])

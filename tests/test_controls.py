@@ -5,12 +5,12 @@ distribution (chi-square)."""
 
 import pytest
 import torch
+from conftest import make_hf_model
+from test_hybrid import oracle_drafter
 
 import fastspec
-from conftest import make_hf_model
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
-from test_hybrid import oracle_drafter
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43], [2 + 1], [28, 84, 19, 71]]
 CONTROLS = [dict(repetition_penalty=1.6), dict(frequency_penalty=0.7, presence_penalty=0.4),

@@ -6,14 +6,14 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from test_train import chat_target, prompt_file, tiny_config  # noqa: F401  (fixtures)
+from tiny_models import write_chat_target
 from typer.testing import CliRunner
 
 from fastspec.cli import app
 from fastspec.errors import FastspecError
 from fastspec.train.corpus import Corpus
 from fastspec.train.trainer import train_draft
-from test_train import chat_target, prompt_file, tiny_config  # noqa: F401  (fixtures)
-from tiny_models import write_chat_target
 
 RECORDS = [{"prompt": "w3 w4", "sample": 0, "prompt_ids": [90, 3, 4, 91], "output_ids": [5, 6, 2]},
            {"prompt": "w9", "sample": 1, "prompt_ids": [90, 9, 91], "output_ids": []}]

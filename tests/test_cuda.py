@@ -7,14 +7,14 @@ import traceback
 
 import pytest
 import torch
+from conftest import FAMILIES
+from test_speculative import CASES, PROMPTS, reference, spec_llm
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fastspec
 from fastspec.sampling import SamplingParams
 from fastspec.speculative.runners import StepGraphs
-from conftest import FAMILIES
-from test_speculative import CASES, PROMPTS, reference, spec_llm
 
 pytestmark = pytest.mark.gpu
 COPIES = {"aten._to_copy.default", "aten.copy_.default"}
@@ -95,7 +95,8 @@ def test_launching_a_round_never_waits_for_the_device(tiny_dirs, draft_dirs, alg
     llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, *shape, page, device="cuda", graphs="cuda",
                    cuda_graph_bs=(1, 2, 4), max_running_requests=4, overlap_schedule="on",
                    speculative_fallback=False)
-    worker, real, ahead = llm.engine.worker, llm.engine.worker._launch_round, []
+    rounds, ahead = llm.engine.worker.spec_rounds, []
+    real = rounds.launch
 
     def launch(reqs, spec_params, before):
         torch.cuda.set_sync_debug_mode("error")
@@ -105,7 +106,7 @@ def test_launching_a_round_never_waits_for_the_device(tiny_dirs, draft_dirs, alg
             torch.cuda.set_sync_debug_mode(0)
             ahead.append(before is not None)
 
-    worker._launch_round = launch
+    rounds.launch = launch
     got = [o.output_ids for o in llm.engine.generate(PROMPTS[:3], [params] * 3)]
     assert got == reference(tiny_dirs, "llama", page, PROMPTS[:3], params)
     assert sum(ahead) > len(ahead) // 2

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import all_slots_free
+from tiny_models import write_deepseek
 
 import fastspec
-from conftest import all_slots_free
 from fastspec.errors import FastspecError
 from fastspec.memory import KVPool
 from fastspec.models.config import MoEConfig
@@ -23,7 +24,6 @@ from fastspec.models.loader import load_target
 from fastspec.models.moe import Experts, Router
 from fastspec.sampling import SamplingParams
 from fastspec.train.data import PackedCausalAttention
-from tiny_models import write_deepseek
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50], [3], [28, 84, 19, 71],
            [69, 39, 93, 75, 10, 58, 20, 96, 44, 59, 23, 7, 81, 64, 6], [28, 62], [8, 89, 9], [86, 32]]
@@ -212,11 +212,11 @@ def test_an_mtp_draft_of_another_width_is_refused(ds, tmp_path):
 
 def test_bench_and_tune_run_on_a_deepseek_target(tmp_path, monkeypatch):
     """`fastspec bench` (NEXTN against plain) and `fastspec tune`'s replay on an MLA target with its MTP layer."""
+    from tiny_models import write_chat_target
     from typer.testing import CliRunner
 
     from fastspec.cli import app
     from fastspec.tune.replay import candidate_params, record, replay_tau
-    from tiny_models import write_chat_target
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
     target = write_chat_target(tmp_path / "target", family="deepseek_v3")
@@ -277,8 +277,9 @@ def test_several_mtp_layers_draft_one_step_each(ds, tmp_path):
 def test_train_draft_on_a_deepseek_target(tmp_path, monkeypatch):
     """train-draft reads an MLA target's EAGLE-3 features; the head it exports decodes losslessly."""
     from test_train import tiny_config
-    from fastspec.train.trainer import train_draft
     from tiny_models import write_chat_target, write_prompt_file
+
+    from fastspec.train.trainer import train_draft
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
     target = write_chat_target(tmp_path / "target", family="deepseek_v3")

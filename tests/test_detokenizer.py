@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastspec.detokenizer import MAX_PARTIAL, MAX_UNREAD, IncrementalDetokenizer
 from fastspec.errors import FastspecError
-from fastspec.tokenizer import Tokenizer
+from fastspec.text.detokenizer import MAX_PARTIAL, MAX_UNREAD, IncrementalDetokenizer
+from fastspec.text.tokenizer import Tokenizer
 
 FFFD = "\ufffd"
 TEXTS = ["naïve café 🚀 日本語 ünïcödé", "Hi!\n\nUser: what is 2+2?\n\n### Answer: 4 ## done 🚀🚀",

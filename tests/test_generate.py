@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from conftest import all_slots_free
 from typer.testing import CliRunner
 
 import fastspec
-from conftest import all_slots_free
 from fastspec.cli import app
 from fastspec.sampling import SamplingParams
 

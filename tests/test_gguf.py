@@ -19,7 +19,8 @@ from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from fastspec.errors import FastspecError
-from fastspec.models import embedded, gguf as gguf_mod
+from fastspec.models import embedded
+from fastspec.models import gguf as gguf_mod
 from fastspec.models.embedded import EmbeddedModel, cache_root, embedded_model_dir, models_root
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
 

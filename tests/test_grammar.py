@@ -11,14 +11,14 @@ import shutil
 import llguidance
 import pytest
 import torch
-
-import fastspec
 from conftest import all_slots_free, make_hf_model
-from fastspec.errors import FastspecError
-from fastspec.grammar import GrammarCompiler, tree_paths
-from fastspec.sampling import SamplingParams
 from test_hybrid import oracle_drafter
 from tiny_models import write_char_tokenizer
+
+import fastspec
+from fastspec.errors import FastspecError
+from fastspec.sampling import SamplingParams
+from fastspec.sampling.grammar import GrammarCompiler, tree_paths
 
 ids = lambda text: [ord(c) - 30 for c in text]  # noqa: E731  the character tokenizer's ids
 text = lambda tokens: "".join(chr(t + 30) for t in tokens if t > 2)  # noqa: E731
@@ -42,7 +42,7 @@ def char_target(tiny_dirs, tmp_path_factory):
 
 
 def fresh_matcher(directory, params):
-    """An llguidance matcher built here, independently of fastspec.grammar."""
+    """An llguidance matcher built here, independently of fastspec.sampling.grammar."""
     tok = llguidance.LLTokenizer((directory / "tokenizer.json").read_text(), n_vocab=97, eos_token=[2])
     if "json_schema" in params:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(params["json_schema"])

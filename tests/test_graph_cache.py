@@ -11,8 +11,9 @@ import os
 import subprocess
 import sys
 
-from fastspec.sampling import SamplingParams
 from test_speculative import PROMPTS, spec_llm
+
+from fastspec.sampling import SamplingParams
 
 RUN = """
 import json, sys

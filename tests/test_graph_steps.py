@@ -7,13 +7,13 @@ Compiling is slow (Inductor, ~10 s a graph cold), so one compiled engine is shar
 
 import pytest
 import torch
-
-from fastspec.config import EngineConfig, SpecConfig
-from fastspec.engine import Engine
-from fastspec.sampling import SamplingParams
-from fastspec.speculative.steps import draft_extend, draft_loop
 from conftest import all_slots_free
 from test_speculative import PROMPTS, reference
+
+from fastspec.config import EngineConfig, SpecConfig
+from fastspec.engine.engine import Engine
+from fastspec.sampling import SamplingParams
+from fastspec.speculative.steps import draft_extend, draft_loop
 
 BUCKETS = (1, 4)
 

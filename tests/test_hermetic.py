@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import SUITE_CACHE, USER_CACHE
+from hostile_cache import damage_compiled, fill
+from tiny_models import write_chat_target
 from typer.testing import CliRunner
 
-from conftest import SUITE_CACHE, USER_CACHE
 from fastspec.cli import app
 from fastspec.models.embedded import cache_root, models_root
 from fastspec.models.heads import write_random_head
-from hostile_cache import damage_compiled, fill
-from tiny_models import write_chat_target
 
 
 def test_the_suite_runs_in_a_cache_of_its_own():

@@ -11,10 +11,10 @@ check after every step compares each request's recurrent state with a fresh pref
 
 import pytest
 import torch
+from conftest import PoolRunner, all_slots_free, make_hf_model
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
 
 import fastspec
-from conftest import PoolRunner, all_slots_free, make_hf_model
 from fastspec.errors import FastspecError
 from fastspec.models import gated_delta as gd
 from fastspec.models import recurrent, ssd
@@ -284,9 +284,10 @@ def test_tune_replay_and_train_draft_on_a_hybrid_target(hybrid, tmp_path, monkey
     """tune's replay (one target forward per recorded sequence, fresh recurrent states) predicts the engine's
     rounds exactly; train-draft extracts features from the hybrid target and its head decodes losslessly."""
     from test_train import tiny_config
+    from tiny_models import write_chat_target, write_prompt_file
+
     from fastspec.train.trainer import train_draft
     from fastspec.tune.replay import candidate_params, record, replay_tau
-    from tiny_models import write_chat_target, write_prompt_file
 
     root, hf = hybrid
     target = str(root / "target")

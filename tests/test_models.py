@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
-
 from conftest import FAMILIES, PoolRunner, make_hf_model
-from fastspec.models.config import ModelConfig
+
 from fastspec.errors import FastspecError
+from fastspec.models.config import ModelConfig
 from fastspec.models.llama import eagle3_capture_layers
 from fastspec.models.loader import load_target, read_config
 

@@ -4,16 +4,16 @@ waits or is preempted in between, and every KV slot must come back."""
 
 import random
 
-import torch
-
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+import torch
+from conftest import all_slots_free
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_speculative import PROMPTS, reference
 
 import fastspec
-from conftest import all_slots_free
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
-from test_speculative import PROMPTS, reference
 
 # (family, algorithm, draft, num_steps, topk, num_draft_tokens, page_size, batch size)
 CASES = [
@@ -180,7 +180,7 @@ def test_the_worker_launches_a_round_before_reading_the_last(tiny_dirs, draft_di
     serial, overlap = both(tiny_dirs, draft_dirs, "llama", algorithm, draft, 3 if draft else None, topk, n,
                            page_size, speculative_fallback=False)
     worker, events = overlap.engine.worker, []
-    launch, finish = worker._launch_round, worker._finish_round
+    launch, finish = worker.spec_rounds.launch, worker.spec_rounds.finish
 
     def launched(reqs, params, before):
         events.append("ahead" if before is not None else "launch")
@@ -200,7 +200,7 @@ def test_the_worker_launches_a_round_before_reading_the_last(tiny_dirs, draft_di
             events.remove(e)
         return out
 
-    worker._launch_round, worker._finish_round = launched, finished
+    worker.spec_rounds.launch, worker.spec_rounds.finish = launched, finished
     params = [SamplingParams(max_new_tokens=12 + 4 * i, ignore_eos=True) for i in range(4)]
     got = overlap.engine.generate(PROMPTS[:4], params)
     assert [o.output_ids for o in got] == [o.output_ids for o in serial.engine.generate(PROMPTS[:4], params)]
@@ -236,9 +236,9 @@ def test_no_round_is_launched_after_the_budget_is_spent(tiny_dirs, draft_dirs):
     serial engine for requests that end by length."""
     counts = []
     for llm in both(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", 3, 1, 4, 1, speculative_fallback=False):
-        worker, launched = llm.engine.worker, []
-        real = worker._launch_round
-        worker._launch_round = lambda reqs, params, before: launched.append(len(reqs)) or real(reqs, params, before)
+        rounds, launched = llm.engine.worker.spec_rounds, []
+        real = rounds.launch
+        rounds.launch = lambda reqs, params, before: launched.append(len(reqs)) or real(reqs, params, before)
         for bs, new in ((1, 20), (3, 17)):
             llm.engine.generate(PROMPTS[:bs], [SamplingParams(max_new_tokens=new, ignore_eos=True)] * bs)
         counts.append(launched)

@@ -4,11 +4,11 @@ modes mid-generation keeps the output exact (the draft keeps extending during pl
 import random
 
 import pytest
+from conftest import all_slots_free
+from test_speculative import PROMPTS, reference, spec_llm
 
 from fastspec.sampling import SamplingParams
 from fastspec.speculative.policy import SpecPolicy
-from conftest import all_slots_free
-from test_speculative import PROMPTS, reference, spec_llm
 
 
 def test_policy_picks_the_faster_mode_and_probes_the_other():

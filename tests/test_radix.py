@@ -2,7 +2,8 @@
 prefix (the oracle: prefix -> the slot of its last token, set by the first insert that cached it)."""
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fastspec.memory.radix import RadixTree
 

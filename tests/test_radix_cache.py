@@ -3,10 +3,10 @@ every algorithm, chains and trees, pages 1 and 16; requests that share a prefix 
 eviction under a small pool, preemption and chunked prefill keep working; after a flush every slot is free."""
 
 import pytest
+from test_speculative import PROMPTS
 
 import fastspec
 from fastspec.sampling import SamplingParams
-from test_speculative import PROMPTS
 
 SYSTEM = [5 + i % 90 for i in range(40)]  # a shared "system prompt"
 SHARED = [SYSTEM + p for p in PROMPTS]

@@ -4,24 +4,24 @@ EAGLE-3 head, served on 127.0.0.1 at a free port by a uvicorn thread. Greedy ans
 32 concurrent streams finish right and hand every KV slot back; a client that disconnects mid-stream frees its
 request; bad requests get OpenAI's error object and the server keeps serving. All with overlap off and on."""
 
+import http.client
+import json
 import shutil
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import http.client
-import json
 import openai
 import pytest
+from conftest import all_slots_free
+from tiny_models import write_char_tokenizer
 from typer.testing import CliRunner
 
 import fastspec
 from fastspec.cli import app
 from fastspec.sampling import SamplingParams
 from fastspec.serve import bind, make_server
-from conftest import all_slots_free
-from tiny_models import write_char_tokenizer
 
 MODEL = "tiny-served"
 PROMPTS = ["Hello!", "abc", "[x]{y}", "What?", "1+1=2", "zz", "~!~", "Q"]
@@ -215,7 +215,7 @@ def test_cli_port_in_use_and_model_errors_are_one_line_before_listening(tiny_dir
 
 
 def test_bench_url_measures_a_running_server(served):
-    from fastspec.bench_serving import run_serving
+    from fastspec.benchmark.serving import run_serving
 
     _, url, _, service = served
     summary = run_serving(url, PROMPTS, max_tokens=6, request_rate=50.0, max_concurrency=4)

@@ -7,9 +7,9 @@ computed by transformers (the oracle), after temperature / top-k / top-p process
 
 import pytest
 import torch
+from conftest import make_hf_model
 
 import fastspec
-from conftest import make_hf_model
 from fastspec.sampling import SamplingParams
 
 VOCAB, PROMPT, SAMPLES = 8, [1, 5, 3], 3000

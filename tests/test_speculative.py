@@ -11,9 +11,9 @@ import weakref
 
 import pytest
 import torch
+from conftest import all_slots_free
 
 import fastspec
-from conftest import all_slots_free
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
 

@@ -7,10 +7,10 @@ import traceback
 
 import pytest
 import torch
+from test_speculative import PROMPTS, spec_llm
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastspec.sampling import SamplingParams
-from test_speculative import PROMPTS, spec_llm
 
 READS = {"aten.nonzero.default", "aten._local_scalar_dense.default", "aten.masked_select.default"}
 VALUE_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
@@ -34,7 +34,7 @@ def test_a_speculative_round_reads_the_device_once(tiny_dirs, draft_dirs, monkey
                                                    topk, n, page):
     llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, steps, topk, n, page)
     worker, reads, tolists = llm.engine.worker, DeviceReads(), []
-    real_round = worker.spec_round
+    real_round = worker.spec_rounds.run
 
     methods = {name: getattr(torch.Tensor, name) for name in VALUE_READS}
     host_side = {"on": False}  # NGRAM drafts on the host by design (its trie and tensors never leave the CPU)
@@ -61,7 +61,7 @@ def test_a_speculative_round_reads_the_device_once(tiny_dirs, draft_dirs, monkey
             for name, real in methods.items():
                 monkeypatch.setattr(torch.Tensor, name, real)
 
-    monkeypatch.setattr(worker, "spec_round", counted)
+    monkeypatch.setattr(worker.spec_rounds, "run", counted)
     outputs = llm.engine.generate(PROMPTS[:4], [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 4)
     rounds = max(o.metrics.verify_rounds for o in outputs)
     assert rounds > 2
@@ -75,7 +75,7 @@ def test_a_speculative_round_reads_the_device_once(tiny_dirs, draft_dirs, monkey
 def test_steps_copy_host_values_without_waiting_for_the_device(tiny_dirs, draft_dirs, monkeypatch, algorithm, draft,
                                                                topk, page, overlap):
     """`torch.tensor(values, device=d)` and a blocking `.to(d)` synchronise a CUDA stream (the host waits for every
-    queued kernel): a step moves host values with fastspec.transfer.to_device instead. Watched on CPU, where the
+    queued kernel): a step moves host values with fastspec.utils.transfer.to_device instead. Watched on CPU, where the
     same calls are visible: no step (prefill, plain or speculative round, sampled or greedy, controlled, with
     logprobs, from the prefix cache) makes one."""
     llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, 3 if draft else None, topk, 6, page,

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
-from fastspec import threads
 from fastspec.errors import FastspecError
+from fastspec.utils import threads
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 import pytest
 
 from fastspec.errors import FastspecError
-from fastspec.tokenizer import Tokenizer
+from fastspec.text.tokenizer import Tokenizer
 
 TEXTS = ["Hello, world!", "  leading spaces and 12345 digits", "naïve café — ünïcödé 🚀", "line\nbreaks\n\n"]
 

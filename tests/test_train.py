@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from tiny_models import write_chat_target, write_prompt_file
 from typer.testing import CliRunner
 
 from fastspec.cli import app
@@ -24,8 +25,6 @@ from fastspec.sampling import SamplingParams
 from fastspec.train.data import Features, choose_draft_vocab, pack
 from fastspec.train.trainer import TrainConfig, schedule, train_draft
 from fastspec.train.ttt import NO_LABEL, TTTAttention, make_batch, soft_cross_entropy
-
-from tiny_models import write_chat_target, write_prompt_file
 
 
 @pytest.fixture(scope="module")

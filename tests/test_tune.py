@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import all_slots_free
+from test_train import chat_target, prompt_file, tiny_config  # noqa: F401  (fixtures)
 
 import fastspec
-from conftest import all_slots_free
+from fastspec.config import SpecParams
 from fastspec.sampling import SamplingParams
 from fastspec.train.trainer import train_draft
-from fastspec.config import SpecParams
 from fastspec.tune.replay import candidate_params, record, replay_tau
-from test_train import chat_target, prompt_file, tiny_config  # noqa: F401  (fixtures)
 
 PROMPTS = [[1, 5, 9, 13, 40], [1, 40, 41], [1, 7, 7, 8, 22, 60, 61], [1, 33]]
 NEW = 40

@@ -9,7 +9,7 @@ hot path; `check` is the leak / double-allocation audit for tests and debug runs
 
 import torch
 
-from fastspec.transfer import to_device
+from fastspec.utils.transfer import to_device
 
 
 def check_ids(free: torch.Tensor, held: torch.Tensor, num_ids: int, unit: str) -> None:

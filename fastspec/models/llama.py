@@ -17,8 +17,8 @@ from torch import nn
 from fastspec.models.bamba import BambaDecoderLayer
 from fastspec.models.config import ModelConfig
 from fastspec.models.deepseek import DeepseekDecoderLayer
-from fastspec.models.moe import is_moe_layer
 from fastspec.models.layers import DecoderLayer, RotaryEmbedding, make_norm
+from fastspec.models.moe import is_moe_layer
 from fastspec.models.qwen3_next import HybridDecoderLayer
 
 

@@ -1,8 +1,8 @@
 """Loading: model specs (embedded name, HF directory, .gguf file) -> directories -> configs, weights, models.
 
 Reads single or sharded safetensors (and `pytorch_model*.bin` with `weights_only=True`), EAGLE / EAGLE-3
-checkpoints in SGLang / SpecForge key format, and FR-Spec token maps, all without arbitrary unpickling and
-without network access. Every failure a user can cause becomes a one-line FastspecError.
+checkpoints in SGLang / SpecForge key format, and FR-Spec token maps (a checkpoint's MTP layers: mtp_loader), all
+without arbitrary unpickling and without network access. Every failure a user can cause becomes a one-line FastspecError.
 """
 
 from __future__ import annotations
@@ -10,19 +10,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from fastspec.models.config import ModelConfig
 from fastspec.errors import FastspecError, first_line
+from fastspec.models.config import ModelConfig
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
-from fastspec.models.deepseek import DeepseekMTP, MTPStack
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.moe import Router, stack_experts
-from fastspec.models.qwen3_next import Qwen3NextMTP
 
 
 def resolve_model_dir(spec: str) -> Path:
@@ -150,98 +147,6 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
     return model.eval().requires_grad_(False)
 
 
-def load_mtp(model_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu"):
-    """The checkpoint's own multi-token-prediction layers as a draft model (NEXTN): DeepSeek's (`model.layers.
-    {num_hidden_layers + k}.`, one per draft step when there are several; each layer's embedding and head are the
-    target's unless the checkpoint stores its own) or Qwen3-Next's (`mtp.`; the target's embedding and lm_head)."""
-    config = read_config(model_dir)
-    prefix = mtp_prefix(config)
-    weights = {} if prefix is None else read_state_dict(model_dir, partial(_is_mtp_weight, config))
-    if not any(k.startswith(prefix) for k in weights):
-        raise FastspecError(f"{model_dir}: NEXTN needs the checkpoint's MTP layer ({prefix or 'none'}*), and this "
-                            f"{config.architecture} checkpoint has none; give an EAGLE head with --draft")
-    if config.mla is None:
-        state = {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
-        with _skip_init(), torch.device(device):
-            model = _keep_routers_float32(Qwen3NextMTP(config, target.model.embed_tokens, target.lm_head).to(dtype))
-        _load_into(model, stack_experts(state), ("embed_tokens.", "lm_head."), str(model_dir))
-        return model.eval().requires_grad_(False)
-    layers = []
-    for k in range(max(config.num_nextn_predict_layers, 1)):
-        layer_prefix = f"model.layers.{config.num_layers + k}."
-        state = {n.removeprefix(layer_prefix): v for n, v in weights.items() if n.startswith(layer_prefix)}
-        if not state:
-            break  # fewer layers stored than config.json counts
-        layers.append(_deepseek_mtp_layer(config, k, state, target, dtype, device, str(model_dir)))
-    return (layers[0] if len(layers) == 1 else MTPStack(layers)).eval().requires_grad_(False)
-
-
-def _deepseek_mtp_layer(config: ModelConfig, k: int, state: dict, target, dtype, device, source: str) -> DeepseekMTP:
-    with _skip_init(), torch.device(device):
-        layer = _keep_routers_float32(DeepseekMTP(config, config.num_layers + k, attn_layer_id=k).to(dtype))
-    borrowed = [name for name in ("embed_tokens", "shared_head.head") if f"{name}.weight" not in state]
-    if "embed_tokens" in borrowed:
-        layer.embed_tokens = target.model.embed_tokens
-    if "shared_head.head" in borrowed:
-        layer.shared_head.head = target.lm_head
-    _load_into(layer, stack_experts(state), tuple(f"{name}." for name in borrowed), source)
-    return layer
-
-
-def _is_mtp_weight(config: ModelConfig, name: str) -> bool:
-    """An MTP layer's tensor: Qwen3-Next's `mtp.*`, DeepSeek's layers past the last decoder layer (the target's
-    own weights are not read a second time)."""
-    if config.mla is None:
-        return name.startswith(mtp_prefix(config))
-    parts = name.split(".")
-    return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= config.num_layers
-
-
-def mtp_prefix(config: ModelConfig) -> str | None:
-    """Where a checkpoint keeps its MTP layer's weights (None: an architecture without one)."""
-    if config.mla is not None:
-        return f"model.layers.{config.num_layers}."
-    return "mtp." if config.architecture == "Qwen3NextForCausalLM" else None
-
-
-def has_mtp_layer(model_dir: Path, config: ModelConfig) -> bool:
-    """Whether the checkpoint stores an MTP layer (config.json's count alone is not proof: transformers writes
-    num_nextn_predict_layers = 1 into DeepSeek checkpoints without one)."""
-    prefix = mtp_prefix(config)
-    return prefix is not None and any(name.startswith(prefix) for name in _weight_names(model_dir))
-
-
-def mtp_draft(model: str, model_dir: Path, config: ModelConfig, algorithm: str | None, draft: str | None) -> str | None:
-    """The draft of NEXTN / EAGLE without one on a DeepSeek target: the target checkpoint itself, whose MTP layer
-    drafts (SGLang's default). NEXTN on a checkpoint without an MTP layer is an error."""
-    algorithm = (algorithm or "").upper()
-    if draft is not None or algorithm not in ("NEXTN", "EAGLE"):
-        return draft
-    if has_mtp_layer(model_dir, config):
-        return model
-    if algorithm == "NEXTN":
-        where = f" ({mtp_prefix(config)}*)" if mtp_prefix(config) else ""
-        raise FastspecError(f"{model_dir}: NEXTN drafts with the checkpoint's MTP layer, and this "
-                            f"{config.architecture} checkpoint has none{where}")
-    return draft
-
-
-def _weight_names(model_dir: Path) -> list[str]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text()).get("weight_map", {}))
-    from safetensors import safe_open
-
-    names = []
-    try:
-        for f in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(f), "pt") as handle:
-                names += list(handle.keys())
-    except Exception:  # safetensors has no common error class: let the full read name the damage
-        names = []
-    return names or list(read_state_dict(model_dir))
-
-
 def _keep_routers_float32(model: nn.Module) -> nn.Module:
     """MoE routers score in float32 whatever the model's dtype (as DeepSeek and transformers do)."""
     for module in model.modules():
@@ -278,14 +183,6 @@ def _build_eagle3(config: ModelConfig, target: LlamaForCausalLM):
     model = LlamaForCausalLMEagle3(config, target.model.embed_tokens if share_embed else None, lm_head)
     skip = (("embed_tokens.",) if share_embed else ()) + (("lm_head.",) if lm_head is not None else ())
     return model, skip
-
-
-def check_mtp_fits(draft: ModelConfig, target: ModelConfig, source: str) -> None:
-    """An MTP layer from another DeepSeek checkpoint must share the target's width and vocabulary."""
-    for field in ("hidden_size", "vocab_size"):
-        if getattr(draft, field) != getattr(target, field):
-            raise FastspecError(f"{source}: the MTP draft's {field} {getattr(draft, field)} != the target's "
-                                f"{getattr(target, field)}")
 
 
 def check_draft_fits(draft: ModelConfig, target: ModelConfig, source: str) -> None:

@@ -15,8 +15,8 @@ import uuid
 from dataclasses import dataclass
 
 from fastspec.errors import FastspecError
-from fastspec.metrics import SpecMetrics
-from fastspec.sampling import SamplingParams
+from fastspec.sampling.params import SamplingParams
+from fastspec.utils.metrics import SpecMetrics
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
           "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs", "response_format",

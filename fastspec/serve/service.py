@@ -16,11 +16,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from fastspec.detokenizer import IncrementalDetokenizer
 from fastspec.errors import FastspecError
-from fastspec.metrics import SpecMetrics
-from fastspec.sampling import SamplingParams
+from fastspec.sampling.params import SamplingParams
 from fastspec.serve.protocol import APIError
+from fastspec.text.detokenizer import IncrementalDetokenizer
+from fastspec.utils.metrics import SpecMetrics
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ class DecodeBatch:
     #                                that decides them is read: an upper bound (sizes KV widths, never a position)
     verified_id: torch.Tensor  # int64 [bs]  the last emitted token (tree root)
     histories: tuple[list[int], ...]  # prompt + output tokens so far (read-only), last = root
-    grammars: tuple | None = None  # per request its fastspec.grammar.Grammar or None; None: no request has one
+    grammars: tuple | None = None  # per request its fastspec.sampling.grammar.Grammar or None; None: no request has one
 
     @property
     def size(self) -> int:

@@ -16,8 +16,8 @@ from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import can_prepack, prepack_linears
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
-from fastspec.models.loader import (check_draft_fits, check_mtp_fits, load_draft, load_mtp, load_target, mtp_prefix,
-                                    read_config, resolve_model_dir)
+from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
+from fastspec.models.mtp_loader import check_mtp_fits, load_mtp, mtp_prefix
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.eagle import EagleDrafter, StandaloneDraft
 from fastspec.speculative.runners import GraphPlan

@@ -15,9 +15,9 @@ from functools import partial
 
 import torch
 
-from fastspec.grammar import draft_masks
 from fastspec.graphs import StaticInput
 from fastspec.models.eagle import DraftHidden
+from fastspec.sampling.grammar import draft_masks
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.packing import kv_width, pack_draft, pack_extend, pack_extend_padded, prefix_specs
 from fastspec.speculative.runners import GraphPlan, StepGraphs

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastspec.transfer import to_device
+from fastspec.utils.transfer import to_device
 
 
 @dataclass(frozen=True)

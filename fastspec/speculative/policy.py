@@ -8,6 +8,7 @@ with the content. Decisions never change tokens (both modes are exact), only spe
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -49,3 +50,9 @@ class SpecPolicy:
     def rates(self, bs: int) -> tuple[float | None, float | None]:
         r = self._rates.get(bs, _Rates())
         return r.spec, r.plain
+
+
+def record_round(policy, speculative: bool, tokens: list[list[int]], start: float) -> None:
+    """Tell `policy` (its `record`) of a round that produced tokens[b] for each of its requests, from perf_counter
+    `start` until now."""
+    policy.record(len(tokens), speculative, sum(map(len, tokens)) / len(tokens), time.perf_counter() - start)

@@ -14,9 +14,9 @@ import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend
 from fastspec.attention.torch_backend import block_plan
+from fastspec.kernels import fast_topk
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models.recurrent import tree_parents
-from fastspec.kernels import fast_topk
 from fastspec.speculative.tree import organize_draft_results, select_top_k
 
 _BACKEND = TorchAttnBackend()

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.sampling import target_probs
 from fastspec.kernels import (
     TreeMaskMode,
     ancestor_mask,
@@ -30,7 +29,8 @@ from fastspec.kernels import (
     tree_speculative_sampling_target_only,
     verify_tree_greedy,
 )
-from fastspec.transfer import to_device
+from fastspec.sampling.draw import target_probs
+from fastspec.utils.transfer import to_device
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from fastspec.models.config import ModelConfig
 from fastspec.errors import FastspecError, first_line
-from fastspec.files import read_or_refuse, write_atomic
+from fastspec.models.config import ModelConfig
 from fastspec.models.eagle import LlamaForCausalLMEagle3
 from fastspec.models.llama import eagle3_capture_layers
+from fastspec.utils.files import read_or_refuse, write_atomic
 
 
 def head_config(target_json: dict, draft_vocab_size: int, num_layers: int) -> dict:

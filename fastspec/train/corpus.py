@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.files import read_or_refuse, write_atomic, write_new
+from fastspec.utils.files import read_or_refuse, write_atomic, write_new
 
 FORMAT = 1
 MANIFEST = "corpus.json"

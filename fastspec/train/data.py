@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fastspec.errors import FastspecError
 from fastspec.memory.state_pool import StatePool
-from fastspec.sampling import SamplingParams
+from fastspec.sampling.params import SamplingParams
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)  # the non-greedy answers: varied, still the target's own text
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from fastspec import threads
 from fastspec.config import Schedule, SpecParams, check_tree
 from fastspec.errors import FastspecError
-from fastspec.files import write_atomic
 from fastspec.models.embedded import cache_root
+from fastspec.utils import threads
+from fastspec.utils.files import write_atomic
 
 VERSION = 1
 

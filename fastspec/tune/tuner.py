@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from fastspec.config import SpecParams
 from fastspec.errors import FastspecError
-from fastspec.sampling import SamplingParams
+from fastspec.sampling.params import SamplingParams
 from fastspec.speculative.packing import KV_BUCKET
 from fastspec.tune.costs import CostModel
 from fastspec.tune.replay import candidate_params, record, replay_tau

@@ -1,6 +1,6 @@
 """A chat conversation over an LLM: history, slash commands, streamed answers, per-turn and session stats.
 
-No terminal I/O here (cli.py renders); an answer is a generator of text deltas the caller prints, and a
+No terminal I/O here (fastspec.cli.chat renders); an answer is a generator of text deltas the caller prints, and a
 `should_stop()` callback (Ctrl-C) ends it early while keeping the partial answer in the history.
 Each turn re-prefills the whole conversation (KV prefix reuse across turns is not implemented).
 """
@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastspec.files import write_new
-from fastspec.metrics import SpecMetrics
-from fastspec.sampling import SamplingParams
+from fastspec.sampling.params import SamplingParams
+from fastspec.utils.files import write_new
+from fastspec.utils.metrics import SpecMetrics
 
 HELP = "/reset  clear the conversation · /system TEXT  set the system prompt · /stats  session totals · /exit"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastspec.config import EngineConfig, SpecConfig
+from fastspec.engine.prefix_cache import PrefixCache
 from fastspec.errors import FastspecError
 from fastspec.graphs import size_varies
 from fastspec.memory.allocator import make_allocator
@@ -17,7 +18,6 @@ from fastspec.memory.kv_pool import KVPool
 from fastspec.memory.req_table import ReqToTokenTable
 from fastspec.memory.state_pool import StatePool
 from fastspec.models.config import ModelConfig
-from fastspec.prefix_cache import PrefixCache
 
 CHECKPOINTS_PER_ROW = 8  # hybrid targets with the prefix cache: saved states per running-request row
 

@@ -1,5 +1,5 @@
 """`fastspec tune`: flags -> fastspec.tune.tuner, a rich table of predicted vs measured, the tuned file, a PNG
-plot and, with `--emit sglang`, the equivalent SGLang launch flags. Registered on the app by cli.py."""
+plot and, with `--emit sglang`, the equivalent SGLang launch flags. Registered on the app by fastspec.cli.main."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli_options import ModelOptions
+from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
 
@@ -30,7 +30,7 @@ def tune(
     """Choose (num_steps, topk, num_draft_tokens) per batch size from replayed acceptance and measured costs."""
     from rich.console import Console
 
-    from fastspec.cli import parse_ids, prepare_progress
+    from fastspec.cli.common import parse_ids, prepare_progress
     from fastspec.llm import LLM
     from fastspec.models.embedded import default_speculation
     from fastspec.models.loader import resolve_model_dir

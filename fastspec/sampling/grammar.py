@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.transfer import to_device
+from fastspec.utils.transfer import to_device
 
 KINDS = ("json_schema", "regex", "ebnf")
 

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli_options import ModelOptions
+from fastspec.cli.options import ModelOptions
 
 
 def serve(
@@ -21,7 +21,8 @@ def serve(
     """Serve the model over the OpenAI HTTP API: /v1/chat/completions, /v1/completions, /v1/models, /health."""
     from fastspec.errors import FastspecError
     from fastspec.llm import LLM
-    from fastspec.serve import bind, serve as run
+    from fastspec.serve import bind
+    from fastspec.serve import serve as run
 
     if max_queued_requests < 1:
         raise FastspecError(f"--max-queued-requests must be >= 1, got {max_queued_requests}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastspec.transfer import to_device
+from fastspec.utils.transfer import to_device
 
 MAX_TOP_LOGPROBS = 20
 

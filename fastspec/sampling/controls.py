@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fastspec.transfer import to_device
+from fastspec.utils.transfer import to_device
 
 
 def active(params) -> bool:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastspec.metrics import SpecMetrics
-from fastspec.sampling import SamplingParams
+from fastspec.sampling.params import SamplingParams
+from fastspec.utils.metrics import SpecMetrics
 
 
 @dataclass(eq=False)
@@ -32,7 +32,7 @@ class Request:
     cached_len: int = 0  # leading positions whose KV the prefix cache owns (and this request has locked)
     cached_node: object = None  # the prefix cache's node it locked (fastspec.memory.radix.RadixNode)
     checkpoints: list = field(default_factory=list)  # hybrid targets: (length, state checkpoint) saved so far
-    grammar: object = None  # structured output: its matcher at `produced` (fastspec.grammar.Grammar)
+    grammar: object = None  # structured output: its matcher at `produced` (fastspec.sampling.grammar.Grammar)
     # the engine's: what the caller has been given
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"

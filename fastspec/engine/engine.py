@@ -1,4 +1,4 @@
-"""The engine: continuous batching over a worker (fastspec.worker), which owns the models, the KV pool and the
+"""The engine: continuous batching over a worker (fastspec.engine.worker), which owns the models, the KV pool and the
 round functions. Each step admits what fits, preempts what must wait, launches a worker step (a prefill chunk
 or a decode round), hands out what each request produced and releases the requests that finished. With the
 overlap schedule the worker runs in a thread of its own, one decode round ahead of the hand-out, and launches
@@ -14,12 +14,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from fastspec.config import EngineConfig, SpecConfig
+from fastspec.engine.scheduler import Request, Scheduler
+from fastspec.engine.worker import Worker
 from fastspec.errors import FastspecError
-from fastspec.grammar import GrammarCompiler
-from fastspec.metrics import SpecMetrics
-from fastspec.sampling import SamplingParams, make_generator
-from fastspec.scheduler import Request, Scheduler
-from fastspec.worker import Worker
+from fastspec.sampling.draw import make_generator
+from fastspec.sampling.grammar import GrammarCompiler
+from fastspec.sampling.params import SamplingParams
+from fastspec.utils.metrics import SpecMetrics
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class Engine:
 
     @policy.setter
     def policy(self, policy) -> None:  # tests drive the fallback with a scripted policy
-        self.worker.policy = policy
+        self.worker.use_policy(policy)
 
     def use_schedule(self, schedule, on_prepare=None) -> None:
         """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way)."""
@@ -109,7 +110,7 @@ class Engine:
         previous one's tokens are handed out, whenever that round needs nothing the previous one decides:
         no admission, no prefill, and KV for both rounds at their worst case (a round's headroom per request).
         The worker in turn launches that round on the device before it reads the previous one's accept result
-        (fastspec.overlap), so a request the previous round finished may run once more: its tokens are
+        (fastspec.engine.overlap), so a request the previous round finished may run once more: its tokens are
         dropped, as an aborted one's are. Everything else waits for the round in flight (a drain) and runs as
         without overlap, so the output is the same token for token."""
         reqs = [self.request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]

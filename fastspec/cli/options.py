@@ -18,7 +18,7 @@ import typer
 from fastspec.errors import FastspecError
 from fastspec.graphs.buckets import parse_buckets
 from fastspec.models.embedded import DEFAULT_MODEL
-from fastspec.threads import apply_threads
+from fastspec.utils.threads import apply_threads
 
 SPEC = "Speculative decoding"
 GRAPHS = "Graphs and kernels"

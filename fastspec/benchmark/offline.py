@@ -2,7 +2,7 @@
 
 For every batch size the prompts are run in batches of that size with fixed output length (ignore_eos),
 trials alternating baseline / speculative so machine noise hits both; medians are reported. No printing here:
-`run_bench` returns values and calls `on_progress`; cli.py renders tables / JSON.
+`run_bench` returns values and calls `on_progress`; fastspec.cli.bench renders tables / JSON.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from fastspec.metrics import SpecMetrics
-from fastspec.sampling import SamplingParams
+from fastspec.sampling.params import SamplingParams
+from fastspec.utils.metrics import SpecMetrics
 
 
 @dataclass(frozen=True)

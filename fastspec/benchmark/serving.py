@@ -4,7 +4,7 @@ Requests arrive as a Poisson process at `request_rate` per second (inf: all at o
 in flight; each streams a chat completion of exactly `max_tokens` tokens (ignore_eos) and is timed on the client:
 time to first token (TTFT), the gaps between streamed chunks (ITL; a speculative round may bring several tokens
 in one chunk), time per output token after the first (TPOT), end-to-end latency. Standard library only.
-No printing here: cli.py renders the summary.
+No printing here: fastspec.cli.bench renders the summary.
 """
 
 from __future__ import annotations

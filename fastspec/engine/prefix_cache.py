@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from fastspec.engine.scheduler import Request
 from fastspec.memory.radix import RadixTree
 from fastspec.memory.state_checkpoints import check as check_checkpoints
 from fastspec.memory.state_checkpoints import hand_over, resume
-from fastspec.scheduler import Request
-from fastspec.transfer import to_device
+from fastspec.utils.transfer import to_device
 
 
 class PrefixCache:

@@ -1,5 +1,5 @@
 """`fastspec chat`: a conversation in the terminal (rich prompt, streamed answers) or over piped lines, kept
-on disk when it ends (fastspec.chat owns the session; this file the two front ends and their loop)."""
+on disk when it ends (fastspec.text.chat owns the session; this file the two front ends and their loop)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fastspec.cli_options import ModelOptions
+from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
 
@@ -28,11 +28,11 @@ def chat(
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
 ):
     """Chat in the terminal. Without a terminal on stdin: one user message per line, plain answers on stdout."""
-    from fastspec.chat import ChatSession
-    from fastspec.cli import Notes, prepare_progress
+    from fastspec.cli.common import Notes, prepare_progress
     from fastspec.llm import LLM
     from fastspec.models.embedded import cache_root
-    from fastspec.sampling import SamplingParams
+    from fastspec.sampling.params import SamplingParams
+    from fastspec.text.chat import ChatSession
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             max_new_tokens=max_new_tokens)
@@ -106,7 +106,7 @@ class TerminalChatIO:
     def __init__(self, session):
         from rich.console import Console
 
-        from fastspec.chat import HELP
+        from fastspec.text.chat import HELP
 
         self.console = Console(highlight=False)
         engine = session.llm.engine

@@ -1,6 +1,6 @@
 """`fastspec train-draft`: flags -> TrainConfig -> fastspec.train.trainer, with a rich progress bar.
 
-Registered on the app by cli.py; errors become one line through cli.user_errors like every other command.
+Registered on the app by fastspec.cli.main; errors become one line through user_errors like every other command.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def train_draft(
 ):
     """Train an EAGLE-3 draft head for a target on the target's own answers (SGLang/SpecForge format)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+    from rich.progress import Progress as Bar
 
     from fastspec.train.trainer import train_draft as run
 

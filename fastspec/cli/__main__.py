@@ -1,0 +1,5 @@
+"""`python -m fastspec.cli ...` = `fastspec ...`."""
+
+from fastspec.cli.main import app
+
+app()

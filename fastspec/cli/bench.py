@@ -1,0 +1,117 @@
+"""`fastspec bench`: the speculative configuration against no speculation in one process and run (a table or
+JSON); with --url, a running OpenAI-compatible server under load (fastspec.benchmark.serving)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from fastspec.cli.common import Notes, parse_ids, prepare_progress
+from fastspec.cli.options import ModelOptions
+from fastspec.errors import FastspecError
+
+
+def bench(
+    options: ModelOptions,
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,4,8",
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 128,
+    num_prompts: Annotated[int, typer.Option(help="Prompts per batch size (cycled up to the batch size).")] = 8,
+    prompts: Annotated[Optional[str], typer.Option(help="JSONL file, one {\"prompt\": ...} per line.")] = None,
+    prompt_set: Annotated[str, typer.Option(help="Built-in held-out prompts: a set name or all (evenly sampled).")]
+    = "all",
+    trials: Annotated[int, typer.Option(help="Timed trials per configuration (median reported).")] = 2,
+    warmup: Annotated[int, typer.Option(help="Warm-up runs per configuration and batch size.")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    url: Annotated[Optional[str], typer.Option(help="Measure a running server instead (http://HOST:PORT): TTFT, "
+                                                    "inter-token latency, throughput; no model is loaded.")] = None,
+    request_rate: Annotated[float, typer.Option(help="--url: requests per second, Poisson (inf: all at once).")]
+    = float("inf"),
+    max_concurrency: Annotated[int, typer.Option(help="--url: most requests in flight.")] = 16,
+):
+    """Throughput of the speculative configuration against no speculation, in the same process and run; with
+    --url, a running OpenAI-compatible server under load."""
+    from fastspec.prompts import load_prompts, read_jsonl_prompts
+
+    sizes = parse_ids(batch_sizes, "--batch-sizes")
+    if min(sizes) < 1 or num_prompts < 1 or trials < 1 or warmup < 0 or max_new_tokens < 1:
+        raise FastspecError("batch sizes, --num-prompts, --trials and --max-new-tokens must be >= 1")
+    texts = read_jsonl_prompts(prompts) if prompts else load_prompts(prompt_set)
+    if not prompts:  # spread the first num_prompts over every set
+        texts = texts[::max(1, len(texts) // num_prompts)]
+    if url is not None:
+        return bench_url(url, [texts[i % len(texts)] for i in range(num_prompts)], max_new_tokens, request_rate,
+                         max_concurrency, as_json)
+    from fastspec.benchmark.offline import run_bench
+    from fastspec.llm import LLM
+    kwargs = options.llm_kwargs() | {"max_running_requests": max(max(sizes), options.max_running_requests)}
+    if kwargs["cuda_graph_bs"] is None:  # graphs for every batch a run shrinks through, captured before any timing
+        from fastspec.graphs.buckets import default_buckets
+
+        kwargs["cuda_graph_bs"] = tuple(default_buckets(max(sizes)))
+    notes = Notes()
+    spec = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)
+    base_kwargs = kwargs | {"speculative_algorithm": "NONE", "draft_model": None, "token_map": None, "ngram": None}
+    baseline = LLM(**{k: v for k, v in base_kwargs.items() if k not in ("num_steps", "topk", "num_draft_tokens")})
+    ids = [spec.encode(t, chat=True) for t in texts[:num_prompts]]
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status("benchmarking") as status:
+        results = run_bench(baseline, spec, ids, sizes, max_new_tokens, trials, warmup,
+                            on_progress=lambda text: status.update(text))
+    notes.show()
+    config = {"model": options.model, "algorithm": spec.engine.spec.algorithm, "num_steps": spec.engine.spec.num_steps,
+              "topk": spec.engine.spec.topk, "num_draft_tokens": spec.engine.spec.num_draft_tokens,
+              "dtype": options.dtype, "max_new_tokens": max_new_tokens, "num_prompts": len(ids), "trials": trials,
+              "graphs": spec.engine.config.graph_mode}
+    if as_json:
+        typer.echo(json.dumps({"config": config, "results": [r.as_dict() for r in results]}))
+    else:
+        print_bench_table(config, results)
+
+
+def print_bench_table(config: dict, results) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"fastspec bench · {config['algorithm']} (steps {config['num_steps']}, topk "
+                        f"{config['topk']}, draft tokens {config['num_draft_tokens']}) vs no speculation")
+    for column in ("batch", "baseline tok/s", "spec tok/s", "speedup", "per request", "tau", "accept by depth",
+                   "ms/round draft·verify·extend·host"):
+        table.add_column(column, justify="right")
+    for r in results:
+        split = r.ms_per_round
+        table.add_row(str(r.batch_size), f"{r.baseline_tok_s:.1f}", f"{r.spec_tok_s:.1f}", f"{r.speedup:.2f}x",
+                      f"{r.spec_tok_s_per_request:.1f}", f"{r.tau:.2f}",
+                      " ".join(f"{a:.2f}" for a in r.acceptance_by_depth[:6]),
+                      "·".join(f"{split.get(k, 0):.0f}" for k in ("draft", "verify", "draft_extend", "host")))
+    Console().print(table)
+
+
+def bench_url(url: str, prompts: list[str], max_tokens: int, rate: float, concurrency: int, as_json: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fastspec.benchmark.serving import run_serving
+
+    if not rate > 0 or concurrency < 1:
+        raise FastspecError("--request-rate must be > 0 and --max-concurrency >= 1")
+    with Console(stderr=True).status(f"{len(prompts)} requests to {url}"):
+        summary = run_serving(url, prompts, max_tokens, rate, concurrency)
+    if as_json:
+        typer.echo(json.dumps(summary))
+        return
+    table = Table(title=f"fastspec bench --url {url} · {summary['model']} · rate {rate} req/s · concurrency "
+                        f"{concurrency} · {summary['completed']} ok, {summary['failed']} failed in "
+                        f"{summary['duration_s']:.1f} s · {summary['output_tok_s']:.1f} tok/s")
+    for column in ("ms", "mean", "median", "p99"):
+        table.add_column(column, justify="right")
+    for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms"):
+        row = summary[name] or {}
+        table.add_row(name.removesuffix("_ms").upper(), *(f"{row.get(k, float('nan')):.1f}"
+                                                          for k in ("mean", "median", "p99")))
+    Console().print(table)
+    for error in summary["errors"]:
+        typer.echo(f"failed: {error}", err=True)

@@ -1,0 +1,71 @@
+"""What every command shares: one-line user errors, notes shown once input is accepted, the graph-preparation
+progress line, and the parsers of comma-separated flags."""
+
+from __future__ import annotations
+
+import functools
+
+import typer
+
+from fastspec.errors import FastspecError
+
+
+def user_errors(fn):
+    """Turn user-fixable failures into one line on stderr and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except FastspecError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+class Notes:
+    """Notes from building an LLM (a tuned file that is there but not used), shown once the command has accepted
+    its input: a rejected command prints its one error line and nothing else."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, message: str) -> None:
+        self.lines.append(message)
+
+    def show(self) -> None:
+        for line in self.lines:
+            typer.echo(line, err=True)
+        self.lines.clear()
+
+
+def prepare_progress():
+    """on_prepare callback: one stderr line per graph bucket being captured / compiled."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    return lambda name, bs: console.print(f"[dim]preparing graph {name}: batch bucket {bs}[/dim]")
+
+
+def parse_ids(text: str, flag: str = "--input-ids") -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise FastspecError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise FastspecError(f"{flag} is empty")
+    return ids
+
+
+def parse_bias(text: str | None) -> tuple[tuple[int, float], ...]:
+    """"5:2.5,17:-100" -> ((5, 2.5), (17, -100.0)); a malformed pair is a one-line error."""
+    if not text:
+        return ()
+    try:
+        return tuple((int(t), float(v)) for t, v in (pair.split(":") for pair in text.split(",")))
+    except ValueError:
+        raise FastspecError(f"--logit-bias must be comma-separated id:bias pairs, got {text!r}") from None

@@ -1,0 +1,72 @@
+"""`fastspec generate`: one completion per prompt (or token-id list), as text or one JSON object."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from fastspec.cli.common import Notes, parse_bias, parse_ids, prepare_progress
+from fastspec.cli.options import ModelOptions
+from fastspec.errors import FastspecError
+
+
+def generate(
+    options: ModelOptions,
+    prompt: Annotated[Optional[list[str]], typer.Option(help="Prompt text (repeat for a batch).")] = None,
+    input_ids: Annotated[Optional[str], typer.Option(help="Prompt as comma-separated token ids.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Maximum tokens to generate per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="-1 = off.")] = -1,
+    top_p: float = 1.0,
+    seed: Optional[int] = None,
+    ignore_eos: bool = False,
+    stop: Annotated[Optional[list[str]], typer.Option(help="Stop string (repeatable); trimmed from the text.")] = None,
+    stop_token_ids: Annotated[Optional[str], typer.Option(help="Comma-separated token ids that end generation.")] = None,
+    chat: Annotated[bool, typer.Option(help="Apply the model's chat template to --prompt.")] = False,
+    logprobs: Annotated[Optional[int], typer.Option(help="With --json: the target's logprob of each output token and of its N most likely alternatives (0-20).")] = None,
+    repetition_penalty: Annotated[float, typer.Option(help="> 1 discourages prompt and output tokens (1 = off).")] = 1.0,
+    frequency_penalty: Annotated[float, typer.Option(help="Subtracted per occurrence in the output, in [-2, 2].")] = 0.0,
+    presence_penalty: Annotated[float, typer.Option(help="Subtracted once per token in the output, in [-2, 2].")] = 0.0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min-p x the most likely one's probability.")] = 0.0,
+    logit_bias: Annotated[Optional[str], typer.Option(help="Comma-separated id:bias pairs added to the logits, e.g. 5:2.5,17:-100.")] = None,
+    json_schema: Annotated[Optional[str], typer.Option(help="Structured output: the answer is JSON valid under this schema (the schema, or a file holding it).")] = None,
+    regex: Annotated[Optional[str], typer.Option(help="Structured output: the answer matches this regular expression (or a file's).")] = None,
+    ebnf: Annotated[Optional[str], typer.Option(help="Structured output: the answer follows this GBNF grammar, root ::= ... (or a file's).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+):
+    """Generate a completion (or several, with repeated --prompt)."""
+    from fastspec.llm import LLM
+    from fastspec.sampling.grammar import read_grammar_arg
+    from fastspec.sampling.params import SamplingParams
+
+    if (prompt is None) == (input_ids is None):
+        raise FastspecError("give exactly one of --prompt or --input-ids")
+    if chat and input_ids is not None:
+        raise FastspecError("--chat applies to --prompt, not to --input-ids")
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=tuple(stop or ()), logprobs=logprobs,
+                            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                            presence_penalty=presence_penalty, min_p=min_p, logit_bias=parse_bias(logit_bias),
+                            stop_token_ids=tuple(parse_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids else (),
+                            json_schema=read_grammar_arg(json_schema), regex=read_grammar_arg(regex),
+                            ebnf=read_grammar_arg(ebnf))
+    prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
+    if any(p == "" for p in prompts):
+        raise FastspecError("empty prompt")
+    notes = Notes()
+    llm = LLM(**options.llm_kwargs(), on_prepare=prepare_progress(), say=notes)
+    outputs = llm.generate(prompts, params, chat=chat)
+    notes.show()
+    if as_json:
+        records = [{"output_ids": o.output_ids, "text": o.text, "finish_reason": o.finish_reason,
+                    "num_prompt_tokens": len(o.prompt_ids), **o.metrics.as_dict(),
+                    **({} if o.logprobs is None else {"logprobs": [
+                        {"token": t.token, "logprob": t.logprob, "top": [[i, v] for i, v in t.top]}
+                        for t in o.logprobs]})} for o in outputs]
+        result = records[0] if len(records) == 1 else {"outputs": records}
+        typer.echo(json.dumps(result))
+    else:
+        for o in outputs:
+            typer.echo(o.text if o.text is not None else ",".join(map(str, o.output_ids)))

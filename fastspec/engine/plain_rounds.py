@@ -1,0 +1,55 @@
+"""Plain decode rounds: one token per request, through the target's captured decode graph (a one-node verify)
+where there is one. With an EAGLE-family drafter the draft extends by that token too, so its state stays exact
+and the next round may speculate again."""
+
+from __future__ import annotations
+
+import torch
+
+from fastspec.attention import decode_metadata
+from fastspec.engine.produce import Producer, RoundOutput
+from fastspec.engine.scheduler import Request
+from fastspec.engine.slots import BatchSlots
+from fastspec.engine.target import Target
+from fastspec.speculative.batch import ExtendBatch
+from fastspec.speculative.packing import kv_width, prefix_view
+from fastspec.speculative.runners import StepGraphs
+from fastspec.utils.transfer import to_device
+
+
+class PlainRounds:
+    def __init__(self, target: Target, slots: BatchSlots, producer: Producer, graphs: StepGraphs | None, drafter):
+        """graphs: the decode graphs (None: eager); drafter: any of the worker's drafters, or None."""
+        self.target, self.slots, self.producer, self.graphs, self.drafter = target, slots, producer, graphs, drafter
+
+    def __call__(self, reqs: list[Request]) -> RoundOutput:
+        ones = [1] * len(reqs)
+        ids = to_device([r.produced[-1] for r in reqs], self.slots.device)
+        rows, prefix, ext, positions = self.slots.extend(reqs, ones)
+        if self.graphs is not None:
+            logits, features = self._graph_forward(reqs, ids, rows, prefix, positions)
+        else:
+            hidden = self.target.forward(ids, positions, decode_metadata(self.slots.table.table, rows, prefix + 1),
+                                         rows, ones)
+            logits, features = self.target.model.compute_logits(hidden.final), self.target.features(hidden)
+        tokens = self.producer.sample(reqs, self.producer.controlled(reqs, logits))
+        if self.drafter is not None and self.drafter.uses_extend:
+            self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
+                                            to_device(tokens, ids.device), positions, features,
+                                            max(r.seq_len for r in reqs), 1), decode_round=False)
+        produced = self.producer.commit(reqs, ones, [[t] for t in tokens])
+        for r in reqs:
+            self.producer.save_states(r, r.seq_len - 1)
+        return RoundOutput(produced, logprobs=self.producer.logprobs(reqs, logits, [[b] for b in range(len(reqs))],
+                                                                      produced))
+
+    def _graph_forward(self, reqs, ids, rows, prefix, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target forward as a one-node tree (its slot already in the table): (logits, features)."""
+        table = self.slots.table.table
+        width = kv_width(max(r.seq_len for r in reqs), self.graphs.bucketed)
+        prefix_slots, prefix_valid = prefix_view(table, rows, prefix, width)
+        x = {"input_ids": ids, "positions": positions, "new_slots": table[rows, prefix].long()[:, None],
+             "tree_mask": torch.ones(len(reqs), 1, 1, dtype=torch.bool, device=ids.device),
+             "prefix_slots": prefix_slots, "prefix_valid": prefix_valid}
+        out = self.graphs(len(reqs), x, width)
+        return out["logits"], out["features"]

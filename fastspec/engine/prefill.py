@@ -1,0 +1,77 @@
+"""Chunked prefill: up to chunked_prefill_size prompt tokens per step, taken request by request, into the target's
+KV (and the draft's, through its extend). A request whose prompt completes here samples its first token."""
+
+from __future__ import annotations
+
+import torch
+
+from fastspec.attention import extend_metadata
+from fastspec.config import EngineConfig
+from fastspec.engine.produce import Producer, RoundOutput
+from fastspec.engine.scheduler import Request
+from fastspec.engine.slots import BatchSlots
+from fastspec.engine.target import Target
+from fastspec.memory.state_checkpoints import prefill_budget
+from fastspec.speculative.batch import ExtendBatch
+from fastspec.utils.transfer import to_device
+
+
+class Prefill:
+    def __init__(self, target: Target, slots: BatchSlots, producer: Producer, drafter, config: EngineConfig):
+        """drafter: any of the worker's drafters (they share the draft KV), or None."""
+        self.target, self.slots, self.producer, self.drafter, self.config = target, slots, producer, drafter, config
+
+    def __call__(self, reqs: list[Request]) -> RoundOutput:
+        """One chunk. The draft extend of a non-final chunk ends with the next prompt token instead of a sampled
+        one (draft position p pairs t_{p+1} with h_p). Requests past the chunk's budget produce nothing."""
+        skipped = len(reqs)
+        reqs, chunks = self._take_chunks(reqs)
+        skipped -= len(reqs)
+        lens = [len(c) for c in chunks]
+        page = self.config.page_size
+        self.slots.make_room(sum(-(-n // page) * page + page for n in lens))
+        complete = [r.seq_len + n == len(r.prefill_ids) for r, n in zip(reqs, lens)]
+        ids = to_device([t for c in chunks for t in c], self.config.device)
+        rows, prefix, ext, positions = self.slots.extend(reqs, lens)
+        if self.target.states is not None:  # a sequence's first chunk starts from zero states
+            self.target.states.reset(rows[prefix == 0])
+        hidden = self.target.forward(ids, positions, extend_metadata(self.slots.table.table, rows, prefix, ext),
+                                     rows, lens)
+        last = torch.cumsum(ext, 0) - 1
+        finals = [b for b, c in enumerate(complete) if c and not reqs[b].produced]  # recomputes know their token
+        first_logits = self.target.model.compute_logits(hidden.final[last[finals]])
+        final_reqs = [reqs[b] for b in finals]
+        first = self.producer.sample(final_reqs, self.producer.controlled(final_reqs, first_logits))
+        tails = [r.history[r.seq_len + n] if r.seq_len + n < len(r.history) else None for r, n in zip(reqs, lens)]
+        for b, token in zip(finals, first):
+            tails[b] = token
+        if self.drafter is not None and self.drafter.uses_extend:
+            shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each chunk's tail: see above
+            shifted[last] = to_device(tails, ids.device)
+            self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
+                                            self.target.features(hidden), max(r.seq_len for r in reqs), max(lens)),
+                                decode_round=False)
+        produced = self.producer.commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))])
+        logprobs = self.producer.logprobs(reqs, first_logits,
+                                          [[finals.index(b)] if b in finals else [] for b in range(len(reqs))],
+                                          produced)
+        for r, n in zip(reqs, lens):
+            self.producer.save_states(r, r.seq_len - n)
+        return RoundOutput(produced + [[]] * skipped, logprobs=logprobs)
+
+    def _take_chunks(self, reqs: list[Request]) -> tuple[list[Request], list[list[int]]]:
+        """The requests this chunk reaches (a table row and the prefix cache's reuse for a new one) and the prompt
+        tokens it takes of each."""
+        chunks, budget = [], self.config.chunked_prefill_size
+        track = self.producer.track_interval
+        for r in reqs:
+            if budget <= 0:
+                break
+            if r.row < 0:
+                r.row = self.slots.table.alloc()
+                if self.slots.cache is not None:
+                    self.slots.cache.reuse(r, shifted=self.drafter is not None and self.drafter.uses_extend)
+            take = budget if track is None else min(budget, prefill_budget(r.seq_len, track))
+            chunks.append(r.prefill_ids[r.seq_len: r.seq_len + take])
+            budget -= len(chunks[-1])
+        return reqs[: len(chunks)], chunks

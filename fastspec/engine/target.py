@@ -1,0 +1,36 @@
+"""The target model as every step runs it: its weights, KV pool, attention backend, a hybrid target's recurrent
+states, and which hidden states feed the drafter. A frozen value the worker builds once and hands to prefill
+and the decode rounds; it allocates no KV and advances no length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastspec.attention import AttentionContext
+from fastspec.memory import KVPool
+from fastspec.memory.state_pool import StatePool
+
+
+@dataclass(frozen=True)
+class Target:
+    model: torch.nn.Module  # a fastspec.models family: forward(ids, positions, ctx) -> hidden, compute_logits
+    pool: KVPool
+    backend: object  # a fastspec.attention backend (plan on the host, run inside the graphs)
+    states: StatePool | None  # a hybrid target's recurrent states
+    feature: str | None  # what the drafter reads: "aux" (EAGLE-3's captured layers), "final", or None
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta, rows: torch.Tensor, lens: list[int]):
+        """ids / positions int64 [T] over `rows` (lens[b] tokens each) -> the model's hidden states."""
+        states = None if self.states is None else self.states.view(rows, lens=tuple(lens))
+        return self.model(ids, positions, AttentionContext.build(self.backend, meta, self.pool, states))
+
+    def features(self, hidden) -> torch.Tensor:
+        """[T, F] the drafter's input features of a forward's hidden states."""
+        return hidden.aux if self.feature == "aux" else hidden.final
+
+    @property
+    def feature_width(self) -> int:
+        c = self.model.config
+        return c.hidden_size * (len(self.model.capture_layers) if self.feature == "aux" else 1)

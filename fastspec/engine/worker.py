@@ -1,0 +1,260 @@
+"""The worker: owns the target model, its static KV pool, the allocator, the request->slot table, the drafters, the
+verify graphs and the measured fallback policy, and runs one `step` at a time on the requests it is given: a
+prefill chunk, or a decode round, speculative (draft -> verify -> accept -> commit, then the draft extend) or plain.
+
+It is composed of objects that are handed what they read and return what they produce: Prefill, PlainRounds and
+SpecRounds (each returns a RoundOutput) over a Target, BatchSlots and a Producer, and the OverlapSchedule, which
+launches a speculative round before the one in flight is finished. A step returns what each request produced, up
+to a stop token or `max_new_tokens` (the rest of an accepted run is dropped), as a frozen StepResult; the engine
+hands it to the caller and `release`s a finished request. The worker reads and writes only its own fields of a
+request (row, seq_len, produced, done), so with the overlap schedule a step can run in a thread one step ahead of
+the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from functools import partial
+
+import torch
+
+from fastspec.attention import make_backend
+from fastspec.config import EngineConfig, SpecConfig, SpecParams
+from fastspec.engine.memory import build_memory
+from fastspec.engine.overlap import OverlapSchedule
+from fastspec.engine.plain_rounds import PlainRounds
+from fastspec.engine.prefill import Prefill
+from fastspec.engine.produce import Producer, RoundOutput, StepResult
+from fastspec.engine.scheduler import Request
+from fastspec.engine.slots import BatchSlots
+from fastspec.engine.spec_rounds import SpecRounds
+from fastspec.engine.target import Target
+from fastspec.errors import FastspecError
+from fastspec.graphs import StaticInput
+from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
+from fastspec.models.mla import mla_softmax_scale
+from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
+from fastspec.speculative.future import FutureMaps
+from fastspec.speculative.packing import prefix_specs
+from fastspec.speculative.policy import SpecPolicy, record_round
+from fastspec.speculative.runners import GraphPlan, StepGraphs
+from fastspec.speculative.steps import target_verify
+from fastspec.utils.metrics import PhaseTimes
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None):
+        """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled."""
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        model_config = read_config(self.model_dir)
+        self.spec = spec or SpecConfig()
+        self.max_context_len = config.max_context_len or model_config.max_position_embeddings
+        self.times = PhaseTimes()  # benchmarks set sync_cuda for a phase split on a GPU (a sync per phase costs)
+        models = load_models(self.model_dir, self.spec, config)
+        self.model, self.feature = models.target, models.feature
+        self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
+        m = build_memory(self.model.config, draft_kv_shape(models.draft), config, self.spec, self.max_context_len)
+        self.pool, self.draft_pool, self.allocator, self.table = m.pool, m.draft_pool, m.allocator, m.table
+        self.states, self.cache = m.states, m.cache
+        self.target = Target(self.model, self.pool, self._backend(), self.states, self.feature)
+        self.slots = BatchSlots(self.allocator, self.table, self.cache, config.device)
+        track = self.cache is not None and self.states is not None  # save states every interval tokens
+        self.producer = Producer(self.eos_ids, self.states, config.mamba_track_interval if track else None)
+        self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
+        self._draft_model, self._reserved = models.draft, self.spec.params
+        self.futures = FutureMaps(self.table.max_requests, config.device)
+        self._release_after: list[Request] = []  # released while in the round in flight (overlap)
+        self._plan = GraphPlan(config.graph_mode, tuple(config.graph_buckets), config.device,
+                               ahead=bool(config.cuda_graph_bs), on_prepare=on_prepare)
+        self._build_rounds(self._drafters(self._plan))
+
+    def _backend(self):
+        c, cfg = self.model.config, self.config
+        _, heads, dim, _ = c.kv_layout
+        mla = {} if c.mla is None else dict(kv_lora_rank=c.mla.kv_lora_rank, sm_scale=mla_softmax_scale(c))
+        return make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=heads, head_dim=dim,
+                            dtype=cfg.torch_dtype, device=cfg.device, **mla)
+
+    def _drafters(self, plan: GraphPlan) -> dict:
+        """SpecParams -> drafter: one per tree shape (several with a batch-size schedule)."""
+        return build_drafter(self.spec, self._draft_model, self.draft_pool, self.table, self.allocator,
+                             self.target.feature_width, plan, self.times)
+
+    def _build_rounds(self, drafters: dict) -> None:
+        """The rounds over `drafters`, with one verify graph set per tree shape. Explicit buckets
+        (--cuda-graph-bs) are prepared ahead; otherwise each on the first batch that needs it."""
+        plan, hybrid = self._plan, self.states is not None
+        self.verify_graphs = {p.num_draft_tokens: StepGraphs(
+            "verify" if len(drafters) < 2 else f"verify N={p.num_draft_tokens}",
+            partial(target_verify, self.model, self.pool, self.feature, states=self.states),
+            partial(verify_specs, p.num_draft_tokens, hybrid), plan, self.times, "verify") for p in drafters}
+        # plain decode rounds through the same function as a one-node verify: captured too (not for hybrid targets,
+        # whose plain rounds advance their recurrent states in place)
+        self.decode_graphs = None if hybrid or plan.mode == "eager" else StepGraphs(
+            "decode", partial(target_verify, self.model, self.pool, self.feature),
+            partial(verify_specs, 1, False), plan, self.times, "decode")
+        self.use_drafters(drafters)
+
+    def use_drafters(self, drafters: dict) -> None:
+        """Draft with `drafters` (SpecParams -> drafter; tests: an oracle) from now on, between streams."""
+        self.drafters = drafters
+        self.drafter = next(iter(drafters.values()), None)  # any of them extends and releases
+        self._compose()
+
+    def use_policy(self, policy: SpecPolicy | None) -> None:
+        """Choose plain or speculative rounds by `policy` from now on, between streams (tests: a scripted one)."""
+        self.policy = policy
+        self._compose()
+
+    def _compose(self) -> None:
+        """Prefill, the plain and speculative rounds and the overlap schedule over what the worker holds now."""
+        assert self._release_after == [], "composed again while a round was in flight"
+        self.prefill = Prefill(self.target, self.slots, self.producer, self.drafter, self.config)
+        self.plain_rounds = PlainRounds(self.target, self.slots, self.producer, self.decode_graphs, self.drafter)
+        self.spec_rounds = SpecRounds(self.target, self.slots, self.producer, self.drafters, self.verify_graphs,
+                                      self.futures, self.spec, self.config.page_size)
+        ahead = self.drafter is not None and self.drafter.uses_extend and self.states is None
+        self.overlap = OverlapSchedule(self.spec_rounds, ahead, self.policy, self.times, self.slots.available)
+
+    def use_schedule(self, schedule, on_prepare=None) -> None:
+        """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way).
+        Each shape must fit the KV headroom reserved at start: no more steps, topk or draft tokens."""
+        spec = self.spec.with_schedule(schedule)
+        r = self._reserved
+        if spec.num_steps > r.num_steps or spec.topk > r.topk or spec.num_draft_tokens > r.num_draft_tokens:
+            raise FastspecError(f"schedule needs up to {spec.params}, the engine reserved {r}")
+        self.spec = spec
+        pack_round_rows(self.model, self._draft_model, spec, self.config)
+        self._plan = GraphPlan(self.config.graph_mode, tuple(self.config.graph_buckets), self.config.device,
+                               ahead=bool(self.config.cuda_graph_bs), on_prepare=on_prepare)
+        self._build_rounds(self._drafters(self._plan))
+
+    def check_kv(self, running: list[Request] = ()) -> None:
+        """Leak check: free slots + slots held by `running` (past their cached prefix) + slots the prefix cache
+        holds == capacity (AssertionError otherwise)."""
+        held = [self.table.slots(r.row, r.cached_len, r.seq_len) for r in running]
+        if self.cache is not None:
+            held.append(self.cache.check(running))
+        self.allocator.check(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
+
+    def available_kv(self) -> int:
+        """Free KV slots, counting what the prefix cache would give back (its unlocked entries)."""
+        return self.slots.available()
+
+    def flush_cache(self) -> None:
+        """Hand every unlocked prefix-cache entry back to the allocator."""
+        if self.cache is not None:
+            self.cache.flush()
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.cache.reused_tokens if self.cache is not None else 0
+
+    def feature_width(self) -> int:
+        return self.target.feature_width
+
+    def round_headroom(self) -> int:
+        """KV one decode round may add per request: a token (its page), or verify slots plus draft scratch."""
+        page = self.config.page_size
+        if not self.spec.enabled:
+            return page
+        scratch = -(-self.spec.topk * self.spec.num_steps // page) * page if self.drafter.uses_scratch else 0
+        return self.spec.num_draft_tokens + page + scratch
+
+    # ---- steps ------------------------------------------------------------------------------------------
+
+    def step(self, reqs: list[Request], prefill: bool) -> StepResult | Future:
+        """A prefill chunk or a decode round over the requests of `reqs` not already done.
+
+        Under the overlap schedule a decode round that needs nothing from the host is returned as a Future of its
+        StepResult: a speculative round is launched before the round in flight is finished, and its Future set
+        when a later step (or `flush`) finishes it. Anything else finishes the round in flight first and
+        returns its own result."""
+        with torch.inference_mode():
+            if not prefill and self.config.overlap and self.overlap.may_launch_ahead(reqs):
+                return self._step_ahead(self.overlap.runnable([r for r in reqs if r.done is None]))
+            self.flush()
+            return self._step_now(reqs, prefill)
+
+    def _step_ahead(self, reqs: list[Request]) -> Future:
+        """Launch a speculative round, then finish the one in flight. A plain round (the policy's choice) runs
+        after the one in flight is finished, its Future already set."""
+        params = self._round_params(reqs) if reqs else None
+        if params is None:
+            self.flush()
+            done = Future()
+            done.set_result(self._step_now(reqs, False, None))
+            return done
+        self.slots.make_room(self.round_headroom() * len(reqs))
+        done = self.overlap.launch(reqs, params)
+        self._release_finished()
+        return done
+
+    def flush(self) -> None:
+        """Finish the round launched ahead, if any (its Future gets its StepResult)."""
+        self.overlap.flush()
+        self._release_finished()
+
+    def _step_now(self, reqs: list[Request], prefill: bool, params: SpecParams | None | str = "policy") -> StepResult:
+        """Run the step to its end; a decode round speculates with `params` (None: plain; "policy": ask it)."""
+        reqs = [r for r in reqs if r.done is None]
+        if not reqs:
+            out = RoundOutput([])
+        elif prefill:
+            with self.times("prefill"):
+                out = self.prefill(reqs)
+        else:
+            self.slots.make_room(self.round_headroom() * len(reqs))
+            out = self._decode(reqs, self._round_params(reqs) if params == "policy" else params)
+        return StepResult.of(reqs, out, self.slots.available())
+
+    def _round_params(self, reqs: list[Request]) -> SpecParams | None:
+        """The next round's tree shape, or None for a plain round (no drafter, or the policy says it does not pay)."""
+        params = self.spec.params_for(len(reqs)) if self.drafter is not None else None
+        return params if params is not None and (self.policy is None or self.policy.speculate(len(reqs))) else None
+
+    def _decode(self, reqs: list[Request], params: SpecParams | None) -> RoundOutput:
+        """One decode round, launched and finished: speculative with `params`, else plain."""
+        start = time.perf_counter()
+        with self.times("round" if params is not None else "plain_round"):  # "round" = speculative rounds only
+            out = self.spec_rounds.run(reqs, params) if params is not None else self.plain_rounds(reqs)
+        if self.policy is not None:
+            record_round(self.policy, params is not None, out.tokens, start)
+        return out
+
+    def release(self, r: Request) -> None:
+        """Hand back a request's KV slots, table row and draft state (nothing if it holds none); after the round
+        in flight if it is in it. With the prefix cache, the KV of its tokens goes into the cache instead (whole
+        pages; what the cache already holds and what lies past the last token are freed)."""
+        if r.row < 0:
+            return
+        if self.overlap.in_flight(r):
+            self._release_after.append(r)  # after the round in flight has finished with its KV
+            return
+        with torch.inference_mode():
+            slots = self.table.slots(r.row, 0, r.seq_len)
+            if self.cache is None:
+                self.allocator.free(slots)
+            else:
+                self.cache.take(r, slots)
+            self.table.free(r.row)
+            if self.drafter is not None:
+                self.drafter.release(r.rid)
+        r.row, r.seq_len = -1, 0  # it holds no KV now (a preempted request prefills its history again)
+
+    def _release_finished(self) -> None:
+        """Release the requests released while in a round that is finished now."""
+        for r in [r for r in self._release_after if not self.overlap.in_flight(r)]:
+            self._release_after.remove(r)
+            self.release(r)
+
+
+def verify_specs(n: int, hybrid: bool, width: int) -> list[StaticInput]:
+    """The verify graph's static inputs for trees of n tokens over a committed-KV width (a module function: a
+    bound method here would make a reference cycle that keeps a dropped engine's weights alive until gc runs).
+    A hybrid target's verify also takes each request's state row (padded rows: the dummy row 0)."""
+    return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
+            StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
+            *prefix_specs(width), *([StaticInput("state_rows", (), torch.int64)] if hybrid else [])]

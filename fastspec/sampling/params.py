@@ -1,0 +1,70 @@
+"""Per-request sampling parameters (`SamplingParams`), checked once at construction. How tokens are drawn from
+them lives in fastspec.sampling.draw."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fastspec.errors import FastspecError
+from fastspec.sampling.grammar import KINDS, normalise_schema
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = -1  # -1 = whole vocabulary
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # report the target's logprob of each output token and of its top-n alternatives
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (fastspec.sampling.controls)
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    presence_penalty: float = 0.0  # subtracted once if the token occurs in the output
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted too
+    json_schema: str | None = None  # structured output (fastspec.sampling.grammar), at most one: a JSON schema (a dict too),
+    regex: str | None = None  # a regular expression the whole output matches,
+    ebnf: str | None = None  # or a GBNF grammar (llama.cpp's / xgrammar's EBNF: `root ::= ...`)
+
+    def __post_init__(self):
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise FastspecError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise FastspecError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise FastspecError(f"top-k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise FastspecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not s for s in self.stop):
+            raise FastspecError("stop strings must not be empty")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise FastspecError(f"repetition penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise FastspecError(f"{name.replace('_', ' ')} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 <= self.min_p <= 1:
+            raise FastspecError(f"min-p must be in [0, 1], got {self.min_p}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in bias)))  # hashable
+        if any(not isinstance(t, int) or t < 0 or not math.isfinite(v) for t, v in self.logit_bias):
+            raise FastspecError("logit bias must map token ids >= 0 to finite numbers")
+        self._check_grammar()
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise FastspecError(f"logprobs must be in [0, 20] (top alternatives per token), got {self.logprobs}")
+
+    def _check_grammar(self) -> None:
+        kinds = [k for k in KINDS if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise FastspecError(f"one grammar per request: {' and '.join(kinds)} are both set")
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", normalise_schema(self.json_schema))
+        if kinds and self.ignore_eos:
+            raise FastspecError(f"ignore-eos with a {kinds[0].replace('_', ' ')}: the grammar ends the output at EOS")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
