@@ -2,6 +2,7 @@
 # Extra flags: make chat ARGS="--speculative-algorithm NGRAM".
 # Both create .venv and install everything on first use; later runs skip setup unless pyproject.toml changed.
 PYTHON ?= python3
+TEST_WORKERS ?= 2  # test processes (pytest-xdist): one per core of the 2-core CI machine; `auto` on a bigger one
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -23,7 +24,7 @@ chat: setup
 	$(VENV)/bin/fastspec chat $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: setup
 	$(VENV)/bin/fastspec bench $(ARGS)

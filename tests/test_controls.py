@@ -111,6 +111,7 @@ def test_out_of_range_controls_are_one_line_errors(bad, message):
         SamplingParams(**bad)
 
 
+@pytest.mark.commands
 def test_cli_controls_and_bad_bias(tiny_dirs):
     from typer.testing import CliRunner
 

@@ -15,6 +15,8 @@ from fastspec.errors import FastspecError
 from fastspec.train.corpus import Corpus
 from fastspec.train.trainer import train_draft
 
+pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
 RECORDS = [{"prompt": "w3 w4", "sample": 0, "prompt_ids": [90, 3, 4, 91], "output_ids": [5, 6, 2]},
            {"prompt": "w9", "sample": 1, "prompt_ids": [90, 9, 91], "output_ids": []}]
 

@@ -183,6 +183,7 @@ def test_nextn_without_an_mtp_layer_is_a_one_line_error(ds):
         fastspec.LLM(str(ds["deepseek_v2"][0]), speculative_algorithm="NEXTN", max_total_tokens=512)
 
 
+@pytest.mark.commands
 @pytest.mark.parametrize("change, message", [
     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, r"quantised checkpoints \(fp8\)"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "unsupported rope scaling type 'longrope'"),
@@ -210,6 +211,7 @@ def test_an_mtp_draft_of_another_width_is_refused(ds, tmp_path):
                      max_total_tokens=512)
 
 
+@pytest.mark.commands
 def test_bench_and_tune_run_on_a_deepseek_target(tmp_path, monkeypatch):
     """`fastspec bench` (NEXTN against plain) and `fastspec tune`'s replay on an MLA target with its MTP layer."""
     from tiny_models import write_chat_target

@@ -12,6 +12,8 @@ import fastspec
 from fastspec.cli import app
 from fastspec.sampling import SamplingParams
 
+pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "List three prime numbers and explain why they are prime."]
 NEW = 20

@@ -257,6 +257,7 @@ def test_grammar_needs_a_tokenizer_and_eos(tiny_dirs, char_target):
         llm.engine.generate([PROMPTS[0]], [SamplingParams(regex="a")])
 
 
+@pytest.mark.commands
 def test_cli_structured_output(char_target, tmp_path):
     from typer.testing import CliRunner
 

@@ -20,6 +20,8 @@ from fastspec.cli import app
 from fastspec.models.embedded import cache_root, models_root
 from fastspec.models.heads import write_random_head
 
+pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
 
 def test_the_suite_runs_in_a_cache_of_its_own():
     assert cache_root().is_relative_to(SUITE_CACHE) and not cache_root().is_relative_to(USER_CACHE)

@@ -65,6 +65,7 @@ def test_no_logprobs_unless_asked_and_bad_counts_refused(tiny_dirs):
             SamplingParams(logprobs=bad)
 
 
+@pytest.mark.commands
 def test_text_api_and_cli_report_logprobs(tmp_path):
     """With stop strings the logprobs cover exactly the kept tokens; `generate --json --logprobs N` prints them."""
     import json

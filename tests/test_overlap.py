@@ -155,6 +155,7 @@ def _random_workload_llms(tiny_dirs, draft_dirs):
     return _llms["random"]
 
 
+@pytest.mark.commands
 def test_contradicting_overlap_flags_are_one_line():
     from typer.testing import CliRunner
 

@@ -14,6 +14,8 @@ import fastspec
 from fastspec.cli import app
 from fastspec.sampling import SamplingParams
 
+pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
 
 def run_cli(*args, stdin="", env=None):
     return subprocess.run([sys.executable, "-m", "fastspec.cli", *args], input=stdin, capture_output=True,

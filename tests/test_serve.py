@@ -23,6 +23,8 @@ from fastspec.cli import app
 from fastspec.sampling import SamplingParams
 from fastspec.serve import bind, make_server
 
+pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
 MODEL = "tiny-served"
 PROMPTS = ["Hello!", "abc", "[x]{y}", "What?", "1+1=2", "zz", "~!~", "Q"]
 

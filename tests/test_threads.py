@@ -22,6 +22,7 @@ def test_explicit_and_auto():
         threads.apply_threads(-2, "cpu")
 
 
+@pytest.mark.commands
 def test_cli_threads_flag(tiny_dirs):
     from typer.testing import CliRunner
 

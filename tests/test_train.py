@@ -26,6 +26,8 @@ from fastspec.train.data import Features, choose_draft_vocab, pack
 from fastspec.train.trainer import TrainConfig, schedule, train_draft
 from fastspec.train.ttt import NO_LABEL, TTTAttention, make_batch, soft_cross_entropy
 
+pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
 
 @pytest.fixture(scope="module")
 def chat_target(tmp_path_factory):

@@ -15,6 +15,8 @@ from fastspec.sampling import SamplingParams
 from fastspec.train.trainer import train_draft
 from fastspec.tune.replay import candidate_params, record, replay_tau
 
+pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
 PROMPTS = [[1, 5, 9, 13, 40], [1, 40, 41], [1, 7, 7, 8, 22, 60, 61], [1, 33]]
 NEW = 40
 
