@@ -11,7 +11,7 @@ import shutil
 import llguidance
 import pytest
 import torch
-from conftest import all_slots_free, make_hf_model
+from conftest import all_slots_free
 from test_hybrid import oracle_drafter
 from tiny_models import write_char_tokenizer
 

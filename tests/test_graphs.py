@@ -12,14 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastspec.errors import FastspecError
-from fastspec.graphs import (
-    GraphRunner,
-    StaticInput,
-    bucket_for,
-    configure_compile_caches,
-    default_buckets,
-    parse_buckets,
-)
+from fastspec.graphs import (GraphRunner, StaticInput, bucket_for, configure_compile_caches, default_buckets,
+                             parse_buckets)
 
 D, SLOTS, STEPS, K = 8, 40, 2, 4  # hidden size, pool slots (slot 0 = dummy), draft steps, slots read per request
 BUCKETS = [1, 4]  # exact runs at 1 and 4, padded runs 2 -> 4 and 3 -> 4 (each bucket costs ~10 s cold)

@@ -357,7 +357,7 @@ def test_a_kv_pool_sized_from_free_memory_leaves_room_for_the_states(hybrid, mon
     from fastspec.memory.state_pool import StatePool
 
     root, _ = hybrid
-    events, real_init, real_available = [], StatePool.__init__, kv_pool.available_bytes
+    events, real_init = [], StatePool.__init__
     monkeypatch.setattr(StatePool, "__init__", lambda self, *a, **k: events.append("states") or real_init(self, *a, **k))
     monkeypatch.setattr(kv_pool, "available_bytes", lambda device="cpu": events.append("free") or 2**27)
     llm = fastspec.LLM(str(root / "target"), kv_mem_fraction=0.5)

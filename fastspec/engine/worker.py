@@ -66,9 +66,14 @@ class Worker:
         self._draft_model, self._reserved = models.draft, self.spec.params
         self.futures = FutureMaps(self.table.max_requests, config.device)
         self._release_after: list[Request] = []  # released while in the round in flight (overlap)
-        self._plan = GraphPlan(config.graph_mode, tuple(config.graph_buckets), config.device,
-                               ahead=bool(config.cuda_graph_bs), on_prepare=on_prepare)
+        self._plan = self._graph_plan(on_prepare)
         self._build_rounds(self._drafters(self._plan))
+
+    def _graph_plan(self, on_prepare) -> GraphPlan:
+        """Explicit buckets (--cuda-graph-bs) are prepared ahead; otherwise each on the first batch that needs it."""
+        cfg = self.config
+        return GraphPlan(cfg.graph_mode, tuple(cfg.graph_buckets), cfg.device, ahead=bool(cfg.cuda_graph_bs),
+                         on_prepare=on_prepare)
 
     def _backend(self):
         c, cfg = self.model.config, self.config
@@ -83,8 +88,7 @@ class Worker:
                              self.target.feature_width, plan, self.times)
 
     def _build_rounds(self, drafters: dict) -> None:
-        """The rounds over `drafters`, with one verify graph set per tree shape. Explicit buckets
-        (--cuda-graph-bs) are prepared ahead; otherwise each on the first batch that needs it."""
+        """The rounds over `drafters`, with one verify graph set per tree shape."""
         plan, hybrid = self._plan, self.states is not None
         self.verify_graphs = {p.num_draft_tokens: StepGraphs(
             "verify" if len(drafters) < 2 else f"verify N={p.num_draft_tokens}",
@@ -127,8 +131,7 @@ class Worker:
             raise FastspecError(f"schedule needs up to {spec.params}, the engine reserved {r}")
         self.spec = spec
         pack_round_rows(self.model, self._draft_model, spec, self.config)
-        self._plan = GraphPlan(self.config.graph_mode, tuple(self.config.graph_buckets), self.config.device,
-                               ahead=bool(self.config.cuda_graph_bs), on_prepare=on_prepare)
+        self._plan = self._graph_plan(on_prepare)
         self._build_rounds(self._drafters(self._plan))
 
     def check_kv(self, running: list[Request] = ()) -> None:

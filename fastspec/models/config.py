@@ -12,14 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from fastspec.errors import FastspecError
-from fastspec.models.arch_config import (
-    HybridConfig,
-    MLAConfig,
-    MoEConfig,
-    bamba_fields,
-    deepseek_fields,
-    qwen3_next_fields,
-)
+from fastspec.models.arch_config import (HybridConfig, MLAConfig, MoEConfig, bamba_fields, deepseek_fields,
+                                         qwen3_next_fields)
 
 __all__ = ["HybridConfig", "MLAConfig", "MoEConfig", "ModelConfig", "RopeScaling"]
 
