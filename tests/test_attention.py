@@ -1,203 +1,23 @@
-"""fastspec.attention: metadata worked by hand, and the torch backend against a dense float64 oracle.
-
-The oracle never looks at AttnMetadata: it reads the request->slot table with Python slicing, builds each
-request's dense K/V in position order and its explicit boolean mask, and runs softmax(QK^T*scale + mask)V.
-"""
+"""fastspec.attention's torch backend against a dense float64 oracle (attention_oracle: it never looks at
+AttnMetadata), every mode over random slot layouts; padded rows; the attention context. Metadata worked by hand:
+test_attention_metadata.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastspec.attention import (
-    AttentionContext,
-    AttnMode,
-    TorchAttnBackend,
-    decode_metadata,
-    draft_decode_metadata,
-    draft_extend_metadata,
-    extend_metadata,
-    verify_metadata,
-)
+from attention_oracle import (causal_mask, full_tree_mask, oracle, patterned_table, random_parents, random_rows,
+                              random_table, run_backend)
+
+from fastspec.attention import (AttentionContext, AttnMode, TorchAttnBackend, decode_metadata, draft_decode_metadata,
+                                draft_extend_metadata, extend_metadata, verify_metadata)
 from fastspec.attention.torch_backend import attend_padded
 
 HEADS = [(4, 4), (6, 2), (9, 3), (4, 1)]  # (Hq, Hkv)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# fixtures: tables, caches, trees, the oracle
-
-
-def patterned_table(num_rows: int = 3, width: int = 12) -> torch.Tensor:
-    """Row r holds slots 10*(r+1) + j, so hand-worked expectations are easy to read."""
-    return torch.tensor([[10 * (r + 1) + j for j in range(width)] for r in range(num_rows)], dtype=torch.int32)
-
-
-def random_table(gen: torch.Generator, num_rows: int, width: int) -> tuple[torch.Tensor, int]:
-    """Distinct, non-contiguous slots (slot 0 never used, a third of the pool left free)."""
-    num_slots = num_rows * width * 3 // 2 + 1
-    perm = torch.randperm(num_slots - 1, generator=gen)[: num_rows * width] + 1
-    return perm.view(num_rows, width).to(torch.int32), num_slots
-
-
-def random_rows(gen: torch.Generator, bs: int, num_rows: int) -> torch.Tensor:
-    return torch.randperm(num_rows, generator=gen)[:bs].to(torch.int64)
-
-
-def random_parents(gen: torch.Generator, n: int) -> list[int]:
-    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-
-
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[N, N] bool: row i is True on i and its ancestors (root included)."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j != -1:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
-def full_tree_mask(seq_lens: list[int], parents_per_req: list[list[int]]) -> list[torch.Tensor]:
-    """Per request the FULL_MASK block N x (seq_len + N): prefix columns True, tree part = ancestors."""
-    return [torch.cat([torch.ones(len(p), s, dtype=torch.bool), ancestor_mask(p)], 1)
-            for s, p in zip(seq_lens, parents_per_req)]
-
-
-def causal_mask(qo: int, kv: int) -> torch.Tensor:
-    """Bottom-right aligned: query i sees key j iff j <= kv - qo + i."""
-    return torch.tensor([[j <= kv - qo + i for j in range(kv)] for i in range(qo)], dtype=torch.bool)
-
-
-def oracle(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-           specs: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
-    """specs: per request (kv slots in position order, bool mask [qo, kv]); q rows in request order."""
-    out, row = [], 0
-    group = q.shape[1] // k_cache.shape[1]
-    for slots, mask in specs:
-        qo = mask.shape[0]
-        qb = q[row: row + qo].double()                                          # [qo, Hq, D]
-        kb = k_cache[slots].double().repeat_interleave(group, 1)               # [kv, Hq, D]
-        vb = v_cache[slots].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", qb, kb) * scale
-        scores = scores.masked_fill(~mask[None], -math.inf)
-        out.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), vb))
-        row += qo
-    return torch.cat(out)
-
-
-def run_backend(meta, q, k_cache, v_cache, scale):
-    backend = TorchAttnBackend()
-    return backend.run(backend.plan(meta), q, k_cache, v_cache, scale)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# metadata worked by hand (table row r holds slots 10*(r+1) + j)
-
-
-def as_list(t: torch.Tensor) -> list[int]:
-    return t.tolist()
-
-
-def test_extend_metadata_by_hand():
-    meta = extend_metadata(patterned_table(), torch.tensor([1, 0]), torch.tensor([2, 0]), torch.tensor([1, 3]))
-    assert meta.mode is AttnMode.EXTEND and meta.causal and meta.custom_mask is None
-    assert as_list(meta.qo_indptr) == [0, 1, 4]
-    assert as_list(meta.kv_indptr) == [0, 3, 6]
-    assert as_list(meta.kv_indices) == [20, 21, 22, 10, 11, 12]
-    assert as_list(meta.out_cache_loc) == [22, 10, 11, 12]
-    assert meta.qo_indptr.dtype == meta.kv_indptr.dtype == meta.kv_indices.dtype == torch.int32
-    assert meta.out_cache_loc.dtype == torch.int64
-    assert (meta.batch_size, meta.num_tokens) == (2, 4)
-    assert as_list(meta.qo_lens) == [1, 3] and as_list(meta.kv_lens) == [3, 3]
-
-
-def test_decode_metadata_by_hand():
-    meta = decode_metadata(patterned_table(), torch.tensor([0, 2]), torch.tensor([3, 1]))
-    assert as_list(meta.qo_indptr) == [0, 1, 2]
-    assert as_list(meta.kv_indptr) == [0, 3, 4]
-    assert as_list(meta.kv_indices) == [10, 11, 12, 30]
-    assert as_list(meta.out_cache_loc) == [12, 30]
-
-
-@pytest.mark.parametrize("step, kv_indices, out", [
-    # request 0 = table row 1 (seq_len 2), request 1 = table row 0 (seq_len 1); scratch [k0: s0 s1 s2][k1: ...]
-    (0, [20, 21, 22, 20, 21, 25, 10, 11, 10, 14], [22, 25, 11, 14]),
-    (1, [20, 21, 22, 23, 20, 21, 25, 26, 10, 11, 12, 10, 14, 15], [23, 26, 12, 15]),
-    (2, [20, 21, 22, 23, 24, 20, 21, 25, 26, 27, 10, 11, 12, 13, 10, 14, 15, 16], [24, 27, 13, 16]),
-])
-def test_draft_decode_metadata_by_hand(step, kv_indices, out):
-    meta = draft_decode_metadata(patterned_table(), torch.tensor([1, 0]), torch.tensor([2, 1]),
-                                 topk=2, num_steps=3, step=step)
-    kv_len = [2 + step + 1] * 2 + [1 + step + 1] * 2
-    assert as_list(meta.qo_indptr) == [0, 1, 2, 3, 4]
-    assert as_list(meta.kv_indptr) == [sum(kv_len[:i]) for i in range(5)]
-    assert as_list(meta.kv_indices) == kv_indices
-    assert as_list(meta.out_cache_loc) == out
-
-
-def test_draft_extend_metadata_by_hand():
-    meta = draft_extend_metadata(patterned_table(), torch.tensor([0, 1]), torch.tensor([5, 3]),
-                                 torch.tensor([2, 1]))
-    assert as_list(meta.qo_indptr) == [0, 2, 3]
-    assert as_list(meta.kv_indptr) == [0, 5, 8]
-    assert as_list(meta.kv_indices) == [10, 11, 12, 13, 14, 20, 21, 22]
-    assert as_list(meta.out_cache_loc) == [13, 14, 22]
-    assert meta.causal and meta.custom_mask is None
-
-
-# the hand-written 4-node tree: root 0 -> {1, 2}, 1 -> {3}; seq_len 2, FULL_MASK rows (2 prefix + 4 tree columns)
-HAND_TREE_MASK = [
-    [1, 1, 1, 0, 0, 0],
-    [1, 1, 1, 1, 0, 0],
-    [1, 1, 1, 0, 1, 0],
-    [1, 1, 1, 1, 0, 1],
-]
-
-
-def test_verify_metadata_by_hand():
-    mask = torch.tensor(HAND_TREE_MASK, dtype=torch.bool).flatten()
-    meta = verify_metadata(patterned_table(), torch.tensor([2]), torch.tensor([2]), 4, mask)
-    assert as_list(meta.qo_indptr) == [0, 4]
-    assert as_list(meta.kv_indptr) == [0, 6]
-    assert as_list(meta.kv_indices) == [30, 31, 32, 33, 34, 35]
-    assert as_list(meta.out_cache_loc) == [32, 33, 34, 35]
-    assert meta.custom_mask is mask
-
-
-def test_verify_with_hand_tree_averages_visible_values():
-    # q = 0 -> uniform attention over the visible keys; V of table column c is the one-hot e_c, so the
-    # output of node t is the indicator of its mask row divided by the row's count.
-    table = patterned_table()
-    mask = torch.tensor(HAND_TREE_MASK, dtype=torch.bool)
-    k_cache = torch.randn(64, 1, 6)
-    v_cache = torch.zeros(64, 1, 6)
-    v_cache[table[2, :6].long(), 0, torch.arange(6)] = 1.0
-    meta = verify_metadata(table, torch.tensor([2]), torch.tensor([2]), 4, mask.flatten())
-    out = run_backend(meta, torch.zeros(4, 2, 6), k_cache, v_cache, scale=0.5)
-    expected = mask.float() / mask.float().sum(1, keepdim=True)
-    torch.testing.assert_close(out[:, 0], expected)
-    torch.testing.assert_close(out[:, 1], expected)
-
-
-def test_verify_rejects_wrong_mask_length():
-    with pytest.raises(ValueError, match="tree_mask"):
-        verify_metadata(patterned_table(), torch.tensor([0]), torch.tensor([2]), 4,
-                        torch.ones(23, dtype=torch.bool))
-
-
-def test_builders_reject_table_overflow():
-    with pytest.raises(ValueError, match="table columns"):
-        decode_metadata(patterned_table(width=4), torch.tensor([0]), torch.tensor([5]))
-    with pytest.raises(ValueError, match="table columns"):
-        draft_decode_metadata(patterned_table(width=8), torch.tensor([0]), torch.tensor([3]), 2, 3, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------

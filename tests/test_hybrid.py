@@ -1,10 +1,9 @@
 """Hybrid targets (Qwen3-Next: gated delta nets beside gated attention; Bamba: Mamba2 mixers beside attention)
 and speculative decoding over them.
 
-transformers is the oracle for the math (logit parity in prefill and paged decode is in test_models.py, which
-runs every family); here: the delta-rule and SSD kernels against transformers' torch paths and each other,
-per-node tree states against sequential paths, greedy output against transformers' argmax, and the lossless
-invariant through the engine. Random drafts are rarely accepted, so an oracle drafter (NGRAM's slot, proposing
+transformers is the oracle for the math (logit parity in prefill and paged decode: test_models.py, which runs
+every family; the delta-rule and SSD kernels and per-node tree states: test_hybrid_kernels.py); here: greedy output
+against transformers' argmax, and the lossless invariant through the engine. Random drafts are rarely accepted, so an oracle drafter (NGRAM's slot, proposing
 the known greedy continuation plus wrong branches) drives multi-token commits and rejected branches, while a
 check after every step compares each request's recurrent state with a fresh prefill of its committed tokens.
 """
@@ -12,12 +11,9 @@ check after every step compares each request's recurrent state with a fresh pref
 import pytest
 import torch
 from conftest import PoolRunner, all_slots_free, make_hf_model
-from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
 
 import fastspec
 from fastspec.errors import FastspecError
-from fastspec.models import gated_delta as gd
-from fastspec.models import recurrent, ssd
 from fastspec.models.heads import write_random_head
 from fastspec.sampling import SamplingParams
 
@@ -26,81 +22,6 @@ PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50]
 NEW = 20
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 
-
-def random_inputs(B=2, T=37, H=4, Dk=8, Dv=12, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(B, T, H, Dk, generator=gen), torch.randn(B, T, H, Dk, generator=gen)
-    v = torch.randn(B, T, H, Dv, generator=gen)
-    g, beta = -torch.rand(B, T, H, generator=gen), torch.rand(B, T, H, generator=gen)
-    return q, k, v, g, beta, torch.randn(B, H, Dk, Dv, generator=gen)
-
-
-def test_delta_rule_kernels_match_transformers_and_each_other():
-    q, k, v, g, beta, state = random_inputs()
-    expected, expected_state = hf_qwen3_next.torch_recurrent_gated_delta_rule(
-        q, k, v, g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    qn, kn = hf_qwen3_next.l2norm(q), hf_qwen3_next.l2norm(k)
-    qn = qn * q.shape[-1] ** -0.5
-    chain = torch.arange(q.shape[1]).expand(q.shape[0], -1) - 1
-    for name, (o, s) in {"recurrent": gd.recurrent(qn, kn, v, g, beta, state),
-                         "chunked": gd.chunked(qn, kn, v, g, beta, state, chunk=16),
-                         "tree": gd.tree(qn, kn, v, g, beta, state, chain)}.items():
-        s = s[:, -1] if name == "tree" else s  # the tree keeps every node's state: the chain's last is the final
-        torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-4, msg=name)
-        torch.testing.assert_close(s, expected_state, atol=1e-5, rtol=1e-4, msg=name)
-
-
-def test_ssd_kernels_match_transformers_and_each_other():
-    from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
-
-    gen = torch.Generator().manual_seed(2)
-    B, T, H, P, N, G = 2, 37, 4, 6, 8, 2
-    x, dt_raw = torch.randn(B, T, H, P, generator=gen), torch.randn(B, T, H, generator=gen)
-    Bg, Cg = torch.randn(B, T, G, N, generator=gen), torch.randn(B, T, G, N, generator=gen)
-    A, D, dt_bias = -2 * torch.rand(H, generator=gen), torch.randn(H, generator=gen), torch.randn(H, generator=gen)
-    state = torch.randn(B, H, P, N, generator=gen)
-    expected, expected_state = mamba2_chunk_scan(x, dt_raw, A, Bg, Cg, chunk_size=16, D=D, dt_bias=dt_bias,
-                                                 initial_states=state, dt_softplus=True, return_final_states=True)
-    dt = torch.nn.functional.softplus(dt_raw + dt_bias)
-    Bm, Cm = Bg.repeat_interleave(H // G, 2), Cg.repeat_interleave(H // G, 2)
-    chain = torch.arange(T).expand(B, -1) - 1
-    for name, (y, s) in {"recurrent": ssd.recurrent(x, dt, A, Bm, Cm, D, state),
-                         "chunked": ssd.chunked(x, dt, A, Bm, Cm, D, state, chunk=16),
-                         "tree": ssd.tree(x, dt, A, Bm, Cm, D, state, chain)}.items():
-        s = s[:, -1] if name == "tree" else s
-        torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4, msg=name)
-        torch.testing.assert_close(s, expected_state, atol=1e-4, rtol=1e-4, msg=name)
-
-
-def test_conv_matches_transformers_and_its_tree_twin():
-    gen = torch.Generator().manual_seed(1)
-    x, weight = torch.randn(2, 9, 6, generator=gen), torch.randn(6, 4, generator=gen)
-    y, window = recurrent.conv(x, weight, None, torch.zeros(2, 6, 3))
-    expected = hf_qwen3_next.causal_conv1d_fn(x.transpose(1, 2), weight, None, activation="silu").transpose(1, 2)
-    torch.testing.assert_close(y, expected)
-    torch.testing.assert_close(window, x[:, -3:].transpose(1, 2))
-    head, tail = recurrent.conv(x[:, :5], weight, None, torch.zeros(2, 6, 3))  # two chunks, the window between
-    y_tree, windows = recurrent.conv_tree(x[:, 5:], weight, None, tail, torch.arange(4).expand(2, -1) - 1)
-    torch.testing.assert_close(torch.cat([head, y_tree], 1), y)
-    torch.testing.assert_close(windows[:, -1], window)
-
-
-def test_tree_node_states_equal_their_paths():
-    """Every node's output and state equal a sequential run over the root ... node path; parents from a mask."""
-    parents = torch.tensor([[-1, 0, 0, 1, 2, 1, 4]])
-    mask = torch.eye(7, dtype=torch.bool)[None].clone()
-    for i in range(7):
-        j = int(parents[0, i])
-        while j >= 0:
-            mask[0, i, j], j = True, int(parents[0, j])
-    assert torch.equal(recurrent.tree_parents(mask), parents)
-    q, k, v, g, beta, state = random_inputs(B=1, T=7)
-    o, states = gd.tree(q, k, v, g, beta, state, parents)
-    for i in range(7):
-        path = mask[0, i].nonzero().flatten()  # ancestors in node order, then i
-        o_path, s_path = gd.recurrent(q[:, path], k[:, path], v[:, path], g[:, path], beta[:, path], state)
-        torch.testing.assert_close(o[:, i], o_path[:, -1])
-        torch.testing.assert_close(states[:, i], s_path)
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "bamba"])

@@ -4,24 +4,16 @@ properties against a brute-force oracle that recounts n-gram continuations strai
 
 from __future__ import annotations
 
-import heapq
 import random
-from collections import deque
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+
+from ngram_helpers import cache_of, node_depths, occurs, trie_ngrams
 
 from fastspec.errors import FastspecError
 from fastspec.speculative.ngram import NgramCache, NgramDrafter, NgramParams
 from fastspec.speculative.tree import tree_from_parents, verify_greedy
-
-
-def _cache(history: list[int], **params) -> NgramCache:
-    cache = NgramCache(NgramParams(**params))
-    cache.insert(history)
-    return cache
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -32,8 +24,8 @@ def test_repeated_phrase_proposes_its_continuation_as_a_chain():
     # defaults: windows 12..1, scale = 9/12. Windows 10..4 end the history (no children); [1 2 3] occurred
     # at 0 followed by 4 5 9 9 1 2 3; its breadth (12-3)*.75+1 = 7.75 still yields one child per level
     history = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
-    assert _cache(history).match(history, 5) == ([4, 5, 9, 9], [0, 1, 2, 3])
-    assert _cache(history).match(history, 12) == ([4, 5, 9, 9, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6])
+    assert cache_of(history).match(history, 5) == ([4, 5, 9, 9], [0, 1, 2, 3])
+    assert cache_of(history).match(history, 12) == ([4, 5, 9, 9, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6])
 
 
 def test_two_continuations_branch_more_frequent_first():
@@ -43,31 +35,31 @@ def test_two_continuations_branch_more_frequent_first():
     # [2 4] -> 8 (pos 4); then [2 3 7] -> 1 (pos 5), [2 4 8] -> 1 (pos 6)
     history = [1, 2, 3, 7, 1, 2, 4, 8, 1, 2, 3, 7, 1, 2]
     params = dict(max_match_window_size=2, max_bfs_breadth=4, branch_length=4)
-    assert _cache(history, **params).match(history, 8) == ([3, 7, 4, 8, 1, 1], [0, 1, 0, 3, 2, 4])
-    assert _cache(history, **params).match(history, 4) == ([3, 7, 4], [0, 1, 0])
+    assert cache_of(history, **params).match(history, 8) == ([3, 7, 4, 8, 1, 1], [0, 1, 0, 3, 2, 4])
+    assert cache_of(history, **params).match(history, 4) == ([3, 7, 4], [0, 1, 0])
 
 
 def test_equal_frequency_prefers_the_latest_continuation():
     history = [5, 6, 5, 7, 5]  # [5] -> 6 (at 1), 7 (at 3): equal counts, 7 is more recent
     params = dict(max_match_window_size=1, min_bfs_breadth=2, max_bfs_breadth=2, branch_length=2)
-    assert _cache(history, **params).match(history, 12) == ([7, 6], [0, 0])
+    assert cache_of(history, **params).match(history, 12) == ([7, 6], [0, 0])
 
 
 def test_recency_is_the_latest_occurrence_not_the_first():
     history = [9, 1, 9, 2, 9, 2, 9, 1, 9]  # [9] -> 1 (at 1, 7), 2 (at 3, 5): equal counts, 1 seen last
     params = dict(max_match_window_size=1, min_bfs_breadth=2, max_bfs_breadth=2, branch_length=2)
-    assert _cache(history, **params).match(history, 3) == ([1, 2], [0, 0])
+    assert cache_of(history, **params).match(history, 3) == ([1, 2], [0, 0])
 
 
 def test_longest_matching_window_wins():
     # [3] is followed by 8 three times and by 9 once, but only after [1 2 3], which the context ends with
     history = [1, 2, 3, 9, 3, 8, 3, 8, 3, 8, 1, 2, 3]
     params = dict(max_match_window_size=3, min_bfs_breadth=1, max_bfs_breadth=1, branch_length=6)
-    assert _cache(history, **params).match(history, 2) == ([9], [0])
-    assert _cache(history, **params).match(history, 3) == ([9, 3], [0, 1])
+    assert cache_of(history, **params).match(history, 2) == ([9], [0])
+    assert cache_of(history, **params).match(history, 3) == ([9, 3], [0, 1])
     short = dict(params, max_match_window_size=1)
-    assert _cache(history, **short).match(history, 2) == ([8], [0])
-    assert _cache(history, **params).match([4, 3], 2) == ([8], [0])  # [4 3] never occurred: falls back to [3]
+    assert cache_of(history, **short).match(history, 2) == ([8], [0])
+    assert cache_of(history, **params).match([4, 3], 2) == ([8], [0])  # [4 3] never occurred: falls back to [3]
 
 
 def test_breadth_shrinks_with_window_size_and_depth():
@@ -75,24 +67,24 @@ def test_breadth_shrinks_with_window_size_and_depth():
     # w=2 [5 0] only ends the history; w=1: breadth (2-1)*2+1 = 3 -> 5 4 3, then breadth 1 per node
     history = [0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0]
     params = dict(max_match_window_size=2, min_bfs_breadth=1, max_bfs_breadth=5, branch_length=3)
-    assert _cache(history, **params).match(history, 12) == ([5, 4, 3, 0, 0, 0], [0, 0, 0, 1, 2, 3])
+    assert cache_of(history, **params).match(history, 12) == ([5, 4, 3, 0, 0, 0], [0, 0, 0, 1, 2, 3])
     flat = dict(params, min_bfs_breadth=2, max_bfs_breadth=2)  # scale 0: breadth 2 everywhere
-    assert _cache(history, **flat).match(history, 12) == ([5, 4, 0, 0], [0, 0, 1, 2])
+    assert cache_of(history, **flat).match(history, 12) == ([5, 4, 0, 0], [0, 0, 1, 2])
     # [2] -> 3 only (breadth 3); [2 3] -> 1 (latest), 2 but breadth is down to 1: only 1
     history = [2, 3, 2, 3, 1, 2]
-    assert _cache(history, **params).match(history, 4) == ([3, 1], [0, 1])
+    assert cache_of(history, **params).match(history, 4) == ([3, 1], [0, 1])
 
 
 def test_prob_mode_is_best_first_by_path_probability():
     # [5] -> 1 (3 of 4) -> 2 -> 3 (certain), [5] -> 9 (1 of 4): PROB goes deep first, BFS level by level
     history = [5, 1, 2, 3, 5, 1, 2, 3, 5, 1, 2, 3, 5, 9, 5]
     params = dict(max_match_window_size=1, min_bfs_breadth=2, max_bfs_breadth=2, branch_length=4)
-    assert _cache(history, match_type="PROB", **params).match(history, 4) == ([1, 2, 3], [0, 1, 2])
-    assert _cache(history, match_type="PROB", **params).match(history, 5) == ([1, 2, 3, 9], [0, 1, 2, 0])
-    assert _cache(history, match_type="BFS", **params).match(history, 4) == ([1, 9, 2], [0, 0, 1])
+    assert cache_of(history, match_type="PROB", **params).match(history, 4) == ([1, 2, 3], [0, 1, 2])
+    assert cache_of(history, match_type="PROB", **params).match(history, 5) == ([1, 2, 3, 9], [0, 1, 2, 0])
+    assert cache_of(history, match_type="BFS", **params).match(history, 4) == ([1, 9, 2], [0, 0, 1])
     # [2] -> 2 (twice) p 2/3, 1 (once) p 1/3; [2 2] -> 2 (its only child): 2/3 * 1 beats the sibling's 1/3
     history = [2, 1, 0, 2, 2, 2]
-    assert _cache(history, match_type="PROB", **params).match(history, 4) == ([2, 2, 1], [0, 1, 0])
+    assert cache_of(history, match_type="PROB", **params).match(history, 4) == ([2, 2, 1], [0, 1, 0])
 
 
 def test_eviction_bounds_the_trie_and_forgets_the_oldest_ngrams():
@@ -105,24 +97,11 @@ def test_eviction_bounds_the_trie_and_forgets_the_oldest_ngrams():
         assert bounded.num_nodes <= 60
     bounded.insert(history)
     assert bounded.num_nodes <= 60
-    unbounded = _cache(history, **params)
+    unbounded = cache_of(history, **params)
     assert unbounded.num_nodes > 600
     assert unbounded.match([200], 3)[0] == [201, 202]
     assert bounded.match([200], 3) == ([], [])                        # the oldest n-grams are gone
     assert bounded.match([7, 100], 4)[0] == [101, 102, 103]          # the newest are kept
-
-
-def _trie_ngrams(cache: NgramCache) -> list[list[int]]:
-    """Every live node's n-gram, rebuilt from the parent links (white-box)."""
-    grams = []
-    for node in cache._edges.values():
-        gram = []
-        while node and len(gram) <= cache.params.branch_length:  # bounded: a corrupt trie may hold a cycle
-            gram.append(cache._token[node])
-            node = cache._parent[node]
-        assert node == 0, "a node's parent chain does not reach the root within branch_length steps"
-        grams.append(gram[::-1])
-    return grams
 
 
 def test_tiny_capacity_keeps_only_ngrams_of_the_history():
@@ -131,9 +110,9 @@ def test_tiny_capacity_keeps_only_ngrams_of_the_history():
     cache = NgramCache(NgramParams(max_match_window_size=2, branch_length=5, capacity=6))
     for end in range(len(history) + 1):  # one token per round: the growing suffixes get evicted too
         cache.insert(history[:end])
-        grams = _trie_ngrams(cache)
+        grams = trie_ngrams(cache)
         assert len(grams) == cache.num_nodes <= 6
-        assert all(_occurs(gram, history[:end]) for gram in grams)
+        assert all(occurs(gram, history[:end]) for gram in grams)
 
 
 @pytest.mark.parametrize("bad", [
@@ -149,13 +128,6 @@ def test_params_are_validated(bad):
 # The drafter: padding, the DraftTree it feeds, errors
 # ---------------------------------------------------------------------------------------------------------
 
-def _depths(parents: list[int]) -> list[int]:
-    depth = [0]
-    for parent in parents:
-        depth.append(depth[parent] + 1)
-    return depth
-
-
 def test_drafter_pads_and_feeds_tree_from_parents():
     drafter = NgramDrafter(NgramParams(max_match_window_size=3, branch_length=8), num_draft_tokens=5)
     histories = {10: [1, 2, 3, 4, 5, 9, 9, 1, 2, 3], 11: [7, 8]}
@@ -169,7 +141,7 @@ def test_drafter_pads_and_feeds_tree_from_parents():
 
     seq_lens = torch.tensor([9, 1])  # the root (last token) is not in the KV cache yet
     tree = tree_from_parents(torch.tensor([3, 8]), tokens, parents, seq_lens, drafter.num_steps)
-    expected = [seq_lens[b].item() + d for b in range(2) for d in _depths(parents[b].tolist())]
+    expected = [seq_lens[b].item() + d for b in range(2) for d in node_depths(parents[b].tolist())]
     assert tree.positions.tolist() == expected
     assert tree.draft_tokens.tolist() == [[3, 4, 5, 9, 9], [8, 0, 0, 0, 0]]
 
@@ -198,155 +170,3 @@ def test_drafter_errors_and_release():
         drafter.propose([1], [[1, 2]])
     tokens, parents = drafter.propose([], [])
     assert tokens.shape == parents.shape == (0, 3)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Brute-force oracle: no trie, every count is recomputed from the history
-# ---------------------------------------------------------------------------------------------------------
-
-def oracle_children(history: list[int], gram: list[int], p: NgramParams) -> list[tuple[int, int]]:
-    """(token, count) continuing `gram`, best first (count, then latest occurrence): one per suffix start i
-    with i + min_window < len whose first len(gram) + 1 <= branch_length tokens are gram + [token]."""
-    n, length = len(history), len(gram)
-    stats: dict[int, tuple[int, int]] = {}
-    if length + 1 > p.branch_length:
-        return []
-    for i in range(n - length):
-        if i + p.min_match_window_size < n and history[i:i + length] == gram:
-            freq, _ = stats.get(history[i + length], (0, -1))
-            stats[history[i + length]] = (freq + 1, i)
-    ranked = sorted(stats, key=lambda t: (-stats[t][0], -stats[t][1]))
-    return [(t, stats[t][0]) for t in ranked]
-
-
-class _OracleTree:
-    def __init__(self, size: int):
-        self.size, self.tokens, self.parents, self.index = size, [], [], {}
-
-    def add(self, parent: int, token: int) -> int | None:
-        if (parent, token) not in self.index:
-            if len(self.tokens) == self.size:
-                return None
-            self.tokens.append(token)
-            self.parents.append(parent)
-            self.index[parent, token] = len(self.tokens)
-        return self.index[parent, token]
-
-
-def _oracle_bfs(history, tree, p, window: list[int]) -> None:
-    scale = (p.max_bfs_breadth - p.min_bfs_breadth) / (p.max_match_window_size - p.min_match_window_size + 1)
-    queue = deque([(0, (p.max_match_window_size - len(window)) * scale + p.min_bfs_breadth, window)])
-    while queue:
-        pos, breadth, gram = queue.popleft()
-        for token, _ in oracle_children(history, gram, p)[:max(1, int(breadth))]:
-            child = tree.add(pos, token)
-            if child is None:
-                return
-            queue.append((child, breadth - scale, gram + [token]))
-
-
-def _oracle_prob(history, tree, p, window: list[int]) -> None:
-    heap, order = [], 0
-
-    def push(pos, gram, prob):
-        nonlocal order
-        top = oracle_children(history, gram, p)[:p.max_bfs_breadth]
-        total = sum(f for _, f in top)
-        for token, f in top:
-            heapq.heappush(heap, (-prob * f / total, order, pos, gram + [token]))
-            order += 1
-
-    push(0, window, 1.0)
-    while heap:
-        neg_prob, _, parent, gram = heapq.heappop(heap)
-        pos = tree.add(parent, gram[-1])
-        if pos is None:
-            return
-        push(pos, gram, -neg_prob)
-
-
-def oracle_propose(history: list[int], context: list[int], p: NgramParams, num_draft_tokens: int):
-    tree = _OracleTree(num_draft_tokens - 1)
-    for w in range(min(len(context), p.max_match_window_size), p.min_match_window_size - 1, -1):
-        if len(tree.tokens) == tree.size:
-            break
-        (_oracle_bfs if p.match_type == "BFS" else _oracle_prob)(history, tree, p, list(context[-w:]))
-    return tree.tokens, tree.parents
-
-
-@st.composite
-def scenarios(draw, max_len=40):
-    min_w = draw(st.integers(1, 3))
-    max_w = min_w + draw(st.integers(0, 2))
-    min_b = draw(st.integers(1, 3))
-    params = NgramParams(min_match_window_size=min_w, max_match_window_size=max_w,
-                         branch_length=max_w + draw(st.integers(1, 3)), min_bfs_breadth=min_b,
-                         max_bfs_breadth=min_b + draw(st.integers(0, 3)),
-                         match_type=draw(st.sampled_from(["BFS", "PROB"])))
-    length = draw(st.integers(0, max_len))
-    history = draw(st.lists(st.integers(0, 3), min_size=length, max_size=length))
-    cuts = sorted(draw(st.lists(st.integers(0, len(history)), max_size=5)))
-    extra = draw(st.lists(st.integers(0, 4), max_size=2))
-    return params, history, cuts, extra, draw(st.integers(2, 10))
-
-
-def _incremental(params: NgramParams, history: list[int], cuts: list[int]) -> NgramCache:
-    cache = NgramCache(params)
-    for end in cuts + [len(history)]:
-        cache.insert(history[:end])
-    return cache
-
-
-@settings(max_examples=150, deadline=None)
-@given(scenarios())
-def test_proposals_match_the_bruteforce_oracle(scenario):
-    params, history, cuts, extra, n = scenario
-    caches = [_cache(history, **params.__dict__), _incremental(params, history, cuts),
-              _incremental(params, history, list(range(len(history))))]  # at once, in chunks, per token
-    for context in (history, history + extra, history[:len(history) // 2]):
-        expected = oracle_propose(history, context, params, n)
-        assert [cache.match(context, n) for cache in caches] == [expected] * 3
-
-
-def _occurs(sequence: list[int], history: list[int]) -> bool:
-    return any(history[i:i + len(sequence)] == sequence for i in range(len(history) - len(sequence) + 1))
-
-
-@settings(max_examples=150, deadline=None)
-@given(scenarios(max_len=80), st.integers(0, 30))
-def test_proposals_are_valid_trees_of_seen_ngrams_even_under_eviction(scenario, spare):
-    params, history, cuts, extra, n = scenario
-    params = NgramParams(**(params.__dict__ | dict(capacity=params.branch_length + spare)))
-    cache = NgramCache(params)
-    for end in cuts + [len(history)]:
-        cache.insert(history[:end])
-        grams = _trie_ngrams(cache)
-        assert len(grams) == cache.num_nodes <= params.capacity
-        assert all(_occurs(gram, history[:end]) for gram in grams)
-    context = history + extra
-    row_tokens, row_parents = cache.match(context, n)
-    assert len(row_tokens) == len(row_parents) <= n - 1
-    paths = [[]]
-    for pos, (token, parent) in enumerate(zip(row_tokens, row_parents), start=1):
-        assert 0 <= parent < pos
-        paths.append(paths[parent] + [token])
-        assert _occurs(context[-params.min_match_window_size:] + paths[pos], history)
-        assert len(paths[pos]) <= NgramDrafter(params, n).num_steps
-    assert len({(p, t) for t, p in zip(row_tokens, row_parents)}) == len(row_tokens)  # siblings merged
-
-
-@settings(max_examples=25, deadline=None)
-@given(scenarios(), st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=6))
-def test_batched_proposals_feed_tree_from_parents(scenario, histories):
-    params, _, _, _, n = scenario
-    drafter = NgramDrafter(params, n)
-    for rid, history in enumerate(histories):
-        drafter.update(rid, history)
-    tokens, parents = drafter.propose(list(range(len(histories))), histories)
-    assert tokens.shape == parents.shape == (len(histories), n - 1)
-    seq_lens = torch.tensor([len(h) - 1 for h in histories])
-    tree = tree_from_parents(torch.tensor([h[-1] for h in histories]), tokens, parents, seq_lens,
-                             drafter.num_steps)
-    depths = [_depths(row) for row in parents.tolist()]
-    assert tree.positions.tolist() == [seq_lens[b].item() + d for b in range(len(histories)) for d in depths[b]]
-    assert max(max(d) for d in depths) <= drafter.num_steps
