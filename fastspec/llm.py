@@ -5,6 +5,7 @@ Owns tokenisation and chat templating around the engine (which speaks token ids 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from functools import cached_property
 from fastspec.config import EngineConfig, Schedule, SpecConfig, check_spec_flags
 from fastspec.engine.engine import Engine
 from fastspec.models.embedded import default_speculation
-from fastspec.models.loader import read_config, resolve_model_dir
+from fastspec.models.hub import is_hub_id
+from fastspec.models.loader import read_config, resolve_draft_dir, resolve_model_dir
 from fastspec.models.mtp_loader import mtp_draft
 from fastspec.sampling.params import SamplingParams
 from fastspec.text.detokenizer import IncrementalDetokenizer
@@ -48,21 +50,28 @@ class LLM:
                  num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
                  accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, on_prepare=None,
                  schedule: Schedule | None = None, tuned: bool = True, say: Callable[[str], None] | None = None,
-                 **engine_options):
+                 revision: str | None = None, draft_revision: str | None = None, **engine_options):
         """`speculative_algorithm`: NONE, EAGLE (alias NEXTN), EAGLE3, STANDALONE or NGRAM; unset: EAGLE3 with the
         shipped head on an embedded model, NONE otherwise. Tree shape: `schedule` (per batch size, see
         SpecConfig.schedule), else explicit num_steps / topk / num_draft_tokens, else (`tuned`) the schedule
         `fastspec tune` measured for this target, draft and machine, else SGLang's per-architecture defaults.
-        `say` receives notes on a tuned file that exists but is not used (default: stderr).
+        `say` receives notes on a tuned file that exists but is not used (default: stderr). `model` and
+        `draft_model` may be Hugging Face hub ids (`org/name`, at `revision` / `draft_revision`): the cached
+        snapshot, or downloaded into the hub cache unless HF_HUB_OFFLINE is set.
 
         Checks run cheapest first: the flags, then the model's config, and only then the tuned file."""
         config = EngineConfig(model=model, **engine_options)
         check_spec_flags(speculative_algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
                          accept_threshold_acc)
         speculative_algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
-        model_dir = resolve_model_dir(model)
+        model_dir = resolve_model_dir(model, revision)
+        if is_hub_id(model):  # the engine, the tokenizer and the tuned file read the snapshot directory
+            model, config = str(model_dir), dataclasses.replace(config, model=str(model_dir))
         model_config = read_config(model_dir)
         draft_model = mtp_draft(model, model_dir, model_config, speculative_algorithm, draft_model)
+        if draft_model is not None and is_hub_id(draft_model):
+            algorithm = (speculative_algorithm or "").upper()
+            draft_model = str(resolve_draft_dir(draft_model, draft_revision, model_config, algorithm))
         spec = SpecConfig.resolve(speculative_algorithm, model_config.architecture,
                                   draft_model=draft_model, num_steps=num_steps, topk=topk,
                                   num_draft_tokens=num_draft_tokens, token_map=token_map,

@@ -37,9 +37,9 @@ from fastspec.models.heads import write_random_head
 
 def _isolate_caches() -> tuple[Path, Path]:
     """Point every cache the suite can touch (fastspec's: tuned files, chats, converted models, compiled graphs;
-    and any other tool's under $XDG_CACHE_HOME) at a fresh directory of the suite's own, removed at exit, so the
-    user's cache can neither change a result nor be changed. Runs at import, before any test (fastspec and torch
-    read these variables when they use a cache, not at import).
+    the Hugging Face hub cache, offline; and any other tool's under $XDG_CACHE_HOME) at a fresh directory of the
+    suite's own, removed at exit, so the user's cache can neither change a result nor be changed. Runs at import,
+    before any test (fastspec and torch read these variables when they use a cache, not at import).
 
     The one explicit exception: FASTSPEC_TEST_SHARED_CACHE=DIR keeps the converted models and Inductor's compiled
     graphs (read-only, keyed by their sources) in DIR between runs. Returns (the user's cache, the suite's)."""
@@ -53,7 +53,8 @@ def _isolate_caches() -> tuple[Path, Path]:
     keep = Path(shared).expanduser() if shared else own
     os.environ.update(FASTSPEC_CACHE=str(own / "fastspec"), XDG_CACHE_HOME=str(own),
                       FASTSPEC_MODEL_CACHE=str(keep / "models"), TORCHINDUCTOR_CACHE_DIR=str(keep / "inductor"),
-                      TRITON_CACHE_DIR=str(keep / "triton"))
+                      TRITON_CACHE_DIR=str(keep / "triton"), HF_HOME=str(own / "huggingface"),
+                      HF_HUB_CACHE=str(own / "huggingface" / "hub"), HF_HUB_OFFLINE="1")
     return user, own
 
 

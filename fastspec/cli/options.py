@@ -30,7 +30,8 @@ ENGINE_FLAGS = ("model", "dtype", "device", "page_size", "graphs", "cuda_graph_m
 
 @dataclass(frozen=True)
 class ModelOptions:
-    model: Annotated[str, typer.Option("--model", "-m", help="Embedded model name, HF directory or .gguf file.")] = DEFAULT_MODEL
+    model: Annotated[str, typer.Option("--model", "-m", "--model-path", help="Embedded model name, HF directory, .gguf file or Hugging Face hub id (org/name: from the hub cache, else downloaded unless HF_HUB_OFFLINE is set).")] = DEFAULT_MODEL
+    revision: Annotated[Optional[str], typer.Option(help="Hub id --model: the branch, tag or commit (default main).")] = None
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32"
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N] (auto: cuda when torch sees a GPU).")] = "auto"
     page_size: Annotated[int, typer.Option(help="KV page size in tokens.")] = 1
@@ -49,7 +50,8 @@ class ModelOptions:
     threads: Annotated[int, typer.Option(envvar="FASTSPEC_THREADS", help="CPU threads for torch (0 = every core; 1 is measured 2.5x faster beside a busy process on 2 cores).")] = 0
     mamba_track_interval: Annotated[int, typer.Option(help="Hybrid targets with --radix-cache: save the recurrent state every N tokens (a multiple of the page size), where a cached prefix can resume.")] = 256
     speculative_algorithm: Annotated[Optional[str], typer.Option(help="NONE | EAGLE (NEXTN) | EAGLE3 | STANDALONE | NGRAM", rich_help_panel=SPEC)] = None
-    speculative_draft_model_path: Annotated[Optional[str], typer.Option("--speculative-draft-model-path", "--draft", help="Draft head / model directory.", rich_help_panel=SPEC)] = None
+    speculative_draft_model_path: Annotated[Optional[str], typer.Option("--speculative-draft-model-path", "--draft", help="Draft head / model: a directory or a hub id.", rich_help_panel=SPEC)] = None
+    speculative_draft_model_revision: Annotated[Optional[str], typer.Option(help="Hub id draft: the branch, tag or commit.", rich_help_panel=SPEC)] = None
     speculative_num_steps: Annotated[Optional[int], typer.Option(help="Draft depth.", rich_help_panel=SPEC)] = None
     speculative_eagle_topk: Annotated[Optional[int], typer.Option(help="Branching per draft step.", rich_help_panel=SPEC)] = None
     speculative_num_draft_tokens: Annotated[Optional[int], typer.Option(help="Tree size incl. the root.", rich_help_panel=SPEC)] = None
@@ -113,7 +115,8 @@ class ModelOptions:
                     topk=self.speculative_eagle_topk, num_draft_tokens=self.speculative_num_draft_tokens,
                     accept_threshold_single=self.speculative_accept_threshold_single,
                     accept_threshold_acc=self.speculative_accept_threshold_acc,
-                    token_map=self.speculative_token_map, ngram=ngram)
+                    token_map=self.speculative_token_map, ngram=ngram, revision=self.revision,
+                    draft_revision=self.speculative_draft_model_revision)
 
 
 def model_options(fn):

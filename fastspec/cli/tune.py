@@ -53,7 +53,8 @@ def tune(
     if (algorithm or "").upper() not in ("EAGLE", "EAGLE3") or draft is None:
         raise FastspecError("fastspec tune tunes EAGLE / EAGLE3 heads: give --speculative-algorithm and --draft")
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts("all", "train")[::37]
-    model_dir, draft_dir = resolve_model_dir(options.model), resolve_model_dir(draft)
+    model_dir = resolve_model_dir(options.model, options.revision)
+    draft_dir = resolve_model_dir(draft, options.speculative_draft_model_revision)
     path = tuned_file.tuned_path(model_dir, draft_dir, options.dtype, options.llm_kwargs()["device"])
     console = Console(stderr=True)
     if from_tuned:

@@ -16,19 +16,23 @@ import torch
 from torch import nn
 
 from fastspec.errors import FastspecError, first_line
+from fastspec.models import hub
 from fastspec.models.config import ModelConfig
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.moe import Router, stack_experts
 
 
-def resolve_model_dir(spec: str) -> Path:
-    """An embedded model name, a Hugging Face model directory or a .gguf file -> a model directory."""
+def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
+    """An embedded model name, a Hugging Face model directory, a .gguf file or a hub id (`org/name` at `revision`:
+    the cached snapshot, or downloaded) -> a model directory."""
     from fastspec.models import embedded
 
     check_model_spec(spec)
     if spec in embedded.EMBEDDED_MODELS:
         return embedded.embedded_model_dir(spec)
+    if hub.is_hub_id(spec):
+        return hub.fetch(spec, revision)
     path = Path(spec).expanduser()
     return _converted_gguf(path) if path.suffix == ".gguf" else path
 
@@ -37,7 +41,7 @@ def check_model_spec(spec: str, flag: str = "model") -> None:
     """Refuse a model spec that names nothing, before anything is read or converted."""
     from fastspec.models import embedded
 
-    if spec in embedded.EMBEDDED_MODELS:
+    if spec in embedded.EMBEDDED_MODELS or hub.is_hub_id(spec):  # a hub id is looked up when it is resolved
         return
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
@@ -46,7 +50,8 @@ def check_model_spec(spec: str, flag: str = "model") -> None:
         return
     if not path.exists():
         known = ", ".join(embedded.EMBEDDED_MODELS)
-        raise FastspecError(f"{flag} {spec!r} is neither a directory, a .gguf file nor an embedded model ({known})")
+        raise FastspecError(f"{flag} {spec!r} is neither a directory, a .gguf file, a Hugging Face hub id (org/name) "
+                            f"nor an embedded model ({known})")
     if not (path / "config.json").is_file():
         raise FastspecError(f"{flag} directory {spec} has no config.json")
 
@@ -183,6 +188,20 @@ def _build_eagle3(config: ModelConfig, target: LlamaForCausalLM):
     model = LlamaForCausalLMEagle3(config, target.model.embed_tokens if share_embed else None, lm_head)
     skip = (("embed_tokens.",) if share_embed else ()) + (("lm_head.",) if lm_head is not None else ())
     return model, skip
+
+
+def resolve_draft_dir(spec: str, revision: str | None, target: ModelConfig, algorithm: str) -> Path:
+    """The draft's directory (see resolve_model_dir). A hub id's config is fetched and checked against the target
+    first (an EAGLE head's width and vocabulary; a STANDALONE model's or an MTP checkpoint's vocabulary), so a head
+    that cannot fit is refused before its weights are downloaded or read."""
+    if hub.is_hub_id(spec):
+        config = read_config(hub.fetch(spec, revision, config_only=True))
+        if config.is_draft or algorithm == "EAGLE3":
+            check_draft_fits(config, target, spec)
+        elif config.vocab_size != target.vocab_size:
+            raise FastspecError(f"{spec}: draft vocabulary {config.vocab_size} != target vocabulary "
+                                f"{target.vocab_size}")
+    return resolve_model_dir(spec, revision)
 
 
 def check_draft_fits(draft: ModelConfig, target: ModelConfig, source: str) -> None:

@@ -1,0 +1,94 @@
+"""Hugging Face hub ids (`org/name`, as SGLang, vLLM and transformers name models and EAGLE-3 heads) -> a local
+model directory: the snapshot in the local hub cache, or downloaded into it (with huggingface_hub's progress bars)
+when the hub is reachable and HF_HUB_OFFLINE is not set.
+
+The cache is read where huggingface_hub keeps it ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub),
+read from the environment at each call (huggingface_hub reads it once, at import). Every failure a user can cause
+(offline and not cached, an unknown revision, a snapshot missing a shard its index names) is one FastspecError
+naming the id, the revision and the cache searched. Nothing here reads weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from fastspec.errors import FastspecError, first_line
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name: one slash, no leading ./ or /
+CONFIG_FILES = ["config.json"]
+MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # no .bin, .gguf, .onnx
+
+
+def is_hub_id(spec: str) -> bool:
+    """`org/name` that is not a path on this machine (a local directory of that name wins, as in transformers)."""
+    return bool(HUB_ID.match(spec)) and not Path(spec).expanduser().exists()
+
+
+def hub_cache() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
+
+
+def fetch(repo_id: str, revision: str | None = None, config_only: bool = False) -> Path:
+    """The local snapshot directory of `repo_id` at `revision` (a branch, tag or commit; None: main): its
+    config.json only (`config_only`: enough to check a model before its weights are fetched) or every file a
+    model loads (configs, safetensors, tokenizer). From the cache when it holds them, else downloaded."""
+    from huggingface_hub import snapshot_download
+
+    patterns = CONFIG_FILES if config_only else MODEL_FILES
+    where = f"{repo_id}" + (f" at revision {revision}" if revision else "")
+    cache = hub_cache()
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns,
+                                      local_files_only=True))
+    except Exception as e:  # not cached (huggingface_hub's errors differ across versions): download below
+        if not offline() and not _is_missing(e):
+            raise FastspecError(f"{where}: {first_line(e, 200)}") from None
+        path = None
+    if path is not None and (path / "config.json").is_file() and (config_only or _has_weights(path)):
+        return path if config_only else _checked(path, where)
+    if offline():
+        raise FastspecError(f"{where} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set "
+                            f"(download it where the hub is reachable, or give a local directory)")
+    try:
+        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns))
+    except Exception as e:
+        raise FastspecError(f"{where}: not in the Hugging Face cache {cache}, and downloading it failed: "
+                            f"{first_line(e, 200)}") from None
+    if not (path / "config.json").is_file():
+        raise FastspecError(f"{where} has no config.json: not a Hugging Face model")
+    return path if config_only else _checked(path, where)
+
+
+def _is_missing(error: Exception) -> bool:
+    """The error huggingface_hub raises offline for what the cache does not hold."""
+    names = {type(e).__name__ for e in (error, error.__cause__, error.__context__) if e is not None}
+    return bool(names & {"LocalEntryNotFoundError", "FileNotFoundError", "EntryNotFoundError", "OfflineModeIsEnabled"})
+
+
+def _has_weights(path: Path) -> bool:
+    return any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+
+
+def _checked(path: Path, where: str) -> Path:
+    """Refuse a snapshot whose index names shards it does not hold (a download cut short, a partial cache)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        except (OSError, ValueError, AttributeError) as e:
+            raise FastspecError(f"{where}: cannot read {index.name} ({first_line(e, 120)})") from None
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FastspecError(f"{where}: the cached snapshot {path} lacks {len(missing)} of {len(shards)} "
+                                f"weight shards ({missing[0]}...); download it again")
+    return path
