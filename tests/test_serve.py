@@ -10,6 +10,7 @@ import shutil
 import socket
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -231,3 +232,42 @@ def test_bench_url_measures_a_running_server(served):
     down = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--num-prompts", "1"])
     assert down.exit_code == 2 and "cannot reach a server" in down.stderr
     assert engine_settled(service)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """GET /metrics parsed by prometheus_client's own text parser: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/plain")
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_parse_and_move_by_what_a_request_did(served):
+    client, url, _, service = served
+    assert engine_settled(service)
+    label = (("model_name", MODEL),)
+    before = scrape(url)
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello!"}],
+                                         max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert engine_settled(service)
+    after = scrape(url)
+
+    def moved(name, labels=label):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    meta = got.model_extra["meta_info"]
+    assert moved("fastspec:prompt_tokens_total") == got.usage.prompt_tokens
+    assert moved("fastspec:generation_tokens_total") == got.usage.completion_tokens == 6
+    assert moved("fastspec:num_requests_total", (("finish_reason", "length"), *label)) == 1
+    assert moved("fastspec:spec_verify_rounds_total") == meta["spec_verify_ct"] >= 1
+    assert moved("fastspec:spec_accepted_tokens_total") == meta["spec_accepted_tokens"]
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert moved(f"fastspec:{histogram}_count") == 1 and moved(f"fastspec:{histogram}_sum") > 0
+    assert after[("fastspec:num_running_reqs", label)] == after[("fastspec:num_queue_reqs", label)] == 0
+    assert 0 <= after[("fastspec:token_usage", label)] < 1 and 0 <= after[("fastspec:cache_hit_rate", label)] <= 1
+    rounds, accepted = after[("fastspec:spec_verify_rounds_total", label)], after[
+        ("fastspec:spec_accepted_tokens_total", label)]
+    assert after[("fastspec:spec_accept_length", label)] == pytest.approx((accepted + rounds) / rounds)

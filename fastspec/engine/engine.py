@@ -33,6 +33,15 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """What the engine held after its last step (read by other threads: a server's /metrics)."""
+
+    running: int  # requests in the running batch
+    waiting: int  # requests queued for admission
+    free_kv: int  # free KV slots, counting what the prefix cache would give back
+
+
+@dataclass(frozen=True)
 class GenerateOutput:
     prompt_ids: list[int]
     output_ids: list[int]
@@ -51,6 +60,7 @@ class Engine:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fastspec-worker") if self.overlap else None
         self._last: Future | None = None  # the last thing submitted to the worker (a step or a release)
         self._free_before = 0  # free KV before the step in flight (after the last one handed out)
+        self.load = EngineLoad(0, 0, self.worker.available_kv())
         w = self.worker
         self.grammars = GrammarCompiler(w.model_dir, w.model.config.vocab_size, w.eos_ids)  # structured output
 
@@ -136,6 +146,8 @@ class Engine:
                 if inflight is None and scheduler.idle:
                     if poll is None:
                         break
+                    if self._thread is None:  # every release applied (under overlap: in the worker's thread)
+                        self.load = EngineLoad(0, 0, self.worker.available_kv())
                     continue
                 out = self._apply_aborts(scheduler)
                 if inflight is not None and not self._may_run_ahead(scheduler, inflight[0]):
@@ -148,6 +160,9 @@ class Engine:
                 if not self.overlap and inflight is not None:
                     out += self._hand_out(scheduler, self._result(inflight[1], last=True))
                     inflight = None
+                # free KV: read now when the worker is idle (releases applied), else as of the last hand-out
+                free = self._free_before if self._thread is not None else self.worker.available_kv()
+                self.load = EngineLoad(len(scheduler.running), len(scheduler.waiting), free)
                 yield out
         finally:  # done, or the caller stopped iterating (an exception, a closed pipe): hand every slot back
             self._drain(raise_errors=False)

@@ -27,9 +27,10 @@ def make_server(llm, model_name: str, max_queued: int):
     import uvicorn
 
     from fastspec.serve.app import build_app
+    from fastspec.serve.metrics import ServerMetrics
     from fastspec.serve.service import EngineService
 
-    service = EngineService(llm, max_queued).start()
+    service = EngineService(llm, max_queued, ServerMetrics(model_name, llm.engine)).start()
     config = uvicorn.Config(build_app(service, model_name), log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=5)
     return uvicorn.Server(config), service

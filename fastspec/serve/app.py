@@ -1,6 +1,7 @@
 """The HTTP side of `fastspec serve`: a Starlette app with OpenAI's routes over an EngineService.
 
-/v1/chat/completions and /v1/completions (JSON, or server-sent events with `stream`), /v1/models, /health.
+/v1/chat/completions and /v1/completions (JSON, or server-sent events with `stream`), /v1/models, /health,
+/metrics (Prometheus).
 A streamed request whose client disconnects is aborted (its KV freed before the engine's next step); a plain
 request is watched for a disconnect while it waits. Every error is OpenAI's error object.
 """
@@ -19,6 +20,7 @@ from starlette.routing import Route
 
 from fastspec.errors import FastspecError
 from fastspec.serve import protocol as api
+from fastspec.serve.metrics import CONTENT_TYPE
 from fastspec.serve.protocol import APIError, ParsedRequest
 from fastspec.serve.service import EngineService, Event
 
@@ -41,10 +43,15 @@ def build_app(service: EngineService, model_name: str) -> Starlette:
         await asyncio.to_thread(service.call, service.engine.flush_cache)
         return JSONResponse({"status": "ok"})
 
+    async def metrics(_: Request) -> Response:  # Prometheus' text format (fastspec.serve.metrics)
+        if service.metrics is None:
+            return _error(APIError("this server keeps no metrics", 404, kind="not_found_error"))
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
+
     routes = [Route("/v1/chat/completions", partial(_complete, service, model_name, True), methods=["POST"]),
               Route("/v1/completions", partial(_complete, service, model_name, False), methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
-              Route("/flush_cache", flush_cache, methods=["POST"])]
+              Route("/flush_cache", flush_cache, methods=["POST"]), Route("/metrics", metrics, methods=["GET"])]
     handlers = {HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers)
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
+from fastspec.serve.metrics import ServerMetrics
 from fastspec.serve.protocol import APIError
 from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.utils.metrics import SpecMetrics
@@ -40,11 +42,14 @@ class _Live:
     detok: IncrementalDetokenizer
     deliver: Callable[[Event], None]
     tokens: int = 0
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_at: float | None = None  # when its first token was handed out
 
 
 class EngineService:
-    def __init__(self, llm, max_queued: int):
-        self.llm, self.engine, self.max_queued = llm, llm.engine, max_queued
+    def __init__(self, llm, max_queued: int, metrics: ServerMetrics | None = None):
+        """`metrics`: told of every request by the engine thread (/metrics)."""
+        self.llm, self.engine, self.max_queued, self.metrics = llm, llm.engine, max_queued, metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, _Live] = {}  # the engine thread's own
         self._ids = itertools.count()
@@ -126,6 +131,8 @@ class EngineService:
             if item[0] == "add":
                 arrived.append(item[1])
                 self._live[item[1].rid] = item[2]
+                if self.metrics is not None:
+                    self.metrics.submitted(len(item[1].prompt_ids))
             elif item[0] == "call":
                 _run_into(item[2], item[1])
             elif item[1] in self._live:
@@ -146,10 +153,22 @@ class EngineService:
         live.tokens = d.num_tokens_kept if d.stopped else live.tokens + len(out.new_ids)
         logprobs = None if out.logprobs is None else tuple(out.logprobs[: max(0, live.tokens - before)])
         live.deliver(Event(text, reason, logprobs, live.tokens, out.metrics))
+        if self.metrics is not None:
+            self._report(live, live.tokens - before, reason, out.metrics)
         if reason is not None:
             self.aborted += reason == "abort"
             del self._live[out.index]
             self._close()
+
+    def _report(self, live: _Live, new_tokens: int, reason: str | None, spec: SpecMetrics) -> None:
+        now = time.perf_counter()
+        first = live.first_at is None and new_tokens > 0
+        if first:
+            live.first_at = now
+        self.metrics.produced(new_tokens, now - live.submitted_at if first else None)
+        if reason is not None:
+            since_first = None if live.first_at is None else now - live.first_at
+            self.metrics.finished(reason, live.tokens, now - live.submitted_at, since_first, spec)
 
     def _close(self) -> None:
         with self._lock:
