@@ -5,7 +5,7 @@ Names are SGLang's (docs: "Production Metrics") under a `fastspec:` prefix, with
 `model_name` label: counters of prompt and generated tokens, finished requests (by finish reason) and speculative
 verify rounds / accepted draft tokens; histograms of time to first token, time per output token and end-to-end
 latency; gauges read at each scrape: running and waiting requests, KV pool usage, the prefix cache's hit rate and
-the speculative accept length. The engine thread reports requests (`submitted`, `produced`, `finished`);
+the speculative accept length. The engine thread reports requests (`submitted`, `first_token`, `finished`);
 nothing here touches the engine.
 """
 
@@ -57,15 +57,13 @@ class ServerMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self._totals["prompt"] += prompt_tokens
 
-    def produced(self, new_tokens: int, first_token_after: float | None) -> None:
-        """`first_token_after`: seconds from submission, when these are a request's first tokens."""
-        self.generation_tokens.inc(new_tokens)
-        if first_token_after is not None:
-            self.ttft.observe(first_token_after)
+    def first_token(self, since_submit: float) -> None:
+        self.ttft.observe(since_submit)
 
     def finished(self, reason: str, tokens: int, since_submit: float, since_first: float | None, spec) -> None:
-        """A request ended (`spec`: its SpecMetrics): `tokens` handed out, the seconds since it was submitted and
-        since its first token."""
+        """A request ended (`spec`: its SpecMetrics): `tokens` handed out (counted here: a stop string can take
+        back tokens counted as they came), the seconds since it was submitted and since its first token."""
+        self.generation_tokens.inc(tokens)
         self.requests.labels(self.model_name, reason).inc()
         self.e2e.observe(since_submit)
         if since_first is not None and tokens > 1:

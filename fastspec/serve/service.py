@@ -162,10 +162,9 @@ class EngineService:
 
     def _report(self, live: _Live, new_tokens: int, reason: str | None, spec: SpecMetrics) -> None:
         now = time.perf_counter()
-        first = live.first_at is None and new_tokens > 0
-        if first:
+        if live.first_at is None and new_tokens > 0:
             live.first_at = now
-        self.metrics.produced(new_tokens, now - live.submitted_at if first else None)
+            self.metrics.first_token(now - live.submitted_at)
         if reason is not None:
             since_first = None if live.first_at is None else now - live.first_at
             self.metrics.finished(reason, live.tokens, now - live.submitted_at, since_first, spec)
