@@ -271,3 +271,30 @@ def test_metrics_parse_and_move_by_what_a_request_did(served):
     rounds, accepted = after[("fastspec:spec_verify_rounds_total", label)], after[
         ("fastspec:spec_accepted_tokens_total", label)]
     assert after[("fastspec:spec_accept_length", label)] == pytest.approx((accepted + rounds) / rounds)
+
+
+def test_n_choices_streamed_or_not_share_the_prompts_kv(served):
+    """n = 3: greedy choices all equal generate's; seeded sampled choice i equals one request seeded seed + i, and
+    its streamed deltas (by choice index) join to the same text; the choices reuse the prompt's cached KV."""
+    client, _, llm, service = served
+    messages = [{"role": "user", "content": "What is 1+1?"}]
+    want = greedy(llm, messages[0]["content"], 8, chat=True)
+    reused = service.call(lambda: service.engine.worker.reused_tokens)
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in got.choices] == [0, 1, 2] and {c.message.content for c in got.choices} == {want.text}
+    assert got.usage.completion_tokens == 3 * len(want.output_ids)
+    prompt_tokens = got.usage.prompt_tokens
+    assert service.call(lambda: service.engine.worker.reused_tokens) - reused >= 3 * (prompt_tokens - 1)
+    sampled = dict(model=MODEL, prompt="abc", max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    choices = client.completions.create(n=3, **sampled).choices
+    one_by_one = [client.completions.create(**(sampled | {"seed": 11 + i})).choices[0].text for i in range(3)]
+    assert [c.text for c in choices] == one_by_one and len(set(one_by_one)) > 1
+    deltas = {}
+    for c in client.completions.create(n=3, stream=True, **sampled):
+        for choice in c.choices:
+            deltas[choice.index] = deltas.get(choice.index, "") + choice.text
+    assert [deltas[i] for i in range(3)] == one_by_one
+    for bad, message in (({"n": 0}, "n must be in"), ({"n": 17}, "n must be in"), ({"best_of": 2}, "best_of")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=3, extra_body=bad)
+    assert engine_settled(service)

@@ -65,10 +65,12 @@ async def _complete(service: EngineService, model_name: str, chat: bool, request
         if not parsed.max_tokens_given:  # chat's default: the rest of the context, capped
             room = service.engine.worker.max_context_len - len(prompt_ids)
             params = replace(params, max_new_tokens=max(1, min(params.max_new_tokens, room)))
-        rid = service.submit(prompt_ids, params, lambda e: _post(loop, events, e))
+        if parsed.n > 1 and service.engine.config.radix_cache:
+            await _cache_prompt(service, prompt_ids, params)
+        rids = _submit_choices(service, prompt_ids, parsed.choice_params(params), loop, events)
     except APIError as e:
         return _error(e)
-    reply = _Reply(service, parsed, model_name, api.new_id(chat), len(prompt_ids), rid, events)
+    reply = _Reply(service, parsed, model_name, api.new_id(chat), len(prompt_ids), rids, events)
     if parsed.stream:
         return StreamingResponse(reply.stream(), media_type="text/event-stream")
     return await reply.collect(request)
@@ -83,70 +85,114 @@ def _encode(service: EngineService, parsed: ParsedRequest) -> list[int]:
         raise APIError(str(e)) from None
 
 
-def _post(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, event: Event) -> None:
+def _submit_choices(service: EngineService, prompt_ids: list[int], params: list, loop, events: asyncio.Queue
+                    ) -> list[int]:
+    """One engine request per choice; their events go into `events` as (choice index, Event). All or none."""
+    rids = []
+    try:
+        for i, p in enumerate(params):
+            rids.append(service.submit(prompt_ids, p, partial(_post, loop, events, i)))
+    except APIError:
+        for rid in rids:
+            service.abort(rid)
+        raise
+    return rids
+
+
+async def _cache_prompt(service: EngineService, prompt_ids: list[int], params) -> None:
+    """Put the prompt's KV into the prefix cache with one one-token request, so that n choices admitted together
+    share it instead of each computing it."""
+    loop = asyncio.get_running_loop()
+    one = replace(params, max_new_tokens=1, temperature=0.0, seed=None, stop=(), logprobs=None, json_schema=None,
+                  regex=None, ebnf=None, ignore_eos=True)
+    finished = asyncio.Queue()
+    service.submit(prompt_ids, one, partial(_post, loop, finished, 0))
+    while (await finished.get())[1].finish_reason is None:
+        pass
+
+
+def _post(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int, event: Event) -> None:
     """From the engine thread into the request's queue (nothing to do if the server loop already closed)."""
     try:
-        loop.call_soon_threadsafe(events.put_nowait, event)
+        loop.call_soon_threadsafe(events.put_nowait, (index, event))
     except RuntimeError:
         pass
 
 
 class _Reply:
-    def __init__(self, service, parsed: ParsedRequest, model: str, rid: str, prompt_tokens: int, engine_rid: int,
-                 events: asyncio.Queue):
-        self.service, self.parsed, self.model, self.id = service, parsed, model, rid
-        self.prompt_tokens, self.engine_rid, self.events = prompt_tokens, engine_rid, events
-        self.finished = False
+    """The response to one request of n choices: each choice's events arrive as (index, Event)."""
 
-    def _logprobs(self, event: Event) -> dict | None:
-        if not self.parsed.logprobs or event.logprobs is None:
+    def __init__(self, service, parsed: ParsedRequest, model: str, rid: str, prompt_tokens: int,
+                 engine_rids: list[int], events: asyncio.Queue):
+        self.service, self.parsed, self.model, self.id = service, parsed, model, rid
+        self.prompt_tokens, self.engine_rids, self.events = prompt_tokens, engine_rids, events
+        self.open = set(range(len(engine_rids)))  # choices not finished
+        self.finals: dict[int, Event] = {}  # choice -> its last event
+
+    def _logprobs(self, entries: tuple | None) -> dict | None:
+        if not self.parsed.logprobs or entries is None:
             return None
         text = lambda t: self.service.llm.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
-        return api.logprobs_object(self.parsed.chat, list(event.logprobs), text)
+        return api.logprobs_object(self.parsed.chat, list(entries), text)
+
+    def _finish(self, index: int, event: Event) -> None:
+        self.open.discard(index)
+        self.finals[index] = event
+
+    def _totals(self) -> tuple[int, object]:
+        """(completion tokens, speculative metrics) of every choice together."""
+        finals = [self.finals[i] for i in sorted(self.finals)]
+        return sum(e.completion_tokens for e in finals), sum((e.metrics for e in finals[1:]), finals[0].metrics)
 
     async def stream(self):
-        chat = self.parsed.chat
+        chat, failed = self.parsed.chat, False
         try:
             if chat:
-                yield api.sse(api.chunk(self.id, chat, self.model, None, None, role=True))
-            while True:
-                event: Event = await self.events.get()
+                for index in sorted(self.open):
+                    yield api.sse(api.chunk(self.id, chat, self.model, None, None, role=True, index=index))
+            while self.open:
+                index, event = await self.events.get()
                 if event.error:  # the engine ended every open request already
-                    self.finished = True
+                    self.open.clear()
+                    failed = True
                     yield api.sse(APIError(event.error, 500, kind="server_error").body())
                     break
-                logprobs = self._logprobs(event)
+                logprobs = self._logprobs(event.logprobs)
                 if event.text or logprobs:
-                    yield api.sse(api.chunk(self.id, chat, self.model, event.text, None, logprobs))
+                    yield api.sse(api.chunk(self.id, chat, self.model, event.text, None, logprobs, index=index))
                 if event.finish_reason is not None:
-                    self.finished = True
-                    yield api.sse(api.chunk(self.id, chat, self.model, None, event.finish_reason))
-                    if self.parsed.include_usage:
-                        yield api.sse(api.usage_chunk(self.id, chat, self.model, self.prompt_tokens,
-                                                      event.completion_tokens, event.metrics))
-                    break
+                    self._finish(index, event)
+                    yield api.sse(api.chunk(self.id, chat, self.model, None, event.finish_reason, index=index))
+            if self.parsed.include_usage and not failed:
+                tokens, metrics = self._totals()
+                yield api.sse(api.usage_chunk(self.id, chat, self.model, self.prompt_tokens, tokens, metrics))
             yield api.sse("[DONE]")
         finally:  # the client went away (the task is cancelled) or the stream ended
-            if not self.finished:
-                self.service.abort(self.engine_rid)
+            for index in self.open:
+                self.service.abort(self.engine_rids[index])
 
     async def collect(self, request: Request) -> Response:
-        text, logprobs = [], []
-        while True:
-            event = await self._next_or_disconnect(request)
-            if event is None:
-                self.service.abort(self.engine_rid)
+        texts = {i: [] for i in self.open}
+        logprobs = {i: [] for i in self.open}
+        while self.open:
+            got = await self._next_or_disconnect(request)
+            if got is None:
+                for index in self.open:
+                    self.service.abort(self.engine_rids[index])
                 return Response(status_code=499)  # nobody reads it
+            index, event = got
             if event.error:
                 return _error(APIError(event.error, 500, kind="server_error"))
-            text.append(event.text)
+            texts[index].append(event.text)
             if event.logprobs is not None:
-                logprobs += event.logprobs
+                logprobs[index] += event.logprobs
             if event.finish_reason is not None:
-                break
-        lp = self._logprobs(replace(event, logprobs=tuple(logprobs))) if self.parsed.logprobs else None
-        return JSONResponse(api.response(self.id, self.parsed.chat, self.model, "".join(text), event.finish_reason,
-                                         self.prompt_tokens, event.completion_tokens, event.metrics, lp))
+                self._finish(index, event)
+        choices = [api.Choice("".join(texts[i]), self.finals[i].finish_reason, self._logprobs(tuple(logprobs[i])))
+                   for i in sorted(texts)]
+        tokens, metrics = self._totals()
+        return JSONResponse(api.response(self.id, self.parsed.chat, self.model, choices, self.prompt_tokens, tokens,
+                                         metrics))
 
     async def _next_or_disconnect(self, request: Request) -> Event | None:
         get = asyncio.ensure_future(self.events.get())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
@@ -23,6 +23,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_
           "top_k", "min_p", "repetition_penalty", "ignore_eos", "regex", "ebnf"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
+MAX_CHOICES = 16  # n: each choice is a request of its own in the running batch
 DEFAULT_CHAT_MAX_TOKENS = 1024  # OpenAI's chat default is "the rest of the context"; capped so the KV pool holds it
 
 
@@ -48,6 +49,13 @@ class ParsedRequest:
     include_usage: bool
     logprobs: bool  # report logprobs (chat: `logprobs: true`; completions: `logprobs: n`)
     max_tokens_given: bool  # False: the chat default applies once the prompt's length is known
+    n: int = 1  # choices: n requests over the same prompt (seeded: choice i draws with seed + i)
+
+    def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """Each choice's parameters: with a seed, choice i's is seed + i (reproducible and not all the same)."""
+        if params.seed is None:
+            return [params] * self.n
+        return [replace(params, seed=params.seed + i) for i in range(self.n)]
 
 
 def parse_body(raw: bytes) -> dict:
@@ -68,8 +76,11 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     if model != model_name:
         raise APIError(f"the model '{model}' does not exist (this server serves '{model_name}')", status=404,
                        param="model", code="model_not_found")
-    if _get(body, "n", int, 1) != 1 or _get(body, "best_of", int, 1) != 1:
-        raise APIError("only n = 1 is supported", param="n")
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
+    if _get(body, "best_of", int, n) != n:
+        raise APIError("best_of other than n is not supported", param="best_of")
     if not chat and (_get(body, "echo", bool, False) or _get(body, "suffix", str, None)):
         raise APIError("echo and suffix are not supported", param="echo")
     messages, prompt = (_messages(body), None) if chat else (None, _prompt(body))
@@ -105,7 +116,7 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     except FastspecError as e:
         raise APIError(str(e)) from None
     return ParsedRequest(chat, messages, prompt, params, _get(body, "stream", bool, False),
-                         bool(stream_options.get("include_usage")), want_logprobs, given)
+                         bool(stream_options.get("include_usage")), want_logprobs, given, n)
 
 
 def _get(body: dict, name: str, kind, default):
@@ -213,18 +224,31 @@ def logprobs_object(chat: bool, entries: list, token_text) -> dict | None:
             "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries]}
 
 
-def response(rid: str, chat: bool, model: str, text: str, reason: str, prompt_tokens: int, completion_tokens: int,
-             metrics: SpecMetrics, logprobs: dict | None) -> dict:
-    choice = {"index": 0, "finish_reason": finish_reason(reason), "logprobs": logprobs}
-    choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+@dataclass(frozen=True)
+class Choice:
+    """One finished choice of a response."""
+
+    text: str
+    reason: str
+    logprobs: dict | None
+
+
+def response(rid: str, chat: bool, model: str, choices: list[Choice], prompt_tokens: int, completion_tokens: int,
+             metrics: SpecMetrics) -> dict:
+    """`completion_tokens`: all choices' together; `metrics`: their speculative figures summed."""
+    out = []
+    for index, c in enumerate(choices):
+        choice = {"index": index, "finish_reason": finish_reason(c.reason), "logprobs": c.logprobs}
+        choice |= {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+        out.append(choice)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens),
+            "model": model, "choices": out, "usage": usage(prompt_tokens, completion_tokens),
             "meta_info": meta_info(metrics)}
 
 
 def chunk(rid: str, chat: bool, model: str, text: str | None, reason: str | None, logprobs: dict | None = None,
-          role: bool = False) -> dict:
-    choice = {"index": 0, "finish_reason": finish_reason(reason), "logprobs": logprobs}
+          role: bool = False, index: int = 0) -> dict:
+    choice = {"index": index, "finish_reason": finish_reason(reason), "logprobs": logprobs}
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
         choice["delta"] = delta
