@@ -99,8 +99,8 @@ class LLM:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return self.encode_chat([{"role": "user", "content": prompt}])
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode_chat(messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.tokenizer.encode_chat(messages, tools)
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams]
                  = SamplingParams(), chat: bool = False) -> list[Completion]:

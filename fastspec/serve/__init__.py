@@ -22,7 +22,7 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def make_server(llm, model_name: str, max_queued: int):
+def make_server(llm, model_name: str, max_queued: int, tool_parser: str | None = None):
     """(uvicorn.Server, EngineService started) for `llm`; run with `server.run(sockets=[sock])`."""
     import uvicorn
 
@@ -31,14 +31,15 @@ def make_server(llm, model_name: str, max_queued: int):
     from fastspec.serve.service import EngineService
 
     service = EngineService(llm, max_queued, ServerMetrics(model_name, llm.engine)).start()
-    config = uvicorn.Config(build_app(service, model_name), log_level="warning", lifespan="off",
+    config = uvicorn.Config(build_app(service, model_name, tool_parser), log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=5)
     return uvicorn.Server(config), service
 
 
-def serve(llm, sock: socket.socket, model_name: str, max_queued: int, on_ready=None) -> None:
+def serve(llm, sock: socket.socket, model_name: str, max_queued: int, tool_parser: str | None = None,
+          on_ready=None) -> None:
     """Serve `llm` on the bound `sock` until interrupted; the engine thread stops with the server."""
-    server, service = make_server(llm, model_name, max_queued)
+    server, service = make_server(llm, model_name, max_queued, tool_parser)
     if on_ready is not None:
         host, port = sock.getsockname()[:2]
         on_ready(f"http://{host}:{port}")

@@ -9,6 +9,7 @@ request is watched for a disconnect while it waits. Every error is OpenAI's erro
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from functools import partial
 
@@ -19,15 +20,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fastspec.errors import FastspecError
+from fastspec.sampling.params import SamplingParams
 from fastspec.serve import protocol as api
 from fastspec.serve.metrics import CONTENT_TYPE
-from fastspec.serve.protocol import APIError, ParsedRequest
+from fastspec.serve.errors import APIError
+from fastspec.serve.protocol import ParsedRequest
 from fastspec.serve.service import EngineService, Event
+from fastspec.serve.tools import Tools, hold_back, parse_output, template_parser
 
 DISCONNECT_POLL_S = 0.25
 
 
-def build_app(service: EngineService, model_name: str) -> Starlette:
+def build_app(service: EngineService, model_name: str, tool_parser: str | None = None) -> Starlette:
+    """`tool_parser`: how answers carry tool calls (fastspec.serve.tools.PARSERS; None: as the chat template
+    asks)."""
     ctx = service.engine.worker.max_context_len
 
     async def models(_: Request) -> JSONResponse:
@@ -48,18 +54,22 @@ def build_app(service: EngineService, model_name: str) -> Starlette:
             return _error(APIError("this server keeps no metrics", 404, kind="not_found_error"))
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    routes = [Route("/v1/chat/completions", partial(_complete, service, model_name, True), methods=["POST"]),
-              Route("/v1/completions", partial(_complete, service, model_name, False), methods=["POST"]),
+    chat, text = (partial(_complete, service, model_name, tool_parser, c) for c in (True, False))
+    routes = [Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/completions", text, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/flush_cache", flush_cache, methods=["POST"]), Route("/metrics", metrics, methods=["GET"])]
     handlers = {HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers)
 
 
-async def _complete(service: EngineService, model_name: str, chat: bool, request: Request) -> Response:
+async def _complete(service: EngineService, model_name: str, tool_parser: str | None, chat: bool,
+                    request: Request) -> Response:
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     try:
         parsed = api.parse_request(api.parse_body(await request.body()), chat, model_name)
+        if parsed.tools is not None:
+            _check_schemas(service, parsed.tools)
+            tool_parser = tool_parser or template_parser(service.llm.tokenizer.chat_template)
         prompt_ids = _encode(service, parsed)
         params = parsed.params
         if not parsed.max_tokens_given:  # chat's default: the rest of the context, capped
@@ -70,16 +80,26 @@ async def _complete(service: EngineService, model_name: str, chat: bool, request
         rids = _submit_choices(service, prompt_ids, parsed.choice_params(params), loop, events)
     except APIError as e:
         return _error(e)
-    reply = _Reply(service, parsed, model_name, api.new_id(chat), len(prompt_ids), rids, events)
+    reply = _Reply(service, parsed, model_name, api.new_id(chat), len(prompt_ids), rids, events, tool_parser)
     if parsed.stream:
         return StreamingResponse(reply.stream(), media_type="text/event-stream")
     return await reply.collect(request)
 
 
+def _check_schemas(service: EngineService, tools: Tools) -> None:
+    """Every tool's parameters compile to a grammar (a tool the model may call must be one it can be held to)."""
+    for name, schema in tools.schemas.items():
+        try:
+            service.engine.grammars.compile(SamplingParams(json_schema=json.dumps(schema)))
+        except FastspecError as e:
+            raise APIError(f"tool {name!r}: {e}", param="tools") from None
+
+
 def _encode(service: EngineService, parsed: ParsedRequest) -> list[int]:
     try:
         if parsed.chat:
-            return service.llm.encode_chat(parsed.messages)
+            offered = parsed.tools is not None and parsed.tools.choice != "none"
+            return service.llm.encode_chat(parsed.messages, list(parsed.tools.functions) if offered else None)
         return parsed.prompt if isinstance(parsed.prompt, list) else service.llm.encode(parsed.prompt)
     except FastspecError as e:
         raise APIError(str(e)) from None
@@ -120,14 +140,18 @@ def _post(loop: asyncio.AbstractEventLoop, events: asyncio.Queue, index: int, ev
 
 
 class _Reply:
-    """The response to one request of n choices: each choice's events arrive as (index, Event)."""
+    """The response to one request of n choices: each choice's events arrive as (index, Event). With tools, text
+    that may be a tool call is held back while streaming and the finished text is parsed into tool calls."""
 
     def __init__(self, service, parsed: ParsedRequest, model: str, rid: str, prompt_tokens: int,
-                 engine_rids: list[int], events: asyncio.Queue):
+                 engine_rids: list[int], events: asyncio.Queue, tool_parser: str | None = None):
         self.service, self.parsed, self.model, self.id = service, parsed, model, rid
         self.prompt_tokens, self.engine_rids, self.events = prompt_tokens, engine_rids, events
+        self.tool_parser = tool_parser
         self.open = set(range(len(engine_rids)))  # choices not finished
         self.finals: dict[int, Event] = {}  # choice -> its last event
+        self.texts = {i: "" for i in self.open}  # choice -> its text so far
+        self.sent = {i: 0 for i in self.open}  # choice -> characters of it streamed as content
 
     def _logprobs(self, entries: tuple | None) -> dict | None:
         if not self.parsed.logprobs or entries is None:
@@ -144,6 +168,30 @@ class _Reply:
         finals = [self.finals[i] for i in sorted(self.finals)]
         return sum(e.completion_tokens for e in finals), sum((e.metrics for e in finals[1:]), finals[0].metrics)
 
+    def _split(self, text: str) -> tuple[str | None, list]:
+        """A finished choice's (content, tool calls)."""
+        if self.parsed.tools is None:
+            return text, []
+        return parse_output(text, self.parsed.tools, self.tool_parser)
+
+    def _stream_event(self, index: int, event: Event):
+        """The chunks of one event of choice `index`."""
+        chat, full = self.parsed.chat, self.texts[index] + event.text
+        self.texts[index], logprobs = full, self._logprobs(event.logprobs)
+        if event.finish_reason is None:
+            upto = hold_back(full, self.parsed.tools, self.tool_parser) if chat else len(full)
+            delta, self.sent[index] = full[self.sent[index]: upto], max(self.sent[index], upto)
+            if delta or logprobs:
+                yield api.chunk(self.id, chat, self.model, delta, None, logprobs, index=index)
+            return
+        content, calls = self._split(full)
+        rest = (content or "")[self.sent[index]:] if calls else full[self.sent[index]:]
+        if rest or logprobs:
+            yield api.chunk(self.id, chat, self.model, rest, None, logprobs, index=index)
+        if calls:
+            yield api.chunk(self.id, chat, self.model, None, None, index=index, tool_calls=tuple(calls))
+        yield api.chunk(self.id, chat, self.model, None, "tool_calls" if calls else event.finish_reason, index=index)
+
     async def stream(self):
         chat, failed = self.parsed.chat, False
         try:
@@ -157,12 +205,10 @@ class _Reply:
                     failed = True
                     yield api.sse(APIError(event.error, 500, kind="server_error").body())
                     break
-                logprobs = self._logprobs(event.logprobs)
-                if event.text or logprobs:
-                    yield api.sse(api.chunk(self.id, chat, self.model, event.text, None, logprobs, index=index))
+                for piece in self._stream_event(index, event):
+                    yield api.sse(piece)
                 if event.finish_reason is not None:
                     self._finish(index, event)
-                    yield api.sse(api.chunk(self.id, chat, self.model, None, event.finish_reason, index=index))
             if self.parsed.include_usage and not failed:
                 tokens, metrics = self._totals()
                 yield api.sse(api.usage_chunk(self.id, chat, self.model, self.prompt_tokens, tokens, metrics))
@@ -172,7 +218,6 @@ class _Reply:
                 self.service.abort(self.engine_rids[index])
 
     async def collect(self, request: Request) -> Response:
-        texts = {i: [] for i in self.open}
         logprobs = {i: [] for i in self.open}
         while self.open:
             got = await self._next_or_disconnect(request)
@@ -183,13 +228,16 @@ class _Reply:
             index, event = got
             if event.error:
                 return _error(APIError(event.error, 500, kind="server_error"))
-            texts[index].append(event.text)
+            self.texts[index] += event.text
             if event.logprobs is not None:
                 logprobs[index] += event.logprobs
             if event.finish_reason is not None:
                 self._finish(index, event)
-        choices = [api.Choice("".join(texts[i]), self.finals[i].finish_reason, self._logprobs(tuple(logprobs[i])))
-                   for i in sorted(texts)]
+        choices = []
+        for i in sorted(self.texts):
+            content, calls = self._split(self.texts[i])
+            choices.append(api.Choice(content, self.finals[i].finish_reason, self._logprobs(tuple(logprobs[i])),
+                                      tuple(calls)))
         tokens, metrics = self._totals()
         return JSONResponse(api.response(self.id, self.parsed.chat, self.model, choices, self.prompt_tokens, tokens,
                                          metrics))

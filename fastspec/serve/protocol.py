@@ -16,27 +16,18 @@ from dataclasses import dataclass, replace
 
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
+from fastspec.serve.errors import APIError
+from fastspec.serve.tools import Tools, parse_tools
 from fastspec.utils.metrics import SpecMetrics
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
           "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs", "response_format",
           "top_k", "min_p", "repetition_penalty", "ignore_eos", "regex", "ebnf"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                        "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_CHOICES = 16  # n: each choice is a request of its own in the running batch
 DEFAULT_CHAT_MAX_TOKENS = 1024  # OpenAI's chat default is "the rest of the context"; capped so the KV pool holds it
-
-
-class APIError(Exception):
-    """An OpenAI error object with its HTTP status."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.kind, self.code = status, param, kind, code
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass(frozen=True)
@@ -50,6 +41,7 @@ class ParsedRequest:
     logprobs: bool  # report logprobs (chat: `logprobs: true`; completions: `logprobs: n`)
     max_tokens_given: bool  # False: the chat default applies once the prompt's length is known
     n: int = 1  # choices: n requests over the same prompt (seeded: choice i draws with seed + i)
+    tools: Tools | None = None  # chat: the tools the answer may call (fastspec.serve.tools)
 
     def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
         """Each choice's parameters: with a seed, choice i's is seed + i (reproducible and not all the same)."""
@@ -84,6 +76,13 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     if not chat and (_get(body, "echo", bool, False) or _get(body, "suffix", str, None)):
         raise APIError("echo and suffix are not supported", param="echo")
     messages, prompt = (_messages(body), None) if chat else (None, _prompt(body))
+    tools = parse_tools(body) if chat else None
+    schema = _response_format(body)
+    if tools is not None and tools.grammar() is not None:
+        if schema is not None or body.get("regex") is not None or body.get("ebnf") is not None:
+            raise APIError("tool_choice required or a named function constrains the answer already: drop "
+                           "response_format / regex / ebnf", param="tool_choice")
+        schema = tools.grammar()
     stop = _get(body, "stop", (str, list), None)
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) for s in stop) or len(stop) > 4:
@@ -112,11 +111,11 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
             frequency_penalty=_number(body, "frequency_penalty", 0.0),
             presence_penalty=_number(body, "presence_penalty", 0.0),
             logit_bias=_logit_bias(body), regex=_get(body, "regex", str, None), ebnf=_get(body, "ebnf", str, None),
-            json_schema=_response_format(body))
+            json_schema=schema)
     except FastspecError as e:
         raise APIError(str(e)) from None
     return ParsedRequest(chat, messages, prompt, params, _get(body, "stream", bool, False),
-                         bool(stream_options.get("include_usage")), want_logprobs, given, n)
+                         bool(stream_options.get("include_usage")), want_logprobs, given, n, tools)
 
 
 def _get(body: dict, name: str, kind, default):
@@ -144,8 +143,16 @@ def _messages(body: dict) -> list[dict]:
         raise APIError("messages must be a non-empty list", param="messages")
     out = []
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise APIError("each message needs a role: system, developer, user or assistant", param="messages")
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+            raise APIError("each message needs a role: system, developer, user, assistant or tool", param="messages")
+        extra = {}
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise APIError("a tool message needs the tool_call_id it answers", param="messages")
+            extra["tool_call_id"] = m["tool_call_id"]
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            extra["tool_calls"] = _tool_calls(m["tool_calls"])
+            m = m | {"content": m.get("content") or ""}
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -154,7 +161,25 @@ def _messages(body: dict) -> list[dict]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise APIError("message content must be a string or a list of text parts", param="messages")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content} | extra)
+    return out
+
+
+def _tool_calls(calls) -> list[dict]:
+    """An assistant message's earlier tool calls, for the chat template (arguments as a dict, as templates read
+    them)."""
+    if not isinstance(calls, list):
+        raise APIError("tool_calls must be a list", param="messages")
+    out = []
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise APIError("each tool call needs a function name", param="messages")
+        try:
+            args = json.loads(f.get("arguments") or "{}") if isinstance(f.get("arguments"), str) else f["arguments"]
+        except json.JSONDecodeError:
+            raise APIError("a tool call's arguments must be a JSON object", param="messages") from None
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
     return out
 
 
@@ -228,9 +253,10 @@ def logprobs_object(chat: bool, entries: list, token_text) -> dict | None:
 class Choice:
     """One finished choice of a response."""
 
-    text: str
+    text: str | None
     reason: str
     logprobs: dict | None
+    tool_calls: tuple = ()  # fastspec.serve.tools.ToolCall: the reason is then "tool_calls"
 
 
 def response(rid: str, chat: bool, model: str, choices: list[Choice], prompt_tokens: int, completion_tokens: int,
@@ -238,8 +264,12 @@ def response(rid: str, chat: bool, model: str, choices: list[Choice], prompt_tok
     """`completion_tokens`: all choices' together; `metrics`: their speculative figures summed."""
     out = []
     for index, c in enumerate(choices):
-        choice = {"index": index, "finish_reason": finish_reason(c.reason), "logprobs": c.logprobs}
-        choice |= {"message": {"role": "assistant", "content": c.text}} if chat else {"text": c.text}
+        reason = "tool_calls" if c.tool_calls else finish_reason(c.reason)
+        choice = {"index": index, "finish_reason": reason, "logprobs": c.logprobs}
+        message = {"role": "assistant", "content": c.text}
+        if c.tool_calls:
+            message["tool_calls"] = [call.as_dict() for call in c.tool_calls]
+        choice |= {"message": message} if chat else {"text": c.text}
         out.append(choice)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": out, "usage": usage(prompt_tokens, completion_tokens),
@@ -247,10 +277,14 @@ def response(rid: str, chat: bool, model: str, choices: list[Choice], prompt_tok
 
 
 def chunk(rid: str, chat: bool, model: str, text: str | None, reason: str | None, logprobs: dict | None = None,
-          role: bool = False, index: int = 0) -> dict:
-    choice = {"index": index, "finish_reason": finish_reason(reason), "logprobs": logprobs}
+          role: bool = False, index: int = 0, tool_calls: tuple = ()) -> dict:
+    """A stream chunk of choice `index`: a text delta, its tool calls (each whole, by call index), or its end."""
+    choice = {"index": index, "finish_reason": reason if reason == "tool_calls" else finish_reason(reason),
+              "logprobs": logprobs}
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+        if tool_calls:
+            delta["tool_calls"] = [call.as_dict(i) for i, call in enumerate(tool_calls)]
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

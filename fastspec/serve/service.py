@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve.metrics import ServerMetrics
-from fastspec.serve.protocol import APIError
+from fastspec.serve.errors import APIError
 from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.utils.metrics import SpecMetrics
 

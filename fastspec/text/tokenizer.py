@@ -45,17 +45,20 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """`tools`: OpenAI-style function dicts, passed to the template as transformers passes them."""
         if not self.chat_template:
             raise FastspecError("the model's tokenizer has no chat template")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         **({} if tools is None else {"tools": tools}))
         except Exception as e:  # template errors are the model author's or the user's input, not ours
             raise FastspecError(f"chat template failed: {e}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
     @cached_property
     def _template(self):
