@@ -123,3 +123,27 @@ def test_hermes_and_llama3_answers_parse_into_calls():
     assert hold_back("Let me check. <tool_call>{", tools, "hermes") == len("Let me check. ")
     assert hold_back("a < b", tools, "hermes") == len("a < b")
     assert hold_back(' {"name"', tools, "llama3") == 0 and hold_back("Sure", tools, "llama3") == 4
+
+
+def test_the_chat_template_sees_the_tools_and_earlier_calls(tmp_path):
+    """The tools reach the template as transformers passes them (`tools`: the function dicts), an assistant turn's
+    calls with their arguments as a dict; the template's own format picks the parser."""
+    from tiny_models import write_chat_target
+
+    from fastspec.serve.protocol import parse_request
+    from fastspec.serve.tools import template_parser
+    from fastspec.text.tokenizer import Tokenizer
+
+    target = write_chat_target(tmp_path / "target")
+    (target / "chat_template.jinja").write_text(
+        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:"
+        "{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }})"
+        "{% endfor %};{% endfor %}")
+    body = {"model": "m", "tools": [WEATHER, TIME], "messages": MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}
+    parsed = parse_request(body, True, "m")
+    text = Tokenizer(target).apply_chat_template(parsed.messages, tools=list(parsed.tools.functions))
+    assert text == "[get_weather][get_time]user:Weather in Oslo?;assistant:get_weather(Oslo);tool:sunny;"
+    assert template_parser("{{ '<|python_tag|>' }}") == "llama3" and template_parser("<tool_call>") == "hermes"
