@@ -7,7 +7,6 @@ BPE tokenizations, and the real embedded SmolLM2-135M answering "Paris".
 
 import json
 import os
-import time
 
 import gguf
 import numpy as np
@@ -284,44 +283,3 @@ def test_embedded_reconverts_when_package_file_changes(tmp_path, monkeypatch):
     assert (embedded_model_dir("fake") / "model.safetensors").stat().st_ino != first  # re-converted
     loaded = LlamaForCausalLM.from_pretrained(out)
     torch.testing.assert_close(loaded.model.norm.weight, tiny_llama(True, seed=1).model.norm.weight)
-
-
-# ---- the real embedded model ----
-
-@pytest.fixture(scope="module")
-def smollm_dir(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FASTSPEC_MODEL_CACHE", str(tmp_path_factory.mktemp("fastspec-models")))
-        yield embedded_model_dir()
-
-
-def test_embedded_converts_once(smollm_dir):
-    stamp = (smollm_dir / "model.safetensors").stat().st_mtime_ns
-    start = time.perf_counter()
-    assert embedded_model_dir() == smollm_dir == models_root() / "smollm2-135m-instruct"
-    assert time.perf_counter() - start < 1.0
-    assert (smollm_dir / "model.safetensors").stat().st_mtime_ns == stamp
-    config = json.loads((smollm_dir / "config.json").read_text())
-    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (576, 30, 3)
-    assert config["tie_word_embeddings"] is True and config["vocab_size"] == 49152
-
-
-def test_embedded_tokenizer(smollm_dir):
-    tok = AutoTokenizer.from_pretrained(smollm_dir)
-    sentence = "Hello world, 1234 times!"
-    ids = tok.encode(sentence)
-    assert tok.decode(ids) == sentence and tok.convert_ids_to_tokens(ids)[:2] == ["Hello", "Ġworld"]
-    assert [tok.decode([i]) for i in ids[3:7]] == [" ", "1", "2", "3"]  # smollm pre-tokenizer: single digits
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
-    assert text.startswith("<|im_start|>system\n")
-    assert text.endswith("<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-
-
-def test_embedded_model_answers_paris(smollm_dir):
-    tok = AutoTokenizer.from_pretrained(smollm_dir)
-    model = LlamaForCausalLM.from_pretrained(smollm_dir).eval()
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1]:])
