@@ -126,7 +126,7 @@ def hold_back(text: str, tools: Tools | None, parser: str) -> int:
         return 0
     if parser == "llama3":
         stripped = text.lstrip()
-        return 0 if not stripped or stripped[0] == "{" or PYTHON_TAG.startswith(stripped[:14]) else len(text)
+        return 0 if not stripped or stripped[0] == "{" or PYTHON_TAG.startswith(stripped[: len(PYTHON_TAG)]) else len(text)
     at = text.find(HERMES_OPEN)
     if at >= 0:
         return at
