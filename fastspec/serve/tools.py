@@ -126,7 +126,8 @@ def hold_back(text: str, tools: Tools | None, parser: str) -> int:
         return 0
     if parser == "llama3":
         stripped = text.lstrip()
-        return 0 if not stripped or stripped[0] == "{" or PYTHON_TAG.startswith(stripped[: len(PYTHON_TAG)]) else len(text)
+        may_be_call = not stripped or stripped[0] == "{" or PYTHON_TAG.startswith(stripped[: len(PYTHON_TAG)])
+        return 0 if may_be_call else len(text)
     at = text.find(HERMES_OPEN)
     if at >= 0:
         return at
