@@ -45,6 +45,7 @@ class EngineConfig:
     """Everything the engine needs to start; validated here so the engine never sees a bad value."""
 
     model: str = "smollm2-135m-instruct"  # embedded name, HF directory or .gguf file
+    load_format: str = "auto"  # auto: the model's weights; dummy: random weights from config.json alone (benchmarks)
     dtype: str = "float32"
     device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
     page_size: int = 1
@@ -64,6 +65,8 @@ class EngineConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "device", resolve_device(self.device))
+        if self.load_format not in LOAD_FORMATS:
+            raise FastspecError(f"--load-format must be {' or '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise FastspecError(f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.graphs not in GRAPH_MODES:
@@ -114,6 +117,7 @@ class EngineConfig:
 
 
 GRAPH_MODES = ("auto", "cuda", "compile", "eager")
+LOAD_FORMATS = ("auto", "dummy")
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 # SGLang's auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) by target architecture
 _AUTO_SPEC = {"LlamaForCausalLM": (5, 4, 8), "DeepseekV2ForCausalLM": (3, 1, 4), "DeepseekV3ForCausalLM": (3, 1, 4)}

@@ -13,6 +13,7 @@ from functools import cached_property
 
 from fastspec.config import EngineConfig, Schedule, SpecConfig, check_spec_flags
 from fastspec.engine.engine import Engine
+from fastspec.models.dummy import load_format_scope
 from fastspec.models.embedded import default_speculation
 from fastspec.models.hub import is_hub_id
 from fastspec.models.loader import read_config, resolve_draft_dir, resolve_model_dir
@@ -57,7 +58,8 @@ class LLM:
         `fastspec tune` measured for this target, draft and machine, else SGLang's per-architecture defaults.
         `say` receives notes on a tuned file that exists but is not used (default: stderr). `model` and
         `draft_model` may be Hugging Face hub ids (`org/name`, at `revision` / `draft_revision`): the cached
-        snapshot, or downloaded into the hub cache unless HF_HUB_OFFLINE is set.
+        snapshot, or downloaded into the hub cache unless HF_HUB_OFFLINE is set. `load_format="dummy"` (an engine
+        option): random weights from the model's config.json alone (see fastspec.models.dummy).
 
         Checks run cheapest first: the flags, then the model's config, and only then the tuned file."""
         config = EngineConfig(model=model, **engine_options)
@@ -87,7 +89,8 @@ class LLM:
                 spec = SpecConfig() if all_off else spec  # tuned: plain decoding at every batch size
         if schedule:
             spec = spec.with_schedule(schedule)
-        self.engine = Engine(config, spec, on_prepare)
+        with load_format_scope(config.load_format):  # the loader reads it (--load-format dummy: random weights)
+            self.engine = Engine(config, spec, on_prepare)
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

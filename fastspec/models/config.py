@@ -67,6 +67,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    initializer_range: float = 0.02  # std of random weights (--load-format dummy)
     mla: MLAConfig | None = None  # DeepSeek targets
     moe: MoEConfig | None = None
     hybrid: HybridConfig | None = None  # Qwen3-Next
@@ -130,6 +131,7 @@ class ModelConfig:
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=_int_tuple(hf.get("eos_token_id")),
                 torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+                initializer_range=float(hf.get("initializer_range") or 0.02),
                 **_rope_fields(hf),
                 **_draft_fields(hf, arch),
                 **(deepseek_fields(hf, arch) if arch in DEEPSEEK_FAMILY else {}),

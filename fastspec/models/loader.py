@@ -2,7 +2,8 @@
 
 Reads single or sharded safetensors (and `pytorch_model*.bin` with `weights_only=True`), EAGLE / EAGLE-3
 checkpoints in SGLang / SpecForge key format, and FR-Spec token maps (a checkpoint's MTP layers: mtp_loader), all
-without arbitrary unpickling and without network access. Every failure a user can cause becomes a one-line FastspecError.
+without arbitrary unpickling and without network access; or, with load format dummy, nothing at all (random weights:
+fastspec.models.dummy). Every failure a user can cause becomes a one-line FastspecError.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from fastspec.errors import FastspecError, first_line
 from fastspec.models import hub
 from fastspec.models.config import ModelConfig
+from fastspec.models.dummy import default_dtype, fill_random, is_dummy
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.moe import Router, stack_experts
@@ -80,13 +82,17 @@ def read_config(model_dir: Path) -> ModelConfig:
 def read_state_dict(model_dir: Path, keep=None) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory (or those whose name `keep(name)` accepts: safetensors files then
     read only those), on CPU, in their stored dtype."""
-    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("pytorch_model*.bin"))
+    files = _weight_files(model_dir)
     if not files:
         raise FastspecError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(_read_weight_file(f, keep))
     return state
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    return sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("pytorch_model*.bin"))
 
 
 def _read_weight_file(path: Path, keep=None) -> dict[str, torch.Tensor]:
@@ -135,15 +141,20 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str
             tensor.copy_(state[name])
 
 
-def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layers: tuple[int, ...] = ()
-                ) -> LlamaForCausalLM:
+def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layers: tuple[int, ...] = (),
+                load_format: str | None = None) -> LlamaForCausalLM:
+    """`load_format` dummy (None: the enclosing load_format_scope's, else auto): random weights, none read."""
     config = read_config(model_dir)
     if config.is_draft:
         raise FastspecError(f"{model_dir}: {config.architecture} is a draft head, not a target model")
     if any(not 0 <= i <= config.num_layers for i in capture_layers):
         raise FastspecError(f"capture layers {capture_layers} outside 0..{config.num_layers}")
-    with _skip_init(), torch.device(device):
+    dummy = is_dummy(load_format)
+    with _skip_init(), torch.device(device), default_dtype(dtype if dummy else None):
         model = _keep_routers_float32(LlamaForCausalLM(config, capture_layers).to(dtype))
+    if dummy:
+        fill_random(model, config.initializer_range)
+        return model.eval().requires_grad_(False)
     skip = ("lm_head.",) if config.tie_word_embeddings else ()
     state = stack_experts(read_state_dict(model_dir))
     if "model.final_layernorm.weight" in state:  # Bamba's name for the final norm
@@ -161,12 +172,15 @@ def _keep_routers_float32(model: nn.Module) -> nn.Module:
 
 
 def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu",
-               token_map: Path | None = None) -> LlamaForCausalLMEagle | LlamaForCausalLMEagle3:
-    """An EAGLE-2 or EAGLE-3 head that fits `target` (checked), sharing its embedding / lm_head."""
+               token_map: Path | None = None, load_format: str | None = None
+               ) -> LlamaForCausalLMEagle | LlamaForCausalLMEagle3:
+    """An EAGLE-2 or EAGLE-3 head that fits `target` (checked), sharing its embedding / lm_head. With load_format
+    dummy (see load_target) a head directory without weight files gets random weights; one with them loads them."""
     config = read_config(draft_dir)
     check_draft_fits(config, target.config, str(draft_dir))
-    state = {k.removeprefix("model."): v for k, v in read_state_dict(draft_dir).items()}
-    with _skip_init(), torch.device(device):
+    dummy = is_dummy(load_format) and not _weight_files(draft_dir)
+    state = {} if dummy else {k.removeprefix("model."): v for k, v in read_state_dict(draft_dir).items()}
+    with _skip_init(), torch.device(device), default_dtype(dtype if dummy else None):
         if config.is_eagle3:
             model, skip = _build_eagle3(config, target)
         else:
@@ -177,7 +191,10 @@ def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, de
     if config.is_eagle3:
         model.d2t.zero_()
         state.setdefault("d2t", model.d2t)
-    _load_into(model, state, skip, str(draft_dir))
+    if dummy:
+        fill_random(model, config.initializer_range, skip)
+    else:
+        _load_into(model, state, skip, str(draft_dir))
     _check_hot_map(model.hot_token_map(), target.config.vocab_size, str(draft_dir))
     return model.eval().requires_grad_(False)
 
