@@ -31,12 +31,15 @@ def time_fastspec(llm, prompt_ids, new_tokens):
     return len(out.output_ids), time.perf_counter() - start
 
 
-def time_transformers(hf, prompt_ids, new_tokens):
-    ids = torch.tensor([prompt_ids])
+def time_transformers(hf, prompt_ids, new_tokens, **generate_options):
+    """(tokens, seconds) of one greedy `generate` on hf's device; `generate_options`: e.g. cache_implementation."""
+    ids = torch.tensor([prompt_ids], device=hf.device)
     start = time.perf_counter()
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, pad_token_id=2)
+                          min_new_tokens=new_tokens, pad_token_id=2, **generate_options)
+    if out.is_cuda:
+        torch.cuda.synchronize(out.device)
     return out.shape[1] - ids.shape[1], time.perf_counter() - start
 
 

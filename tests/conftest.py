@@ -24,6 +24,9 @@ import pytest
 
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")  # before torch reads it; inherited by the CLI subprocesses
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter (read when a kernel module is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from gpu_marker import pytest_collection_modifyitems  # noqa: F401  (skips @pytest.mark.gpu without CUDA)
 from tiny_models import FAMILIES, make_hf_model  # noqa: F401  (tests import them from here)
 

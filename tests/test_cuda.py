@@ -44,9 +44,9 @@ def host_reads(monkeypatch):
     """Watches every round function (draft loop, draft extend, verify) while it runs eagerly on the device."""
     mode, real = HostReads(), StepGraphs.__call__
 
-    def watched(self, bs, inputs, width):
+    def watched(self, bs, inputs):
         with mode:
-            return real(self, bs, inputs, width)
+            return real(self, bs, inputs)
 
     monkeypatch.setattr(StepGraphs, "__call__", watched)
     yield mode

@@ -58,15 +58,15 @@ def test_compiled_draft_loop_equals_eager_and_padding_leaves_real_kv_alone(compi
     seen = {}
     real_call = type(drafter.loop_graphs).__call__
 
-    def spy(graphs, bs, x, width):
+    def spy(graphs, bs, x):
         if graphs is drafter.loop_graphs and bs == 3 and "x" not in seen:
             seen["x"] = {k: v.clone() for k, v in x.items()}
             seen["pool_before"] = (drafter.pool.k.clone(), drafter.pool.v.clone())
-            out = real_call(graphs, bs, x, width)
+            out = real_call(graphs, bs, x)
             seen["pool_after"] = (drafter.pool.k.clone(), drafter.pool.v.clone())
-            seen["out"], seen["width"] = out, width
+            seen["out"] = out
             return out
-        return real_call(graphs, bs, x, width)
+        return real_call(graphs, bs, x)
 
     type(drafter.loop_graphs).__call__ = spy
     try:
@@ -74,7 +74,7 @@ def test_compiled_draft_loop_equals_eager_and_padding_leaves_real_kv_alone(compi
     finally:
         type(drafter.loop_graphs).__call__ = real_call
     assert seen, "no 3-request draft round happened"
-    assert drafter.loop_graphs.runner(seen["width"]).bucket_for(3) == 4
+    assert drafter.loop_graphs.runner.bucket_for(3) == 4
     changed = (seen["pool_after"][0] != seen["pool_before"][0]).any(-1).any(-1).any(0)  # [slots]
     allowed = torch.zeros_like(changed)
     allowed[seen["x"]["scratch"].flatten()] = True
@@ -83,7 +83,7 @@ def test_compiled_draft_loop_equals_eager_and_padding_leaves_real_kv_alone(compi
     # the same inputs through the plain function give the same tree
     pool = drafter.pool
     pool.k.copy_(seen["pool_before"][0]), pool.v.copy_(seen["pool_before"][1])
-    eager = draft_loop(drafter.model, drafter.hot_token_id, pool, drafter.topk, drafter.num_steps,
+    eager = draft_loop(drafter.model, drafter.hot_token_id, pool, drafter.table.table, drafter.topk, drafter.num_steps,
                        drafter.num_draft_tokens, seen["x"])
     for key in ("parent_list", "top_scores_index", "draft_tokens"):
         assert torch.equal(eager[key], seen["out"][key]), key
@@ -108,10 +108,10 @@ def test_plain_rounds_run_the_compiled_decode_graph_and_stay_lossless(compiled, 
     calls = []
     real_call = type(engine.worker.decode_graphs).__call__
 
-    def spy(graphs, bs, x, width):
+    def spy(graphs, bs, x):
         if graphs is engine.worker.decode_graphs:
             calls.append(bs)
-        return real_call(graphs, bs, x, width)
+        return real_call(graphs, bs, x)
 
     engine.policy, params = EveryOther(), SamplingParams(max_new_tokens=13, ignore_eos=True)
     type(engine.worker.decode_graphs).__call__ = spy
@@ -131,8 +131,8 @@ def test_compiled_draft_extend_equals_eager(compiled):
     seen = {}
     real_call = type(drafter.extend_graphs).__call__
 
-    def spy(graphs, bs, x, width):
-        out = real_call(graphs, bs, x, width)
+    def spy(graphs, bs, x):
+        out = real_call(graphs, bs, x)
         if graphs is drafter.extend_graphs and "x" not in seen:
             seen.update(x={k: v.clone() for k, v in x.items()}, out=out)
         return out
@@ -142,7 +142,8 @@ def test_compiled_draft_extend_equals_eager(compiled):
         engine.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=5, ignore_eos=True)] * 2)
     finally:
         type(drafter.extend_graphs).__call__ = real_call
-    eager = draft_extend(drafter.model, drafter.hot_token_id, drafter.pool, drafter.topk, seen["x"])
+    eager = draft_extend(drafter.model, drafter.hot_token_id, drafter.pool, drafter.table.table, drafter.topk,
+                         seen["x"])
     assert torch.equal(eager["topk_index"], seen["out"]["topk_index"])
     torch.testing.assert_close(eager["topk_p"], seen["out"]["topk_p"], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(eager["hidden"], seen["out"]["hidden"], atol=1e-4, rtol=1e-4)

@@ -12,7 +12,6 @@ from fastspec.engine.scheduler import Request
 from fastspec.engine.slots import BatchSlots
 from fastspec.engine.target import Target
 from fastspec.speculative.batch import ExtendBatch
-from fastspec.speculative.packing import kv_width, prefix_view
 from fastspec.speculative.runners import StepGraphs
 from fastspec.utils.transfer import to_device
 
@@ -36,7 +35,7 @@ class PlainRounds:
         if self.drafter is not None and self.drafter.uses_extend:
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
                                             to_device(tokens, ids.device), positions, features,
-                                            max(r.seq_len for r in reqs), 1), decode_round=False)
+                                            max_extend=1), decode_round=False)
         produced = self.producer.commit(reqs, ones, [[t] for t in tokens])
         for r in reqs:
             self.producer.save_states(r, r.seq_len - 1)
@@ -46,10 +45,8 @@ class PlainRounds:
     def _graph_forward(self, reqs, ids, rows, prefix, positions) -> tuple[torch.Tensor, torch.Tensor]:
         """The target forward as a one-node tree (its slot already in the table): (logits, features)."""
         table = self.slots.table.table
-        width = kv_width(max(r.seq_len for r in reqs), self.graphs.bucketed)
-        prefix_slots, prefix_valid = prefix_view(table, rows, prefix, width)
         x = {"input_ids": ids, "positions": positions, "new_slots": table[rows, prefix].long()[:, None],
              "tree_mask": torch.ones(len(reqs), 1, 1, dtype=torch.bool, device=ids.device),
-             "prefix_slots": prefix_slots, "prefix_valid": prefix_valid}
-        out = self.graphs(len(reqs), x, width)
+             "rows": rows, "prefix_lens": prefix}
+        out = self.graphs(len(reqs), x)
         return out["logits"], out["features"]

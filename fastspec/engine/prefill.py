@@ -49,7 +49,7 @@ class Prefill:
             shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each chunk's tail: see above
             shifted[last] = to_device(tails, ids.device)
             self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
-                                            self.target.features(hidden), max(r.seq_len for r in reqs), max(lens)),
+                                            self.target.features(hidden), max_extend=max(lens)),
                                 decode_round=False)
         produced = self.producer.commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))])
         logprobs = self.producer.logprobs(reqs, first_logits,

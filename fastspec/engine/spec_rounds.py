@@ -22,7 +22,7 @@ from fastspec.sampling.draw import SamplingTensors, draw_uniforms
 from fastspec.speculative.batch import DecodeBatch
 from fastspec.speculative.future import FutureMaps, PendingRound, start_readback
 from fastspec.speculative.kv import DeviceKV, plan_round_kv_on_device, round_free_slots
-from fastspec.speculative.packing import kv_width, pack_verify
+from fastspec.speculative.packing import pack_verify
 from fastspec.speculative.runners import StepGraphs
 from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
 from fastspec.utils.transfer import to_device
@@ -109,12 +109,10 @@ class SpecRounds:
                 raise FastspecError("KV pool exhausted")  # unreachable: the engine checked two rounds' headroom
             slots, spare = reserved
             table.write(batch.rows, batch.seq_lens, torch.full_like(batch.rows, n), slots)
-        graphs = self.verify_graphs[n]
-        width = kv_width(max(batch.seq_lens_cpu), graphs.bucketed)
-        x = pack_verify(batch, tree, table.table, width)
+        x = pack_verify(batch, tree, table.table)
         if self.target.states is not None:
             x["state_rows"] = self.target.states.state_rows(batch.rows)
-        return x["new_slots"], spare, graphs(batch.size, x, width)
+        return x["new_slots"], spare, self.verify_graphs[n](batch.size, x)
 
     def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
@@ -152,4 +150,4 @@ class SpecRounds:
         rows = features[index.clamp(min=0).flatten()]  # [bs*E, F]
         drafter.extend_round(batch.rids, batch.rows, batch.seq_lens, kv.keep_lens,
                              torch.where(kept, result.emitted, 0).flatten(), positions.flatten(),
-                             torch.where(kept.flatten()[:, None], rows, 0), max(batch.seq_lens_cpu))
+                             torch.where(kept.flatten()[:, None], rows, 0))

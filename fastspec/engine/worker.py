@@ -92,13 +92,13 @@ class Worker:
         plan, hybrid = self._plan, self.states is not None
         self.verify_graphs = {p.num_draft_tokens: StepGraphs(
             "verify" if len(drafters) < 2 else f"verify N={p.num_draft_tokens}",
-            partial(target_verify, self.model, self.pool, self.feature, states=self.states),
-            partial(verify_specs, p.num_draft_tokens, hybrid), plan, self.times, "verify") for p in drafters}
+            partial(target_verify, self.model, self.pool, self.table.table, self.feature, states=self.states),
+            verify_specs(p.num_draft_tokens, hybrid), plan, self.times, "verify") for p in drafters}
         # plain decode rounds through the same function as a one-node verify: captured too (not for hybrid targets,
         # whose plain rounds advance their recurrent states in place)
         self.decode_graphs = None if hybrid or plan.mode == "eager" else StepGraphs(
-            "decode", partial(target_verify, self.model, self.pool, self.feature),
-            partial(verify_specs, 1, False), plan, self.times, "decode")
+            "decode", partial(target_verify, self.model, self.pool, self.table.table, self.feature),
+            verify_specs(1, False), plan, self.times, "decode")
         self.use_drafters(drafters)
 
     def use_drafters(self, drafters: dict) -> None:
@@ -254,10 +254,9 @@ class Worker:
             self.release(r)
 
 
-def verify_specs(n: int, hybrid: bool, width: int) -> list[StaticInput]:
-    """The verify graph's static inputs for trees of n tokens over a committed-KV width (a module function: a
-    bound method here would make a reference cycle that keeps a dropped engine's weights alive until gc runs).
-    A hybrid target's verify also takes each request's state row (padded rows: the dummy row 0)."""
+def verify_specs(n: int, hybrid: bool) -> list[StaticInput]:
+    """The verify graph's static inputs for trees of n tokens. A hybrid target's verify also takes each request's
+    state row (padded rows: the dummy row 0)."""
     return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
             StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
-            *prefix_specs(width), *([StaticInput("state_rows", (), torch.int64)] if hybrid else [])]
+            *prefix_specs(), *([StaticInput("state_rows", (), torch.int64)] if hybrid else [])]

@@ -20,7 +20,7 @@ class DecodeBatch:
     rows: torch.Tensor  # int64 [bs]  request->slot table rows
     seq_lens: torch.Tensor  # int64 [bs]  committed KV lengths
     seq_lens_cpu: tuple[int, ...]  # the same on the host; under the overlap schedule, launched before the round
-    #                                that decides them is read: an upper bound (sizes KV widths, never a position)
+    #                                that decides them is read: an upper bound (sizes reservations, never a position)
     verified_id: torch.Tensor  # int64 [bs]  the last emitted token (tree root)
     histories: tuple[list[int], ...]  # prompt + output tokens so far (read-only), last = root
     grammars: tuple | None = None  # per request its fastspec.sampling.grammar.Grammar or None; None: no request has one
@@ -44,7 +44,6 @@ class ExtendBatch:
     input_ids: torch.Tensor  # int64 [T]  shifted tokens (t_{p+1} at position p)
     positions: torch.Tensor  # int64 [T]
     features: torch.Tensor  # [T, F]  target features h_p (final hidden for EAGLE, aux for EAGLE-3)
-    max_prefix: int | None = None  # max(prefix_lens), when the caller knows it on the host (saves a device read)
     max_extend: int | None = None  # max(extend_lens), likewise
 
     @property

@@ -19,7 +19,7 @@ from fastspec.graphs import StaticInput
 from fastspec.models.eagle import DraftHidden
 from fastspec.sampling.grammar import draft_masks
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
-from fastspec.speculative.packing import kv_width, pack_draft, pack_extend, pack_extend_padded, prefix_specs
+from fastspec.speculative.packing import pack_draft, pack_extend, pack_extend_padded, prefix_specs
 from fastspec.speculative.runners import GraphPlan, StepGraphs
 from fastspec.speculative.steps import draft_extend, draft_loop, draft_top_k
 from fastspec.speculative.tree import DraftTree, build_tree
@@ -70,16 +70,17 @@ class EagleDrafter:
         self.hot_token_id = model.hot_token_map()  # [Vd] draft id -> target id, or None
         self.states: dict[int, DraftState] = {} if states is None else states
         self.extend_topk = extend_topk or topk
-        self._extend_fn = partial(draft_extend, model, self.hot_token_id, pool, self.extend_topk)
-        self._loop = loop = partial(draft_loop, model, self.hot_token_id, pool, topk, num_steps, num_draft_tokens)
+        self._extend_fn = partial(draft_extend, model, self.hot_token_id, pool, table.table, self.extend_topk)
+        self._loop = loop = partial(draft_loop, model, self.hot_token_id, pool, table.table, topk, num_steps,
+                                    num_draft_tokens)
         name = "draft loop" if extend_topk is None else f"draft loop {num_steps}/{topk}/{num_draft_tokens}"
         dtype = next(model.parameters()).dtype
         # module functions, not bound methods: a method here would make a drafter <-> graphs reference cycle
         # that keeps a dropped engine's weights alive until the garbage collector happens to run
-        loop_inputs = partial(loop_specs, topk, num_steps, model.config.hidden_size, dtype)
+        loop_inputs = loop_specs(topk, num_steps, model.config.hidden_size, dtype)
         self.loop_graphs = StepGraphs(name, loop, loop_inputs, plan, times, "draft")
-        extend_inputs = partial(extend_specs, num_steps, dtype, feature_width,
-                                model.per_step_layers - 1, model.config.hidden_size)
+        extend_inputs = extend_specs(num_steps, dtype, feature_width, model.per_step_layers - 1,
+                                     model.config.hidden_size)
         self.extend_graphs = StepGraphs("draft extend", self._extend_fn, extend_inputs, plan, times, "draft_extend")
 
     @property
@@ -95,26 +96,22 @@ class EagleDrafter:
         chunks have arbitrary lengths and run eagerly at exact shapes (as SGLang does)."""
         graphs = self.extend_graphs if decode_round else None
         rows = self.num_steps + 1 if decode_round else (batch.max_extend or int(batch.extend_lens.max()))
-        longest = batch.max_prefix if batch.max_prefix is not None else int(batch.prefix_lens.max())
-        width = kv_width(longest, graphs is not None and graphs.bucketed)
-        self._run_extend(batch.rids, pack_extend(batch, self.table.table, rows, width), width, graphs)
+        self._run_extend(batch.rids, pack_extend(batch, self.table.table, rows), graphs)
 
     def extend_round(self, rids: tuple[int, ...], rows, prefix_lens, keep_lens,  # int64 [bs] each
                      input_ids, positions,  # int64 [bs*E], E = num_steps + 1 rows per request
-                     features: torch.Tensor,  # [bs*E, F]
-                     max_prefix: int) -> None:
+                     features: torch.Tensor) -> None:  # [bs*E, F]
         """A decode round's draft extend from rows already padded on the device (row b*E + j real while
-        j < keep_lens[b]): no host value but `max_prefix` (an upper bound will do) is needed."""
-        width = kv_width(max_prefix, self.extend_graphs.bucketed)
+        j < keep_lens[b]): no host value is needed."""
         x = pack_extend_padded(rows, prefix_lens, keep_lens, input_ids, positions, features, self.table.table,
-                               self.num_steps + 1, width)
-        self._run_extend(rids, x, width, self.extend_graphs)
+                               self.num_steps + 1)
+        self._run_extend(rids, x, self.extend_graphs)
 
-    def _run_extend(self, rids: tuple[int, ...], x: dict, width: int, graphs) -> None:
+    def _run_extend(self, rids: tuple[int, ...], x: dict, graphs) -> None:
         layered = self.model.per_step_layers > 1
         if layered:  # what each layer after the first reads at the position before this extend's first row
             x["prev_hidden"] = torch.stack([self._layers_before(rid, x["features"]) for rid in rids])
-        out = graphs(len(rids), x, width) if graphs else self._extend_fn(x)
+        out = graphs(len(rids), x) if graphs else self._extend_fn(x)
         for b, rid in enumerate(rids):
             layers = out["layer_hidden"][b].clone() if layered else None
             self.states[rid] = DraftState(out["topk_p"][b], out["topk_index"][b], out["hidden"][b], layers,
@@ -139,14 +136,13 @@ class EagleDrafter:
         topk_index = torch.stack([s.topk_index[:self.topk] for s in states])  # [bs, topk]
         hidden = torch.stack([s.hidden for s in states])  # [bs, Hd]
         scratch = self._assign_scratch_slots(batch) if self.num_steps > 1 else None
-        width = kv_width(max(batch.seq_lens_cpu), self.loop_graphs.bucketed)
         if batch.grammars is not None:  # structured output: every step's top-k masked, eagerly (host callbacks)
             normed = torch.stack([s.normed for s in states])
             root = draft_masks(batch.grammars, batch.verified_id.new_zeros(batch.size, 0))
             topk_p, topk_index = draft_top_k(self.model, self.hot_token_id, normed, self.topk, root)
-        x = pack_draft(batch, self.table.table, topk_p, topk_index, hidden, scratch, width, self.topk)
+        x = pack_draft(batch, topk_p, topk_index, hidden, scratch, self.topk)
         if batch.grammars is None:
-            out = self.loop_graphs(batch.size, x, width)
+            out = self.loop_graphs(batch.size, x)
         else:
             with self.loop_graphs.times("draft"):
                 out = self._loop(x, partial(draft_masks, batch.grammars))
@@ -173,20 +169,20 @@ class EagleDrafter:
     # ---- static input layouts ------------------------------------------------------------------------------
 
 
-def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype, width: int) -> list[StaticInput]:
-    """The draft loop's static inputs per request over a committed-KV width."""
+def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype) -> list[StaticInput]:
+    """The draft loop's static inputs per request (seq_lens: the committed length its table row holds)."""
     return [StaticInput("topk_p", (topk,), torch.float32), StaticInput("topk_index", (topk,), torch.int64),
             StaticInput("hidden", (hidden_size,), dtype), StaticInput("seq_lens", (), torch.int64),
-            *prefix_specs(width), StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
+            StaticInput("rows", (), torch.int64), StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
 
 
-def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, extra_layers: int, hidden_size: int,
-                 width: int) -> list[StaticInput]:
+def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, extra_layers: int,
+                 hidden_size: int) -> list[StaticInput]:
     """The draft extend's static inputs: num_steps + 1 padded rows per request (and, for a draft with a layer
     per step, the extra layers' outputs before the first row)."""
     e = num_steps + 1
     layered = [StaticInput("prev_hidden", (extra_layers, hidden_size), dtype)] if extra_layers else []
     return [StaticInput("input_ids", (), torch.int64, e), StaticInput("positions", (), torch.int64, e),
             StaticInput("features", (feature_width,), dtype, e), StaticInput("new_slots", (e,), torch.int64),
-            StaticInput("new_valid", (e,), torch.bool), *prefix_specs(width), StaticInput("last_rows", (), torch.int64),
+            StaticInput("new_valid", (e,), torch.bool), *prefix_specs(), StaticInput("last_rows", (), torch.int64),
             *layered]

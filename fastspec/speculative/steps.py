@@ -1,10 +1,11 @@
 """The three static-shape functions of a speculative round, each captured / compiled per batch-size bucket:
 the multi-step draft loop, the draft extend, and the target verify forward.
 
-Each takes a dict of tensors whose shapes depend only on the bucket (batch rows, KV width) and contains no
-host sync and no data-dependent Python control flow, so the same code runs eagerly, under
-torch.compile(fullgraph=True) and inside a CUDA graph. Attention uses `block_plan`: every request sees its
-committed KV (`prefix_slots` / `prefix_valid`, padded) plus a block of new tokens under a static mask.
+Each takes a dict of tensors whose shapes depend only on the batch bucket (never on a context length) and
+contains no host sync and no data-dependent Python control flow, so the same code runs eagerly, under
+torch.compile(fullgraph=True) and inside a CUDA graph. Attention is paged (fastspec.attention.paged): every request
+sees its committed KV through its request->slot `table` row up to `prefix_lens` (device values, read by the
+kernel) plus a block of keys under a static mask, so one graph serves every context length.
 Host-side packing of these dicts lives in fastspec.speculative.packing; nothing here touches the allocator.
 """
 
@@ -12,14 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from fastspec.attention import AttentionContext, TorchAttnBackend
-from fastspec.attention.torch_backend import block_plan
+from fastspec.attention import AttentionContext
+from fastspec.attention.paged import PagedAttnBackend, PagedPlan, paged_block_plan
 from fastspec.kernels import fast_topk
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models.recurrent import tree_parents
 from fastspec.speculative.tree import organize_draft_results, select_top_k
 
-_BACKEND = TorchAttnBackend()
+_BACKEND = PagedAttnBackend()
 
 
 def draft_top_k(model, hot_token_id, normed: torch.Tensor, topk: int, allowed: torch.Tensor | None = None):
@@ -34,18 +35,19 @@ def draft_top_k(model, hot_token_id, normed: torch.Tensor, topk: int, allowed: t
     return topk_p, index if hot_token_id is None else hot_token_id[index]
 
 
-def draft_extend(model, hot_token_id, pool, topk: int, x: dict) -> dict:
+def draft_extend(model, hot_token_id, pool, table, topk: int, x: dict) -> dict:
     """Draft forward over E new positions per request (causal) -> the top-k after each request's last row.
 
     x: input_ids, positions [bs*E]; features [bs*E, F]; new_slots [bs, E]; new_valid bool [bs, E];
-       prefix_slots [bs, Kp], prefix_valid bool [bs, Kp]; last_rows int64 [bs] (flat row of each last token);
+       rows, prefix_lens int64 [bs] (table row, committed length); last_rows int64 [bs] (flat row of each last
+       token);
        a draft with a layer per step (D > 1) also prev_hidden [bs, D-1, H] and returns layer_hidden alike.
     """
     e = x["new_slots"].shape[1]
     causal = torch.ones(e, e, dtype=torch.bool, device=x["new_slots"].device).tril()
     valid = x["new_valid"]
-    new_mask = causal & valid[:, None, :]  # padded rows see only themselves (block_plan adds the diagonal)
-    plan = block_plan(x["prefix_slots"], x["prefix_valid"], x["new_slots"], new_mask)
+    new_mask = causal & valid[:, None, :]  # padded rows see only themselves (the plan adds the diagonal)
+    plan = paged_block_plan(table, x["rows"], x["prefix_lens"], x["new_slots"], new_mask)
     attn, last = AttentionContext(_BACKEND, plan, pool), x["last_rows"]
     if model.per_step_layers > 1:  # one layer per step: each reads the layer before at the position before
         out, layers = model.extend(x["input_ids"], x["positions"], x["features"], x["prev_hidden"], attn, e)
@@ -57,34 +59,32 @@ def draft_extend(model, hot_token_id, pool, topk: int, x: dict) -> dict:
             **extra}
 
 
-def draft_loop(model, hot_token_id, pool, topk: int, num_steps: int, num_draft_tokens: int, x: dict,
+def draft_loop(model, hot_token_id, pool, table, topk: int, num_steps: int, num_draft_tokens: int, x: dict,
                allowed=None) -> dict:
     """select_top_k + num_steps-1 draft forwards over bs*topk rows + organize, with exact ancestry.
     `allowed(paths int64 [R, depth]) -> bool [R, V]` (eager only: a host callback) masks each step's top-k by
     what may follow each row's draft path (structured output).
 
-    x: topk_p [bs, topk] f32, topk_index [bs, topk] i64, hidden [bs, Hd], seq_lens [bs],
-       prefix_slots [bs, Kp], prefix_valid bool [bs, Kp], scratch int64 [bs*topk, S] (row b*topk+k, step i).
+    x: topk_p [bs, topk] f32, topk_index [bs, topk] i64, hidden [bs, Hd], rows, seq_lens [bs] (table row,
+       committed length), scratch int64 [bs*topk, S] (row b*topk+k, step i).
     Row r of forward i attends its request's prefix, the draft KV of its true ancestors (slots its ancestors
     wrote in earlier steps) and itself; unlike SGLang's per-branch-slot history this is exact for any topk.
     """
     parent_list, top_scores_index, draft_tokens = organize_draft_results(
-        *draft_candidates(model, hot_token_id, pool, topk, num_steps, x, allowed), num_draft_tokens)
+        *draft_candidates(model, hot_token_id, pool, table, topk, num_steps, x, allowed), num_draft_tokens)
     return {"parent_list": parent_list, "top_scores_index": top_scores_index, "draft_tokens": draft_tokens}
 
 
-def draft_candidates(model, hot_token_id, pool, topk: int, num_steps: int, x: dict, allowed=None):
+def draft_candidates(model, hot_token_id, pool, table, topk: int, num_steps: int, x: dict, allowed=None):
     """The draft loop before `organize`: per step, the candidates' scores, tokens and parents (lists of
     num_steps tensors; see select_top_k). A tree of fewer steps or fewer draft tokens is organised from a prefix
     of these lists, which is how `fastspec tune` replays every (num_steps, num_draft_tokens) from one run."""
     topk_p, topk_index, hidden = x["topk_p"], x["topk_index"], x["hidden"]
-    prefix_slots = x["prefix_slots"].repeat_interleave(topk, 0)  # [R, Kp]
-    prefix_valid = x["prefix_valid"].repeat_interleave(topk, 0)
-    positions = x["seq_lens"].repeat_interleave(topk)  # [R]  forward i sits at seq_len + i
+    table_rows = x["rows"].repeat_interleave(topk)  # [R]  every branch row reads its request's prefix
+    positions = x["seq_lens"].repeat_interleave(topk)  # [R]  the prefix length; forward i sits at seq_len + i
     scratch = x["scratch"]
     rows = positions.shape[0]
     ancestors = scratch[:, :0]  # [R, i]  draft KV slots of each row's path
-    own_mask = torch.ones(rows, 1, 1, dtype=torch.bool, device=scratch.device)
     scores, score_list, token_list, parents_list = None, [], [], []
     for step in range(num_steps):
         sel = select_top_k(step, topk_p, topk_index, hidden, scores, topk)
@@ -97,9 +97,10 @@ def draft_candidates(model, hot_token_id, pool, topk: int, num_steps: int, x: di
             ancestors = torch.cat([ancestors[sel.parent_rows], scratch[sel.parent_rows, step - 1:step]], 1)
         if allowed is not None:  # each row's draft tokens so far
             paths = sel.input_ids[:, None] if step == 0 else torch.cat([paths[sel.parent_rows], sel.input_ids[:, None]], 1)
-        seen = torch.cat([prefix_slots, ancestors], 1)
-        seen_valid = torch.cat([prefix_valid, torch.ones_like(ancestors, dtype=torch.bool)], 1)
-        plan = block_plan(seen, seen_valid, scratch[:, step:step + 1], own_mask)
+        own = scratch[:, step:step + 1]  # the slot this forward writes; its ancestors' and its own KV as the block
+        block = torch.cat([ancestors, own], 1)
+        visible = torch.ones(rows, 1, block.shape[1], dtype=torch.bool, device=block.device)
+        plan = PagedPlan(table, table_rows, positions, block, visible, own.flatten())
         attn = AttentionContext(_BACKEND, plan, pool)
         args = (sel.input_ids, positions + step, sel.hidden, attn)
         out = model(*args, step=step + 1) if layered else model(*args)  # the extend was step 0
@@ -109,15 +110,15 @@ def draft_candidates(model, hot_token_id, pool, topk: int, num_steps: int, x: di
     return score_list, token_list, parents_list
 
 
-def target_verify(model, pool, feature: str, x: dict, states=None) -> dict:
+def target_verify(model, pool, table, feature: str, x: dict, states=None) -> dict:
     """Target forward over the N tree tokens of every request under the tree mask.
 
     x: input_ids, positions [bs*N]; new_slots [bs, N]; tree_mask bool [bs, N, N] (ancestors + self);
-       prefix_slots [bs, Kp], prefix_valid [bs, Kp]; with a hybrid target's `states` (a StatePool) also
+       rows, prefix_lens [bs] (table row, committed length); with a hybrid target's `states` (a StatePool) also
        state_rows [bs], whose states every node starts from along its tree path (each node's state is tracked).
     Returns logits [bs*N, V] f32 and features [bs*N, F].
     """
-    plan = block_plan(x["prefix_slots"], x["prefix_valid"], x["new_slots"], x["tree_mask"])
+    plan = paged_block_plan(table, x["rows"], x["prefix_lens"], x["new_slots"], x["tree_mask"])
     view = None if states is None else RecurrentView(states, x["state_rows"], parents=tree_parents(x["tree_mask"]))
     hidden = model(x["input_ids"], x["positions"], AttentionContext(_BACKEND, plan, pool, view))
     features = hidden.aux if feature == "aux" else hidden.final

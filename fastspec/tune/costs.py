@@ -76,7 +76,7 @@ class CostModel:
         if self._packed:
             prepack_linears(e.model, _engine_packs(bs, n))
         with torch.inference_mode():
-            return timed(lambda: target_verify(e.model, e.pool, e.feature, x), self.reps)
+            return timed(lambda: target_verify(e.model, e.pool, self._table(bs), e.feature, x), self.reps)
 
     def _draft(self, steps: int, topk: int, bs: int) -> float:
         d, c = self.drafter, self.drafter.model.config
@@ -84,13 +84,13 @@ class CostModel:
         x = self._prefix(bs) | {
             "topk_p": probs, "topk_index": torch.randint(0, c.vocab_size, (bs, topk)),
             "hidden": torch.randn(bs, c.hidden_size, dtype=next(d.model.parameters()).dtype),
-            "seq_lens": torch.full((bs,), self.width), "scratch": self._free_slots(bs * topk * steps).view(-1, steps)}
+            "rows": torch.arange(bs), "seq_lens": torch.full((bs,), self.width), "scratch": self._free_slots(bs * topk * steps).view(-1, steps)}
         n = min(1 + topk + (steps - 1) * topk * topk, steps + 1 if topk == 1 else 2)
         if self._packed:
             prepack_linears(d.model, _engine_packs(bs, topk))
         with torch.inference_mode():
             return timed(lambda: draft_loop(
-                d.model, d.hot_token_id, d.pool, topk, steps, n, x), self.reps)
+                d.model, d.hot_token_id, d.pool, self._table(bs), topk, steps, n, x), self.reps)
 
     def _extend(self, steps: int, bs: int) -> float:
         d, e = self.drafter, self.engine
@@ -104,11 +104,14 @@ class CostModel:
             "new_valid": torch.ones(bs, rows, dtype=torch.bool), "last_rows": torch.arange(bs) * rows + rows - 1}
         with torch.inference_mode():
             return timed(lambda: draft_extend(
-                d.model, d.hot_token_id, d.pool, d.extend_topk, x), self.reps)
+                d.model, d.hot_token_id, d.pool, self._table(bs), d.extend_topk, x), self.reps)
 
     def _prefix(self, bs: int) -> dict:
-        slots = torch.arange(1, self.width + 1).expand(bs, self.width)
-        return {"prefix_slots": slots.contiguous(), "prefix_valid": torch.ones(bs, self.width, dtype=torch.bool)}
+        return {"rows": torch.arange(bs), "prefix_lens": torch.full((bs,), self.width)}
+
+    def _table(self, bs: int) -> torch.Tensor:
+        """Every request's committed KV in slots 1..width (int32 [bs, width], as a request->slot table)."""
+        return torch.arange(1, self.width + 1, dtype=torch.int32).expand(bs, self.width).contiguous()
 
     def _free_slots(self, n: int) -> torch.Tensor:
         return self.width + 1 + torch.arange(n)

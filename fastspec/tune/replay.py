@@ -87,14 +87,11 @@ def _candidates(draft, hot_token_id, pool, rows, n, topk: int, steps: int, L: in
     """draft_candidates for round starts n [B]: the root row is n - 1, the prefix slots 1..n."""
     B = n.numel()
     topk_p, topk_index = draft_top_k(draft, hot_token_id, rows.normed[n - 1], topk)
-    width = int(n.max())
-    cols = torch.arange(width)
-    prefix_valid = cols[None, :] < n[:, None]
+    table = torch.arange(1, int(n.max()) + 1, dtype=torch.int32).expand(B, -1).contiguous()  # position p: slot p + 1
     scratch = L + torch.arange(B * topk * steps).view(B * topk, steps)
-    x = {"topk_p": topk_p, "topk_index": topk_index, "hidden": rows.carry[n - 1], "seq_lens": n,
-         "prefix_slots": torch.where(prefix_valid, cols[None, :] + 1, 0), "prefix_valid": prefix_valid,
-         "scratch": scratch}
-    return draft_candidates(draft, hot_token_id, pool, topk, steps, x)
+    x = {"topk_p": topk_p, "topk_index": topk_index, "hidden": rows.carry[n - 1], "rows": torch.arange(B),
+         "seq_lens": n, "scratch": scratch}
+    return draft_candidates(draft, hot_token_id, pool, table, topk, steps, x)
 
 
 def _accept_lens(lists, n: torch.Tensor, seq: torch.Tensor, p: SpecParams) -> torch.Tensor:

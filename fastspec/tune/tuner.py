@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from fastspec.config import SpecParams
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
-from fastspec.speculative.packing import KV_BUCKET
 from fastspec.tune.costs import CostModel
 from fastspec.tune.replay import candidate_params, record, replay_tau
 
@@ -83,7 +82,7 @@ def tune(llm, prompts: list[list[int]], cfg: TuneConfig, say: Callable[[str], No
     taus = {p: _tau(*replay_tau(recorded, p)) for p in grid}
     replayed = time.perf_counter()
     context = sum(len(o.prompt_ids) + len(o.output_ids) / 2 for o in outputs) / len(outputs)
-    costs = CostModel(engine, width=max(KV_BUCKET, math.ceil(context / KV_BUCKET) * KV_BUCKET))
+    costs = CostModel(engine, width=max(1, math.ceil(context)))
     host = _host_seconds(llm, prompts, cfg)
     ranked = {}
     for bs in cfg.batch_sizes:

@@ -1,0 +1,91 @@
+"""Attention for the static round functions without a KV width: each request's committed prefix is read through its
+req_to_token row up to its length (device tensors), then a block of explicit keys under a per-row mask.
+
+Owns `PagedPlan` (built on the device, no host value: graph-safe), `paged_block_plan` (the new tokens of an
+extend / verify / decode as the block), `PagedAttnBackend` and the op `fastspec::paged_attention` it calls: on
+CUDA the Triton kernels (fastspec.kernels.triton_attention), elsewhere the torch twin below. The op is opaque to
+torch.compile, so a compiled round function has no KV width in it: one compile (and one CUDA graph per batch
+bucket) serves every context length. The twin reads the longest length on the host, which only an opaque op may.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fastspec.attention.torch_backend import TorchAttnPlan, attend_padded
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """Every request has Q query rows; row (b, i) sees table[rows[b], :prefix_lens[b]] and the block keys
+    block_slots[b, x] where block_mask[b, i, x]."""
+
+    table: torch.Tensor          # int32 [max_requests, max_context]  read in place, never copied
+    rows: torch.Tensor           # int64 [bs]
+    prefix_lens: torch.Tensor    # int64 [bs]
+    block_slots: torch.Tensor    # int64 [bs, X]
+    block_mask: torch.Tensor     # bool [bs, Q, X]  each row allows at least one key
+    out_cache_loc: torch.Tensor  # int64 [bs*Q]  slots receiving the new tokens' K/V
+
+
+def paged_block_plan(table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
+                     new_slots: torch.Tensor,  # int64 [bs, Q]  this forward's tokens (padded rows: slot 0)
+                     new_mask: torch.Tensor,   # bool [bs, Q, Q]  which new tokens each new token sees
+                     ) -> PagedPlan:
+    """The new tokens as the block (causal for extend, the tree for verify). Every new token sees itself, so no
+    row is fully masked (a NaN from one would reach dummy slot 0 and, through 0 * NaN, every row reading it)."""
+    q = new_slots.shape[1]
+    mask = new_mask | torch.eye(q, dtype=torch.bool, device=new_mask.device)
+    return PagedPlan(table, rows, prefix_lens, new_slots, mask, new_slots.flatten())
+
+
+class PagedAttnBackend:
+    """`run(plan, q, k_cache, v_cache, scale)` as the other backends; the plan is built by the caller."""
+
+    def run(self, plan: PagedPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            scale: float) -> torch.Tensor:
+        return torch.ops.fastspec.paged_attention(q, k_cache, v_cache, plan.table, plan.rows, plan.prefix_lens,
+                                                  plan.block_slots, plan.block_mask, scale)
+
+
+def kernel_for(device: torch.device) -> str:
+    """Which implementation the op runs for tensors on `device`: "triton" or "torch"."""
+    if torch.device(device).type == "cuda" or os.environ.get("FASTSPEC_TRITON_ATTENTION") == "1":
+        return "triton"
+    return "torch"
+
+
+@torch.library.custom_op("fastspec::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                    rows: torch.Tensor, prefix_lens: torch.Tensor, block_slots: torch.Tensor,
+                    block_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """[T, Hq, Dv]. FASTSPEC_TRITON_ATTENTION=1 runs the Triton kernels on CPU too (with TRITON_INTERPRET=1)."""
+    args = (q, k_cache, v_cache, table, rows, prefix_lens, block_slots, block_mask, scale)
+    if kernel_for(q.device) == "triton":
+        from fastspec.kernels.triton_attention import paged_attention as triton_paged_attention
+
+        return triton_paged_attention(*args)
+    return paged_attention_twin(*args)
+
+
+@paged_attention.register_fake
+def _(q, k_cache, v_cache, table, rows, prefix_lens, block_slots, block_mask, scale):
+    return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
+
+
+def paged_attention_twin(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                         rows: torch.Tensor, prefix_lens: torch.Tensor, block_slots: torch.Tensor,
+                         block_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch twin: gather the prefix up to the longest length (a host read), then one masked SDPA."""
+    bs, q_rows, _ = block_mask.shape
+    width = int(prefix_lens.max()) if bs else 0
+    valid = torch.arange(width, device=q.device)[None, :] < prefix_lens[:, None]  # [bs, width]
+    prefix_slots = torch.where(valid, table[rows, :width].to(torch.int64), 0)
+    mask = torch.cat([valid[:, None, :].expand(bs, q_rows, width), block_mask], 2)
+    index = torch.arange(bs * q_rows, device=q.device)
+    plan = TorchAttnPlan(q_index=index.view(bs, q_rows), kv_slots=torch.cat([prefix_slots, block_slots], 1),
+                         mask=mask[:, None], out_index=index, out_cache_loc=index, uniform_qo=True)
+    return attend_padded(plan, q, k_cache, v_cache, scale).reshape(*q.shape[:-1], v_cache.shape[-1]).contiguous()

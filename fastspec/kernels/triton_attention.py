@@ -1,0 +1,138 @@
+"""Paged attention in Triton: every length, table row and mask read from device tensors, so one launch (and one
+CUDA graph around it) serves every context length.
+
+Query row t = b*Q + i of head h sees (1) request b's committed prefix, the first prefix_lens[b] slots of its
+req_to_token row, and (2) the block keys block_slots[b, x] that block_mask[b, i, x] allows (the new tokens under a
+causal or tree mask; in the draft loop the slots of a row's ancestors and its own). Flash-decoding split: program
+(t, h, s) attends split s of the prefix (s < SPLITS) or the block (s == SPLITS) with an online softmax and writes
+its partial (max, sum, unnormalised output); a second kernel combines the partials. The grid depends on shapes
+alone, the loop bounds on device values: capturable, and no recapture when a context grows.
+
+The semantics are fastspec.attention.paged's torch twin; tests run both under TRITON_INTERPRET=1 on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # prefix keys per loop iteration
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _partial_kernel(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, MidO, MidML, scale,
+                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
+                    Q_ROWS: tl.constexpr, X: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
+                    HQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    b = t // Q_ROWS
+    i = t % Q_ROWS
+    kvh = h // GROUP
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + t * stride_qt + h * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+    m_i = -1e30  # finite: a fully masked tile then adds exp(-inf) = 0 instead of a NaN
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    if s < SPLITS:  # a split of the committed prefix, slots read from the request's table row
+        n = tl.load(PrefixLens + b)
+        row = tl.load(Rows + b)
+        chunk = tl.cdiv(n, SPLITS)
+        start = s * chunk
+        end = tl.minimum(start + chunk, n)
+        for j in range(start, end, BLOCK_N):
+            cols = j + tl.arange(0, BLOCK_N)
+            ok = cols < end
+            slots = tl.load(Table + row * stride_table + cols, mask=ok, other=0).to(tl.int64)
+            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                        mask=ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+            score = tl.where(ok, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(score, 0))
+            p = tl.exp(score - m_new)
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+                        mask=ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+    else:  # the block: new tokens (or a draft row's ancestors) under the per-row mask
+        x = tl.arange(0, BLOCK_X)
+        in_block = x < X
+        ok = tl.load(BlockMask + t * X + x, mask=in_block, other=0) != 0
+        slots = tl.load(BlockSlots + b * X + x, mask=in_block, other=0).to(tl.int64)
+        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+        score = tl.where(ok, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(score, 0))
+        p = tl.exp(score - m_new)
+        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+                    mask=ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+        acc = tl.sum(p[:, None] * v, 0)
+        l_i = tl.sum(p, 0)
+        m_i = m_new
+    part = (t * HQ + h) * (SPLITS + 1) + s
+    tl.store(MidO + part * BLOCK_DV + dv, acc)
+    tl.store(MidML + part * 2, m_i)
+    tl.store(MidML + part * 2 + 1, l_i)
+
+
+@triton.jit
+def _combine_kernel(MidO, MidML, Out, stride_ot, stride_oh,
+                    PARTS: tl.constexpr, HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_P: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.arange(0, BLOCK_P)
+    dv = tl.arange(0, BLOCK_DV)
+    in_parts = p < PARTS
+    base = (t * HQ + h) * PARTS
+    m = tl.load(MidML + (base + p) * 2, mask=in_parts, other=float("-inf"))
+    l = tl.load(MidML + (base + p) * 2 + 1, mask=in_parts, other=0.0)
+    acc = tl.load(MidO + (base + p)[:, None] * BLOCK_DV + dv[None, :], mask=in_parts[:, None], other=0.0)
+    w = tl.exp(m - tl.max(m, 0))
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+    tl.store(Out + t * stride_ot + h * stride_oh + dv, out.to(Out.dtype.element_ty), mask=dv < DV)
+
+
+def default_splits(programs: int, device: torch.device) -> int:
+    """Prefix splits per (row, head): enough programs to fill the GPU at batch 1, none at large batches."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, -(-2 * sms // max(programs, 1))))
+
+
+def paged_attention(q: torch.Tensor,            # [T, Hq, D]  T = bs*Q, last dim contiguous
+                    k_cache: torch.Tensor,      # [slots, Hkv, D]   last dim contiguous
+                    v_cache: torch.Tensor,      # [slots, Hkv, Dv]  (may be a view of k_cache: MLA)
+                    table: torch.Tensor,        # int32 [max_requests, max_context]
+                    rows: torch.Tensor,         # int64 [bs]
+                    prefix_lens: torch.Tensor,  # int64 [bs]
+                    block_slots: torch.Tensor,  # int64 [bs, X]
+                    block_mask: torch.Tensor,   # bool [bs, Q, X]  every row allows at least one key
+                    scale: float, splits: int | None = None) -> torch.Tensor:  # [T, Hq, Dv] in q's dtype
+    t, hq, d = q.shape
+    hkv, dv = k_cache.shape[1], v_cache.shape[-1]
+    bs, q_rows, x = block_mask.shape
+    if t != bs * q_rows or hq % hkv or block_slots.shape != (bs, x):
+        raise ValueError(f"paged attention: q {tuple(q.shape)}, heads {hq}/{hkv}, block {tuple(block_slots.shape)}, "
+                         f"mask {tuple(block_mask.shape)} do not fit together")
+    splits = splits or default_splits(t * hq, q.device)
+    block_dv = triton.next_power_of_2(dv)
+    mid_o = torch.empty(t, hq, splits + 1, block_dv, dtype=torch.float32, device=q.device)
+    mid_ml = torch.empty(t, hq, splits + 1, 2, dtype=torch.float32, device=q.device)
+    _partial_kernel[(t, hq, splits + 1)](
+        q, k_cache, v_cache, table, rows, prefix_lens, block_slots.contiguous(), block_mask.contiguous(), mid_o,
+        mid_ml, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), table.stride(0),
+        Q_ROWS=q_rows, X=x, GROUP=hq // hkv, SPLITS=splits, HQ=hq, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_DV=block_dv, BLOCK_N=BLOCK_N, BLOCK_X=triton.next_power_of_2(x))
+    out = torch.empty(t, hq, dv, dtype=q.dtype, device=q.device)
+    _combine_kernel[(t, hq)](mid_o, mid_ml, out, out.stride(0), out.stride(1), PARTS=splits + 1, HQ=hq, DV=dv,
+                             BLOCK_DV=block_dv, BLOCK_P=triton.next_power_of_2(splits + 1))
+    return out

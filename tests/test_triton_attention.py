@@ -1,0 +1,108 @@
+"""The Triton paged-attention kernels against an independent float64 loop and against the torch twin (on CPU in
+Triton's interpreter, TRITON_INTERPRET=1 set by conftest; on a GPU compiled): pages of 1 and 16 slots, mixed and
+zero prefix lengths, tree and causal blocks, the draft loop's rows (topk > 1, ancestors as the block), GQA and
+MLA's latent MQA (V a view of K), float32 and float16, several prefix splits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from fastspec.attention.paged import paged_attention_twin  # noqa: E402
+from fastspec.kernels.triton_attention import paged_attention as triton_paged_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+def oracle(q, k_cache, v_cache, table, rows, prefix_lens, block_slots, block_mask, scale):
+    """Per (row, head): the visible slots listed by hand, softmax in float64."""
+    bs, q_rows, _ = block_mask.shape
+    hq, hkv = q.shape[1], k_cache.shape[1]
+    out = torch.empty(q.shape[0], hq, v_cache.shape[-1], dtype=torch.float64)
+    for b in range(bs):
+        prefix = [int(s) for s in table[rows[b], : int(prefix_lens[b])]]
+        for i in range(q_rows):
+            slots = prefix + [int(s) for s, ok in zip(block_slots[b], block_mask[b, i]) if ok]
+            for h in range(hq):
+                kvh = h // (hq // hkv)
+                k = k_cache[slots, kvh].double()
+                v = v_cache[slots, kvh].double()
+                w = torch.softmax(k @ q[b * q_rows + i, h].double() * scale, 0)
+                out[b * q_rows + i, h] = w @ v
+    return out
+
+
+def paged_table(lens: list[int], page: int, slots_total: int, gen) -> torch.Tensor:
+    """int32 [bs, max_len]: each request's positions on pages taken at random (slot = page * P + offset)."""
+    pages = torch.randperm(slots_total // page - 1, generator=gen) + 1  # page 0 holds dummy slot 0
+    width, taken, table = max(lens), 0, []
+    for n in lens:
+        need = -(-width // page)
+        own = pages[taken: taken + need]
+        taken += need
+        table.append((own[:, None] * page + torch.arange(page)[None, :]).flatten()[:width])
+    return torch.stack(table).to(torch.int32)
+
+
+def case(prefix_lens, q_rows, block, page, hq, hkv, d, dv, dtype, seed=0, latent=False):
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(prefix_lens)
+    slots_total = 4096
+    table = paged_table([n + q_rows + 8 for n in prefix_lens], page, slots_total, gen)
+    rows = torch.randperm(bs, generator=gen)  # table rows out of request order
+    table = table[torch.argsort(rows)]
+    k_cache = torch.randn(slots_total, hkv, d, generator=gen).to(dtype)
+    v_cache = k_cache[..., :dv] if latent else torch.randn(slots_total, hkv, dv, generator=gen).to(dtype)
+    q = torch.randn(bs * q_rows, hq, d, generator=gen).to(dtype)
+    lens = torch.tensor(prefix_lens)
+    if block == "tree":  # a random tree over the Q new tokens: ancestors + self
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q_rows)]
+        mask = torch.eye(q_rows, dtype=torch.bool)
+        for i in range(1, q_rows):
+            mask[i] |= mask[parents[i]]
+        block_mask = mask.expand(bs, q_rows, q_rows).clone()
+        block_slots = table[rows[:, None], lens[:, None] + torch.arange(q_rows)].long()
+    else:  # "draft": Q = 1 row per branch, its block = a few ancestor slots + its own, all visible
+        x = 3
+        block_slots = torch.randint(1, slots_total, (bs, x), generator=gen)
+        block_mask = torch.ones(bs, 1, x, dtype=torch.bool)
+    args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t
+            for t in (q, k_cache, v_cache, table, rows, lens, block_slots, block_mask)]
+    return args, d ** -0.5
+
+
+CASES = {
+    "tree_page1": dict(prefix_lens=[5, 0, 130, 77], q_rows=6, block="tree", page=1, hq=4, hkv=2, d=32, dv=32),
+    "tree_page16": dict(prefix_lens=[33, 200, 16, 1], q_rows=8, block="tree", page=16, hq=4, hkv=2, d=24, dv=24),
+    "decode_mha": dict(prefix_lens=[300, 7, 64], q_rows=1, block="tree", page=16, hq=3, hkv=3, d=16, dv=16),
+    # draft loop, topk 3: three branch rows per request share its table row and prefix
+    "draft_topk3": dict(prefix_lens=[40, 40, 40, 9, 9, 9], q_rows=1, block="draft", page=1, hq=4, hkv=1, d=16, dv=16),
+    "mla_latent": dict(prefix_lens=[70, 3], q_rows=4, block="tree", page=16, hq=4, hkv=1, d=40, dv=32, latent=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_oracle_and_twin(name, dtype):
+    spec = CASES[name]
+    args, scale = case(**spec, dtype=dtype)
+    want = oracle(*[a.cpu() for a in args], scale)
+    twin = paged_attention_twin(*args, scale).cpu()
+    torch.testing.assert_close(twin.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    for splits in (1, 3):
+        got = triton_paged_attention(*args, scale, splits=splits).cpu()
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_rows_that_see_only_the_block_and_one_key():
+    """Zero prefix everywhere and a block mask allowing one key per row: each output is exactly that key's V."""
+    args, scale = case(prefix_lens=[0, 0], q_rows=3, block="tree", page=1, hq=2, hkv=1, d=8, dv=8,
+                       dtype=torch.float32)
+    q, k_cache, v_cache, table, rows, lens, block_slots, _ = args
+    diag = torch.eye(3, dtype=torch.bool, device=q.device).expand(2, 3, 3).contiguous()
+    got = triton_paged_attention(q, k_cache, v_cache, table, rows, lens, block_slots, diag, scale, splits=2)
+    want = v_cache[block_slots.flatten()].expand(-1, 2, -1)
+    torch.testing.assert_close(got, want)
