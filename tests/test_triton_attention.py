@@ -106,3 +106,20 @@ def test_rows_that_see_only_the_block_and_one_key():
     got = triton_paged_attention(q, k_cache, v_cache, table, rows, lens, block_slots, diag, scale, splits=2)
     want = v_cache[block_slots.flatten()].expand(-1, 2, -1)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_speculative_decoding_through_the_triton_kernels_is_lossless(monkeypatch, tiny_dirs, draft_dirs, page_size):
+    """EAGLE-3 with a topk-2 tree whose draft loop, draft extend and verify attend through the Triton kernels
+    (interpreted on CPU) decodes exactly what target-only decoding does."""
+    from test_speculative import PROMPTS, reference, spec_llm
+
+    from fastspec.sampling import SamplingParams
+
+    monkeypatch.setenv("FASTSPEC_TRITON_ATTENTION", "1")
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", "EAGLE3", "eagle3", 3, 2, 4, page_size, device=DEVICE,
+                   graphs="eager")
+    outputs = llm.engine.generate(PROMPTS[:2], [params] * 2)
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", page_size, PROMPTS[:2], params)
+    assert all(o.metrics.verify_rounds for o in outputs)

@@ -1,17 +1,19 @@
 """GraphRunner: one function with static shapes per batch-size bucket, run as a CUDA graph, compiled, or eager.
 
-Owns: the static input buffers (sized for the largest bucket), padding a batch up to its bucket, CUDA-graph
-capture and replay with one memory pool shared by all buckets, the `torch.compile(fullgraph=True,
-dynamic=False)` CPU twin (a successful fullgraph compile proves the function has no host sync and no
-data-dependent Python control flow) and Inductor's on-disk cache. Buckets are prepared ahead (`prepare`) or
-lazily on their first run. Sizes that differ between runners of one function (a KV width: `StaticInput.dynamic`)
-or between processes (a KV pool's capacity: `size_varies`) are symbolic in the compiled graph, so runners that
-share a `compiled` dict compile once for every width, and Inductor's on-disk cache serves the next process.
+Owns: the static input buffers (sized for the largest bucket), padding a batch up to its bucket, the
+`torch.compile(fullgraph=True, dynamic=False)` compile per bucket (Inductor fuses the function's kernels; a
+successful fullgraph compile proves it has no host sync and no data-dependent Python control flow), CUDA-graph
+capture of that compiled code and replay with one memory pool shared by all buckets (as SGLang: compiled without
+Inductor's own cudagraphs, captured here), and Inductor's on-disk cache. Buckets are prepared ahead (`prepare`)
+or lazily on their first run. A size that differs between processes (a KV pool's capacity: `size_varies`) is
+symbolic in the compiled graph, so Inductor's on-disk cache serves the next process.
 Does not own: what the function computes (the draft loop, draft-extend and verify are handed in; this file knows
 nothing about EAGLE, models or attention) nor tensors the function reads or writes by closure (KV pools), which
 are never copied.
 """
 
+import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,7 +40,6 @@ class StaticInput:
     dtype: torch.dtype
     rows_per_request: int = 1
     pad_value: float | int = 0  # what padded rows hold, e.g. KV slot 0 = the dummy slot padded rows write to
-    dynamic: bool = False  # compile: shape[0] is symbolic (a KV width), so one compiled graph serves every value
 
     def rows(self, bs: int) -> int:
         return bs * self.rows_per_request
@@ -55,12 +56,11 @@ class GraphRunner:
     """
 
     def __init__(self, name: str, fn: GraphFn, inputs: list[StaticInput], buckets: list[int], backend: str,
-                 device: str | torch.device = "cpu", pool: tuple[int, int] | None = None,
-                 compiled: dict[int, GraphFn] | None = None, lazy: bool = False,
-                 on_bucket: Callable[[str, int], None] | None = None):
-        """`compiled`: compile backend, a dict shared by runners of the same `fn` whose inputs differ only in
-        dynamic dims (one compile per bucket serves them all). `lazy`: `run` prepares a bucket on its first use,
-        calling `on_bucket(name, bs)` first (a progress line)."""
+                 device: str | torch.device = "cpu", pool: tuple[int, int] | None = None, lazy: bool = False,
+                 on_bucket: Callable[[str, int], None] | None = None, fuse: bool | None = None):
+        """`lazy`: `run` prepares a bucket on its first use, calling `on_bucket(name, bs)` first (a progress line).
+        `fuse` (cuda): capture the Inductor-compiled function (default; FASTSPEC_FUSE=0 captures the eager
+        kernels, to compare)."""
         if backend not in BACKENDS:
             raise FastspecError(f"unknown graph backend '{backend}' (known: {', '.join(BACKENDS)})")
         if backend == "cuda" and (torch.device(device).type != "cuda" or not torch.cuda.is_available()):
@@ -77,15 +77,10 @@ class GraphRunner:
         self.buffers = {s.name: torch.full((s.rows(max_bs), *s.shape), s.pad_value, dtype=s.dtype,
                                            device=self.device) for s in self.inputs}
         self._views = {bs: {s.name: self.buffers[s.name][: s.rows(bs)] for s in self.inputs} for bs in self.buckets}
-        if backend == "compile":
-            for views in self._views.values():
-                for s in self.inputs:
-                    if s.dynamic:
-                        size_varies(views[s.name], 1)
         self.lazy, self.on_bucket = lazy, on_bucket
-        self._compiled: dict = {} if compiled is None else compiled  # {bucket: compiled fn}, {"fn": fn}
-        if self._compiled.setdefault("fn", fn) is not fn:
-            raise FastspecError(f"graph '{name}': runners share compiled graphs only for the same function")
+        self.fuse = backend == "compile" or (backend == "cuda" and (
+            os.environ.get("FASTSPEC_FUSE", "1") != "0" if fuse is None else fuse))
+        self._compiled: dict[int, GraphFn] = {}  # bucket -> compiled fn
         self._prepared: set[int] = set()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_outputs: dict[int, Outputs] = {}
@@ -95,23 +90,22 @@ class GraphRunner:
         return bucket_for(self.buckets, bs)
 
     def prepare(self, on_bucket: Callable[[str, int], None] | None = None, buckets: list[int] | None = None) -> None:
-        """Capture (cuda) or compile (compile) `buckets` (default: all) not prepared yet, largest first; eager has
-        nothing to prepare.
+        """Compile and capture (cuda), or compile (compile) `buckets` (default: all) not prepared yet, largest first;
+        eager has nothing to prepare.
 
-        `on_bucket(name, bs)` (default: the constructor's) is called before each bucket that needs work (a
-        compile already shared through `compiled` does not). Largest first so the smaller graphs fit into the
-        memory the larger ones already reserved in the shared pool.
+        `on_bucket(name, bs)` (default: the constructor's) is called before each bucket. Largest first so the
+        smaller graphs fit into the memory the larger ones already reserved in the shared pool.
         """
         if self.backend == "eager":
             return
-        if self.backend == "compile":
+        if self.fuse:
             configure_compile_caches()
-        elif self.pool is None:
+        if self.backend == "cuda" and self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         on_bucket = on_bucket or self.on_bucket
         todo = self.buckets if buckets is None else sorted({self.bucket_for(bs) for bs in buckets})
         for bs in reversed([bs for bs in todo if bs not in self._prepared]):
-            if on_bucket is not None and (self.backend == "cuda" or bs not in self._compiled):
+            if on_bucket is not None:
                 on_bucket(self.name, bs)
             try:
                 with torch.inference_mode():
@@ -143,39 +137,52 @@ class GraphRunner:
     # ---- internals ----
 
     def _prepare_bucket(self, bs: int) -> Outputs:
-        if self.backend != "compile":
-            return self._capture(bs)
-        try:
-            return self._compile(bs)
-        except Exception as e:
-            if not renew_compile_cache(e):  # not a damaged on-disk entry, or the cache is already new
-                raise
-            return self._compile(bs)
+        if self.fuse:
+            try:
+                outputs = self._compile(bs)
+            except Exception as e:
+                if not renew_compile_cache(e):  # not a damaged on-disk entry, or the cache is already new
+                    raise
+                outputs = self._compile(bs)
+            if self.backend == "compile":
+                return outputs
+        return self._capture(bs)
 
     def _compile(self, bs: int) -> Outputs:
+        """Compile for the bucket by running once (cuda: on a side stream, before capture)."""
         self._reset(bs)
-        compiled = self._compiled.get(bs) or torch.compile(self.fn, backend=_inductor_without_host_sync,
-                                                           fullgraph=True, dynamic=False)
-        outputs = compiled(dict(self._views[bs]))  # compiles now (or checks the shared compile's guards)
+        compiled = torch.compile(self.fn, backend=_inductor_without_host_sync, fullgraph=True, dynamic=False)
+        with self._side_stream():
+            outputs = compiled(dict(self._views[bs]))
         self._compiled[bs] = compiled
         return outputs
 
     def _capture(self, bs: int) -> Outputs:
-        """Warm up on a side stream, then record one graph over the bucket's buffer views into the shared pool."""
-        views = self._views[bs]
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        """Warm up on a side stream, then record one graph of the compiled (or eager) function over the bucket's
+        buffer views into the shared pool."""
+        views, fn = self._views[bs], self._compiled.get(bs, self.fn)
+        with self._side_stream():
             for _ in range(CUDA_WARMUP_RUNS):
                 self._reset(bs)  # fn may update its inputs in place; every run starts from the pad values
-                self.fn(dict(views))
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+                fn(dict(views))
         self._reset(bs)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.fn(dict(views))
+            outputs = fn(dict(views))
         self._graphs[bs], self._graph_outputs[bs] = graph, outputs
         return outputs
+
+    @contextlib.contextmanager
+    def _side_stream(self):
+        """cuda: run on a side stream the current one then waits for (warm-up runs stay off the capture stream)."""
+        if self.backend != "cuda":
+            yield
+            return
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def _call(self, bucket: int) -> Outputs:
         if self.backend == "eager":
