@@ -87,6 +87,10 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise FastspecError(f"max-running-requests must be >= 1, got {self.max_running_requests}")
         check_device(self.device)
+        if self.graphs == "cuda" and self.device == "cpu":
+            raise FastspecError("--graphs cuda needs a CUDA device, got --device cpu"
+                                + ("" if torch.cuda.is_available() else " (torch sees no GPU here)")
+                                + "; --graphs compile is the CPU form")
 
     @property
     def torch_dtype(self) -> torch.dtype:

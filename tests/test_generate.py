@@ -86,6 +86,7 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
     (["--input-ids", "1,999999"], "input token ids must be in"),
     (["--prompt", "hi", "--max-new-tokens", "99999"], "exceeds the context length"),
     (["--prompt", "hi", "--dtype", "int8"], "unknown dtype"),
+    (["--prompt", "hi", "--graphs", "cuda", "--device", "cpu"], "--graphs cuda needs a CUDA device, got --device cpu"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = CliRunner().invoke(app, ["generate", *args, "--max-total-tokens", "512"])
