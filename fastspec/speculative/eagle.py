@@ -173,7 +173,8 @@ def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype) 
     """The draft loop's static inputs per request (seq_lens: the committed length its table row holds)."""
     return [StaticInput("topk_p", (topk,), torch.float32), StaticInput("topk_index", (topk,), torch.int64),
             StaticInput("hidden", (hidden_size,), dtype), StaticInput("seq_lens", (), torch.int64),
-            StaticInput("rows", (), torch.int64), StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
+            StaticInput("rows", (), torch.int64),
+            StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
 
 
 def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, extra_layers: int,

@@ -1,10 +1,12 @@
 """Cost by measurement: the real round functions (draft loop, draft extend, verify) and a plain decode step,
-timed in-process on synthetic inputs of each shape, per batch size and KV width.
+timed in-process on synthetic inputs of each shape, per batch size, at the workload's context length.
 
-The functions run exactly as the engine runs them (its StepGraphs, its pools); only their inputs are made up
-(random tokens, every request seeing `width` committed slots). Writes go to slots past those `width`, which
-hold nothing while tuning. With prepacked CPU linears each timing first packs its own row counts, as the
-engine would for a tuned tier. Knows nothing about acceptance or choosing.
+The functions run as the engine runs them, on its pools; only their inputs are made up (random tokens, every
+request seeing `width` committed slots). On CUDA each shape is captured as a CUDA graph and its replays are
+timed (the engine replays graphs too; the capture holds the eager kernels, quick to capture for every shape of the
+grid, where the engine's are fused: costs keep their order, not their scale), with the device synchronised.
+Writes go to slots past those `width`, which hold nothing while tuning. With prepacked CPU linears each timing
+first packs its own row counts, as the engine would for a tuned tier. Knows nothing about acceptance or choosing.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from fastspec.config import SpecParams
+from fastspec.graphs import GraphRunner, StaticInput
 from fastspec.kernels.cpu_linear import PackedLinear, prepack_linears
 from fastspec.speculative.drafters import PREPACK_BS
 from fastspec.speculative.steps import draft_extend, draft_loop, target_verify
@@ -32,13 +36,16 @@ class RoundCost:
         return self.draft + self.verify + self.extend
 
 
-def timed(fn, reps: int = 3) -> float:
-    """Median wall seconds of fn() after one warm-up call."""
+def timed(fn, reps: int = 3, device: torch.device | None = None) -> float:
+    """Median wall seconds of fn() after one warm-up call (on CUDA: each call synchronised)."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     fn()
+    sync()
     samples = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
+        sync()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
@@ -75,22 +82,19 @@ class CostModel:
             "tree_mask": torch.ones(n, n, dtype=torch.bool).tril().expand(bs, n, n).contiguous()}
         if self._packed:
             prepack_linears(e.model, _engine_packs(bs, n))
-        with torch.inference_mode():
-            return timed(lambda: target_verify(e.model, e.pool, self._table(bs), e.feature, x), self.reps)
+        return self._time(partial(target_verify, e.model, e.pool, self._table(bs), e.feature), x, bs)
 
     def _draft(self, steps: int, topk: int, bs: int) -> float:
         d, c = self.drafter, self.drafter.model.config
         probs = torch.softmax(torch.randn(bs, topk), -1).sort(-1, descending=True).values
-        x = self._prefix(bs) | {
-            "topk_p": probs, "topk_index": torch.randint(0, c.vocab_size, (bs, topk)),
-            "hidden": torch.randn(bs, c.hidden_size, dtype=next(d.model.parameters()).dtype),
-            "rows": torch.arange(bs), "seq_lens": torch.full((bs,), self.width), "scratch": self._free_slots(bs * topk * steps).view(-1, steps)}
+        x = {"topk_p": probs, "topk_index": torch.randint(0, c.vocab_size, (bs, topk)),
+             "hidden": torch.randn(bs, c.hidden_size, dtype=next(d.model.parameters()).dtype),
+             "rows": torch.arange(bs), "seq_lens": torch.full((bs,), self.width),
+             "scratch": self._free_slots(bs * topk * steps).view(-1, steps)}
         n = min(1 + topk + (steps - 1) * topk * topk, steps + 1 if topk == 1 else 2)
         if self._packed:
             prepack_linears(d.model, _engine_packs(bs, topk))
-        with torch.inference_mode():
-            return timed(lambda: draft_loop(
-                d.model, d.hot_token_id, d.pool, self._table(bs), topk, steps, n, x), self.reps)
+        return self._time(partial(draft_loop, d.model, d.hot_token_id, d.pool, self._table(bs), topk, steps, n), x, bs)
 
     def _extend(self, steps: int, bs: int) -> float:
         d, e = self.drafter, self.engine
@@ -102,16 +106,28 @@ class CostModel:
             "features": torch.randn(bs * rows, e.worker.feature_width(), dtype=dtype),
             "new_slots": self._free_slots(bs * rows).view(bs, rows),
             "new_valid": torch.ones(bs, rows, dtype=torch.bool), "last_rows": torch.arange(bs) * rows + rows - 1}
+        return self._time(partial(draft_extend, d.model, d.hot_token_id, d.pool, self._table(bs), d.extend_topk), x, bs)
+
+    def _time(self, fn, x: dict, bs: int) -> float:
+        """Seconds per call of fn(x) on the engine's device: eagerly, or on CUDA as a captured graph's replay."""
+        device = next(self.engine.model.parameters()).device
+        x = {k: v.to(device) for k, v in x.items()}
+        call = partial(fn, x)
+        if device.type == "cuda":
+            specs = [StaticInput(k, tuple(v.shape[1:]), v.dtype, v.shape[0] // bs) for k, v in x.items()]
+            runner = GraphRunner("cost", fn, specs, [bs], "cuda", device, fuse=False)
+            runner.prepare()
+            call = partial(runner.run, bs, x)
         with torch.inference_mode():
-            return timed(lambda: draft_extend(
-                d.model, d.hot_token_id, d.pool, self._table(bs), d.extend_topk, x), self.reps)
+            return timed(call, self.reps, device)
 
     def _prefix(self, bs: int) -> dict:
         return {"rows": torch.arange(bs), "prefix_lens": torch.full((bs,), self.width)}
 
     def _table(self, bs: int) -> torch.Tensor:
         """Every request's committed KV in slots 1..width (int32 [bs, width], as a request->slot table)."""
-        return torch.arange(1, self.width + 1, dtype=torch.int32).expand(bs, self.width).contiguous()
+        device = next(self.engine.model.parameters()).device
+        return torch.arange(1, self.width + 1, dtype=torch.int32, device=device).expand(bs, self.width).contiguous()
 
     def _free_slots(self, n: int) -> torch.Tensor:
         return self.width + 1 + torch.arange(n)
