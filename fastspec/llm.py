@@ -13,7 +13,6 @@ from functools import cached_property
 
 from fastspec.config import EngineConfig, Schedule, SpecConfig, check_spec_flags
 from fastspec.engine.engine import Engine
-from fastspec.models.dummy import load_format_scope
 from fastspec.models.embedded import default_speculation
 from fastspec.models.hub import is_hub_id
 from fastspec.models.loader import read_config, resolve_draft_dir, resolve_model_dir
@@ -89,8 +88,7 @@ class LLM:
                 spec = SpecConfig() if all_off else spec  # tuned: plain decoding at every batch size
         if schedule:
             spec = spec.with_schedule(schedule)
-        with load_format_scope(config.load_format):  # the loader reads it (--load-format dummy: random weights)
-            self.engine = Engine(config, spec, on_prepare)
+        self.engine = Engine(config, spec, on_prepare)
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 import fastspec
 from fastspec.cli import app
 from fastspec.errors import FastspecError
-from fastspec.models.dummy import load_format_scope
 from fastspec.models.loader import load_draft, load_target
 from fastspec.sampling import SamplingParams
 
@@ -44,14 +43,6 @@ def test_dummy_weights_are_seeded_in_the_target_dtype(config_dir):
     assert 0.04 < embed.std().item() < 0.06  # the config's initializer_range
     assert torch.equal(a.model.norm.weight, torch.ones_like(a.model.norm.weight))
     assert not torch.equal(a.lm_head.weight, a.model.embed_tokens.weight)  # untied: drawn separately
-
-
-def test_the_scope_sets_the_format_and_refuses_nesting(config_dir):
-    with load_format_scope("dummy"):
-        scoped = load_target(config_dir, torch.float32)
-        with pytest.raises(RuntimeError), load_format_scope("auto"):
-            pass
-    assert torch.equal(scoped.lm_head.weight, load_target(config_dir, torch.float32, load_format="dummy").lm_head.weight)
 
 
 def test_dummy_eagle3_head_without_weights_is_random(config_dir, tmp_path_factory):

@@ -1,8 +1,7 @@
 """`--load-format dummy`: random weights drawn on the device in the model's dtype from config.json alone, so a
 model directory holding only its config (a Llama-3.1-8B shape, say) runs for benchmarks with nothing downloaded.
 
-Which format a load uses arrives through `load_format_scope` (fastspec.LLM enters it around the engine's
-construction; the loader's own functions also take it explicitly). Targets are always random under dummy; an
+The engine's config passes the format to the loader (`load_target` / `load_draft`, load_format="dummy"). Targets are always random under dummy; an
 EAGLE head is random only when its directory holds no weight files. The text such a model writes is noise: it
 measures speed, never quality. Nothing here reads or writes a weight file.
 """
@@ -10,7 +9,6 @@ measures speed, never quality. Nothing here reads or writes a weight file.
 from __future__ import annotations
 
 import contextlib
-from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -18,24 +16,6 @@ from torch import nn
 from fastspec.models.layers import OffsetRMSNorm
 
 SEED = 0  # every dummy load draws the same weights
-_FORMAT: ContextVar[str | None] = ContextVar("fastspec_load_format", default=None)
-
-
-@contextlib.contextmanager
-def load_format_scope(load_format: str):
-    """Loads inside this block use `load_format` (auto | dummy) unless told otherwise; refuses nesting."""
-    if _FORMAT.get() is not None:
-        raise RuntimeError(f"load_format_scope({load_format!r}) inside load_format_scope({_FORMAT.get()!r})")
-    token = _FORMAT.set(load_format)
-    try:
-        yield
-    finally:
-        _FORMAT.reset(token)
-
-
-def is_dummy(load_format: str | None = None) -> bool:
-    """`load_format` if given, else the enclosing scope's (default auto)."""
-    return (load_format or _FORMAT.get() or "auto") == "dummy"
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from torch import nn
 from fastspec.errors import FastspecError, first_line
 from fastspec.models import hub
 from fastspec.models.config import ModelConfig
-from fastspec.models.dummy import default_dtype, fill_random, is_dummy
+from fastspec.models.dummy import default_dtype, fill_random
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.moe import Router, stack_experts
@@ -142,14 +142,14 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str
 
 
 def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layers: tuple[int, ...] = (),
-                load_format: str | None = None) -> LlamaForCausalLM:
-    """`load_format` dummy (None: the enclosing load_format_scope's, else auto): random weights, none read."""
+                load_format: str = "auto") -> LlamaForCausalLM:
+    """`load_format` dummy: random weights (fastspec.models.dummy), none read."""
     config = read_config(model_dir)
     if config.is_draft:
         raise FastspecError(f"{model_dir}: {config.architecture} is a draft head, not a target model")
     if any(not 0 <= i <= config.num_layers for i in capture_layers):
         raise FastspecError(f"capture layers {capture_layers} outside 0..{config.num_layers}")
-    dummy = is_dummy(load_format)
+    dummy = load_format == "dummy"
     with _skip_init(), torch.device(device), default_dtype(dtype if dummy else None):
         model = _keep_routers_float32(LlamaForCausalLM(config, capture_layers).to(dtype))
     if dummy:
@@ -172,13 +172,13 @@ def _keep_routers_float32(model: nn.Module) -> nn.Module:
 
 
 def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu",
-               token_map: Path | None = None, load_format: str | None = None
+               token_map: Path | None = None, load_format: str = "auto"
                ) -> LlamaForCausalLMEagle | LlamaForCausalLMEagle3:
     """An EAGLE-2 or EAGLE-3 head that fits `target` (checked), sharing its embedding / lm_head. With load_format
     dummy (see load_target) a head directory without weight files gets random weights; one with them loads them."""
     config = read_config(draft_dir)
     check_draft_fits(config, target.config, str(draft_dir))
-    dummy = is_dummy(load_format) and not _weight_files(draft_dir)
+    dummy = load_format == "dummy" and not _weight_files(draft_dir)
     state = {} if dummy else {k.removeprefix("model."): v for k, v in read_state_dict(draft_dir).items()}
     with _skip_init(), torch.device(device), default_dtype(dtype if dummy else None):
         if config.is_eagle3:

@@ -51,13 +51,13 @@ def pack_round_rows(target, draft, spec: SpecConfig, config: EngineConfig) -> No
 
 
 def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
-    dtype, device = config.torch_dtype, config.device
+    dtype, device, load = config.torch_dtype, config.device, config.load_format
     if spec.algorithm not in ("EAGLE", "EAGLE3", "STANDALONE"):
-        return LoadedModels(load_target(model_dir, dtype, device), None, "none")
+        return LoadedModels(load_target(model_dir, dtype, device, load_format=load), None, "none")
     draft_dir = resolve_model_dir(spec.draft_model)
     draft_config = read_config(draft_dir)
     if spec.algorithm == "STANDALONE":
-        target = load_target(model_dir, dtype, device)
+        target = load_target(model_dir, dtype, device, load_format=load)
         if draft_config.is_draft:
             raise FastspecError(f"{draft_dir}: STANDALONE needs a full model, not the draft head "
                                 f"{draft_config.architecture} (use EAGLE / EAGLE3)")
@@ -67,9 +67,9 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
         if draft_config.vocab_size != target.config.vocab_size:
             raise FastspecError(f"{draft_dir}: draft vocabulary {draft_config.vocab_size} != target vocabulary "
                                 f"{target.config.vocab_size}")
-        return LoadedModels(target, StandaloneDraft(load_target(draft_dir, dtype, device)), "none")
+        return LoadedModels(target, StandaloneDraft(load_target(draft_dir, dtype, device, load_format=load)), "none")
     if spec.algorithm == "EAGLE" and mtp_prefix(draft_config) is not None:  # NEXTN: the checkpoint's MTP layer
-        target = load_target(model_dir, dtype, device)
+        target = load_target(model_dir, dtype, device, load_format=load)
         check_mtp_fits(draft_config, target.config, str(draft_dir))
         return LoadedModels(target, load_mtp(draft_dir, target, dtype, device), "final")
     if (spec.algorithm == "EAGLE3") != draft_config.is_eagle3:
@@ -79,9 +79,9 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
     check_draft_fits(draft_config, target_config, str(draft_dir))  # before any weights load
     aux = draft_config.is_eagle3 and draft_config.use_aux_hidden_state
     capture = eagle3_capture_layers(target_config.num_layers, draft_config.aux_layer_ids) if aux else ()
-    target = load_target(model_dir, dtype, device, capture_layers=capture)
+    target = load_target(model_dir, dtype, device, capture_layers=capture, load_format=load)
     token_map = Path(spec.token_map) if spec.token_map else None
-    draft = load_draft(draft_dir, target, dtype, device, token_map)
+    draft = load_draft(draft_dir, target, dtype, device, token_map, load_format=load)
     return LoadedModels(target, draft, "aux" if aux else "final")
 
 
