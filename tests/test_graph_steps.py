@@ -13,7 +13,7 @@ from test_speculative import PROMPTS, reference
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.engine.engine import Engine
 from fastspec.sampling import SamplingParams
-from fastspec.speculative.steps import draft_extend, draft_loop
+from fastspec.speculative.steps import TREE_FIELDS, draft_extend, draft_loop
 
 BUCKETS = (1, 4)
 
@@ -85,7 +85,7 @@ def test_compiled_draft_loop_equals_eager_and_padding_leaves_real_kv_alone(compi
     pool.k.copy_(seen["pool_before"][0]), pool.v.copy_(seen["pool_before"][1])
     eager = draft_loop(drafter.model, drafter.hot_token_id, pool, drafter.table.table, drafter.topk, drafter.num_steps,
                        drafter.num_draft_tokens, seen["x"])
-    for key in ("parent_list", "top_scores_index", "draft_tokens"):
+    for key in TREE_FIELDS:
         assert torch.equal(eager[key], seen["out"][key]), key
 
 

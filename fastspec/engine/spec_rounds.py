@@ -52,7 +52,7 @@ class SpecRounds:
         free_before = self.slots.allocator.num_free()
         verify_slots, spare, out = self._verify(batch, tree, exact=before is None)  # verify
         logits = self.producer.controlled(reqs, out["logits"], tree)
-        result = self._accept(reqs, tree, logits)                              # accept
+        result = self._accept(reqs, tree, logits, out)                         # accept
         kv = self._commit_on_device(batch, tree, verify_slots, result)         # commit (device part)
         if drafter.uses_extend:                                                # draft extend
             self._extend(drafter, batch, result, kv, out["features"])
@@ -114,10 +114,17 @@ class SpecRounds:
             x["state_rows"] = self.target.states.state_rows(batch.rows)
         return x["new_slots"], spare, self.verify_graphs[n](batch.size, x)
 
-    def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-        sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
-        if sampling.all_greedy:
+    def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor, out: dict) -> VerifyResult:
+        """Greedy rounds over unchanged logits take the verify graph's own acceptance (it walks N-1 levels: an
+        EAGLE tree is no deeper than its num_steps, so its result is cut to those; an arbitrary tree deeper than
+        its num_steps, NGRAM's, walks here); any other round walks the tree here."""
+        if all(r.params.greedy for r in reqs):
+            bounded = tree.topk > 0 or tree.num_steps >= tree.num_draft_tokens - 1
+            if logits is out["logits"] and bounded:
+                e = tree.num_steps + 1
+                return VerifyResult(out["accept_index"][:, :e], out["accept_len"], out["emitted"][:, :e])
             return verify_greedy(tree, logits)
+        sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
         uniforms = draw_uniforms([r.generator for r in reqs], tree.num_draft_tokens + 1, logits.device)
         return verify_sampling(tree, logits, sampling.temperature, sampling.top_k, sampling.top_p, uniforms,
                                self.spec.accept_threshold_single, self.spec.accept_threshold_acc)

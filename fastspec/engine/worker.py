@@ -92,8 +92,9 @@ class Worker:
         plan, hybrid = self._plan, self.states is not None
         self.verify_graphs = {p.num_draft_tokens: StepGraphs(
             "verify" if len(drafters) < 2 else f"verify N={p.num_draft_tokens}",
-            partial(target_verify, self.model, self.pool, self.table.table, self.feature, states=self.states),
-            verify_specs(p.num_draft_tokens, hybrid), plan, self.times, "verify") for p in drafters}
+            partial(target_verify, self.model, self.pool, self.table.table, self.feature, states=self.states,
+                    accept=True),
+            verify_specs(p.num_draft_tokens, hybrid, tree=True), plan, self.times, "verify") for p in drafters}
         # plain decode rounds through the same function as a one-node verify: captured too (not for hybrid targets,
         # whose plain rounds advance their recurrent states in place)
         self.decode_graphs = None if hybrid or plan.mode == "eager" else StepGraphs(
@@ -254,9 +255,13 @@ class Worker:
             self.release(r)
 
 
-def verify_specs(n: int, hybrid: bool) -> list[StaticInput]:
+def verify_specs(n: int, hybrid: bool, tree: bool = False) -> list[StaticInput]:
     """The verify graph's static inputs for trees of n tokens. A hybrid target's verify also takes each request's
-    state row (padded rows: the dummy row 0)."""
+    state row (padded rows: the dummy row 0); `tree`: the retrieve lists its greedy acceptance walks (padded rows:
+    a lone root)."""
+    links = [StaticInput("retrieve_index", (n,), torch.int64),
+             StaticInput("retrieve_next_token", (n,), torch.int64, pad_value=-1),
+             StaticInput("retrieve_next_sibling", (n,), torch.int64, pad_value=-1)] if tree else []
     return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
             StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
-            *prefix_specs(), *([StaticInput("state_rows", (), torch.int64)] if hybrid else [])]
+            *prefix_specs(), *([StaticInput("state_rows", (), torch.int64)] if hybrid else []), *links]

@@ -21,8 +21,8 @@ from fastspec.sampling.grammar import draft_masks
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.packing import pack_draft, pack_extend, pack_extend_padded, prefix_specs
 from fastspec.speculative.runners import GraphPlan, StepGraphs
-from fastspec.speculative.steps import draft_extend, draft_loop, draft_top_k
-from fastspec.speculative.tree import DraftTree, build_tree
+from fastspec.speculative.steps import as_tree, draft_extend, draft_loop, draft_top_k
+from fastspec.speculative.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,7 @@ class EagleDrafter:
         else:
             with self.loop_graphs.times("draft"):
                 out = self._loop(x, partial(draft_masks, batch.grammars))
-        return build_tree(batch.verified_id, out["parent_list"], out["top_scores_index"], out["draft_tokens"],
-                          batch.seq_lens, self.topk, self.num_steps, self.num_draft_tokens)
+        return as_tree(out, self.num_steps, self.topk)
 
     def _assign_scratch_slots(self, batch: DecodeBatch) -> torch.Tensor:
         """Scratch draft KV slots [bs*topk, S] (row b*topk+k, step i), taken and handed straight back.
@@ -173,7 +172,7 @@ def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype) 
     """The draft loop's static inputs per request (seq_lens: the committed length its table row holds)."""
     return [StaticInput("topk_p", (topk,), torch.float32), StaticInput("topk_index", (topk,), torch.int64),
             StaticInput("hidden", (hidden_size,), dtype), StaticInput("seq_lens", (), torch.int64),
-            StaticInput("rows", (), torch.int64),
+            StaticInput("rows", (), torch.int64), StaticInput("verified_id", (), torch.int64),
             StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
 
 

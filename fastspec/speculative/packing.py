@@ -51,7 +51,7 @@ def pack_draft(batch: DecodeBatch, topk_p, topk_index, hidden, scratch: torch.Te
     if scratch is None:  # num_steps == 1: no draft forward runs
         scratch = torch.zeros(batch.size * topk, 1, dtype=torch.int64, device=batch.rows.device)
     return {"topk_p": topk_p, "topk_index": topk_index, "hidden": hidden, "rows": batch.rows,
-            "seq_lens": batch.seq_lens, "scratch": scratch}
+            "seq_lens": batch.seq_lens, "verified_id": batch.verified_id, "scratch": scratch}
 
 
 def pack_verify(batch: DecodeBatch, tree: DraftTree, table: torch.Tensor) -> dict:
@@ -59,4 +59,5 @@ def pack_verify(batch: DecodeBatch, tree: DraftTree, table: torch.Tensor) -> dic
     cols = batch.seq_lens[:, None] + torch.arange(n, device=batch.rows.device)[None, :]
     return {"input_ids": tree.draft_tokens.flatten(), "positions": tree.positions,
             "new_slots": table[batch.rows[:, None], cols].to(torch.int64), "tree_mask": tree.tree_mask,
-            "rows": batch.rows, "prefix_lens": batch.seq_lens}
+            "rows": batch.rows, "prefix_lens": batch.seq_lens, "retrieve_index": tree.retrieve_index,
+            "retrieve_next_token": tree.retrieve_next_token, "retrieve_next_sibling": tree.retrieve_next_sibling}

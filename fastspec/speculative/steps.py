@@ -18,7 +18,11 @@ from fastspec.attention.paged import PagedAttnBackend, PagedPlan, paged_block_pl
 from fastspec.kernels import fast_topk
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models.recurrent import tree_parents
-from fastspec.speculative.tree import organize_draft_results, select_top_k
+from fastspec.speculative.tree import (DraftTree, build_tree, organize_draft_results, select_top_k,
+                                       verify_predicted)
+
+TREE_FIELDS = ("draft_tokens", "positions", "tree_mask", "retrieve_index", "retrieve_next_token",
+               "retrieve_next_sibling")
 
 _BACKEND = PagedAttnBackend()
 
@@ -61,18 +65,26 @@ def draft_extend(model, hot_token_id, pool, table, topk: int, x: dict) -> dict:
 
 def draft_loop(model, hot_token_id, pool, table, topk: int, num_steps: int, num_draft_tokens: int, x: dict,
                allowed=None) -> dict:
-    """select_top_k + num_steps-1 draft forwards over bs*topk rows + organize, with exact ancestry.
+    """select_top_k + num_steps-1 draft forwards over bs*topk rows + organize, with exact ancestry, then the
+    verify tree (its tensors: TREE_FIELDS; `as_tree` makes the DraftTree).
     `allowed(paths int64 [R, depth]) -> bool [R, V]` (eager only: a host callback) masks each step's top-k by
     what may follow each row's draft path (structured output).
 
     x: topk_p [bs, topk] f32, topk_index [bs, topk] i64, hidden [bs, Hd], rows, seq_lens [bs] (table row,
-       committed length), scratch int64 [bs*topk, S] (row b*topk+k, step i).
+       committed length), verified_id [bs] (the root tokens), scratch int64 [bs*topk, S] (row b*topk+k, step i).
     Row r of forward i attends its request's prefix, the draft KV of its true ancestors (slots its ancestors
     wrote in earlier steps) and itself; unlike SGLang's per-branch-slot history this is exact for any topk.
     """
     parent_list, top_scores_index, draft_tokens = organize_draft_results(
         *draft_candidates(model, hot_token_id, pool, table, topk, num_steps, x, allowed), num_draft_tokens)
-    return {"parent_list": parent_list, "top_scores_index": top_scores_index, "draft_tokens": draft_tokens}
+    tree = build_tree(x["verified_id"], parent_list, top_scores_index, draft_tokens, x["seq_lens"], topk, num_steps,
+                      num_draft_tokens, in_graph=True)
+    return {name: getattr(tree, name) for name in TREE_FIELDS}
+
+
+def as_tree(out: dict, num_steps: int, topk: int) -> DraftTree:
+    """draft_loop's outputs as the DraftTree verify takes."""
+    return DraftTree(*(out[name] for name in TREE_FIELDS), num_steps, topk)
 
 
 def draft_candidates(model, hot_token_id, pool, table, topk: int, num_steps: int, x: dict, allowed=None):
@@ -110,16 +122,32 @@ def draft_candidates(model, hot_token_id, pool, table, topk: int, num_steps: int
     return score_list, token_list, parents_list
 
 
-def target_verify(model, pool, table, feature: str, x: dict, states=None) -> dict:
-    """Target forward over the N tree tokens of every request under the tree mask.
+def target_verify(model, pool, table, feature: str, x: dict, states=None, accept: bool = False) -> dict:
+    """Target forward over the N tree tokens of every request under the tree mask; with `accept`, also the
+    greedy acceptance (verify_greedy over a depth of N-1: slice accept_index / emitted to the tree's num_steps+1),
+    so a greedy round reads its result without a host-side walk.
 
     x: input_ids, positions [bs*N]; new_slots [bs, N]; tree_mask bool [bs, N, N] (ancestors + self);
        rows, prefix_lens [bs] (table row, committed length); with a hybrid target's `states` (a StatePool) also
        state_rows [bs], whose states every node starts from along its tree path (each node's state is tracked).
-    Returns logits [bs*N, V] f32 and features [bs*N, F].
+    With `accept` x also holds the tree's retrieve_index, retrieve_next_token, retrieve_next_sibling [bs, N].
+    Returns logits [bs*N, V] f32 and features [bs*N, F] (and accept_index, accept_len, emitted).
     """
     plan = paged_block_plan(table, x["rows"], x["prefix_lens"], x["new_slots"], x["tree_mask"])
     view = None if states is None else RecurrentView(states, x["state_rows"], parents=tree_parents(x["tree_mask"]))
     hidden = model(x["input_ids"], x["positions"], AttentionContext(_BACKEND, plan, pool, view))
     features = hidden.aux if feature == "aux" else hidden.final
-    return {"logits": model.compute_logits(hidden.final), "features": features}
+    out = {"logits": model.compute_logits(hidden.final), "features": features}
+    if accept:
+        n = x["new_slots"].shape[1]
+        tree = DraftTree(x["input_ids"].view(-1, n), x["positions"], x["tree_mask"], x["retrieve_index"],
+                         x["retrieve_next_token"], x["retrieve_next_sibling"], n - 1, 0)
+        predict = out["logits"].argmax(-1)  # [bs*N]
+        result = verify_predicted(tree, predict.view(-1, n), in_graph=True)
+        # an accepted child's token is the target's argmax after its parent: every emitted token is an argmax
+        # (read here, not from the walk's scattered `predicts`: compiled at batch 4 by Inductor on torch 2.13 those
+        # came out wrong where eager was right)
+        index = result.accept_index
+        emitted = torch.where(index >= 0, predict[index.clamp(min=0)], -1)
+        out |= {"accept_index": index, "accept_len": result.accept_len, "emitted": emitted}
+    return out

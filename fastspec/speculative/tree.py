@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from fastspec.errors import FastspecError
+from fastspec.kernels import tree as tree_twins
+from fastspec.kernels import verify as verify_twins
 from fastspec.kernels import (
     TreeMaskMode,
     ancestor_mask,
@@ -121,14 +123,16 @@ def build_tree(verified_id: torch.Tensor,       # int64 [bs]  root tokens
                top_scores_index: torch.Tensor,  # int64 [bs, N-1]
                draft_tokens: torch.Tensor,      # int64 [bs, N-1]
                seq_lens: torch.Tensor,          # int64 [bs]  committed lengths
-               topk: int, num_steps: int, num_draft_tokens: int) -> DraftTree:
-    """Build the verify inputs of an EAGLE tree (no host sync)."""
+               topk: int, num_steps: int, num_draft_tokens: int, in_graph: bool = False) -> DraftTree:
+    """Build the verify inputs of an EAGLE tree (no host sync). `in_graph`: inside a round function, always the
+    torch twin (the compiler fuses it into the captured graph; sgl_kernel's op is for eager rounds)."""
     bs, n, device = verified_id.shape[0], num_draft_tokens, verified_id.device
     tree_mask = torch.zeros(bs * n * n, dtype=torch.bool, device=device)
     positions = torch.empty(bs * n, dtype=torch.int64, device=device)
     retrieve = _retrieve_buffers(bs, n, device)
-    build_tree_kernel_efficient(parent_list, top_scores_index, seq_lens.to(torch.int64), tree_mask, positions,
-                                retrieve[0], retrieve[1], retrieve[2], topk, num_steps, n, TreeMaskMode.QLEN_ONLY)
+    build = tree_twins.build_tree_kernel_efficient if in_graph else build_tree_kernel_efficient
+    build(parent_list, top_scores_index, seq_lens.to(torch.int64), tree_mask, positions,
+          retrieve[0], retrieve[1], retrieve[2], topk, num_steps, n, TreeMaskMode.QLEN_ONLY)
     tokens = torch.cat([verified_id.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
     return DraftTree(tokens, positions, tree_mask.view(bs, n, n), retrieve[0], retrieve[1], retrieve[2],
                      num_steps, topk)
@@ -196,16 +200,20 @@ def _result(predicts, accept_index, accept_num) -> VerifyResult:
     return VerifyResult(accept_index, accept_num.to(torch.int64), emitted)
 
 
-def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> VerifyResult:  # logits [bs*N, V]
-    """Accept the longest path whose tokens equal the target's argmax; bonus = argmax after it."""
-    return verify_predicted(tree, target_logits.argmax(-1).view(tree.batch_size, tree.num_draft_tokens))
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor,  # logits [bs*N, V]
+                  in_graph: bool = False) -> VerifyResult:
+    """Accept the longest path whose tokens equal the target's argmax; bonus = argmax after it. `in_graph`:
+    inside a round function, the torch twin (fused into the captured graph)."""
+    return verify_predicted(tree, target_logits.argmax(-1).view(tree.batch_size, tree.num_draft_tokens), in_graph)
 
 
-def verify_predicted(tree: DraftTree, target_predict: torch.Tensor) -> VerifyResult:  # int64 [bs, N]
+def verify_predicted(tree: DraftTree, target_predict: torch.Tensor,  # int64 [bs, N]
+                     in_graph: bool = False) -> VerifyResult:
     """verify_greedy given the target's next token after every node (`fastspec tune` replays known ones)."""
     predicts, accept_index, accept_num = _verify_buffers(tree)
-    verify_tree_greedy(predicts, accept_index, accept_num, tree.draft_tokens, tree.retrieve_index,
-                       tree.retrieve_next_token, tree.retrieve_next_sibling, target_predict)
+    verify = verify_twins.verify_tree_greedy if in_graph else verify_tree_greedy
+    verify(predicts, accept_index, accept_num, tree.draft_tokens, tree.retrieve_index, tree.retrieve_next_token,
+           tree.retrieve_next_sibling, target_predict)
     return _result(predicts, accept_index, accept_num)
 
 

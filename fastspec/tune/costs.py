@@ -90,6 +90,7 @@ class CostModel:
         x = {"topk_p": probs, "topk_index": torch.randint(0, c.vocab_size, (bs, topk)),
              "hidden": torch.randn(bs, c.hidden_size, dtype=next(d.model.parameters()).dtype),
              "rows": torch.arange(bs), "seq_lens": torch.full((bs,), self.width),
+             "verified_id": torch.randint(0, c.vocab_size, (bs,)),
              "scratch": self._free_slots(bs * topk * steps).view(-1, steps)}
         n = min(1 + topk + (steps - 1) * topk * topk, steps + 1 if topk == 1 else 2)
         if self._packed:
