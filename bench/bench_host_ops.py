@@ -3,9 +3,10 @@
 On a GPU every op the host dispatches outside a captured graph is at least one kernel launch (~5-20 us of host
 time through Python and the dispatcher), so their count per round is what the host's share of a round scales with
 (issue 30: ~2.3 ms of a batch-1 round on an H100). Counted on any machine: a tiny random Llama with a random
-EAGLE-3 head (or the embedded model, --embedded), rounds run serially with the round functions eager, every op
-attributed to the innermost fastspec line that dispatched it; ops inside the round functions (draft loop, draft
-extend, verify: one CUDA graph each on a GPU) are counted apart. Writes JSON (--output) and prints the table.
+EAGLE-3 head (or the embedded model, --embedded), rounds run serially through compiled round functions
+(`--graphs compile`, as the CUDA graphs are laid out: the runner's input copies and output clones are host ops),
+every op attributed to the innermost fastspec line that dispatched it; what runs inside a compiled round function
+(one CUDA graph replay on a GPU) is not counted. Writes JSON (--output) and prints the table.
 
     .venv/bin/python bench/bench_host_ops.py [--batch-sizes 1,4] [--shape 3,2,4] [--rounds 20] [--top 25]
 """
@@ -21,13 +22,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import fastspec  # noqa: E402
 from fastspec.sampling import SamplingParams  # noqa: E402
-from fastspec.speculative.runners import StepGraphs  # noqa: E402
+from fastspec.graphs import GraphRunner  # noqa: E402
 
 FREE = {"aten.detach.default", "aten.alias.default", "aten.view.default", "aten._unsafe_view.default",
         "aten.t.default", "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim",
@@ -36,16 +37,15 @@ FREE = {"aten.detach.default", "aten.alias.default", "aten.view.default", "aten.
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts kernel-launching ops by the innermost fastspec frame, split into host-side and in-graph."""
+    """Counts kernel-launching ops by the innermost fastspec frame."""
 
     def __init__(self):
         super().__init__()
-        self.host, self.graph, self.in_graph = Counter(), Counter(), False
+        self.host = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if str(func) not in FREE:
-            counter = self.graph if self.in_graph else self.host
-            counter[_where()] += 1
+            self.host[_where()] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -59,7 +59,7 @@ def _where() -> str:
 def build(args):
     if args.embedded:
         return fastspec.LLM(speculative_algorithm="EAGLE3", num_steps=args.shape[0], topk=args.shape[1],
-                            num_draft_tokens=args.shape[2], graphs="eager", overlap_schedule="off",
+                            num_draft_tokens=args.shape[2], graphs="compile", overlap_schedule="off",
                             speculative_fallback=False, tuned=False)
     from tiny_models import make_hf_model
 
@@ -71,34 +71,33 @@ def build(args):
     head = write_random_head(root / "head", model.config.hidden_size, model.config.vocab_size, "eagle3")
     return fastspec.LLM(str(root / "target"), speculative_algorithm="EAGLE3", draft_model=str(head),
                         num_steps=args.shape[0], topk=args.shape[1], num_draft_tokens=args.shape[2],
-                        graphs="eager", overlap_schedule="off", max_total_tokens=4096, speculative_fallback=False)
+                        graphs="compile", overlap_schedule="off", max_total_tokens=4096, speculative_fallback=False)
 
 
 def count(llm, bs: int, rounds: int) -> dict:
-    worker, counter, done = llm.engine.worker, OpCounter(), {"rounds": 0}
-    real_run, real_call = worker.spec_rounds.run, StepGraphs.__call__
+    worker, counter, done = llm.engine.worker, OpCounter(), {"rounds": 0, "graphs": 0}
+    real_run, real_call = worker.spec_rounds.run, GraphRunner._call
+    prompts = [[3 + i, 14, 15, 92, 65] for i in range(bs)]
+    llm.engine.generate(prompts, [SamplingParams(max_new_tokens=4, ignore_eos=True)] * bs)  # compile first
 
     def run(reqs, params):
         done["rounds"] += 1
         with counter:
             return real_run(reqs, params)
 
-    def call(graphs, n, inputs):
-        counter.in_graph = True
-        try:
-            return real_call(graphs, n, inputs)
-        finally:
-            counter.in_graph = False
+    def call(runner, bucket):  # one graph replay on a GPU: not counted
+        done["graphs"] += 1
+        with _disable_current_modes():
+            return real_call(runner, bucket)
 
-    worker.spec_rounds.run, StepGraphs.__call__ = run, call
+    worker.spec_rounds.run, GraphRunner._call = run, call
     try:
-        prompts = [[3 + i, 14, 15, 92, 65] for i in range(bs)]
         llm.engine.generate(prompts, [SamplingParams(max_new_tokens=rounds, ignore_eos=True)] * bs)
     finally:
-        worker.spec_rounds.run, StepGraphs.__call__ = real_run, real_call
+        worker.spec_rounds.run, GraphRunner._call = real_run, real_call
     n = max(done["rounds"], 1)
     return {"rounds": done["rounds"], "host_ops_per_round": sum(counter.host.values()) / n,
-            "graph_ops_per_round": sum(counter.graph.values()) / n,
+            "graph_replays_per_round": done["graphs"] / n,
             "host_by_line": {k: v / n for k, v in counter.host.most_common()}}
 
 
@@ -118,7 +117,7 @@ def main() -> None:
         result = count(llm, bs, args.rounds)
         report["by_batch_size"][bs] = result
         print(f"batch {bs}: {result['host_ops_per_round']:.1f} host ops per round outside the graphs, "
-              f"{result['graph_ops_per_round']:.1f} inside them ({result['rounds']} rounds)")
+              f"{result['graph_replays_per_round']:.1f} graph replays ({result['rounds']} rounds)")
         for line, per_round in list(result["host_by_line"].items())[: args.top]:
             print(f"  {per_round:6.1f}  {line}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,9 @@ class BatchSlots:
             raise FastspecError("KV pool exhausted")  # unreachable: a round's headroom is checked before it runs
         self.table.write(rows, prefix, seq_lens - prefix, slots)
 
-    def last_loc(self, rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
-        """int64 [bs]: the slot of each row's position prefix-1 (-1 for an empty prefix)."""
+    def last_loc(self, rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor | None:
+        """int64 [bs]: the slot of each row's position prefix-1 (-1 for an empty prefix); None at page size 1,
+        whose allocator has no partial pages to continue (three launches a round saved)."""
+        if self.allocator.page_size == 1:
+            return None
         return torch.where(prefix > 0, self.table.table[rows, (prefix - 1).clamp(min=0)].long(), -1)

@@ -85,11 +85,11 @@ class SpecRounds:
 
     def _decode_batch(self, reqs: list[Request], before: PendingRound | None = None) -> DecodeBatch:
         device = self.slots.device
-        rows = to_device([r.row for r in reqs], device)
-        if before is None:
+        if before is None:  # rows, lengths and roots in one copy
             seq = tuple(r.seq_len for r in reqs)
-            seq_lens, roots = to_device(seq, device), to_device([r.produced[-1] for r in reqs], device)
+            rows, seq_lens, roots = to_device([[r.row for r in reqs], seq, [r.produced[-1] for r in reqs]], device)
         else:  # the round in flight wrote them: the host knows only that they grew by at most its N tokens
+            rows = to_device([r.row for r in reqs], device)
             seq_lens, roots = self.futures.resolve(rows)
             seq = tuple(r.seq_len + before.verify_slots.shape[1] for r in reqs)
         return DecodeBatch(tuple(r.rid for r in reqs), rows, seq_lens, seq, roots, tuple(r.history for r in reqs),

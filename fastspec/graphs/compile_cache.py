@@ -14,6 +14,7 @@ import logging
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,7 +32,8 @@ def configure_compile_caches() -> None:
 
     An explicit $TORCHINDUCTOR_CACHE_DIR wins; torch writes its own default into that variable on first use,
     which is not treated as explicit. Inductor's own warnings about unreadable entries are silenced (each is a
-    traceback on stderr): a damaged entry is handled by `renew_compile_cache`.
+    traceback on stderr), as is the AttributeError a half-loaded graph's __del__ raises: a damaged entry is
+    handled by `renew_compile_cache`.
     """
     import torch._dynamo.config
     import torch._functorch.config
@@ -43,9 +45,26 @@ def configure_compile_caches() -> None:
     torch._inductor.config.fx_graph_cache = True
     torch._functorch.config.enable_autograd_cache = True
     logging.getLogger("torch._inductor.codecache").setLevel(logging.ERROR)
+    if not isinstance(sys.unraisablehook, _QuietHalfLoaded):
+        sys.unraisablehook = _QuietHalfLoaded(sys.unraisablehook)
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, DYNAMO_RECOMPILE_LIMIT)
     dynamo.accumulated_cache_size_limit = max(dynamo.accumulated_cache_size_limit, DYNAMO_RECOMPILE_LIMIT)
+
+
+class _QuietHalfLoaded:
+    """An unraisable-exception hook that drops what Inductor's CompiledFxGraph.__del__ raises for a graph whose
+    load from a damaged entry failed half-way (it lacks the attributes __del__ reads: an AttributeError, printed
+    as a traceback on stderr); everything else goes to the hook before it."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable) -> None:
+        where = getattr(unraisable.object, "__qualname__", "")
+        if isinstance(unraisable.exc_value, AttributeError) and where == "CompiledFxGraph.__del__":
+            return
+        self.previous(unraisable)
 
 
 def renew_compile_cache(error: BaseException) -> bool:

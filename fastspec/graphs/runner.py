@@ -12,7 +12,6 @@ nothing about EAGLE, models or attention) nor tensors the function reads or writ
 are never copied.
 """
 
-import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,8 +151,7 @@ class GraphRunner:
         """Compile for the bucket by running once (cuda: on a side stream, before capture)."""
         self._reset(bs)
         compiled = torch.compile(self.fn, backend=_inductor_without_host_sync, fullgraph=True, dynamic=False)
-        with self._side_stream():
-            outputs = compiled(dict(self._views[bs]))
+        outputs = self._aside(lambda: compiled(dict(self._views[bs])))
         self._compiled[bs] = compiled
         return outputs
 
@@ -161,10 +159,12 @@ class GraphRunner:
         """Warm up on a side stream, then record one graph of the compiled (or eager) function over the bucket's
         buffer views into the shared pool."""
         views, fn = self._views[bs], self._compiled.get(bs, self.fn)
-        with self._side_stream():
+
+        def warm_up():
             for _ in range(CUDA_WARMUP_RUNS):
                 self._reset(bs)  # fn may update its inputs in place; every run starts from the pad values
                 fn(dict(views))
+        self._aside(warm_up)
         self._reset(bs)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -172,17 +172,18 @@ class GraphRunner:
         self._graphs[bs], self._graph_outputs[bs] = graph, outputs
         return outputs
 
-    @contextlib.contextmanager
-    def _side_stream(self):
-        """cuda: run on a side stream the current one then waits for (warm-up runs stay off the capture stream)."""
+    def _aside(self, call: Callable[[], Outputs | None]) -> Outputs | None:
+        """call() (cuda: on a side stream the current one then waits for, so warm-up runs stay off the capture
+        stream). A plain call, not a generator context manager: a failed compile's exception must not keep its
+        frames (and a half-loaded compiled graph) alive until exit."""
         if self.backend != "cuda":
-            yield
-            return
+            return call()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            yield
+            outputs = call()
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        return outputs
 
     def _call(self, bucket: int) -> Outputs:
         if self.backend == "eager":

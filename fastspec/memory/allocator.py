@@ -57,15 +57,15 @@ class TokenAllocator:
         self._free = self._free[n:]
         return slots
 
-    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor | None,
                      host_lens: tuple[list[int], list[int]] | None = None) -> torch.Tensor | None:
-        """Page-size-1 twin of PagedAllocator.alloc_extend: no partial pages, so last_loc is unused."""
+        """Page-size-1 twin of PagedAllocator.alloc_extend: no partial pages, so last_loc is unused (None will do)."""
         # prefix_lens, seq_lens, last_loc: [bs] int64
         if host_lens is not None:  # the same lengths on the host: no device read
             return self.alloc(sum(host_lens[1]) - sum(host_lens[0]))
         return self.alloc(int((seq_lens - prefix_lens).sum()))
 
-    def reserve_extend(self, prefix_lens: torch.Tensor, n: int, last_loc: torch.Tensor):
+    def reserve_extend(self, prefix_lens: torch.Tensor, n: int, last_loc: torch.Tensor | None):
         """n slots per request when only the device knows prefix_lens: (slots [bs*n], None); nothing to give back."""
         return self.alloc(prefix_lens.numel() * n), None
 
@@ -149,7 +149,7 @@ class PagedAllocator:
         first_page = torch.cumsum(new_pages, 0) - new_pages  # [bs] index of each request's first fresh page
         return self._extend_slots(prefix_lens, extend_lens, last_loc, owned_end, first_page, pages, num_tokens)
 
-    def reserve_extend(self, prefix_lens: torch.Tensor, n: int, last_loc: torch.Tensor):
+    def reserve_extend(self, prefix_lens: torch.Tensor, n: int, last_loc: torch.Tensor | None):
         """alloc_extend of n positions per request when only the device knows prefix_lens (the overlap schedule):
         each request takes the most fresh pages n positions can need, W = ceil(n / P), and uses the first ones.
         Returns (slots [bs*n], pages int64 [bs, W]), or None with the state unchanged; `unused_pages` names the

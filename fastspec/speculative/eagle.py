@@ -96,15 +96,14 @@ class EagleDrafter:
         chunks have arbitrary lengths and run eagerly at exact shapes (as SGLang does)."""
         graphs = self.extend_graphs if decode_round else None
         rows = self.num_steps + 1 if decode_round else (batch.max_extend or int(batch.extend_lens.max()))
-        self._run_extend(batch.rids, pack_extend(batch, self.table.table, rows), graphs)
+        self._run_extend(batch.rids, pack_extend(batch, rows), graphs)
 
     def extend_round(self, rids: tuple[int, ...], rows, prefix_lens, keep_lens,  # int64 [bs] each
                      input_ids, positions,  # int64 [bs*E], E = num_steps + 1 rows per request
                      features: torch.Tensor) -> None:  # [bs*E, F]
         """A decode round's draft extend from rows already padded on the device (row b*E + j real while
         j < keep_lens[b]): no host value is needed."""
-        x = pack_extend_padded(rows, prefix_lens, keep_lens, input_ids, positions, features, self.table.table,
-                               self.num_steps + 1)
+        x = pack_extend_padded(rows, prefix_lens, keep_lens, input_ids, positions, features)
         self._run_extend(rids, x, self.extend_graphs)
 
     def _run_extend(self, rids: tuple[int, ...], x: dict, graphs) -> None:
@@ -183,6 +182,6 @@ def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, extra_l
     e = num_steps + 1
     layered = [StaticInput("prev_hidden", (extra_layers, hidden_size), dtype)] if extra_layers else []
     return [StaticInput("input_ids", (), torch.int64, e), StaticInput("positions", (), torch.int64, e),
-            StaticInput("features", (feature_width,), dtype, e), StaticInput("new_slots", (e,), torch.int64),
-            StaticInput("new_valid", (e,), torch.bool), *prefix_specs(), StaticInput("last_rows", (), torch.int64),
+            StaticInput("features", (feature_width,), dtype, e), *prefix_specs(),
+            StaticInput("extend_lens", (), torch.int64),
             *layered]

@@ -19,7 +19,7 @@ def prefix_specs() -> list[StaticInput]:
     return [StaticInput("rows", (), torch.int64), StaticInput("prefix_lens", (), torch.int64)]
 
 
-def pack_extend(batch: ExtendBatch, table: torch.Tensor, rows_per_request: int) -> dict:
+def pack_extend(batch: ExtendBatch, rows_per_request: int) -> dict:
     """An ExtendBatch (ragged, extend_lens[b] <= rows_per_request) as draft_extend's padded inputs."""
     bs, e = batch.rows.shape[0], rows_per_request
     lens = batch.extend_lens
@@ -29,22 +29,17 @@ def pack_extend(batch: ExtendBatch, table: torch.Tensor, rows_per_request: int) 
     pad = lambda src, fill=0: torch.full((bs * e, *src.shape[1:]), fill, dtype=src.dtype,  # noqa: E731
                                          device=src.device).index_copy_(0, flat, src)
     return pack_extend_padded(batch.rows, batch.prefix_lens, lens, pad(batch.input_ids), pad(batch.positions),
-                              pad(batch.features), table, e)
+                              pad(batch.features))
 
 
 def pack_extend_padded(rows: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,  # [bs] each
                        input_ids: torch.Tensor, positions: torch.Tensor,  # int64 [bs*E], E rows per request
                        features: torch.Tensor,  # [bs*E, F]
-                       table: torch.Tensor, e: int) -> dict:
-    """Already padded rows (row b*E + j real while j < extend_lens[b]) as draft_extend's inputs; new slots are
-    read from the table at positions prefix_lens[b] + j."""
-    bs = rows.shape[0]
-    valid = torch.arange(e, device=rows.device)[None, :] < extend_lens[:, None]  # [bs, E]
-    cols = prefix_lens[:, None] + torch.arange(e, device=rows.device)[None, :]
-    new_slots = torch.where(valid, table[rows[:, None], cols.clamp(max=table.shape[1] - 1)].to(torch.int64), 0)
-    return {"input_ids": input_ids, "positions": positions, "features": features, "new_slots": new_slots,
-            "new_valid": valid, "rows": rows, "prefix_lens": prefix_lens,
-            "last_rows": torch.arange(bs, device=rows.device) * e + extend_lens - 1}
+                       ) -> dict:
+    """Already padded rows (row b*E + j real while j < extend_lens[b]) as draft_extend's inputs (it reads the
+    new tokens' slots from the table at positions prefix_lens[b] + j)."""
+    return {"input_ids": input_ids, "positions": positions, "features": features, "rows": rows,
+            "prefix_lens": prefix_lens, "extend_lens": extend_lens}
 
 
 def pack_draft(batch: DecodeBatch, topk_p, topk_index, hidden, scratch: torch.Tensor | None, topk: int) -> dict:

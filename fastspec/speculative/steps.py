@@ -42,17 +42,22 @@ def draft_top_k(model, hot_token_id, normed: torch.Tensor, topk: int, allowed: t
 def draft_extend(model, hot_token_id, pool, table, topk: int, x: dict) -> dict:
     """Draft forward over E new positions per request (causal) -> the top-k after each request's last row.
 
-    x: input_ids, positions [bs*E]; features [bs*E, F]; new_slots [bs, E]; new_valid bool [bs, E];
-       rows, prefix_lens int64 [bs] (table row, committed length); last_rows int64 [bs] (flat row of each last
-       token);
+    x: input_ids, positions [bs*E] (row b*E + j real while j < extend_lens[b]); features [bs*E, F]; rows,
+       prefix_lens, extend_lens int64 [bs] (table row, committed length before the extend, new tokens: their
+       slots are read from the table at positions prefix_lens + j);
        a draft with a layer per step (D > 1) also prev_hidden [bs, D-1, H] and returns layer_hidden alike.
     """
-    e = x["new_slots"].shape[1]
-    causal = torch.ones(e, e, dtype=torch.bool, device=x["new_slots"].device).tril()
-    valid = x["new_valid"]
-    new_mask = causal & valid[:, None, :]  # padded rows see only themselves (the plan adds the diagonal)
-    plan = paged_block_plan(table, x["rows"], x["prefix_lens"], x["new_slots"], new_mask)
-    attn, last = AttentionContext(_BACKEND, plan, pool), x["last_rows"]
+    rows, lens = x["rows"], x["extend_lens"]
+    bs, device = rows.shape[0], rows.device
+    e = x["input_ids"].shape[0] // bs
+    j = torch.arange(e, device=device)
+    valid = j[None, :] < lens[:, None]  # [bs, E]
+    cols = (x["prefix_lens"][:, None] + j[None, :]).clamp(max=table.shape[1] - 1)
+    new_slots = torch.where(valid, table[rows[:, None], cols].to(torch.int64), 0)  # padded rows: dummy slot 0
+    new_mask = torch.ones(e, e, dtype=torch.bool, device=device).tril() & valid[:, None, :]  # (+ the diagonal)
+    plan = paged_block_plan(table, rows, x["prefix_lens"], new_slots, new_mask)
+    attn = AttentionContext(_BACKEND, plan, pool)
+    last = torch.arange(bs, device=device) * e + (lens - 1).clamp(min=0)  # each request's last real row
     if model.per_step_layers > 1:  # one layer per step: each reads the layer before at the position before
         out, layers = model.extend(x["input_ids"], x["positions"], x["features"], x["prev_hidden"], attn, e)
         extra = {"layer_hidden": layers[last]}  # [bs, D-1, H]: the next extend's `prev_hidden`
@@ -108,7 +113,8 @@ def draft_candidates(model, hot_token_id, pool, table, topk: int, num_steps: int
         if step > 0 and not layered:  # a row's path = its parent's path + the slot its parent wrote last step
             ancestors = torch.cat([ancestors[sel.parent_rows], scratch[sel.parent_rows, step - 1:step]], 1)
         if allowed is not None:  # each row's draft tokens so far
-            paths = sel.input_ids[:, None] if step == 0 else torch.cat([paths[sel.parent_rows], sel.input_ids[:, None]], 1)
+            token = sel.input_ids[:, None]
+            paths = token if step == 0 else torch.cat([paths[sel.parent_rows], token], 1)  # noqa: F821 (set at 0)
         own = scratch[:, step:step + 1]  # the slot this forward writes; its ancestors' and its own KV as the block
         block = torch.cat([ancestors, own], 1)
         visible = torch.ones(rows, 1, block.shape[1], dtype=torch.bool, device=block.device)

@@ -105,9 +105,9 @@ class CostModel:
             "input_ids": torch.randint(0, e.model.config.vocab_size, (bs * rows,)),
             "positions": (self.width + torch.arange(rows)).repeat(bs),
             "features": torch.randn(bs * rows, e.worker.feature_width(), dtype=dtype),
-            "new_slots": self._free_slots(bs * rows).view(bs, rows),
-            "new_valid": torch.ones(bs, rows, dtype=torch.bool), "last_rows": torch.arange(bs) * rows + rows - 1}
-        return self._time(partial(draft_extend, d.model, d.hot_token_id, d.pool, self._table(bs), d.extend_topk), x, bs)
+            "extend_lens": torch.full((bs,), rows)}
+        table = self._table(bs, rows)  # the new rows' slots follow the prefix's in each request's table row
+        return self._time(partial(draft_extend, d.model, d.hot_token_id, d.pool, table, d.extend_topk), x, bs)
 
     def _time(self, fn, x: dict, bs: int) -> float:
         """Seconds per call of fn(x) on the engine's device: eagerly, or on CUDA as a captured graph's replay."""
@@ -125,10 +125,12 @@ class CostModel:
     def _prefix(self, bs: int) -> dict:
         return {"rows": torch.arange(bs), "prefix_lens": torch.full((bs,), self.width)}
 
-    def _table(self, bs: int) -> torch.Tensor:
-        """Every request's committed KV in slots 1..width (int32 [bs, width], as a request->slot table)."""
+    def _table(self, bs: int, extra: int = 0) -> torch.Tensor:
+        """Every request's committed KV in slots 1..width, then `extra` more (int32 [bs, width + extra], as a
+        request->slot table): slots past width are where the timed functions write."""
         device = next(self.engine.model.parameters()).device
-        return torch.arange(1, self.width + 1, dtype=torch.int32, device=device).expand(bs, self.width).contiguous()
+        cols = self.width + extra
+        return torch.arange(1, cols + 1, dtype=torch.int32, device=device).expand(bs, cols).contiguous()
 
     def _free_slots(self, n: int) -> torch.Tensor:
         return self.width + 1 + torch.arange(n)
