@@ -57,7 +57,7 @@ class SpecRounds:
         if drafter.uses_extend:                                                # draft extend
             self._extend(drafter, batch, result, kv, out["features"])
         host, ready = start_readback(result.accept_index, result.emitted)
-        keep_logits = out["logits"] if any(r.params.logprobs is not None for r in reqs) else None
+        keep_logits = out["logits"].clone() if any(r.params.logprobs is not None for r in reqs) else None
         return PendingRound(tuple(reqs), params, verify_slots, host, ready,
                             free_before - self.slots.allocator.num_free(), spare, keep_logits, start)
 

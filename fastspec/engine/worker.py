@@ -94,12 +94,13 @@ class Worker:
             "verify" if len(drafters) < 2 else f"verify N={p.num_draft_tokens}",
             partial(target_verify, self.model, self.pool, self.table.table, self.feature, states=self.states,
                     accept=True),
-            verify_specs(p.num_draft_tokens, hybrid, tree=True), plan, self.times, "verify") for p in drafters}
+            verify_specs(p.num_draft_tokens, hybrid, tree=True), plan, self.times, "verify", persist=())
+            for p in drafters}  # read within the round (logits kept for logprobs are copied by the round)
         # plain decode rounds through the same function as a one-node verify: captured too (not for hybrid targets,
         # whose plain rounds advance their recurrent states in place)
         self.decode_graphs = None if hybrid or plan.mode == "eager" else StepGraphs(
             "decode", partial(target_verify, self.model, self.pool, self.table.table, self.feature),
-            verify_specs(1, False), plan, self.times, "decode")
+            verify_specs(1, False), plan, self.times, "decode", persist=())
         self.use_drafters(drafters)
 
     def use_drafters(self, drafters: dict) -> None:

@@ -78,7 +78,7 @@ class EagleDrafter:
         # module functions, not bound methods: a method here would make a drafter <-> graphs reference cycle
         # that keeps a dropped engine's weights alive until the garbage collector happens to run
         loop_inputs = loop_specs(topk, num_steps, model.config.hidden_size, dtype)
-        self.loop_graphs = StepGraphs(name, loop, loop_inputs, plan, times, "draft")
+        self.loop_graphs = StepGraphs(name, loop, loop_inputs, plan, times, "draft", persist=())  # verify reads it
         extend_inputs = extend_specs(num_steps, dtype, feature_width, model.per_step_layers - 1,
                                      model.config.hidden_size)
         self.extend_graphs = StepGraphs("draft extend", self._extend_fn, extend_inputs, plan, times, "draft_extend")

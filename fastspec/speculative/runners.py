@@ -28,9 +28,11 @@ class GraphPlan:
 
 class StepGraphs:
     def __init__(self, name: str, fn: Callable[[dict], dict], specs: list[StaticInput], plan: GraphPlan,
-                 times=None, phase: str = ""):
-        """times(phase) (a metrics.PhaseTimes) times each call; preparing graphs is not counted."""
-        self.name, self.fn, self.plan = name, fn, plan
+                 times=None, phase: str = "", persist: tuple[str, ...] | None = None):
+        """times(phase) (a metrics.PhaseTimes) times each call; preparing graphs is not counted. `persist`: the
+        outputs kept past the next run of this function (None: all), copied out of the graph's memory, which the
+        next replay overwrites; the others are read before it (a copy each is a launch per round saved)."""
+        self.name, self.fn, self.plan, self.persist = name, fn, plan, persist
         self.times, self.phase = times, phase
         self.runner = None if plan.mode == "eager" else GraphRunner(
             name, fn, specs, list(plan.buckets), plan.mode, plan.device, on_bucket=plan.on_prepare)
@@ -48,4 +50,4 @@ class StepGraphs:
         self.runner.prepare(buckets=[bs])  # a no-op once prepared; outside the timing
         with self.times(self.phase):
             outputs = self.runner.run(bs, inputs)
-            return {k: v.clone() for k, v in outputs.items()}  # graph-owned memory: overwritten by the next replay
+            return {k: v.clone() if self.persist is None or k in self.persist else v for k, v in outputs.items()}
