@@ -127,7 +127,8 @@ def paged_attention(q: torch.Tensor,            # [T, Hq, D]  T = bs*Q, last dim
     mid_o = torch.empty(t, hq, splits + 1, block_dv, dtype=torch.float32, device=q.device)
     mid_ml = torch.empty(t, hq, splits + 1, 2, dtype=torch.float32, device=q.device)
     _partial_kernel[(t, hq, splits + 1)](
-        q, k_cache, v_cache, table, rows, prefix_lens, block_slots.contiguous(), block_mask.contiguous(), mid_o,
+        q, k_cache, v_cache, table, rows, prefix_lens, block_slots.contiguous(),
+        block_mask.contiguous().view(torch.int8), mid_o,  # bool as bytes: no i1 pointer loads
         mid_ml, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), table.stride(0),
         Q_ROWS=q_rows, X=x, GROUP=hq // hkv, SPLITS=splits, HQ=hq, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d),
