@@ -14,7 +14,8 @@ def _t(values):
 
 def test_req_table_alloc_free():
     table = ReqToTokenTable(max_requests=3, max_context_len=4)
-    assert table.table.dtype == torch.int32 and table.table.shape == (3, 4) and table.table.abs().sum() == 0
+    assert table.table.dtype == torch.int32 and table.table.shape == (4, 4) and table.table.abs().sum() == 0
+    assert table.pad_row == 3  # the row past the handed-out ones: graphs' padded batch rows write there
     rows = [table.alloc() for _ in range(3)]
     assert sorted(rows) == [0, 1, 2] and table.alloc() is None and table.num_free() == 0
     table.free(rows[1])

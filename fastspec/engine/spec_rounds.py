@@ -98,18 +98,17 @@ class SpecRounds:
     def _verify(self, batch: DecodeBatch, tree: DraftTree, exact: bool):
         """Target forward over bs*N tree rows into N newly allocated slots per request; (slots [bs, N], pages
         reserved past what the host can size (paged, lengths unknown: see PagedAllocator.reserve_extend), out)."""
-        n, spare, table = tree.num_draft_tokens, None, self.slots.table
+        n, spare, allocator = tree.num_draft_tokens, None, self.slots.allocator
+        last_loc = self.slots.last_loc(batch.rows, batch.seq_lens)
         if exact:
             starts = list(batch.seq_lens_cpu)
-            self.slots.alloc(batch.rows, batch.seq_lens, batch.seq_lens + n, (starts, [s + n for s in starts]))
+            slots = allocator.alloc_extend(batch.seq_lens, batch.seq_lens + n, last_loc,
+                                           (starts, [s + n for s in starts]))
         else:
-            last_loc = self.slots.last_loc(batch.rows, batch.seq_lens)
-            reserved = self.slots.allocator.reserve_extend(batch.seq_lens, n, last_loc)
-            if reserved is None:
-                raise FastspecError("KV pool exhausted")  # unreachable: the engine checked two rounds' headroom
-            slots, spare = reserved
-            table.write(batch.rows, batch.seq_lens, torch.full_like(batch.rows, n), slots)
-        x = pack_verify(batch, tree, table.table)
+            slots, spare = allocator.reserve_extend(batch.seq_lens, n, last_loc) or (None, None)
+        if slots is None:
+            raise FastspecError("KV pool exhausted")  # unreachable: the engine checked the rounds' headroom
+        x = pack_verify(batch, tree, slots.view(batch.size, n))  # verify writes them into the table
         if self.target.states is not None:
             x["state_rows"] = self.target.states.state_rows(batch.rows)
         return x["new_slots"], spare, self.verify_graphs[n](batch.size, x)

@@ -94,13 +94,14 @@ class Worker:
             "verify" if len(drafters) < 2 else f"verify N={p.num_draft_tokens}",
             partial(target_verify, self.model, self.pool, self.table.table, self.feature, states=self.states,
                     accept=True),
-            verify_specs(p.num_draft_tokens, hybrid, tree=True), plan, self.times, "verify", persist=())
+            verify_specs(p.num_draft_tokens, hybrid, self.table.pad_row, tree=True), plan, self.times, "verify",
+            persist=())
             for p in drafters}  # read within the round (logits kept for logprobs are copied by the round)
         # plain decode rounds through the same function as a one-node verify: captured too (not for hybrid targets,
         # whose plain rounds advance their recurrent states in place)
         self.decode_graphs = None if hybrid or plan.mode == "eager" else StepGraphs(
             "decode", partial(target_verify, self.model, self.pool, self.table.table, self.feature),
-            verify_specs(1, False), plan, self.times, "decode", persist=())
+            verify_specs(1, False, self.table.pad_row), plan, self.times, "decode", persist=())
         self.use_drafters(drafters)
 
     def use_drafters(self, drafters: dict) -> None:
@@ -256,7 +257,7 @@ class Worker:
             self.release(r)
 
 
-def verify_specs(n: int, hybrid: bool, tree: bool = False) -> list[StaticInput]:
+def verify_specs(n: int, hybrid: bool, pad_row: int, tree: bool = False) -> list[StaticInput]:
     """The verify graph's static inputs for trees of n tokens. A hybrid target's verify also takes each request's
     state row (padded rows: the dummy row 0); `tree`: the retrieve lists its greedy acceptance walks (padded rows:
     a lone root)."""
@@ -265,4 +266,4 @@ def verify_specs(n: int, hybrid: bool, tree: bool = False) -> list[StaticInput]:
              StaticInput("retrieve_next_sibling", (n,), torch.int64, pad_value=-1)] if tree else []
     return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
             StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
-            *prefix_specs(), *([StaticInput("state_rows", (), torch.int64)] if hybrid else []), *links]
+            *prefix_specs(pad_row), *([StaticInput("state_rows", (), torch.int64)] if hybrid else []), *links]

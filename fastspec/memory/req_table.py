@@ -17,9 +17,10 @@ class ReqToTokenTable:
         if max_requests < 1 or max_context_len < 1:
             raise ValueError(f"table needs >= 1 row and column, got {max_requests}, {max_context_len}")
         self.max_requests = max_requests
+        self.pad_row = max_requests  # one more row, never handed out: a static graph's padded batch rows write it
         self.max_context_len = max_context_len
         # 0 = the dummy slot, so never-written entries are harmless to read
-        self.table = torch.zeros((max_requests, max_context_len), dtype=torch.int32, device=device)
+        self.table = torch.zeros((max_requests + 1, max_context_len), dtype=torch.int32, device=device)
         self._free_rows = deque(range(max_requests))
         self._row_is_free = [True] * max_requests
 

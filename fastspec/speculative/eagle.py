@@ -77,10 +77,10 @@ class EagleDrafter:
         dtype = next(model.parameters()).dtype
         # module functions, not bound methods: a method here would make a drafter <-> graphs reference cycle
         # that keeps a dropped engine's weights alive until the garbage collector happens to run
-        loop_inputs = loop_specs(topk, num_steps, model.config.hidden_size, dtype)
+        loop_inputs = loop_specs(topk, num_steps, model.config.hidden_size, dtype, table.pad_row)
         self.loop_graphs = StepGraphs(name, loop, loop_inputs, plan, times, "draft", persist=())  # verify reads it
         extend_inputs = extend_specs(num_steps, dtype, feature_width, model.per_step_layers - 1,
-                                     model.config.hidden_size)
+                                     model.config.hidden_size, table.pad_row)
         self.extend_graphs = StepGraphs("draft extend", self._extend_fn, extend_inputs, plan, times, "draft_extend")
 
     @property
@@ -167,21 +167,21 @@ class EagleDrafter:
     # ---- static input layouts ------------------------------------------------------------------------------
 
 
-def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype) -> list[StaticInput]:
+def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype, pad_row: int) -> list[StaticInput]:
     """The draft loop's static inputs per request (seq_lens: the committed length its table row holds)."""
     return [StaticInput("topk_p", (topk,), torch.float32), StaticInput("topk_index", (topk,), torch.int64),
             StaticInput("hidden", (hidden_size,), dtype), StaticInput("seq_lens", (), torch.int64),
-            StaticInput("rows", (), torch.int64), StaticInput("verified_id", (), torch.int64),
+            StaticInput("rows", (), torch.int64, pad_value=pad_row), StaticInput("verified_id", (), torch.int64),
             StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
 
 
-def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, extra_layers: int,
-                 hidden_size: int) -> list[StaticInput]:
+def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, extra_layers: int, hidden_size: int,
+                 pad_row: int) -> list[StaticInput]:
     """The draft extend's static inputs: num_steps + 1 padded rows per request (and, for a draft with a layer
     per step, the extra layers' outputs before the first row)."""
     e = num_steps + 1
     layered = [StaticInput("prev_hidden", (extra_layers, hidden_size), dtype)] if extra_layers else []
     return [StaticInput("input_ids", (), torch.int64, e), StaticInput("positions", (), torch.int64, e),
-            StaticInput("features", (feature_width,), dtype, e), *prefix_specs(),
+            StaticInput("features", (feature_width,), dtype, e), *prefix_specs(pad_row),
             StaticInput("extend_lens", (), torch.int64),
             *layered]

@@ -13,10 +13,11 @@ from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.tree import DraftTree
 
 
-def prefix_specs() -> list[StaticInput]:
+def prefix_specs(pad_row: int) -> list[StaticInput]:
     """The committed-KV inputs every step function takes: each request's table row and committed length (the
-    kernel reads the slots through the table: no KV width anywhere in a graph)."""
-    return [StaticInput("rows", (), torch.int64), StaticInput("prefix_lens", (), torch.int64)]
+    kernel reads the slots through the table: no KV width anywhere in a graph); padded rows name the table's
+    pad row with nothing committed."""
+    return [StaticInput("rows", (), torch.int64, pad_value=pad_row), StaticInput("prefix_lens", (), torch.int64)]
 
 
 def pack_extend(batch: ExtendBatch, rows_per_request: int) -> dict:
@@ -49,10 +50,10 @@ def pack_draft(batch: DecodeBatch, topk_p, topk_index, hidden, scratch: torch.Te
             "seq_lens": batch.seq_lens, "verified_id": batch.verified_id, "scratch": scratch}
 
 
-def pack_verify(batch: DecodeBatch, tree: DraftTree, table: torch.Tensor) -> dict:
-    n = tree.num_draft_tokens
-    cols = batch.seq_lens[:, None] + torch.arange(n, device=batch.rows.device)[None, :]
+def pack_verify(batch: DecodeBatch, tree: DraftTree, new_slots: torch.Tensor) -> dict:
+    """new_slots int64 [bs, N]: the slots of positions seq_len .. seq_len+N-1 (verify writes them into the
+    table)."""
     return {"input_ids": tree.draft_tokens.flatten(), "positions": tree.positions,
-            "new_slots": table[batch.rows[:, None], cols].to(torch.int64), "tree_mask": tree.tree_mask,
+            "new_slots": new_slots, "tree_mask": tree.tree_mask,
             "rows": batch.rows, "prefix_lens": batch.seq_lens, "retrieve_index": tree.retrieve_index,
             "retrieve_next_token": tree.retrieve_next_token, "retrieve_next_sibling": tree.retrieve_next_sibling}

@@ -129,9 +129,10 @@ def draft_candidates(model, hot_token_id, pool, table, topk: int, num_steps: int
 
 
 def target_verify(model, pool, table, feature: str, x: dict, states=None, accept: bool = False) -> dict:
-    """Target forward over the N tree tokens of every request under the tree mask; with `accept`, also the
-    greedy acceptance (verify_greedy over a depth of N-1: slice accept_index / emitted to the tree's num_steps+1),
-    so a greedy round reads its result without a host-side walk.
+    """Target forward over the N tree tokens of every request under the tree mask; with `accept` (a speculative
+    round) it first writes the new slots into the table at positions prefix_len.. (padded rows: the pad row), and
+    also returns the greedy acceptance (verify_greedy over a depth of N-1: slice accept_index / emitted to the
+    tree's num_steps+1), so a round neither writes the table nor walks the tree on the host.
 
     x: input_ids, positions [bs*N]; new_slots [bs, N]; tree_mask bool [bs, N, N] (ancestors + self);
        rows, prefix_lens [bs] (table row, committed length); with a hybrid target's `states` (a StatePool) also
@@ -139,6 +140,10 @@ def target_verify(model, pool, table, feature: str, x: dict, states=None, accept
     With `accept` x also holds the tree's retrieve_index, retrieve_next_token, retrieve_next_sibling [bs, N].
     Returns logits [bs*N, V] f32 and features [bs*N, F] (and accept_index, accept_len, emitted).
     """
+    if accept:
+        n = x["new_slots"].shape[1]
+        cols = x["prefix_lens"][:, None] + torch.arange(n, device=x["new_slots"].device)[None, :]
+        table[x["rows"][:, None], cols] = x["new_slots"].to(table.dtype)
     plan = paged_block_plan(table, x["rows"], x["prefix_lens"], x["new_slots"], x["tree_mask"])
     view = None if states is None else RecurrentView(states, x["state_rows"], parents=tree_parents(x["tree_mask"]))
     hidden = model(x["input_ids"], x["positions"], AttentionContext(_BACKEND, plan, pool, view))

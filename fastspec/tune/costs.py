@@ -5,8 +5,9 @@ The functions run as the engine runs them, on its pools; only their inputs are m
 request seeing `width` committed slots). On CUDA each shape is captured as a CUDA graph and its replays are
 timed (the engine replays graphs too; the capture holds the eager kernels, quick to capture for every shape of the
 grid, where the engine's are fused: costs keep their order, not their scale), with the device synchronised.
-Writes go to slots past those `width`, which hold nothing while tuning. With prepacked CPU linears each timing
-first packs its own row counts, as the engine would for a tuned tier. Knows nothing about acceptance or choosing.
+Writes go only to slots the allocator has free (never into KV a request or the prefix cache holds: a greedy
+answer reusing a cached prefix would change). With prepacked CPU linears each timing first packs its own row
+counts, as the engine would for a tuned tier. Knows nothing about acceptance or choosing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from functools import partial
 import torch
 
 from fastspec.config import SpecParams
+from fastspec.errors import FastspecError
 from fastspec.graphs import GraphRunner, StaticInput
 from fastspec.kernels.cpu_linear import PackedLinear, prepack_linears
 from fastspec.speculative.drafters import PREPACK_BS
@@ -126,14 +128,24 @@ class CostModel:
         return {"rows": torch.arange(bs), "prefix_lens": torch.full((bs,), self.width)}
 
     def _table(self, bs: int, extra: int = 0) -> torch.Tensor:
-        """Every request's committed KV in slots 1..width, then `extra` more (int32 [bs, width + extra], as a
-        request->slot table): slots past width are where the timed functions write."""
+        """A request->slot table (int32 [bs, width + extra]): every request reads slots 1..width as its committed
+        KV (only read: whatever they hold), then `extra` free slots of its own, where the timed function writes."""
         device = next(self.engine.model.parameters()).device
-        cols = self.width + extra
-        return torch.arange(1, cols + 1, dtype=torch.int32, device=device).expand(bs, cols).contiguous()
+        prefix = torch.arange(1, self.width + 1, device=device).expand(bs, self.width)
+        writes = self._free_slots(bs * extra).to(device).view(bs, extra)
+        return torch.cat([prefix, writes], 1).to(torch.int32).contiguous()
 
     def _free_slots(self, n: int) -> torch.Tensor:
-        return self.width + 1 + torch.arange(n)
+        """n slots the allocator has free (taken and handed straight back, as the drafter's scratch): writing
+        their KV disturbs no request and nothing the prefix cache holds."""
+        allocator = self.engine.worker.allocator
+        page = allocator.page_size
+        state = allocator.backup_state()
+        slots = allocator.alloc(-(-n // page) * page) if n else torch.zeros(0, dtype=torch.int64)
+        allocator.restore_state(state)
+        if slots is None:
+            raise FastspecError(f"tune: the KV pool has no {n} free slots to time a round in")
+        return slots[:n].cpu()
 
 
 def _engine_packs(bs: int, rows_per_request: int) -> tuple[int, ...]:
