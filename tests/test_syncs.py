@@ -123,3 +123,30 @@ def test_steps_copy_host_values_without_waiting_for_the_device(tiny_dirs, draft_
                                 logprobs=2)
     llm.engine.generate(PROMPTS[:2], [params[0], controlled])
     assert blocking == []
+
+
+@pytest.mark.parametrize("topk, page", [(2, 1), (1, 16)])
+def test_a_greedy_round_walks_no_tree_and_writes_no_table_on_the_host(tiny_dirs, draft_dirs, monkeypatch, topk,
+                                                                      page):
+    """Greedy rounds take the verify graph's own acceptance and its table write (a graph replay on a GPU, where
+    each host op is a launch); the host-side walk and the table write stay for other rounds. Lossless still."""
+    from test_speculative import reference
+
+    from fastspec.engine import spec_rounds
+    from fastspec.memory import ReqToTokenTable
+
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", "EAGLE3", "eagle3", 3, topk, 4, page)
+    worker, calls = llm.engine.worker, []
+    real_round = worker.spec_rounds.run
+
+    def counted(reqs, params):
+        with monkeypatch.context() as m:
+            m.setattr(spec_rounds, "verify_greedy", lambda *a: calls.append("verify_greedy"))
+            m.setattr(ReqToTokenTable, "write", lambda *a: calls.append("table.write"))
+            return real_round(reqs, params)
+
+    monkeypatch.setattr(worker.spec_rounds, "run", counted)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outputs = llm.engine.generate(PROMPTS[:3], [params] * 3)
+    assert all(o.metrics.verify_rounds for o in outputs) and calls == []
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", page, PROMPTS[:3], params)
