@@ -22,6 +22,21 @@ MAX_SPLITS = 16
 
 
 @triton.jit
+def _online_tile(q, K, V, slots, ok, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs, stride_vh, m_i, l_i, acc,
+                 D: tl.constexpr, DV: tl.constexpr):
+    """One tile of keys (`slots`, `ok` = which count) folded into the running (max, sum, output) of one query."""
+    k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                mask=ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    score = tl.where(ok, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(score, 0))
+    p = tl.exp(score - m_new)
+    alpha = tl.exp(m_i - m_new)
+    v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+                mask=ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+    return m_new, l_i * alpha + tl.sum(p, 0), acc * alpha + tl.sum(p[:, None] * v, 0)
+
+
+@triton.jit
 def _partial_kernel(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, MidO, MidML, scale,
                     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
                     Q_ROWS: tl.constexpr, X: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
@@ -31,7 +46,6 @@ def _partial_kernel(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, Mid
     h = tl.program_id(1)
     s = tl.program_id(2)
     b = t // Q_ROWS
-    i = t % Q_ROWS
     kvh = h // GROUP
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
@@ -49,32 +63,15 @@ def _partial_kernel(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, Mid
             cols = j + tl.arange(0, BLOCK_N)
             ok = cols < end
             slots = tl.load(Table + row * stride_table + cols, mask=ok, other=0).to(tl.int64)
-            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                        mask=ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-            score = tl.where(ok, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(score, 0))
-            p = tl.exp(score - m_new)
-            alpha = tl.exp(m_i - m_new)
-            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
-                        mask=ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-            l_i = l_i * alpha + tl.sum(p, 0)
-            m_i = m_new
+            m_i, l_i, acc = _online_tile(q, K, V, slots, ok, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs,
+                                         stride_vh, m_i, l_i, acc, D, DV)
     else:  # the block: new tokens (or a draft row's ancestors) under the per-row mask
         x = tl.arange(0, BLOCK_X)
         in_block = x < X
         ok = tl.load(BlockMask + t * X + x, mask=in_block, other=0) != 0
         slots = tl.load(BlockSlots + b * X + x, mask=in_block, other=0).to(tl.int64)
-        k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-                    mask=ok[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-        score = tl.where(ok, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(score, 0))
-        p = tl.exp(score - m_new)
-        v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
-                    mask=ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-        acc = tl.sum(p[:, None] * v, 0)
-        l_i = tl.sum(p, 0)
-        m_i = m_new
+        m_i, l_i, acc = _online_tile(q, K, V, slots, ok, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs,
+                                     stride_vh, m_i, l_i, acc, D, DV)
     part = (t * HQ + h) * (SPLITS + 1) + s
     tl.store(MidO + part * BLOCK_DV + dv, acc)
     tl.store(MidML + part * 2, m_i)
