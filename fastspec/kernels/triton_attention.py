@@ -13,6 +13,8 @@ The semantics are fastspec.attention.paged's torch twin; tests run both under TR
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -100,8 +102,12 @@ def default_splits(programs: int, device: torch.device) -> int:
     """Prefix splits per (row, head): enough programs to fill the GPU at batch 1, none at large batches."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, -(-2 * sms // max(programs, 1))))
+    return max(1, min(MAX_SPLITS, -(-2 * _sm_count(device.index or 0) // max(programs, 1))))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def paged_attention(q: torch.Tensor,            # [T, Hq, D]  T = bs*Q, last dim contiguous
