@@ -21,7 +21,6 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -1,14 +1,10 @@
 """GraphRunner's lazy buckets and sizes: each bucket prepared on first use only; one graph serves every pool size
 (a size that varies by closure) and, in the engine, every context length (no KV width in any graph)."""
 
-
-import pytest
 import torch
-
 from test_graphs import D, SLOTS
 
-from fastspec.errors import FastspecError
-from fastspec.graphs import (GraphRunner, StaticInput)
+from fastspec.graphs import GraphRunner, StaticInput
 
 
 def make_gather(pool):

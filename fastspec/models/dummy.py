@@ -1,9 +1,9 @@
 """`--load-format dummy`: random weights drawn on the device in the model's dtype from config.json alone, so a
 model directory holding only its config (a Llama-3.1-8B shape, say) runs for benchmarks with nothing downloaded.
 
-The engine's config passes the format to the loader (`load_target` / `load_draft`, load_format="dummy"). Targets are always random under dummy; an
-EAGLE head is random only when its directory holds no weight files. The text such a model writes is noise: it
-measures speed, never quality. Nothing here reads or writes a weight file.
+The engine's config passes the format to the loader (`load_target` / `load_draft`, load_format="dummy"). Targets
+are always random under dummy; an EAGLE head is random only when its directory holds no weight files. The text
+such a model writes is noise: it measures speed, never quality. Nothing here reads or writes a weight file.
 """
 
 from __future__ import annotations
