@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from fastspec.config import EngineConfig, Schedule, SpecConfig, check_spec_flags
-from fastspec.engine.engine import Engine
+from fastspec.engine.engine import Engine, collect
 from fastspec.models.embedded import default_speculation
 from fastspec.models.hub import is_hub_id
 from fastspec.models.loader import read_config, resolve_draft_dir, resolve_model_dir
@@ -111,16 +111,8 @@ class LLM:
             text = self.decode if (self.engine.model_dir / "tokenizer.json").is_file() else lambda ids: None
             return [Completion(o.prompt_ids, o.output_ids, text(o.output_ids), o.finish_reason, o.metrics, o.logprobs)
                     for o in self.engine.generate(ids, params)]
-        final, out_ids = {}, {i: [] for i in range(len(ids))}
-        logprobs = {i: [] if p.logprobs is not None else None for i, p in enumerate(params)}
         streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
-        for step in self.stream_ids(ids, params, streams):
-            for d in step:
-                out_ids[d.index].extend(d.new_ids)
-                if d.logprobs is not None:
-                    logprobs[d.index].extend(d.logprobs)
-                if d.finish_reason is not None:
-                    final[d.index] = d
+        out_ids, logprobs, final = collect(self.stream_ids(ids, params, streams), params)
         kept = {i: final[i].kept_tokens for i in range(len(ids))}
         return [Completion(ids[i], out_ids[i][: kept[i]], streams[i].text, final[i].finish_reason, final[i].metrics,
                            None if logprobs[i] is None else logprobs[i][: kept[i]]) for i in range(len(ids))]

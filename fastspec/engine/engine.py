@@ -99,16 +99,7 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerateOutput]:
-        outputs = {i: [] for i in range(len(prompts))}
-        logprobs = {i: [] if p.logprobs is not None else None for i, p in enumerate(params)}
-        final: dict[int, StepOutput] = {}
-        for step in self.stream(prompts, params):
-            for out in step:
-                outputs[out.index].extend(out.new_ids)
-                if out.logprobs is not None:
-                    logprobs[out.index].extend(out.logprobs)
-                if out.finish_reason is not None:
-                    final[out.index] = out
+        outputs, logprobs, final = collect(self.stream(prompts, params), params)
         return [GenerateOutput(list(p), outputs[i], final[i].finish_reason, final[i].metrics, logprobs[i])
                 for i, p in enumerate(prompts)]
 
@@ -287,3 +278,19 @@ class Engine:
             raise FastspecError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not "
                                 f"fit in the KV pool of {self.worker.pool.capacity} tokens (raise --max-total-tokens)")
         return request
+
+
+def collect(steps: Iterator[list], params: list[SamplingParams]) -> tuple[dict, dict, dict]:
+    """A stream's steps (each output with index, new_ids, logprobs, finish_reason) gathered per request:
+    (token ids, logprobs or None when not asked for, the finishing output), each keyed by request index."""
+    outputs = {i: [] for i in range(len(params))}
+    logprobs = {i: [] if p.logprobs is not None else None for i, p in enumerate(params)}
+    final = {}
+    for step in steps:
+        for out in step:
+            outputs[out.index].extend(out.new_ids)
+            if out.logprobs is not None:
+                logprobs[out.index].extend(out.logprobs)
+            if out.finish_reason is not None:
+                final[out.index] = out
+    return outputs, logprobs, final
