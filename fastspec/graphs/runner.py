@@ -174,8 +174,7 @@ class GraphRunner:
 
     def _aside(self, call: Callable[[], Outputs | None]) -> Outputs | None:
         """call() (cuda: on a side stream the current one then waits for, so warm-up runs stay off the capture
-        stream). A plain call, not a generator context manager: a failed compile's exception must not keep its
-        frames (and a half-loaded compiled graph) alive until exit."""
+        stream)."""
         if self.backend != "cuda":
             return call()
         stream = torch.cuda.Stream(device=self.device)
