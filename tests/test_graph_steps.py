@@ -179,3 +179,30 @@ def test_cuda_graph_round_equals_eager(tiny_dirs, draft_dirs):
                                      graphs=mode, cuda_graph_bs=(1, 2, 4), max_running_requests=4), spec)
         outs[mode] = [o.output_ids for o in engine.generate(PROMPTS[:3], [params] * 3)]
     assert outs["eager"] == outs["cuda"]
+
+
+def test_a_failed_compile_falls_back_to_eager_kernels_with_one_warning_line(tiny_dirs, draft_dirs, monkeypatch,
+                                                                            caplog):
+    """A round function whose compile fails (injected: the backend raises, as torch 2.11's dynamo did on an IntEnum)
+    runs its eager kernels: the engine lives, stays lossless, and says once per graph and bucket what failed."""
+    import fastspec.graphs.runner as runner_module
+
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("injected compile failure\nsecond line not shown")
+
+    monkeypatch.setenv("FASTSPEC_GRAPH_FALLBACK", "1")
+    monkeypatch.setattr(runner_module, "_inductor_without_host_sync", broken_backend)
+    spec = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model=str(draft_dirs["llama"]["eagle3"]),
+                              num_steps=3, topk=2, num_draft_tokens=5)
+    config = EngineConfig(model=str(tiny_dirs["llama"][0]), max_total_tokens=2048, graphs="compile",
+                          max_running_requests=2)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    with caplog.at_level("WARNING", logger="fastspec.graphs.runner"):
+        outputs = Engine(config, spec).generate(PROMPTS[:2], [params] * 2)
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, PROMPTS[:2], params)
+    lines = [r.getMessage() for r in caplog.records]
+    assert {line.split(":")[0] for line in lines} >= {f"graph '{name}', batch bucket 2"
+                                                      for name in ("draft loop", "draft extend", "verify")}
+    assert all("compiling failed (RuntimeError: injected compile failure); using its eager kernels instead" in line
+               and "\n" not in line for line in lines)
+    assert len(lines) == len(set(lines))  # once per graph and bucket, not per run

@@ -12,6 +12,7 @@ nothing about EAGLE, models or attention) nor tensors the function reads or writ
 are never copied.
 """
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from fastspec.errors import FastspecError
 from fastspec.graphs.buckets import bucket_for
 from fastspec.graphs.compile_cache import configure_compile_caches, renew_compile_cache
 
+log = logging.getLogger(__name__)
 BACKENDS = ("cuda", "compile", "eager")
 CUDA_WARMUP_RUNS = 2  # eager runs on a side stream before capture (lazy init, cuBLAS workspaces, autotune)
 
@@ -56,10 +58,14 @@ class GraphRunner:
 
     def __init__(self, name: str, fn: GraphFn, inputs: list[StaticInput], buckets: list[int], backend: str,
                  device: str | torch.device = "cpu", pool: tuple[int, int] | None = None, lazy: bool = False,
-                 on_bucket: Callable[[str, int], None] | None = None, fuse: bool | None = None):
+                 on_bucket: Callable[[str, int], None] | None = None, fuse: bool | None = None,
+                 fallback: bool | None = None):
         """`lazy`: `run` prepares a bucket on its first use, calling `on_bucket(name, bs)` first (a progress line).
         `fuse` (cuda): capture the Inductor-compiled function (default; FASTSPEC_FUSE=0 captures the eager
-        kernels, to compare)."""
+        kernels, to compare). `fallback`: a bucket whose compile fails runs its eager kernels instead (cuda:
+        captured; compile: uncompiled) after one warning line naming the graph, the bucket and the reason
+        (default; FASTSPEC_GRAPH_FALLBACK=0 raises instead, as the test suite does: there a failed compile is
+        a defect to see, not to survive)."""
         if backend not in BACKENDS:
             raise FastspecError(f"unknown graph backend '{backend}' (known: {', '.join(BACKENDS)})")
         if backend == "cuda" and (torch.device(device).type != "cuda" or not torch.cuda.is_available()):
@@ -79,6 +85,7 @@ class GraphRunner:
         self.lazy, self.on_bucket = lazy, on_bucket
         self.fuse = backend == "compile" or (backend == "cuda" and (
             os.environ.get("FASTSPEC_FUSE", "1") != "0" if fuse is None else fuse))
+        self.fallback = os.environ.get("FASTSPEC_GRAPH_FALLBACK", "1") != "0" if fallback is None else fallback
         self._compiled: dict[int, GraphFn] = {}  # bucket -> compiled fn
         self._prepared: set[int] = set()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -138,14 +145,26 @@ class GraphRunner:
     def _prepare_bucket(self, bs: int) -> Outputs:
         if self.fuse:
             try:
-                outputs = self._compile(bs)
+                outputs = self._compile_once_more_if_damaged(bs)
             except Exception as e:
-                if not renew_compile_cache(e):  # not a damaged on-disk entry, or the cache is already new
+                if not self.fallback:
                     raise
-                outputs = self._compile(bs)
+                log.warning("graph '%s', batch bucket %d: compiling failed (%s); using its eager kernels instead",
+                            self.name, bs, _describe(e))
+                self._compiled[bs] = self.fn  # cuda: captured as they are; compile: run as they are
+                self._reset(bs)
+                outputs = self.fn(dict(self._views[bs])) if self.backend == "compile" else None
             if self.backend == "compile":
                 return outputs
         return self._capture(bs)
+
+    def _compile_once_more_if_damaged(self, bs: int) -> Outputs:
+        try:
+            return self._compile(bs)
+        except Exception as e:
+            if not renew_compile_cache(e):  # not a damaged on-disk entry, or the cache is already new
+                raise
+            return self._compile(bs)
 
     def _compile(self, bs: int) -> Outputs:
         """Compile for the bucket by running once (cuda: on a side stream, before capture)."""

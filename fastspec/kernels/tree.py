@@ -105,7 +105,7 @@ def _eagle_parent_positions(parent_list: torch.Tensor,     # int64 [bs, topk*(de
 
 def _write_tree_mask(tree_mask, mask, verified_seq_len, tree_mask_mode) -> None:
     bs, n, _ = mask.shape
-    mode = TreeMaskMode(tree_mask_mode)
+    mode = int(tree_mask_mode)  # a plain int: torch 2.11's dynamo cannot build an IntEnum inside a compiled region
     if mode == TreeMaskMode.FULL_MASK:
         tree_mask.view(-1)[_full_mask_index(verified_seq_len, n)] = mask.reshape(-1)
     elif mode == TreeMaskMode.QLEN_ONLY:
