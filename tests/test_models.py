@@ -8,6 +8,7 @@ from conftest import FAMILIES, PoolRunner, make_hf_model
 
 from fastspec.errors import FastspecError
 from fastspec.models.config import ModelConfig
+from fastspec.models.layers import fuse_projections
 from fastspec.models.llama import eagle3_capture_layers
 from fastspec.models.loader import load_target, read_config
 
@@ -20,11 +21,15 @@ def hf_logits(model, ids):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_prefill_and_decode_match_transformers(tiny_dirs, family, page_size):
-    """Batched prefill of mixed lengths, then step-by-step batched decode: every logit row equals HF's."""
+@pytest.mark.parametrize("page_size,fused", [(1, False), (16, False), (16, True)])
+def test_prefill_and_decode_match_transformers(tiny_dirs, family, page_size, fused):
+    """Batched prefill of mixed lengths, then step-by-step batched decode: every logit row equals HF's (also with
+    the QKV and gate_up projections fused, as every engine runs them)."""
     directory, hf = tiny_dirs[family]
     model = load_target(directory, torch.float32)
+    if fused:
+        fuse_projections(model)
+        assert not any(hasattr(m, "q_proj") and hasattr(m, "qkv_proj") for m in model.modules())
     runner = PoolRunner(model, page_size=page_size)
     n_decode = 3
     heads = [p[:-n_decode] for p in PROMPTS]
@@ -61,7 +66,7 @@ def test_aux_capture_equals_hf_hidden_states(tiny_dirs, family):
     layers = eagle3_capture_layers(4, None)  # [2, L//2, L-3] for L = 4
     assert layers == (2, 2, 1)
     assert eagle3_capture_layers(4, (0, 3)) == (1, 4)  # draft config ids + 1; 4 = the last layer's output
-    model = load_target(directory, torch.float32, capture_layers=layers)
+    model = fuse_projections(load_target(directory, torch.float32, capture_layers=layers))
     out = PoolRunner(model).extend([0], [PROMPTS[2]])
     with torch.no_grad():
         states = hf(torch.tensor([PROMPTS[2]]), output_hidden_states=True).hidden_states

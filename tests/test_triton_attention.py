@@ -91,7 +91,7 @@ def test_kernel_matches_oracle_and_twin(name, dtype):
     want = oracle(*[a.cpu() for a in args], scale)
     twin = paged_attention_twin(*args, scale).cpu()
     torch.testing.assert_close(twin.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
-    for splits in (1, 3):
+    for splits in (0, 1, 3):  # 0: one kernel, no combine
         got = triton_paged_attention(*args, scale, splits=splits).cpu()
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
@@ -103,9 +103,10 @@ def test_rows_that_see_only_the_block_and_one_key():
                        dtype=torch.float32)
     q, k_cache, v_cache, table, rows, lens, block_slots, _ = args
     diag = torch.eye(3, dtype=torch.bool, device=q.device).expand(2, 3, 3).contiguous()
-    got = triton_paged_attention(q, k_cache, v_cache, table, rows, lens, block_slots, diag, scale, splits=2)
     want = v_cache[block_slots.flatten()].expand(-1, 2, -1)
-    torch.testing.assert_close(got, want)
+    for splits in (0, 2):
+        got = triton_paged_attention(q, k_cache, v_cache, table, rows, lens, block_slots, diag, scale, splits=splits)
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -5,7 +5,8 @@ Query row t = b*Q + i of head h sees (1) request b's committed prefix, the first
 req_to_token row, and (2) the block keys block_slots[b, x] that block_mask[b, i, x] allows (the new tokens under a
 causal or tree mask; in the draft loop the slots of a row's ancestors and its own). Flash-decoding split: program
 (t, h, s) attends split s of the prefix (s < SPLITS) or the block (s == SPLITS) with an online softmax and writes
-its partial (max, sum, unnormalised output); a second kernel combines the partials. The grid depends on shapes
+its partial (max, sum, unnormalised output); a second kernel combines the partials. Where the (t, h) programs fill
+the GPU without splits, one kernel reads prefix and block and writes the output (splits=0). The grid depends on shapes
 alone, the loop bounds on device values: capturable, and no recapture when a context grows.
 
 The semantics are fastspec.attention.paged's torch twin; tests run both under TRITON_INTERPRET=1 on CPU.
@@ -39,11 +40,36 @@ def _online_tile(q, K, V, slots, ok, kvh, d, dv, scale, stride_ks, stride_kh, st
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, MidO, MidML, scale,
-                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
-                    Q_ROWS: tl.constexpr, X: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
-                    HQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):
+def _prefix_tiles(q, K, V, Table, row, start, end, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs, stride_vh,
+                  stride_table, m_i, l_i, acc, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Prefix columns [start, end) of one request's table row, BLOCK_N keys at a time."""
+    for j in range(start, end, BLOCK_N):
+        cols = j + tl.arange(0, BLOCK_N)
+        ok = cols < end
+        slots = tl.load(Table + row * stride_table + cols, mask=ok, other=0).to(tl.int64)
+        m_i, l_i, acc = _online_tile(q, K, V, slots, ok, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs,
+                                     stride_vh, m_i, l_i, acc, D, DV)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _block_tile(q, K, V, BlockSlots, BlockMask, t, b, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs, stride_vh,
+                m_i, l_i, acc, X: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_X: tl.constexpr):
+    """The block: new tokens (or a draft row's ancestors) under row t's mask."""
+    x = tl.arange(0, BLOCK_X)
+    in_block = x < X
+    ok = tl.load(BlockMask + t * X + x, mask=in_block, other=0) != 0
+    slots = tl.load(BlockSlots + b * X + x, mask=in_block, other=0).to(tl.int64)
+    return _online_tile(q, K, V, slots, ok, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs, stride_vh,
+                        m_i, l_i, acc, D, DV)
+
+
+@triton.jit
+def _paged_attention_partial(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, MidO, MidML, scale,
+                             stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
+                             Q_ROWS: tl.constexpr, X: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
+                             HQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -57,23 +83,14 @@ def _partial_kernel(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, Mid
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
     if s < SPLITS:  # a split of the committed prefix, slots read from the request's table row
         n = tl.load(PrefixLens + b)
-        row = tl.load(Rows + b)
         chunk = tl.cdiv(n, SPLITS)
         start = s * chunk
-        end = tl.minimum(start + chunk, n)
-        for j in range(start, end, BLOCK_N):
-            cols = j + tl.arange(0, BLOCK_N)
-            ok = cols < end
-            slots = tl.load(Table + row * stride_table + cols, mask=ok, other=0).to(tl.int64)
-            m_i, l_i, acc = _online_tile(q, K, V, slots, ok, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs,
-                                         stride_vh, m_i, l_i, acc, D, DV)
-    else:  # the block: new tokens (or a draft row's ancestors) under the per-row mask
-        x = tl.arange(0, BLOCK_X)
-        in_block = x < X
-        ok = tl.load(BlockMask + t * X + x, mask=in_block, other=0) != 0
-        slots = tl.load(BlockSlots + b * X + x, mask=in_block, other=0).to(tl.int64)
-        m_i, l_i, acc = _online_tile(q, K, V, slots, ok, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs,
-                                     stride_vh, m_i, l_i, acc, D, DV)
+        m_i, l_i, acc = _prefix_tiles(q, K, V, Table, tl.load(Rows + b), start, tl.minimum(start + chunk, n), kvh,
+                                      d, dv, scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
+                                      m_i, l_i, acc, D, DV, BLOCK_N)
+    else:
+        m_i, l_i, acc = _block_tile(q, K, V, BlockSlots, BlockMask, t, b, kvh, d, dv, scale, stride_ks, stride_kh,
+                                    stride_vs, stride_vh, m_i, l_i, acc, X, D, DV, BLOCK_X)
     part = (t * HQ + h) * (SPLITS + 1) + s
     tl.store(MidO + part * BLOCK_DV + dv, acc)
     tl.store(MidML + part * 2, m_i)
@@ -81,7 +98,33 @@ def _partial_kernel(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, Mid
 
 
 @triton.jit
-def _combine_kernel(MidO, MidML, Out, stride_ot, stride_oh,
+def _paged_attention_whole(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, Out, scale,
+                           stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
+                           stride_ot, stride_oh, Q_ROWS: tl.constexpr, X: tl.constexpr, GROUP: tl.constexpr,
+                           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):
+    """No split: program (t, h) reads the whole prefix and the block and writes its normalised output (one
+    launch, no partials to combine: where there are programs enough to fill the GPU without splitting)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    b = t // Q_ROWS
+    kvh = h // GROUP
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + t * stride_qt + h * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
+    m_i = -1e30
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    m_i, l_i, acc = _prefix_tiles(q, K, V, Table, tl.load(Rows + b), 0, tl.load(PrefixLens + b), kvh, d, dv, scale,
+                                  stride_ks, stride_kh, stride_vs, stride_vh, stride_table, m_i, l_i, acc, D, DV,
+                                  BLOCK_N)
+    m_i, l_i, acc = _block_tile(q, K, V, BlockSlots, BlockMask, t, b, kvh, d, dv, scale, stride_ks, stride_kh,
+                                stride_vs, stride_vh, m_i, l_i, acc, X, D, DV, BLOCK_X)
+    tl.store(Out + t * stride_ot + h * stride_oh + dv, (acc / l_i).to(Out.dtype.element_ty), mask=dv < DV)
+
+
+@triton.jit
+def _paged_attention_combine(MidO, MidML, Out, stride_ot, stride_oh,
                     PARTS: tl.constexpr, HQ: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_P: tl.constexpr):
     t = tl.program_id(0)
@@ -99,10 +142,12 @@ def _combine_kernel(MidO, MidML, Out, stride_ot, stride_oh,
 
 
 def default_splits(programs: int, device: torch.device) -> int:
-    """Prefix splits per (row, head): enough programs to fill the GPU at batch 1, none at large batches."""
+    """Prefix splits per (row, head): enough programs to fill the GPU at batch 1; 0 (one kernel, no combine)
+    where the (row, head) programs fill it already, and off a GPU."""
     if device.type != "cuda":
-        return 1
-    return max(1, min(MAX_SPLITS, -(-2 * _sm_count(device.index or 0) // max(programs, 1))))
+        return 0
+    splits = min(MAX_SPLITS, -(-2 * _sm_count(device.index or 0) // max(programs, 1)))
+    return splits if splits > 1 else 0
 
 
 @functools.cache
@@ -125,18 +170,23 @@ def paged_attention(q: torch.Tensor,            # [T, Hq, D]  T = bs*Q, last dim
     if t != bs * q_rows or hq % hkv or block_slots.shape != (bs, x):
         raise ValueError(f"paged attention: q {tuple(q.shape)}, heads {hq}/{hkv}, block {tuple(block_slots.shape)}, "
                          f"mask {tuple(block_mask.shape)} do not fit together")
-    splits = splits or default_splits(t * hq, q.device)
+    splits = default_splits(t * hq, q.device) if splits is None else splits
     block_dv = triton.next_power_of_2(dv)
+    out = torch.empty(t, hq, dv, dtype=q.dtype, device=q.device)
+    inputs = (q, k_cache, v_cache, table, rows, prefix_lens, block_slots.contiguous(),
+              block_mask.contiguous().view(torch.int8))  # bool as bytes: no i1 pointer loads
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+               table.stride(0))
+    blocks = dict(BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=block_dv, BLOCK_N=BLOCK_N,
+                  BLOCK_X=triton.next_power_of_2(x))
+    if splits == 0:
+        _paged_attention_whole[(t, hq)](*inputs, out, scale, *strides, out.stride(0), out.stride(1), Q_ROWS=q_rows,
+                                        X=x, GROUP=hq // hkv, D=d, DV=dv, **blocks)
+        return out
     mid_o = torch.empty(t, hq, splits + 1, block_dv, dtype=torch.float32, device=q.device)
     mid_ml = torch.empty(t, hq, splits + 1, 2, dtype=torch.float32, device=q.device)
-    _partial_kernel[(t, hq, splits + 1)](
-        q, k_cache, v_cache, table, rows, prefix_lens, block_slots.contiguous(),
-        block_mask.contiguous().view(torch.int8), mid_o,  # bool as bytes: no i1 pointer loads
-        mid_ml, scale, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), table.stride(0),
-        Q_ROWS=q_rows, X=x, GROUP=hq // hkv, SPLITS=splits, HQ=hq, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_DV=block_dv, BLOCK_N=BLOCK_N, BLOCK_X=triton.next_power_of_2(x))
-    out = torch.empty(t, hq, dv, dtype=q.dtype, device=q.device)
-    _combine_kernel[(t, hq)](mid_o, mid_ml, out, out.stride(0), out.stride(1), PARTS=splits + 1, HQ=hq, DV=dv,
-                             BLOCK_DV=block_dv, BLOCK_P=triton.next_power_of_2(splits + 1))
+    _paged_attention_partial[(t, hq, splits + 1)](*inputs, mid_o, mid_ml, scale, *strides, Q_ROWS=q_rows, X=x,
+                                                  GROUP=hq // hkv, SPLITS=splits, HQ=hq, D=d, DV=dv, **blocks)
+    _paged_attention_combine[(t, hq)](mid_o, mid_ml, out, out.stride(0), out.stride(1), PARTS=splits + 1, HQ=hq,
+                                      DV=dv, BLOCK_DV=block_dv, BLOCK_P=triton.next_power_of_2(splits + 1))
     return out

@@ -70,14 +70,13 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(H, config.intermediate_size, config.mlp_bias)
 
     def forward(self, positions, embeds, hidden, rope, attn) -> torch.Tensor:
-        q, k, v = self._project(positions, embeds, hidden, rope)
-        a = self.self_attn
-        return self._finish(hidden, attn.attend(a.layer_id, q, k, v, a.scale))
+        qkv = self._qkv(embeds, hidden)
+        return self._finish(hidden, self.self_attn.attend(qkv, rope, rope.cos_sin(positions, qkv.dtype), attn))
 
     @torch.compiler.nested_compile_region
-    def _project(self, positions, embeds, hidden, rope):
+    def _qkv(self, embeds, hidden):  # rope and the KV write follow outside the region, fused by the compiler
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        return self.self_attn.project(positions, x, rope)
+        return self.self_attn.qkv(x)
 
     @torch.compiler.nested_compile_region
     def _finish(self, hidden, o):

@@ -90,7 +90,8 @@ def rope_attention_factor(scaling: RopeScaling | None) -> float:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE; cos/sin computed per call from the positions (cheap, exact, no position cap)."""
+    """Rotate-half RoPE; cos/sin computed from the positions (cheap, exact, no position cap): once per forward by a
+    model that hands them to every layer (`cos_sin`, then `rotate`), or per call (`forward`)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -104,25 +105,51 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self.inv_freq.to(fn(self.inv_freq).device)  # follows .to(device) / .cuda(), not dtypes
         return super()._apply(fn, recurse)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
-        r = self.rotary_dim
-        if r < q.shape[-1]:
-            (q_rot, q_pass), (k_rot, k_pass) = q.split([r, q.shape[-1] - r], -1), k.split([r, k.shape[-1] - r], -1)
-            q_rot, k_rot = self.forward(positions, q_rot, k_rot)
-            return torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, rotary_dim] in `dtype`."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+        return cos.to(dtype), sin.to(dtype)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # q [T, Hq, D]; k [T, Hkv, D]; cos, sin [T, 1, rotary_dim]
+        r = self.rotary_dim
+        if r < q.shape[-1]:
+            (q_rot, q_pass), (k_rot, k_pass) = q.split([r, q.shape[-1] - r], -1), k.split([r, k.shape[-1] - r], -1)
+            q_rot, k_rot = self.rotate(q_rot, k_rot, cos, sin)
+            return torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
+        return self.rotate(q, k, *self.cos_sin(positions, q.dtype))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def merged_linear(*parts: nn.Linear) -> nn.Linear:
+    """One linear whose output is the parts' outputs side by side (their weights concatenated: one GEMM)."""
+    merged = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
+                       device="meta")
+    merged.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+    if parts[0].bias is not None:
+        merged.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+    return merged
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """For inference, in place: every Attention's q / k / v projections and every MLP's gate / up projections become
+    one GEMM each (checkpoints keep their names on disk; a fused model is not for training or saving)."""
+    for module in list(model.modules()):
+        if isinstance(module, (Attention, MLP)):
+            module.fuse()
+    return model
 
 
 class MLP(nn.Module):
@@ -131,9 +158,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj: nn.Linear | None = None  # fuse(): [gate | up] as one linear
+
+    def fuse(self) -> None:
+        if self.gate_up_proj is None:
+            self.gate_up_proj = merged_linear(self.gate_proj, self.up_proj)
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -148,31 +185,61 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(in_features, c.num_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.qkv_proj: nn.Linear | None = None  # fuse(): [q | k | v] as one linear
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+
+    def fuse(self) -> None:
+        if self.qkv_proj is None:
+            self.qkv_proj = merged_linear(self.q_proj, self.k_proj, self.v_proj)
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, positions, x, rope: RotaryEmbedding, attn) -> torch.Tensor:
         # positions [T]; x [T, in_features]
         q, k, v = self.project(positions, x, rope)
         return self.output(attn.attend(self.layer_id, q, k, v, self.scale))  # attend: [T, Hq, D]
 
-    def project(self, positions, x, rope: RotaryEmbedding):
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] -> [T, (Hq + 2 Hkv) * D]: q | k | v side by side (one tensor: a compile region's
+        outputs must not alias each other, so regions return this and `heads` splits it outside)."""
+        if self.qkv_proj is None:
+            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        return self.qkv_proj(x)
+
+    def heads(self, qkv: torch.Tensor):
+        """[T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k, v [T, Hkv, D], before rope (q / k normed where the model
+        norms them)."""
+        T, D = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], -1)
+        q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.view(T, self.num_kv_heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def project(self, positions, x, rope: RotaryEmbedding):
+        q, k, v = self.heads(self.qkv(x))
         q, k = rope(positions, q, k)
         return q, k, v
+
+    def attend(self, qkv: torch.Tensor, rope: RotaryEmbedding, cos_sin, attn) -> torch.Tensor:
+        """q / k norms, rope, then the KV write and attention: [T, Hq, D]. Outside the compile regions, so the
+        compiler fuses norms and rope into the KV write."""
+        q, k, v = self.heads(qkv)
+        q, k = rope.rotate(q, k, *cos_sin)
+        return attn.attend(self.layer_id, q, k, v, self.scale)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Llama block. `input_norm=False` gives the EAGLE-2 head's first layer (no input layernorm)."""
+    """Pre-norm Llama block. `input_norm=False` gives the EAGLE-2 head's first layer (no input layernorm).
+
+    Compiled as nested regions (each compiled once, reused by every layer) that end and start at the attention op:
+    `enter` (norm + QKV GEMM), `hand_over` (this layer's o_proj, residual, MLP, then the next layer's norm + QKV:
+    the residual add meets the next norm inside one region) and `leave` (the last layer's end). Rope, the KV write
+    and attention run between them, in the graph that calls them."""
 
     def __init__(self, config: ModelConfig, layer_id: int, input_norm: bool = True):
         super().__init__()
@@ -182,16 +249,26 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, positions, x, rope, attn) -> torch.Tensor:
-        q, k, v = self._project(positions, x, rope)
-        a = self.self_attn
-        return self._finish(x, attn.attend(a.layer_id, q, k, v, a.scale))
+        """One layer whole (draft heads); a target runs its layers through `enter` / `hand_over` / `leave`."""
+        return self.leave(x, self.self_attn.attend(self.enter(x), rope, rope.cos_sin(positions, x.dtype), attn))
 
     @torch.compiler.nested_compile_region
-    def _project(self, positions, x, rope):
+    def enter(self, x):
+        return self._qkv(x)
+
+    @torch.compiler.nested_compile_region
+    def hand_over(self, x, o, following: "DecoderLayer"):
+        x = self._finish(x, o)
+        return x, following._qkv(x)
+
+    @torch.compiler.nested_compile_region
+    def leave(self, x, o):
+        return self._finish(x, o)
+
+    def _qkv(self, x):
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
-        return self.self_attn.project(positions, h, rope)
+        return self.self_attn.qkv(h)
 
-    @torch.compiler.nested_compile_region
     def _finish(self, x, o):
         x = x + self.self_attn.output(o)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -59,6 +59,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.rope = RotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Llama-family layers run as compile regions between attention ops (DecoderLayer); MLA / MoE / hybrid layers
+        # each run whole
+        self.between_attention = all(type(layer) is DecoderLayer for layer in self.model.layers)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -69,13 +72,29 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T]
         x = self.model.embed_tokens(input_ids)
         states = {}  # layer id -> residual stream entering it (id == num_layers: the last layer's output)
-        for i, layer in enumerate(self.model.layers):
-            if i in self.capture_layers:
-                states[i] = x
-            x = layer(positions, x, self.rope, attn)
+        if self.between_attention:
+            x, states = self._layers_between_attention(x, positions, attn)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                if i in self.capture_layers:
+                    states[i] = x
+                x = layer(positions, x, self.rope, attn)
         states[len(self.model.layers)] = x
         aux = torch.cat([states[i] for i in self.capture_layers], dim=-1) if self.capture_layers else None
         return TargetHidden(self.model.norm(x), aux)
+
+    def _layers_between_attention(self, x, positions, attn) -> tuple[torch.Tensor, dict]:
+        """The DecoderLayer stack, cos / sin computed once: layer 0's norm + QKV, then per layer rope + KV write +
+        attention, and the region up to the next layer's QKV (the same compiled code for every boundary).
+        Returns the last layer's output and the residual stream entering each capture layer."""
+        layers, cos_sin = self.model.layers, self.rope.cos_sin(positions, x.dtype)
+        states = {0: x} if 0 in self.capture_layers else {}
+        qkv = layers[0].enter(x)
+        for i, layer in enumerate(layers[:-1]):
+            x, qkv = layer.hand_over(x, layer.self_attn.attend(qkv, self.rope, cos_sin, attn), layers[i + 1])
+            if i + 1 in self.capture_layers:
+                states[i + 1] = x
+        return layers[-1].leave(x, layers[-1].self_attn.attend(qkv, self.rope, cos_sin, attn)), states
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [T, V] float32

@@ -15,6 +15,7 @@ from torch import nn
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import can_prepack, prepack_linears
+from fastspec.models.layers import fuse_projections
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
 from fastspec.models.mtp_loader import check_mtp_fits, load_mtp, mtp_prefix
@@ -35,9 +36,13 @@ PREPACK_BS = (1, 2, 4)  # each packed row count is one more copy of the weights:
 
 
 def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
-    """Target and draft weights; on CPU in float32, their linears are prepacked for the row counts of the verify
+    """Target and draft weights, their projections fused (fastspec.models.layers.fuse_projections); on CPU in float32,
+    their linears are prepacked for the row counts of the verify
     (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2 and 4."""
     models = _load_models(model_dir, spec, config)
+    for model in (models.target, models.draft):
+        if isinstance(model, nn.Module):
+            fuse_projections(model)  # one QKV and one gate_up GEMM per layer
     pack_round_rows(models.target, models.draft, spec, config)
     return models
 
