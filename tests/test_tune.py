@@ -11,6 +11,7 @@ from test_train import chat_target, prompt_file, tiny_config  # noqa: F401  (fix
 
 import fastspec
 from fastspec.config import SpecParams
+from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
 from fastspec.train.trainer import train_draft
 from fastspec.tune.replay import candidate_params, record, replay_tau
@@ -96,7 +97,6 @@ def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head
 
 
 def test_tuned_file_round_trips_and_guards_its_fingerprint(tmp_path):
-    from fastspec.errors import FastspecError
     from fastspec.tune.tuned import load_schedule, read_tuned, save_tuned
 
     path, print_ = tmp_path / "t.json", {"hardware": "cpu", "model": "a", "draft": "b", "dtype": "float32"}
@@ -169,3 +169,17 @@ def test_cli_emits_sglang_flags_from_the_tuned_file_and_llm_loads_it(chat_target
     assert llm.engine.spec.schedule == ((1, SpecParams(3, 2, 5)), (4, None))
     explicit = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head), topk=1)
     assert explicit.engine.spec.schedule == ()  # explicit tree flags win over the tuned file
+
+
+def test_tune_tries_deeper_and_wider_trees_on_a_gpu_and_refuses_a_budget_spent_before_confirming(
+        chat_target, head, tmp_path, monkeypatch):  # noqa: F811
+    from fastspec.tune.tuner import TuneConfig, tune
+
+    assert (TuneConfig.for_device("cuda:0").max_draft_tokens, TuneConfig.for_device("cuda").max_steps) == (32, 8)
+    assert TuneConfig.for_device("cpu") == TuneConfig() and TuneConfig.for_device("cuda", max_steps=3).max_steps == 3
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    cfg = TuneConfig(batch_sizes=(1,), max_steps=2, topks=(1,), max_draft_tokens=3, max_new_tokens=8, budget=1e-3)
+    llm = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head), num_steps=2,
+                       topk=1, num_draft_tokens=3, tuned=False)
+    with pytest.raises(FastspecError, match=r"--budget 0.001 s was spent before any tree shape could be confirmed"):
+        tune(llm, PROMPTS[:2], cfg)

@@ -62,7 +62,10 @@ def tune(
             raise FastspecError(f"no tuned file at {path}: run fastspec tune first")
         print(sglang_flags(tuned_file.read_tuned(path)["tiers"], algorithm, draft_dir))
         return
-    cfg = TuneConfig(batch_sizes=sizes, max_new_tokens=max_new_tokens, budget=budget)
+    from fastspec.config import resolve_device
+
+    cfg = TuneConfig.for_device(resolve_device(options.llm_kwargs()["device"]), batch_sizes=sizes, max_new_tokens=max_new_tokens,
+                                budget=budget)
     kwargs = options.llm_kwargs() | dict(speculative_algorithm=algorithm, draft_model=draft, tuned=False,
                                          num_steps=cfg.max_steps, topk=max(cfg.topks),
                                          num_draft_tokens=cfg.max_draft_tokens, speculative_fallback=False, radix_cache=False,

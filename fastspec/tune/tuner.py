@@ -35,6 +35,15 @@ class TuneConfig:
     final_trials: int = 3  # full-length runs of the last shape and of plain, alternating; median decides
     budget: float = 600.0  # seconds; the end-to-end stage shrinks to fit
 
+    @classmethod
+    def for_device(cls, device: str, **fields) -> "TuneConfig":
+        """On a GPU deeper and wider trees are candidates too: a captured verify of 16 or 32 nodes may cost what 8
+        cost at small batches (the GEMMs are bound by reading the weights), so only measured costs can rule them
+        out; on a CPU a verify's cost grows with its nodes from the first."""
+        if str(device).startswith("cuda"):
+            fields = {"max_steps": 8, "max_draft_tokens": 32} | fields
+        return cls(**fields)
+
 
 @dataclass
 class Candidate:
@@ -93,6 +102,9 @@ def tune(llm, prompts: list[list[int]], cfg: TuneConfig, say: Callable[[str], No
     measured = time.perf_counter()
     result = TuneResult({}, taus=taus, replay_seconds=replayed - started, cost_seconds=measured - replayed)
     remaining = cfg.budget - (measured - started)
+    if remaining <= 0:
+        raise FastspecError(f"--budget {cfg.budget:g} s was spent before any tree shape could be confirmed end to "
+                            f"end (replay and round costs took {measured - started:.0f} s): give a larger --budget")
     for bs in cfg.batch_sizes:
         say(f"confirming batch size {bs} end to end")
         winner = _halve(llm, prompts, bs, ranked[bs], cfg, remaining / len(cfg.batch_sizes), result.confirmed)
