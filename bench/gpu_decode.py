@@ -37,6 +37,7 @@ from bench_decode import time_transformers
 from peers import MODEL, first_divergence, versions
 
 import fastspec
+from fastspec.benchmark.profile import profile_step
 from fastspec.config import parse_dtype
 from fastspec.models.embedded import embedded_head
 from fastspec.models.loader import resolve_model_dir
@@ -172,9 +173,14 @@ def part_fastspec(setup: Setup, out: dict, save) -> None:
     a, plain = setup.args, {}
     configs = {"plain": {"speculative_algorithm": "NONE"}} | {k: eagle3(shape) for k, shape in EAGLE_SHAPES.items()}
     for name, options in configs.items():
-        prepared = []
-        llm = setup.llm(**options, on_prepare=lambda *key, seen=prepared: seen.append(key))
-        out[name] = {"overlap": llm.engine.overlap}
+        prepared, out[name] = [], {}
+
+        def preparing(*key, seen=prepared, entry=out[name]):  # saved as it starts: a timeout shows what was running
+            seen.append(key)
+            entry["preparing_last"] = list(key)
+            save()
+        llm = setup.llm(**options, on_prepare=preparing)
+        out[name]["overlap"] = llm.engine.overlap
         for bs in a.batch_sizes:
             prompts = setup.prompts[:bs]
             run(llm, prompts, a.max_new_tokens)  # warm-up: every graph this run needs
@@ -190,9 +196,22 @@ def part_fastspec(setup: Setup, out: dict, save) -> None:
                 result |= {"tau": round(metrics.tau, 3), "same_tokens": bool(plain.get(bs)) and first == [None] * bs,
                            "first_divergence": first}
             out[name][f"bs{bs}"] = result
+            out[name]["prepare_s"] = prepare_seconds(llm)
+            save()
+        for bs in a.batch_sizes if name != "eagle3 chain 3/1/4" else ():  # where a step's time goes
+            out[name][f"profile_bs{bs}"] = profile_step(llm, setup.prompts[0], bs).as_dict()
             save()
         del llm
         release()
+
+
+def prepare_seconds(llm) -> dict[str, dict[int, float]]:
+    """Seconds each round function took to compile and capture, per batch bucket."""
+    w = llm.engine.worker
+    graphs = [w.decode_graphs, *w.verify_graphs.values(), getattr(w.drafter, "loop_graphs", None),
+              getattr(w.drafter, "extend_graphs", None)]
+    return {g.name: {bs: round(t, 2) for bs, t in g.runner.prepare_seconds.items()}
+            for g in graphs if g is not None and g.runner is not None}
 
 
 def part_kernels(setup: Setup, out: dict, save) -> None:
@@ -256,11 +275,14 @@ def part_8b(setup: Setup, out: dict, save) -> None:
     run(llm, prompt, a.max_new_tokens)  # warm-up
     timed = run(llm, prompt, a.max_new_tokens)
     out["plain"] = {"tok_s": round(timed.tok_s, 2), "ms_per_token": round(timed.ms_per_step, 3),
-                    "streamed_weight_gb": round(streamed / 1e9, 3), "overlap": llm.engine.overlap}
+                    "streamed_weight_gb": round(streamed / 1e9, 3), "overlap": llm.engine.overlap,
+                    "prepare_s": prepare_seconds(llm)}
     if out["bandwidth_gb_s"]:
         limit_ms = streamed / (out["bandwidth_gb_s"] * 1e9) * 1000
         out["plain"] |= {"limit_ms_per_token": round(limit_ms, 3),
                          "fraction_of_limit": round(limit_ms / timed.ms_per_step, 3)}
+    save()
+    out["plain"]["profile"] = profile_step(llm, prompt[0], 1).as_dict()
     save()
     del llm
     release()
@@ -272,7 +294,10 @@ def part_8b(setup: Setup, out: dict, save) -> None:
     timed = run(llm, prompt, new)
     out["eagle3_round"] = {"shape": "/".join(map(str, SGLANG_8B_SHAPE)), "ms_per_round": round(timed.ms_per_step, 3),
                            "tau": round(timed.metrics.tau, 3),
-                           "plain_steps_per_round": round(timed.ms_per_step / out["plain"]["ms_per_token"], 2)}
+                           "plain_steps_per_round": round(timed.ms_per_step / out["plain"]["ms_per_token"], 2),
+                           "prepare_s": prepare_seconds(llm)}
+    save()
+    out["eagle3_round"]["profile"] = profile_step(llm, prompt[0], 1).as_dict()
     del llm
     release()
 

@@ -295,3 +295,16 @@ def cuda_runner():
     runner.prepare(on_bucket=lambda name, bs: calls.append(bs))
     assert calls == [8, 4, 2, 1]
     return runner, pool, pool0
+
+
+def test_profile_categories_of_kernel_and_operator_names():
+    from fastspec.benchmark.profile import category
+
+    names = {"sm90_xmma_gemm_bf16bf16_bf16f32": "gemm", "nvjet_tst_64x8_64x16_4x1_v_bz_TNT": "gemm",
+             "aten::addmm": "gemm", "_paged_attention_partial": "attention", "_paged_attention_combine": "attention",
+             "fastspec::paged_attention": "attention", "triton_red_fused_add_mean_mul_pow_rsqrt_3": "norm/elementwise",
+             "triton_poi_fused_mul_silu_1": "norm/elementwise", "aten::copy_": "copies",
+             "triton_poi_fused__to_copy_cos_index_put_mul_sin_2": "norm/elementwise", "Memcpy DtoD (Device -> Device)": "copies",
+             "Memset (Device)": "copies", "triton_red_fused_argmax_4": "sampling", "aten::softmax": "sampling",
+             "cudaLaunchKernel": "other"}
+    assert {name: category(name) for name in names} == names

@@ -112,3 +112,23 @@ def test_abandoned_stream_returns_every_slot():
     next(stream), next(stream)  # prefill and one round, then the consumer walks away
     stream.close()
     assert all_slots_free(llm.engine)
+
+
+def test_bench_profile_splits_a_plain_step_and_a_round_by_category():
+    result = CliRunner().invoke(app, ["bench", "--profile", "--batch-sizes", "1", "--max-total-tokens", "4096",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    plain, spec = json.loads(result.stdout)["profile"]
+    assert (plain["name"], spec["name"]) == ("plain step", "speculative round")
+    for p in (plain, spec):
+        assert p["device"] == "cpu" and p["batch_size"] == 1 and p["ms_per_step"] > 0 and p["launches_per_step"] > 0
+        by = p["ms_by_category"]
+        assert by["gemm"] > 0 and by["attention"] > 0 and min(by.values()) >= 0
+        assert sum(by.values()) <= p["ms_per_step"] * 1.05  # operator self times are parts of the wall time
+        assert 0 <= p["host_share"] < 1
+    assert spec["ms_by_category"]["sampling"] >= 0 and spec["steps"] > 0
+
+
+def test_bench_profile_refuses_a_url():
+    result = CliRunner().invoke(app, ["bench", "--profile", "--url", "http://127.0.0.1:9"])
+    assert result.exit_code != 0 and "--profile" in result.stderr and "Traceback" not in result.output

@@ -29,6 +29,9 @@ def bench(
     request_rate: Annotated[float, typer.Option(help="--url: requests per second, Poisson (inf: all at once).")]
     = float("inf"),
     max_concurrency: Annotated[int, typer.Option(help="--url: most requests in flight.")] = 16,
+    profile: Annotated[bool, typer.Option("--profile", help="Instead of throughput: where a plain decode step's and "
+                                                            "a speculative round's time goes on this device (time "
+                                                            "per kernel category, host share).")] = False,
 ):
     """Throughput of the speculative configuration against no speculation, in the same process and run; with
     --url, a running OpenAI-compatible server under load."""
@@ -40,6 +43,8 @@ def bench(
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts(prompt_set)
     if not prompts:  # spread the first num_prompts over every set
         texts = texts[::max(1, len(texts) // num_prompts)]
+    if url is not None and profile:
+        raise FastspecError("--profile profiles a model loaded here; it does not go with --url")
     if url is not None:
         return bench_url(url, [texts[i % len(texts)] for i in range(num_prompts)], max_new_tokens, request_rate,
                          max_concurrency, as_json)
@@ -50,6 +55,8 @@ def bench(
         from fastspec.graphs.buckets import default_buckets
 
         kwargs["cuda_graph_bs"] = tuple(default_buckets(max(sizes)))
+    if profile:  # a speculative round to profile at every batch size, whatever the measured fallback prefers
+        kwargs["speculative_fallback"] = False
     notes = Notes()
     spec = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)
     base_kwargs = kwargs | {"speculative_algorithm": "NONE", "draft_model": None, "token_map": None, "ngram": None}
@@ -58,6 +65,8 @@ def bench(
     from rich.console import Console
 
     console = Console(stderr=True)
+    if profile:
+        return bench_profile(baseline, spec, ids[0], sizes, options, as_json, console)
     with console.status("benchmarking") as status:
         results = run_bench(baseline, spec, ids, sizes, max_new_tokens, trials, warmup,
                             on_progress=lambda text: status.update(text))
@@ -88,6 +97,40 @@ def print_bench_table(config: dict, results) -> None:
                       " ".join(f"{a:.2f}" for a in r.acceptance_by_depth[:6]),
                       "·".join(f"{split.get(k, 0):.0f}" for k in ("draft", "verify", "draft_extend", "host")))
     Console().print(table)
+
+
+def bench_profile(baseline, spec, prompt: list[int], sizes: list[int], options: ModelOptions, as_json: bool,
+                  console) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from fastspec.benchmark.profile import CATEGORIES, profile_step
+
+    rows = []
+    for bs in sizes:
+        for llm in (baseline, spec) if spec.engine.spec.enabled else (baseline,):
+            with console.status(f"profiling batch size {bs}"):
+                rows.append((bs, profile_step(llm, prompt, bs)))
+    if as_json:
+        typer.echo(json.dumps({"model": options.model, "algorithm": spec.engine.spec.algorithm,
+                               "profile": [p.as_dict() | {"batch_size": bs} for bs, p in rows]}))
+        return
+    device = rows[0][1].device if rows else "cpu"
+    table = Table(title=f"fastspec bench --profile · {spec.engine.spec.algorithm} · {device}: share of each step's "
+                        f"time by {'kernel' if device == 'cuda' else 'operator'} category, and the host's",
+                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for column in ("bs", "step", "ms", "calls", "host", *SHORT.values()):
+        table.add_column(column, justify="right")
+    for bs, p in rows:
+        shares = [f"{p.ms_by_category[c] / p.ms_per_step:.0%}" if p.ms_per_step else "-" for c in CATEGORIES]
+        table.add_row(str(bs), "plain" if p.name == "plain step" else "spec", f"{p.ms_per_step:.1f}",
+                      f"{p.launches_per_step:.0f}", f"{p.host_share:.0%}", *shares)
+    Console().print(table)
+
+
+SHORT = {"gemm": "gemm", "attention": "attn", "norm/elementwise": "norm", "copies": "copy", "sampling": "sample",
+         "other": "other"}  # the profile's categories as column headers; calls: kernels (CUDA) or operators (CPU)
 
 
 def bench_url(url: str, prompts: list[str], max_tokens: int, rate: float, concurrency: int, as_json: bool) -> None:

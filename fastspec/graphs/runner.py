@@ -14,6 +14,7 @@ are never copied.
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,6 +88,7 @@ class GraphRunner:
             os.environ.get("FASTSPEC_FUSE", "1") != "0" if fuse is None else fuse))
         self.fallback = os.environ.get("FASTSPEC_GRAPH_FALLBACK", "1") != "0" if fallback is None else fallback
         self._compiled: dict[int, GraphFn] = {}  # bucket -> compiled fn
+        self.prepare_seconds: dict[int, float] = {}  # bucket -> seconds its compile / capture took
         self._prepared: set[int] = set()
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_outputs: dict[int, Outputs] = {}
@@ -113,6 +115,7 @@ class GraphRunner:
         for bs in reversed([bs for bs in todo if bs not in self._prepared]):
             if on_bucket is not None:
                 on_bucket(self.name, bs)
+            start = time.perf_counter()
             try:
                 with torch.inference_mode():
                     self._slice_outputs(self._prepare_bucket(bs), bs, bs)
@@ -122,6 +125,7 @@ class GraphRunner:
                 verb = "compile" if self.backend == "compile" else "capture"
                 raise FastspecError(f"cannot {verb} graph '{self.name}' for batch bucket {bs}: {_describe(e)}") from e
             self._prepared.add(bs)
+            self.prepare_seconds[bs] = time.perf_counter() - start
 
     def prepared(self, bs: int) -> bool:
         """Whether bs's bucket runs without preparing first (always, eagerly)."""
