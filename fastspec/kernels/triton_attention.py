@@ -65,11 +65,15 @@ def _block_tile(q, K, V, BlockSlots, BlockMask, t, b, kvh, d, dv, scale, stride_
 
 
 @triton.jit
-def _paged_attention_partial(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, MidO, MidML, scale,
-                             stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
-                             Q_ROWS: tl.constexpr, X: tl.constexpr, GROUP: tl.constexpr, SPLITS: tl.constexpr,
-                             HQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):
+def _paged_attention_kernel(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, MidO, MidML, Out, scale,
+                            stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
+                            stride_ot, stride_oh, Q_ROWS: tl.constexpr, X: tl.constexpr, GROUP: tl.constexpr,
+                            SPLITS: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_X: tl.constexpr):
+    """SPLITS > 0: program (t, h, s) writes the partial of prefix split s (s < SPLITS) or of the block (s == SPLITS)
+    to MidO / MidML for the combine kernel. SPLITS == 0: program (t, h) reads the whole prefix and the block and
+    writes the normalised output to Out (one launch, nothing to combine)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -81,46 +85,26 @@ def _paged_attention_partial(Q, K, V, Table, Rows, PrefixLens, BlockSlots, Block
     m_i = -1e30  # finite: a fully masked tile then adds exp(-inf) = 0 instead of a NaN
     l_i = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    if s < SPLITS:  # a split of the committed prefix, slots read from the request's table row
-        n = tl.load(PrefixLens + b)
+    n = tl.load(PrefixLens + b)
+    start, end = 0, n
+    if SPLITS > 0:  # this program's split of the committed prefix (empty for the block's program)
         chunk = tl.cdiv(n, SPLITS)
-        start = s * chunk
-        m_i, l_i, acc = _prefix_tiles(q, K, V, Table, tl.load(Rows + b), start, tl.minimum(start + chunk, n), kvh,
-                                      d, dv, scale, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
-                                      m_i, l_i, acc, D, DV, BLOCK_N)
-    else:
+        start = tl.minimum(s * chunk, n)
+        end = tl.minimum(start + chunk, n)
+    m_i, l_i, acc = _prefix_tiles(q, K, V, Table, tl.load(Rows + b), start, end, kvh, d, dv, scale, stride_ks,
+                                  stride_kh, stride_vs, stride_vh, stride_table, m_i, l_i, acc, D, DV, BLOCK_N)
+    if SPLITS == 0:
         m_i, l_i, acc = _block_tile(q, K, V, BlockSlots, BlockMask, t, b, kvh, d, dv, scale, stride_ks, stride_kh,
                                     stride_vs, stride_vh, m_i, l_i, acc, X, D, DV, BLOCK_X)
-    part = (t * HQ + h) * (SPLITS + 1) + s
-    tl.store(MidO + part * BLOCK_DV + dv, acc)
-    tl.store(MidML + part * 2, m_i)
-    tl.store(MidML + part * 2 + 1, l_i)
-
-
-@triton.jit
-def _paged_attention_whole(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockMask, Out, scale,
-                           stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
-                           stride_ot, stride_oh, Q_ROWS: tl.constexpr, X: tl.constexpr, GROUP: tl.constexpr,
-                           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):
-    """No split: program (t, h) reads the whole prefix and the block and writes its normalised output (one
-    launch, no partials to combine: where there are programs enough to fill the GPU without splitting)."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    b = t // Q_ROWS
-    kvh = h // GROUP
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + t * stride_qt + h * stride_qh + d, mask=d < D, other=0.0).to(tl.float32)
-    m_i = -1e30
-    l_i = 0.0
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    m_i, l_i, acc = _prefix_tiles(q, K, V, Table, tl.load(Rows + b), 0, tl.load(PrefixLens + b), kvh, d, dv, scale,
-                                  stride_ks, stride_kh, stride_vs, stride_vh, stride_table, m_i, l_i, acc, D, DV,
-                                  BLOCK_N)
-    m_i, l_i, acc = _block_tile(q, K, V, BlockSlots, BlockMask, t, b, kvh, d, dv, scale, stride_ks, stride_kh,
-                                stride_vs, stride_vh, m_i, l_i, acc, X, D, DV, BLOCK_X)
-    tl.store(Out + t * stride_ot + h * stride_oh + dv, (acc / l_i).to(Out.dtype.element_ty), mask=dv < DV)
+        tl.store(Out + t * stride_ot + h * stride_oh + dv, (acc / l_i).to(Out.dtype.element_ty), mask=dv < DV)
+    else:
+        if s == SPLITS:  # the block's program
+            m_i, l_i, acc = _block_tile(q, K, V, BlockSlots, BlockMask, t, b, kvh, d, dv, scale, stride_ks,
+                                        stride_kh, stride_vs, stride_vh, m_i, l_i, acc, X, D, DV, BLOCK_X)
+        part = (t * HQ + h) * (SPLITS + 1) + s
+        tl.store(MidO + part * BLOCK_DV + dv, acc)
+        tl.store(MidML + part * 2, m_i)
+        tl.store(MidML + part * 2 + 1, l_i)
 
 
 @triton.jit
@@ -179,14 +163,13 @@ def paged_attention(q: torch.Tensor,            # [T, Hq, D]  T = bs*Q, last dim
                table.stride(0))
     blocks = dict(BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=block_dv, BLOCK_N=BLOCK_N,
                   BLOCK_X=triton.next_power_of_2(x))
-    if splits == 0:
-        _paged_attention_whole[(t, hq)](*inputs, out, scale, *strides, out.stride(0), out.stride(1), Q_ROWS=q_rows,
-                                        X=x, GROUP=hq // hkv, D=d, DV=dv, **blocks)
+    mid_o = torch.empty(t, hq, splits + 1, block_dv, dtype=torch.float32, device=q.device) if splits else out
+    mid_ml = torch.empty(t, hq, splits + 1, 2, dtype=torch.float32, device=q.device) if splits else out
+    _paged_attention_kernel[(t, hq, splits + 1 if splits else 1)](
+        *inputs, mid_o, mid_ml, out, scale, *strides, out.stride(0), out.stride(1), Q_ROWS=q_rows, X=x,
+        GROUP=hq // hkv, SPLITS=splits, HQ=hq, D=d, DV=dv, **blocks)
+    if not splits:
         return out
-    mid_o = torch.empty(t, hq, splits + 1, block_dv, dtype=torch.float32, device=q.device)
-    mid_ml = torch.empty(t, hq, splits + 1, 2, dtype=torch.float32, device=q.device)
-    _paged_attention_partial[(t, hq, splits + 1)](*inputs, mid_o, mid_ml, scale, *strides, Q_ROWS=q_rows, X=x,
-                                                  GROUP=hq // hkv, SPLITS=splits, HQ=hq, D=d, DV=dv, **blocks)
     _paged_attention_combine[(t, hq)](mid_o, mid_ml, out, out.stride(0), out.stride(1), PARTS=splits + 1, HQ=hq,
                                       DV=dv, BLOCK_DV=block_dv, BLOCK_P=triton.next_power_of_2(splits + 1))
     return out
