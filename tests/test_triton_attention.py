@@ -95,6 +95,14 @@ def test_kernel_matches_oracle_and_twin(name, dtype):
         got = triton_paged_attention(*args, scale, splits=splits).cpu()
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    if spec["block"] == "tree":  # the new tokens' own keys by self_visible instead of the mask's diagonal
+        q_rows = spec["q_rows"]
+        off_diagonal = args[7] & ~torch.eye(q_rows, dtype=torch.bool, device=args[7].device)
+        bare = [*args[:7], off_diagonal]
+        torch.testing.assert_close(paged_attention_twin(*bare, scale, True).cpu(), twin)
+        for splits in (0, 3):
+            got = triton_paged_attention(*bare, scale, self_visible=True, splits=splits).cpu()
+            torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_rows_that_see_only_the_block_and_one_key():
@@ -104,8 +112,12 @@ def test_rows_that_see_only_the_block_and_one_key():
     q, k_cache, v_cache, table, rows, lens, block_slots, _ = args
     diag = torch.eye(3, dtype=torch.bool, device=q.device).expand(2, 3, 3).contiguous()
     want = v_cache[block_slots.flatten()].expand(-1, 2, -1)
+    nothing = torch.zeros_like(diag)  # the same keys through self_visible alone
     for splits in (0, 2):
         got = triton_paged_attention(q, k_cache, v_cache, table, rows, lens, block_slots, diag, scale, splits=splits)
+        torch.testing.assert_close(got, want)
+        got = triton_paged_attention(q, k_cache, v_cache, table, rows, lens, block_slots, nothing, scale,
+                                     self_visible=True, splits=splits)
         torch.testing.assert_close(got, want)
 
 

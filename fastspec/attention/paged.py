@@ -21,25 +21,25 @@ from fastspec.attention.torch_backend import TorchAttnPlan, attend_padded
 @dataclass(frozen=True)
 class PagedPlan:
     """Every request has Q query rows; row (b, i) sees table[rows[b], :prefix_lens[b]] and the block keys
-    block_slots[b, x] where block_mask[b, i, x]."""
+    block_slots[b, x] where block_mask[b, i, x] (and, with `self_visible`, block key i: the new tokens' own)."""
 
     table: torch.Tensor          # int32 [max_requests, max_context]  read in place, never copied
     rows: torch.Tensor           # int64 [bs]
     prefix_lens: torch.Tensor    # int64 [bs]
     block_slots: torch.Tensor    # int64 [bs, X]
-    block_mask: torch.Tensor     # bool [bs, Q, X]  each row allows at least one key
+    block_mask: torch.Tensor     # bool [bs, Q, X]  each row allows at least one key (counting self_visible)
     out_cache_loc: torch.Tensor  # int64 [bs*Q]  slots receiving the new tokens' K/V
+    self_visible: bool = False   # row i also sees block key i (the op adds the diagonal: no mask tensor per layer)
 
 
 def paged_block_plan(table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
                      new_slots: torch.Tensor,  # int64 [bs, Q]  this forward's tokens (padded rows: slot 0)
                      new_mask: torch.Tensor,   # bool [bs, Q, Q]  which new tokens each new token sees
                      ) -> PagedPlan:
-    """The new tokens as the block (causal for extend, the tree for verify). Every new token sees itself, so no
-    row is fully masked (a NaN from one would reach dummy slot 0 and, through 0 * NaN, every row reading it)."""
-    q = new_slots.shape[1]
-    mask = new_mask | torch.eye(q, dtype=torch.bool, device=new_mask.device)
-    return PagedPlan(table, rows, prefix_lens, new_slots, mask, new_slots.flatten())
+    """The new tokens as the block (causal for extend, the tree for verify). Every new token sees itself
+    (`self_visible`: the op adds the diagonal, so a compiled graph does not build a mask per layer), so no row is
+    fully masked (a NaN from one would reach dummy slot 0 and, through 0 * NaN, every row reading it)."""
+    return PagedPlan(table, rows, prefix_lens, new_slots, new_mask, new_slots.flatten(), self_visible=True)
 
 
 class PagedAttnBackend:
@@ -48,7 +48,7 @@ class PagedAttnBackend:
     def run(self, plan: PagedPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scale: float) -> torch.Tensor:
         return torch.ops.fastspec.paged_attention(q, k_cache, v_cache, plan.table, plan.rows, plan.prefix_lens,
-                                                  plan.block_slots, plan.block_mask, scale)
+                                                  plan.block_slots, plan.block_mask, scale, plan.self_visible)
 
 
 def kernel_for(device: torch.device) -> str:
@@ -61,9 +61,9 @@ def kernel_for(device: torch.device) -> str:
 @torch.library.custom_op("fastspec::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                     rows: torch.Tensor, prefix_lens: torch.Tensor, block_slots: torch.Tensor,
-                    block_mask: torch.Tensor, scale: float) -> torch.Tensor:
+                    block_mask: torch.Tensor, scale: float, self_visible: bool = False) -> torch.Tensor:
     """[T, Hq, Dv]. FASTSPEC_TRITON_ATTENTION=1 runs the Triton kernels on CPU too (with TRITON_INTERPRET=1)."""
-    args = (q, k_cache, v_cache, table, rows, prefix_lens, block_slots, block_mask, scale)
+    args = (q, k_cache, v_cache, table, rows, prefix_lens, block_slots, block_mask, scale, self_visible)
     if kernel_for(q.device) == "triton":
         from fastspec.kernels.triton_attention import paged_attention as triton_paged_attention
 
@@ -72,15 +72,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 @paged_attention.register_fake
-def _(q, k_cache, v_cache, table, rows, prefix_lens, block_slots, block_mask, scale):
+def _(q, k_cache, v_cache, table, rows, prefix_lens, block_slots, block_mask, scale, self_visible=False):
     return q.new_empty(*q.shape[:-1], v_cache.shape[-1])
 
 
 def paged_attention_twin(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                          rows: torch.Tensor, prefix_lens: torch.Tensor, block_slots: torch.Tensor,
-                         block_mask: torch.Tensor, scale: float) -> torch.Tensor:
+                         block_mask: torch.Tensor, scale: float, self_visible: bool = False) -> torch.Tensor:
     """The torch twin: gather the prefix up to the longest length (a host read), then one masked SDPA."""
-    bs, q_rows, _ = block_mask.shape
+    bs, q_rows, x = block_mask.shape
+    if self_visible:
+        block_mask = block_mask | torch.eye(q_rows, x, dtype=torch.bool, device=block_mask.device)
     width = int(prefix_lens.max()) if bs else 0
     valid = torch.arange(width, device=q.device)[None, :] < prefix_lens[:, None]  # [bs, width]
     prefix_slots = torch.where(valid, table[rows, :width].to(torch.int64), 0)

@@ -54,11 +54,14 @@ def _prefix_tiles(q, K, V, Table, row, start, end, kvh, d, dv, scale, stride_ks,
 
 @triton.jit
 def _block_tile(q, K, V, BlockSlots, BlockMask, t, b, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs, stride_vh,
-                m_i, l_i, acc, X: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_X: tl.constexpr):
-    """The block: new tokens (or a draft row's ancestors) under row t's mask."""
+                m_i, l_i, acc, X: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_X: tl.constexpr,
+                Q_ROWS: tl.constexpr, SELF_VISIBLE: tl.constexpr):
+    """The block: new tokens (or a draft row's ancestors) under row t's mask (and its own key: SELF_VISIBLE)."""
     x = tl.arange(0, BLOCK_X)
     in_block = x < X
     ok = tl.load(BlockMask + t * X + x, mask=in_block, other=0) != 0
+    if SELF_VISIBLE:
+        ok = ok | (x == t % Q_ROWS)
     slots = tl.load(BlockSlots + b * X + x, mask=in_block, other=0).to(tl.int64)
     return _online_tile(q, K, V, slots, ok, kvh, d, dv, scale, stride_ks, stride_kh, stride_vs, stride_vh,
                         m_i, l_i, acc, D, DV)
@@ -70,7 +73,7 @@ def _paged_attention_kernel(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockM
                             stride_ot, stride_oh, Q_ROWS: tl.constexpr, X: tl.constexpr, GROUP: tl.constexpr,
                             SPLITS: tl.constexpr, HQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_X: tl.constexpr):
+                            BLOCK_X: tl.constexpr, SELF_VISIBLE: tl.constexpr):
     """SPLITS > 0: program (t, h, s) writes the partial of prefix split s (s < SPLITS) or of the block (s == SPLITS)
     to MidO / MidML for the combine kernel. SPLITS == 0: program (t, h) reads the whole prefix and the block and
     writes the normalised output to Out (one launch, nothing to combine)."""
@@ -95,12 +98,13 @@ def _paged_attention_kernel(Q, K, V, Table, Rows, PrefixLens, BlockSlots, BlockM
                                   stride_kh, stride_vs, stride_vh, stride_table, m_i, l_i, acc, D, DV, BLOCK_N)
     if SPLITS == 0:
         m_i, l_i, acc = _block_tile(q, K, V, BlockSlots, BlockMask, t, b, kvh, d, dv, scale, stride_ks, stride_kh,
-                                    stride_vs, stride_vh, m_i, l_i, acc, X, D, DV, BLOCK_X)
+                                    stride_vs, stride_vh, m_i, l_i, acc, X, D, DV, BLOCK_X, Q_ROWS, SELF_VISIBLE)
         tl.store(Out + t * stride_ot + h * stride_oh + dv, (acc / l_i).to(Out.dtype.element_ty), mask=dv < DV)
     else:
         if s == SPLITS:  # the block's program
             m_i, l_i, acc = _block_tile(q, K, V, BlockSlots, BlockMask, t, b, kvh, d, dv, scale, stride_ks,
-                                        stride_kh, stride_vs, stride_vh, m_i, l_i, acc, X, D, DV, BLOCK_X)
+                                        stride_kh, stride_vs, stride_vh, m_i, l_i, acc, X, D, DV, BLOCK_X, Q_ROWS,
+                                        SELF_VISIBLE)
         part = (t * HQ + h) * (SPLITS + 1) + s
         tl.store(MidO + part * BLOCK_DV + dv, acc)
         tl.store(MidML + part * 2, m_i)
@@ -147,7 +151,9 @@ def paged_attention(q: torch.Tensor,            # [T, Hq, D]  T = bs*Q, last dim
                     prefix_lens: torch.Tensor,  # int64 [bs]
                     block_slots: torch.Tensor,  # int64 [bs, X]
                     block_mask: torch.Tensor,   # bool [bs, Q, X]  every row allows at least one key
-                    scale: float, splits: int | None = None) -> torch.Tensor:  # [T, Hq, Dv] in q's dtype
+                    scale: float,
+                    self_visible: bool = False,  # row i also sees block key i
+                    splits: int | None = None) -> torch.Tensor:  # [T, Hq, Dv] in q's dtype
     t, hq, d = q.shape
     hkv, dv = k_cache.shape[1], v_cache.shape[-1]
     bs, q_rows, x = block_mask.shape
@@ -167,7 +173,7 @@ def paged_attention(q: torch.Tensor,            # [T, Hq, D]  T = bs*Q, last dim
     mid_ml = torch.empty(t, hq, splits + 1, 2, dtype=torch.float32, device=q.device) if splits else out
     _paged_attention_kernel[(t, hq, splits + 1 if splits else 1)](
         *inputs, mid_o, mid_ml, out, scale, *strides, out.stride(0), out.stride(1), Q_ROWS=q_rows, X=x,
-        GROUP=hq // hkv, SPLITS=splits, HQ=hq, D=d, DV=dv, **blocks)
+        GROUP=hq // hkv, SPLITS=splits, HQ=hq, D=d, DV=dv, SELF_VISIBLE=self_visible, **blocks)
     if not splits:
         return out
     _paged_attention_combine[(t, hq)](mid_o, mid_ml, out, out.stride(0), out.stride(1), PARTS=splits + 1, HQ=hq,

@@ -106,31 +106,31 @@ class RotaryEmbedding(nn.Module):
         return super()._apply(fn, recurse)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, rotary_dim] in `dtype`."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos(), emb.sin()
+        """positions [T] -> cos [T, 1, rotary_dim] and sin with its first half negated (`_rotate`), in `dtype`."""
+        freqs = positions.float()[:, None, None] * self.inv_freq[None, None, :]  # [T, 1, D/2]
+        cos, sin = freqs.cos().repeat(1, 1, 2), torch.cat([-freqs.sin(), freqs.sin()], -1)
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        # q [T, Hq, D]; k [T, Hkv, D]; cos, sin [T, 1, rotary_dim]
+        # q [T, Hq, D]; k [T, Hkv, D]; cos, sin [T, 1, rotary_dim] (sin's first half negated)
         r = self.rotary_dim
         if r < q.shape[-1]:
             (q_rot, q_pass), (k_rot, k_pass) = q.split([r, q.shape[-1] - r], -1), k.split([r, k.shape[-1] - r], -1)
             q_rot, k_rot = self.rotate(q_rot, k_rot, cos, sin)
             return torch.cat([q_rot, q_pass], -1), torch.cat([k_rot, k_pass], -1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
         return self.rotate(q, k, *self.cos_sin(positions, q.dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, x * cos + cat(-x2, x1) * sin, as x * cos + roll(x, D/2) * cat(-sin, sin): a roll is an index
+    shift to a compiler, so the whole rotation is one pointwise expression (no concatenated tensor materialised)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 def merged_linear(*parts: nn.Linear) -> nn.Linear:
