@@ -13,7 +13,8 @@ from test_serve import MODEL, engine_settled, served  # noqa: F401  (the served 
 
 import fastspec
 from fastspec.sampling import SamplingParams
-from fastspec.serve.tools import Tools, hold_back, parse_output, parse_tools
+from fastspec.serve.errors import APIError
+from fastspec.serve.tools import close_objects, hold_back, parse_output, parse_tools
 
 pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
 
@@ -93,6 +94,9 @@ def test_auto_answers_in_text_and_tool_messages_are_taken_back(served):
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, MESSAGES, "not among the tools"),
     ([WEATHER], None, MESSAGES + [{"role": "tool", "content": "sunny"}], "tool_call_id"),
     (None, "required", MESSAGES, "tool_choice needs tools"),
+    ([{"type": "function", "function": {"name": "g", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "object", "additionalProperties": True}}}}}], None, MESSAGES,
+     "tool 'g': strict needs closed objects, but parameters.x allows keys beyond its properties"),
 ])
 def test_bad_tools_are_openai_400s_and_the_server_keeps_serving(served, tools, choice, messages, message):
     client, _, _, service = served
@@ -105,7 +109,7 @@ def test_bad_tools_are_openai_400s_and_the_server_keeps_serving(served, tools, c
 
 
 def test_hermes_and_llama3_answers_parse_into_calls():
-    tools = Tools((WEATHER, TIME), "auto")
+    tools = parse_tools({"tools": [WEATHER, TIME]})
     hermes = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
               '</tool_call><tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>')
     content, calls = parse_output(hermes, tools, "hermes")
@@ -147,3 +151,52 @@ def test_the_chat_template_sees_the_tools_and_earlier_calls(tmp_path):
     text = Tokenizer(target).apply_chat_template(parsed.messages, tools=list(parsed.tools.functions))
     assert text == "[get_weather][get_time]user:Weather in Oslo?;assistant:get_weather(Oslo);tool:sunny;"
     assert template_parser("{{ '<|python_tag|>' }}") == "llama3" and template_parser("<tool_call>") == "hermes"
+
+
+def test_forced_call_schemas_close_their_objects_and_strict_requires_every_property():
+    nested = {"type": "object", "properties": {
+        "city": {"type": "string"}, "when": {"type": "object", "properties": {"day": {"enum": ["mon", "tue"]}}},
+        "stops": {"type": "array", "items": {"properties": {"name": {"type": "string"}}}},
+        "extra": {"type": "object", "additionalProperties": {"type": "integer"}}}, "required": ["city"]}
+    original = json.dumps(nested)
+    closed = close_objects(nested)
+    assert json.dumps(nested) == original  # a copy: the template still sees the function as given
+    assert closed["additionalProperties"] is False and closed["required"] == ["city"]
+    assert closed["properties"]["when"]["additionalProperties"] is False
+    assert closed["properties"]["stops"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["extra"]["additionalProperties"] == {"type": "integer"}  # says otherwise: kept
+    strict = close_objects({k: v for k, v in nested.items()} | {"properties": {
+        k: v for k, v in nested["properties"].items() if k != "extra"}}, strict=True)
+    assert strict["required"] == ["city", "when", "stops"] and strict["properties"]["when"]["required"] == ["day"]
+    with pytest.raises(ValueError, match="parameters.extra allows keys"):
+        close_objects(nested, strict=True)
+    tools = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False})
+    assert json.loads(tools.grammar())["maxItems"] == 1
+    assert "maxItems" not in json.loads(parse_tools({"tools": [WEATHER], "tool_choice": "required"}).grammar())
+    with pytest.raises(APIError, match="parallel_tool_calls must be a boolean"):
+        parse_tools({"tools": [WEATHER], "parallel_tool_calls": "yes"})
+
+
+CITY = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_calls_on_the_embedded_model_end_and_hold_only_declared_keys(choice):
+    """Issue 36's example: get_weather(city) without additionalProperties. The forced call ends (EOS) within 64
+    tokens with only the declared key, and speculative (EAGLE-3) decoding equals target-only under the grammar."""
+    tools = parse_tools({"tools": [CITY], "tool_choice": choice})
+    params = SamplingParams(max_new_tokens=64, json_schema=tools.grammar())
+    answers = []
+    for algorithm in ("EAGLE3", "NONE"):
+        llm = fastspec.LLM(speculative_algorithm=algorithm, max_total_tokens=4096, speculative_fallback=False)
+        ids = llm.encode_chat([{"role": "user", "content": "What is the weather in Paris?"}], [CITY])
+        answers.append(llm.generate([ids], params)[0])
+    assert answers[0].output_ids == answers[1].output_ids
+    out = answers[0]
+    assert out.finish_reason == "stop", out.text
+    content, calls = parse_output(out.text, tools, "hermes")
+    assert content is None and [c.name for c in calls] == ["get_weather"]
+    assert set(json.loads(calls[0].arguments)) <= {"city"}

@@ -6,7 +6,9 @@ Formats (`--tool-call-parser`, else the one the chat template asks for): `hermes
 (Llama 3.1 / 3.2: the whole answer is `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, calls
 separated by `;`). `required` and a named function are decoded under a JSON-schema grammar, as vLLM does: the
 output is the calls' JSON itself (a list of {"name", "parameters"} for `required`, the arguments for a named
-function), so it always parses and matches the functions' schemas, whatever the template's format.
+function), so it always parses and matches the functions' schemas, whatever the template's format. Objects in those
+schemas are closed unless they say otherwise (`close_objects`), so a forced call holds only keys the function
+declares, and ends.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastspec.serve.errors import APIError
 
@@ -43,10 +45,8 @@ class Tools:
     functions: tuple[dict, ...]  # {"type": "function", "function": {"name", "description", "parameters"}}
     choice: str  # "auto" | "required" | "named" | "none"
     named: str | None = None  # the function `tool_choice` names
-
-    @property
-    def schemas(self) -> dict[str, dict]:
-        return {f["function"]["name"]: f["function"].get("parameters") or {"type": "object"} for f in self.functions}
+    schemas: dict = field(default_factory=dict)  # name -> the parameters a call is held to (close_objects)
+    parallel: bool = True  # `parallel_tool_calls`: several calls in one answer
 
     def grammar(self) -> str | None:
         """The JSON schema the answer is decoded under (`required`, named), or None (free text)."""
@@ -57,7 +57,39 @@ class Tools:
         call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                  "required": ["name", "parameters"], "additionalProperties": False}
                 for name, schema in self.schemas.items()]
-        return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": call}})
+        return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": call}} |
+                          ({} if self.parallel else {"maxItems": 1}))
+
+
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
+               "contains", "additionalProperties")
+
+
+def close_objects(schema, strict: bool = False, where: str = "parameters"):
+    """`schema` with every object that does not say otherwise closed: `additionalProperties: false` where neither it
+    nor `patternProperties` / `unevaluatedProperties` is given (plain JSON Schema would admit any further key, and a
+    small model keeps inventing them). `strict` (OpenAI's): every property is also required, and an object that
+    allows more keys is refused (ValueError naming it). A copy; `schema` is left as it is."""
+    if isinstance(schema, list):
+        return [close_objects(s, strict, f"{where}[{i}]") for i, s in enumerate(schema)]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: close_objects(v, strict, f"{where}.{k}") for k, v in value.items()}
+        else:
+            out[key] = close_objects(value, strict, f"{where}.{key}") if key in _SUBSCHEMAS else value
+    types = out.get("type")
+    if types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out:
+        if not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & out.keys():
+            out["additionalProperties"] = False
+        elif strict and out.get("additionalProperties", True) is not False:
+            raise ValueError(f"{where} allows keys beyond its properties")
+        if strict:
+            out["required"] = list(out.get("properties", {}))
+    return out
 
 
 def parse_tools(body: dict) -> Tools | None:
@@ -69,7 +101,7 @@ def parse_tools(body: dict) -> Tools | None:
         return None
     if not isinstance(tools, list) or not tools:
         raise APIError("tools must be a non-empty list", param="tools")
-    functions, names = [], set()
+    functions, names, schemas = [], set(), {}
     for t in tools:
         f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         name = f.get("name") if isinstance(f, dict) else None
@@ -79,20 +111,28 @@ def parse_tools(body: dict) -> Tools | None:
         if name in names:
             raise APIError(f"tool {name!r} is given twice", param="tools")
         params = f.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise APIError(f"tool {name!r}: parameters must be a JSON schema object", param="tools")
+        if not isinstance(params, dict) or not isinstance(f.get("strict", False), bool):
+            raise APIError(f"tool {name!r}: parameters must be a JSON schema object and strict a boolean",
+                           param="tools")
+        try:
+            schemas[name] = close_objects(params, strict=f.get("strict", False))
+        except ValueError as e:
+            raise APIError(f"tool {name!r}: strict needs closed objects, but {e}", param="tools") from None
         names.add(name)
         functions.append({"type": "function", "function": {k: v for k, v in f.items()
                                                            if k in ("name", "description", "parameters")}})
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise APIError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     if choice is None or choice in ("auto", "none", "required"):
-        return Tools(tuple(functions), choice or "auto")
+        return Tools(tuple(functions), choice or "auto", schemas=schemas, parallel=parallel)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
         raise APIError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                        '{"name": ...}}', param="tool_choice")
     if named not in names:
         raise APIError(f"tool_choice names {named!r}, which is not among the tools", param="tool_choice")
-    return Tools(tuple(functions), "named", named)
+    return Tools(tuple(functions), "named", named, schemas=schemas, parallel=parallel)
 
 
 def template_parser(chat_template: str | None) -> str:
