@@ -18,7 +18,6 @@ import typer
 from fastspec.errors import FastspecError
 from fastspec.graphs.buckets import parse_buckets
 from fastspec.models.embedded import DEFAULT_MODEL
-from fastspec.utils.threads import apply_threads
 
 SPEC = "Speculative decoding"
 GRAPHS = "Graphs and kernels"
@@ -134,6 +133,8 @@ def model_options(fn):
     def wrapper(**kwargs):
         options = ModelOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         options.validate()
+        from fastspec.utils.threads import apply_threads  # torch: only once a command runs
+
         apply_threads(options.threads, options.llm_kwargs()["device"])
         return fn(options=options, **kwargs)
 

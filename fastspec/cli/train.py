@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.train.trainer import Progress, TrainConfig
+from fastspec.train.config import Progress, TrainConfig
 
 PHASES = {"generate": "generating responses", "features": "target features", "train": "training"}
 
@@ -55,14 +55,14 @@ def train_draft(
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
     from rich.progress import Progress as Bar
 
-    from fastspec.train.trainer import train_draft as run
-
     cfg = TrainConfig(out=out, model=model, prompts=prompts, corpus=corpus, generate_only=generate_only,
                       max_prompts=max_prompts, samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
                       draft_vocab_size=draft_vocab_size, init=init, soft_topk=soft_labels, ttt_steps=ttt_steps,
                       epochs=epochs, lr=lr, batch_tokens=batch_tokens, val_fraction=val_fraction,
                       checkpoint_every=checkpoint_every, seed=seed, bf16=bf16, device=device, resume=resume,
-                      overwrite=overwrite)
+                      overwrite=overwrite)  # flags checked before the trainer (and torch) is imported
+    from fastspec.train.trainer import train_draft as run
+
     console = Console(stderr=True)
     tasks, accept, logged = {}, "", {}
     # a live bar on a terminal; in a log, a line per tenth of each phase and per held-out evaluation instead

@@ -12,7 +12,6 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from fastspec.errors import FastspecError
-from fastspec.models.gguf import CONVERTER_VERSION, SOURCE_MARKER, convert_gguf
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,8 @@ def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
     gguf_path = find_embedded_gguf(name)
     out_dir = models_root() / name
     if not is_current_conversion(out_dir, gguf_path):
+        from fastspec.models.gguf import convert_gguf  # torch, tokenizers, gguf: only to convert
+
         convert_gguf(gguf_path, out_dir)
     return out_dir
 
@@ -91,6 +92,8 @@ def find_embedded_gguf(name: str) -> Path:
 def is_current_conversion(out_dir: Path, gguf_path: Path) -> bool:
     """True when out_dir was converted from this very GGUF (same path, size, mtime) by this converter; False for a
     missing, foreign or damaged marker (the caller converts again)."""
+    from fastspec.models.gguf import CONVERTER_VERSION, SOURCE_MARKER
+
     try:
         marker = json.loads((out_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):

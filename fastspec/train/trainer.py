@@ -14,14 +14,12 @@ import shutil
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from fastspec.config import check_device, resolve_device
 from fastspec.errors import FastspecError
-from fastspec.kernels.cpu_linear import bf16_matmul_is_faster
 from fastspec.models.config import ModelConfig
 from fastspec.models.llama import eagle3_capture_layers
 from fastspec.models.loader import load_target, read_config, resolve_model_dir
@@ -31,70 +29,10 @@ from fastspec.train.checkpoint import (atomic_save, export_head, head_config, in
 from fastspec.train.corpus import Corpus
 from fastspec.train.data import (SAMPLED, Features, JsonlStore, choose_draft_vocab, extract_features,
                                  generate_conversations, pack, response_labels)
+from fastspec.train.config import Progress, TrainConfig
 from fastspec.train.ttt import make_batch, ttt_loss
 
 EXPORTED = ("config.json", "model.safetensors")
-INITS = ("random", "target")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    out: Path
-    model: str = "smollm2-135m-instruct"
-    prompts: Path | None = None  # JSONL; None: the train split of every built-in prompt set
-    max_prompts: int | None = None  # only the first N prompts
-    samples_per_prompt: int = 1  # the first answer is greedy, the others sampled
-    max_new_tokens: int = 256
-    corpus: Path | None = None  # a growing, committable store of the target's answers (train/corpus.py)
-    generate_only: bool = False  # stop once every answer is in the store (grow a corpus)
-    draft_vocab_size: int = 4096
-    soft_topk: int = 0  # > 0: train against the target's top-k next-token probabilities (soft labels), not argmax
-    init: str = "random"  # random | target: the midlayer and fc warm-started from the target (checkpoint.warm_start)
-    ttt_steps: int = 5
-    epochs: int = 6
-    lr: float = 6e-4
-    batch_tokens: int = 2048
-    val_fraction: float = 0.05
-    checkpoint_every: int = 50
-    seed: int = 0
-    bf16: bool | None = None  # autocast, master weights stay float32; None: on a GPU, or a CPU measured faster in bf16
-    device: str = "auto"  # auto | cpu | cuda[:N]: where the target answers, features are computed and the head trains
-    resume: bool = False
-    overwrite: bool = False
-    generate_batch: int = 64
-
-    def __post_init__(self):
-        for name in ("samples_per_prompt", "max_new_tokens", "ttt_steps", "epochs", "batch_tokens",
-                     "checkpoint_every", "generate_batch"):
-            if getattr(self, name) < 1:
-                raise FastspecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.val_fraction < 1:
-            raise FastspecError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-        if self.max_prompts is not None and self.max_prompts < 1:
-            raise FastspecError(f"--max-prompts must be >= 1, got {self.max_prompts}")
-        if not self.lr > 0:
-            raise FastspecError(f"--lr must be > 0, got {self.lr}")
-        if not 0 <= self.soft_topk <= self.draft_vocab_size:
-            raise FastspecError(f"--soft-labels must be in [0, --draft-vocab-size {self.draft_vocab_size}], "
-                                f"got {self.soft_topk}")
-        if self.init not in INITS:
-            raise FastspecError(f"--init must be one of {', '.join(INITS)}, got {self.init!r}")
-        if self.resume and self.overwrite:
-            raise FastspecError("--resume and --overwrite exclude each other")
-        object.__setattr__(self, "device", resolve_device(self.device))
-        check_device(self.device)
-        if self.bf16 is None:  # resolved once, recorded in report.json
-            object.__setattr__(self, "bf16", self.device != "cpu" or bf16_matmul_is_faster())
-
-
-@dataclass(frozen=True)
-class Progress:
-    phase: str  # generate | features | train | done
-    done: int
-    total: int
-    info: dict = field(default_factory=dict)  # train: loss, lr; evaluations: acceptance per depth, chain tau
-
-
 def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lambda p: None) -> dict:
     """Run (or resume) the whole job; returns the final held-out evaluation."""
     _check_out(cfg)  # every input before anything is read, converted or deleted
