@@ -170,6 +170,9 @@ def test_forced_call_schemas_close_their_objects_and_strict_requires_every_prope
     assert strict["required"] == ["city", "when", "stops"] and strict["properties"]["when"]["required"] == ["day"]
     with pytest.raises(ValueError, match="parameters.extra allows keys"):
         close_objects(nested, strict=True)
+    ping = {"type": "function", "function": {"name": "ping", "parameters": {}}}  # no arguments: only {}
+    assert parse_tools({"tools": [ping]}).schemas["ping"] == {"type": "object", "properties": {},
+                                                              "additionalProperties": False}
     tools = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False})
     assert json.loads(tools.grammar())["maxItems"] == 1
     assert "maxItems" not in json.loads(parse_tools({"tools": [WEATHER], "tool_choice": "required"}).grammar())

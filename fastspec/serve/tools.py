@@ -115,7 +115,7 @@ def parse_tools(body: dict) -> Tools | None:
             raise APIError(f"tool {name!r}: parameters must be a JSON schema object and strict a boolean",
                            param="tools")
         try:
-            schemas[name] = close_objects(params, strict=f.get("strict", False))
+            schemas[name] = close_objects(params or {"type": "object", "properties": {}}, strict=f.get("strict", False))
         except ValueError as e:
             raise APIError(f"tool {name!r}: strict needs closed objects, but {e}", param="tools") from None
         names.add(name)
