@@ -101,14 +101,18 @@ class LinesChatIO:
 
 
 class TerminalChatIO:
-    """A terminal: rich prompt, streamed answer, dim status lines."""
+    """A terminal: rich prompt, streamed answer wrapped at words to the terminal's width, dim status lines."""
 
     def __init__(self, session):
+        import shutil
+
         from rich.console import Console
 
         from fastspec.text.chat import HELP
+        from fastspec.text.wrap import WordWrap
 
         self.console = Console(highlight=False)
+        self.wrap = WordWrap(lambda: shutil.get_terminal_size().columns)
         engine = session.llm.engine
         self.console.print(f"[bold]fastspec chat[/bold] · {engine.model_dir.name} · {engine.spec.algorithm}\n"
                            f"[dim]{HELP} · Ctrl-C stops an answer[/dim]")
@@ -121,13 +125,21 @@ class TerminalChatIO:
             return None
 
     def info(self, message: str) -> None:
+        self._write(self.wrap.flush())  # an answer cut by an error keeps its last word
         self.console.print(f"[dim]{escape(message)}[/dim]")
 
     def write(self, text: str) -> None:
-        self.console.print(text, end="", markup=False)
+        self._write(self.wrap.feed(text))
 
     def end_answer(self, status: str) -> None:
+        self._write(self.wrap.flush())
+        self.wrap.reset()
         self.console.print(f"\n[dim]{escape(status)}[/dim]")
+
+    def _write(self, text: str) -> None:  # as it is: rich would wrap each piece again, and mid-word
+        if text:
+            self.console.file.write(text)
+            self.console.file.flush()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,51 @@
+"""The chat's streamed word wrapping (fastspec.text.wrap): words stay whole, nothing but a replaced space is lost,
+code blocks and over-long words pass as they come, a narrow terminal is left alone, resizing is followed."""
+
+import random
+
+from fastspec.text.wrap import WordWrap
+
+TEXT = ("Light travels through water more slowly than through air, which bends it where light encounters the "
+        "surface of a lake, including water in a glass; see https://example.com/a/very/long/path/that/never/fits "
+        "for more.\nA second paragraph follows here with a few more words to wrap.")
+
+
+def streamed(text: str, width, pieces: int, seed: int = 0) -> str:
+    wrap = WordWrap(width if callable(width) else (lambda: width))
+    cuts = sorted(random.Random(seed).sample(range(1, len(text)), pieces - 1)) if pieces > 1 else []
+    out = [wrap.feed(text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    return "".join(out) + wrap.flush()
+
+
+def test_lines_fit_words_stay_whole_and_nothing_is_lost():
+    for width in (20, 33, 80):
+        out = streamed(TEXT, width, pieces=1)
+        assert out.split() == TEXT.split()  # the same words, none cut
+        assert out.replace("\n", " ").split(" ") == TEXT.replace("\n", " ").split(" ")  # only spaces became breaks
+        for line in out.split("\n"):
+            assert len(line) <= width or " " not in line.strip()  # only a word longer than the width overflows
+        for pieces in (7, 40, len(TEXT) - 1):  # however the answer is streamed
+            assert streamed(TEXT, width, pieces, seed=pieces) == out
+
+
+def test_a_word_longer_than_the_line_streams_as_it_comes():
+    wrap = WordWrap(lambda: 20)
+    assert wrap.feed("see ") == "see"
+    shown = wrap.feed("https://example.com/path/long")  # past 20 characters: written without waiting
+    assert shown and "https://example.com/path/long".startswith(shown.lstrip())
+
+
+def test_code_blocks_and_narrow_terminals_are_left_as_they_are():
+    code = "Run:\n```python\nprint('a long line of code that must stay on one line, whatever the width')\n```\nDone."
+    out = streamed(code, 24, pieces=1)
+    assert "print('a long line of code that must stay on one line, whatever the width')" in out.split("\n")
+    assert streamed(TEXT, 12, pieces=5) == TEXT  # narrower than 20 columns: not wrapped
+
+
+def test_a_resized_terminal_is_followed():
+    width = [80]
+    wrap = WordWrap(lambda: width[0])
+    first = wrap.feed(TEXT[:100])
+    width[0] = 24
+    lines = (first + wrap.feed(TEXT[100:]) + wrap.flush()).split("\n")
+    assert len(lines[0]) > 24 and all(len(line) <= 24 or " " not in line for line in lines[2:])
