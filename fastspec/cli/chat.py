@@ -108,13 +108,14 @@ class TerminalChatIO:
 
         from rich.console import Console
 
-        from fastspec.text.chat import HELP
+        from fastspec.text.chat import HELP, decoding
         from fastspec.text.wrap import WordWrap
 
         self.console = Console(highlight=False)
         self.wrap = WordWrap(lambda: shutil.get_terminal_size().columns)
         engine = session.llm.engine
-        self.console.print(f"[bold]fastspec chat[/bold] · {engine.model_dir.name} · {engine.spec.algorithm}\n"
+        self.console.print(f"[bold]fastspec chat[/bold] · {engine.model_dir.name} · "
+                           f"{escape(decoding(engine.spec, engine.config.speculative_fallback))}\n"
                            f"[dim]{HELP} · Ctrl-C stops an answer[/dim]")
 
     def read(self) -> str | None:

@@ -37,6 +37,19 @@ class TurnStats:
         return f"{self.tokens} tokens · {self.tok_s:.1f} tok/s{tau} · {self.finish_reason}"
 
 
+def decoding(spec, fallback: bool) -> str:
+    """What decodes an answer (batch size 1), as the banner and /stats say it: `EAGLE3 3/2/4 (tuned)`,
+    `EAGLE3 · plain at batch 1 (tuned)`, `plain decoding`. `fallback`: the measured fallback may still decode
+    plainly where that measures faster."""
+    if not spec.enabled:
+        return "plain decoding"
+    params, tuned = spec.params_for(1), " (tuned)" if spec.schedule else ""
+    if params is None:
+        return f"{spec.algorithm} · plain at batch 1{tuned}"
+    shape = f"{spec.algorithm} {params.num_steps}/{params.topk}/{params.num_draft_tokens}{tuned}"
+    return shape + (" · plain where measured faster" if fallback else "")
+
+
 class ChatSession:
     def __init__(self, llm, params: SamplingParams, system: str | None = None):
         self.llm, self.params, self.system = llm, params, system
@@ -88,8 +101,9 @@ class ChatSession:
         seconds = sum(t.seconds for t in self.turns)
         metrics = sum((t.metrics for t in self.turns[1:]), self.turns[0].metrics)
         tau = f" · tau {metrics.tau:.2f} · acceptance by depth {[round(a, 2) for a in metrics.acceptance_by_depth]}"
-        return (f"{len(self.turns)} answers · {tokens} tokens · {tokens / seconds:.1f} tok/s"
-                + (tau if metrics.verify_rounds else ""))
+        engine = self.llm.engine
+        return (f"{decoding(engine.spec, engine.config.speculative_fallback)} · {len(self.turns)} answers · "
+                f"{tokens} tokens · {tokens / seconds:.1f} tok/s" + (tau if metrics.verify_rounds else ""))
 
     def save(self, directory: Path) -> Path | None:
         """Write the conversation (and any cleared by /reset) as JSON, so nothing typed or generated is lost;

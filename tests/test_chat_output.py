@@ -1,5 +1,6 @@
-"""The chat's streamed word wrapping (fastspec.text.wrap): words stay whole, nothing but a replaced space is lost,
-code blocks and over-long words pass as they come, a narrow terminal is left alone, resizing is followed."""
+"""What the terminal chat shows. Its streamed word wrapping (fastspec.text.wrap): words stay whole, nothing but a
+replaced space is lost, code blocks and over-long words pass as they come, a narrow terminal is left alone, resizing
+is followed. Its banner: what decodes at batch size 1, a tuned plain tier included."""
 
 import random
 
@@ -49,3 +50,17 @@ def test_a_resized_terminal_is_followed():
     width[0] = 24
     lines = (first + wrap.feed(TEXT[100:]) + wrap.flush()).split("\n")
     assert len(lines[0]) > 24 and all(len(line) <= 24 or " " not in line for line in lines[2:])
+
+
+def test_the_banner_says_what_decodes_at_batch_1():
+    from fastspec.config import SpecConfig, SpecParams
+    from fastspec.text.chat import decoding
+
+    eagle = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model="head", num_steps=3, topk=2,
+                               num_draft_tokens=4)
+    assert decoding(SpecConfig(), True) == "plain decoding"
+    assert decoding(eagle, False) == "EAGLE3 3/2/4"
+    assert decoding(eagle, True) == "EAGLE3 3/2/4 · plain where measured faster"
+    tuned = eagle.with_schedule(((1, None), (4, SpecParams(2, 4, 5))))
+    assert decoding(tuned, True) == "EAGLE3 · plain at batch 1 (tuned)"  # issue 37: the banner said EAGLE3
+    assert decoding(eagle.with_schedule(((1, SpecParams(2, 2, 3)),)), False) == "EAGLE3 2/2/3 (tuned)"
