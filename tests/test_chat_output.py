@@ -4,6 +4,8 @@ is followed. Its banner: what decodes at batch size 1, a tuned plain tier includ
 
 import random
 
+import pytest
+
 from fastspec.text.wrap import WordWrap
 
 TEXT = ("Light travels through water more slowly than through air, which bends it where light encounters the "
@@ -64,3 +66,25 @@ def test_the_banner_says_what_decodes_at_batch_1():
     tuned = eagle.with_schedule(((1, None), (4, SpecParams(2, 4, 5))))
     assert decoding(tuned, True) == "EAGLE3 · plain at batch 1 (tuned)"  # issue 37: the banner said EAGLE3
     assert decoding(eagle.with_schedule(((1, SpecParams(2, 2, 3)),)), False) == "EAGLE3 2/2/3 (tuned)"
+
+
+@pytest.mark.slow
+def test_warming_up_before_the_prompt_leaves_no_trace():
+    """chat runs what the first answer would run before the first prompt; the session, the fallback policy's
+    measurements and the answers are as if it had not."""
+    import copy
+
+    import fastspec
+    from fastspec.sampling import SamplingParams
+    from fastspec.text.chat import ChatSession
+
+    answers = []
+    for warm in (True, False):
+        llm = fastspec.LLM(max_total_tokens=4096, speculative_fallback=True)
+        session = ChatSession(llm, SamplingParams(max_new_tokens=12))
+        if warm:
+            before = copy.deepcopy(llm.engine.policy)
+            session.warm_up()
+            assert session.messages == [] and session.turns == [] and llm.engine.policy == before
+        answers.append("".join(session.respond("What is the capital of France?")))
+    assert answers[0] == answers[1]

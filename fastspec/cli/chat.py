@@ -37,7 +37,11 @@ def chat(
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                             max_new_tokens=max_new_tokens)
     notes = Notes()
-    session = ChatSession(LLM(**options.llm_kwargs(), on_prepare=prepare_progress(), say=notes), params, system)
+    kwargs = options.llm_kwargs()
+    kwargs["cuda_graph_bs"] = kwargs["cuda_graph_bs"] or (1,)  # a chat runs one request: its graphs, before the prompt
+    session = ChatSession(LLM(**kwargs, on_prepare=prepare_progress(), say=notes), params, system)
+    with _status("getting the first answer ready") if sys.stdin.isatty() else contextlib.nullcontext():
+        session.warm_up()
     try:
         io = TerminalChatIO(session) if sys.stdin.isatty() else LinesChatIO()
         notes.show()
@@ -46,6 +50,12 @@ def chat(
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's final flush cannot fail)
     finally:
         save_chat(session, cache_root() / "chats")
+
+
+def _status(text: str):
+    from rich.console import Console
+
+    return Console(stderr=True).status(text)
 
 
 def save_chat(session, directory) -> None:
