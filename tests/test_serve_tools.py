@@ -58,7 +58,7 @@ def test_forced_tool_calls_parse_match_their_schema_and_equal_target_only_decodi
     answer = json.loads(target_only(llm, [WEATHER, TIME], choice))
     want = [("get_weather", answer)] if choice == NAMED else [(c["name"], c["parameters"]) for c in answer]
     assert [(name, json.loads(args)) for name, args in calls] == want
-    streamed, reasons = {}, []
+    streamed, reasons, pieces = {}, [], 0
     for chunk in client.chat.completions.create(stream=True, **ask):
         for c in chunk.choices:
             reasons.append(c.finish_reason)
@@ -66,7 +66,11 @@ def test_forced_tool_calls_parse_match_their_schema_and_equal_target_only_decodi
             for d in c.delta.tool_calls or []:
                 name, args = streamed.get(d.index, ("", ""))
                 streamed[d.index] = (name + (d.function.name or ""), args + (d.function.arguments or ""))
+                assert (d.id is not None) == (name == "")  # the id with the call's first delta only
+                pieces += 1
     assert [streamed[i] for i in sorted(streamed)] == calls and reasons[-1] == "tool_calls"
+    if choice == NAMED:  # the arguments stream as they are generated, not in one piece at the end
+        assert pieces > 1
     assert engine_settled(service)
 
 

@@ -26,7 +26,7 @@ from fastspec.serve.metrics import CONTENT_TYPE
 from fastspec.serve.errors import APIError
 from fastspec.serve.protocol import ParsedRequest
 from fastspec.serve.service import EngineService, Event
-from fastspec.serve.tools import Tools, hold_back, parse_output, template_parser
+from fastspec.serve.tools import ArgumentsDelta, Tools, hold_back, parse_output, template_parser
 
 DISCONNECT_POLL_S = 0.25
 
@@ -178,6 +178,10 @@ class _Reply:
         """The chunks of one event of choice `index`."""
         chat, full = self.parsed.chat, self.texts[index] + event.text
         self.texts[index], logprobs = full, self._logprobs(event.logprobs)
+        tools = self.parsed.tools
+        if chat and tools is not None and tools.choice == "named":  # the text is the arguments: streamed as such
+            yield from self._stream_arguments(index, full, event.finish_reason, logprobs)
+            return
         if event.finish_reason is None:
             upto = hold_back(full, self.parsed.tools, self.tool_parser) if chat else len(full)
             delta, self.sent[index] = full[self.sent[index]: upto], max(self.sent[index], upto)
@@ -191,6 +195,19 @@ class _Reply:
         if calls:
             yield api.chunk(self.id, chat, self.model, None, None, index=index, tool_calls=tuple(calls))
         yield api.chunk(self.id, chat, self.model, None, "tool_calls" if calls else event.finish_reason, index=index)
+
+    def _stream_arguments(self, index: int, full: str, finish_reason: str | None, logprobs):
+        """A named function's arguments as tool-call deltas as they are generated (the first with id and name); at
+        the end finish_reason tool_calls, or the engine's (length) for arguments cut short."""
+        fragment, first = full[self.sent[index]:], self.sent[index] == 0
+        self.sent[index] = len(full)
+        if fragment or logprobs:
+            delta = ArgumentsDelta(self.parsed.tools.named if first else None, fragment)
+            yield api.chunk(self.id, True, self.model, None, None, logprobs, index=index,
+                            tool_calls=(delta,) if fragment else ())
+        if finish_reason is not None:
+            calls = self._split(full)[1]
+            yield api.chunk(self.id, True, self.model, None, "tool_calls" if calls else finish_reason, index=index)
 
     async def stream(self):
         chat, failed = self.parsed.chat, False

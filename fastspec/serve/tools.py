@@ -8,7 +8,8 @@ separated by `;`). `required` and a named function are decoded under a JSON-sche
 output is the calls' JSON itself (a list of {"name", "parameters"} for `required`, the arguments for a named
 function), so it always parses and matches the functions' schemas, whatever the template's format. Objects in those
 schemas are closed unless they say otherwise (`close_objects`), so a forced call holds only keys the function
-declares, and ends.
+declares, and ends. A named function's arguments are the answer's text itself, streamed as it comes
+(`ArgumentsDelta`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ class ToolCall:
         out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                "function": {"name": self.name, "arguments": self.arguments}}
         return out if index is None else {"index": index} | out
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    """A streamed fragment of a call's arguments (a named tool_choice streams them as they are generated); the first
+    fragment also carries the call's id and name."""
+
+    name: str | None  # the first fragment's; None for the others
+    arguments: str
+
+    def as_dict(self, index: int) -> dict:
+        if self.name is None:
+            return {"index": index, "function": {"arguments": self.arguments}}
+        return ToolCall(self.name, self.arguments).as_dict(index)
 
 
 @dataclass(frozen=True)
@@ -149,8 +164,8 @@ def parse_output(text: str, tools: Tools, parser: str) -> tuple[str | None, list
             calls = json.loads(text)
         except json.JSONDecodeError:  # cut short by max_tokens: the text as it is
             return text, []
-        if tools.choice == "named":
-            return None, [ToolCall(tools.named, json.dumps(calls))]
+        if tools.choice == "named":  # the text itself: what streaming sent, fragment by fragment
+            return None, [ToolCall(tools.named, text)]
         return None, [ToolCall(c["name"], json.dumps(c["parameters"])) for c in calls]
     if tools.choice == "none":
         return text, []
