@@ -1,11 +1,10 @@
 """Word wrapping for a streamed answer in a terminal: words stay whole at the terminal's edge.
 
 A word is held until it ends (a space or a newline follows) and then placed on the current line, or on the next one
-if it would cross the width, which is read again for every piece of the stream (a resized terminal is followed). What is not
-wrapped: lines inside a ``` code block, a word longer than the whole width (a URL: it streams as it comes, from the
-start of a line), and
-everything when the terminal is narrower than `min_width`. Nothing is dropped but the spaces a line break replaces.
-Knows nothing about terminals: the caller writes what `feed` and `flush` return.
+if it would cross the width, which is read again for every piece of the stream (a resized terminal is followed).
+Not wrapped: lines inside a ``` code block, a word longer than the whole width (a URL: it streams as it comes, from
+the start of a line), and everything when the terminal is narrower than `min_width`. Nothing is dropped but the
+spaces a line break replaces. Knows nothing about terminals: the caller writes what `feed` and `flush` return.
 """
 
 from __future__ import annotations
