@@ -14,7 +14,8 @@ from test_serve import MODEL, engine_settled, served  # noqa: F401  (the served 
 import fastspec
 from fastspec.sampling import SamplingParams
 from fastspec.serve.errors import APIError
-from fastspec.serve.tools import close_objects, hold_back, parse_output, parse_tools
+from fastspec.serve.tool_stream import ToolStream
+from fastspec.serve.tools import close_objects, parse_output, parse_tools, template_parser
 
 pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
 
@@ -112,25 +113,106 @@ def test_bad_tools_are_openai_400s_and_the_server_keeps_serving(served, tools, c
     assert engine_settled(service)
 
 
-def test_hermes_and_llama3_answers_parse_into_calls():
+ANSWERS = {  # per format, hand-written answers in it: (text, content, [(name, arguments)])
+    "hermes": [('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
+                '</tool_call><tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>',
+                "Let me check. ", [("get_weather", '{"city": "Oslo", "days": 2}'), ("get_time", '{"zone": "utc"}')]),
+               ("<tool_call>{not json}</tool_call> a < b", "<tool_call>{not json}</tool_call> a < b", []),
+               ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+                '<tool_call>{"name": "nope", "arguments": {}}</tool_call>', [])],
+    "llama3": [('<|python_tag|>{"name": "get_time", "parameters": {"zone": "cet"}}; {"name": "get_weather", '
+                '"parameters": {"city": "Rome", "days": 1}}', None,
+                [("get_time", '{"zone": "cet"}'), ("get_weather", '{"city": "Rome", "days": 1}')]),
+               ('{"name": "unknown", "parameters": {}}', '{"name": "unknown", "parameters": {}}', []),
+               ("Sure {x}", "Sure {x}", [])],
+    "mistral": [('Right. [TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "utc"}}]', "Right. ",
+                 [("get_time", '{"zone": "utc"}')]),
+                ("No [TOOL nothing", "No [TOOL nothing", [])],
+    "pythonic": [("[get_weather(city='Oslo', days=3), get_time(zone=\"utc\")]", None,
+                  [("get_weather", '{"city": "Oslo", "days": 3}'), ("get_time", '{"zone": "utc"}')]),
+                 ("Lists look like [1, 2]", "Lists look like [1, 2]", [])],
+    "deepseek_v3": [("Ok<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n"
+                     '{"zone": "utc"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Ok", [("get_time", '{"zone": "utc"}')]),
+                    ("plain", "plain", [])],
+}
+
+
+@pytest.mark.parametrize("parser", sorted(ANSWERS))
+def test_each_format_parses_and_its_stream_joins_to_exactly_the_answer(parser):
+    """Streamed a character at a time and in pieces of 7, content and call deltas join to the finished answer's
+    content and calls; nothing of a call is sent as content, a call's name comes before its arguments."""
     tools = parse_tools({"tools": [WEATHER, TIME]})
-    hermes = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
-              '</tool_call><tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>')
-    content, calls = parse_output(hermes, tools, "hermes")
-    assert content == "Let me check. " and [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "utc"})]
-    assert parse_output("<tool_call>{not json}</tool_call>", tools, "hermes") == (
-        "<tool_call>{not json}</tool_call>", [])  # what does not parse stays content
-    llama = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "cet"}}; {"name": "get_weather", ' \
-            '"parameters": {"city": "Rome", "days": 1}}'
-    content, calls = parse_output(llama, tools, "llama3")
-    assert content is None and [c.name for c in calls] == ["get_time", "get_weather"]
-    assert parse_output('{"name": "unknown", "parameters": {}}', tools, "llama3")[1] == []
-    # streaming holds back what may become a call: from "<tool_call>", or a prefix of it at the end
-    assert hold_back("Let me check. <tool", tools, "hermes") == len("Let me check. ")
-    assert hold_back("Let me check. <tool_call>{", tools, "hermes") == len("Let me check. ")
-    assert hold_back("a < b", tools, "hermes") == len("a < b")
-    assert hold_back(' {"name"', tools, "llama3") == 0 and hold_back("Sure", tools, "llama3") == 4
+    for text, content, calls in ANSWERS[parser]:
+        got_content, got_calls = parse_output(text, tools, parser)
+        assert (got_content, [(c.name, c.arguments) for c in got_calls]) == (content, calls)
+        for size in (1, 7):
+            stream, sent, streamed = ToolStream(tools, parser), "", {}
+            for end in [*range(size, len(text), size), len(text)]:
+                piece, deltas = stream.feed(text[:end], end == len(text))
+                sent += piece
+                for d in deltas:
+                    assert (d.name is not None) == (d.index not in streamed)
+                    name, args = streamed.get(d.index, (d.name, ""))
+                    streamed[d.index] = (name, args + d.arguments)
+            assert sent.strip() == (content or "").strip() and sent.startswith((content or "").rstrip())
+            assert [streamed[i] for i in sorted(streamed)] == calls
+    assert template_parser("{{ '<|python_tag|>' }}") == "llama3" and template_parser("<tool_call>") == "hermes"
+    assert template_parser("[TOOL_CALLS]") == "mistral" and template_parser("<｜tool▁calls▁begin｜>") == "deepseek_v3"
+    assert template_parser("[func_name1(params_name1=params_value1)]") == "pythonic"
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["text-markers", "special-markers"])
+def test_auto_grammars_hold_calls_to_their_schemas_and_leave_text_free(embedded_dir, tmp_path, special):
+    """Each format's lazy grammar, through the engine's compiler on the embedded model's tokenizer (its markers as
+    text, or added as special tokens as real Mistral / Llama / DeepSeek tokenizers have them): free text is
+    allowed, an opened call must follow a function's schema (no unknown value, no undeclared key), and
+    parallel_tool_calls false ends the answer after one call."""
+    import shutil
+
+    from tokenizers import Tokenizer as RustTokenizer
+
+    from fastspec.sampling.grammar import GrammarCompiler
+    from fastspec.serve.tool_formats import FORMATS
+    from fastspec.text.tokenizer import Tokenizer
+
+    model = tmp_path / "tok"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(embedded_dir / name, model / name)
+    if special:
+        rust = RustTokenizer.from_file(str(model / "tokenizer.json"))
+        rust.add_special_tokens(sorted({m for _, _, markers in FORMATS.values() for m in markers} | {"<|python_tag|>"}))
+        rust.save(str(model / "tokenizer.json"))
+    tok = Tokenizer(model)
+    assert len(tok.special_tokens()) > (8 if special else 0)
+    compiler = GrammarCompiler(model, tok.vocab_size, [tok.token_to_id("<|im_end|>")])
+    good = {"hermes": '<tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>',
+            "llama3": '{"name": "get_time", "parameters": {"zone": "utc"}}',
+            "mistral": '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "utc"}}]',
+            "pythonic": '[get_time(zone="utc")]',
+            "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n'
+                           '{"zone": "utc"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'}
+    bad_zone = {k: v.replace("utc", "mars") for k, v in good.items()}
+    extra_key = {k: v.replace('"utc"', '"utc", "x": 1').replace('="utc"', '="utc", x=1') for k, v in good.items()}
+    for parser, call in good.items():
+        for parallel in (True, False):
+            tools = parse_tools({"tools": [WEATHER, TIME], "parallel_tool_calls": parallel})
+            source = tools.auto_grammar(parser, tok.special_tokens())
+
+            def accepts(text: str, whole: bool = True) -> bool:
+                g = compiler.compile(SamplingParams(lark=source))
+                ids = tok.encode(text, add_special_tokens=False)
+                ok = g._m.validate_tokens(ids) == len(ids)
+                if ok:
+                    g._m.consume_tokens(ids)
+                return ok and (not whole or g._m.is_accepting())
+
+            assert accepts("Just some text.") and accepts(call), parser
+            assert not accepts(bad_zone[parser], whole=False) and not accepts(extra_key[parser], whole=False), parser
+            two = {"hermes": call + " and " + call, "llama3": call + "; " + call, "mistral": call[:-1] + ", " +
+                   call[len("[TOOL_CALLS]["):], "pythonic": call[:-1] + ", " + call[1:],
+                   "deepseek_v3": call.replace("<｜tool▁calls▁end｜>", "") + call[len("<｜tool▁calls▁begin｜>"):]}
+            assert accepts(two[parser], whole=False) == parallel, parser
 
 
 def test_the_chat_template_sees_the_tools_and_earlier_calls(tmp_path):
@@ -139,7 +221,6 @@ def test_the_chat_template_sees_the_tools_and_earlier_calls(tmp_path):
     from tiny_models import write_chat_target
 
     from fastspec.serve.protocol import parse_request
-    from fastspec.serve.tools import template_parser
     from fastspec.text.tokenizer import Tokenizer
 
     target = write_chat_target(tmp_path / "target")
@@ -154,7 +235,6 @@ def test_the_chat_template_sees_the_tools_and_earlier_calls(tmp_path):
     parsed = parse_request(body, True, "m")
     text = Tokenizer(target).apply_chat_template(parsed.messages, tools=list(parsed.tools.functions))
     assert text == "[get_weather][get_time]user:Weather in Oslo?;assistant:get_weather(Oslo);tool:sunny;"
-    assert template_parser("{{ '<|python_tag|>' }}") == "llama3" and template_parser("<tool_call>") == "hermes"
 
 
 def test_forced_call_schemas_close_their_objects_and_strict_requires_every_property():
@@ -207,3 +287,82 @@ def test_forced_calls_on_the_embedded_model_end_and_hold_only_declared_keys(choi
     content, calls = parse_output(out.text, tools, "hermes")
     assert content is None and [c.name for c in calls] == ["get_weather"]
     assert set(json.loads(calls[0].arguments)) <= {"city"}
+
+
+HERMES_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if loop.first and tools %}Tools: {{ tools | tojson }} "
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.\n{% endif %}{{ m.content }}"
+    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def served_marked(embedded_dir, tmp_path_factory):
+    """The embedded model behind `fastspec serve` (EAGLE-3, its shipped head), its tokenizer with `<tool_call>` and
+    `</tool_call>` as special tokens (two unused special tokens renamed, as Qwen's tokenizer has them), a Hermes
+    tools template."""
+    import threading
+    import time
+
+    from fastspec.models.embedded import DEFAULT_MODEL, embedded_head
+    from fastspec.serve import bind, make_server
+
+    model = tmp_path_factory.mktemp("marked") / "smollm2"
+    model.mkdir()
+    for f in embedded_dir.iterdir():
+        if f.name != "tokenizer.json":
+            (model / f.name).symlink_to(f)
+    text = (embedded_dir / "tokenizer.json").read_text()
+    assert text.count('"<reponame>"') == 2 and text.count('"<file_sep>"') == 2  # added token and vocab entry
+    (model / "tokenizer.json").write_text(text.replace('"<reponame>"', '"<tool_call>"').replace(
+        '"<file_sep>"', '"</tool_call>"'))
+    (model / "chat_template.jinja").write_text(HERMES_TEMPLATE)
+    llm = fastspec.LLM(str(model), speculative_algorithm="EAGLE3", draft_model=str(embedded_head(DEFAULT_MODEL)),
+                       max_total_tokens=4096, speculative_fallback=False)
+    sock = bind("127.0.0.1", 0)
+    server, service = make_server(llm, "marked", max_queued=8)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    client = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % sock.getsockname()[1], api_key="none",
+                           max_retries=0, timeout=120)
+    yield client, llm, service
+    server.should_exit = True
+    thread.join(10)
+    service.stop()
+
+
+@pytest.mark.slow
+def test_auto_calls_on_the_embedded_model_parse_fit_and_equal_target_only(served_marked):
+    """tool_choice auto: free text stays text; where the model opens a call (pushed here by a logit bias on the
+    `<tool_call>` token, which a 135M model never writes on its own) the lazy grammar holds the rest to the
+    schema, so the call parses with only declared keys and ends; parallel_tool_calls false: one call. The
+    streamed deltas join to the same call, and EAGLE-3 equals target-only under the same grammar."""
+    client, llm, service = served_marked
+    opening = llm.tokenizer.token_to_id("<tool_call>")
+    ask = dict(model="marked", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+               tools=[CITY], tool_choice="auto", max_tokens=64, temperature=0)
+    text = client.chat.completions.create(**ask).choices[0]
+    assert text.message.tool_calls is None and text.message.content and "<tool_call>" not in text.message.content
+    pushed = ask | {"parallel_tool_calls": False, "logit_bias": {str(opening): 100}}
+    got = client.chat.completions.create(**pushed).choices[0]
+    assert got.finish_reason == "tool_calls", got
+    calls = [(c.function.name, c.function.arguments) for c in got.message.tool_calls]
+    assert len(calls) == 1 and calls[0][0] == "get_weather" and set(json.loads(calls[0][1])) <= {"city"}
+    streamed, content = {}, ""
+    for chunk in client.chat.completions.create(stream=True, **pushed):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                name, args = streamed.get(d.index, ("", ""))
+                streamed[d.index] = (name + (d.function.name or ""), args + (d.function.arguments or ""))
+    assert [streamed[i] for i in sorted(streamed)] == calls and content.strip() == (got.message.content or "")
+    tools = parse_tools({"tools": [CITY], "parallel_tool_calls": False})
+    params = SamplingParams(max_new_tokens=64, logit_bias={opening: 100},
+                            lark=tools.auto_grammar("hermes", llm.tokenizer.special_tokens()))
+    ids = llm.encode_chat(ask["messages"], [CITY])
+    plain = fastspec.LLM(str(llm.engine.model_dir), speculative_algorithm="NONE", max_total_tokens=4096)
+    want, spoken = (x.generate([ids], params)[0] for x in (plain, llm))
+    assert spoken.output_ids == want.output_ids and want.output_ids[0] == opening
+    assert engine_settled(service)

@@ -18,7 +18,8 @@ def serve(
     max_queued_requests: Annotated[int, typer.Option(help="Open requests (waiting + running) past which a new one "
                                                           "gets a 503.")] = 256,
     tool_call_parser: Annotated[Optional[str], typer.Option(help="How answers carry tool calls: hermes (Hermes, "
-                                                                 "Qwen) | llama3 (default: as the chat template "
+                                                                 "Qwen) | llama3 | mistral | pythonic (Llama 3.2 / 4) "
+                                                                 "| deepseek_v3 (default: as the chat template "
                                                                  "asks).")] = None,
 ):
     """Serve the model over the OpenAI HTTP API: /v1/chat/completions (tool calls too), /v1/completions, /v1/models,

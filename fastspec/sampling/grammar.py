@@ -27,7 +27,7 @@ import torch
 from fastspec.errors import FastspecError
 from fastspec.utils.transfer import to_device
 
-KINDS = ("json_schema", "regex", "ebnf")
+KINDS = ("json_schema", "regex", "ebnf", "lark")
 
 
 def grammar_kind(params) -> str | None:
@@ -69,6 +69,8 @@ class GrammarCompiler:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(source)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(source)
+            elif kind == "lark":
+                grammar = llguidance.LLMatcher.grammar_from_lark(source)
             else:
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 

@@ -28,7 +28,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted too
     json_schema: str | None = None  # structured output (fastspec.sampling.grammar), at most one: a JSON schema (a dict too),
     regex: str | None = None  # a regular expression the whole output matches,
-    ebnf: str | None = None  # or a GBNF grammar (llama.cpp's / xgrammar's EBNF: `root ::= ...`)
+    ebnf: str | None = None  # or a GBNF grammar (llama.cpp's / xgrammar's EBNF: `root ::= ...`),
+    lark: str | None = None  # or llguidance's Lark grammar (serve's `auto` tool calls)
 
     def __post_init__(self):
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):

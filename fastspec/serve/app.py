@@ -26,7 +26,9 @@ from fastspec.serve.metrics import CONTENT_TYPE
 from fastspec.serve.errors import APIError
 from fastspec.serve.protocol import ParsedRequest
 from fastspec.serve.service import EngineService, Event
-from fastspec.serve.tools import ArgumentsDelta, Tools, hold_back, parse_output, template_parser
+from fastspec.serve.tool_formats import needs_special_text
+from fastspec.serve.tool_stream import ToolStream
+from fastspec.serve.tools import Tools, parse_output, template_parser
 
 DISCONNECT_POLL_S = 0.25
 
@@ -67,17 +69,18 @@ async def _complete(service: EngineService, model_name: str, tool_parser: str | 
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     try:
         parsed = api.parse_request(api.parse_body(await request.body()), chat, model_name)
+        params, keep_special = parsed.params, False
         if parsed.tools is not None:
             _check_schemas(service, parsed.tools)
             tool_parser = tool_parser or template_parser(service.llm.tokenizer.chat_template)
+            params, keep_special = _tool_grammar(service, parsed.tools, tool_parser, params)
         prompt_ids = _encode(service, parsed)
-        params = parsed.params
         if not parsed.max_tokens_given:  # chat's default: the rest of the context, capped
             room = service.engine.worker.max_context_len - len(prompt_ids)
             params = replace(params, max_new_tokens=max(1, min(params.max_new_tokens, room)))
         if parsed.n > 1 and service.engine.config.radix_cache:
             await _cache_prompt(service, prompt_ids, params)
-        rids = _submit_choices(service, prompt_ids, parsed.choice_params(params), loop, events)
+        rids = _submit_choices(service, prompt_ids, parsed.choice_params(params), loop, events, keep_special)
     except APIError as e:
         return _error(e)
     reply = _Reply(service, parsed, model_name, api.new_id(chat), len(prompt_ids), rids, events, tool_parser)
@@ -95,6 +98,18 @@ def _check_schemas(service: EngineService, tools: Tools) -> None:
             raise APIError(f"tool {name!r}: {e}", param="tools") from None
 
 
+def _tool_grammar(service: EngineService, tools: Tools, parser: str, params: SamplingParams
+                  ) -> tuple[SamplingParams, bool]:
+    """The parameters with the `auto` choice's lazy grammar (unless the request brings its own grammar), and
+    whether the answer's text must keep special tokens for the parser to see its markers."""
+    specials = service.llm.tokenizer.special_tokens()
+    if tools.choice != "auto":
+        return params, False
+    if params.json_schema is None and params.regex is None and params.ebnf is None:
+        params = replace(params, lark=tools.auto_grammar(parser, specials))
+    return params, needs_special_text(parser, specials)
+
+
 def _encode(service: EngineService, parsed: ParsedRequest) -> list[int]:
     try:
         if parsed.chat:
@@ -105,13 +120,13 @@ def _encode(service: EngineService, parsed: ParsedRequest) -> list[int]:
         raise APIError(str(e)) from None
 
 
-def _submit_choices(service: EngineService, prompt_ids: list[int], params: list, loop, events: asyncio.Queue
-                    ) -> list[int]:
+def _submit_choices(service: EngineService, prompt_ids: list[int], params: list, loop, events: asyncio.Queue,
+                    keep_special: bool = False) -> list[int]:
     """One engine request per choice; their events go into `events` as (choice index, Event). All or none."""
     rids = []
     try:
         for i, p in enumerate(params):
-            rids.append(service.submit(prompt_ids, p, partial(_post, loop, events, i)))
+            rids.append(service.submit(prompt_ids, p, partial(_post, loop, events, i), keep_special))
     except APIError:
         for rid in rids:
             service.abort(rid)
@@ -124,7 +139,7 @@ async def _cache_prompt(service: EngineService, prompt_ids: list[int], params) -
     share it instead of each computing it."""
     loop = asyncio.get_running_loop()
     one = replace(params, max_new_tokens=1, temperature=0.0, seed=None, stop=(), logprobs=None, json_schema=None,
-                  regex=None, ebnf=None, ignore_eos=True)
+                  regex=None, ebnf=None, lark=None, ignore_eos=True)
     finished = asyncio.Queue()
     service.submit(prompt_ids, one, partial(_post, loop, finished, 0))
     while (await finished.get())[1].finish_reason is None:
@@ -151,7 +166,7 @@ class _Reply:
         self.open = set(range(len(engine_rids)))  # choices not finished
         self.finals: dict[int, Event] = {}  # choice -> its last event
         self.texts = {i: "" for i in self.open}  # choice -> its text so far
-        self.sent = {i: 0 for i in self.open}  # choice -> characters of it streamed as content
+        self.streams = {i: ToolStream(parsed.tools, tool_parser) for i in self.open}  # what each choice streamed
 
     def _logprobs(self, entries: tuple | None) -> dict | None:
         if not self.parsed.logprobs or entries is None:
@@ -175,39 +190,18 @@ class _Reply:
         return parse_output(text, self.parsed.tools, self.tool_parser)
 
     def _stream_event(self, index: int, event: Event):
-        """The chunks of one event of choice `index`."""
+        """The chunks of one event of choice `index`: new content and tool-call deltas (fastspec.serve.tool_stream),
+        then at the end finish_reason tool_calls where calls were made (else the engine's: length for a call cut
+        short)."""
         chat, full = self.parsed.chat, self.texts[index] + event.text
         self.texts[index], logprobs = full, self._logprobs(event.logprobs)
-        tools = self.parsed.tools
-        if chat and tools is not None and tools.choice == "named":  # the text is the arguments: streamed as such
-            yield from self._stream_arguments(index, full, event.finish_reason, logprobs)
-            return
-        if event.finish_reason is None:
-            upto = hold_back(full, self.parsed.tools, self.tool_parser) if chat else len(full)
-            delta, self.sent[index] = full[self.sent[index]: upto], max(self.sent[index], upto)
-            if delta or logprobs:
-                yield api.chunk(self.id, chat, self.model, delta, None, logprobs, index=index)
-            return
-        content, calls = self._split(full)
-        rest = (content or "")[self.sent[index]:] if calls else full[self.sent[index]:]
-        if rest or logprobs:
-            yield api.chunk(self.id, chat, self.model, rest, None, logprobs, index=index)
-        if calls:
-            yield api.chunk(self.id, chat, self.model, None, None, index=index, tool_calls=tuple(calls))
-        yield api.chunk(self.id, chat, self.model, None, "tool_calls" if calls else event.finish_reason, index=index)
-
-    def _stream_arguments(self, index: int, full: str, finish_reason: str | None, logprobs):
-        """A named function's arguments as tool-call deltas as they are generated (the first with id and name); at
-        the end finish_reason tool_calls, or the engine's (length) for arguments cut short."""
-        fragment, first = full[self.sent[index]:], self.sent[index] == 0
-        self.sent[index] = len(full)
-        if fragment or logprobs:
-            delta = ArgumentsDelta(self.parsed.tools.named if first else None, fragment)
-            yield api.chunk(self.id, True, self.model, None, None, logprobs, index=index,
-                            tool_calls=(delta,) if fragment else ())
-        if finish_reason is not None:
-            calls = self._split(full)[1]
-            yield api.chunk(self.id, True, self.model, None, "tool_calls" if calls else finish_reason, index=index)
+        stream = self.streams[index]
+        content, deltas = stream.feed(full, event.finish_reason is not None)
+        if content or deltas or logprobs:
+            yield api.chunk(self.id, chat, self.model, content or None, None, logprobs, index=index, tool_calls=deltas)
+        if event.finish_reason is not None:
+            reason = "tool_calls" if stream.called and event.finish_reason == "stop" else event.finish_reason
+            yield api.chunk(self.id, chat, self.model, None, reason, index=index)
 
     async def stream(self):
         chat, failed = self.parsed.chat, False

@@ -264,7 +264,7 @@ def response(rid: str, chat: bool, model: str, choices: list[Choice], prompt_tok
     """`completion_tokens`: all choices' together; `metrics`: their speculative figures summed."""
     out = []
     for index, c in enumerate(choices):
-        reason = "tool_calls" if c.tool_calls else finish_reason(c.reason)
+        reason = "tool_calls" if c.tool_calls and c.reason == "stop" else finish_reason(c.reason)
         choice = {"index": index, "finish_reason": reason, "logprobs": c.logprobs}
         message = {"role": "assistant", "content": c.text}
         if c.tool_calls:
@@ -278,13 +278,14 @@ def response(rid: str, chat: bool, model: str, choices: list[Choice], prompt_tok
 
 def chunk(rid: str, chat: bool, model: str, text: str | None, reason: str | None, logprobs: dict | None = None,
           role: bool = False, index: int = 0, tool_calls: tuple = ()) -> dict:
-    """A stream chunk of choice `index`: a text delta, its tool calls (each whole, by call index), or its end."""
+    """A stream chunk of choice `index`: a text delta, tool-call deltas (fastspec.serve.tools.ArgumentsDelta), or
+    its end."""
     choice = {"index": index, "finish_reason": reason if reason == "tool_calls" else finish_reason(reason),
               "logprobs": logprobs}
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
         if tool_calls:
-            delta["tool_calls"] = [call.as_dict(i) for i, call in enumerate(tool_calls)]
+            delta["tool_calls"] = [call.as_dict() for call in tool_calls]
         choice["delta"] = delta
     else:
         choice["text"] = text or ""

@@ -42,6 +42,7 @@ class _Live:
     detok: IncrementalDetokenizer
     deliver: Callable[[Event], None]
     tokens: int = 0
+    ending: frozenset = frozenset()  # tokens that end it and are no text (special tokens kept: EOS, stop ids)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_at: float | None = None  # when its first token was handed out
 
@@ -75,9 +76,11 @@ class EngineService:
     def open_requests(self) -> int:
         return self._open
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, deliver: Callable[[Event], None]) -> int:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, deliver: Callable[[Event], None],
+               keep_special: bool = False) -> int:
         """Queue a request (APIError 400: it can never run; 503: too many open requests); returns its id.
-        `deliver(Event)` is called from the engine thread after every step that made progress."""
+        `deliver(Event)` is called from the engine thread after every step that made progress. `keep_special`:
+        the text keeps special tokens (a tool-call format's markers), all but the EOS that ends it."""
         if not self.healthy:
             raise APIError(f"the engine has stopped: {self.error}", status=503, kind="server_error")
         with self._lock:
@@ -88,11 +91,12 @@ class EngineService:
         rid = next(self._ids)
         try:
             request = self.engine.request(rid, prompt_ids, params)
-            detok = IncrementalDetokenizer(self.llm.tokenizer, prompt_ids, params.stop)
+            detok = IncrementalDetokenizer(self.llm.tokenizer, prompt_ids, params.stop, not keep_special)
         except FastspecError as e:
             self._close()
             raise APIError(str(e)) from None
-        self._inbox.put(("add", request, _Live(detok, deliver)))
+        ending = frozenset(self.engine.worker.eos_ids) | set(params.stop_token_ids) if keep_special else frozenset()
+        self._inbox.put(("add", request, _Live(detok, deliver, ending=ending)))
         return rid
 
     def call(self, fn: Callable, timeout: float = 60.0):
@@ -143,7 +147,10 @@ class EngineService:
         if live is None:  # finished by a stop string already: the engine confirming the abort
             return
         d = live.detok
-        text, reason = d.add(out.new_ids), out.finish_reason
+        ids, reason = out.new_ids, out.finish_reason
+        if reason == "stop" and ids and ids[-1] in live.ending:
+            ids = ids[:-1]
+        text = d.add(ids)
         if d.stopped and reason is None:
             self.engine.abort(out.index)  # the stop string ends it; its KV is freed before the next step
             reason = "stop"

@@ -1,15 +1,13 @@
-"""Tool calls in `fastspec serve`: OpenAI's `tools` / `tool_choice` checked, the grammar that `required` and named
-choices decode under, and the model's output parsed into `tool_calls`.
+"""Tool calls in `fastspec serve`: OpenAI's `tools` / `tool_choice` checked, the grammar each choice decodes under,
+and the model's output read into content and `tool_calls`.
 
-Formats (`--tool-call-parser`, else the one the chat template asks for): `hermes` (Hermes, Qwen 2.5 / 3:
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them is content) and `llama3`
-(Llama 3.1 / 3.2: the whole answer is `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, calls
-separated by `;`). `required` and a named function are decoded under a JSON-schema grammar, as vLLM does: the
-output is the calls' JSON itself (a list of {"name", "parameters"} for `required`, the arguments for a named
-function), so it always parses and matches the functions' schemas, whatever the template's format. Objects in those
-schemas are closed unless they say otherwise (`close_objects`), so a forced call holds only keys the function
-declares, and ends. A named function's arguments are the answer's text itself, streamed as it comes
-(`ArgumentsDelta`).
+`required` and a named function are decoded under a JSON-schema grammar, as vLLM does: the output is the calls'
+JSON itself (a list of {"name", "parameters"} for `required`, the arguments for a named function), so it always
+parses and matches the functions' schemas, whatever the template's format. `auto` decodes under the format's lazy
+grammar (fastspec.serve.tool_formats): free text until the model opens a call, the call then held to the
+schemas. Objects in those schemas are closed unless they say otherwise (`close_objects`), so a call holds only
+keys the function declares, and ends. Arguments are the answer's own text, streamed as generated
+(fastspec.serve.tool_stream).
 """
 
 from __future__ import annotations
@@ -20,12 +18,11 @@ import uuid
 from dataclasses import dataclass, field
 
 from fastspec.serve.errors import APIError
+from fastspec.serve.json_scan import skip_space
+from fastspec.serve.tool_formats import FORMATS, PartialCall, Scanned, json_calls, template_parser  # noqa: F401
 
-PARSERS = ("hermes", "llama3")
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-HERMES_OPEN = "<tool_call>"
-PYTHON_TAG = "<|python_tag|>"
+PARSERS = tuple(FORMATS)
 
 
 @dataclass(frozen=True)
@@ -44,13 +41,14 @@ class ArgumentsDelta:
     """A streamed fragment of a call's arguments (a named tool_choice streams them as they are generated); the first
     fragment also carries the call's id and name."""
 
+    index: int  # the call's place in the answer
     name: str | None  # the first fragment's; None for the others
     arguments: str
 
-    def as_dict(self, index: int) -> dict:
+    def as_dict(self) -> dict:
         if self.name is None:
-            return {"index": index, "function": {"arguments": self.arguments}}
-        return ToolCall(self.name, self.arguments).as_dict(index)
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return ToolCall(self.name, self.arguments).as_dict(self.index)
 
 
 @dataclass(frozen=True)
@@ -62,6 +60,11 @@ class Tools:
     named: str | None = None  # the function `tool_choice` names
     schemas: dict = field(default_factory=dict)  # name -> the parameters a call is held to (close_objects)
     parallel: bool = True  # `parallel_tool_calls`: several calls in one answer
+
+    def auto_grammar(self, parser: str, specials: dict[str, int]) -> str | None:
+        """The Lark grammar an `auto` answer decodes under in `parser`'s format (None for other choices);
+        `specials`: the tokenizer's special tokens (text -> id)."""
+        return FORMATS[parser][0](self, specials) if self.choice == "auto" else None
 
     def grammar(self) -> str | None:
         """The JSON schema the answer is decoded under (`required`, named), or None (free text)."""
@@ -150,71 +153,24 @@ def parse_tools(body: dict) -> Tools | None:
     return Tools(tuple(functions), "named", named, schemas=schemas, parallel=parallel)
 
 
-def template_parser(chat_template: str | None) -> str:
-    """The format a chat template asks for: llama3 when it speaks of the python tag / ipython, else hermes."""
-    template = chat_template or ""
-    return "llama3" if PYTHON_TAG in template or "ipython" in template else "hermes"
-
-
 def parse_output(text: str, tools: Tools, parser: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a finished answer. Under `required` / named the answer is the calls' JSON; under `auto`
-    it is read in `parser`'s format, and what does not parse stays content."""
-    if tools.choice in ("named", "required"):
-        try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:  # cut short by max_tokens: the text as it is
-            return text, []
-        if tools.choice == "named":  # the text itself: what streaming sent, fragment by fragment
-            return None, [ToolCall(tools.named, text)]
-        return None, [ToolCall(c["name"], json.dumps(c["parameters"])) for c in calls]
-    if tools.choice == "none":
-        return text, []
-    return _hermes(text, tools) if parser == "hermes" else _llama3(text, tools)
+    """(content, calls) of a finished answer: exactly what its stream sent (fastspec.serve.tool_stream)."""
+    found = scan(text, tools, parser, final=True)
+    calls = [ToolCall(c.name, c.arguments) for c in found.calls]
+    return (None if calls and not found.content.strip() else found.content), calls
 
 
-def hold_back(text: str, tools: Tools | None, parser: str) -> int:
-    """How many characters of a growing answer may be streamed as content now: all but what may become a tool
-    call (the text from a `<tool_call>` or a prefix of it; a llama3 answer that may be one JSON call)."""
+def scan(text: str, tools: Tools | None, parser: str, final: bool) -> Scanned:
+    """An answer so far read as content and calls: under `required` a JSON list of calls, under a named function
+    its arguments, under `auto` the parser's format (fastspec.serve.tool_formats)."""
     if tools is None or tools.choice == "none":
-        return len(text)
-    if tools.choice != "auto":
-        return 0
-    if parser == "llama3":
-        stripped = text.lstrip()
-        may_be_call = not stripped or stripped[0] == "{" or PYTHON_TAG.startswith(stripped[: len(PYTHON_TAG)])
-        return 0 if may_be_call else len(text)
-    at = text.find(HERMES_OPEN)
-    if at >= 0:
-        return at
-    for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):  # a prefix of "<tool_call>" at the end
-        if text.endswith(HERMES_OPEN[:k]):
-            return len(text) - k
-    return len(text)
-
-
-def _hermes(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
-    calls = [_call(m.group(1), tools, "arguments") for m in HERMES.finditer(text)]
-    if not calls or None in calls:
-        return text, []
-    content = HERMES.sub("", text)  # not stripped: what was streamed before the first call is its start
-    return content if content.strip() else None, calls
-
-
-def _llama3(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
-    body = text.strip().removeprefix(PYTHON_TAG).strip()
-    calls = [_call(part, tools, "parameters") for part in body.split(";") if part.strip()] if body else []
-    if not calls or None in calls:
-        return text, []
-    return None, calls
-
-
-def _call(raw: str, tools: Tools, key: str) -> ToolCall | None:
-    """{"name": ..., key: {...}} naming one of the tools, else None."""
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in tools.schemas:
-        return None
-    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
-    return ToolCall(obj["name"], json.dumps(args)) if isinstance(args, dict) else None
+        return Scanned(text)
+    if tools.choice == "named":
+        return Scanned("", (PartialCall(tools.named, text, final),))
+    if tools.choice == "required":
+        i = skip_space(text, 0)
+        if i < len(text) and text[i] == "[":
+            found = json_calls(text, skip_space(text, i + 1), tools, final, ",", ("parameters",))
+            return Scanned("" if found.calls else found.content, found.calls)
+        return Scanned(text if final else "")
+    return FORMATS[parser][1](text, tools, final)

@@ -42,6 +42,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def special_tokens(self) -> dict[str, int]:
+        """The special added tokens (text -> id): what a decode that skips special tokens leaves out."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -1,0 +1,248 @@
+"""The tool-call formats models write, each three things: the lazy grammar an `auto` answer decodes under (text
+runs free until the model opens a call in its format; from there the call follows the functions' schemas), and
+the reading of an answer as far as it has been generated into content and calls (`scan`: what streaming sends,
+and with `final` the finished answer's content and calls, so the streamed pieces join to exactly those).
+
+- hermes (Hermes, Qwen 2.5 / 3): `<tool_call>{"name": "f", "arguments": {...}}</tool_call>`, any number, text
+  around them is content.
+- llama3 (Llama 3.1 / 3.2 JSON): the whole answer `{"name": "f", "parameters": {...}}`, optionally after
+  `<|python_tag|>`, calls separated by `;`.
+- mistral: `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` after any text.
+- pythonic (Llama 3.2 / 4 pythonic templates): the whole answer `[f(a=1, b="x"), g()]` (fastspec.serve.pythonic).
+- deepseek_v3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\\n```json\\n{...}\\n```
+  <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` after any text.
+
+Grammars are llguidance's Lark: a trigger that is one special token of the tokenizer is named by id (`<[id]>`),
+else written as text and found by a lazy lexeme (the free text ends at the trigger's first occurrence).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from fastspec.serve import pythonic
+from fastspec.serve.json_scan import read_call, skip_space, value_end
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+TEXT = "TEXT: /(.|\\n)*/\n"
+
+
+@dataclass(frozen=True)
+class PartialCall:
+    name: str | None  # None: not known yet (nothing of the call is streamed before its name)
+    arguments: str  # JSON text so far: a prefix of the finished arguments
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Scanned:
+    content: str  # the content so far: a prefix of the finished answer's content
+    calls: tuple[PartialCall, ...] = ()
+
+
+def _lit(text: str, specials: dict[str, int]) -> str:
+    """`text` in a Lark rule: the special token by id where the tokenizer has it as one, else a string."""
+    return f"<[{specials[text]}]>" if text in specials else json.dumps(text)
+
+
+def _opening(trigger: str, specials: dict[str, int]) -> str:
+    """The rule `open`: free text up to the trigger's first occurrence."""
+    if trigger in specials:  # free text cannot hold a special token: no laziness needed
+        return f"open: TEXT {_lit(trigger, specials)}\n"
+    return f"open[lazy]: TEXT {json.dumps(trigger)}\n"
+
+
+def call_schema(tools, args_key: str) -> dict:
+    """One call object of any of the tools: {"name": <its name>, args_key: <its parameters>}."""
+    return {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, args_key: schema},
+                       "required": ["name", args_key], "additionalProperties": False}
+                      for name, schema in tools.schemas.items()]}
+
+
+def _hold(text: str, trigger: str) -> int:
+    """Characters at the end of `text` that may be the start of `trigger`."""
+    return next((k for k in range(min(len(trigger) - 1, len(text)), 0, -1) if text.endswith(trigger[:k])), 0)
+
+
+def _free(text: str, trigger: str, final: bool) -> str:
+    return text if final else text[:len(text) - _hold(text, trigger)]
+
+
+def _args(read, text: str, final: bool) -> str:
+    """A call's arguments so far; a finished call without any is {}."""
+    if read.args_start is None:
+        return "{}" if final or read.end is not None else ""
+    return read.arguments(text)
+
+
+# ---- hermes ----
+
+def hermes_grammar(tools, specials: dict[str, int]) -> str:
+    call = f"call: open /\\n?/ %json {json.dumps(call_schema(tools, 'arguments'))} /\\n?/ " \
+           f"{_lit(HERMES_CLOSE, specials)}\n"
+    start = "start: call* TEXT\n" if tools.parallel else "start: TEXT | call /\\n?/\n"
+    return "%llguidance {}\n" + start + call + _opening(HERMES_OPEN, specials) + TEXT
+
+
+def hermes_scan(text: str, tools, final: bool) -> Scanned:
+    content, calls, pos = [], [], 0
+    while True:
+        at = text.find(HERMES_OPEN, pos)
+        if at < 0:
+            content.append(_free(text[pos:], HERMES_OPEN, final))
+            break
+        content.append(text[pos:at])
+        read = read_call(text, skip_space(text, at + len(HERMES_OPEN)), ("arguments", "parameters"))
+        if read.name in tools.schemas:  # a call from its name on, whatever follows
+            calls.append(PartialCall(read.name, _args(read, text, final), read.end is not None))
+            if read.end is None:
+                break
+            close = skip_space(text, read.end)
+            if text.startswith(HERMES_CLOSE, close):
+                pos = close + len(HERMES_CLOSE)
+            elif not final and HERMES_CLOSE.startswith(text[close:close + len(HERMES_CLOSE)]):
+                break  # the close is still coming
+            else:
+                pos = read.end
+            continue
+        end = text.find(HERMES_CLOSE, at)  # not a call: the block is content, once it is known not to be one
+        if not (read.invalid or read.name is not None or final) or (end < 0 and not final):
+            break
+        pos = len(text) if end < 0 else end + len(HERMES_CLOSE)
+        content.append(text[at:pos])
+    return Scanned("".join(content), tuple(calls))
+
+
+# ---- llama3 (JSON) ----
+
+def llama3_grammar(tools, specials: dict[str, int]) -> str:
+    more = ' ("; " call)*' if tools.parallel else ""
+    return ("%llguidance {}\n"
+            f"start: PROSE | /\\s*/ [{_lit(PYTHON_TAG, specials)} /\\n?/] call{more}\n"
+            f"call: %json {json.dumps(call_schema(tools, 'parameters'))}\n"
+            "PROSE: /\\s*([^{\\s](.|\\n)*)?/\n")  # text is what does not open with a brace
+
+
+def llama3_scan(text: str, tools, final: bool) -> Scanned:
+    i = skip_space(text, 0)
+    rest = text[i:]
+    if not final and (not rest or (PYTHON_TAG.startswith(rest) and rest != PYTHON_TAG)):
+        return Scanned("")  # undecided
+    if rest.startswith(PYTHON_TAG):
+        i = skip_space(text, i + len(PYTHON_TAG))
+    return json_calls(text, i, tools, final, ";", ("parameters", "arguments"))
+
+
+def json_calls(text: str, i: int, tools, final: bool, separator: str, args_keys: tuple[str, ...]) -> Scanned:
+    """Calls from `text[i]` on, separated by `separator`; the answer is content where the first is none."""
+    calls = []
+    while True:
+        read = read_call(text, i, args_keys)
+        if read.name not in tools.schemas:
+            if calls or read.invalid or read.name is not None or final or read.end is not None:
+                return Scanned("" if calls else text, tuple(calls))
+            return Scanned("")  # the name is still coming
+        calls.append(PartialCall(read.name, _args(read, text, final), read.end is not None))
+        if read.end is None:
+            return Scanned("", tuple(calls))
+        i = skip_space(text, read.end)
+        if not text.startswith(separator, i):
+            return Scanned("", tuple(calls))
+        i = skip_space(text, i + len(separator))
+
+
+# ---- mistral ----
+
+def mistral_grammar(tools, specials: dict[str, int]) -> str:
+    calls = {"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1} | (
+        {} if tools.parallel else {"maxItems": 1})
+    return ("%llguidance {}\n" f"start: TEXT | open / ?/ %json {json.dumps(calls)}\n"
+            + _opening(MISTRAL_CALLS, specials) + TEXT)
+
+
+def mistral_scan(text: str, tools, final: bool) -> Scanned:
+    at = text.find(MISTRAL_CALLS)
+    if at < 0:
+        return Scanned(_free(text, MISTRAL_CALLS, final))
+    i = skip_space(text, at + len(MISTRAL_CALLS))
+    if i < len(text) and text[i] == "[":
+        i = skip_space(text, i + 1)
+    got = json_calls(text, i, tools, final, ",", ("arguments", "parameters"))
+    return Scanned(text[:at] if got.calls or not final else text, got.calls)
+
+
+# ---- deepseek_v3 ----
+
+def deepseek_grammar(tools, specials: dict[str, int]) -> str:
+    lit = lambda s: _lit(s, specials)  # noqa: E731
+    names = list(tools.schemas)
+    body = "\n".join(f"f{k}: {json.dumps(name + chr(10) + '```json' + chr(10))} %json "
+                     f"{json.dumps(tools.schemas[name])} {json.dumps(chr(10) + '```')}" for k, name in enumerate(names))
+    calls = "call (/\\n?/ call)*" if tools.parallel else "call"
+    return ("%llguidance {}\n" f"start: TEXT | open {calls} /\\n?/ {lit(DS_END)}\n"
+            f"call: {lit(DS_CALL)} \"function\" {lit(DS_SEP)} ({' | '.join(f'f{k}' for k in range(len(names)))}) "
+            f"{lit(DS_CALL_END)}\n" + body + "\n" + _opening(DS_BEGIN, specials) + TEXT)
+
+
+def deepseek_scan(text: str, tools, final: bool) -> Scanned:
+    at = text.find(DS_BEGIN)
+    if at < 0:
+        return Scanned(_free(text, DS_BEGIN, final))
+    calls, i = [], at + len(DS_BEGIN)
+    while (begin := text.find(DS_CALL, i)) >= 0:
+        sep = text.find(DS_SEP, begin)
+        line = text.find("\n", sep + len(DS_SEP)) if sep >= 0 else -1
+        name = text[sep + len(DS_SEP):line].strip() if line >= 0 else None
+        if name not in tools.schemas:
+            break
+        fence = text.find("```json", line)
+        start = skip_space(text, fence + len("```json")) if fence >= 0 else None
+        end = value_end(text, start) if start is not None and start < len(text) else None
+        args = "" if start is None or start >= len(text) else text[start:end if end is not None else len(text)]
+        calls.append(PartialCall(name, args or ("{}" if final else ""), end is not None))
+        if end is None:
+            break
+        i = end
+    return Scanned(text[:at] if calls or not final else text, tuple(calls))
+
+
+# ---- pythonic ----
+
+def pythonic_scan(text: str, tools, final: bool) -> Scanned:
+    found = pythonic.scan(text, set(tools.schemas), final)
+    if found is None:
+        return Scanned(text if final else ("" if not text.strip() or text.lstrip()[0] == "[" else text))
+    return Scanned("", tuple(PartialCall(name, args, done) for name, args, done in found))
+
+
+FORMATS = {  # name -> (auto grammar, scan, the tokens it needs to see in the answer's text)
+    "hermes": (hermes_grammar, hermes_scan, (HERMES_OPEN, HERMES_CLOSE)),
+    "llama3": (llama3_grammar, llama3_scan, (PYTHON_TAG,)),
+    "mistral": (mistral_grammar, mistral_scan, (MISTRAL_CALLS,)),
+    "pythonic": (lambda tools, specials: pythonic.grammar(tools.schemas, tools.parallel), pythonic_scan, ()),
+    "deepseek_v3": (deepseek_grammar, deepseek_scan, (DS_BEGIN, DS_END, DS_CALL, DS_SEP, DS_CALL_END)),
+}
+
+
+def template_parser(chat_template: str | None) -> str:
+    """The format a chat template asks for, from the markers it writes (hermes where it names none)."""
+    template = chat_template or ""
+    if "tool▁calls▁begin" in template:
+        return "deepseek_v3"
+    if MISTRAL_CALLS in template:
+        return "mistral"
+    if "func_name1(" in template or "<|python_start|>" in template:
+        return "pythonic"
+    if PYTHON_TAG in template or "ipython" in template:
+        return "llama3"
+    return "hermes"
+
+
+def needs_special_text(parser: str, specials: dict[str, int]) -> bool:
+    """Whether the answer must be decoded with special tokens kept for `parser` to see its markers."""
+    return any(marker in specials for marker in FORMATS[parser][2])
