@@ -232,6 +232,17 @@ def test_a_grammar_the_model_cannot_finish_ends_by_length(char_target):
     assert out.finish_reason == "length" and re.fullmatch("[a-z]{5}", text(out.output_ids))
 
 
+def test_a_grammar_no_token_can_go_on_with_ends_the_output_at_its_dead_end(char_target, draft_dirs):
+    """`ab c`: after "ab" the grammar wants a space, which this tokenizer cannot write. The output ends there (EOS,
+    reason stop) instead of failing the engine, target-only and speculative alike."""
+    directory, _ = char_target
+    for kw in ({}, dict(speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]), num_steps=2,
+                        topk=2, num_draft_tokens=3)):
+        llm = fastspec.LLM(str(directory), max_total_tokens=4096, **kw)
+        [out] = llm.engine.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=8, regex="ab c")])
+        assert out.finish_reason == "stop" and out.output_ids == [*llm.tokenizer.encode("ab", False), 2]
+
+
 @pytest.mark.parametrize("grammar, message", [
     (dict(json_schema='{"type": "object"'), "invalid json schema: not JSON"),
     (dict(json_schema="[1, 2]"), "invalid json schema: it must be a JSON object"),

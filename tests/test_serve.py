@@ -215,6 +215,9 @@ def test_cli_port_in_use_and_model_errors_are_one_line_before_listening(tiny_dir
     missing = CliRunner().invoke(app, ["serve", "--model", str(tmp_path / "missing"), "--port", "0"])
     assert missing.exit_code == 2 and missing.stderr.startswith("error:")
     assert len(missing.stderr.strip().splitlines()) == 1
+    parser = CliRunner().invoke(app, ["serve", "--model", str(tiny_dirs["llama"][0]), "--tool-call-parser", "xml"])
+    assert parser.exit_code == 2 and len(parser.stderr.strip().splitlines()) == 1
+    assert "--tool-call-parser must be one of hermes, llama3, mistral, pythonic, deepseek_v3, got 'xml'" in parser.stderr
 
 
 def test_bench_url_measures_a_running_server(served):

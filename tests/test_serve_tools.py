@@ -6,6 +6,7 @@ taken back; bad tools are OpenAI 400s. The Hermes and Llama-3 formats parsed fro
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import openai
 import pytest
@@ -15,7 +16,7 @@ import fastspec
 from fastspec.sampling import SamplingParams
 from fastspec.serve.errors import APIError
 from fastspec.serve.tool_stream import ToolStream
-from fastspec.serve.tools import close_objects, parse_output, parse_tools, template_parser
+from fastspec.serve.tools import close_objects, parse_output, parse_tools, template_parser, writes_spaces
 
 pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
 
@@ -41,8 +42,8 @@ def matches(name: str, arguments: str) -> bool:
 
 def target_only(llm, tools: list[dict], choice) -> str:
     """The answer of target-only decoding (no speculation) under the grammar the choice implies."""
-    parsed = parse_tools({"tools": tools, "tool_choice": choice})
     plain = fastspec.LLM(str(llm.engine.model_dir), speculative_algorithm="NONE", max_total_tokens=2048)
+    parsed = replace(parse_tools({"tools": tools, "tool_choice": choice}), spaced=writes_spaces(plain.tokenizer))
     ids = plain.encode_chat(MESSAGES, tools)
     return plain.generate([ids], SamplingParams(max_new_tokens=200, json_schema=parsed.grammar()))[0].text
 
@@ -366,3 +367,61 @@ def test_auto_calls_on_the_embedded_model_parse_fit_and_equal_target_only(served
     want, spoken = (x.generate([ids], params)[0] for x in (plain, llm))
     assert spoken.output_ids == want.output_ids and want.output_ids[0] == opening
     assert engine_settled(service)
+
+
+def _function(name: str, parameters: dict, strict: bool = False) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters} | ({"strict": True} if strict
+                                                                                         else {})}
+
+
+SHAPES = {
+    "nested": _function("book_trip", {"type": "object", "properties": {"city": {"type": "string"}, "dates": {
+        "type": "object", "properties": {"start": {"type": "string", "format": "date"},
+                                         "end": {"type": "string", "format": "date"}}, "required": ["start"]}},
+        "required": ["city", "dates"]}),
+    "array": _function("add_stops", {"type": "object", "properties": {"stops": {"type": "array", "items": {
+        "type": "string"}, "maxItems": 4}}, "required": ["stops"]}),
+    "enum": _function("set_units", {"type": "object", "properties": {"units": {"enum": ["celsius", "fahrenheit"]}},
+                                    "required": ["units"]}),
+    "optional": _function("get_weather", {"type": "object", "properties": {"city": {"type": "string"}, "days": {
+        "type": "integer"}, "hourly": {"type": "boolean"}}, "required": ["city"]}),
+    "strict": _function("get_weather", {"type": "object", "properties": {"city": {"type": "string"}, "country": {
+        "type": "string"}}}, strict=True),
+}
+
+
+def fits(value, schema: dict) -> bool:
+    """`value` matches `schema` as a forced call must: objects hold declared keys only and every required one."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    kind = schema.get("type")
+    if kind == "object":
+        props = schema.get("properties", {})
+        required = props.keys() if schema.get("strict") else schema.get("required", [])
+        return (isinstance(value, dict) and set(value) <= set(props) and set(required) <= set(value)
+                and all(fits(v, props[k]) for k, v in value.items()))
+    if kind == "array":
+        return isinstance(value, list) and len(value) <= schema.get("maxItems", len(value)) and all(
+            fits(v, schema.get("items", {})) for v in value)
+    return {"string": str, "integer": int, "boolean": bool}.get(kind, object) is type(value) or kind is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_forced_calls_of_several_shapes_end_within_64_tokens_and_fit(shape):
+    """Nested objects, arrays, enums, optional keys and `strict`, `required` and named, on the embedded model: every
+    forced call ends (EOS) within 64 tokens, and its arguments fit the function (only declared keys, the required
+    ones there, strict: all of them). `required` with parallel_tool_calls false: free to, the 135M model repeats
+    its call until the budget ends."""
+    function = SHAPES[shape]
+    schema = function["function"]["parameters"] | {"strict": function["function"].get("strict", False)}
+    llm = fastspec.LLM(speculative_algorithm="NONE", max_total_tokens=4096)
+    ids = llm.encode_chat([{"role": "user", "content": "Plan a trip to Paris and tell me the weather there."}],
+                          [function])
+    for choice in ("required", {"type": "function", "function": {"name": function["function"]["name"]}}):
+        tools = parse_tools({"tools": [function], "tool_choice": choice, "parallel_tool_calls": False})
+        out = llm.generate([ids], SamplingParams(max_new_tokens=64, json_schema=tools.grammar()))[0]
+        assert out.finish_reason == "stop", (choice, out.text)
+        content, calls = parse_output(out.text, tools, "hermes")
+        assert content is None and calls and all(c.name == function["function"]["name"] for c in calls)
+        assert all(fits(json.loads(c.arguments), schema) for c in calls), out.text

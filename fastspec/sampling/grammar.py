@@ -80,7 +80,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise FastspecError(f"invalid {kind.replace('_', ' ')}: {_brief(matcher.get_error())}")
-        state = Grammar(matcher, self.vocab_size)
+        state = Grammar(matcher, self.vocab_size, self.eos_ids)
         allowed = state.masks([[]])[0]
         allowed[self.eos_ids] = False  # llguidance offers EOS where no token can go on
         if not matcher.is_accepting() and not bool(allowed.any()):
@@ -91,12 +91,15 @@ class GrammarCompiler:
 class Grammar:
     """One request's matcher (llguidance.LLMatcher) at the request's output so far."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self._m, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, eos_ids=()):
+        self._m, self.vocab_size, self.eos_ids = matcher, vocab_size, list(eos_ids)
         self._words = (vocab_size + 31) // 32
 
     def advance(self, token: int) -> None:
-        """Consume a produced token: it was sampled under this grammar's mask, so the grammar accepts it."""
+        """Consume a produced token: it was sampled under this grammar's mask, so the grammar accepts it (or it is
+        the EOS a dead end allows)."""
+        if token in self.eos_ids and not self._m.is_accepting():
+            return  # a dead end's EOS (masks): the output ends here, short of what the grammar wanted
         if not self._m.consume_token(token):
             raise AssertionError(f"grammar rejected produced token {token}: {self._m.get_error()}")
 
@@ -114,7 +117,25 @@ class Grammar:
             if path:
                 m.rollback(len(path))
         bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1  # bit j of word w = token 32w + j
-        return bits.view(len(paths), -1)[:, : self.vocab_size].bool()
+        allowed = bits.view(len(paths), -1)[:, : self.vocab_size].bool()
+        if self.eos_ids:
+            for i in (allowed.sum(dim=1) <= 2).nonzero()[:, 0].tolist():
+                self._dead_end(allowed[i], paths[i])
+        return allowed
+
+    def _dead_end(self, allowed: torch.Tensor, path: list[int]) -> None:
+        """A row of one or two tokens may be a dead end: the grammar wants text no token writes (a space, for a
+        tokenizer without one), and llguidance then offers a token it would refuse. Such a row gets EOS: the output
+        ends there, short of the grammar, instead of failing the engine."""
+        m = self._m
+        if path and m.validate_tokens(path) < len(path):
+            return
+        m.consume_tokens(path)
+        if not any(m.validate_tokens([t]) == 1 for t in allowed.nonzero()[:, 0].tolist()):
+            allowed[:] = False
+            allowed[self.eos_ids] = True
+        if path:
+            m.rollback(len(path))
 
 
 def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:

@@ -28,7 +28,7 @@ from fastspec.serve.protocol import ParsedRequest
 from fastspec.serve.service import EngineService, Event
 from fastspec.serve.tool_formats import needs_special_text
 from fastspec.serve.tool_stream import ToolStream
-from fastspec.serve.tools import Tools, parse_output, template_parser
+from fastspec.serve.tools import Tools, parse_output, template_parser, writes_spaces
 
 DISCONNECT_POLL_S = 0.25
 
@@ -73,6 +73,7 @@ async def _complete(service: EngineService, model_name: str, tool_parser: str | 
         if parsed.tools is not None:
             _check_schemas(service, parsed.tools)
             tool_parser = tool_parser or template_parser(service.llm.tokenizer.chat_template)
+            parsed = replace(parsed, tools=replace(parsed.tools, spaced=writes_spaces(service.llm.tokenizer)))
             params, keep_special = _tool_grammar(service, parsed.tools, tool_parser, params)
         prompt_ids = _encode(service, parsed)
         if not parsed.max_tokens_given:  # chat's default: the rest of the context, capped
@@ -104,7 +105,7 @@ def _tool_grammar(service: EngineService, tools: Tools, parser: str, params: Sam
     whether the answer's text must keep special tokens for the parser to see its markers."""
     specials = service.llm.tokenizer.special_tokens()
     if tools.choice != "auto":
-        return params, False
+        return (params if tools.grammar() is None else replace(params, json_schema=tools.grammar())), False
     if params.json_schema is None and params.regex is None and params.ebnf is None:
         params = replace(params, lark=tools.auto_grammar(parser, specials))
     return params, needs_special_text(parser, specials)

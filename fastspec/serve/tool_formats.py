@@ -57,11 +57,19 @@ def _opening(trigger: str, specials: dict[str, int]) -> str:
     return f"open[lazy]: TEXT {json.dumps(trigger)}\n"
 
 
+def one_line(schema: dict, spaced: bool = True) -> dict:
+    """`schema` written on one line with `, ` and `: ` (llguidance's options; `,` and `:` for a tokenizer that
+    cannot write a space): JSON as models write calls, and no room for a small model to spend tokens on
+    whitespace (free to, it wrote `"city" : "Paris"\n\n,` and repeated calls)."""
+    return schema | {"x-guidance": {"whitespace_flexible": False, "item_separator": ", " if spaced else ",",
+                                    "key_separator": ": " if spaced else ":"}}
+
+
 def call_schema(tools, args_key: str) -> dict:
     """One call object of any of the tools: {"name": <its name>, args_key: <its parameters>}."""
-    return {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, args_key: schema},
+    return one_line({"anyOf": [{"type": "object", "properties": {"name": {"const": name}, args_key: schema},
                        "required": ["name", args_key], "additionalProperties": False}
-                      for name, schema in tools.schemas.items()]}
+                      for name, schema in tools.schemas.items()]}, tools.spaced)
 
 
 def _hold(text: str, trigger: str) -> int:
@@ -159,8 +167,8 @@ def json_calls(text: str, i: int, tools, final: bool, separator: str, args_keys:
 # ---- mistral ----
 
 def mistral_grammar(tools, specials: dict[str, int]) -> str:
-    calls = {"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1} | (
-        {} if tools.parallel else {"maxItems": 1})
+    calls = one_line({"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1} | (
+        {} if tools.parallel else {"maxItems": 1}), tools.spaced)
     return ("%llguidance {}\n" f"start: TEXT | open / ?/ %json {json.dumps(calls)}\n"
             + _opening(MISTRAL_CALLS, specials) + TEXT)
 
@@ -182,7 +190,7 @@ def deepseek_grammar(tools, specials: dict[str, int]) -> str:
     lit = lambda s: _lit(s, specials)  # noqa: E731
     names = list(tools.schemas)
     body = "\n".join(f"f{k}: {json.dumps(name + chr(10) + '```json' + chr(10))} %json "
-                     f"{json.dumps(tools.schemas[name])} {json.dumps(chr(10) + '```')}" for k, name in enumerate(names))
+                     f"{json.dumps(one_line(tools.schemas[name], tools.spaced))} {json.dumps(chr(10) + '```')}" for k, name in enumerate(names))
     calls = "call (/\\n?/ call)*" if tools.parallel else "call"
     return ("%llguidance {}\n" f"start: TEXT | open {calls} /\\n?/ {lit(DS_END)}\n"
             f"call: {lit(DS_CALL)} \"function\" {lit(DS_SEP)} ({' | '.join(f'f{k}' for k in range(len(names)))}) "

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from fastspec.serve.errors import APIError
 from fastspec.serve.json_scan import skip_space
-from fastspec.serve.tool_formats import FORMATS, PartialCall, Scanned, json_calls, template_parser  # noqa: F401
+from fastspec.serve.tool_formats import (FORMATS, PartialCall, Scanned, json_calls, one_line,  # noqa: F401
+                                         template_parser)
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 PARSERS = tuple(FORMATS)
@@ -60,6 +61,7 @@ class Tools:
     named: str | None = None  # the function `tool_choice` names
     schemas: dict = field(default_factory=dict)  # name -> the parameters a call is held to (close_objects)
     parallel: bool = True  # `parallel_tool_calls`: several calls in one answer
+    spaced: bool = True  # calls' JSON with `, ` and `: ` (False: the tokenizer cannot write a space)
 
     def auto_grammar(self, parser: str, specials: dict[str, int]) -> str | None:
         """The Lark grammar an `auto` answer decodes under in `parser`'s format (None for other choices);
@@ -69,14 +71,14 @@ class Tools:
     def grammar(self) -> str | None:
         """The JSON schema the answer is decoded under (`required`, named), or None (free text)."""
         if self.choice == "named":
-            return json.dumps(self.schemas[self.named])
+            return json.dumps(one_line(self.schemas[self.named], self.spaced))
         if self.choice != "required":
             return None
         call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                  "required": ["name", "parameters"], "additionalProperties": False}
                 for name, schema in self.schemas.items()]
-        return json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": call}} |
-                          ({} if self.parallel else {"maxItems": 1}))
+        return json.dumps(one_line({"type": "array", "minItems": 1, "items": {"anyOf": call}} |
+                                   ({} if self.parallel else {"maxItems": 1}), self.spaced))
 
 
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
@@ -151,6 +153,11 @@ def parse_tools(body: dict) -> Tools | None:
     if named not in names:
         raise APIError(f"tool_choice names {named!r}, which is not among the tools", param="tool_choice")
     return Tools(tuple(functions), "named", named, schemas=schemas, parallel=parallel)
+
+
+def writes_spaces(tokenizer) -> bool:
+    """Whether the tokenizer can write `, ` (calls' JSON is spaced as models write it only where it can)."""
+    return tokenizer.decode(tokenizer.encode(", ", add_special_tokens=False)) == ", "
 
 
 def parse_output(text: str, tools: Tools, parser: str) -> tuple[str | None, list[ToolCall]]:
