@@ -1,5 +1,6 @@
 """Falling back to plain decoding where speculation is slower: the choice follows measured rates, and switching
-modes mid-generation keeps the output exact (the draft keeps extending during plain rounds)."""
+modes mid-generation keeps the output exact (the draft catches up on what plain rounds produced before it
+speculates again)."""
 
 import random
 
@@ -59,3 +60,96 @@ def test_switching_modes_mid_generation_is_lossless(tiny_dirs, draft_dirs, algor
     assert all_slots_free(llm.engine)
     if draft == "self":  # after plain rounds the draft state is exact: speculation still accepts runs
         assert any(len(o.metrics.depth_counts) >= 2 for o in outputs)
+
+
+class PlainFor:
+    """Plain for the first `n` rounds, speculative after."""
+
+    def __init__(self, n: int):
+        self.n, self.rounds = n, 0
+
+    def speculate(self, bs):
+        self.rounds += 1
+        return self.rounds > self.n
+
+    def record(self, *args):
+        pass
+
+
+def count_extends(llm) -> list:
+    """The drafter's `extend` calls from now on, as (decode_round, rows)."""
+    calls, drafter = [], llm.engine.drafter
+    original = drafter.extend
+
+    def counting(batch, decode_round):
+        calls.append((decode_round, int(batch.extend_lens.sum())))
+        return original(batch, decode_round)
+
+    drafter.extend = counting
+    return calls
+
+
+def eager_catch_up(llm) -> None:
+    """The draft catches up right after every plain round: what it did before the backlog (an extend per plain
+    round), the reference the backlog must match."""
+    worker = llm.engine.worker
+    rounds = worker.plain_rounds
+    original = type(rounds).__call__
+
+    def run(reqs):
+        out = original(rounds, reqs)
+        worker.backlog.catch_up(worker.drafter, reqs, worker.config.device)
+        return out
+
+    rounds.__call__ = run
+    worker.plain_rounds = lambda reqs: rounds.__call__(reqs)
+
+
+def test_plain_rounds_leave_the_draft_alone_and_it_catches_up_before_speculating(tiny_dirs, draft_dirs):
+    """Plain rounds run no draft at all (their rows wait in the draft's backlog); before the first speculative
+    round the draft catches up in one extend over them, to the state a draft extended every plain round has: a
+    self-draft (STANDALONE with the target itself) then accepts exactly what it accepts that way. The output
+    equals target-only decoding."""
+    prompts, params = PROMPTS[:2], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    runs = []
+    for eager in (False, True):
+        llm = spec_llm(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", 4, 1, 5, 1, radix_cache=False)
+        llm.engine.policy = PlainFor(8)
+        if eager:
+            eager_catch_up(llm)
+        calls = count_extends(llm)
+        outputs = llm.engine.generate(prompts, [params] * len(prompts))
+        assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, prompts, params)
+        assert all_slots_free(llm.engine)
+        runs.append(([o.metrics for o in outputs], calls))
+    (metrics, calls), (eager_metrics, eager_calls) = runs
+    assert calls == [(False, len(prompts[0]) + len(prompts[1])), (False, 2 * 8)]  # prefill, then the catch-up
+    assert len(eager_calls) == 1 + 8 and metrics == eager_metrics and metrics[0].verify_rounds > 1
+    always_plain = spec_llm(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", 4, 1, 5, 1, radix_cache=False)
+    always_plain.engine.policy = PlainFor(10**6)
+    calls = count_extends(always_plain)
+    outputs = always_plain.engine.generate(prompts, [params] * len(prompts))
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, prompts, params)
+    assert calls == [(False, len(prompts[0]) + len(prompts[1]))]  # the draft never ran past the prompts
+    assert not always_plain.engine.worker.backlog.behind(0)  # released requests leave no rows behind
+
+
+def test_a_request_leaving_for_the_prefix_cache_completes_its_draft_kv_first(tiny_dirs, draft_dirs):
+    """A request decoded plainly to its end catches its draft up as it goes into the prefix cache: a later request
+    continuing its conversation starts from the cached target and draft KV and drafts exactly as it does after a
+    draft extended every round (draft KV left unwritten would make it guess)."""
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    seconds = []
+    for eager in (False, True):
+        llm = spec_llm(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", 4, 1, 5, 1, radix_cache=True)
+        llm.engine.policy = PlainFor(10**6)
+        if eager:
+            eager_catch_up(llm)
+        [first] = llm.engine.generate(PROMPTS[:1], [params])
+        llm.engine.policy = None
+        follow = [PROMPTS[0] + first.output_ids + PROMPTS[1]]
+        [second] = llm.engine.generate(follow, [params])
+        assert llm.engine.worker.reused_tokens >= len(PROMPTS[0]) + len(first.output_ids) - 2
+        assert second.output_ids == reference(tiny_dirs, "llama", 1, follow, params)[0]
+        seconds.append(second.metrics)
+    assert seconds[0] == seconds[1] and seconds[0].accepted_tokens > 0

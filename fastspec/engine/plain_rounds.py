@@ -1,6 +1,7 @@
 """Plain decode rounds: one token per request, through the target's captured decode graph (a one-node verify)
-where there is one. With an EAGLE-family drafter the draft extends by that token too, so its state stays exact
-and the next round may speculate again."""
+where there is one. With an EAGLE-family drafter the round leaves the draft alone and puts the token and its
+target feature in the draft's backlog (fastspec.speculative.backlog): the draft catches up before it is next
+used, so a plain round costs what it costs without a draft."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from fastspec.engine.produce import Producer, RoundOutput
 from fastspec.engine.scheduler import Request
 from fastspec.engine.slots import BatchSlots
 from fastspec.engine.target import Target
-from fastspec.speculative.batch import ExtendBatch
+from fastspec.speculative.backlog import DraftBacklog
 from fastspec.speculative.runners import StepGraphs
 from fastspec.utils.transfer import to_device
 
 
 class PlainRounds:
-    def __init__(self, target: Target, slots: BatchSlots, producer: Producer, graphs: StepGraphs | None, drafter):
-        """graphs: the decode graphs (None: eager); drafter: any of the worker's drafters, or None."""
-        self.target, self.slots, self.producer, self.graphs, self.drafter = target, slots, producer, graphs, drafter
+    def __init__(self, target: Target, slots: BatchSlots, producer: Producer, graphs: StepGraphs | None,
+                 backlog: DraftBacklog | None):
+        """graphs: the decode graphs (None: eager); backlog: where an extending drafter's missed rows go, or None."""
+        self.target, self.slots, self.producer, self.graphs, self.backlog = target, slots, producer, graphs, backlog
 
     def __call__(self, reqs: list[Request]) -> RoundOutput:
         ones = [1] * len(reqs)
@@ -32,10 +34,8 @@ class PlainRounds:
                                          rows, ones)
             logits, features = self.target.model.compute_logits(hidden.final), self.target.features(hidden)
         tokens = self.producer.sample(reqs, self.producer.controlled(reqs, logits))
-        if self.drafter is not None and self.drafter.uses_extend:
-            self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext,
-                                            to_device(tokens, ids.device), positions, features,
-                                            max_extend=1), decode_round=False)
+        if self.backlog is not None:
+            self.backlog.defer([r.rid for r in reqs], [r.seq_len for r in reqs], tokens, features)
         produced = self.producer.commit(reqs, ones, [[t] for t in tokens])
         for r in reqs:
             self.producer.save_states(r, r.seq_len - 1)

@@ -34,6 +34,7 @@ from fastspec.errors import FastspecError
 from fastspec.graphs import StaticInput
 from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
 from fastspec.models.mla import mla_softmax_scale
+from fastspec.speculative.backlog import DraftBacklog
 from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
 from fastspec.speculative.future import FutureMaps
 from fastspec.speculative.packing import prefix_specs
@@ -65,6 +66,7 @@ class Worker:
         self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
         self._draft_model, self._reserved = models.draft, self.spec.params
         self.futures = FutureMaps(self.table.max_requests, config.device)
+        self.backlog = DraftBacklog(config.chunked_prefill_size)  # what plain rounds did not run through the draft
         self._release_after: list[Request] = []  # released while in the round in flight (overlap)
         self._plan = self._graph_plan(on_prepare)
         self._build_rounds(self._drafters(self._plan))
@@ -119,7 +121,9 @@ class Worker:
         """Prefill, the plain and speculative rounds and the overlap schedule over what the worker holds now."""
         assert self._release_after == [], "composed again while a round was in flight"
         self.prefill = Prefill(self.target, self.slots, self.producer, self.drafter, self.config)
-        self.plain_rounds = PlainRounds(self.target, self.slots, self.producer, self.decode_graphs, self.drafter)
+        extends = self.drafter is not None and self.drafter.uses_extend
+        self.plain_rounds = PlainRounds(self.target, self.slots, self.producer, self.decode_graphs,
+                                        self.backlog if extends else None)
         self.spec_rounds = SpecRounds(self.target, self.slots, self.producer, self.drafters, self.verify_graphs,
                                       self.futures, self.spec, self.config.page_size)
         ahead = self.drafter is not None and self.drafter.uses_extend and self.states is None
@@ -194,6 +198,9 @@ class Worker:
             done.set_result(self._step_now(reqs, False, None))
             return done
         self.slots.make_room(self.round_headroom() * len(reqs))
+        if any(self.backlog.behind(r.rid) for r in reqs):  # after plain rounds: none is in flight
+            self.flush()
+            self.backlog.catch_up(self.drafter, reqs, self.config.device)
         done = self.overlap.launch(reqs, params)
         self._release_finished()
         return done
@@ -225,6 +232,8 @@ class Worker:
         """One decode round, launched and finished: speculative with `params`, else plain."""
         start = time.perf_counter()
         with self.times("round" if params is not None else "plain_round"):  # "round" = speculative rounds only
+            if params is not None:  # the draft first runs over what plain rounds left it (none: nothing)
+                self.backlog.catch_up(self.drafter, reqs, self.config.device)
             out = self.spec_rounds.run(reqs, params) if params is not None else self.plain_rounds(reqs)
         if self.policy is not None:
             record_round(self.policy, params is not None, out.tokens, start)
@@ -240,6 +249,9 @@ class Worker:
             self._release_after.append(r)  # after the round in flight has finished with its KV
             return
         with torch.inference_mode():
+            if self.cache is not None and self.backlog.behind(r.rid):  # the cache keeps draft KV: complete it
+                self.backlog.catch_up(self.drafter, [r], self.config.device)
+            self.backlog.drop(r.rid)
             slots = self.table.slots(r.row, 0, r.seq_len)
             if self.cache is None:
                 self.allocator.free(slots)
