@@ -1,7 +1,8 @@
 """Frozen engine and speculative configuration values, each resolved once at construction.
 
 A model's own configuration (config.json normalised) lives in fastspec.models.config. Nothing here touches
-tensors beyond naming a dtype.
+tensors beyond naming a dtype, and torch is imported only where a value needs it (a dtype asked for as a torch
+dtype, `auto` / `cuda` devices): checking flags stays fast.
 """
 
 from __future__ import annotations
@@ -9,18 +10,27 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
+from typing import TYPE_CHECKING
 
 from fastspec.errors import FastspecError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def resolve_device(device: str) -> str:
     """`auto`: cuda when torch sees a GPU, else cpu; anything else as given (check_device judges it)."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if _cuda_available() else "cpu"
     return device
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_device(device: str) -> None:
@@ -28,16 +38,26 @@ def check_device(device: str) -> None:
     index = device[len("cuda:"):] if device.startswith("cuda:") else None
     if device not in ("cpu", "cuda") and not (index and index.isdigit()):
         raise FastspecError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
-    if device != "cpu" and not torch.cuda.is_available():
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
         raise FastspecError(f"--device {device}: no CUDA device is visible to torch here")
     if index and int(index) >= torch.cuda.device_count():
         raise FastspecError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def check_dtype(name: str) -> None:
     if name not in DTYPES:
         raise FastspecError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    import torch
+
+    check_dtype(name)
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -75,7 +95,7 @@ class EngineConfig:
             raise FastspecError(f"--attention-backend must be torch or flashinfer, got {self.attention_backend!r}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise FastspecError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
-        parse_dtype(self.dtype)
+        check_dtype(self.dtype)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise FastspecError(f"page size must be a power of two >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -89,7 +109,7 @@ class EngineConfig:
         check_device(self.device)
         if self.graphs == "cuda" and self.device == "cpu":
             raise FastspecError("--graphs cuda needs a CUDA device, got --device cpu"
-                                + ("" if torch.cuda.is_available() else " (torch sees no GPU here)")
+                                + ("" if _cuda_available() else " (torch sees no GPU here)")
                                 + "; --graphs compile is the CPU form")
 
     @property

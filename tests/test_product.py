@@ -132,3 +132,23 @@ def test_bench_profile_splits_a_plain_step_and_a_round_by_category():
 def test_bench_profile_refuses_a_url():
     result = CliRunner().invoke(app, ["bench", "--profile", "--url", "http://127.0.0.1:9"])
     assert result.exit_code != 0 and "--profile" in result.stderr and "Traceback" not in result.output
+
+
+def test_help_and_flag_errors_import_no_torch():
+    """`--help` and a bad flag (shared or a command's own) answer without importing torch (seconds on a CPU box):
+    one line, exit 2."""
+    code = """
+import sys
+from typer.testing import CliRunner
+from fastspec.cli import app
+assert CliRunner().invoke(app, ["--help"]).exit_code == 0
+for args in (["chat", "--page-size", "3"], ["generate", "--prompt", "hi", "--dtype", "float64"],
+             ["bench", "--model", "/no/such/model"], ["serve", "--tool-call-parser", "xml"],
+             ["serve", "--max-queued-requests", "0"],
+             ["chat", "--speculative-algorithm", "NGRAM", "--speculative-ngram-min-bfs-breadth", "0"]):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and result.stderr.startswith("error:"), (args, result.output)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+assert "torch" not in sys.modules, "torch was imported"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})

@@ -71,11 +71,13 @@ class ModelOptions:
         """Every check these flags allow without reading a model, a tuned file or a checkpoint, so that bad
         input fails first, in one line, whatever the cache holds."""
         from fastspec.config import EngineConfig, check_spec_flags
-        from fastspec.models.loader import check_model_spec
+        from fastspec.models.hub import check_model_spec
 
         if self.disable_overlap_schedule and self.overlap_schedule == "on":
             raise FastspecError("--disable-overlap-schedule contradicts --overlap-schedule on: give one of them")
         kwargs = self.llm_kwargs()  # parses --cuda-graph-bs and the NGRAM flags
+        if kwargs["device"] == "auto" and kwargs["graphs"] != "cuda":
+            kwargs["device"] = "cpu"  # nothing else checked here depends on it: no torch import to find a GPU
         EngineConfig(**{k: kwargs[k] for k in ENGINE_FLAGS})
         algorithm = check_spec_flags(self.speculative_algorithm, self.speculative_num_steps,
                                      self.speculative_eagle_topk, self.speculative_num_draft_tokens,
@@ -90,12 +92,11 @@ class ModelOptions:
             raise FastspecError(f"--speculative-token-map {self.speculative_token_map} is not a file")
 
     def llm_kwargs(self) -> dict:
-        """Keyword arguments of `fastspec.LLM` for these options."""
-        from fastspec.config import resolve_device
-
+        """Keyword arguments of `fastspec.LLM` for these options (the device as given: `auto` is resolved by the
+        engine's config, which imports torch to see a GPU)."""
         ngram = None
         if (self.speculative_algorithm or "").upper() == "NGRAM":
-            from fastspec.speculative.ngram import NgramParams
+            from fastspec.speculative.ngram_params import NgramParams
 
             prefix = "speculative_ngram_"
             ngram = NgramParams(**{f.name[len(prefix):]: getattr(self, f.name) for f in fields(self)
@@ -103,7 +104,8 @@ class ModelOptions:
         graphs = "eager" if self.disable_cuda_graph else "compile" if self.enable_torch_compile else self.graphs
         overlap = "off" if self.disable_overlap_schedule else self.overlap_schedule
         buckets = tuple(parse_buckets(self.cuda_graph_bs)) if self.cuda_graph_bs else None
-        return dict(model=self.model, load_format=self.load_format, dtype=self.dtype, device=resolve_device(self.device), page_size=self.page_size,
+        return dict(model=self.model, load_format=self.load_format, dtype=self.dtype, device=self.device,
+                    page_size=self.page_size,
                     graphs=graphs,
                     cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_bs=buckets,
                     attention_backend=self.attention_backend,
@@ -133,9 +135,12 @@ def model_options(fn):
     def wrapper(**kwargs):
         options = ModelOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         options.validate()
+        if hasattr(fn, "check_flags"):  # the command's own flags, also before torch is imported
+            fn.check_flags(**kwargs)
+        from fastspec.config import resolve_device
         from fastspec.utils.threads import apply_threads  # torch: only once a command runs
 
-        apply_threads(options.threads, options.llm_kwargs()["device"])
+        apply_threads(options.threads, resolve_device(options.device))
         return fn(options=options, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + extra)

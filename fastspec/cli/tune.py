@@ -55,16 +55,16 @@ def tune(
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts("all", "train")[::37]
     model_dir = resolve_model_dir(options.model, options.revision)
     draft_dir = resolve_model_dir(draft, options.speculative_draft_model_revision)
-    path = tuned_file.tuned_path(model_dir, draft_dir, options.dtype, options.llm_kwargs()["device"])
+    from fastspec.config import resolve_device
+
+    path = tuned_file.tuned_path(model_dir, draft_dir, options.dtype, resolve_device(options.device))
     console = Console(stderr=True)
     if from_tuned:
         if not path.exists():
             raise FastspecError(f"no tuned file at {path}: run fastspec tune first")
         print(sglang_flags(tuned_file.read_tuned(path)["tiers"], algorithm, draft_dir))
         return
-    from fastspec.config import resolve_device
-
-    cfg = TuneConfig.for_device(resolve_device(options.llm_kwargs()["device"]), batch_sizes=sizes, max_new_tokens=max_new_tokens,
+    cfg = TuneConfig.for_device(resolve_device(options.device), batch_sizes=sizes, max_new_tokens=max_new_tokens,
                                 budget=budget)
     kwargs = options.llm_kwargs() | dict(speculative_algorithm=algorithm, draft_model=draft, tuned=False,
                                          num_steps=cfg.max_steps, topk=max(cfg.topks),

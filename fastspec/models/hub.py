@@ -92,3 +92,22 @@ def _checked(path: Path, where: str) -> Path:
             raise FastspecError(f"{where}: the cached snapshot {path} lacks {len(missing)} of {len(shards)} "
                                 f"weight shards ({missing[0]}...); download it again")
     return path
+
+
+def check_model_spec(spec: str, flag: str = "model") -> None:
+    """Refuse a model spec that names nothing, before anything is read or converted."""
+    from fastspec.models import embedded
+
+    if spec in embedded.EMBEDDED_MODELS or is_hub_id(spec):  # a hub id is looked up when it is resolved
+        return
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FastspecError(f"{flag} file {spec} does not exist")
+        return
+    if not path.exists():
+        known = ", ".join(embedded.EMBEDDED_MODELS)
+        raise FastspecError(f"{flag} {spec!r} is neither a directory, a .gguf file, a Hugging Face hub id (org/name) "
+                            f"nor an embedded model ({known})")
+    if not (path / "config.json").is_file():
+        raise FastspecError(f"{flag} directory {spec} has no config.json")

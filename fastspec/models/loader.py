@@ -18,6 +18,7 @@ from torch import nn
 
 from fastspec.errors import FastspecError, first_line
 from fastspec.models import hub
+from fastspec.models.hub import check_model_spec  # noqa: F401  (its home before: importers keep it)
 from fastspec.models.config import ModelConfig
 from fastspec.models.dummy import default_dtype, fill_random
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
@@ -37,25 +38,6 @@ def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
         return hub.fetch(spec, revision)
     path = Path(spec).expanduser()
     return _converted_gguf(path) if path.suffix == ".gguf" else path
-
-
-def check_model_spec(spec: str, flag: str = "model") -> None:
-    """Refuse a model spec that names nothing, before anything is read or converted."""
-    from fastspec.models import embedded
-
-    if spec in embedded.EMBEDDED_MODELS or hub.is_hub_id(spec):  # a hub id is looked up when it is resolved
-        return
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FastspecError(f"{flag} file {spec} does not exist")
-        return
-    if not path.exists():
-        known = ", ".join(embedded.EMBEDDED_MODELS)
-        raise FastspecError(f"{flag} {spec!r} is neither a directory, a .gguf file, a Hugging Face hub id (org/name) "
-                            f"nor an embedded model ({known})")
-    if not (path / "config.json").is_file():
-        raise FastspecError(f"{flag} directory {spec} has no config.json")
 
 
 def _converted_gguf(path: Path) -> Path:
