@@ -106,8 +106,8 @@ def eager_catch_up(llm) -> None:
 
 
 def test_plain_rounds_leave_the_draft_alone_and_it_catches_up_before_speculating(tiny_dirs, draft_dirs):
-    """Plain rounds run no draft at all (their rows wait in the draft's backlog); before the first speculative
-    round the draft catches up in one extend over them, to the state a draft extended every plain round has: a
+    """Prefill and plain rounds run no draft at all (their rows wait in the draft's backlog); before the first
+    speculative round the draft catches up in one extend over them, to the state a draft extended every round has: a
     self-draft (STANDALONE with the target itself) then accepts exactly what it accepts that way. The output
     equals target-only decoding."""
     prompts, params = PROMPTS[:2], SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -123,14 +123,15 @@ def test_plain_rounds_leave_the_draft_alone_and_it_catches_up_before_speculating
         assert all_slots_free(llm.engine)
         runs.append(([o.metrics for o in outputs], calls))
     (metrics, calls), (eager_metrics, eager_calls) = runs
-    assert calls == [(False, len(prompts[0]) + len(prompts[1])), (False, 2 * 8)]  # prefill, then the catch-up
-    assert len(eager_calls) == 1 + 8 and metrics == eager_metrics and metrics[0].verify_rounds > 1
+    prompt_rows = len(prompts[0]) + len(prompts[1])
+    assert calls == [(False, prompt_rows + 2 * 8)]  # one catch-up over the prompts and the 8 plain rounds
+    assert len(eager_calls) == 8 and metrics == eager_metrics and metrics[0].verify_rounds > 1
     always_plain = spec_llm(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", 4, 1, 5, 1, radix_cache=False)
     always_plain.engine.policy = PlainFor(10**6)
     calls = count_extends(always_plain)
     outputs = always_plain.engine.generate(prompts, [params] * len(prompts))
     assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, prompts, params)
-    assert calls == [(False, len(prompts[0]) + len(prompts[1]))]  # the draft never ran past the prompts
+    assert calls == []  # the draft never ran
     assert not always_plain.engine.worker.backlog.behind(0)  # released requests leave no rows behind
 
 
@@ -153,3 +154,19 @@ def test_a_request_leaving_for_the_prefix_cache_completes_its_draft_kv_first(tin
         assert second.output_ids == reference(tiny_dirs, "llama", 1, follow, params)[0]
         seconds.append(second.metrics)
     assert seconds[0] == seconds[1] and seconds[0].accepted_tokens > 0
+
+
+def test_a_backlog_never_grows_past_its_bound(tiny_dirs, draft_dirs):
+    """The backlog holds at most chunked_prefill_size rows per request (its features take memory): past that the
+    draft catches up at once, in extends of at most that many rows. Lossless as ever."""
+    prompts, params = PROMPTS[:2], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", "EAGLE3", "eagle3", 3, 2, 4, 1, radix_cache=False,
+                   chunked_prefill_size=5)
+    llm.engine.policy = PlainFor(10**6)
+    calls = count_extends(llm)
+    most = []
+    for _ in llm.engine.stream(prompts, [params] * len(prompts)):
+        most.append(max(llm.engine.worker.backlog.behind(rid) for rid in range(len(prompts))))
+    assert max(most) < 5 and calls and all(rows <= 5 and not graph for graph, rows in calls)
+    outputs = llm.engine.generate(prompts, [params] * len(prompts))
+    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, prompts, params)

@@ -35,7 +35,8 @@ class PlainRounds:
             logits, features = self.target.model.compute_logits(hidden.final), self.target.features(hidden)
         tokens = self.producer.sample(reqs, self.producer.controlled(reqs, logits))
         if self.backlog is not None:
-            self.backlog.defer([r.rid for r in reqs], [r.seq_len for r in reqs], tokens, features)
+            self.backlog.defer([r.rid for r in reqs], [r.seq_len for r in reqs], ones, to_device(tokens, ids.device),
+                               features)
         produced = self.producer.commit(reqs, ones, [[t] for t in tokens])
         for r in reqs:
             self.producer.save_states(r, r.seq_len - 1)

@@ -1,5 +1,6 @@
 """Chunked prefill: up to chunked_prefill_size prompt tokens per step, taken request by request, into the target's
-KV (and the draft's, through its extend). A request whose prompt completes here samples its first token."""
+KV (the draft's rows go into its backlog: the draft runs over them before it is used). A request whose prompt
+completes here samples its first token."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ from fastspec.engine.scheduler import Request
 from fastspec.engine.slots import BatchSlots
 from fastspec.engine.target import Target
 from fastspec.memory.state_checkpoints import prefill_budget
-from fastspec.speculative.batch import ExtendBatch
+from fastspec.speculative.backlog import DraftBacklog
 from fastspec.utils.transfer import to_device
 
 
 class Prefill:
-    def __init__(self, target: Target, slots: BatchSlots, producer: Producer, drafter, config: EngineConfig):
-        """drafter: any of the worker's drafters (they share the draft KV), or None."""
-        self.target, self.slots, self.producer, self.drafter, self.config = target, slots, producer, drafter, config
+    def __init__(self, target: Target, slots: BatchSlots, producer: Producer, backlog: DraftBacklog | None,
+                 config: EngineConfig):
+        """backlog: where an extending drafter's rows go (its catch-up runs them before the draft is used), or
+        None."""
+        self.target, self.slots, self.producer, self.backlog, self.config = target, slots, producer, backlog, config
 
     def __call__(self, reqs: list[Request]) -> RoundOutput:
         """One chunk. The draft extend of a non-final chunk ends with the next prompt token instead of a sampled
@@ -45,12 +48,11 @@ class Prefill:
         tails = [r.history[r.seq_len + n] if r.seq_len + n < len(r.history) else None for r, n in zip(reqs, lens)]
         for b, token in zip(finals, first):
             tails[b] = token
-        if self.drafter is not None and self.drafter.uses_extend:
+        if self.backlog is not None:
             shifted = torch.roll(ids, -1)  # t_{p+1} at position p; each chunk's tail: see above
             shifted[last] = to_device(tails, ids.device)
-            self.drafter.extend(ExtendBatch(tuple(r.rid for r in reqs), rows, prefix, ext, shifted, positions,
-                                            self.target.features(hidden), max_extend=max(lens)),
-                                decode_round=False)
+            self.backlog.defer([r.rid for r in reqs], [r.seq_len for r in reqs], lens, shifted,
+                               self.target.features(hidden))
         produced = self.producer.commit(reqs, lens, [[tails[b]] if b in finals else [] for b in range(len(reqs))])
         logprobs = self.producer.logprobs(reqs, first_logits,
                                           [[finals.index(b)] if b in finals else [] for b in range(len(reqs))],
@@ -70,7 +72,7 @@ class Prefill:
             if r.row < 0:
                 r.row = self.slots.table.alloc()
                 if self.slots.cache is not None:
-                    self.slots.cache.reuse(r, shifted=self.drafter is not None and self.drafter.uses_extend)
+                    self.slots.cache.reuse(r, shifted=self.backlog is not None)
             take = budget if track is None else min(budget, prefill_budget(r.seq_len, track))
             chunks.append(r.prefill_ids[r.seq_len: r.seq_len + take])
             budget -= len(chunks[-1])

@@ -120,8 +120,9 @@ class Worker:
     def _compose(self) -> None:
         """Prefill, the plain and speculative rounds and the overlap schedule over what the worker holds now."""
         assert self._release_after == [], "composed again while a round was in flight"
-        self.prefill = Prefill(self.target, self.slots, self.producer, self.drafter, self.config)
         extends = self.drafter is not None and self.drafter.uses_extend
+        self.prefill = Prefill(self.target, self.slots, self.producer, self.backlog if extends else None,
+                               self.config)
         self.plain_rounds = PlainRounds(self.target, self.slots, self.producer, self.decode_graphs,
                                         self.backlog if extends else None)
         self.spec_rounds = SpecRounds(self.target, self.slots, self.producer, self.drafters, self.verify_graphs,
@@ -218,6 +219,7 @@ class Worker:
         elif prefill:
             with self.times("prefill"):
                 out = self.prefill(reqs)
+                self._bound_backlog(reqs)
         else:
             self.slots.make_room(self.round_headroom() * len(reqs))
             out = self._decode(reqs, self._round_params(reqs) if params == "policy" else params)
@@ -235,9 +237,16 @@ class Worker:
             if params is not None:  # the draft first runs over what plain rounds left it (none: nothing)
                 self.backlog.catch_up(self.drafter, reqs, self.config.device)
             out = self.spec_rounds.run(reqs, params) if params is not None else self.plain_rounds(reqs)
+            if params is None:
+                self._bound_backlog(reqs)
         if self.policy is not None:
             record_round(self.policy, params is not None, out.tokens, start)
         return out
+
+    def _bound_backlog(self, reqs: list[Request]) -> None:
+        """Requests whose draft backlog reached its bound catch up now (its memory stays bounded)."""
+        if full := self.backlog.full(reqs):
+            self.backlog.catch_up(self.drafter, full, self.config.device)
 
     def release(self, r: Request) -> None:
         """Hand back a request's KV slots, table row and draft state (nothing if it holds none); after the round

@@ -1,11 +1,12 @@
 """The draft's backlog: what plain decode rounds did not run through the draft.
 
-A plain round (the schedule or the measured fallback chose not to speculate) leaves the draft where it was and
-keeps, per request, the (token, target feature, position) rows the draft extend would have taken. Before the next
-speculative round over a request the draft catches up: one draft extend over all its missed rows, batched over
-the requests that have some. Plain decoding thus costs what decoding without a draft costs; the draft pays only
-when it is about to be used, and for each token once, as before. A request leaving for the prefix cache catches up
-first (the cache keeps draft KV for later requests to speculate from); one freed without it drops its rows.
+A prefill chunk or a plain round (the schedule or the measured fallback chose not to speculate) leaves the draft
+where it was and keeps, per request, the (token, target feature, position) rows the draft extend would have
+taken. Before the next speculative round over a request the draft catches up: one draft extend over all its missed
+rows, batched over the requests that have some. Plain decoding thus costs what decoding without a draft costs; the
+draft pays only when it is about to be used, and for each token once, as before. A request whose backlog reaches
+max_rows catches up at once (bounded memory: rows x feature width). A request leaving for the prefix cache catches
+up first (the cache keeps draft KV for later requests to speculate from); one freed without it drops its rows.
 """
 
 from __future__ import annotations
@@ -20,30 +21,48 @@ from fastspec.speculative.batch import ExtendBatch
 @dataclass
 class _Missed:
     start: int  # the first missed position (the draft's KV holds the positions before it)
-    tokens: list[int] = field(default_factory=list)  # t_{p+1} for p = start, start + 1, ...
-    features: list[torch.Tensor] = field(default_factory=list)  # h_p, [F] each
+    tokens: list[torch.Tensor] = field(default_factory=list)  # int64 [k] pieces: t_{p+1} for p = start, ...
+    features: list[torch.Tensor] = field(default_factory=list)  # [k, F] pieces: h_p
+    rows: int = 0
+
+    def take(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n missed rows (tokens, features), removed."""
+        tokens, features = torch.cat(self.tokens), torch.cat(self.features)
+        self.tokens, self.features = [tokens[n:]], [features[n:]]
+        self.start, self.rows = self.start + n, self.rows - n
+        return tokens[:n], features[:n]
 
 
 class DraftBacklog:
     def __init__(self, max_rows: int):
-        """max_rows: rows per catch-up extend (a long backlog runs in several, like prefill chunks)."""
+        """max_rows: rows per catch-up extend (a long backlog runs in several, like prefill chunks), and the most a
+        request keeps waiting (past it, `full` says to catch up now: memory stays bounded)."""
         self.max_rows = max_rows
         self._missed: dict[int, _Missed] = {}
 
-    def defer(self, rids: list[int], positions: list[int], tokens: list[int], features: torch.Tensor) -> None:
-        """A plain round's rows: request rids[b] got tokens[b] at position positions[b] (its KV length before the
-        round), the target's feature there being features[b] (copied: graph outputs are reused)."""
-        features = features.clone()
-        for b, rid in enumerate(rids):
-            missed = self._missed.setdefault(rid, _Missed(positions[b]))
-            assert missed.start + len(missed.tokens) == positions[b], "draft backlog rows must be contiguous"
-            missed.tokens.append(tokens[b])
-            missed.features.append(features[b])
+    def defer(self, rids: list[int], starts: list[int], lens: list[int], tokens: torch.Tensor,
+              features: torch.Tensor) -> None:
+        """Rows the draft did not run: request rids[b] has lens[b] of them from position starts[b] (its KV length
+        before them), their tokens t_{p+1} and target features h_p consecutive in `tokens` [T] / `features` [T, F]
+        (copied: graph outputs are reused)."""
+        tokens, features = tokens.clone(), features.clone()
+        offset = 0
+        for rid, start, n in zip(rids, starts, lens):
+            missed = self._missed.setdefault(rid, _Missed(start))
+            assert missed.start + missed.rows == start, "draft backlog rows must be contiguous"
+            missed.tokens.append(tokens[offset:offset + n])
+            missed.features.append(features[offset:offset + n])
+            missed.rows += n
+            offset += n
 
     def behind(self, rid: int) -> int:
         """Rows request `rid` has missed."""
         missed = self._missed.get(rid)
-        return len(missed.tokens) if missed is not None else 0
+        return missed.rows if missed is not None else 0
+
+    def full(self, reqs: list) -> list:
+        """Those of `reqs` whose backlog reached max_rows."""
+        return [r for r in reqs if self.behind(r.rid) >= self.max_rows]
 
     def catch_up(self, drafter, reqs: list, device) -> None:
         """Run the draft over every missed row of `reqs` (those with none are left out), in extends of at most
@@ -57,16 +76,12 @@ class DraftBacklog:
                 if budget <= 0:
                     break
                 missed = self._missed[r.rid]
-                n = min(len(missed.tokens), budget)
-                batch.append((r, missed.start, missed.tokens[:n], missed.features[:n]))
+                start, n = missed.start, min(missed.rows, budget)
+                batch.append((r, start, *missed.take(n)))
                 budget -= n
-            drafter.extend(_extend_batch(batch, device), decode_round=False)
-            for r, start, tokens, _ in batch:
-                missed = self._missed[r.rid]
-                del missed.tokens[: len(tokens)], missed.features[: len(tokens)]
-                missed.start += len(tokens)
-                if not missed.tokens:
+                if not missed.rows:
                     del self._missed[r.rid]
+            drafter.extend(_extend_batch(batch, device), decode_round=False)
 
     def drop(self, rid: int) -> None:
         self._missed.pop(rid, None)
@@ -74,9 +89,9 @@ class DraftBacklog:
 
 def _extend_batch(batch: list, device) -> ExtendBatch:
     lens = [len(tokens) for _, _, tokens, _ in batch]
-    positions = [start + j for (_, start, tokens, _) in batch for j in range(len(tokens))]
     as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    positions = torch.cat([torch.arange(start, start + n, device=device) for (_, start, _, _), n in zip(batch, lens)])
     return ExtendBatch(tuple(r.rid for r, *_ in batch), as_long([r.row for r, *_ in batch]),
                        as_long([start for _, start, _, _ in batch]), as_long(lens),
-                       as_long([t for _, _, tokens, _ in batch for t in tokens]), as_long(positions),
-                       torch.stack([f for *_, features in batch for f in features]), max_extend=max(lens))
+                       torch.cat([tokens for _, _, tokens, _ in batch]), positions,
+                       torch.cat([features for *_, features in batch]), max_extend=max(lens))
