@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastspec.speculative.batch import ExtendBatch
+from fastspec.utils.transfer import to_device
 
 
 @dataclass
@@ -88,10 +89,10 @@ class DraftBacklog:
 
 
 def _extend_batch(batch: list, device) -> ExtendBatch:
+    """One extend over the batch's rows; host values reach the device without a sync (to_device)."""
     lens = [len(tokens) for _, _, tokens, _ in batch]
-    as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-    positions = torch.cat([torch.arange(start, start + n, device=device) for (_, start, _, _), n in zip(batch, lens)])
-    return ExtendBatch(tuple(r.rid for r, *_ in batch), as_long([r.row for r, *_ in batch]),
-                       as_long([start for _, start, _, _ in batch]), as_long(lens),
-                       torch.cat([tokens for _, _, tokens, _ in batch]), positions,
+    positions = [start + j for (_, start, _, _), n in zip(batch, lens) for j in range(n)]
+    return ExtendBatch(tuple(r.rid for r, *_ in batch), to_device([r.row for r, *_ in batch], device),
+                       to_device([start for _, start, _, _ in batch], device), to_device(lens, device),
+                       torch.cat([tokens for _, _, tokens, _ in batch]), to_device(positions, device),
                        torch.cat([features for *_, features in batch]), max_extend=max(lens))
