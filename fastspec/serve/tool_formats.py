@@ -7,7 +7,8 @@ and with `final` the finished answer's content and calls, so the streamed pieces
   around them is content.
 - llama3 (Llama 3.1 / 3.2 JSON): the whole answer `{"name": "f", "parameters": {...}}`, optionally after
   `<|python_tag|>`, calls separated by `;`.
-- mistral: `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` after any text.
+- mistral: `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` after any text; with a tokenizer that has the
+  `[ARGS]` token (Mistral's v11 tokenizers: Mistral Small 3.2, Magistral), `[TOOL_CALLS]f[ARGS]{...}` per call.
 - pythonic (Llama 3.2 / 4 pythonic templates): the whole answer `[f(a=1, b="x"), g()]` (fastspec.serve.pythonic).
 - deepseek_v3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\\n```json\\n{...}\\n```
   <｜tool▁call▁end｜>...<｜tool▁calls▁end｜>` after any text.
@@ -26,7 +27,7 @@ from fastspec.serve.json_scan import read_call, skip_space, value_end
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 TEXT = "TEXT: /(.|\\n)*/\n"
@@ -167,6 +168,14 @@ def json_calls(text: str, i: int, tools, final: bool, separator: str, args_keys:
 # ---- mistral ----
 
 def mistral_grammar(tools, specials: dict[str, int]) -> str:
+    if MISTRAL_ARGS in specials:  # v11: [TOOL_CALLS]name[ARGS]{...}, each call after its own [TOOL_CALLS]
+        names = list(tools.schemas)
+        bodies = "\n".join(f"f{k}: {json.dumps(name)} {_lit(MISTRAL_ARGS, specials)} %json "
+                            f"{json.dumps(one_line(tools.schemas[name], tools.spaced))}" for k, name in enumerate(names))
+        call = "(" + " | ".join(f"f{k}" for k in range(len(names))) + ")"
+        more = f" ({_lit(MISTRAL_CALLS, specials)} {call})*" if tools.parallel else ""
+        return ("%llguidance {}\n" f"start: TEXT | open {call}{more}\n" + bodies + "\n"
+                + _opening(MISTRAL_CALLS, specials) + TEXT)
     calls = one_line({"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1} | (
         {} if tools.parallel else {"maxItems": 1}), tools.spaced)
     return ("%llguidance {}\n" f"start: TEXT | open / ?/ %json {json.dumps(calls)}\n"
@@ -178,10 +187,31 @@ def mistral_scan(text: str, tools, final: bool) -> Scanned:
     if at < 0:
         return Scanned(_free(text, MISTRAL_CALLS, final))
     i = skip_space(text, at + len(MISTRAL_CALLS))
-    if i < len(text) and text[i] == "[":
-        i = skip_space(text, i + 1)
-    got = json_calls(text, i, tools, final, ",", ("arguments", "parameters"))
+    if i < len(text) and text[i] not in "[{":  # v11: name[ARGS]{...} after each [TOOL_CALLS]
+        got = _named_calls(text, at, tools, final)
+    else:
+        if i < len(text) and text[i] == "[":
+            i = skip_space(text, i + 1)
+        got = json_calls(text, i, tools, final, ",", ("arguments", "parameters"))
     return Scanned(text[:at] if got.calls or not final else text, got.calls)
+
+
+def _named_calls(text: str, at: int, tools, final: bool) -> Scanned:
+    """`[TOOL_CALLS]f[ARGS]{...}[TOOL_CALLS]g[ARGS]{...}` from `at`."""
+    calls = []
+    while text.startswith(MISTRAL_CALLS, at):
+        sep = text.find(MISTRAL_ARGS, at)
+        name = text[at + len(MISTRAL_CALLS):sep].strip() if sep >= 0 else None
+        if name not in tools.schemas:
+            break
+        start = skip_space(text, sep + len(MISTRAL_ARGS))
+        end = value_end(text, start)
+        args = text[start:end if end is not None else len(text)]
+        calls.append(PartialCall(name, args or ("{}" if final else ""), end is not None))
+        if end is None:
+            break
+        at = skip_space(text, end)
+    return Scanned("", tuple(calls))
 
 
 # ---- deepseek_v3 ----
@@ -231,7 +261,7 @@ def pythonic_scan(text: str, tools, final: bool) -> Scanned:
 FORMATS = {  # name -> (auto grammar, scan, the tokens it needs to see in the answer's text)
     "hermes": (hermes_grammar, hermes_scan, (HERMES_OPEN, HERMES_CLOSE)),
     "llama3": (llama3_grammar, llama3_scan, (PYTHON_TAG,)),
-    "mistral": (mistral_grammar, mistral_scan, (MISTRAL_CALLS,)),
+    "mistral": (mistral_grammar, mistral_scan, (MISTRAL_CALLS, MISTRAL_ARGS)),
     "pythonic": (lambda tools, specials: pythonic.grammar(tools.schemas, tools.parallel), pythonic_scan, ()),
     "deepseek_v3": (deepseek_grammar, deepseek_scan, (DS_BEGIN, DS_END, DS_CALL, DS_SEP, DS_CALL_END)),
 }
