@@ -39,7 +39,7 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ArgumentsDelta:
-    """A streamed fragment of a call's arguments (a named tool_choice streams them as they are generated); the first
+    """A streamed fragment of a call's arguments, as they are generated (fastspec.serve.tool_stream); the first
     fragment also carries the call's id and name."""
 
     index: int  # the call's place in the answer
