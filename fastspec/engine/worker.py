@@ -66,7 +66,7 @@ class Worker:
         self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
         self._draft_model, self._reserved = models.draft, self.spec.params
         self.futures = FutureMaps(self.table.max_requests, config.device)
-        self.backlog = DraftBacklog(config.chunked_prefill_size)  # what plain rounds did not run through the draft
+        self.backlog = DraftBacklog(config.chunked_prefill_size)  # rows prefill / plain rounds left the draft
         self._release_after: list[Request] = []  # released while in the round in flight (overlap)
         self._plan = self._graph_plan(on_prepare)
         self._build_rounds(self._drafters(self._plan))
@@ -199,7 +199,7 @@ class Worker:
             done.set_result(self._step_now(reqs, False, None))
             return done
         self.slots.make_room(self.round_headroom() * len(reqs))
-        if any(self.backlog.behind(r.rid) for r in reqs):  # after plain rounds: none is in flight
+        if any(self.backlog.behind(r.rid) for r in reqs):  # after a prefill or plain round: none is in flight
             self.flush()
             self.backlog.catch_up(self.drafter, reqs, self.config.device)
         done = self.overlap.launch(reqs, params)
@@ -232,15 +232,15 @@ class Worker:
 
     def _decode(self, reqs: list[Request], params: SpecParams | None) -> RoundOutput:
         """One decode round, launched and finished: speculative with `params`, else plain."""
-        start = time.perf_counter()
         with self.times("round" if params is not None else "plain_round"):  # "round" = speculative rounds only
-            if params is not None:  # the draft first runs over what plain rounds left it (none: nothing)
-                self.backlog.catch_up(self.drafter, reqs, self.config.device)
+            if params is not None:  # the draft first runs over what prefill and plain rounds left it (each token
+                self.backlog.catch_up(self.drafter, reqs, self.config.device)  # once: not this round's rate)
+            start = time.perf_counter()
             out = self.spec_rounds.run(reqs, params) if params is not None else self.plain_rounds(reqs)
+            if self.policy is not None:
+                record_round(self.policy, params is not None, out.tokens, start)
             if params is None:
                 self._bound_backlog(reqs)
-        if self.policy is not None:
-            record_round(self.policy, params is not None, out.tokens, start)
         return out
 
     def _bound_backlog(self, reqs: list[Request]) -> None:
