@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 from starlette.applications import Starlette
@@ -56,7 +56,9 @@ def build_app(service: EngineService, model_name: str, tool_parser: str | None =
             return _error(APIError("this server keeps no metrics", 404, kind="not_found_error"))
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    chat, text = (partial(_complete, service, model_name, tool_parser, c) for c in (True, False))
+    tok = service.llm.tokenizer
+    tool_text = _ToolText(tool_parser or template_parser(tok.chat_template), tok.special_tokens(), writes_spaces(tok))
+    chat, text = (partial(_complete, service, model_name, tool_text, c) for c in (True, False))
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/completions", text, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/flush_cache", flush_cache, methods=["POST"]), Route("/metrics", metrics, methods=["GET"])]
@@ -64,7 +66,17 @@ def build_app(service: EngineService, model_name: str, tool_parser: str | None =
     return Starlette(routes=routes, exception_handlers=handlers)
 
 
-async def _complete(service: EngineService, model_name: str, tool_parser: str | None, chat: bool,
+@dataclass(frozen=True)
+class _ToolText:
+    """What tool calls need of the tokenizer, read once per server: the format answers carry calls in, the special
+    tokens (text -> id) and whether it can write `, ` (fastspec.serve.tools.writes_spaces)."""
+
+    parser: str
+    specials: dict
+    spaced: bool
+
+
+async def _complete(service: EngineService, model_name: str, tool_text: _ToolText, chat: bool,
                     request: Request) -> Response:
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     try:
@@ -72,9 +84,8 @@ async def _complete(service: EngineService, model_name: str, tool_parser: str | 
         params, keep_special = parsed.params, False
         if parsed.tools is not None:
             _check_schemas(service, parsed.tools)
-            tool_parser = tool_parser or template_parser(service.llm.tokenizer.chat_template)
-            parsed = replace(parsed, tools=replace(parsed.tools, spaced=writes_spaces(service.llm.tokenizer)))
-            params, keep_special = _tool_grammar(service, parsed.tools, tool_parser, params)
+            parsed = replace(parsed, tools=replace(parsed.tools, spaced=tool_text.spaced))
+            params, keep_special = _tool_grammar(parsed.tools, tool_text, params)
         prompt_ids = _encode(service, parsed)
         if not parsed.max_tokens_given:  # chat's default: the rest of the context, capped
             room = service.engine.worker.max_context_len - len(prompt_ids)
@@ -84,7 +95,7 @@ async def _complete(service: EngineService, model_name: str, tool_parser: str | 
         rids = _submit_choices(service, prompt_ids, parsed.choice_params(params), loop, events, keep_special)
     except APIError as e:
         return _error(e)
-    reply = _Reply(service, parsed, model_name, api.new_id(chat), len(prompt_ids), rids, events, tool_parser)
+    reply = _Reply(service, parsed, model_name, api.new_id(chat), len(prompt_ids), rids, events, tool_text.parser)
     if parsed.stream:
         return StreamingResponse(reply.stream(), media_type="text/event-stream")
     return await reply.collect(request)
@@ -99,16 +110,16 @@ def _check_schemas(service: EngineService, tools: Tools) -> None:
             raise APIError(f"tool {name!r}: {e}", param="tools") from None
 
 
-def _tool_grammar(service: EngineService, tools: Tools, parser: str, params: SamplingParams
-                  ) -> tuple[SamplingParams, bool]:
-    """The parameters with the `auto` choice's lazy grammar (unless the request brings its own grammar), and
-    whether the answer's text must keep special tokens for the parser to see its markers."""
-    specials = service.llm.tokenizer.special_tokens()
+def _tool_grammar(tools: Tools, tool_text: _ToolText, params: SamplingParams) -> tuple[SamplingParams, bool]:
+    """The parameters with the choice's grammar: `required` / named, the calls' JSON schema (spaced as the
+    tokenizer can); `auto`, the format's lazy grammar unless the request brings its own. And whether the answer's
+    text must keep special tokens for the parser to see its markers."""
     if tools.choice != "auto":
-        return (params if tools.grammar() is None else replace(params, json_schema=tools.grammar())), False
+        schema = tools.grammar()
+        return (params if schema is None else replace(params, json_schema=schema)), False
     if params.json_schema is None and params.regex is None and params.ebnf is None:
-        params = replace(params, lark=tools.auto_grammar(parser, specials))
-    return params, needs_special_text(parser, specials)
+        params = replace(params, lark=tools.auto_grammar(tool_text.parser, tool_text.specials))
+    return params, needs_special_text(tool_text.parser, tool_text.specials)
 
 
 def _encode(service: EngineService, parsed: ParsedRequest) -> list[int]:

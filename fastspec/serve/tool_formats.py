@@ -82,6 +82,24 @@ def _free(text: str, trigger: str, final: bool) -> str:
     return text if final else text[:len(text) - _hold(text, trigger)]
 
 
+def _per_function(tools, head, tail: str = "") -> tuple[str, str]:
+    """(rules, alternatives) of a format that writes each function's name around its arguments' JSON: rule fK is
+    `head(name) %json <K's parameters> tail` (Lark pieces), the alternatives `(f0 | f1 | ...)`."""
+    names = list(tools.schemas)
+    rules = "".join(f"f{k}: {head(name)} %json {json.dumps(one_line(tools.schemas[name], tools.spaced))} {tail}\n"
+                    for k, name in enumerate(names))
+    return rules, "(" + " | ".join(f"f{k}" for k in range(len(names))) + ")"
+
+
+def _value_call(name: str, text: str, start: int | None, final: bool) -> tuple[PartialCall, int | None]:
+    """Call `name` whose arguments are the JSON value from `text[start]` on (None: not started yet), and where
+    that value ends (None: not yet)."""
+    if start is None or start >= len(text):
+        return PartialCall(name, "{}" if final else ""), None
+    end = value_end(text, start)
+    return PartialCall(name, text[start:end if end is not None else len(text)], end is not None), end
+
+
 def _args(read, text: str, final: bool) -> str:
     """A call's arguments so far; a finished call without any is {}."""
     if read.args_start is None:
@@ -169,12 +187,9 @@ def json_calls(text: str, i: int, tools, final: bool, separator: str, args_keys:
 
 def mistral_grammar(tools, specials: dict[str, int]) -> str:
     if MISTRAL_ARGS in specials:  # v11: [TOOL_CALLS]name[ARGS]{...}, each call after its own [TOOL_CALLS]
-        names = list(tools.schemas)
-        bodies = "\n".join(f"f{k}: {json.dumps(name)} {_lit(MISTRAL_ARGS, specials)} %json "
-                            f"{json.dumps(one_line(tools.schemas[name], tools.spaced))}" for k, name in enumerate(names))
-        call = "(" + " | ".join(f"f{k}" for k in range(len(names))) + ")"
+        rules, call = _per_function(tools, lambda name: f"{json.dumps(name)} {_lit(MISTRAL_ARGS, specials)}")
         more = f" ({_lit(MISTRAL_CALLS, specials)} {call})*" if tools.parallel else ""
-        return ("%llguidance {}\n" f"start: TEXT | open {call}{more}\n" + bodies + "\n"
+        return ("%llguidance {}\n" f"start: TEXT | open {call}{more}\n" + rules
                 + _opening(MISTRAL_CALLS, specials) + TEXT)
     calls = one_line({"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1} | (
         {} if tools.parallel else {"maxItems": 1}), tools.spaced)
@@ -204,10 +219,8 @@ def _named_calls(text: str, at: int, tools, final: bool) -> Scanned:
         name = text[at + len(MISTRAL_CALLS):sep].strip() if sep >= 0 else None
         if name not in tools.schemas:
             break
-        start = skip_space(text, sep + len(MISTRAL_ARGS))
-        end = value_end(text, start)
-        args = text[start:end if end is not None else len(text)]
-        calls.append(PartialCall(name, args or ("{}" if final else ""), end is not None))
+        call, end = _value_call(name, text, skip_space(text, sep + len(MISTRAL_ARGS)), final)
+        calls.append(call)
         if end is None:
             break
         at = skip_space(text, end)
@@ -218,13 +231,11 @@ def _named_calls(text: str, at: int, tools, final: bool) -> Scanned:
 
 def deepseek_grammar(tools, specials: dict[str, int]) -> str:
     lit = lambda s: _lit(s, specials)  # noqa: E731
-    names = list(tools.schemas)
-    body = "\n".join(f"f{k}: {json.dumps(name + chr(10) + '```json' + chr(10))} %json "
-                     f"{json.dumps(one_line(tools.schemas[name], tools.spaced))} {json.dumps(chr(10) + '```')}" for k, name in enumerate(names))
+    rules, function = _per_function(tools, lambda name: json.dumps(f"{name}\n```json\n"), json.dumps("\n```"))
     calls = "call (/\\n?/ call)*" if tools.parallel else "call"
     return ("%llguidance {}\n" f"start: TEXT | open {calls} /\\n?/ {lit(DS_END)}\n"
-            f"call: {lit(DS_CALL)} \"function\" {lit(DS_SEP)} ({' | '.join(f'f{k}' for k in range(len(names)))}) "
-            f"{lit(DS_CALL_END)}\n" + body + "\n" + _opening(DS_BEGIN, specials) + TEXT)
+            f"call: {lit(DS_CALL)} \"function\" {lit(DS_SEP)} {function} {lit(DS_CALL_END)}\n" + rules
+            + _opening(DS_BEGIN, specials) + TEXT)
 
 
 def deepseek_scan(text: str, tools, final: bool) -> Scanned:
@@ -240,9 +251,8 @@ def deepseek_scan(text: str, tools, final: bool) -> Scanned:
             break
         fence = text.find("```json", line)
         start = skip_space(text, fence + len("```json")) if fence >= 0 else None
-        end = value_end(text, start) if start is not None and start < len(text) else None
-        args = "" if start is None or start >= len(text) else text[start:end if end is not None else len(text)]
-        calls.append(PartialCall(name, args or ("{}" if final else ""), end is not None))
+        call, end = _value_call(name, text, start, final)
+        calls.append(call)
         if end is None:
             break
         i = end

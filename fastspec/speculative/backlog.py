@@ -1,4 +1,4 @@
-"""The draft's backlog: what plain decode rounds did not run through the draft.
+"""The draft's backlog: what prefill chunks and plain decode rounds did not run through the draft.
 
 A prefill chunk or a plain round (the schedule or the measured fallback chose not to speculate) leaves the draft
 where it was and keeps, per request, the (token, target feature, position) rows the draft extend would have
