@@ -39,15 +39,15 @@ def test_a_speculative_round_reads_the_device_once(tiny_dirs, draft_dirs, monkey
 
     methods = {name: getattr(torch.Tensor, name) for name in VALUE_READS}
     host_side = {"on": False}  # NGRAM drafts on the host by design (its trie and tensors never leave the CPU)
-    real_twin = paged.paged_attention_twin
+    real_twin = paged.twin_plan
 
-    def twin(*args):  # the paged-attention op's CPU twin reads the longest length (on CUDA: Triton, no read)
+    def twin(*args):  # the paged-attention CPU twin's plan reads the longest length (on CUDA: Triton, no read)
         host_side["on"] = True
         try:
             return real_twin(*args)
         finally:
             host_side["on"] = False
-    monkeypatch.setattr(paged, "paged_attention_twin", twin)
+    monkeypatch.setattr(paged, "twin_plan", twin)
     if algorithm == "NGRAM":
         for drafter in worker.drafters.values():
             real_draft = drafter.draft

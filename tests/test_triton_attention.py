@@ -136,3 +136,27 @@ def test_speculative_decoding_through_the_triton_kernels_is_lossless(monkeypatch
     outputs = llm.engine.generate(PROMPTS[:2], [params] * 2)
     assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", page_size, PROMPTS[:2], params)
     assert all(o.metrics.verify_rounds for o in outputs)
+
+
+def test_eager_backend_plans_once_per_forward_and_equals_the_op(monkeypatch):
+    """PagedAttnBackend eager on the host builds the twin's dense plan on a forward's first call and reuses it for
+    the others (same plan object); a new plan object (the next forward) is planned anew, never served stale."""
+    from fastspec.attention import paged
+
+    backend, calls = paged.PagedAttnBackend(), []
+    real = paged.twin_plan
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(paged, "twin_plan", counted)
+    first, second = (case(**CASES[name], dtype=torch.float32) for name in ("tree_page16", "draft_topk3"))
+    for args, scale in (first, second, first):
+        q, k_cache, v_cache, table, rows, lens, block_slots, block_mask = (a.cpu() for a in args)
+        plan = paged.PagedPlan(table, rows, lens, block_slots, block_mask, block_slots.flatten())
+        want = oracle(q, k_cache, v_cache, table, rows, lens, block_slots, block_mask, scale)
+        for _ in range(3):  # three layers of one forward
+            got = backend.run(plan, q, k_cache, v_cache, scale)
+            torch.testing.assert_close(got.double(), want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    assert len(calls) == 3  # one plan per forward

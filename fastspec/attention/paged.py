@@ -43,10 +43,24 @@ def paged_block_plan(table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch
 
 
 class PagedAttnBackend:
-    """`run(plan, q, k_cache, v_cache, scale)` as the other backends; the plan is built by the caller."""
+    """`run(plan, q, k_cache, v_cache, scale)` as the other backends; the plan is built by the caller.
+
+    Eager on the host (no compile tracing it) the torch twin's dense plan is built once per forward, on the first
+    layer's call, and reused by the others (each layer rebuilding it, with its host read of the longest length,
+    cost a CPU verify of 8 tokens more than its GEMMs' extra over a one-token step)."""
+
+    def __init__(self):
+        self._last: tuple[PagedPlan | None, TorchAttnPlan | None] = (None, None)
 
     def run(self, plan: PagedPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scale: float) -> torch.Tensor:
+        if kernel_for(q.device) == "torch" and not torch.compiler.is_compiling():
+            last, dense = self._last
+            if last is not plan:  # a new forward (plans are built per forward and never changed)
+                dense = twin_plan(plan.table, plan.rows, plan.prefix_lens, plan.block_slots, plan.block_mask,
+                                  plan.self_visible)
+                self._last = (plan, dense)
+            return _twin_output(dense, q, k_cache, v_cache, scale)
         return torch.ops.fastspec.paged_attention(q, k_cache, v_cache, plan.table, plan.rows, plan.prefix_lens,
                                                   plan.block_slots, plan.block_mask, scale, plan.self_visible)
 
@@ -80,14 +94,25 @@ def paged_attention_twin(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          rows: torch.Tensor, prefix_lens: torch.Tensor, block_slots: torch.Tensor,
                          block_mask: torch.Tensor, scale: float, self_visible: bool = False) -> torch.Tensor:
     """The torch twin: gather the prefix up to the longest length (a host read), then one masked SDPA."""
+    plan = twin_plan(table, rows, prefix_lens, block_slots, block_mask, self_visible)
+    return _twin_output(plan, q, k_cache, v_cache, scale)
+
+
+def twin_plan(table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor, block_slots: torch.Tensor,
+              block_mask: torch.Tensor, self_visible: bool) -> TorchAttnPlan:
+    """A PagedPlan's fields as the dense padded plan of the torch backend (prefix up to the longest length)."""
     bs, q_rows, x = block_mask.shape
     if self_visible:
         block_mask = block_mask | torch.eye(q_rows, x, dtype=torch.bool, device=block_mask.device)
     width = int(prefix_lens.max()) if bs else 0
-    valid = torch.arange(width, device=q.device)[None, :] < prefix_lens[:, None]  # [bs, width]
+    valid = torch.arange(width, device=rows.device)[None, :] < prefix_lens[:, None]  # [bs, width]
     prefix_slots = torch.where(valid, table[rows, :width].to(torch.int64), 0)
     mask = torch.cat([valid[:, None, :].expand(bs, q_rows, width), block_mask], 2)
-    index = torch.arange(bs * q_rows, device=q.device)
-    plan = TorchAttnPlan(q_index=index.view(bs, q_rows), kv_slots=torch.cat([prefix_slots, block_slots], 1),
+    index = torch.arange(bs * q_rows, device=rows.device)
+    return TorchAttnPlan(q_index=index.view(bs, q_rows), kv_slots=torch.cat([prefix_slots, block_slots], 1),
                          mask=mask[:, None], out_index=index, out_cache_loc=index, uniform_qo=True)
+
+
+def _twin_output(plan: TorchAttnPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float) -> torch.Tensor:
     return attend_padded(plan, q, k_cache, v_cache, scale).reshape(*q.shape[:-1], v_cache.shape[-1]).contiguous()
