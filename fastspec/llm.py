@@ -88,6 +88,9 @@ class LLM:
                 spec = SpecConfig() if all_off else spec  # tuned: plain decoding at every batch size
         if schedule:
             spec = spec.with_schedule(schedule)
+        self.planned_spec = spec  # what was asked for and tuned (banners say it); the engine runs `spec`
+        if spec.schedule and all(spec.params_for(bs) is None for bs in range(1, config.max_running_requests + 1)):
+            spec = SpecConfig()  # no batch size this engine runs speculates: the draft is never loaded
         self.engine = Engine(config, spec, on_prepare)
 
     @cached_property

@@ -171,6 +171,28 @@ def test_cli_emits_sglang_flags_from_the_tuned_file_and_llm_loads_it(chat_target
     assert explicit.engine.spec.schedule == ()  # explicit tree flags win over the tuned file
 
 
+def test_a_draft_the_schedule_never_uses_at_the_engines_batch_sizes_is_not_loaded(chat_target, head, tmp_path,
+                                                                                   monkeypatch):  # noqa: F811
+    """Issue 37: a tuned file that decodes plainly at batch 1 and a chat (one request at a time): the draft is never
+    loaded, the banner still says what was tuned, and the output is plain decoding's."""
+    from fastspec.text.chat import decoding
+    from fastspec.tune.tuned import fingerprint, save_tuned, tuned_path
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    save_tuned(tuned_path(chat_target, head, "float32", "cpu"), fingerprint(chat_target, head, "float32", "cpu"),
+               [{"max_batch_size": 1, "params": None}, {"max_batch_size": 4, "params": [3, 2, 5]}])
+    kwargs = dict(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head))
+    alone = fastspec.LLM(**kwargs, max_running_requests=1)
+    assert not alone.engine.spec.enabled and alone.engine.worker._draft_model is None
+    assert decoding(alone.planned_spec, False) == "EAGLE3 · plain at batch 1 (tuned)"
+    batched = fastspec.LLM(**kwargs, max_running_requests=4)
+    assert batched.engine.spec.schedule == ((1, None), (4, SpecParams(3, 2, 5)))
+    assert batched.engine.worker._draft_model is not None
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain = fastspec.LLM(model=str(chat_target), speculative_algorithm="NONE").generate(PROMPTS[:1], params)
+    assert alone.generate(PROMPTS[:1], params)[0].output_ids == plain[0].output_ids
+
+
 def test_tune_tries_deeper_and_wider_trees_on_a_gpu_and_refuses_a_budget_spent_before_confirming(
         chat_target, head, tmp_path, monkeypatch):  # noqa: F811
     from fastspec.tune.tuner import TuneConfig, tune

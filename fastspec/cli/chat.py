@@ -39,6 +39,7 @@ def chat(
     notes = Notes()
     kwargs = options.llm_kwargs()
     kwargs["cuda_graph_bs"] = kwargs["cuda_graph_bs"] or (1,)  # a chat runs one request: its graphs, before the prompt
+    kwargs["max_running_requests"] = 1  # (and a draft the schedule never uses at batch 1 is not loaded)
     session = ChatSession(LLM(**kwargs, on_prepare=prepare_progress(), say=notes), params, system)
     with _status("getting the first answer ready") if sys.stdin.isatty() else contextlib.nullcontext():
         session.warm_up()
@@ -125,7 +126,7 @@ class TerminalChatIO:
         self.wrap = WordWrap(lambda: shutil.get_terminal_size().columns)
         engine = session.llm.engine
         self.console.print(f"[bold]fastspec chat[/bold] · {engine.model_dir.name} · "
-                           f"{escape(decoding(engine.spec, engine.config.speculative_fallback))}\n"
+                           f"{escape(decoding(session.llm.planned_spec, engine.config.speculative_fallback))}\n"
                            f"[dim]{HELP} · Ctrl-C stops an answer[/dim]")
 
     def read(self) -> str | None:

@@ -56,7 +56,9 @@ def generate(
     if any(p == "" for p in prompts):
         raise FastspecError("empty prompt")
     notes = Notes()
-    llm = LLM(**options.llm_kwargs(), on_prepare=prepare_progress(), say=notes)
+    kwargs = options.llm_kwargs()
+    kwargs["max_running_requests"] = min(kwargs["max_running_requests"], len(prompts))  # the batch is all it runs
+    llm = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)
     outputs = llm.generate(prompts, params, chat=chat)
     notes.show()
     if as_json:

@@ -2,7 +2,7 @@
 
 No terminal I/O here (fastspec.cli.chat renders); an answer is a generator of text deltas the caller prints, and a
 `should_stop()` callback (Ctrl-C) ends it early while keeping the partial answer in the history.
-Each turn re-prefills the whole conversation (KV prefix reuse across turns is not implemented).
+Each turn encodes the whole conversation; the engine's prefix cache starts it on the KV of the turns before.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class ChatSession:
         metrics = sum((t.metrics for t in self.turns[1:]), self.turns[0].metrics)
         tau = f" · tau {metrics.tau:.2f} · acceptance by depth {[round(a, 2) for a in metrics.acceptance_by_depth]}"
         engine = self.llm.engine
-        return (f"{decoding(engine.spec, engine.config.speculative_fallback)} · {len(self.turns)} answers · "
+        return (f"{decoding(self.llm.planned_spec, engine.config.speculative_fallback)} · {len(self.turns)} answers · "
                 f"{tokens} tokens · {tokens / seconds:.1f} tok/s" + (tau if metrics.verify_rounds else ""))
 
     def save(self, directory: Path) -> Path | None:
