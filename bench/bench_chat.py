@@ -3,14 +3,16 @@ questions typed at its `you>` prompt), default against `--speculative-algorithm 
 `generate` on the same questions.
 
     .venv/bin/python bench/bench_chat.py [--variant "" --variant "--speculative-algorithm NONE"] [--turns 4]
-        [--trials 3] [--max-new-tokens 96] [--output bench/results/chat.json]
+        [--trials 3] [--max-new-tokens 96] [--tuned-plain-at-1] [--output bench/results/chat.json]
 
 Each variant is a fresh `fastspec chat` (the embedded model, the user's cache and tuned file as `make chat` uses
-them). Its tok/s per answer is what the chat itself reports under the answer (tokens over the answer's wall time,
-prefill included); its banner line is kept (what decodes at batch 1). transformers: float32, greedy, the same
-questions with its own answers as history, exactly as many new tokens as fastspec's default answer had, timed
-the same way (prefill included). Variants run one after another, never at once, alternating over `--trials`; per
-answer the median. Prints a markdown table per answer (ratios within the run), writes JSON.
+them; with `--tuned-plain-at-1` a scratch cache whose tuned file for this machine decodes plainly at batch 1 and
+speculates from batch 2, as `fastspec tune` chose on issue 37's AMD box). Its tok/s per answer is what the chat
+itself reports under the answer (tokens over the answer's wall time, prefill included); its banner line is kept
+(what decodes at batch 1). transformers: float32, greedy, the same questions with its own answers as history,
+exactly as many new tokens as fastspec's default answer had, timed the same way (prefill included), loaded once
+in this process. The variants and transformers run one after another, never at once, alternating over
+`--trials`; per answer the median. Prints a markdown table per answer (ratios within the run), writes JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
 import time
 from pathlib import Path
@@ -40,11 +43,11 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
 class Terminal:
     """A command in a pseudo-terminal of `columns` x 40; `expect` reads until a pattern shows up."""
 
-    def __init__(self, command: list[str], columns: int = 80):
+    def __init__(self, command: list[str], columns: int = 80, env: dict | None = None):
         master, slave = os.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
         self.proc = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
-                                     env=os.environ | {"COLUMNS": str(columns), "TERM": "xterm"})
+                                     env=os.environ | (env or {}) | {"COLUMNS": str(columns), "TERM": "xterm"})
         os.close(slave)
         self.master, self.seen, self.closed = master, "", False
 
@@ -77,9 +80,9 @@ class Terminal:
         os.close(self.master)
 
 
-def run_chat(extra: str, questions: list[str], max_new_tokens: int) -> dict:
+def run_chat(extra: str, questions: list[str], max_new_tokens: int, env: dict) -> dict:
     command = [str(Path(sys.executable).parent / "fastspec"), "chat", "--max-new-tokens", str(max_new_tokens), *shlex.split(extra)]
-    term = Terminal(command)
+    term = Terminal(command, env=env)
     try:
         banner = " ".join(term.expect(re.compile(r"fastspec chat · (.*?)\n/reset", re.S), 600).group(1).split())
         answers = []
@@ -105,31 +108,52 @@ def median_run(runs: list[dict]) -> dict:
     return out
 
 
-def run_transformers(questions: list[str], lengths: list[int]) -> list[dict]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class Transformers:
+    """transformers' greedy chat on the embedded model, loaded once; `run` answers the questions anew."""
 
-    from fastspec.models.embedded import embedded_model_dir
+    def __init__(self):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory = embedded_model_dir()
-    tok = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    messages, out = [], []
-    with torch.inference_mode():
-        model.generate(**tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                                 return_tensors="pt", return_dict=True), max_new_tokens=8,
-                       do_sample=False)  # warm-up, as the chat warms up
+        from fastspec.models.embedded import embedded_model_dir
+
+        directory = embedded_model_dir()
+        self.torch, self.tok = torch, AutoTokenizer.from_pretrained(directory)
+        self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        self._generate([{"role": "user", "content": "Hi"}], 8)  # warm-up, as the chat warms up
+
+    def _generate(self, messages: list[dict], n: int) -> tuple[str, int, float]:
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+        with self.torch.inference_mode():
+            start = time.perf_counter()
+            generated = self.model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            seconds = time.perf_counter() - start
+        answer = generated[0, ids["input_ids"].shape[1]:]
+        return self.tok.decode(answer, skip_special_tokens=True), len(answer), seconds
+
+    def run(self, questions: list[str], lengths: list[int]) -> dict:
+        messages, answers = [], []
         for question, n in zip(questions, lengths):
             messages.append({"role": "user", "content": question})
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                          return_dict=True)
-            start = time.perf_counter()
-            generated = model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            seconds = time.perf_counter() - start
-            answer = generated[0, ids["input_ids"].shape[1]:]
-            messages.append({"role": "assistant", "content": tok.decode(answer, skip_special_tokens=True)})
-            out.append({"tokens": len(answer), "tok_s": len(answer) / seconds})
-    return out
+            text, tokens, seconds = self._generate(messages, n)
+            messages.append({"role": "assistant", "content": text})
+            answers.append({"tokens": tokens, "tok_s": tokens / seconds})
+        return {"answers": answers}
+
+
+def tuned_plain_at_1(scratch: Path) -> dict:
+    """A scratch cache whose tuned file (for this machine, the embedded model and its head) decodes plainly at
+    batch 1 and speculates from batch 2; the converted model is shared with the user's cache. -> env for chats."""
+    from fastspec.models.embedded import DEFAULT_MODEL, embedded_head, embedded_model_dir, models_root
+    from fastspec.tune.tuned import fingerprint, save_tuned, tuned_path
+
+    env = {"FASTSPEC_CACHE": str(scratch), "FASTSPEC_MODEL_CACHE": str(models_root())}
+    os.environ.update(env)  # tuned_path and the fingerprint read the cache root, as the chat will
+    target, head = embedded_model_dir(), embedded_head(DEFAULT_MODEL)
+    save_tuned(tuned_path(target, head, "float32", "cpu"), fingerprint(target, head, "float32", "cpu"),
+               [{"max_batch_size": 1, "params": None}, {"max_batch_size": 48, "params": [5, 4, 8]}])
+    return env
 
 
 def markdown(report: dict) -> str:
@@ -158,15 +182,23 @@ def main() -> None:
                                                                "median tok/s")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--tuned-plain-at-1", action="store_true", help="chats read a tuned file that decodes "
+                                                                        "plainly at batch 1 (a scratch cache)")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results" / "chat.json")
     args = parser.parse_args()
     questions = (QUESTIONS * (args.turns // len(QUESTIONS) + 1))[: args.turns]
     flags = args.variant or ["", "--speculative-algorithm NONE"]
-    trials = [[run_chat(v, questions, args.max_new_tokens) for v in flags] for _ in range(args.trials)]
+    env = tuned_plain_at_1(Path(tempfile.mkdtemp(prefix="fastspec-bench-"))) if args.tuned_plain_at_1 else {}
+    peer = None if args.no_transformers else Transformers()
+    trials = []
+    for _ in range(args.trials):
+        chats = [run_chat(v, questions, args.max_new_tokens, env) for v in flags]
+        lengths = [a["tokens"] for a in chats[0]["answers"]]
+        trials.append(chats + ([] if peer is None else [peer.run(questions, lengths)]))
     variants = [median_run([t[i] for t in trials]) for i in range(len(flags))]
-    report = {"questions": questions, "variants": variants, "cpu": _cpu()}
-    if not args.no_transformers:
-        report["transformers"] = run_transformers(questions, [a["tokens"] for a in variants[0]["answers"]])
+    report = {"questions": questions, "variants": variants, "cpu": _cpu(), "tuned_plain_at_1": args.tuned_plain_at_1}
+    if peer is not None:
+        report["transformers"] = median_run([t[-1] for t in trials])["answers"]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=1))
     print(markdown(report))
