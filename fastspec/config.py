@@ -148,6 +148,10 @@ SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 # SGLang's auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) by target architecture
 _AUTO_SPEC = {"LlamaForCausalLM": (5, 4, 8), "DeepseekV2ForCausalLM": (3, 1, 4), "DeepseekV3ForCausalLM": (3, 1, 4)}
 _AUTO_SPEC_FALLBACK = (3, 1, 4)
+# On a CPU a verify of N tokens is not free as on a GPU (a GEMM over 8 rows costs ~1.4x a one-row GEMV), so
+# Llama's wide default does not pay there: bench/bench_shapes.py on the embedded target and its EAGLE-3 head (2-core
+# Xeon, batch 1) measured 5/4/8 at 0.99x plain decoding, 3/2/4 at 1.13-1.14x.
+_AUTO_SPEC_CPU = {"LlamaForCausalLM": (3, 2, 4)}
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,8 @@ class SpecConfig:
     @classmethod
     def resolve(cls, algorithm: str | None, target_arch: str, *, draft_model=None, num_steps=None, topk=None,
                 num_draft_tokens=None, accept_threshold_single=1.0, accept_threshold_acc=1.0, token_map=None,
-                ngram=None) -> SpecConfig:
+                ngram=None, device: str = "cuda") -> SpecConfig:
+        """SGLang's rules; on a CPU `device` the tree flags left unset default to the CPU's measured shape."""
         algo = check_spec_flags(algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
                                 accept_threshold_acc)
         common = dict(algorithm=algo, accept_threshold_single=accept_threshold_single,
@@ -225,7 +230,7 @@ class SpecConfig:
             raise FastspecError(f"{algo} needs a draft model (--speculative-draft-model-path / --draft)")
         if algo != "EAGLE" and token_map is not None:
             token_map = None  # SGLang ignores --speculative-token-map except for EAGLE (EAGLE-3 has d2t)
-        steps, k, n = _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens)
+        steps, k, n = _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens, device == "cpu")
         return cls(draft_model=draft_model, num_steps=steps, topk=k, num_draft_tokens=n, token_map=token_map,
                    **common)
 
@@ -264,8 +269,9 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
     return algo
 
 
-def _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens) -> tuple[int, int, int]:
+def _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens, cpu=False) -> tuple[int, int, int]:
     auto = _AUTO_SPEC_FALLBACK if algo == "STANDALONE" else _AUTO_SPEC.get(target_arch, _AUTO_SPEC_FALLBACK)
+    auto = _AUTO_SPEC_CPU.get(target_arch, auto) if cpu and algo != "STANDALONE" else auto
     steps = num_steps if num_steps is not None else auto[0]
     k = topk if topk is not None else auto[1]
     n = num_draft_tokens if num_draft_tokens is not None else auto[2]

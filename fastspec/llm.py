@@ -77,7 +77,7 @@ class LLM:
                                   draft_model=draft_model, num_steps=num_steps, topk=topk,
                                   num_draft_tokens=num_draft_tokens, token_map=token_map,
                                   accept_threshold_single=accept_threshold_single,
-                                  accept_threshold_acc=accept_threshold_acc, ngram=ngram)
+                                  accept_threshold_acc=accept_threshold_acc, ngram=ngram, device=config.device)
         untuned = schedule is None and num_steps is None and topk is None and num_draft_tokens is None
         if tuned and untuned and spec.algorithm in ("EAGLE", "EAGLE3"):
             from fastspec.tune.tuned import find_schedule

@@ -158,13 +158,19 @@ def test_fr_spec_token_map_keeps_greedy_lossless(tiny_dirs, draft_dirs, tmp_path
 
 
 def test_topk_one_forces_a_chain(tiny_dirs):
-    from fastspec.config import SpecConfig
+    from fastspec.config import SpecConfig, SpecParams
 
     spec = SpecConfig.resolve("EAGLE", "LlamaForCausalLM", draft_model="x", num_steps=4, topk=1, num_draft_tokens=9)
     assert spec.num_draft_tokens == 5
     assert SpecConfig.resolve("EAGLE", "LlamaForCausalLM", draft_model="x").num_steps == 5  # Llama: (5, 4, 8)
     assert SpecConfig.resolve("EAGLE", "Qwen2ForCausalLM", draft_model="x").topk == 1  # others: (3, 1, 4)
     assert SpecConfig.resolve("NEXTN", "Qwen2ForCausalLM", draft_model="x").algorithm == "EAGLE"
+    # on a CPU Llama's unset tree flags take the CPU's measured shape; set flags and other targets as on a GPU
+    cpu = dict(draft_model="x", device="cpu")
+    assert SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", **cpu).params == SpecParams(3, 2, 4)
+    assert SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", topk=4, **cpu).params == SpecParams(3, 4, 4)
+    assert SpecConfig.resolve("EAGLE3", "Qwen2ForCausalLM", **cpu).params == SpecParams(3, 1, 4)
+    assert SpecConfig.resolve("STANDALONE", "LlamaForCausalLM", **cpu).params == SpecParams(3, 1, 4)
 
 
 @pytest.mark.parametrize("algorithm, draft, chunk", [("NONE", None, 4), ("EAGLE3", "eagle3", 3),
