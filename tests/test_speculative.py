@@ -167,8 +167,8 @@ def test_topk_one_forces_a_chain(tiny_dirs):
     assert SpecConfig.resolve("NEXTN", "Qwen2ForCausalLM", draft_model="x").algorithm == "EAGLE"
     # on a CPU Llama's unset tree flags take the CPU's measured shape; set flags and other targets as on a GPU
     cpu = dict(draft_model="x", device="cpu")
-    assert SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", **cpu).params == SpecParams(3, 2, 4)
-    assert SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", topk=4, **cpu).params == SpecParams(3, 4, 4)
+    assert SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", **cpu).params == SpecParams(2, 2, 3)
+    assert SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", topk=4, **cpu).params == SpecParams(2, 4, 3)
     assert SpecConfig.resolve("EAGLE3", "Qwen2ForCausalLM", **cpu).params == SpecParams(3, 1, 4)
     assert SpecConfig.resolve("STANDALONE", "LlamaForCausalLM", **cpu).params == SpecParams(3, 1, 4)
 
