@@ -145,7 +145,10 @@ assert CliRunner().invoke(app, ["--help"]).exit_code == 0
 for args in (["chat", "--page-size", "3"], ["generate", "--prompt", "hi", "--dtype", "float64"],
              ["bench", "--model", "/no/such/model"], ["serve", "--tool-call-parser", "xml"],
              ["serve", "--max-queued-requests", "0"],
-             ["chat", "--speculative-algorithm", "NGRAM", "--speculative-ngram-min-bfs-breadth", "0"]):
+             ["chat", "--speculative-algorithm", "NGRAM", "--speculative-ngram-min-bfs-breadth", "0"],
+             ["chat", "--temperature", "-1"], ["generate"], ["generate", "--prompt", ""],
+             ["generate", "--input-ids", "1,x"], ["generate", "--prompt", "hi", "--top-p", "2"],
+             ["generate", "--prompt", "hi", "--json-schema", "[1]"]):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and result.stderr.startswith("error:"), (args, result.output)
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -64,8 +64,9 @@ def profile_step(llm, prompt: list[int], bs: int, steps: int = 16) -> StepProfil
     if per <= 0:
         raise FastspecError(f"--profile: no speculative rounds ran at batch size {bs} (the schedule decodes plainly)")
     wall, busy = (wall_b - wall_a) / per, (busy_b - busy_a) / per
-    return StepProfile(name, _device_kind(llm), round(per, 2), round(wall * 1e3, 3),
-                       {c: round((cats_b[c] - cats_a[c]) / per * 1e3, 3) for c in CATEGORIES},
+    # a noisy machine can make a small category's difference negative: it reads as nothing
+    by = {c: round(max(cats_b[c] - cats_a[c], 0.0) / per * 1e3, 3) for c in CATEGORIES}
+    return StepProfile(name, _device_kind(llm), round(per, 2), round(wall * 1e3, 3), by,
                        round((n_b - n_a) / per, 1), round(max(0.0, 1 - busy / wall), 3) if wall > 0 else 0.0)
 
 

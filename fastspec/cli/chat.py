@@ -31,11 +31,9 @@ def chat(
     from fastspec.cli.common import Notes, prepare_progress
     from fastspec.llm import LLM
     from fastspec.models.embedded import cache_root
-    from fastspec.sampling.params import SamplingParams
     from fastspec.text.chat import ChatSession
 
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            max_new_tokens=max_new_tokens)
+    params = sampling_params(temperature, top_k, top_p, seed, max_new_tokens)
     notes = Notes()
     kwargs = options.llm_kwargs()
     kwargs["cuda_graph_bs"] = kwargs["cuda_graph_bs"] or (1,)  # a chat runs one request: its graphs, before the prompt
@@ -51,6 +49,15 @@ def chat(
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's final flush cannot fail)
     finally:
         save_chat(session, cache_root() / "chats")
+
+
+def sampling_params(temperature, top_k, top_p, seed, max_new_tokens, **_):
+    from fastspec.sampling.params import SamplingParams
+
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens)
+
+
+chat.check_flags = sampling_params  # chat's own flags, checked with the shared ones (before torch is imported)
 
 
 def _status(text: str):

@@ -38,23 +38,9 @@ def generate(
 ):
     """Generate a completion (or several, with repeated --prompt)."""
     from fastspec.llm import LLM
-    from fastspec.sampling.grammar import read_grammar_arg
-    from fastspec.sampling.params import SamplingParams
 
-    if (prompt is None) == (input_ids is None):
-        raise FastspecError("give exactly one of --prompt or --input-ids")
-    if chat and input_ids is not None:
-        raise FastspecError("--chat applies to --prompt, not to --input-ids")
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=tuple(stop or ()), logprobs=logprobs,
-                            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                            presence_penalty=presence_penalty, min_p=min_p, logit_bias=parse_bias(logit_bias),
-                            stop_token_ids=tuple(parse_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids else (),
-                            json_schema=read_grammar_arg(json_schema), regex=read_grammar_arg(regex),
-                            ebnf=read_grammar_arg(ebnf))
+    params = sampling_params(**locals())
     prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
-    if any(p == "" for p in prompts):
-        raise FastspecError("empty prompt")
     notes = Notes()
     kwargs = options.llm_kwargs()
     kwargs["max_running_requests"] = min(kwargs["max_running_requests"], len(prompts))  # the batch is all it runs
@@ -72,3 +58,33 @@ def generate(
     else:
         for o in outputs:
             typer.echo(o.text if o.text is not None else ",".join(map(str, o.output_ids)))
+
+
+def check_flags(prompt, input_ids, chat, **flags) -> None:
+    """generate's own flags, checked with the shared ones (before torch is imported: a bad flag answers at once)."""
+    if (prompt is None) == (input_ids is None):
+        raise FastspecError("give exactly one of --prompt or --input-ids")
+    if chat and input_ids is not None:
+        raise FastspecError("--chat applies to --prompt, not to --input-ids")
+    if input_ids is None and any(p == "" for p in prompt):
+        raise FastspecError("empty prompt")
+    if input_ids is not None:
+        parse_ids(input_ids)
+    sampling_params(**flags)
+
+
+def sampling_params(temperature, top_k, top_p, seed, max_new_tokens, ignore_eos, stop, logprobs, repetition_penalty,
+                    frequency_penalty, presence_penalty, min_p, logit_bias, stop_token_ids, json_schema, regex, ebnf,
+                    **_):
+    from fastspec.sampling.params import SamplingParams, read_grammar_arg
+
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
+                          ignore_eos=ignore_eos, stop=tuple(stop or ()), logprobs=logprobs,
+                          repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                          presence_penalty=presence_penalty, min_p=min_p, logit_bias=parse_bias(logit_bias),
+                          stop_token_ids=tuple(parse_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids
+                          else (), json_schema=read_grammar_arg(json_schema), regex=read_grammar_arg(regex),
+                          ebnf=read_grammar_arg(ebnf))
+
+
+generate.check_flags = check_flags

@@ -18,16 +18,14 @@ verified, never inserted unverified).
 
 from __future__ import annotations
 
-import json
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from fastspec.errors import FastspecError
+from fastspec.sampling.params import KINDS
 from fastspec.utils.transfer import to_device
-
-KINDS = ("json_schema", "regex", "ebnf", "lark")
 
 
 def grammar_kind(params) -> str | None:
@@ -177,30 +175,6 @@ def draft_masks(grammars, paths: torch.Tensor) -> torch.Tensor:
         if g is not None:
             allowed[b * per:(b + 1) * per] = g.masks(host[b * per:(b + 1) * per])
     return to_device(allowed, paths.device)
-
-
-def read_grammar_arg(value: str | None) -> str | None:
-    """A CLI grammar flag: a file's text when it names a file, else the text itself."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    try:
-        return path.read_text() if len(value) < 4096 and path.is_file() else value
-    except OSError as e:
-        raise FastspecError(f"cannot read {value}: {e.strerror}") from None
-
-
-def normalise_schema(schema) -> str:
-    """A JSON schema as canonical text (a dict, or text that must parse as JSON)."""
-    if isinstance(schema, dict):
-        return json.dumps(schema)
-    try:
-        parsed = json.loads(schema)
-    except json.JSONDecodeError as e:
-        raise FastspecError(f"invalid json schema: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if not isinstance(parsed, dict):
-        raise FastspecError("invalid json schema: it must be a JSON object")
-    return schema
 
 
 def _brief(message: str) -> str:

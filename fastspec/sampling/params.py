@@ -1,13 +1,17 @@
 """Per-request sampling parameters (`SamplingParams`), checked once at construction. How tokens are drawn from
-them lives in fastspec.sampling.draw."""
+them lives in fastspec.sampling.draw, grammars in fastspec.sampling.grammar. No torch here: a command checks its
+sampling flags before torch is imported."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastspec.errors import FastspecError
-from fastspec.sampling.grammar import KINDS, normalise_schema
+
+KINDS = ("json_schema", "regex", "ebnf", "lark")  # the structured-output fields, at most one set
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,27 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def normalise_schema(schema) -> str:
+    """A JSON schema as canonical text (a dict, or text that must parse as JSON)."""
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    try:
+        parsed = json.loads(schema)
+    except json.JSONDecodeError as e:
+        raise FastspecError(f"invalid json schema: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(parsed, dict):
+        raise FastspecError("invalid json schema: it must be a JSON object")
+    return schema
+
+
+def read_grammar_arg(value: str | None) -> str | None:
+    """A CLI grammar flag: a file's text when it names a file, else the text itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    try:
+        return path.read_text() if len(value) < 4096 and path.is_file() else value
+    except OSError as e:
+        raise FastspecError(f"cannot read {value}: {e.strerror}") from None
