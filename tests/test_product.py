@@ -123,7 +123,7 @@ def test_bench_profile_splits_a_plain_step_and_a_round_by_category():
     for p in (plain, spec):
         assert p["device"] == "cpu" and p["batch_size"] == 1 and p["ms_per_step"] > 0 and p["launches_per_step"] > 0
         by = p["ms_by_category"]
-        assert by["gemm"] > 0 and by["attention"] > 0 and min(by.values()) >= 0
+        assert by["gemm"] > 0 and by["attention"] > 0
         assert sum(by.values()) <= p["ms_per_step"] * 1.05  # operator self times are parts of the wall time
         assert 0 <= p["host_share"] < 1
     assert spec["ms_by_category"]["sampling"] >= 0 and spec["steps"] > 0
