@@ -88,3 +88,21 @@ def test_warming_up_before_the_prompt_leaves_no_trace():
             assert session.messages == [] and session.turns == [] and llm.engine.policy == before
         answers.append("".join(session.respond("What is the capital of France?")))
     assert answers[0] == answers[1]
+
+
+def test_stats_say_what_decodes_and_the_acceptance_even_when_nothing_was_accepted():
+    from types import SimpleNamespace
+
+    from fastspec.config import SpecConfig
+    from fastspec.text.chat import ChatSession, TurnStats
+    from fastspec.utils.metrics import SpecMetrics
+
+    spec = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model="head", num_steps=2, topk=2,
+                              num_draft_tokens=3)
+    llm = SimpleNamespace(planned_spec=spec, engine=SimpleNamespace(config=SimpleNamespace(speculative_fallback=True)))
+    session = ChatSession(llm, None)
+    session.turns = [TurnStats(8, 0.5, SpecMetrics().add_round(0, 1).add_round(0, 1), "stop")]
+    assert session.stats() == ("EAGLE3 2/2/3 · plain where measured faster · 1 answers · 8 tokens · 16.0 tok/s · "
+                               "tau 1.00 · acceptance by depth none")
+    session.turns.append(TurnStats(4, 0.5, SpecMetrics().add_round(2, 3), "stop"))
+    assert session.stats().endswith("tau 1.67 · acceptance by depth [0.33, 0.33]")
