@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import fastspec
+from bench_chat import QUESTIONS as CHAT_QUESTIONS  # this directory: scripts run as `python bench/...`
 from fastspec.sampling import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
-QUESTIONS = ["Write a short story about a dragon who learns to bake bread.", "Explain how a bicycle works.",
-             "Describe the water cycle step by step.", "List five fruits and say one thing about each."]
+QUESTIONS = CHAT_QUESTIONS[:4]
 SHAPES = ["5,4,8", "4,2,6", "3,2,4", "3,1,4", "2,2,3", "2,1,3"]
 
 
