@@ -72,7 +72,7 @@ class Prefill:
             if r.row < 0:
                 r.row = self.slots.table.alloc()
                 if self.slots.cache is not None:
-                    self.slots.cache.reuse(r, shifted=self.backlog is not None)
+                    self.slots.cache.reuse(r)
             take = budget if track is None else min(budget, prefill_budget(r.seq_len, track))
             chunks.append(r.prefill_ids[r.seq_len: r.seq_len + take])
             budget -= len(chunks[-1])

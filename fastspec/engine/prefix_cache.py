@@ -1,7 +1,8 @@
 """The worker's prefix cache: finished requests' KV kept in a radix tree of token prefixes for later reuse.
 
 Owns the tree, evicts from it into the allocator when the worker needs room, starts a new request on its
-longest cached prefix (writing the reused slots into its table row) and takes a released request's KV in. For a
+longest cached prefix (writing the reused slots into its table row) and takes a released request's KV in. The
+tree is keyed by token pairs (`cache_keys`), so the draft's KV it keeps is exact for every request reusing it. For a
 hybrid target it also keeps recurrent-state checkpoints (fastspec.memory.state_checkpoints): a request resumes
 only where a state was saved. Knows nothing about models or rounds.
 """
@@ -38,16 +39,11 @@ class PrefixCache:
         if short > 0:
             self.allocator.free(self.tree.evict(short))
 
-    def reuse(self, r: Request, shifted: bool) -> None:
-        """Start `r` (its row just allocated) on the longest cached prefix of what it must prefill, leaving at
-        least one token to prefill. `shifted` (a drafter that extends): less its last token, since an EAGLE
-        draft's KV at position p was made with token p+1, which the cache's key does not hold (with pages, that
-        costs up to a page). A hybrid target resumes on the deepest saved state of that prefix."""
-        ids = r.prefill_ids
-        matched = len(self.tree.match(ids).slots)
-        reuse = max(min(matched - shifted, len(ids) - 1), 0)
-        cut = ids[: reuse - reuse % self.page_size]
-        match = resume(self.states, self.tree, r, cut) if self.states is not None else self.tree.match(cut)
+    def reuse(self, r: Request) -> None:
+        """Start `r` (its row just allocated) on the longest cached prefix of what it must prefill (its keys leave
+        the last token to prefill). A hybrid target resumes on the deepest saved state of that prefix."""
+        keys = cache_keys(r.prefill_ids)
+        match = resume(self.states, self.tree, r, keys) if self.states is not None else self.tree.match(keys)
         self.tree.lock(match.node)
         n = len(match.slots)
         if n:
@@ -57,13 +53,15 @@ class PrefixCache:
         self.reused_tokens += n
 
     def take(self, r: Request, slots: torch.Tensor) -> None:
-        """A released request's KV ([r.seq_len] slots): its tokens' whole pages go into the tree; what the tree
-        already holds and what lies past the last page are freed."""
-        known = min(r.seq_len, len(r.history))  # past a stop, an accepted run's KV has no tokens here
-        already = self.tree.insert(r.history[:known], slots[:known])
+        """A released request's KV ([r.seq_len] slots): the whole pages of the positions whose next token it knows
+        go into the tree; what the tree already holds and what lies past the last page are freed."""
+        history = r.history
+        known = min(r.seq_len, len(history))  # past a stop, an accepted run's KV has no tokens here
+        keys = cache_keys(history[:known + 1])
+        already = self.tree.insert(keys, slots[:len(keys)])
         if self.states is not None:
-            hand_over(self.states, self.tree, r, known)
-        kept = known - known % self.page_size
+            hand_over(self.states, self.tree, r, keys)
+        kept = len(keys) - len(keys) % self.page_size
         self.allocator.free(torch.cat([slots[r.cached_len:already], slots[kept:]]))
         self.tree.unlock(r.cached_node)
         r.cached_node, r.cached_len = None, 0
@@ -73,3 +71,13 @@ class PrefixCache:
         if self.states is not None:
             check_checkpoints(self.states, self.tree, running)
         return self.tree.all_slots()
+
+
+def cache_keys(tokens: list[int]) -> list[tuple[int, int]]:
+    """The tree's key of a token sequence: (token p, token p+1) for each position p but the last.
+
+    A slot holds the target's KV of position p, made from tokens 0..p, and an EAGLE draft's KV of position p,
+    made from the target's feature at p and token p+1. Keyed by pairs, two sequences share a slot only where
+    both agree, so a request reusing a prefix finds the draft KV its own next tokens would have made (keyed by
+    tokens alone, a slot at a branch of the tree would hold the draft KV of the sequence that wrote it)."""
+    return list(zip(tokens, tokens[1:]))

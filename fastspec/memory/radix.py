@@ -1,13 +1,14 @@
 """The radix prefix cache's tree: which KV slots already hold which token prefixes.
 
-A compressed trie keyed by token ids; each node holds the KV slots of the tokens on its edge. Requests `lock`
-the path they reuse or wrote (a reference count per node), so a locked node is never evicted; `evict` frees
+A compressed trie keyed by one hashable item per position (token ids; the prefix cache's are token pairs,
+fastspec.engine.prefix_cache.cache_keys); each node holds the KV slots of the positions on its edge. Requests
+`lock` the path they reuse or wrote (a reference count per node), so a locked node is never evicted; `evict` frees
 the least recently used unlocked leaves first, whole nodes, until enough slots came back. With pages larger
 than one token, only whole pages are cached (a key is cut to a multiple of the page size), so a matched prefix
 always ends on a page boundary and a request continues on pages of its own.
 
 Knows nothing about requests, models or the allocator: it returns the slots it lets go and the caller frees
-them. Slot tensors are 1-D int64 on the pool's device; token keys are Python tuples.
+them. Slot tensors are 1-D int64 on the pool's device; keys are Python tuples.
 """
 
 from __future__ import annotations

@@ -33,19 +33,19 @@ def save_crossed(pool: StatePool, r, old_len: int, nodes: list[int] | None, inte
         r.checkpoints.append((length, ckpt))
 
 
-def hand_over(pool: StatePool, tree: RadixTree, r, known: int) -> None:
-    """At release, after the tree cached r.history[:known]: attach each checkpoint at a cached length to its
-    node (the tree drops it at eviction); drop the others."""
+def hand_over(pool: StatePool, tree: RadixTree, r, keys: list) -> None:
+    """At release, after the tree cached `keys` (one per position of r's history): attach each checkpoint at a
+    cached length to its node (the tree drops it at eviction); drop the others."""
     for length, ckpt in r.checkpoints:
-        if length > known or not tree.set_state(r.history[:length], ckpt):
+        if length > len(keys) or not tree.set_state(keys[:length], ckpt):
             pool.drop(ckpt)
     r.checkpoints = []
 
 
-def resume(pool: StatePool, tree: RadixTree, r, tokens: list[int]):
-    """The longest prefix of `tokens` cached with a saved state; that state is copied into r's row. Returns the
+def resume(pool: StatePool, tree: RadixTree, r, keys: list):
+    """The longest prefix of `keys` cached with a saved state; that state is copied into r's row. Returns the
     match (its slots and node), as RadixTree.match does."""
-    match, ckpt = tree.match_state(tokens)
+    match, ckpt = tree.match_state(keys)
     if ckpt is not None:
         pool.restore(r.row, ckpt)
     return match

@@ -59,32 +59,35 @@ def record(target, draft, hot_token_id, feature: str, prompt_ids: list[int], out
     dtype = next(draft.parameters()).dtype
     layers, heads, dim, separate_v = c.kv_layout
     pool = KVPool(layers, heads, dim, L + chunk * max_k * max_steps, 1, dtype, separate_v=separate_v)
-    rows = _draft_prefix(draft, pool, seq, features)  # row p: (token p+1, feature p) in slot p + 1
+    rows, _ = draft_prefill(draft, pool, seq[1:], features[:-1])  # row p: (token p+1, feature p) in slot p + 1
     accept = {p: [] for p in params}
     for i in range(0, len(starts), chunk):
         n = torch.tensor(starts[i:i + chunk])
         for k in sorted({p.topk for p in params}):
-            lists = _candidates(draft, hot_token_id, pool, rows, n, k, max_steps, L)
+            lists = round_candidates(draft, hot_token_id, pool, rows, n, k, max_steps, L)
             for p in (p for p in params if p.topk == k):
                 accept[p] += _accept_lens(lists, n, seq, p).tolist()
     return Recorded(P, len(output_ids), accept)
 
 
-def _draft_prefix(draft, pool, seq, features):
-    """Draft forward over rows 0..L-2 (causal), KV into slots 1..L-1; returns its DraftHidden."""
-    e = seq.numel() - 1
+def draft_prefill(draft, pool, tokens: torch.Tensor, features: torch.Tensor):
+    """Draft forward over one sequence's rows p = 0..e-1 (token t_{p+1} [e], target feature h_p [e, F]), causal,
+    KV into slots 1..e. Returns (its DraftHidden [e], and for a draft with a layer per step the other layers'
+    outputs [e, D-1, H], else None)."""
+    e = tokens.numel()
     causal = torch.ones(1, e, e, dtype=torch.bool).tril()
     plan = block_plan(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.bool),
                       torch.arange(1, e + 1)[None], causal)
     attn = AttentionContext(_BACKEND, plan, pool)
     if draft.per_step_layers > 1:  # every layer's KV, each reading the layer before one position back
         prev = features.new_zeros(1, draft.per_step_layers - 1, draft.config.hidden_size)
-        return draft.extend(seq[1:], torch.arange(e), features[:-1], prev, attn, e)[0]
-    return draft(seq[1:], torch.arange(e), features[:-1], attn)
+        return draft.extend(tokens, torch.arange(e), features, prev, attn, e)
+    return draft(tokens, torch.arange(e), features, attn), None
 
 
-def _candidates(draft, hot_token_id, pool, rows, n, topk: int, steps: int, L: int):
-    """draft_candidates for round starts n [B]: the root row is n - 1, the prefix slots 1..n."""
+def round_candidates(draft, hot_token_id, pool, rows, n, topk: int, steps: int, L: int):
+    """draft_candidates for round starts n [B] over draft_prefill's pool and rows: the root row is n - 1, the prefix
+    slots 1..n, scratch slots from L on (the pool holds L + B * topk * steps)."""
     B = n.numel()
     topk_p, topk_index = draft_top_k(draft, hot_token_id, rows.normed[n - 1], topk)
     table = torch.arange(1, int(n.max()) + 1, dtype=torch.int32).expand(B, -1).contiguous()  # position p: slot p + 1
