@@ -3,6 +3,7 @@ replaced space is lost, code blocks and over-long words pass as they come, a nar
 is followed. Its banner: what decodes at batch size 1, a tuned plain tier included."""
 
 import random
+import textwrap
 
 import pytest
 
@@ -31,6 +32,35 @@ def test_lines_fit_words_stay_whole_and_nothing_is_lost():
             assert streamed(TEXT, width, pieces, seed=pieces) == out
 
 
+def greedy_fill(text: str, width: int) -> str:
+    """The oracle: textwrap's greedy fill of each paragraph, words kept whole."""
+    return "\n".join("\n".join(textwrap.wrap(p, width, break_long_words=False, break_on_hyphens=False))
+                     for p in text.split("\n"))
+
+
+def edge_text(width: int, seed: int) -> str:
+    """Two paragraphs of words of 1 to `width` letters: some lines end with a word exactly at the edge (a word
+    `width` long fills a line by itself)."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choices("abcdefgh", k=rng.choice([*range(1, 10), width]))) for _ in range(90)]
+    return " ".join(words[:50]) + "\n" + " ".join(words[50:])
+
+
+@pytest.mark.parametrize("width", [20, 21, 23, 27, 32, 40])
+def test_lines_are_filled_as_a_greedy_fill_fills_them(width):
+    """A word goes to the next line only if it does not fit this one: a word ending exactly at the edge stays."""
+    text = edge_text(width, seed=width)
+    expected = greedy_fill(text, width)
+    assert sum(len(line) == width for line in expected.split("\n")) >= 2  # the text tests the edge
+    for pieces in (1, 9, len(text)):  # however the answer is streamed
+        assert streamed(text, width, pieces, seed=pieces) == expected
+
+
+def test_a_word_ending_at_the_edge_stays_on_its_line():
+    exact = "aaaa bbbb cccc ddddd eeee " + "f" * 20 + " g"  # 20 columns, then a word as wide as the line
+    assert streamed(exact, 20, pieces=1) == "aaaa bbbb cccc ddddd\neeee\n" + "f" * 20 + "\ng"
+
+
 def test_a_word_longer_than_the_line_streams_as_it_comes():
     wrap = WordWrap(lambda: 20)
     assert wrap.feed("see ") == "see"
@@ -43,6 +73,16 @@ def test_code_blocks_and_narrow_terminals_are_left_as_they_are():
     out = streamed(code, 24, pieces=1)
     assert "print('a long line of code that must stay on one line, whatever the width')" in out.split("\n")
     assert streamed(TEXT, 12, pieces=5) == TEXT  # narrower than 20 columns: not wrapped
+
+
+def test_prose_after_a_closed_code_block_is_wrapped_again():
+    code = "print('a long line of code that must stay on one line, whatever the width')"
+    prose = "After the block the answer goes on in prose, long enough that it must be wrapped at the edge again."
+    text = f"{prose}\n```python\n{code}\n```\n{prose}"
+    expected = f"{greedy_fill(prose, 24)}\n```python\n{code}\n```\n{greedy_fill(prose, 24)}"
+    assert len(greedy_fill(prose, 24).split("\n")) > 3  # the prose is wrapped, before the block and after it
+    for pieces in (1, 11, len(text)):
+        assert streamed(text, 24, pieces, seed=pieces) == expected
 
 
 def test_a_resized_terminal_is_followed():
@@ -81,12 +121,16 @@ def test_warming_up_before_the_prompt_leaves_no_trace():
     answers = []
     for warm in (True, False):
         llm = fastspec.LLM(max_total_tokens=4096, speculative_fallback=True)
+        engine = llm.engine
         session = ChatSession(llm, SamplingParams(max_new_tokens=12))
         if warm:
-            before = copy.deepcopy(llm.engine.policy)
+            before = copy.deepcopy(engine.policy)
             session.warm_up()
-            assert session.messages == [] and session.turns == [] and llm.engine.policy == before
+            assert session.messages == [] and session.turns == [] and engine.policy == before
+            engine.check_kv()  # the prefix cache holds nothing: every KV slot is free
+            assert engine.worker.cache is not None and engine.allocator.num_free() == engine.pool.capacity
         answers.append("".join(session.respond("What is the capital of France?")))
+        assert engine.worker.reused_tokens == 0  # the first answer prefilled its whole prompt (the template's too)
     assert answers[0] == answers[1]
 
 

@@ -215,6 +215,27 @@ def test_host_sync_fails_prepare_naming_graph_and_bucket(fn):
     assert eager.run(1, {"x": torch.ones(1, 3), "slots": torch.ones(1, dtype=torch.int64)})["y"].numel() >= 1
 
 
+@pytest.mark.parametrize("setting", ["0", "1", None])
+def test_graph_fallback_setting_decides_whether_a_failed_compile_raises(setting, monkeypatch, caplog):
+    """FASTSPEC_GRAPH_FALLBACK=0 (the suite's setting): a bucket that cannot compile fails `prepare`; 1 or unset
+    (a user's run): it runs its eager kernels after one warning line."""
+    if setting is None:
+        monkeypatch.delenv("FASTSPEC_GRAPH_FALLBACK", raising=False)
+    else:
+        monkeypatch.setenv("FASTSPEC_GRAPH_FALLBACK", setting)
+    inputs = [StaticInput("x", (3,), torch.float32, pad_value=1.0), StaticInput("slots", (), torch.int64)]
+    runner = GraphRunner("branchy", branch_on_item, inputs, [1], "compile")  # a host sync: fullgraph refuses it
+    if setting == "0":
+        with pytest.raises(FastspecError, match="cannot compile graph 'branchy' for batch bucket 1"):
+            runner.prepare()
+        return
+    with caplog.at_level("WARNING", logger="fastspec.graphs.runner"):
+        runner.prepare()
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["graph 'branchy', batch bucket 1"]
+    x = torch.tensor([[-2.0, 0.5, 0.5]])
+    assert torch.equal(runner.run(1, {"x": x, "slots": torch.zeros(1, dtype=torch.int64)})["y"], x - 1)
+
+
 def test_run_checks_inputs_and_outputs(compiled):
     runner = compiled[0]
     good = make_inputs(2, 0)

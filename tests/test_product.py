@@ -11,6 +11,7 @@ from conftest import all_slots_free
 from typer.testing import CliRunner
 
 import fastspec
+from fastspec.benchmark.profile import CATEGORIES
 from fastspec.cli import app
 from fastspec.sampling import SamplingParams
 
@@ -123,10 +124,37 @@ def test_bench_profile_splits_a_plain_step_and_a_round_by_category():
     for p in (plain, spec):
         assert p["device"] == "cpu" and p["batch_size"] == 1 and p["ms_per_step"] > 0 and p["launches_per_step"] > 0
         by = p["ms_by_category"]
+        assert list(by) == list(CATEGORIES)
         assert by["gemm"] > 0 and by["attention"] > 0
         assert sum(by.values()) <= p["ms_per_step"] * 1.05  # operator self times are parts of the wall time
-        assert 0 <= p["host_share"] < 1
-    assert spec["ms_by_category"]["sampling"] >= 0 and spec["steps"] > 0
+        # the host's share is the wall time the categories leave, but for rounding and for a category whose
+        # difference came out negative on a busy machine (it reads as 0, so the categories leave less)
+        left = max(0.0, 1 - sum(by.values()) / p["ms_per_step"])
+        assert left - 0.005 <= p["host_share"] <= left + 0.05
+    assert plain["steps"] == 16  # the two profiled runs are 16 tokens apart
+    assert spec["steps"] == int(spec["steps"]) and 1 <= spec["steps"] <= 16  # whole rounds, a token at least each
+
+
+def test_profile_step_is_the_difference_of_two_runs_per_step(monkeypatch):
+    """profile_step's arithmetic over two scripted recordings (short, long): (wall s, device-busy s, seconds by
+    category, launches, verify rounds)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from fastspec.benchmark import profile
+
+    runs = {4: (0.30, 0.20, Counter(gemm=0.10, attention=0.05, sampling=0.01, copies=0.04), 400, 6),
+            20: (1.10, 0.84, Counter(gemm=0.50, attention=0.21, sampling=0.05, copies=0.02, other=0.06), 1200, 22)}
+    monkeypatch.setattr(profile, "_generate", lambda *args: None)
+    monkeypatch.setattr(profile, "_recorded", lambda llm, prompt, bs, tokens: runs[tokens])
+    for enabled, per in ((False, 16), (True, 8)):  # plain: the 16 tokens asked for; speculative: 16 rounds / bs 2
+        engine = SimpleNamespace(spec=SimpleNamespace(enabled=enabled), config=SimpleNamespace(device="cpu"))
+        p = profile.profile_step(SimpleNamespace(engine=engine), [1, 2, 3], bs=2, steps=16)
+        assert (p.device, p.steps) == ("cpu", per)
+        assert p.ms_per_step == pytest.approx(800 / per, abs=1e-3) and p.launches_per_step == 800 / per
+        expected = {"gemm": 400, "attention": 160, "norm/elementwise": 0, "copies": 0, "sampling": 40, "other": 60}
+        assert p.ms_by_category == pytest.approx({c: ms / per for c, ms in expected.items()}, abs=1e-3)  # copies < 0
+        assert p.host_share == pytest.approx(1 - 0.64 / 0.80, abs=1e-3)  # wall time without a recorded operator
 
 
 def test_bench_profile_refuses_a_url():
