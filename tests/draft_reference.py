@@ -120,10 +120,11 @@ class DraftChecker:
     """Installed on an engine, checks every drafter's state before each draft (see the module docstring).
 
     sequences[rid]: request rid's prompt + greedy output, long enough to judge every draft token of its last
-    round (the target-only reference decoded a few tokens past max_new_tokens)."""
+    round (the target-only reference decoded a few tokens past max_new_tokens). `tol`: assert_close's tolerance
+    for KV and state (a deeper real model than the tiny ones rounds further apart)."""
 
-    def __init__(self, engine, sequences: list[list[int]]):
-        self.engine, self.sequences = engine, sequences
+    def __init__(self, engine, sequences: list[list[int]], tol: dict = TOL):
+        self.engine, self.sequences, self.tol = engine, sequences, tol
         self.accepts: dict[int, list[tuple[int, int]]] = {}  # rid -> (round start n, accept_len) per draft
         self.checked = self.trees = self.near_ties = 0
         for drafter in engine.drafters.values():
@@ -146,14 +147,14 @@ class DraftChecker:
         pool, table = self.engine.worker.draft_pool, self.engine.worker.table
         slots = table.slots(row, 0, n)
         for got, want in zip((t[:, slots] for t in (pool.k, pool.v) if t is not None), ref.kv):
-            torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"request {rid}, draft KV at 0..{n - 1}: {m}")
+            torch.testing.assert_close(got, want, **self.tol, msg=lambda m: f"request {rid}, draft KV at 0..{n - 1}: {m}")
         state = drafter.states[rid]
         where = f"request {rid}'s draft state after {n} tokens"
         for name in ("topk_p", "hidden", "normed", "layers"):
             got, want = getattr(state, name), getattr(ref, name)
             assert (got is None) == (want is None), f"{where}: {name}"
             if want is not None:
-                torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{where}, {name}: {m}")
+                torch.testing.assert_close(got, want, **self.tol, msg=lambda m: f"{where}, {name}: {m}")
         if ref.margin > TIE:
             assert torch.equal(state.topk_index, ref.topk_index), f"{where}: top-k tokens"
         self.checked += 1

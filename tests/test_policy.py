@@ -6,6 +6,7 @@ import random
 
 import pytest
 from conftest import all_slots_free
+from draft_reference import DraftChecker
 from test_speculative import PROMPTS, reference, spec_llm
 
 from fastspec.sampling import SamplingParams
@@ -132,7 +133,7 @@ def test_plain_rounds_leave_the_draft_alone_and_it_catches_up_before_speculating
     outputs = always_plain.engine.generate(prompts, [params] * len(prompts))
     assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, prompts, params)
     assert calls == []  # the draft never ran
-    assert not always_plain.engine.worker.backlog.behind(0)  # released requests leave no rows behind
+    assert not any(always_plain.engine.worker.backlog.behind(rid) for rid in range(len(prompts)))  # released: none
 
 
 def test_a_request_leaving_for_the_prefix_cache_completes_its_draft_kv_first(tiny_dirs, draft_dirs):
@@ -157,16 +158,24 @@ def test_a_request_leaving_for_the_prefix_cache_completes_its_draft_kv_first(tin
 
 
 def test_a_backlog_never_grows_past_its_bound(tiny_dirs, draft_dirs):
-    """The backlog holds at most chunked_prefill_size rows per request (its features take memory): past that the
-    draft catches up at once, in extends of at most that many rows. Lossless as ever."""
-    prompts, params = PROMPTS[:2], SamplingParams(max_new_tokens=24, ignore_eos=True)
+    """The backlog holds fewer than chunked_prefill_size rows per request (its features take memory): past that the
+    draft catches up at once, in extends of at most that many rows. After 12 plain rounds (the bound reached twice
+    over) speculation resumes from a draft whose KV and state equal a fresh prefill's, losslessly."""
+    prompts, params = PROMPTS[:3], SamplingParams(max_new_tokens=24, ignore_eos=True)
     llm = spec_llm(tiny_dirs, draft_dirs, "llama", "EAGLE3", "eagle3", 3, 2, 4, 1, radix_cache=False,
                    chunked_prefill_size=5)
-    llm.engine.policy = PlainFor(10**6)
+    llm.engine.policy = PlainFor(12)
     calls = count_extends(llm)
-    most = []
-    for _ in llm.engine.stream(prompts, [params] * len(prompts)):
-        most.append(max(llm.engine.worker.backlog.behind(rid) for rid in range(len(prompts))))
-    assert max(most) < 5 and calls and all(rows <= 5 and not graph for graph, rows in calls)
-    outputs = llm.engine.generate(prompts, [params] * len(prompts))
-    assert [o.output_ids for o in outputs] == reference(tiny_dirs, "llama", 1, prompts, params)
+    expected = reference(tiny_dirs, "llama", 1, prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
+    checker = DraftChecker(llm.engine, [p + out for p, out in zip(prompts, expected)])
+    most, outputs = {}, {i: [] for i in range(len(prompts))}
+    for step in llm.engine.stream(prompts, [params] * len(prompts)):
+        for out in step:
+            outputs[out.index] += out.new_ids
+        for rid in range(len(prompts)):
+            most[rid] = max(most.get(rid, 0), llm.engine.worker.backlog.behind(rid))
+    assert sorted(most) == [0, 1, 2] and max(most.values()) < 5  # every request's backlog, at every step
+    assert calls and all(rows <= 5 and not graph for graph, rows in calls)  # catch-ups, a bounded extend each
+    assert checker.checked >= len(prompts)  # then speculation, every request from an exact draft
+    assert [outputs[i] for i in range(len(prompts))] == [out[:24] for out in expected]
+    assert not any(llm.engine.worker.backlog.behind(rid) for rid in range(len(prompts)))
