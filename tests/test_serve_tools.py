@@ -1,7 +1,9 @@
 """Tool calls through `fastspec serve` with the official openai client: `required` and named choices always parse
 and match their function's schema, and equal target-only decoding under the same grammar (the server speculates
 with EAGLE-3); streamed tool-call deltas join to the non-streamed call; `auto` answers in text, and a call it opens
-is held to the schema by the format's lazy grammar; tool messages are taken back; bad tools are OpenAI 400s.
+is held to the schema by the format's lazy grammar; the tools, earlier calls and tool messages reach the chat
+template (no tools under `none`); with a request's own regex, EAGLE-3's bursts stream to exactly the non-streamed
+answer, and a call that is not one is content; bad tools are OpenAI 400s.
 Every format (hermes, llama3, mistral, pythonic, deepseek_v3) parsed and streamed from hand-written answers, and
 its lazy grammar checked with text and special-token markers."""
 
@@ -19,6 +21,7 @@ from fastspec.sampling import SamplingParams
 from fastspec.serve.errors import APIError
 from fastspec.serve.tool_stream import ToolStream
 from fastspec.serve.tools import close_objects, parse_output, parse_tools, template_parser, writes_spaces
+from fastspec.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
 
@@ -77,11 +80,39 @@ def test_forced_tool_calls_parse_match_their_schema_and_equal_target_only_decodi
     assert engine_settled(service)
 
 
-def test_auto_answers_in_text_and_tool_messages_are_taken_back(served):
-    client, _, _, service = served
+TOOLS_TEMPLATE = (  # writes the tools it is given and every message's calls, as a tools template does (briefly:
+    #                 the tiny served model's context is 256 tokens)
+    "{% for t in tools or [] %}[{{ t.function.name }}: {{ t.function.description }}]{% endfor %}"
+    "{% for m in messages %}<{{ m.role }}:{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL:{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}>"
+    "{% endfor %}")
+
+
+class RenderingTokenizer(Tokenizer):
+    """A model's tokenizer with TOOLS_TEMPLATE, keeping every prompt it renders (what the chat template saw)."""
+
+    def __init__(self, model_dir, tmp_path):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (tmp_path / name).symlink_to(model_dir / name)
+        (tmp_path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+        super().__init__(tmp_path)
+        self.prompts: list[str] = []
+
+    def apply_chat_template(self, *args, **kwargs) -> str:
+        self.prompts.append(super().apply_chat_template(*args, **kwargs))
+        return self.prompts[-1]
+
+
+def test_auto_answers_in_text_and_tool_messages_are_taken_back(served, monkeypatch, tmp_path):
+    """`auto` answers in text; the tools reach the chat template, and earlier calls and their results with them;
+    under tool_choice none the template sees no tools."""
+    client, _, llm, service = served
+    tok = RenderingTokenizer(llm.engine.model_dir, tmp_path)
+    monkeypatch.setattr(llm, "tokenizer", tok)
     ask = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER], max_tokens=12, temperature=0)
     got = client.chat.completions.create(**ask).choices[0]
     assert got.message.tool_calls is None and got.message.content  # a random model writes no <tool_call>
+    assert tok.prompts[-1] == "[get_weather: Weather by city.]<user:Weather in Oslo?>"
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **ask)
                        if c.choices)
     assert streamed == got.message.content
@@ -90,7 +121,60 @@ def test_auto_answers_in_text_and_tool_messages_are_taken_back(served):
             "name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     assert client.chat.completions.create(**(ask | {"messages": history})).choices[0].message.content
+    assert tok.prompts[-1].endswith('<assistant:CALL:get_weather{"city": "Oslo", "days": 1}><tool:sunny>')
     assert client.chat.completions.create(**(ask | {"tool_choice": "none"})).choices[0].message.content
+    assert tok.prompts[-1] == "<user:Weather in Oslo?>"  # no tools offered: the template is given none
+    assert engine_settled(service)
+
+
+def forcing(text: str) -> str:
+    """A regex that matches `text` alone."""
+    return "".join("\\" + c if c in ".^$*+?()[]{}|\\" else c for c in text)
+
+
+FORCED = {  # per format: (an answer with a call after free text, one that opens a call and is not one); no spaces
+    "hermes": ('Sure!<tool_call>{"name":"get_time","arguments":{"zone":"utc"}}</tool_call>',
+               'Sure!<tool_call>{"name":"get_time","arguments":{"zone":utc}}</tool_call>'),
+    "pythonic": ('[get_time(zone="cet"),get_weather(city="Oslo",days=2)]', "[get_time(zone=utc)]"),
+}
+
+
+def test_speculative_streams_join_to_the_answer_where_the_request_brings_its_own_grammar(served):
+    """A request with tools and its own regex (so no format grammar: calls are read from free text), answered by
+    EAGLE-3 several tokens a round: the streamed content and call deltas join to exactly the non-streamed answer,
+    the call after free text is one, and an answer that opens a call and is not one is content, with no call
+    delta. hermes through the served app, pythonic through an app over the same engine."""
+    from starlette.testclient import TestClient
+
+    from fastspec.serve.app import build_app
+
+    client, _, _, service = served
+    pythonic = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
+                             http_client=TestClient(build_app(service, MODEL, "pythonic")))
+    for parser, http in (("hermes", client), ("pythonic", pythonic)):
+        for text in FORCED[parser]:
+            ask = dict(model=MODEL, messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=100, temperature=0,
+                       extra_body={"regex": forcing(text)})
+            got = http.chat.completions.create(**ask)
+            assert got.model_extra["meta_info"]["spec_accepted_tokens"] > 0  # some rounds gave several tokens
+            answer = got.choices[0]
+            calls = [(c.function.name, c.function.arguments) for c in answer.message.tool_calls or []]
+            content, streamed, reasons = "", {}, []
+            for chunk in http.chat.completions.create(stream=True, **ask):
+                for c in chunk.choices:
+                    content, reasons = content + (c.delta.content or ""), reasons + [c.finish_reason]
+                    for d in c.delta.tool_calls or []:
+                        name, args = streamed.get(d.index, ("", ""))
+                        assert (d.id is not None) == (name == "")
+                        streamed[d.index] = (name + (d.function.name or ""), args + (d.function.arguments or ""))
+            assert (content, [streamed[i] for i in sorted(streamed)]) == (answer.message.content or "", calls)
+            assert reasons[-1] == answer.finish_reason
+            if text == FORCED[parser][0]:
+                assert answer.message.content == ("Sure!" if parser == "hermes" else None)
+                assert answer.finish_reason == "tool_calls" and calls and all(matches(*c) for c in calls)
+            else:
+                assert (answer.message.content, calls, answer.finish_reason) == (text, [], "stop")
+    pythonic.close()
     assert engine_settled(service)
 
 
@@ -158,7 +242,7 @@ def test_each_format_parses_and_its_stream_joins_to_exactly_the_answer(parser):
                     assert (d.name is not None) == (d.index not in streamed)
                     name, args = streamed.get(d.index, (d.name, ""))
                     streamed[d.index] = (name, args + d.arguments)
-            assert sent.strip() == (content or "").strip() and sent.startswith((content or "").rstrip())
+            assert sent == (content or "")
             assert [streamed[i] for i in sorted(streamed)] == calls
     assert template_parser("{{ '<|python_tag|>' }}") == "llama3" and template_parser("<tool_call>") == "hermes"
     assert template_parser("[TOOL_CALLS]") == "mistral" and template_parser("<｜tool▁calls▁begin｜>") == "deepseek_v3"
@@ -292,7 +376,7 @@ def test_forced_calls_on_the_embedded_model_end_and_hold_only_declared_keys(choi
     assert out.finish_reason == "stop", out.text
     content, calls = parse_output(out.text, tools, "hermes")
     assert content is None and [c.name for c in calls] == ["get_weather"]
-    assert set(json.loads(calls[0].arguments)) <= {"city"}
+    assert fits(json.loads(calls[0].arguments), CITY["function"]["parameters"]), calls  # city given, a string
 
 
 HERMES_TEMPLATE = (
@@ -355,7 +439,8 @@ def test_auto_calls_on_the_embedded_model_parse_fit_and_equal_target_only(served
     got = client.chat.completions.create(**pushed).choices[0]
     assert got.finish_reason == "tool_calls", got
     calls = [(c.function.name, c.function.arguments) for c in got.message.tool_calls]
-    assert len(calls) == 1 and calls[0][0] == "get_weather" and set(json.loads(calls[0][1])) <= {"city"}
+    assert len(calls) == 1 and calls[0][0] == "get_weather"
+    assert fits(json.loads(calls[0][1]), CITY["function"]["parameters"]), calls  # city given, a string
     streamed, content = {}, ""
     for chunk in client.chat.completions.create(stream=True, **pushed):
         for c in chunk.choices:

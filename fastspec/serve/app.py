@@ -84,8 +84,9 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
         params, keep_special = parsed.params, False
         if parsed.tools is not None:
             _check_schemas(service, parsed.tools)
-            parsed = replace(parsed, tools=replace(parsed.tools, spaced=tool_text.spaced))
-            params, keep_special = _tool_grammar(parsed.tools, tool_text, params)
+            tools = replace(parsed.tools, spaced=tool_text.spaced)
+            tools, params, keep_special = _tool_grammar(tools, tool_text, params)
+            parsed = replace(parsed, tools=tools)
         prompt_ids = _encode(service, parsed)
         if not parsed.max_tokens_given:  # chat's default: the rest of the context, capped
             room = service.engine.worker.max_context_len - len(prompt_ids)
@@ -110,16 +111,18 @@ def _check_schemas(service: EngineService, tools: Tools) -> None:
             raise APIError(f"tool {name!r}: {e}", param="tools") from None
 
 
-def _tool_grammar(tools: Tools, tool_text: _ToolText, params: SamplingParams) -> tuple[SamplingParams, bool]:
+def _tool_grammar(tools: Tools, tool_text: _ToolText, params: SamplingParams) -> tuple[Tools, SamplingParams, bool]:
     """The parameters with the choice's grammar: `required` / named, the calls' JSON schema (spaced as the
-    tokenizer can); `auto`, the format's lazy grammar unless the request brings its own. And whether the answer's
-    text must keep special tokens for the parser to see its markers."""
+    tokenizer can); `auto`, the format's lazy grammar unless the request brings its own (the tools then say that
+    no grammar holds the answer to the format: calls are read from free text). And whether the answer's text must
+    keep special tokens for the parser to see its markers."""
     if tools.choice != "auto":
         schema = tools.grammar()
-        return (params if schema is None else replace(params, json_schema=schema)), False
-    if params.json_schema is None and params.regex is None and params.ebnf is None:
-        params = replace(params, lark=tools.auto_grammar(tool_text.parser, tool_text.specials))
-    return params, needs_special_text(tool_text.parser, tool_text.specials)
+        return tools, (params if schema is None else replace(params, json_schema=schema)), False
+    keep_special = needs_special_text(tool_text.parser, tool_text.specials)
+    if params.json_schema is not None or params.regex is not None or params.ebnf is not None:
+        return replace(tools, held=False), params, keep_special
+    return tools, replace(params, lark=tools.auto_grammar(tool_text.parser, tool_text.specials)), keep_special
 
 
 def _encode(service: EngineService, parsed: ParsedRequest) -> list[int]:

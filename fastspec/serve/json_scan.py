@@ -1,6 +1,7 @@
 """Reading JSON that is still being generated: where a value ends (or that it has not ended yet), and a tool call
 object `{"name": ..., "arguments": {...}}` read as far as it goes, so that its arguments can be streamed as raw
-text while they grow. The arguments text so far is always a prefix of the finished arguments text."""
+text while they grow. The arguments text so far is always a prefix of the finished arguments text. And the same
+call read whole (`whole_call`): valid JSON, or not a call."""
 
 from __future__ import annotations
 
@@ -59,6 +60,14 @@ def _string_end(text: str, i: int) -> int | None:
     return None
 
 
+def _string(quoted: str) -> str | None:
+    """A whole JSON string's value; None where it is not valid JSON (a raw newline, a bad escape)."""
+    try:
+        return json.loads(quoted)
+    except json.JSONDecodeError:
+        return None
+
+
 @dataclass(frozen=True)
 class CallRead:
     """A call object read from its `{`: what is known so far. `end` is None until the object closes;
@@ -96,7 +105,9 @@ def read_call(text: str, i: int, args_keys: tuple[str, ...]) -> CallRead:
         key_end = _string_end(text, i)
         if key_end is None:
             return CallRead(**got)
-        key = json.loads(text[i:key_end])
+        key = _string(text[i:key_end])
+        if key is None or (key == "name" and "name" in got):  # a call names its function once
+            return CallRead(**got, invalid=True)
         i = skip_space(text, key_end)
         if i >= len(text):
             return CallRead(**got)
@@ -109,8 +120,8 @@ def read_call(text: str, i: int, args_keys: tuple[str, ...]) -> CallRead:
         if end is None:
             return CallRead(**got)
         if key == "name":
-            name = json.loads(text[i:end]) if text[i] == '"' else None
-            if not isinstance(name, str):
+            name = _string(text[i:end]) if text[i] == '"' else None
+            if name is None:
                 return CallRead(**got, invalid=True)
             got["name"] = name
         elif key in args_keys and got.get("args_start") == i:
@@ -120,3 +131,23 @@ def read_call(text: str, i: int, args_keys: tuple[str, ...]) -> CallRead:
             i += 1
         elif i < len(text) and text[i] != "}":
             return CallRead(**got, invalid=True)
+
+
+def whole_object(text: str, i: int) -> int | None:
+    """The index after the JSON object that starts at `text[i]`, where one does (valid JSON); None otherwise."""
+    end = value_end(text, i) if text.startswith("{", i) else None
+    try:
+        return end if end is not None and isinstance(json.loads(text[i:end]), dict) else None
+    except json.JSONDecodeError:
+        return None
+
+
+def whole_call(text: str, i: int, names, args_keys: tuple[str, ...]) -> tuple[str, str, int] | None:
+    """The call object at `text[i]` read whole: (name, its arguments' text, the index after it) where it is a valid
+    JSON object that names one of `names` and whose arguments are an object (none given: {}); None otherwise."""
+    read = read_call(text, i, args_keys)
+    if read.end is None or read.name not in names or whole_object(text, i) != read.end:
+        return None
+    if read.args_start is None:
+        return read.name, "{}", read.end
+    return (read.name, read.arguments(text), read.end) if whole_object(text, read.args_start) else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import warnings
 
 CALL_NAME = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 TERMINALS = ('PY_STRING: /"([^"\\\\\\n]|\\\\.)*"|\'([^\'\\\\\\n]|\\\\.)*\'/\n'
@@ -92,9 +93,10 @@ def grammar(schemas: dict, parallel: bool) -> str:
             + TERMINALS + PROSE)
 
 
-def scan(text: str, names: set[str], final: bool) -> list[tuple[str, str, bool]] | None:
-    """The calls of an answer so far as (name, JSON arguments, complete): a call's arguments are sent whole once
-    it closes. None where the answer is not (or not yet known to be) a list of calls."""
+def scan(text: str, names: set[str]) -> list[tuple[str, str]] | None:
+    """The calls of an answer so far as (name, JSON arguments), each once it has closed and read as a call (its
+    arguments are sent whole): nothing of a call is known before, so none is sent that turns out not to be one.
+    None where the answer is not (or not yet known to be) a list of calls."""
     i = len(text) - len(text.lstrip())
     if i >= len(text) or text[i] != "[":
         return None
@@ -102,21 +104,33 @@ def scan(text: str, names: set[str], final: bool) -> list[tuple[str, str, bool]]
     calls = []
     while True:
         m = CALL_NAME.match(text, i)
-        if m is None or m.group(1) not in names:
+        close = _close(text, m.end()) if m is not None and m.group(1) in names else None
+        arguments = None if close is None else _arguments(text[m.start(1):close + 1])
+        if arguments is None:  # not a call of these functions, or not closed yet
             return calls or None
-        close = _close(text, m.end())
-        if close is None:
-            return calls + [(m.group(1), "{}" if final else "", False)]
-        arguments = _arguments(text[m.start(1):close + 1])
-        if arguments is None:
-            return calls or None
-        calls.append((m.group(1), arguments, True))
+        calls.append((m.group(1), arguments))
         i = close + 1
         while i < len(text) and text[i] in " \n":
             i += 1
         if i >= len(text) or text[i] != ",":
             return calls
         i += 1
+
+
+def read(text: str, names: set[str]) -> list[tuple[str, str]] | None:
+    """A finished answer read whole (from free text): its calls where it is exactly a list of calls of these
+    functions with literal keyword arguments, else None."""
+    node = _parse(text.strip())
+    if not isinstance(node, ast.List) or not node.elts:
+        return None
+    calls = []
+    for call in node.elts:
+        named = isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in names
+        arguments = _keywords(call) if named else None
+        if arguments is None:
+            return None
+        calls.append((call.func.id, arguments))
+    return calls
 
 
 def _close(text: str, i: int) -> int | None:
@@ -143,10 +157,25 @@ def _close(text: str, i: int) -> int | None:
 
 def _arguments(call: str) -> str | None:
     """`f(a=1, b="x")` -> '{"a": 1, "b": "x"}'; None where it is not a call with literal keyword arguments."""
+    node = _parse(call)
+    return _keywords(node) if isinstance(node, ast.Call) else None
+
+
+def _parse(source: str) -> ast.expr | None:
+    """The expression `source` is, or None; quietly (a model's `"C:\\x"` is no warning of ours to print)."""
     try:
-        node = ast.parse(call, mode="eval").body
-        if not isinstance(node, ast.Call) or node.args:
-            return None
-        return json.dumps({k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None})
-    except (SyntaxError, ValueError, TypeError, RecursionError):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ast.parse(source, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+
+
+def _keywords(call: ast.Call) -> str | None:
+    """A call's keyword arguments as JSON; None where it has others (positional, `**`) or a value is no literal."""
+    if call.args or any(k.arg is None for k in call.keywords):
+        return None
+    try:
+        return json.dumps({k.arg: ast.literal_eval(k.value) for k in call.keywords})
+    except (ValueError, TypeError, SyntaxError, RecursionError):
         return None

@@ -3,6 +3,11 @@ runs free until the model opens a call in its format; from there the call follow
 the reading of an answer as far as it has been generated into content and calls (`scan`: what streaming sends,
 and with `final` the finished answer's content and calls, so the streamed pieces join to exactly those).
 
+An answer the grammar holds to the format (`tools.held`) is read as it grows: a call from its function's name on,
+its arguments' text as it comes (pythonic: each call once it closes). From free text (the request brought its own
+grammar) a hermes block is a call only once it closes as a valid one; the other formats' answers are read whole
+when they end (fastspec.serve.free_calls).
+
 - hermes (Hermes, Qwen 2.5 / 3): `<tool_call>{"name": "f", "arguments": {...}}</tool_call>`, any number, text
   around them is content.
 - llama3 (Llama 3.1 / 3.2 JSON): the whole answer `{"name": "f", "parameters": {...}}`, optionally after
@@ -23,7 +28,7 @@ import json
 from dataclasses import dataclass
 
 from fastspec.serve import pythonic
-from fastspec.serve.json_scan import read_call, skip_space, value_end
+from fastspec.serve.json_scan import read_call, skip_space, value_end, whole_call
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -31,6 +36,7 @@ MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
 TEXT = "TEXT: /(.|\\n)*/\n"
+ARGS_KEYS, LLAMA3_KEYS = ("arguments", "parameters"), ("parameters", "arguments")
 
 
 @dataclass(frozen=True)
@@ -118,31 +124,42 @@ def hermes_grammar(tools, specials: dict[str, int]) -> str:
 
 def hermes_scan(text: str, tools, final: bool) -> Scanned:
     content, calls, pos = [], [], 0
-    while True:
-        at = text.find(HERMES_OPEN, pos)
-        if at < 0:
-            content.append(_free(text[pos:], HERMES_OPEN, final))
-            break
+    while (at := text.find(HERMES_OPEN, pos)) >= 0:
         content.append(text[pos:at])
-        read = read_call(text, skip_space(text, at + len(HERMES_OPEN)), ("arguments", "parameters"))
-        if read.name in tools.schemas:  # a call from its name on, whatever follows
-            calls.append(PartialCall(read.name, _args(read, text, final), read.end is not None))
-            if read.end is None:
-                break
-            close = skip_space(text, read.end)
-            if text.startswith(HERMES_CLOSE, close):
-                pos = close + len(HERMES_CLOSE)
-            elif not final and HERMES_CLOSE.startswith(text[close:close + len(HERMES_CLOSE)]):
-                break  # the close is still coming
-            else:
-                pos = read.end
-            continue
-        end = text.find(HERMES_CLOSE, at)  # not a call: the block is content, once it is known not to be one
-        if not (read.invalid or read.name is not None or final) or (end < 0 and not final):
-            break
-        pos = len(text) if end < 0 else end + len(HERMES_CLOSE)
-        content.append(text[at:pos])
+        call, pos = _hermes_block(text, at, tools, final)
+        calls += [] if call is None else [call]
+        if pos is None:
+            return Scanned("".join(content), tuple(calls))
+        if call is None:
+            content.append(text[at:pos])
+    content.append(_free(text[pos:], HERMES_OPEN, final))
     return Scanned("".join(content), tuple(calls))
+
+
+def _hermes_block(text: str, at: int, tools, final: bool) -> tuple[PartialCall | None, int | None]:
+    """The `<tool_call>` block at `at`: the call it is (None: it is content, through the next `</tool_call>`) and
+    where it ends (None: not known yet). Held to the format it is a call from a known name on, whatever follows;
+    from free text only once whole: a valid call object, then `</tool_call>`."""
+    start = skip_space(text, at + len(HERMES_OPEN))
+    read = read_call(text, start, ARGS_KEYS)
+    close = len(text) if read.end is None else skip_space(text, read.end)
+    closed = text.startswith(HERMES_CLOSE, close)
+    coming = not (final or closed) and HERMES_CLOSE.startswith(text[close:close + len(HERMES_CLOSE)])
+    if tools.held and read.name in tools.schemas:
+        call = PartialCall(read.name, _args(read, text, final), read.end is not None)
+        if read.end is None or coming:
+            return call, None
+        return call, (close + len(HERMES_CLOSE) if closed else read.end)
+    whole = whole_call(text, start, tools.schemas, ARGS_KEYS)
+    if whole is not None and closed:  # free text (held, a known name returned above)
+        return PartialCall(whole[0], whole[1], True), close + len(HERMES_CLOSE)
+    unknown = read.name is not None and read.name not in tools.schemas
+    if not (final or read.invalid or unknown or (read.end is not None and not coming)):
+        return None, None  # it may still be a call
+    end = text.find(HERMES_CLOSE, at)
+    if end < 0:
+        return None, (len(text) if final else None)
+    return None, end + len(HERMES_CLOSE)
 
 
 # ---- llama3 (JSON) ----
@@ -162,7 +179,7 @@ def llama3_scan(text: str, tools, final: bool) -> Scanned:
         return Scanned("")  # undecided
     if rest.startswith(PYTHON_TAG):
         i = skip_space(text, i + len(PYTHON_TAG))
-    return json_calls(text, i, tools, final, ";", ("parameters", "arguments"))
+    return json_calls(text, i, tools, final, ";", LLAMA3_KEYS)
 
 
 def json_calls(text: str, i: int, tools, final: bool, separator: str, args_keys: tuple[str, ...]) -> Scanned:
@@ -207,7 +224,7 @@ def mistral_scan(text: str, tools, final: bool) -> Scanned:
     else:
         if i < len(text) and text[i] == "[":
             i = skip_space(text, i + 1)
-        got = json_calls(text, i, tools, final, ",", ("arguments", "parameters"))
+        got = json_calls(text, i, tools, final, ",", ARGS_KEYS)
     return Scanned(text[:at] if got.calls or not final else text, got.calls)
 
 
@@ -262,10 +279,10 @@ def deepseek_scan(text: str, tools, final: bool) -> Scanned:
 # ---- pythonic ----
 
 def pythonic_scan(text: str, tools, final: bool) -> Scanned:
-    found = pythonic.scan(text, set(tools.schemas), final)
+    found = pythonic.scan(text, set(tools.schemas))
     if found is None:
         return Scanned(text if final else ("" if not text.strip() or text.lstrip()[0] == "[" else text))
-    return Scanned("", tuple(PartialCall(name, args, done) for name, args, done in found))
+    return Scanned("", tuple(PartialCall(name, args, True) for name, args in found))
 
 
 FORMATS = {  # name -> (auto grammar, scan, the tokens it needs to see in the answer's text)

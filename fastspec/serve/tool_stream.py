@@ -1,7 +1,8 @@
 """One streamed choice of a request with tools: after each piece of the answer, the content and tool-call deltas
-that are new. Content is sent as soon as it cannot be the start of a call; a call is sent from its name on (the
-first delta with id and name), then its arguments' text as it grows. The finished answer read by
-`fastspec.serve.tools.parse_output` is exactly what these deltas join to."""
+that are new. Content is sent as soon as it cannot be the start of a call; a call is sent once the format's scan
+knows it is one (the first delta with id and name), then its arguments' text as it grows. The finished answer read
+by `fastspec.serve.tools.parse_output` is exactly what these deltas join to: content that is only spaces waits
+until it is known to be the answer's (a finished answer with calls has none)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ class ToolStream:
     def feed(self, text: str, final: bool) -> tuple[str, tuple[ArgumentsDelta, ...]]:
         """(new content, new call deltas) for the answer's text so far; `final` once it is finished."""
         found = scan(text, self.tools, self.parser, final)
-        content, self.content = found.content[self.content:], max(self.content, len(found.content))
+        content = ""
+        if found.content.strip() or (final and not found.calls):
+            content, self.content = found.content[self.content:], max(self.content, len(found.content))
         deltas = []
         for index, call in enumerate(found.calls):
             if call.name is None:

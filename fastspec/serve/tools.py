@@ -7,7 +7,8 @@ parses and matches the functions' schemas, whatever the template's format. `auto
 grammar (fastspec.serve.tool_formats): free text until the model opens a call, the call then held to the
 schemas. Objects in those schemas are closed unless they say otherwise (`close_objects`), so a call holds only
 keys the function declares, and ends. Arguments are the answer's own text, streamed as generated
-(fastspec.serve.tool_stream).
+(fastspec.serve.tool_stream). An `auto` request that brings its own response_format / regex / ebnf decodes
+without the format's grammar: its calls are read from free text, each only once whole (fastspec.serve.free_calls).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from fastspec.serve import free_calls
 from fastspec.serve.errors import APIError
 from fastspec.serve.json_scan import skip_space
 from fastspec.serve.tool_formats import (FORMATS, PartialCall, Scanned, json_calls, one_line,  # noqa: F401
@@ -62,6 +64,8 @@ class Tools:
     schemas: dict = field(default_factory=dict)  # name -> the parameters a call is held to (close_objects)
     parallel: bool = True  # `parallel_tool_calls`: several calls in one answer
     spaced: bool = True  # calls' JSON with `, ` and `: ` (False: the tokenizer cannot write a space)
+    held: bool = True  # a grammar holds the answer to the format (False: an `auto` request that brings its own
+    #                    response_format / regex / ebnf; calls are then read from free text, each only once whole)
 
     def auto_grammar(self, parser: str, specials: dict[str, int]) -> str | None:
         """The Lark grammar an `auto` answer decodes under in `parser`'s format (None for other choices);
@@ -169,7 +173,8 @@ def parse_output(text: str, tools: Tools, parser: str) -> tuple[str | None, list
 
 def scan(text: str, tools: Tools | None, parser: str, final: bool) -> Scanned:
     """An answer so far read as content and calls: under `required` a JSON list of calls, under a named function
-    its arguments, under `auto` the parser's format (fastspec.serve.tool_formats)."""
+    its arguments, under `auto` the parser's format (fastspec.serve.tool_formats; fastspec.serve.free_calls where
+    no grammar held the answer to it)."""
     if tools is None or tools.choice == "none":
         return Scanned(text)
     if tools.choice == "named":
@@ -180,4 +185,5 @@ def scan(text: str, tools: Tools | None, parser: str, final: bool) -> Scanned:
             found = json_calls(text, skip_space(text, i + 1), tools, final, ",", ("parameters",))
             return Scanned("" if found.calls else found.content, found.calls)
         return Scanned(text if final else "")
-    return FORMATS[parser][1](text, tools, final)
+    found = FORMATS[parser][1](text, tools, final)
+    return found if tools.held else free_calls.scan(found, text, tools, parser, final)
