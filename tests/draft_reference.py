@@ -102,22 +102,22 @@ def _relative_gaps(x: torch.Tensor) -> torch.Tensor:  # [..., m] sorted descendi
 def accept_len(tree: DraftTree, b: int, sequence: list[int]) -> int:
     """Draft tokens request b's tree accepts against the known greedy continuation `sequence` (the target's
     token after node i sits at position_i + 1)."""
-    n = tree.num_draft_tokens
-    positions = tree.positions.view(-1, n)[b]
-    predict = torch.tensor([sequence[p + 1] if p + 1 < len(sequence) else -1 for p in positions.tolist()])
-    one = DraftTree(tree.draft_tokens[b:b + 1], positions, tree.tree_mask[b:b + 1],
-                    *(_local(t, b, n) for t in (tree.retrieve_index, tree.retrieve_next_token,
-                                                tree.retrieve_next_sibling)), tree.num_steps, tree.topk)
+    one = request_tree(tree, b)
+    predict = torch.tensor([sequence[p + 1] if p + 1 < len(sequence) else -1 for p in one.positions.tolist()])
     return int(verify_predicted(one, predict[None]).accept_len[0])
 
 
-def _local(t: torch.Tensor, b: int, n: int) -> torch.Tensor:  # [1, N] request b's retrieve list, as in a bs-1 tree
-    row = t[b:b + 1]
-    return torch.where(row >= b * n, row - b * n, row) if t.dtype == torch.int64 and row.max() >= b * n else row
+def request_tree(tree: DraftTree, b: int) -> DraftTree:
+    """Request b's tree as a batch of one (retrieve_index holds flat verify rows b*N + i)."""
+    n = tree.num_draft_tokens
+    return DraftTree(tree.draft_tokens[b:b + 1], tree.positions.view(-1, n)[b], tree.tree_mask[b:b + 1],
+                     tree.retrieve_index[b:b + 1] - b * n, tree.retrieve_next_token[b:b + 1],
+                     tree.retrieve_next_sibling[b:b + 1], tree.num_steps, tree.topk)
 
 
 class DraftChecker:
-    """Installed on an engine, checks every drafter's state before each draft (see the module docstring).
+    """Installed on an engine, checks every drafter's state before each draft (see the module docstring); for
+    greedy requests without a grammar (a grammar masks the draft's choices).
 
     sequences[rid]: request rid's prompt + greedy output, long enough to judge every draft token of its last
     round (the target-only reference decoded a few tokens past max_new_tokens). `tol`: assert_close's tolerance
@@ -146,8 +146,9 @@ class DraftChecker:
         ref = reference(self.engine, drafter, self.sequences[rid][:n + 1])
         pool, table = self.engine.worker.draft_pool, self.engine.worker.table
         slots = table.slots(row, 0, n)
+        where = f"request {rid}'s draft KV at positions 0..{n - 1}"
         for got, want in zip((t[:, slots] for t in (pool.k, pool.v) if t is not None), ref.kv):
-            torch.testing.assert_close(got, want, **self.tol, msg=lambda m: f"request {rid}, draft KV at 0..{n - 1}: {m}")
+            torch.testing.assert_close(got, want, **self.tol, msg=lambda m: f"{where}: {m}")
         state = drafter.states[rid]
         where = f"request {rid}'s draft state after {n} tokens"
         for name in ("topk_p", "hidden", "normed", "layers"):
@@ -164,14 +165,10 @@ class DraftChecker:
         if ref.margin <= TIE:
             self.near_ties += 1
             return
-        n = tree.num_draft_tokens
-        got = (tree.draft_tokens[b], tree.positions.view(-1, n)[b], tree.tree_mask[b],
-               *(_local(t, b, n)[0] for t in (tree.retrieve_index, tree.retrieve_next_token,
-                                              tree.retrieve_next_sibling)))
-        want = (ref.tree.draft_tokens[0], ref.tree.positions, ref.tree.tree_mask[0], ref.tree.retrieve_index[0],
-                ref.tree.retrieve_next_token[0], ref.tree.retrieve_next_sibling[0])
-        for name, g, w in zip(("tokens", "positions", "mask", "retrieve_index", "next_token", "next_sibling"),
-                              got, want):
+        got, want = request_tree(tree, b), ref.tree
+        for name in ("draft_tokens", "positions", "tree_mask", "retrieve_index", "retrieve_next_token",
+                     "retrieve_next_sibling"):
+            g, w = getattr(got, name), getattr(want, name)
             assert torch.equal(g, w), f"draft tree {name}: {g.tolist()} != reference {w.tolist()}"
         self.trees += 1
 
