@@ -9,30 +9,16 @@ For each algorithm that drafts: EAGLE, EAGLE-3, STANDALONE, NEXTN (DeepSeek MTP 
 Qwen3-Next's MTP layer over a hybrid target).
 """
 
-import random
-
 import pytest
 from conftest import all_slots_free
 from draft_reference import DraftChecker
+from test_policy import Alternating, PlainFor
 from test_speculative import PROMPTS
 
 import fastspec
 from fastspec.sampling import SamplingParams
 
 NEW = 16
-
-
-class Alternating:
-    """A scripted fallback policy: plain or speculative at random (seeded), so the backlog fills and empties."""
-
-    def __init__(self, seed: int):
-        self.rng = random.Random(seed)
-
-    def speculate(self, bs):
-        return self.rng.random() < 0.5
-
-    def record(self, *args):
-        pass
 
 
 def greedy(model: str, prompts: list[list[int]], new: int, **options) -> list[list[int]]:
@@ -102,20 +88,6 @@ def test_draft_state_equals_a_fresh_prefill_after_every_path(tiny_dirs, draft_di
     if preempt:
         assert llm.engine.preemptions > 0
     assert all_slots_free(llm.engine)
-
-
-class PlainFor:
-    """Plain for the first `n` rounds, speculative after."""
-
-    def __init__(self, n: int):
-        self.n, self.rounds = n, 0
-
-    def speculate(self, bs):
-        self.rounds += 1
-        return self.rounds > self.n
-
-    def record(self, *args):
-        pass
 
 
 @pytest.mark.parametrize("family, algorithm, draft, steps, topk, n, page_size",
