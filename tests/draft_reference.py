@@ -4,7 +4,9 @@ Before every round an EAGLE-style drafter drafts from (a) its KV at the committe
 prefill chunks, backlog catch-ups, decode-round extends, the prefix cache and re-prefills after preemption, and
 (b) the state its last extend left (top-k, hidden, normed, per-layer outputs). The reference builds both from
 the committed tokens alone: one packed causal target forward (no pool, no table), one draft prefill over the
-whole sequence into a fresh pool and the draft loop over it (the tuner's replay code). `DraftChecker` hooks an
+whole sequence into a fresh pool and the draft loop over it (the tuner's replay code). The tree is also checked
+against an oracle that shares no code with the draft loop (`oracle_paths`: each path drafted on its own, one
+forward per node over its true ancestors, the best paths kept by the EAGLE rule). `DraftChecker` hooks an
 engine's drafters and, at every draft, compares the KV of every layer, the state and the proposed tree, and
 walks the tree against the known greedy continuation, so acceptance is pinned exactly too.
 
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastspec.attention import AttentionContext, TorchAttnBackend
+from fastspec.attention.torch_backend import block_plan
 from fastspec.memory import KVPool
 from fastspec.speculative.steps import draft_top_k
 from fastspec.speculative.tree import DraftTree, build_tree, organize_draft_results, verify_predicted
@@ -40,6 +44,7 @@ class Reference:
     normed: torch.Tensor  # [Hd]
     layers: torch.Tensor | None  # [D-1, Hd]  a draft with a layer per step
     tree: DraftTree  # bs 1
+    paths: frozenset  # the oracle's tree: each node as the tuple of draft tokens from the root to it
     margin: float  # the smallest gap between candidates the tree's choice depends on
 
 
@@ -70,7 +75,7 @@ def reference(engine, drafter, tokens: list[int]) -> Reference:
     features = hidden.aux if engine.feature == "aux" else hidden.final
     layers, heads, dim, separate_v = draft.config.kv_layout
     topk, steps = drafter.topk, drafter.num_steps
-    pool = KVPool(layers, heads, dim, n + 1 + topk * max(steps, 1), 1, features.dtype, separate_v=separate_v)
+    pool = KVPool(layers, heads, dim, n + 1 + 2 * topk * max(steps, 1), 1, features.dtype, separate_v=separate_v)
     rows, layer_rows = draft_prefill(draft, pool, seq[1:], features)  # position p in slot p + 1
     recording = _Recording(draft)
     topk_p, topk_index = draft_top_k(draft, drafter.hot_token_id, rows.normed[n - 1:n], drafter.extend_topk)
@@ -81,9 +86,55 @@ def reference(engine, drafter, tokens: list[int]) -> Reference:
     tree = build_tree(seq[n:], parent_list, top_index, draft_tokens, torch.tensor([n]), topk, steps,
                       drafter.num_draft_tokens)
     kv = [t[:, 1:n + 1].clone() for t in (pool.k, pool.v) if t is not None]
+    paths, oracle_margin = oracle_paths(draft, drafter, pool, n, topk_p[0, :topk], topk_index[0, :topk],
+                                        rows.carry[n - 1])
+    margin = _margin(recording.probs, torch.cat(scores, 1).flatten(), topk, drafter.num_draft_tokens)
     return Reference(kv, topk_p[0], topk_index[0], rows.carry[n - 1], rows.normed[n - 1],
-                     None if layer_rows is None else layer_rows[n - 1], tree,
-                     _margin(recording.probs, torch.cat(scores, 1).flatten(), topk, drafter.num_draft_tokens))
+                     None if layer_rows is None else layer_rows[n - 1], tree, paths, min(margin, oracle_margin))
+
+
+def oracle_paths(draft, drafter, pool, n: int, root_p, root_tokens, root_carry) -> tuple[frozenset, float]:
+    """The EAGLE tree from first principles: the root's top-k are the first candidates and beams; each step every
+    beam (a path of draft tokens) is drafted on its own, at position n + depth - 1, from its last token and its
+    parent's carry, seeing the committed KV (slots 1..n) and the KV its own ancestors wrote (a draft with a layer
+    per step: the committed KV of its step's layer only); its top-k children score beam score x probability, the
+    best k of all children are the next beams; the tree is the best N-1 candidates of every step. Returns the
+    tree as a set of paths, and the smallest relative gap those choices depend on."""
+    topk, layered = drafter.topk, draft.per_step_layers > 1
+    beams = [(float(p), (int(t),)) for p, t in zip(root_p, root_tokens)]
+    candidates, gaps = list(beams), []
+    carry, slot = {(): root_carry}, {(): None}
+    free = iter(range(n + 1 + topk * drafter.num_steps, pool.num_slots))
+    for step in range(1, drafter.num_steps):
+        children = []
+        for score, path in beams:
+            slot[path] = next(free)
+            ancestors = [] if layered else [slot[path[:i]] for i in range(1, len(path))]
+            prefix = torch.tensor([list(range(1, n + 1)) + ancestors])
+            plan = block_plan(prefix, torch.ones_like(prefix, dtype=torch.bool), torch.tensor([[slot[path]]]),
+                              torch.ones(1, 1, 1, dtype=torch.bool))
+            args = (torch.tensor(path[-1:]), torch.tensor([n + len(path) - 1]), carry[path[:-1]][None],
+                    AttentionContext(TorchAttnBackend(), plan, pool))
+            out = draft(*args, step=step) if layered else draft(*args)
+            carry[path] = out.carry[0]
+            probs = torch.softmax(draft.compute_logits(out.normed).float(), -1)[0]
+            gaps.append(_relative_gaps(probs.sort(descending=True).values[:topk + 1]))
+            p, tokens = draft_top_k(draft, drafter.hot_token_id, out.normed, topk)
+            children += [(score * float(q), path + (int(t),)) for q, t in zip(p[0], tokens[0])]
+        candidates += children
+        children.sort(key=lambda c: -c[0])
+        gaps.append(_relative_gaps(torch.tensor([c[0] for c in children[:topk + 1]])))
+        beams = children[:topk]
+    candidates.sort(key=lambda c: -c[0])
+    gaps.append(_relative_gaps(torch.tensor([c[0] for c in candidates[:drafter.num_draft_tokens]])))
+    margin = min((float(g.min()) for g in gaps if g.numel()), default=float("inf"))
+    return frozenset(path for _, path in candidates[:drafter.num_draft_tokens - 1]), margin
+
+
+def tree_paths(tree: DraftTree) -> frozenset:
+    """A bs-1 tree's nodes as paths of draft tokens from the root (a node's ancestors precede it)."""
+    tokens, mask = tree.draft_tokens[0].tolist(), tree.tree_mask[0]
+    return frozenset(tuple(tokens[j] for j in range(1, i + 1) if mask[i, j]) for i in range(1, len(tokens)))
 
 
 def _margin(probs: list[torch.Tensor], scores: torch.Tensor, topk: int, num_draft_tokens: int) -> float:
@@ -166,6 +217,9 @@ class DraftChecker:
             self.near_ties += 1
             return
         got, want = request_tree(tree, b), ref.tree
+        assert tree_paths(got) == ref.paths, f"draft tree {sorted(tree_paths(got))} != oracle {sorted(ref.paths)}"
+        depths = torch.tensor([0] + [int(got.tree_mask[0, i, 1:].sum()) for i in range(1, got.num_draft_tokens)])
+        assert torch.equal(got.positions - got.positions[0], depths), "a draft node's position is not its depth"
         for name in ("draft_tokens", "positions", "tree_mask", "retrieve_index", "retrieve_next_token",
                      "retrieve_next_sibling"):
             g, w = getattr(got, name), getattr(want, name)
