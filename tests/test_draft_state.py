@@ -38,7 +38,8 @@ def run_checked(llm, prompts: list[list[int]], sequences: list[list[int]], new: 
         m = out.metrics
         assert (m.verify_rounds, m.accepted_tokens) == checker.expected_metrics(rid, len(prompt), new), rid
     worker = llm.engine.worker  # every request released: no draft state or backlog rows left behind
-    assert not any(d.states for d in worker.drafters.values()) and not any(map(worker.backlog.behind, range(len(prompts))))
+    assert not any(d.states for d in worker.drafters.values())
+    assert not any(worker.backlog.behind(rid) for rid in range(len(prompts)))
     # near-ties (a random head's flat distributions have some) leave a tree unchecked, never most of them
     assert checker.checked > 0 and checker.trees >= checker.checked / 2, (checker.trees, checker.checked)
     return checker, outputs
