@@ -2,9 +2,9 @@
 
 Owns the tree, evicts from it into the allocator when the worker needs room, starts a new request on its
 longest cached prefix (writing the reused slots into its table row) and takes a released request's KV in. The
-tree is keyed by token pairs (`cache_keys`), so the draft's KV it keeps is exact for every request reusing it. For a
-hybrid target it also keeps recurrent-state checkpoints (fastspec.memory.state_checkpoints): a request resumes
-only where a state was saved. Knows nothing about models or rounds.
+tree is keyed by token pairs (`cache_keys`), so the draft KV it keeps is exact for every request reusing it.
+For a hybrid target it also keeps recurrent-state checkpoints (fastspec.memory.state_checkpoints): a request
+resumes only where a state was saved. Knows nothing about models or rounds.
 """
 
 from __future__ import annotations
