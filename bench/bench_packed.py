@@ -1,0 +1,138 @@
+"""Packed-weight GEMM kernels on this CPU at the embedded model's shapes: what one token's linears cost in each
+weight format, so the packed-GGUF path picks its kernel and activation dtype by measurement (AMX, AVX-512 and
+AVX2-only boxes rank them differently).
+
+    .venv/bin/python bench/bench_packed.py [--rows 1,8] [--trials 7] [--threads N]
+
+Every variant runs the linears of all 30 layers (fused QKV, o, fused gate_up, down) and the lm_head, each layer
+with weights of its own (~100-540 MB in all, so they stream from memory as in a real step, not from cache), over
+`rows` activation rows (1: a plain decode step, 8: a verify). Each variant's error is checked against float32
+on the same dequantised weights first. Variants:
+  float32 / bfloat16      F.linear on dequantised weights (float32 is today's path)
+  int8 (bf16 / f32 act.)  torch's _weight_int8pack_mm, one scale per output channel (Q8_0 re-quantised per row)
+  int4 (bf16 / f32 act.)  torch's _weight_int4pack_mm_for_cpu, group 32: Q4_0 / Q4_1 exactly
+                          (w = (q - 8) * scale + zero: Q4_1's d*q + m is scale d, zero m + 8d)
+  dequant+linear          Q4_1 nibbles unpacked to float32 per call, then F.linear (eager; the exact fallback)
+Writes bench/results/packed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
+Q_KV = 576 + 2 * 192  # 9 query heads, 3 KV heads of 64
+SHAPES = [(Q_KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # [N, K] per layer
+GROUP = 32
+
+
+def q4_1(n: int, k: int, gen: torch.Generator):
+    """Random Q4_1 blocks of a [n, k] weight: nibbles q [n, k] int32 in 0..15, per-32 scale d and min m [n, k/32]."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+    d = torch.rand(n, k // GROUP, generator=gen) * 0.01
+    m = -8 * d + torch.randn(n, k // GROUP, generator=gen) * 0.001
+    return q, d, m
+
+
+def dequant(q, d, m) -> torch.Tensor:  # [n, k] float32: w = d * q + m per block
+    return q.float() * d.repeat_interleave(GROUP, 1) + m.repeat_interleave(GROUP, 1)
+
+
+def build(variant: str, q, d, m):
+    """(weight data, fn(x, data) -> y) of one linear in this format."""
+    w = dequant(q, d, m)
+    if variant in ("float32", "bfloat16"):
+        return w.to(getattr(torch, variant)), F.linear
+    if variant.startswith("int8"):
+        scale = w.abs().amax(1) / 127
+        w8 = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
+        dtype = torch.bfloat16 if "bf16" in variant else torch.float32
+        return (w8, scale.to(dtype)), lambda x, data: torch.ops.aten._weight_int8pack_mm(x, *data)
+    if variant.startswith("int4"):
+        dtype = torch.bfloat16 if "bf16" in variant else torch.float32
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        scale_zero = torch.stack([d, m + 8 * d], -1).transpose(0, 1).contiguous().to(dtype)  # [k/32, n, 2]
+        return (packed, scale_zero), lambda x, data: torch.ops.aten._weight_int4pack_mm_for_cpu(x, data[0], GROUP,
+                                                                                               data[1])
+    if variant == "dequant+linear":
+        nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # two per byte, as GGUF stores them
+
+        def unpack_linear(x, data):
+            b, d_, m_ = data
+            q_ = torch.stack([b & 15, b >> 4], -1).flatten(1)
+            return F.linear(x, q_.float() * d_.repeat_interleave(GROUP, 1) + m_.repeat_interleave(GROUP, 1))
+        return (nibbles, d, m), unpack_linear
+    raise ValueError(variant)
+
+
+VARIANTS = ["float32", "bfloat16", "int8 bf16 act", "int8 f32 act", "int4 bf16 act", "int4 f32 act",
+            "dequant+linear"]
+
+
+def activation_dtype(variant: str) -> torch.dtype:
+    return torch.bfloat16 if variant == "bfloat16" or "bf16" in variant else torch.float32
+
+
+def measure(variant: str, rows: int, trials: int, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    layers = [[build(variant, *q4_1(n, k, gen)) for n, k in SHAPES] for _ in range(LAYERS)]
+    head_q = q4_1(VOCAB, HIDDEN, gen)
+    head = build(variant, *head_q)
+    dtype = activation_dtype(variant)
+    xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
+    # error against float32 on the same dequantised lm_head weights (the widest GEMM)
+    ref = F.linear(xs[HIDDEN].float(), dequant(*head_q))
+    error = float((head[1](xs[HIDDEN], head[0]).float() - ref).abs().max() / ref.abs().max())
+
+    def token():
+        for layer in layers:
+            for (data, fn), (_, k) in zip(layer, SHAPES):
+                fn(xs[k], data)
+        head[1](xs[HIDDEN], head[0])
+
+    token()  # first call: packing caches, allocator
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        token()
+        times.append(time.perf_counter() - start)
+    nbytes = sum(t.numel() * t.element_size() for layer in layers for data, _ in layer
+                 for t in (data if isinstance(data, tuple) else (data,)))
+    return {"variant": variant, "rows": rows, "ms_per_token": round(1000 * statistics.median(times), 2),
+            "weight_mb": round(nbytes / 2**20, 1), "max_rel_error": round(error, 6)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--trials", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "packed.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results = []
+    with torch.inference_mode():
+        for rows in map(int, args.rows.split(",")):
+            base = None
+            for variant in VARIANTS:
+                r = measure(variant, rows, args.trials)
+                base = base or r["ms_per_token"]
+                r["vs_float32"] = round(base / r["ms_per_token"], 2)
+                results.append(r)
+                print(f"rows {rows:2d}  {variant:15s} {r['ms_per_token']:8.2f} ms  {r['vs_float32']:5.2f}x  "
+                      f"layer weights {r['weight_mb']:7.1f} MB  rel. error {r['max_rel_error']:.1e}", flush=True)
+    Path(args.out).parent.mkdir(exist_ok=True)
+    Path(args.out).write_text(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
+                                          "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
