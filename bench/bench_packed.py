@@ -3,6 +3,7 @@ weight format, so the packed-GGUF path picks its kernel and activation dtype by 
 AVX2-only boxes rank them differently).
 
     .venv/bin/python bench/bench_packed.py [--rows 1,8] [--trials 7] [--threads N]
+    .venv/bin/python bench/bench_packed.py --end-to-end [--trials 3]
 
 Every variant runs the linears of all 30 layers (fused QKV, o, fused gate_up, down) and the lm_head, each layer
 with weights of its own (~100-540 MB in all, so they stream from memory as in a real step, not from cache), over
@@ -13,7 +14,11 @@ on the same dequantised weights first. Variants:
   int4 (bf16 / f32 act.)  torch's _weight_int4pack_mm_for_cpu, group 32: Q4_0 / Q4_1 exactly
                           (w = (q - 8) * scale + zero: Q4_1's d*q + m is scale d, zero m + 8d)
   dequant+linear          Q4_1 nibbles unpacked to float32 per call, then F.linear (eager; the exact fallback)
-Writes bench/results/packed.json.
+With --end-to-end: the embedded model as `fastspec generate` runs it at batch 1 (4 chat questions, 64 greedy
+tokens each, trials alternating between the engines), plain and EAGLE-3 (every round speculating), each with
+its projections dequantised (float32, today's default) and kept packed (`quantization="gguf"`): median tok/s
+and each one's ratio to dequantised plain decoding.
+Writes bench/results/packed.json (packed_end_to_end.json).
 """
 
 from __future__ import annotations
@@ -109,15 +114,53 @@ def measure(variant: str, rows: int, trials: int, seed: int = 0) -> dict:
             "weight_mb": round(nbytes / 2**20, 1), "max_rel_error": round(error, 6)}
 
 
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion briefly.",
+             "Give me three tips for sleeping well."]
+
+
+def end_to_end(trials: int) -> list[dict]:
+    import fastspec
+    from fastspec.sampling import SamplingParams
+
+    arms = {(algo, quant): fastspec.LLM(speculative_algorithm=algo, quantization=quant, max_total_tokens=4096,
+                                        tuned=False) for algo in ("NONE", "EAGLE3") for quant in (None, "gguf")}
+    params = SamplingParams(max_new_tokens=64)
+    rates = {arm: [] for arm in arms}
+    for llm in arms.values():
+        llm.engine.policy = None  # every round speculates
+        llm.generate(QUESTIONS[:1], SamplingParams(max_new_tokens=8), chat=True)  # first calls
+    for _ in range(trials):
+        for arm, llm in arms.items():
+            tokens, seconds = 0, 0.0
+            for q in QUESTIONS:
+                start = time.perf_counter()
+                [out] = llm.generate([q], params, chat=True)
+                seconds += time.perf_counter() - start
+                tokens += len(out.output_ids)
+            rates[arm].append(tokens / seconds)
+    base = statistics.median(rates[("NONE", None)])
+    return [{"algorithm": algo, "weights": quant or "dequantised float32", "tok_s": round(statistics.median(r), 1),
+             "vs_plain_float32": round(statistics.median(r) / base, 2)} for (algo, quant), r in rates.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--trials", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--end-to-end", action="store_true", help="the embedded model's tok/s, packed vs not")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "packed.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.end_to_end:
+        results = end_to_end(args.trials)
+        for r in results:
+            print(f"{r['algorithm']:7s} {r['weights']:21s} {r['tok_s']:7.1f} tok/s  {r['vs_plain_float32']:5.2f}x")
+        out = Path(args.out).with_name("packed_end_to_end.json")
+        out.write_text(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
+                                   "results": results}, indent=1) + "\n")
+        return
     results = []
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):

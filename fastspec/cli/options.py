@@ -22,7 +22,7 @@ from fastspec.models.embedded import DEFAULT_MODEL
 SPEC = "Speculative decoding"
 GRAPHS = "Graphs and kernels"
 NGRAM = "NGRAM"
-ENGINE_FLAGS = ("model", "load_format", "dtype", "device", "page_size", "graphs", "cuda_graph_max_bs", "cuda_graph_bs", "attention_backend",
+ENGINE_FLAGS = ("model", "load_format", "quantization", "dtype", "device", "page_size", "graphs", "cuda_graph_max_bs", "cuda_graph_bs", "attention_backend",
                 "max_total_tokens", "max_running_requests", "chunked_prefill_size", "speculative_fallback",
                 "overlap_schedule", "radix_cache", "mamba_track_interval")
 
@@ -32,6 +32,7 @@ class ModelOptions:
     model: Annotated[str, typer.Option("--model", "-m", "--model-path", help="Embedded model name, HF directory, .gguf file or Hugging Face hub id (org/name: from the hub cache, else downloaded unless HF_HUB_OFFLINE is set).")] = DEFAULT_MODEL
     revision: Annotated[Optional[str], typer.Option(help="Hub id --model: the branch, tag or commit (default main).")] = None
     load_format: Annotated[str, typer.Option(help="auto | dummy (random weights built on the device from config.json alone, none read: for benchmarks).")] = "auto"
+    quantization: Annotated[Optional[str], typer.Option(help="gguf: keep a GGUF model's 4-bit projections packed (CPU, torch's int4 kernel on bfloat16 activations; default: dequantised to --dtype, the exact reference).")] = None
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32"
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N] (auto: cuda when torch sees a GPU).")] = "auto"
     page_size: Annotated[int, typer.Option(help="KV page size in tokens.")] = 1
@@ -104,7 +105,8 @@ class ModelOptions:
         graphs = "eager" if self.disable_cuda_graph else "compile" if self.enable_torch_compile else self.graphs
         overlap = "off" if self.disable_overlap_schedule else self.overlap_schedule
         buckets = tuple(parse_buckets(self.cuda_graph_bs)) if self.cuda_graph_bs else None
-        return dict(model=self.model, load_format=self.load_format, dtype=self.dtype, device=self.device,
+        return dict(model=self.model, load_format=self.load_format, quantization=self.quantization, dtype=self.dtype,
+                    device=self.device,
                     page_size=self.page_size,
                     graphs=graphs,
                     cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_bs=buckets,
