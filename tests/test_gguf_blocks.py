@@ -61,6 +61,15 @@ def test_int4_linear_equals_a_linear_over_the_dequantised_weight(kind):
     assert fast(x).dtype == torch.float32 and error < 2e-2
 
 
+def test_int4_linear_compiles_as_one_opaque_op():
+    """Inside a fullgraph compile (the compiled round functions) the packed matmul is fastspec::int4_matmul, whose
+    output equals the eager one."""
+    linear = Int4Linear(read_blocks(quantised("Q4_1", 16, 64), "Q4_1"))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    compiled = torch.compile(linear, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), linear(x))
+
+
 def test_rows_move_with_their_scales():
     """Undoing llama.cpp's rope row order on the blocks equals undoing it on the dequantised weight."""
     blocks = read_blocks(quantised("Q4_1", 32, 64), "Q4_1")

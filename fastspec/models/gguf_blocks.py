@@ -91,6 +91,17 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features).to(self.activation)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, BLOCK, self.scale_zero).to(x.dtype)
-        y = y.view(*x.shape[:-1], self.out_features)
+        y = int4_matmul(flat, self.packed, self.scale_zero).to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+@torch.library.custom_op("fastspec::int4_matmul", mutates_args=())
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """torch's int4 CPU matmul, group 32, as an opaque op for torch.compile (Inductor's own lowering of it fails
+    on torch 2.13: "group size must be a scalar"): x [M, K] @ w.T -> [M, N], packed [N, K/2]."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scale_zero)
+
+
+@int4_matmul.register_fake
+def _(x, packed, scale_zero):
+    return x.new_empty(x.shape[0], packed.shape[0])
