@@ -327,5 +327,6 @@ def test_profile_categories_of_kernel_and_operator_names():
              "triton_poi_fused_mul_silu_1": "norm/elementwise", "aten::copy_": "copies",
              "triton_poi_fused__to_copy_cos_index_put_mul_sin_2": "norm/elementwise", "Memcpy DtoD (Device -> Device)": "copies",
              "Memset (Device)": "copies", "triton_red_fused_argmax_4": "sampling", "aten::softmax": "sampling",
+             "aten::_weight_int4pack_mm_for_cpu": "gemm", "aten::_weight_int8pack_mm": "gemm",
              "cudaLaunchKernel": "other"}
     assert {name: category(name) for name in names} == names
