@@ -11,8 +11,8 @@ with weights of its own (~100-540 MB in all, so they stream from memory as in a 
 on the same dequantised weights first. Variants:
   float32 / bfloat16      F.linear on dequantised weights (float32 is today's path)
   int8 (bf16 / f32 act.)  torch's _weight_int8pack_mm, one scale per output channel (Q8_0 re-quantised per row)
-  int4 (bf16 / f32 act.)  torch's _weight_int4pack_mm_for_cpu, group 32: Q4_0 / Q4_1 exactly
-                          (w = (q - 8) * scale + zero: Q4_1's d*q + m is scale d, zero m + 8d)
+  int4 (bf16 / f32 act.)  the engine's Int4Linear (torch's _weight_int4pack_mm_for_cpu, group 32): Q4_0 / Q4_1
+                          exactly (w = (q - 8) * scale + zero: Q4_1's d*q + m is scale d, zero m + 8d)
   dequant+linear          Q4_1 nibbles unpacked to float32 per call, then F.linear (eager; the exact fallback)
 With --end-to-end: the embedded model as `fastspec generate` runs it at batch 1 (4 chat questions, 64 greedy
 tokens each, trials alternating between the engines), plain and EAGLE-3 (every round speculating), each with
@@ -32,27 +32,25 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fastspec.models.gguf_blocks import BLOCK as GROUP
+from fastspec.models.gguf_blocks import Blocks, Int4Linear, int4_matmul
+
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
 Q_KV = 576 + 2 * 192  # 9 query heads, 3 KV heads of 64
 SHAPES = [(Q_KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # [N, K] per layer
-GROUP = 32
 
 
-def q4_1(n: int, k: int, gen: torch.Generator):
-    """Random Q4_1 blocks of a [n, k] weight: nibbles q [n, k] int32 in 0..15, per-32 scale d and min m [n, k/32]."""
+def q4_1(n: int, k: int, gen: torch.Generator) -> Blocks:
+    """A random Q4_1 weight [n, k]: nibbles 0..15, per-32 scale d and min m."""
     q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
     d = torch.rand(n, k // GROUP, generator=gen) * 0.01
     m = -8 * d + torch.randn(n, k // GROUP, generator=gen) * 0.001
-    return q, d, m
+    return Blocks(q, d, m, 4)
 
 
-def dequant(q, d, m) -> torch.Tensor:  # [n, k] float32: w = d * q + m per block
-    return q.float() * d.repeat_interleave(GROUP, 1) + m.repeat_interleave(GROUP, 1)
-
-
-def build(variant: str, q, d, m):
+def build(variant: str, blocks: Blocks):
     """(weight data, fn(x, data) -> y) of one linear in this format."""
-    w = dequant(q, d, m)
+    w = blocks.dequantise()
     if variant in ("float32", "bfloat16"):
         return w.to(getattr(torch, variant)), F.linear
     if variant.startswith("int8"):
@@ -60,20 +58,18 @@ def build(variant: str, q, d, m):
         w8 = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
         dtype = torch.bfloat16 if "bf16" in variant else torch.float32
         return (w8, scale.to(dtype)), lambda x, data: torch.ops.aten._weight_int8pack_mm(x, *data)
-    if variant.startswith("int4"):
-        dtype = torch.bfloat16 if "bf16" in variant else torch.float32
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-        scale_zero = torch.stack([d, m + 8 * d], -1).transpose(0, 1).contiguous().to(dtype)  # [k/32, n, 2]
-        return (packed, scale_zero), lambda x, data: torch.ops.aten._weight_int4pack_mm_for_cpu(x, data[0], GROUP,
-                                                                                               data[1])
+    if variant.startswith("int4"):  # the engine's packed linear (--quantization gguf), its matmul called directly
+        linear = Int4Linear(blocks, torch.bfloat16 if "bf16" in variant else torch.float32)
+        return (linear.packed, linear.scale_zero), lambda x, data: int4_matmul(x, *data)
     if variant == "dequant+linear":
-        nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # two per byte, as GGUF stores them
+        q = blocks.q
+        nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # two per byte, as 4-bit weights are kept
 
         def unpack_linear(x, data):
-            b, d_, m_ = data
+            b, d, m = data
             q_ = torch.stack([b & 15, b >> 4], -1).flatten(1)
-            return F.linear(x, q_.float() * d_.repeat_interleave(GROUP, 1) + m_.repeat_interleave(GROUP, 1))
-        return (nibbles, d, m), unpack_linear
+            return F.linear(x, q_.float() * d.repeat_interleave(GROUP, 1) + m.repeat_interleave(GROUP, 1))
+        return (nibbles, blocks.scale, blocks.offset), unpack_linear
     raise ValueError(variant)
 
 
@@ -87,13 +83,13 @@ def activation_dtype(variant: str) -> torch.dtype:
 
 def measure(variant: str, rows: int, trials: int, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    layers = [[build(variant, *q4_1(n, k, gen)) for n, k in SHAPES] for _ in range(LAYERS)]
+    layers = [[build(variant, q4_1(n, k, gen)) for n, k in SHAPES] for _ in range(LAYERS)]
     head_q = q4_1(VOCAB, HIDDEN, gen)
-    head = build(variant, *head_q)
+    head = build(variant, head_q)
     dtype = activation_dtype(variant)
     xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in (HIDDEN, INTERMEDIATE)}
     # error against float32 on the same dequantised lm_head weights (the widest GEMM)
-    ref = F.linear(xs[HIDDEN].float(), dequant(*head_q))
+    ref = F.linear(xs[HIDDEN].float(), head_q.dequantise())
     error = float((head[1](xs[HIDDEN], head[0]).float() - ref).abs().max() / ref.abs().max())
 
     def token():

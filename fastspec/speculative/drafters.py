@@ -37,8 +37,8 @@ PREPACK_BS = (1, 2, 4)  # each packed row count is one more copy of the weights:
 
 def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
     """Target and draft weights, their projections fused (fastspec.models.layers.fuse_projections), a GGUF target's
-    4-bit ones kept packed with quantization "gguf"; on CPU in float32, their other linears are prepacked for the row counts of the verify
-    (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2 and 4."""
+    4-bit ones kept packed with quantization "gguf"; on CPU in float32, their other linears are prepacked for the
+    row counts of the verify (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2 and 4."""
     models = _load_models(model_dir, spec, config)
     for model in (models.target, models.draft):
         if isinstance(model, nn.Module):
