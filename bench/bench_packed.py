@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from fastspec.models.gguf_blocks import BLOCK as GROUP
-from fastspec.models.gguf_blocks import Blocks, Int4Linear, int4_matmul
+from fastspec.models.gguf_blocks import Blocks
+from fastspec.models.packed_layers import Int4Linear, int4_matmul
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
 Q_KV = 576 + 2 * 192  # 9 query heads, 3 KV heads of 64
@@ -59,7 +60,7 @@ def build(variant: str, blocks: Blocks):
         dtype = torch.bfloat16 if "bf16" in variant else torch.float32
         return (w8, scale.to(dtype)), lambda x, data: torch.ops.aten._weight_int8pack_mm(x, *data)
     if variant.startswith("int4"):  # the engine's packed linear (--quantization gguf), its matmul called directly
-        linear = Int4Linear(blocks, torch.bfloat16 if "bf16" in variant else torch.float32)
+        linear = Int4Linear.from_blocks(blocks, torch.bfloat16 if "bf16" in variant else torch.float32)
         return (linear.packed, linear.scale_zero), lambda x, data: int4_matmul(x, *data)
     if variant == "dequant+linear":
         q = blocks.q

@@ -48,7 +48,8 @@ class LlamaForCausalLMEagle(nn.Module):
 
     def forward(self, input_ids, positions, hidden, attn) -> DraftHidden:
         # input_ids, positions: [T]; hidden: [T, H] target feature (extend) or own carry (decode)
-        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.embed_tokens.weight.dtype)], dim=-1))
+        embedded = self.embed_tokens(input_ids)
+        x = self.fc(torch.cat([embedded, hidden.to(embedded.dtype)], dim=-1))
         for layer in self.layers:
             x = layer(positions, x, self.rope, attn)
         return DraftHidden(x, x)

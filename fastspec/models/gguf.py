@@ -1,7 +1,9 @@
 """GGUF -> Hugging Face directory conversion for llama-architecture models.
 
 Owns: reading GGUF metadata and tensors (dequantized through `gguf.quants`), undoing llama.cpp's rope row
-permutation of q/k, rebuilding the GPT-2 byte-level BPE tokenizer, and writing the directory atomically.
+permutation of q/k, rebuilding the GPT-2 byte-level BPE tokenizer, and writing the directory atomically. Beside the
+float weights it stores every tensor of a block format in its own blocks (BLOCKS_FILE: what --quantization gguf
+runs, see gguf_packed) and each tensor's GGUF type.
 Does not own: which GGUF to convert or where to cache it (embedded.py), nor loading the result (loader.py).
 """
 
@@ -19,9 +21,13 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from fastspec.errors import FastspecError
+from fastspec.models.gguf_blocks import FORMATS, blocks_state, read_blocks
+from fastspec.models.gguf_kquants import read_q4_k
 
-CONVERTER_VERSION = 1  # bump when the output layout changes, so cached conversions are redone
+CONVERTER_VERSION = 2  # bump when the output layout changes, so cached conversions are redone
 SOURCE_MARKER = "fastspec_source.json"
+BLOCKS_FILE = "gguf_blocks/blocks.safetensors"  # a subdirectory: not one of the model's *.safetensors
+BLOCK_KINDS = (*FORMATS, "Q4_K")  # GGUF types also stored as blocks
 
 _LAYER_NAMES = {  # GGUF tensor name inside blk.N -> HF name inside model.layers.N
     "attn_norm.weight": "input_layernorm.weight",
@@ -53,7 +59,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
     arch = _meta(reader, "general.architecture")
     if arch != "llama":
         raise FastspecError(f"{gguf_path}: GGUF architecture '{arch}' is not supported (only 'llama')")
-    tensors = _read_tensors(reader, gguf_path, dtype)
+    tensors, blocks, kinds = _read_tensors(reader, gguf_path, dtype)
     config = _model_config(reader, tensors, dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
@@ -62,6 +68,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
         del tensors
+        (tmp / BLOCKS_FILE).parent.mkdir(mode=0o755)
+        save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": "pt", "kinds": json.dumps(kinds)})
+        (tmp / BLOCKS_FILE).chmod(0o644)
+        del blocks
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", _generation_config(reader, config))
         _write_tokenizer(reader, tmp)
@@ -132,23 +142,27 @@ def _hf_name(name: str) -> str:
     raise FastspecError(f"GGUF tensor '{name}' is not part of a llama model")
 
 
-def _read_tensors(reader, path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_tensors(reader, path: Path, dtype: torch.dtype) -> tuple[dict, dict, dict]:
+    """(HF name -> dequantised tensor in `dtype`, the block-format tensors' stored blocks (blocks_state), HF name ->
+    GGUF type name); q / k rows in HF's rope order in both forms."""
     n_head = _meta(reader, "llama.attention.head_count")
     n_kv_head = _meta(reader, "llama.attention.head_count_kv", n_head)
-    tensors = {}
+    tensors, blocks, kinds = {}, {}, {}
     for t in reader.tensors:
         name = _hf_name(t.name)
         try:
             array = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise FastspecError(f"{path}: tensor type {t.tensor_type.name} cannot be dequantized") from None
+        heads = n_head if name.endswith("q_proj.weight") else n_kv_head if name.endswith("k_proj.weight") else None
         weight = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: F32 data is a read-only mmap
-        if name.endswith("q_proj.weight"):
-            weight = unpermute_rope_rows(weight, n_head)
-        elif name.endswith("k_proj.weight"):
-            weight = unpermute_rope_rows(weight, n_kv_head)
-        tensors[name] = weight.to(dtype).contiguous()
-    return tensors
+        tensors[name] = (weight if heads is None else unpermute_rope_rows(weight, heads)).to(dtype).contiguous()
+        kinds[name] = t.tensor_type.name
+        if kinds[name] in BLOCK_KINDS and t.data.ndim == 2:
+            b = read_q4_k(t.data) if kinds[name] == "Q4_K" else read_blocks(t.data, kinds[name])
+            b = b if heads is None else b.map_rows(lambda x: unpermute_rope_rows(x, heads))
+            blocks.update(blocks_state(name, b))
+    return tensors, blocks, kinds
 
 
 # ---- config ----

@@ -7,7 +7,9 @@ A weight [N, K] is stored row by row in blocks of 32 values, each block with its
   Q8_0  f16 d, 32 int8                  w = d * q
 A Q4 block's element j sits in the low nibble of byte j and element j + 16 in its high nibble. Every format is
 read as w = q * scale + offset per block (offset: -8 d, m or 0), which is what the packed kernels take.
-Does not own: reading the file (fastspec.models.gguf) nor choosing a kernel per machine.
+Also how blocks are stored beside a converted model (`blocks_state`, `blocks_from_state`). Does not own: reading
+the GGUF file (fastspec.models.gguf), the modules that run on blocks (packed_layers) nor which module each weight
+becomes (gguf_packed).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
 
 BLOCK = 32
 FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}  # bytes per block, f16 values before the quants
@@ -26,15 +27,19 @@ FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}  # bytes per block
 class Blocks:
     """One quantised weight [N, K]: w[n, k] = q[n, k] * scale[n, k // 32] + offset[n, k // 32]."""
 
-    q: torch.Tensor  # int32 [N, K]  Q4: 0..15, Q8: -128..127
+    q: torch.Tensor  # [N, K]  Q4: uint8 0..15, Q8: int8 -128..127 (a byte per value)
     scale: torch.Tensor  # float32 [N, K/32]
     offset: torch.Tensor  # float32 [N, K/32]
     bits: int  # 4 or 8
 
-    def dequantise(self) -> torch.Tensor:  # float32 [N, K]
+    def dequantise(self, dtype: torch.dtype = torch.float32, rows: int = 4096) -> torch.Tensor:  # [N, K]
+        """w in float32 arithmetic, stored as `dtype`, `rows` rows at a time (no float32 copy of a large table)."""
         n, k = self.q.shape
-        w = self.q.view(n, k // BLOCK, BLOCK).float() * self.scale[..., None] + self.offset[..., None]
-        return w.view(n, k)
+        w = torch.empty(n, k, dtype=dtype)
+        for r in range(0, n, rows):
+            q = self.q[r:r + rows].view(-1, k // BLOCK, BLOCK).float()
+            w[r:r + rows] = (q * self.scale[r:r + rows, :, None] + self.offset[r:r + rows, :, None]).view(-1, k)
+        return w
 
     def map_rows(self, fn) -> Blocks:
         """The same weight with its rows rearranged by `fn` ([N, x] -> [N, x], e.g. undoing the rope row order):
@@ -52,12 +57,27 @@ def read_blocks(data: np.ndarray, kind: str) -> Blocks:
     f16 = blocks[..., : 2 * halves].copy().view(np.float16).astype(np.float32)  # [N, K/32, halves]
     scale = torch.from_numpy(f16[..., 0].copy())
     if kind == "Q8_0":
-        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).astype(np.int32))
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))
         return Blocks(q.reshape(n, -1), scale, torch.zeros_like(scale), 8)
-    packed = torch.from_numpy(blocks[..., 2 * halves:].astype(np.int32))  # [N, K/32, 16]
+    packed = torch.from_numpy(blocks[..., 2 * halves:].copy())  # uint8 [N, K/32, 16]
     q = torch.cat([packed & 15, packed >> 4], -1).reshape(n, -1)  # low nibbles are elements 0..15
     offset = torch.from_numpy(f16[..., 1].copy()) if kind == "Q4_1" else -8 * scale
     return Blocks(q, scale, offset, 4)
+
+
+def blocks_state(name: str, b: Blocks) -> dict[str, torch.Tensor]:
+    """How `b` is stored under `name` (safetensors): 4-bit values two to a byte (element 2j in the low nibble, 2j + 1
+    in the high one), 8-bit values as int8, scales and offsets as float32."""
+    q = b.q[:, 0::2] | b.q[:, 1::2] << 4 if b.bits == 4 else b.q
+    return {f"{name}.q": q.contiguous(), f"{name}.scale": b.scale.contiguous(), f"{name}.offset": b.offset.contiguous()}
+
+
+def blocks_from_state(get, name: str) -> Blocks:
+    """The Blocks stored under `name` (see blocks_state); `get(key)` returns one stored tensor."""
+    q = get(f"{name}.q")
+    if q.dtype == torch.uint8:
+        return Blocks(torch.stack([q & 15, q >> 4], -1).flatten(1), get(f"{name}.scale"), get(f"{name}.offset"), 4)
+    return Blocks(q, get(f"{name}.scale"), get(f"{name}.offset"), 8)
 
 
 def merge_rows(parts: list[Blocks]) -> Blocks:
@@ -65,43 +85,3 @@ def merge_rows(parts: list[Blocks]) -> Blocks:
     if len({p.bits for p in parts}) != 1:
         raise ValueError("merged weights must share a bit width")
     return Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")), parts[0].bits)
-
-
-class Int4Linear(nn.Module):
-    """y = x @ w.T for a 4-bit Blocks weight, packed for torch's int4 CPU matmul (group 32).
-
-    The kernel reads w = (q - 8) * scale + zero, so zero = offset + 8 * scale holds Q4_0 and Q4_1 exactly.
-    `activation`: the dtype x is cast to for the kernel. With bfloat16 (scales in bfloat16 too) it is the fast
-    one; with float32 it is exact to float32 rounding and many times slower (bench/bench_packed.py measures both).
-    """
-
-    def __init__(self, blocks: Blocks, activation: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None):
-        super().__init__()
-        if blocks.bits != 4:
-            raise ValueError("Int4Linear takes a 4-bit weight")
-        n, k = blocks.q.shape
-        if k % BLOCK or n % 8:
-            raise ValueError(f"a packed int4 weight needs K % 32 == 0 and N % 8 == 0, got [{n}, {k}]")
-        self.in_features, self.out_features, self.activation = k, n, activation
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q, 2))
-        zero = blocks.offset + 8 * blocks.scale
-        self.register_buffer("scale_zero", torch.stack([blocks.scale, zero], -1).transpose(0, 1).contiguous()
-                             .to(activation))  # [K/32, N, 2]
-        self.register_buffer("bias", bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
-        flat = x.reshape(-1, self.in_features).to(self.activation)
-        y = int4_matmul(flat, self.packed, self.scale_zero).to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-
-@torch.library.custom_op("fastspec::int4_matmul", mutates_args=())
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """torch's int4 CPU matmul, group 32, as an opaque op for torch.compile (Inductor's own lowering of it fails
-    on torch 2.13: "group size must be a scalar"): x [M, K] @ w.T -> [M, N], packed [N, K/2]."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, scale_zero)
-
-
-@int4_matmul.register_fake
-def _(x, packed, scale_zero):
-    return x.new_empty(x.shape[0], packed.shape[0])

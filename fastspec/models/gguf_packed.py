@@ -1,23 +1,46 @@
-"""A GGUF model's 4-bit projections kept packed (`quantization="gguf"`): after the converted model is loaded and
-its projections fused, every fused QKV, o, gate_up and down projection whose GGUF tensors are Q4_0 / Q4_1 becomes
-an Int4Linear over the file's own blocks (llama.cpp's rope row order undone on them), and its float weight is
-dropped. Embeddings, norms and the lm_head stay as converted (the embedded model's lm_head is its Q8_0 embedding).
-The converted float32 model is the reference twin: the packed one multiplies bfloat16 activations by the same
-weights (tests: teacher-forced agreement, lossless speculation on the packed target).
+"""A GGUF model run on its own blocks (`quantization="gguf"`), built straight from what the conversion stored: no
+float copy of a packed weight is ever read.
+
+Each fused projection (QKV, o, gate_up, down) whose parts are all 4-bit becomes an Int4Linear over the file's blocks;
+an embedding of a block format stays as its blocks (BlockEmbedding, exact); the lm_head is a fast approximate GEMM
+whose best tokens are rescored exactly from the same table (RefinedHead); every other weight (a Q6_K / Q8_0 / F16
+projection: no exact packed kernel) is read dequantised and kept in the kernels' activation dtype (CastLinear), with
+one note naming the types. Norms load as converted.
+torch's packed int4 layout is its own, so the first packed load also stores the packed weights beside the blocks,
+per torch version (PackedCache): later starts read them as they are.
+The converted float32 model is the reference twin: with float32 activations the packed model computes the same
+weights to float32 rounding; bfloat16 ones are the fast kernel (tests: logits, teacher-forced agreement, lossless
+speculation on the packed target).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
 
 from fastspec.errors import FastspecError
-from fastspec.models.gguf import SOURCE_MARKER, unpermute_rope_rows
-from fastspec.models.gguf_blocks import Int4Linear, merge_rows, read_blocks
+from fastspec.models.gguf import BLOCKS_FILE, SOURCE_MARKER
+from fastspec.models.gguf_blocks import blocks_from_state, merge_rows
+from fastspec.models.packed_layers import BlockEmbedding, CastLinear, Int4Linear, Int8Linear, RefinedHead
+from fastspec.models.layers import RotaryEmbedding
+from fastspec.models.llama import LlamaForCausalLM
 
-FOUR_BIT = ("Q4_0", "Q4_1")
+log = logging.getLogger(__name__)
+
+PROJECTIONS = {  # each layer's linears -> the checkpoint weights each stacks, inside model.layers.N
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
 
 
 def gguf_source(model_dir: Path) -> Path | None:
@@ -28,42 +51,133 @@ def gguf_source(model_dir: Path) -> Path | None:
     return Path(json.loads(marker.read_text())["gguf"])
 
 
-def pack_gguf_projections(model, model_dir: Path, activation: torch.dtype = torch.bfloat16) -> int:
-    """Replace `model`'s fused projections (in place) by packed 4-bit ones read from its source GGUF; returns how
-    many were packed. A projection whose tensors are of another type keeps its converted weight."""
-    import gguf
+class StoredWeights:
+    """A converted GGUF directory's weights, read one tensor at a time: the stored blocks, the dequantised floats."""
 
-    source = gguf_source(model_dir)
-    if source is None or not source.is_file():
-        raise FastspecError(f"{model_dir}: --quantization gguf needs a model converted from a .gguf file "
-                            "(the embedded model or a .gguf path)")
-    tensors = {t.name: t for t in gguf.GGUFReader(source).tensors}
-    c = model.config
+    def __init__(self, model_dir: Path):
+        if gguf_source(model_dir) is None or not (model_dir / BLOCKS_FILE).is_file():
+            raise FastspecError(f"{model_dir}: --quantization gguf needs a model converted from a .gguf file "
+                                "(the embedded model or a .gguf path)")
+        self.blocks = safe_open(str(model_dir / BLOCKS_FILE), "pt")
+        self.floats = safe_open(str(model_dir / "model.safetensors"), "pt")
+        self.kinds: dict[str, str] = json.loads(self.blocks.metadata()["kinds"])  # HF name -> GGUF type
+        self.stored = {k.rsplit(".", 1)[0] for k in self.blocks.keys()}  # names kept as blocks
+        self.dequantised: set[str] = set()  # GGUF types read as floats where blocks were wanted
 
-    def blocks(i: int, name: str, heads: int | None = None):
-        t = tensors.get(f"blk.{i}.{name}.weight")
-        if t is None or t.tensor_type.name not in FOUR_BIT:
+    def bits(self, name: str) -> int | None:
+        if name not in self.stored:
             return None
-        b = read_blocks(t.data, t.tensor_type.name)
-        return b if heads is None else b.map_rows(lambda x: unpermute_rope_rows(x, heads))
+        return 4 if self.blocks.get_slice(f"{name}.q").get_dtype() == "U8" else 8
 
-    packed = 0
+    def get_blocks(self, name: str):
+        return blocks_from_state(self.blocks.get_tensor, name)
+
+    def get_float(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight `name` dequantised (from its blocks where stored) in `dtype`; notes its GGUF type unless it
+        is a float type."""
+        if self.kinds[name] not in ("F32", "F16", "BF16"):
+            self.dequantised.add(self.kinds[name])
+        if name in self.stored:
+            return self.get_blocks(name).dequantise(dtype)
+        return self.floats.get_tensor(name).to(dtype)
+
+
+class PackedCache:
+    """Int4Linear's packed weights and scales of one converted model for this torch version: read when stored,
+    else collected while packing and written once at the end (atomically; a read-only cache is left as it is)."""
+
+    def __init__(self, model_dir: Path):
+        self.path = model_dir / Path(BLOCKS_FILE).parent / f"int4-cpu-torch-{torch.__version__}.safetensors"
+        self.stored = safe_open(str(self.path), "pt") if self.path.is_file() else None
+        self.new: dict[str, torch.Tensor] = {}
+
+    def linear(self, name: str, blocks, activation: torch.dtype) -> Int4Linear:
+        """The packed linear `name`: from the cache, else packed from `blocks()` (its 4-bit Blocks)."""
+        if self.stored is not None and f"{name}.packed" in self.stored.keys():
+            get = self.stored.get_tensor
+            return Int4Linear(get(f"{name}.packed"), get(f"{name}.scale_zero"), activation)
+        packed, scale_zero = Int4Linear.pack(blocks())
+        self.new.update({f"{name}.packed": packed, f"{name}.scale_zero": scale_zero})
+        return Int4Linear(packed, scale_zero, activation)
+
+    def save(self) -> None:
+        if not self.new:
+            return
+        tmp = None
+        try:  # a cache that is not writable: the next start packs again
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".int4-", suffix=".tmp")
+            os.close(fd)
+            save_file(self.new, tmp)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.path)
+        except OSError:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+
+def load_packed_target(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device="cpu",
+                       activation: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
+    """The converted GGUF model at `model_dir` built into `model` (a skeleton on the meta device), fused, on its
+    blocks (see the module docstring): the residual stream, norms and KV in `dtype`, the packed kernels on
+    `activation`."""
+    weights, cache, config = StoredWeights(model_dir), PackedCache(model_dir), model.config
+    with torch.device(device):
+        model.rope = RotaryEmbedding(config)
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is None or mlp.gate_up_proj is None:
-            raise FastspecError("packing GGUF projections needs the fused model (fuse_projections first)")
-        groups = {(attn, "qkv_proj"): [blocks(i, "attn_q", c.num_heads), blocks(i, "attn_k", c.num_kv_heads),
-                                       blocks(i, "attn_v")],
-                  (attn, "o_proj"): [blocks(i, "attn_output")],
-                  (mlp, "gate_up_proj"): [blocks(i, "ffn_gate"), blocks(i, "ffn_up")],
-                  (mlp, "down_proj"): [blocks(i, "ffn_down")]}
-        for (module, name), parts in groups.items():
-            linear = getattr(module, name)
-            if all(p is not None for p in parts):
-                merged = merge_rows(parts)
-                if merged.q.shape != linear.weight.shape:
-                    raise FastspecError(f"{source}: layer {i} {name}: packed shape {tuple(merged.q.shape)} does not "
-                                        f"match the model's {tuple(linear.weight.shape)}")
-                setattr(module, name, Int4Linear(merged, activation, linear.bias).to(linear.weight.device))
-                packed += 1
-    return packed
+        linears = {name: _projection(weights, cache, f"model.layers.{i}.{name}",
+                                     [f"model.layers.{i}.{p}.weight" for p in parts], activation).to(device)
+                   for name, parts in PROJECTIONS.items()}
+        layer.self_attn.fuse(linears["self_attn.qkv_proj"])
+        layer.mlp.fuse(linears["mlp.gate_up_proj"])
+        layer.self_attn.o_proj, layer.mlp.down_proj = linears["self_attn.o_proj"], linears["mlp.down_proj"]
+        for name, norm in (("input_layernorm", layer.input_layernorm),
+                           ("post_attention_layernorm", layer.post_attention_layernorm)):
+            norm.weight = _parameter(weights.get_float(f"model.layers.{i}.{name}.weight"), dtype, device)
+    model.model.norm.weight = _parameter(weights.get_float("model.norm.weight"), dtype, device)
+    model.model.embed_tokens = _table(weights, "model.embed_tokens.weight", dtype).to(device)
+    model.lm_head = _head(weights, cache, model, activation, dtype).to(device)
+    cache.save()
+    if weights.dequantised:
+        log.warning("--quantization gguf: %s tensors have no packed kernel here and run dequantised to %s",
+                 " / ".join(sorted(weights.dequantised)), str(activation).removeprefix("torch."))
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise FastspecError(f"{model_dir}: weights not built for --quantization gguf: {', '.join(left[:4])}")
+    return model.eval().requires_grad_(False)
+
+
+def _projection(weights: StoredWeights, cache: PackedCache, name: str, parts: list[str], activation: torch.dtype
+                ) -> nn.Module:
+    """The linear `name` stacking `parts` by rows: packed when every part is 4-bit blocks, else their dequantised
+    floats."""
+    if all(weights.bits(n) == 4 for n in parts):
+        return cache.linear(name, lambda: merge_rows([weights.get_blocks(n) for n in parts]), activation)
+    weights = [weights.get_float(n, activation) for n in parts]
+    return CastLinear(weights[0] if len(weights) == 1 else torch.cat(weights))
+
+
+def _table(weights: StoredWeights, name: str, dtype: torch.dtype) -> nn.Module:
+    """A vocabulary table (ids -> rows in `dtype`): its blocks where stored, else its dequantised floats."""
+    if weights.bits(name):
+        return BlockEmbedding(weights.get_blocks(name), dtype)
+    return nn.Embedding.from_pretrained(weights.get_float(name, dtype))
+
+
+def _head(weights: StoredWeights, cache: PackedCache, model: LlamaForCausalLM, activation: torch.dtype,
+          dtype: torch.dtype) -> nn.Module:
+    """The lm_head: with float32 activations the exact linear; else a RefinedHead over the table (the embedding
+    when tied): packed int4 when its blocks are 4-bit, else an int8 copy, with the best tokens rescored exactly."""
+    tied = model.config.tie_word_embeddings
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    if activation == torch.float32:
+        return _projection(weights, cache, "lm_head", [name], activation)
+    table = model.model.embed_tokens if tied else _table(weights, name, dtype)
+    if weights.bits(name) == 4:
+        approx = cache.linear("lm_head", lambda: weights.get_blocks(name), activation)
+    else:
+        approx = Int8Linear.quantise(table, table.num_embeddings, activation)
+    return RefinedHead(approx, table)
+
+
+def _parameter(tensor: torch.Tensor, dtype: torch.dtype, device) -> nn.Parameter:
+    return nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False)

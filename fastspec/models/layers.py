@@ -160,9 +160,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.gate_up_proj: nn.Linear | None = None  # fuse(): [gate | up] as one linear
 
-    def fuse(self) -> None:
+    def fuse(self, merged: nn.Module | None = None) -> None:
+        """gate and up as one linear: theirs concatenated, or `merged` (a prebuilt one, e.g. packed)."""
         if self.gate_up_proj is None:
-            self.gate_up_proj = merged_linear(self.gate_proj, self.up_proj)
+            self.gate_up_proj = merged or merged_linear(self.gate_proj, self.up_proj)
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,9 +191,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
 
-    def fuse(self) -> None:
+    def fuse(self, merged: nn.Module | None = None) -> None:
+        """q, k and v as one linear: theirs concatenated, or `merged` (a prebuilt one, e.g. packed)."""
         if self.qkv_proj is None:
-            self.qkv_proj = merged_linear(self.q_proj, self.k_proj, self.v_proj)
+            self.qkv_proj = merged or merged_linear(self.q_proj, self.k_proj, self.v_proj)
             del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, positions, x, rope: RotaryEmbedding, attn) -> torch.Tensor:

@@ -124,13 +124,21 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str
 
 
 def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layers: tuple[int, ...] = (),
-                load_format: str = "auto") -> LlamaForCausalLM:
-    """`load_format` dummy: random weights (fastspec.models.dummy), none read."""
+                load_format: str = "auto", quantization: str | None = None) -> LlamaForCausalLM:
+    """`load_format` dummy: random weights (fastspec.models.dummy), none read. `quantization` gguf: a converted GGUF
+    model on its own blocks, already fused (fastspec.models.gguf_packed)."""
     config = read_config(model_dir)
     if config.is_draft:
         raise FastspecError(f"{model_dir}: {config.architecture} is a draft head, not a target model")
     if any(not 0 <= i <= config.num_layers for i in capture_layers):
         raise FastspecError(f"capture layers {capture_layers} outside 0..{config.num_layers}")
+    if quantization == "gguf":
+        from fastspec.models.packed_layers import fast_activation
+        from fastspec.models.gguf_packed import load_packed_target  # safetensors' lazy reader: only to pack
+
+        with _skip_init(), torch.device("meta"):  # a skeleton: every weight is built from the stored blocks
+            skeleton = LlamaForCausalLM(config, capture_layers)
+        return load_packed_target(skeleton, model_dir, dtype, device, fast_activation())
     dummy = load_format == "dummy"
     with _skip_init(), torch.device(device), default_dtype(dtype if dummy else None):
         model = _keep_routers_float32(LlamaForCausalLM(config, capture_layers).to(dtype))

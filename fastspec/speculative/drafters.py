@@ -14,7 +14,7 @@ from torch import nn
 
 from fastspec.config import EngineConfig, SpecConfig
 from fastspec.errors import FastspecError
-from fastspec.kernels.cpu_linear import can_prepack, prepack_linears
+from fastspec.kernels.cpu_linear import can_prepack, prepack_linears, trim_host_heap
 from fastspec.models.layers import fuse_projections
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
@@ -36,18 +36,21 @@ PREPACK_BS = (1, 2, 4)  # each packed row count is one more copy of the weights:
 
 
 def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
-    """Target and draft weights, their projections fused (fastspec.models.layers.fuse_projections), a GGUF target's
-    4-bit ones kept packed with quantization "gguf"; on CPU in float32, their other linears are prepacked for the
-    row counts of the verify (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2 and 4."""
+    """Target and draft weights, their projections fused (fastspec.models.layers.fuse_projections); with quantization
+    "gguf" a GGUF target on its own blocks and the draft's linears on the same activation dtype
+    (fastspec.models.gguf_packed); on CPU in float32, other linears are prepacked for the row counts of the verify
+    (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2 and 4."""
     models = _load_models(model_dir, spec, config)
     for model in (models.target, models.draft):
         if isinstance(model, nn.Module):
             fuse_projections(model)  # one QKV and one gate_up GEMM per layer
-    if config.quantization == "gguf":
-        from fastspec.models.gguf_packed import pack_gguf_projections  # gguf, tokenizers: only to pack
+    if config.quantization == "gguf" and isinstance(models.draft, nn.Module):
+        from fastspec.models.packed_layers import cast_linears, fast_activation
 
-        pack_gguf_projections(models.target, model_dir)
+        cast_linears(models.draft, fast_activation())  # the draft's GEMMs on the packed target's activations
     pack_round_rows(models.target, models.draft, spec, config)
+    if config.device == "cpu":
+        trim_host_heap()  # what loading freed goes back to the OS
     return models
 
 
@@ -60,13 +63,13 @@ def pack_round_rows(target, draft, spec: SpecConfig, config: EngineConfig) -> No
 
 
 def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
-    dtype, device, load = config.torch_dtype, config.device, config.load_format
+    dtype, device, load, quant = config.torch_dtype, config.device, config.load_format, config.quantization
     if spec.algorithm not in ("EAGLE", "EAGLE3", "STANDALONE"):
-        return LoadedModels(load_target(model_dir, dtype, device, load_format=load), None, "none")
+        return LoadedModels(load_target(model_dir, dtype, device, load_format=load, quantization=quant), None, "none")
     draft_dir = resolve_model_dir(spec.draft_model)
     draft_config = read_config(draft_dir)
     if spec.algorithm == "STANDALONE":
-        target = load_target(model_dir, dtype, device, load_format=load)
+        target = load_target(model_dir, dtype, device, load_format=load, quantization=quant)
         if draft_config.is_draft:
             raise FastspecError(f"{draft_dir}: STANDALONE needs a full model, not the draft head "
                                 f"{draft_config.architecture} (use EAGLE / EAGLE3)")
@@ -78,7 +81,7 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
                                 f"{target.config.vocab_size}")
         return LoadedModels(target, StandaloneDraft(load_target(draft_dir, dtype, device, load_format=load)), "none")
     if spec.algorithm == "EAGLE" and mtp_prefix(draft_config) is not None:  # NEXTN: the checkpoint's MTP layer
-        target = load_target(model_dir, dtype, device, load_format=load)
+        target = load_target(model_dir, dtype, device, load_format=load, quantization=quant)
         check_mtp_fits(draft_config, target.config, str(draft_dir))
         return LoadedModels(target, load_mtp(draft_dir, target, dtype, device), "final")
     if (spec.algorithm == "EAGLE3") != draft_config.is_eagle3:
@@ -88,7 +91,8 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
     check_draft_fits(draft_config, target_config, str(draft_dir))  # before any weights load
     aux = draft_config.is_eagle3 and draft_config.use_aux_hidden_state
     capture = eagle3_capture_layers(target_config.num_layers, draft_config.aux_layer_ids) if aux else ()
-    target = load_target(model_dir, dtype, device, capture_layers=capture, load_format=load)
+    target = load_target(model_dir, dtype, device, capture_layers=capture, load_format=load,
+                         quantization=quant)
     token_map = Path(spec.token_map) if spec.token_map else None
     draft = load_draft(draft_dir, target, dtype, device, token_map, load_format=load)
     return LoadedModels(target, draft, "aux" if aux else "final")

@@ -1,0 +1,92 @@
+"""The modules a model on its GGUF blocks runs, each against a float32 computation over the same dequantised weight
+(the `gguf` package's dequantiser is the oracle for the blocks themselves: test_gguf_blocks.py)."""
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf.quants import quantize
+
+from fastspec.models.gguf_blocks import blocks_from_state, blocks_state, read_blocks
+from fastspec.models.packed_layers import (BlockEmbedding, CastLinear, Int4Linear, Int8Linear, RefinedHead,
+                                           cast_linears, fast_activation)
+
+
+def blocks(kind: str, n: int, k: int, seed: int = 0):
+    data = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    return read_blocks(quantize(data, gguf.GGMLQuantizationType[kind]), kind)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_stored_blocks_read_back_bit_for_bit(kind):
+    b = blocks(kind, 16, 96)
+    state = blocks_state("w", b)
+    assert state["w.q"].dtype == (torch.uint8 if b.bits == 4 else torch.int8)
+    assert state["w.q"].numel() == b.q.numel() // (2 if b.bits == 4 else 1)  # 4-bit: two values a byte
+    back = blocks_from_state(state.__getitem__, "w")
+    assert back.bits == b.bits and torch.equal(back.q, b.q) and torch.equal(back.dequantise(), b.dequantise())
+
+
+def test_dequantise_in_row_chunks_is_the_same_arithmetic():
+    b = blocks("Q8_0", 40, 64)
+    assert torch.equal(b.dequantise(rows=7), b.dequantise())
+    assert torch.equal(b.dequantise(torch.bfloat16, rows=7), b.dequantise().bfloat16())
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_block_embedding_equals_an_embedding_over_the_dequantised_table(kind):
+    b = blocks(kind, 50, 64)
+    ids = torch.tensor([[3, 0, 49], [7, 7, 1]])
+    assert torch.equal(BlockEmbedding(b)(ids), F.embedding(ids, b.dequantise()))
+
+
+def test_int8_linear_is_within_its_rounding():
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(4))
+    linear = Int8Linear.quantise(lambda ids: w[ids], 64, torch.float32, chunk=10)
+    q_error = (linear.q.float() * linear.scale[:, None] - w).abs().max(1).values
+    assert torch.all(q_error <= w.abs().max(1).values / 254 + 1e-6)  # half a step of 1/127 of each row's max
+    torch.testing.assert_close(linear(x).float(), F.linear(x, linear.q.float() * linear.scale[:, None]))
+
+
+def test_refined_head_gives_the_exact_logits_of_its_best_tokens():
+    """The approximation's top tokens of each row carry the exact float32 logits (hence greedy's argmax is the exact
+    one), the rest the approximate ones; with `refine` = vocabulary size every logit is exact."""
+    table = BlockEmbedding(blocks("Q8_0", 300, 64, seed=5))
+    weight = table.q.float().unflatten(-1, (-1, 32)).mul(table.scale[..., None]).flatten(-2)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(6))
+    exact = F.linear(x, weight)
+    approx = Int8Linear.quantise(table, 300)
+    head = RefinedHead(approx, table, refine=16)
+    logits, rough = head(x), approx(x).float()
+    top = rough.topk(16, -1).indices
+    torch.testing.assert_close(logits.gather(-1, top), exact.gather(-1, top), atol=1e-5, rtol=1e-5)
+    rest = torch.ones_like(logits, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(logits[rest], rough[rest])
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    torch.testing.assert_close(RefinedHead(approx, table, refine=300)(x), exact, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(approx(x).float(), exact, atol=1e-5)  # the approximation alone is not exact
+
+
+def test_cast_linears_keeps_the_math_in_the_weight_dtype():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8, bias=False))
+    x = torch.randn(3, 32)
+    expected = model(x)
+    cast_linears(model, torch.bfloat16)
+    assert [type(m) for m in model] == [CastLinear, torch.nn.ReLU, CastLinear]
+    assert model[0].weight.dtype == torch.bfloat16 and model(x).dtype == torch.float32
+    torch.testing.assert_close(model(x), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_packed_modules_compile_as_opaque_ops():
+    """Inside a fullgraph compile (the compiled round functions) the int4 and int8 matmuls are fastspec's opaque
+    ops, and the outputs equal the eager ones."""
+    table = BlockEmbedding(blocks("Q8_0", 64, 64, seed=7))
+    for module in (Int4Linear.from_blocks(blocks("Q4_1", 16, 64)), RefinedHead(Int8Linear.quantise(table, 64), table)):
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+        compiled = torch.compile(module, fullgraph=True, dynamic=False)
+        torch.testing.assert_close(compiled(x), module(x), atol=1e-5, rtol=1e-5)
+
+
+def test_the_activation_dtype_is_a_dtype_the_kernel_takes():
+    assert fast_activation() in (torch.bfloat16, torch.float32)
