@@ -71,8 +71,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
     page_size: int = 1
-    max_total_tokens: int | None = None  # KV pool size in tokens; None: kv_mem_fraction of available memory
-    kv_mem_fraction: float = 0.05
+    max_total_tokens: int | None = None  # static KV pool size in tokens; None: up to kv_mem_fraction (CPU: grows)
+    kv_mem_fraction: float = 0.05  # without max_total_tokens, the KV pools' ceiling: this of the memory available
     max_running_requests: int = 48
     max_context_len: int | None = None  # None: the model's max_position_embeddings
     chunked_prefill_size: int = 2048  # prompt tokens per prefill step (long prompts take several steps)

@@ -1,5 +1,5 @@
-"""Tests for fastspec.memory: allocators against a plain-Python free-set model, alloc_extend by hand and by
-page-layout invariants, KVPool write/move/sizing, ReqToTokenTable against a Python-loop oracle."""
+"""Tests for fastspec.memory: allocators (growth included) against a plain-Python free-set model, alloc_extend by
+hand and by page-layout invariants, KVPool write/move/growth/sizing, ReqToTokenTable against a Python-loop oracle."""
 
 import pytest
 import torch
@@ -32,7 +32,7 @@ def test_allocator_matches_free_set_model(page_size, data):
     free_model = set(range(P, (num_pages + 1) * P))  # every slot except the reserved page 0
     held, backups = [], []  # held: list of allocations (lists of slots); backups: (state, free, held)
     for _ in range(data.draw(st.integers(1, 30))):
-        op = data.draw(st.sampled_from(["alloc", "alloc", "free", "backup", "restore"]))
+        op = data.draw(st.sampled_from(["alloc", "alloc", "free", "backup", "restore", "grow"]))
         if op == "alloc":
             n = data.draw(st.integers(0, num_pages + 1)) * P
             got = allocator.alloc(n)
@@ -60,6 +60,15 @@ def test_allocator_matches_free_set_model(page_size, data):
             state, free_snapshot, held_snapshot = backups[data.draw(st.integers(0, len(backups) - 1))]
             allocator.restore_state(state)
             free_model, held = set(free_snapshot), list(held_snapshot)
+        elif op == "grow":  # the new pages join the free set; a backup from before can no longer be restored
+            more = data.draw(st.integers(0, 4))
+            allocator.grow((num_pages + more) * P)
+            free_model |= set(range((num_pages + 1) * P, (num_pages + more + 1) * P))
+            num_pages += more
+            if more and backups:
+                with pytest.raises(RuntimeError, match="backed up at capacity"):
+                    allocator.restore_state(backups[0][0])
+            backups = [] if more else backups
         assert allocator.num_free() == len(free_model)
         allocator.check(_held_tensor(held))  # free + held == all slots, disjoint, no duplicates
 
@@ -190,6 +199,35 @@ def test_token_allocator_alloc_extend_takes_total_length():
 
 
 # ----------------------------------------------------------------------------------------------- KVPool
+
+@pytest.mark.parametrize("page_size, separate_v", [(1, True), (4, False)])
+def test_kv_pool_grow_keeps_every_slot_and_zeroes_the_new_ones(page_size, separate_v):
+    pool = KVPool(num_layers=2, num_kv_heads=2, head_dim=3, capacity=4, page_size=page_size, separate_v=separate_v)
+    slots = torch.arange(pool.num_slots)
+    k, v = torch.randn(pool.num_slots, 2, 3), torch.randn(pool.num_slots, 2, 3)
+    for layer in range(2):
+        pool.write(layer, slots, k + layer, v - layer)
+    old_slots = pool.num_slots
+    pool.grow(9)  # rounds up to whole pages
+    assert pool.capacity == -(-9 // page_size) * page_size and pool.num_slots == pool.capacity + page_size
+    assert pool.k.shape == (2, pool.num_slots, 2, 3)
+    for layer in range(2):
+        assert torch.equal(pool.k[layer, :old_slots], k + layer)
+        assert not pool.k[layer, old_slots:].any()
+        if separate_v:
+            assert torch.equal(pool.v[layer, :old_slots], v - layer) and not pool.v[layer, old_slots:].any()
+    assert pool.v is None if not separate_v else pool.v.shape == pool.k.shape
+    with pytest.raises(ValueError, match="grows"):
+        pool.grow(1)
+
+
+def test_kv_pool_grown_in_inference_mode_stays_a_normal_tensor():
+    pool = KVPool(1, 1, 2, capacity=4)
+    with torch.inference_mode():
+        pool.grow(8)
+    assert not pool.k.is_inference() and not pool.v.is_inference()
+    pool.k[0, 1] = 1.0  # writable outside inference mode, as before
+
 
 def test_kv_pool_shape_rounds_capacity_up_to_pages():
     pool = KVPool(num_layers=3, num_kv_heads=2, head_dim=5, capacity=10, page_size=4, dtype=torch.float16)

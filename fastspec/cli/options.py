@@ -36,7 +36,7 @@ class ModelOptions:
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32"
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N] (auto: cuda when torch sees a GPU).")] = "auto"
     page_size: Annotated[int, typer.Option(help="KV page size in tokens.")] = 1
-    max_total_tokens: Annotated[Optional[int], typer.Option(help="KV pool size in tokens (default: a fraction of free memory).")] = None
+    max_total_tokens: Annotated[Optional[int], typer.Option(help="KV pool size in tokens, allocated at start (default: a fraction of free memory; on CPU that is only the limit: the pool starts small and grows as needed).")] = None
     max_running_requests: Annotated[int, typer.Option(help="Most requests decoded at once.")] = 48
     chunked_prefill_size: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 2048
     graphs: Annotated[str, typer.Option(help="auto | cuda | compile | eager: how the draft loop, draft extend and verify run (auto: cuda on a GPU, eager on CPU).", rich_help_panel=GRAPHS)] = "auto"

@@ -38,7 +38,7 @@ class EngineLoad:
 
     running: int  # requests in the running batch
     waiting: int  # requests queued for admission
-    free_kv: int  # free KV slots, counting what the prefix cache would give back
+    free_kv: int  # free KV slots, counting what the prefix cache would give back and the room the pool may grow by
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Engine:
         self.overlap = config.overlap
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fastspec-worker") if self.overlap else None
         self._last: Future | None = None  # the last thing submitted to the worker (a step or a release)
-        self._free_before = 0  # free KV before the step in flight (after the last one handed out)
+        self._free_before = 0  # free KV in the pool before the step in flight (after the last one handed out)
         self.load = EngineLoad(0, 0, self.worker.available_kv())
         w = self.worker
         self.grammars = GrammarCompiler(w.model_dir, w.model.config.vocab_size, w.eos_ids)  # structured output
@@ -152,7 +152,8 @@ class Engine:
                     out += self._hand_out(scheduler, self._result(inflight[1], last=True))
                     inflight = None
                 # free KV: read now when the worker is idle (releases applied), else as of the last hand-out
-                free = self._free_before if self._thread is not None else self.worker.available_kv()
+                free = (self._free_before + self.worker.memory.room_to_grow if self._thread is not None
+                        else self.worker.available_kv())
                 self.load = EngineLoad(len(scheduler.running), len(scheduler.waiting), free)
                 yield out
         finally:  # done, or the caller stopped iterating (an exception, a closed pipe): hand every slot back
@@ -161,8 +162,9 @@ class Engine:
                 self.worker.release(r)
 
     def _launch(self, scheduler: Scheduler, ahead: bool):
-        """Start the next step: a prefill chunk if a request is prefilling, else a decode round. Admission
-        and preemption read the allocator, so they run only with nothing in flight (`ahead` False)."""
+        """Start the next step: a prefill chunk if a request is prefilling, else a decode round. Admission,
+        preemption and the pool's growth read the allocator, so they run only with nothing in flight (`ahead`
+        False)."""
         if not ahead:
             self._drain()
             scheduler.admit(self.worker.available_kv())
@@ -173,12 +175,20 @@ class Engine:
         if not batch:
             return None
         if not ahead:
-            self._free_before = self.worker.available_kv()
+            self.worker.grow_kv(self._kv_wanted(scheduler))
+            self._free_before = self.worker.free_kv()
         return (None if prefilling else batch), self._submit(self.worker.step, batch, bool(prefilling))
+
+    def _kv_wanted(self, scheduler: Scheduler) -> int:
+        """Free KV a growing pool should have before a step (nothing in flight): what the running requests have
+        reserved, and under overlap a second round's headroom each, so the next round can run ahead."""
+        ahead = self.worker.round_headroom() * len(scheduler.running) if self.overlap else 0
+        return scheduler.reserved_kv() + ahead
 
     def _may_run_ahead(self, scheduler: Scheduler, launched_with) -> bool:
         """The next decode round can start before the one in flight is handed out: it is a decode round, no
-        request can be admitted, and worst-case KV fits both rounds (each needs a round's headroom per request)."""
+        request can be admitted, and worst-case KV fits both rounds (each needs a round's headroom per request)
+        in the pool as it is (it grows only with nothing in flight)."""
         if launched_with is None or not scheduler.running:  # a prefill step, or nothing to run next
             return False
         if scheduler.waiting and len(scheduler.running) < scheduler.max_running and not scheduler.hold:
@@ -274,9 +284,10 @@ class Engine:
             raise FastspecError(f"logit bias token ids must be in [0, {vocab})")
         request = Request(rid, list(prompt), params, make_generator(params.seed, self.config.device),
                           grammar=self.grammars.compile(params))
-        if request.max_tokens(self.config.page_size, self.worker.round_headroom()) > self.worker.pool.capacity:
+        ceiling = self.worker.memory.ceiling
+        if request.max_tokens(self.config.page_size, self.worker.round_headroom()) > ceiling:
             raise FastspecError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not "
-                                f"fit in the KV pool of {self.worker.pool.capacity} tokens (raise --max-total-tokens)")
+                                f"fit in the KV pool of {ceiling} tokens (raise --max-total-tokens)")
         return request
 
 

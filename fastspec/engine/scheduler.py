@@ -82,18 +82,25 @@ class Scheduler:
 
     def admit(self, free_tokens: int) -> list[Request]:
         """Move waiting requests (in order) to running while their prefill and a round of headroom fit."""
-        pages = lambda n: -(-n // self.page_size) * self.page_size  # noqa: E731
-        pending = sum(pages(len(r.prefill_ids)) - r.seq_len for r in self.running if r.prefilling)
-        available = free_tokens - pending - self.headroom * len(self.running)
+        available = free_tokens - self.reserved_kv()
         admitted = []
         while self.waiting and len(self.running) < self.max_running and not (self.hold and self.running):
-            need = pages(len(self.waiting[0].prefill_ids)) + self.headroom
+            need = self._pages(len(self.waiting[0].prefill_ids)) + self.headroom
             if need > available:
                 break
             available -= need
             admitted.append(self.waiting.popleft())
             self.running.append(admitted[-1])
         return admitted
+
+    def reserved_kv(self) -> int:
+        """KV the running requests may take before the next admission: the rest of their prefills (whole pages)
+        and a round's headroom each."""
+        pending = sum(self._pages(len(r.prefill_ids)) - r.seq_len for r in self.running if r.prefilling)
+        return pending + self.headroom * len(self.running)
+
+    def _pages(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
 
     def preempt(self) -> Request:
         """Take the most recently admitted request out of the running batch; it is recomputed later, first."""

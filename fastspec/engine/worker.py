@@ -1,6 +1,7 @@
-"""The worker: owns the target model, its static KV pool, the allocator, the request->slot table, the drafters, the
-verify graphs and the measured fallback policy, and runs one `step` at a time on the requests it is given: a
-prefill chunk, or a decode round, speculative (draft -> verify -> accept -> commit, then the draft extend) or plain.
+"""The worker: owns the target model, its KV pool (grown when the engine asks, between steps), the allocator, the
+request->slot table, the drafters, the verify graphs and the measured fallback policy, and runs one `step` at a time
+on the requests it is given: a prefill chunk, or a decode round, speculative (draft -> verify -> accept -> commit,
+then the draft extend) or plain.
 
 It is composed of objects that are handed what they read and return what they produce: Prefill, PlainRounds and
 SpecRounds (each returns a RoundOutput) over a Target, BatchSlots and a Producer, and the OverlapSchedule, which
@@ -57,6 +58,7 @@ class Worker:
         self.model, self.feature = models.target, models.feature
         self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
         m = build_memory(self.model.config, draft_kv_shape(models.draft), config, self.spec, self.max_context_len)
+        self.memory = m
         self.pool, self.draft_pool, self.allocator, self.table = m.pool, m.draft_pool, m.allocator, m.table
         self.states, self.cache = m.states, m.cache
         self.target = Target(self.model, self.pool, self._backend(), self.states, self.feature)
@@ -151,8 +153,18 @@ class Worker:
         self.allocator.check(torch.cat(held) if held else torch.zeros(0, dtype=torch.int64))
 
     def available_kv(self) -> int:
-        """Free KV slots, counting what the prefix cache would give back (its unlocked entries)."""
+        """Free KV slots up to the pool's ceiling (what admission and preemption plan with): free now, what the
+        prefix cache would give back (its unlocked entries) and the room the pool may still grow by."""
+        return self.slots.available() + self.memory.room_to_grow
+
+    def free_kv(self) -> int:
+        """Free KV slots in the pool as it is now, counting what the prefix cache would give back."""
         return self.slots.available()
+
+    def grow_kv(self, num_free: int) -> None:
+        """Grow a growing pool until `num_free` slots are free (up to its ceiling); with nothing in flight."""
+        assert self.overlap.pending is None, "the KV pool cannot grow under a round in flight"
+        self.memory.grow(num_free)
 
     def flush_cache(self) -> None:
         """Hand every unlocked prefix-cache entry back to the allocator."""

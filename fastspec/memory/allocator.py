@@ -1,7 +1,8 @@
 """KV slot allocators: which slots of the KV pool are free. TokenAllocator (page size 1) and PagedAllocator.
 
-Owns the free list and its O(1) backup_state / restore_state: the free list is a 1-D int64 tensor that is
-only ever replaced (sliced or concatenated), never written in place, so a snapshot is just a reference.
+Owns the free list, its O(1) backup_state / restore_state and `grow` (new slots past the old capacity join the
+free list): the free list is a 1-D int64 tensor that is only ever replaced (sliced or concatenated), never written
+in place, so a snapshot is just a reference (with the capacity: one taken before a grow cannot be restored).
 Slot 0 (the whole page 0 when paged) is the dummy slot padded rows write to and is never handed out.
 Does not own the K/V tensors (kv_pool.py) or request rows (req_table.py). Frees are not validated in the
 hot path; `check` is the leak / double-allocation audit for tests and debug runs.
@@ -31,6 +32,15 @@ def check_ids(free: torch.Tensor, held: torch.Tensor, num_ids: int, unit: str) -
         ids = torch.nonzero(bad).flatten()
         if ids.numel():
             raise AssertionError(f"{unit} {int(ids[0]) + 1} {what}")
+
+
+def restorable(state: tuple[int, torch.Tensor], capacity: int) -> torch.Tensor:
+    """The free list of a backup_state taken at `capacity` (RuntimeError if the allocator grew since: restoring it
+    would lose the new slots)."""
+    taken_at, free = state
+    if taken_at != capacity:
+        raise RuntimeError(f"allocator state backed up at capacity {taken_at} restored at capacity {capacity}")
+    return free
 
 
 class TokenAllocator:
@@ -74,11 +84,19 @@ class TokenAllocator:
         if slots.numel():
             self._free = torch.cat([self._free, slots.flatten().to(torch.int64)])
 
+    def grow(self, capacity: int) -> None:
+        """Slots capacity_before+1 .. capacity become free (after the ones free now)."""
+        if capacity < self.capacity:
+            raise ValueError(f"an allocator grows: capacity {capacity} < {self.capacity}")
+        new = torch.arange(self.capacity + 1, capacity + 1, dtype=torch.int64, device=self._free.device)
+        self._free = torch.cat([self._free, new])
+        self.capacity = capacity
+
     def backup_state(self) -> object:
-        return self._free
+        return self.capacity, self._free
 
     def restore_state(self, state) -> None:
-        self._free = state
+        self._free = restorable(state, self.capacity)
 
     def check(self, held: torch.Tensor) -> None:
         """held: [n] every slot the caller owns. AssertionError unless free and held partition 1..capacity."""
@@ -203,11 +221,21 @@ class PagedAllocator:
             pages = torch.unique(slots.flatten().to(torch.int64) // self.page_size)
             self._free_pages = torch.cat([self._free_pages, pages])
 
+    def grow(self, capacity: int) -> None:
+        """Pages num_pages_before+1 .. capacity // P become free (after the ones free now); capacity: whole pages."""
+        if capacity < self.capacity or capacity % self.page_size:
+            raise ValueError(f"an allocator grows by whole pages: capacity {capacity}, was {self.capacity}, "
+                             f"page size {self.page_size}")
+        num_pages = capacity // self.page_size
+        new = torch.arange(self.num_pages + 1, num_pages + 1, dtype=torch.int64, device=self._free_pages.device)
+        self._free_pages = torch.cat([self._free_pages, new])
+        self.num_pages, self.capacity = num_pages, capacity
+
     def backup_state(self) -> object:
-        return self._free_pages
+        return self.capacity, self._free_pages
 
     def restore_state(self, state) -> None:
-        self._free_pages = state
+        self._free_pages = restorable(state, self.capacity)
 
     def check(self, held: torch.Tensor) -> None:
         """held: [n] slots the caller owns (each held page named by at least one slot). AssertionError unless

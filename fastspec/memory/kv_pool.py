@@ -1,8 +1,9 @@
-"""Static KV pool: one model's K and V for every layer, preallocated once at start-up and never resized.
+"""KV pool: one model's K and V for every layer, allocated at start-up and grown only by `grow` (between steps).
 
-Owns the K/V tensors, slot-indexed writes and moves, and start-up sizing (bytes per token; capacity from a
-token budget or from a fraction of the device's available memory). Does not decide which slots a token gets
-(allocator.py) nor which request owns them (req_table.py); knows nothing about attention or models.
+Owns the K/V tensors, slot-indexed writes and moves, growth (larger tensors, the old slots copied over) and
+sizing (bytes per token; capacity from a token budget or from a fraction of the device's available memory).
+Does not decide which slots a token gets (allocator.py), which request owns them (req_table.py) nor when the
+pool grows (fastspec.engine.memory); knows nothing about attention or models.
 Slot 0 (the whole page 0 when paged) is the dummy slot that padded rows write to.
 """
 
@@ -13,6 +14,15 @@ import torch
 from fastspec.errors import FastspecError
 
 MEMINFO_PATH = "/proc/meminfo"
+
+
+def _extended(kv: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """kv [L, S, H, D] -> [L, num_slots, H, D]: the first S slots copied, the rest zero; an inference tensor if
+    kv was one (a compiled graph's guards then hold for the new tensor as they did for the old)."""
+    with torch.inference_mode(kv.is_inference()):
+        out = kv.new_zeros((kv.shape[0], num_slots, *kv.shape[2:]))
+        out[:, :kv.shape[1]] = kv
+    return out
 
 
 def available_bytes(device="cpu") -> int:
@@ -52,6 +62,17 @@ class KVPool:
         # zeros, not empty: padded rows may read unwritten slots, and 0 * NaN garbage would poison attention
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [num_layers, num_slots, num_kv_heads, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device) if separate_v else None  # like k
+
+    def grow(self, capacity: int) -> None:
+        """Hold `capacity` tokens (rounded up to whole pages): new, larger k / v with every old slot copied to the
+        same index (slot ids keep their meaning) and the new slots zero. Whoever kept the old tensors keeps
+        reading them: only between steps, with nothing in flight."""
+        capacity = -(-capacity // self.page_size) * self.page_size
+        if capacity < self.capacity:
+            raise ValueError(f"a KV pool grows: capacity {capacity} < {self.capacity}")
+        self.capacity, self.num_slots = capacity, capacity + self.page_size
+        self.k = _extended(self.k, self.num_slots)
+        self.v = None if self.v is None else _extended(self.v, self.num_slots)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Store K/V of T tokens of one layer in place. Several padded rows may all name the dummy slot 0;

@@ -44,7 +44,7 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token in seconds.")
         self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first, in seconds.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.")
-        pool = engine.pool.capacity
+        pool = engine.worker.memory.ceiling  # a growing pool's usage is of what it may grow to
         gauge("num_running_reqs", "Requests in the running batch.", lambda: engine.load.running)
         gauge("num_queue_reqs", "Requests waiting for admission.", lambda: engine.load.waiting)
         gauge("token_usage", "Fraction of the KV pool in use.", lambda: 1 - engine.load.free_kv / pool)

@@ -57,6 +57,7 @@ class CostModel:
 
     def __init__(self, engine, width: int, reps: int = 3):
         self.engine, self.width, self.reps = engine, width, reps
+        engine.worker.grow_kv(width)  # a growing pool: slots 1..width, which every timed request reads, exist
         self.drafter = engine.drafter
         self._memo: dict = {}
         self._packed = any(isinstance(m, PackedLinear) for m in engine.model.modules())
@@ -140,6 +141,7 @@ class CostModel:
         their KV disturbs no request and nothing the prefix cache holds."""
         allocator = self.engine.worker.allocator
         page = allocator.page_size
+        self.engine.worker.grow_kv(-(-n // page) * page)
         state = allocator.backup_state()
         slots = allocator.alloc(-(-n // page) * page) if n else torch.zeros(0, dtype=torch.int64)
         allocator.restore_state(state)
