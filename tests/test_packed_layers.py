@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import quantize
 
-from fastspec.models.gguf_blocks import blocks_from_state, blocks_state, read_blocks
-from fastspec.models.packed_layers import (BlockEmbedding, CastLinear, Int4Linear, Int8Linear, RefinedHead,
-                                           cast_linears, fast_activation)
+from fastspec.models.gguf_blocks import blocks_from_state, blocks_state, quantise_rows, read_blocks
+from fastspec.models.packed_layers import (BlockEmbedding, CastLinear, Int4Linear, RefinedHead, cast_linears,
+                                           fast_activation)
 
 
 def blocks(kind: str, n: int, k: int, seed: int = 0):
@@ -40,23 +40,25 @@ def test_block_embedding_equals_an_embedding_over_the_dequantised_table(kind):
     assert torch.equal(BlockEmbedding(b)(ids), F.embedding(ids, b.dequantise()))
 
 
-def test_int8_linear_is_within_its_rounding():
+def test_quantise_rows_is_within_half_a_step():
+    """The 4-bit rounding of a float weight (the lm_head's approximation when its table is not 4-bit): every value
+    within half its group's step, chunk by chunk the same as at once."""
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
-    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(4))
-    linear = Int8Linear.quantise(lambda ids: w[ids], 64, torch.float32, chunk=10)
-    q_error = (linear.q.float() * linear.scale[:, None] - w).abs().max(1).values
-    assert torch.all(q_error <= w.abs().max(1).values / 254 + 1e-6)  # half a step of 1/127 of each row's max
-    torch.testing.assert_close(linear(x).float(), F.linear(x, linear.q.float() * linear.scale[:, None]))
+    b = quantise_rows(lambda ids: w[ids], 64, chunk=10)
+    step = b.scale.repeat_interleave(32, -1)
+    assert b.bits == 4 and int(b.q.max()) <= 15
+    assert torch.all((b.dequantise() - w).abs() <= step / 2 + 1e-6)
+    assert torch.equal(quantise_rows(lambda ids: w[ids], 64).q, b.q)
 
 
 def test_refined_head_gives_the_exact_logits_of_its_best_tokens():
     """The approximation's top tokens of each row carry the exact float32 logits (hence greedy's argmax is the exact
     one), the rest the approximate ones; with `refine` = vocabulary size every logit is exact."""
-    table = BlockEmbedding(blocks("Q8_0", 300, 64, seed=5))
+    table = BlockEmbedding(blocks("Q8_0", 304, 64, seed=5))
     weight = table.q.float().unflatten(-1, (-1, 32)).mul(table.scale[..., None]).flatten(-2)
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(6))
     exact = F.linear(x, weight)
-    approx = Int8Linear.quantise(table, 300)
+    approx = Int4Linear.from_blocks(quantise_rows(table, 304))
     head = RefinedHead(approx, table, refine=16)
     logits, rough = head(x), approx(x).float()
     top = rough.topk(16, -1).indices
@@ -64,7 +66,7 @@ def test_refined_head_gives_the_exact_logits_of_its_best_tokens():
     rest = torch.ones_like(logits, dtype=torch.bool).scatter(-1, top, False)
     assert torch.equal(logits[rest], rough[rest])
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
-    torch.testing.assert_close(RefinedHead(approx, table, refine=300)(x), exact, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(RefinedHead(approx, table, refine=304)(x), exact, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(approx(x).float(), exact, atol=1e-5)  # the approximation alone is not exact
 
 
@@ -79,10 +81,11 @@ def test_cast_linears_keeps_the_math_in_the_weight_dtype():
 
 
 def test_packed_modules_compile_as_opaque_ops():
-    """Inside a fullgraph compile (the compiled round functions) the int4 and int8 matmuls are fastspec's opaque
-    ops, and the outputs equal the eager ones."""
+    """Inside a fullgraph compile (the compiled round functions) the int4 matmul is fastspec's opaque op, and the
+    outputs (a linear, a refined head) equal the eager ones."""
     table = BlockEmbedding(blocks("Q8_0", 64, 64, seed=7))
-    for module in (Int4Linear.from_blocks(blocks("Q4_1", 16, 64)), RefinedHead(Int8Linear.quantise(table, 64), table)):
+    head = RefinedHead(Int4Linear.from_blocks(quantise_rows(table, 64)), table)
+    for module in (Int4Linear.from_blocks(blocks("Q4_1", 16, 64)), head):
         x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
         compiled = torch.compile(module, fullgraph=True, dynamic=False)
         torch.testing.assert_close(compiled(x), module(x), atol=1e-5, rtol=1e-5)

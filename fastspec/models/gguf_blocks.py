@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 BLOCK = 32
 FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}  # bytes per block, f16 values before the quants
@@ -41,6 +42,12 @@ class Blocks:
             w[r:r + rows] = (q * self.scale[r:r + rows, :, None] + self.offset[r:r + rows, :, None]).view(-1, k)
         return w
 
+    def pad_rows(self, multiple: int) -> Blocks:
+        """The same weight with zero rows appended up to a multiple of `multiple` rows (a kernel's tile)."""
+        extra = -self.q.shape[0] % multiple
+        return self if not extra else Blocks(*(F.pad(t, (0, 0, 0, extra)) for t in (self.q, self.scale, self.offset)),
+                                             self.bits)
+
     def map_rows(self, fn) -> Blocks:
         """The same weight with its rows rearranged by `fn` ([N, x] -> [N, x], e.g. undoing the rope row order):
         a block never spans two rows, so values and scales move together."""
@@ -63,6 +70,21 @@ def read_blocks(data: np.ndarray, kind: str) -> Blocks:
     q = torch.cat([packed & 15, packed >> 4], -1).reshape(n, -1)  # low nibbles are elements 0..15
     offset = torch.from_numpy(f16[..., 1].copy()) if kind == "Q4_1" else -8 * scale
     return Blocks(q, scale, offset, 4)
+
+
+def quantise_rows(rows, n: int, chunk: int = 4096) -> Blocks:
+    """The float weight whose rows `rows(ids)` returns ([len(ids), K]) rounded to 4 bits as Q4_1 does (per group of
+    32: offset the minimum, scale (max - min) / 15), `chunk` rows at a time: an approximation within half a step."""
+    q, scale, offset = None, [], []
+    for r in range(0, n, chunk):
+        w = rows(torch.arange(r, min(r + chunk, n))).float().unflatten(-1, (-1, BLOCK))  # [rows, K/32, 32]
+        low, high = w.amin(-1), w.amax(-1)
+        step = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        q = torch.empty(n, w.shape[1] * BLOCK, dtype=torch.uint8) if q is None else q
+        q[r:r + chunk] = torch.round((w - low[..., None]) / step[..., None]).clamp(0, 15).flatten(-2)
+        scale.append(step)
+        offset.append(low)
+    return Blocks(q, torch.cat(scale), torch.cat(offset), 4)
 
 
 def blocks_state(name: str, b: Blocks) -> dict[str, torch.Tensor]:

@@ -27,9 +27,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fastspec.errors import FastspecError
+from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.models.gguf import BLOCKS_FILE, SOURCE_MARKER
-from fastspec.models.gguf_blocks import blocks_from_state, merge_rows
-from fastspec.models.packed_layers import BlockEmbedding, CastLinear, Int4Linear, Int8Linear, RefinedHead
+from fastspec.models.gguf_blocks import blocks_from_state, merge_rows, quantise_rows
+from fastspec.models.packed_layers import BlockEmbedding, CastLinear, Int4Linear, RefinedHead
 from fastspec.models.layers import RotaryEmbedding
 from fastspec.models.llama import LlamaForCausalLM
 
@@ -103,11 +104,12 @@ class PackedCache:
     def save(self) -> None:
         if not self.new:
             return
+        kept = {} if self.stored is None else {k: self.stored.get_tensor(k) for k in self.stored.keys()}
         tmp = None
         try:  # a cache that is not writable: the next start packs again
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".int4-", suffix=".tmp")
             os.close(fd)
-            save_file(self.new, tmp)
+            save_file(kept | self.new, tmp)
             os.chmod(tmp, 0o644)
             os.replace(tmp, self.path)
         except OSError:
@@ -137,6 +139,7 @@ def load_packed_target(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dt
     model.model.embed_tokens = _table(weights, "model.embed_tokens.weight", dtype).to(device)
     model.lm_head = _head(weights, cache, model, activation, dtype).to(device)
     cache.save()
+    trim_host_heap()  # the transients of building it go back to the OS before the next allocations
     if weights.dequantised:
         log.warning("--quantization gguf: %s tensors have no packed kernel here and run dequantised to %s",
                  " / ".join(sorted(weights.dequantised)), str(activation).removeprefix("torch."))
@@ -166,17 +169,17 @@ def _table(weights: StoredWeights, name: str, dtype: torch.dtype) -> nn.Module:
 def _head(weights: StoredWeights, cache: PackedCache, model: LlamaForCausalLM, activation: torch.dtype,
           dtype: torch.dtype) -> nn.Module:
     """The lm_head: with float32 activations the exact linear; else a RefinedHead over the table (the embedding
-    when tied): packed int4 when its blocks are 4-bit, else an int8 copy, with the best tokens rescored exactly."""
+    when tied): packed int4 over its blocks when they are 4-bit, else over a 4-bit rounding of it (cached like the
+    projections), with the best tokens rescored exactly."""
     tied = model.config.tie_word_embeddings
     name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     if activation == torch.float32:
         return _projection(weights, cache, "lm_head", [name], activation)
     table = model.model.embed_tokens if tied else _table(weights, name, dtype)
-    if weights.bits(name) == 4:
-        approx = cache.linear("lm_head", lambda: weights.get_blocks(name), activation)
-    else:
-        approx = Int8Linear.quantise(table, table.num_embeddings, activation)
-    return RefinedHead(approx, table)
+    four_bit = weights.bits(name) == 4
+    rows = table.num_embeddings
+    blocks = (lambda: weights.get_blocks(name)) if four_bit else (lambda: quantise_rows(table, rows))
+    return RefinedHead(cache.linear("lm_head", lambda: blocks().pad_rows(16), activation), table)
 
 
 def _parameter(tensor: torch.Tensor, dtype: torch.dtype, device) -> nn.Parameter:

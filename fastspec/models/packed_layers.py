@@ -91,50 +91,13 @@ class BlockEmbedding(nn.Module):
         return rows.flatten(-2).to(self.dtype)
 
 
-class Int8Linear(nn.Module):
-    """y = x @ w.T with w as int8 and one scale per output row (torch's int8 CPU matmul on `activation` inputs): an
-    approximation of a float weight (rounding to 1/254 of each row's largest value), for RefinedHead."""
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, activation: torch.dtype = torch.bfloat16):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.register_buffer("q", q)  # int8 [N, K]
-        self.register_buffer("scale", scale.to(activation))  # [N]
-
-    @classmethod
-    def quantise(cls, rows, n: int, activation: torch.dtype = torch.bfloat16, chunk: int = 4096) -> Int8Linear:
-        """From the float weight whose rows `rows(ids)` returns ([len(ids), K]), `chunk` rows at a time."""
-        parts = []
-        for r in range(0, n, chunk):
-            w = rows(torch.arange(r, min(r + chunk, n))).float()
-            scale = w.abs().amax(1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-            parts.append((torch.round(w / scale[:, None]).to(torch.int8), scale))
-        return cls(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), activation)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] -> [M, N] in the activation dtype
-        x = x.to(self.scale.dtype)
-        if torch.compiler.is_compiling():
-            return int8_matmul(x, self.q, self.scale)
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
-
-
-@torch.library.custom_op("fastspec::int8_matmul", mutates_args=())
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """torch's int8 CPU matmul (one scale per output row) as an opaque op for torch.compile, like int4_matmul."""
-    return torch.ops.aten._weight_int8pack_mm(x, q, scale)
-
-
-@int8_matmul.register_fake
-def _(x, q, scale):
-    return x.new_empty(x.shape[0], q.shape[0])
-
-
 class RefinedHead(nn.Module):
-    """logits = x @ table.T over a vocabulary table kept as blocks: one fast approximate GEMM over the whole vocabulary
-    (`approx`: Int8Linear or Int4Linear on bfloat16 activations), then each row's `refine` best tokens rescored
-    exactly in float32 from the table's own rows. Greedy's argmax and the top of the distribution are then the exact
-    model's whenever its winner is among the approximate top `refine` (the approximation is off by ~1% of a logit,
-    the gap to the 16th token is far larger); the tail keeps the approximate logits.
+    """logits = x @ table.T over a vocabulary table: one fast approximate GEMM over the whole vocabulary (`approx`, an
+    Int4Linear on bfloat16 activations over the table's 4-bit blocks or a 4-bit rounding of it), then each row's
+    `refine` best tokens rescored exactly in float32 from the table's own rows. Greedy's argmax and the top of the
+    distribution are then the exact model's whenever its winner is among the approximate top `refine` (the
+    approximation moves a logit by a few percent; the gap to the 16th token is far larger); the tail keeps the
+    approximate logits.
     """
 
     def __init__(self, approx: nn.Module, table: nn.Module, refine: int = 16):
@@ -143,7 +106,7 @@ class RefinedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., V] float32
         flat = x.reshape(-1, x.shape[-1])  # [M, H]
-        logits = self.approx(flat).float()  # [M, V]
+        logits = self.approx(flat).float()[:, :self.table.num_embeddings]  # [M, V] (approx's rows may be padded)
         top = logits.topk(self.refine, -1).indices  # [M, refine]
         exact = torch.bmm(self.table(top).float(), flat.float()[:, :, None]).squeeze(-1)  # [M, refine]
         return logits.scatter(-1, top, exact).view(*x.shape[:-1], -1)

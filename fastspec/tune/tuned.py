@@ -115,8 +115,13 @@ def _dir_digest(directory: Path) -> str:
     h = hashlib.sha256((Path(directory) / "config.json").read_bytes())
     for f in sorted(Path(directory).glob("*.safetensors")) + sorted(Path(directory).glob("*.bin")):
         size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
         with f.open("rb") as fh:
-            h.update(f"{f.name}:{size}".encode() + fh.read(size if size < 64 << 20 else 4 << 20))
+            left = size if size < 64 << 20 else 4 << 20
+            while left > 0:  # 1 MB at a time: no copy of the file in memory
+                chunk = fh.read(min(left, 1 << 20))
+                h.update(chunk)
+                left -= len(chunk) or left
     return h.hexdigest()[:16]
 
 
