@@ -163,7 +163,8 @@ def test_the_packed_model_holds_its_blocks_once(embedded_dir):
 
 def test_the_packed_layout_is_cached_per_torch_version(embedded_dir, tmp_path, monkeypatch):
     """The first packed load stores torch's packed int4 layout beside the blocks; the next one reads it and computes
-    the same logits; a cache it cannot write to is left as it is (the model still loads)."""
+    the same weights; a damaged cache is packed again and replaced; a cache it cannot write to is left as it is (the
+    model still loads)."""
     import shutil
 
     from fastspec.models.loader import load_target
@@ -180,7 +181,14 @@ def test_the_packed_layout_is_cached_per_torch_version(embedded_dir, tmp_path, m
         assert torch.equal(first.model.embed_tokens(x), again.model.embed_tokens(x))
         qkv = first.model.layers[3].self_attn.qkv_proj
         assert torch.equal(qkv.packed, again.model.layers[3].self_attn.qkv_proj.packed)
-    (model_dir / "gguf_blocks" / f"int4-cpu-torch-{torch.__version__}.safetensors").unlink()
+    cache = model_dir / "gguf_blocks" / f"int4-cpu-torch-{torch.__version__}.safetensors"
+    damaged = tmp_path / "damaged"  # a new file moved over it: the loaded models still map the old one
+    damaged.write_bytes(cache.read_bytes()[:1000])
+    damaged.replace(cache)
+    repacked = load_target(model_dir, torch.float32, quantization="gguf")  # packed again and replaced
+    assert torch.equal(qkv.packed, repacked.model.layers[3].self_attn.qkv_proj.packed)
+    assert cache.stat().st_size > 1000
+    cache.unlink()
 
     def read_only(*args, **kwargs):  # what a read-only cache directory answers (the suite may run as root)
         raise PermissionError("read-only file system")

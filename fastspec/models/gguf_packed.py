@@ -89,12 +89,17 @@ class PackedCache:
 
     def __init__(self, model_dir: Path):
         self.path = model_dir / Path(BLOCKS_FILE).parent / f"int4-cpu-torch-{torch.__version__}.safetensors"
-        self.stored = safe_open(str(self.path), "pt") if self.path.is_file() else None
+        self.stored, self.names = None, set()
+        try:
+            self.stored = safe_open(str(self.path), "pt")
+            self.names = set(self.stored.keys())
+        except Exception:  # none yet, or damaged (safetensors' errors have no common base): packed and written anew
+            self.stored = None
         self.new: dict[str, torch.Tensor] = {}
 
     def linear(self, name: str, blocks, activation: torch.dtype) -> Int4Linear:
         """The packed linear `name`: from the cache, else packed from `blocks()` (its 4-bit Blocks)."""
-        if self.stored is not None and f"{name}.packed" in self.stored.keys():
+        if f"{name}.packed" in self.names:
             get = self.stored.get_tensor
             return Int4Linear(get(f"{name}.packed"), get(f"{name}.scale_zero"), activation)
         packed, scale_zero = Int4Linear.pack(blocks())
@@ -104,7 +109,7 @@ class PackedCache:
     def save(self) -> None:
         if not self.new:
             return
-        kept = {} if self.stored is None else {k: self.stored.get_tensor(k) for k in self.stored.keys()}
+        kept = {k: self.stored.get_tensor(k) for k in self.names}
         tmp = None
         try:  # a cache that is not writable: the next start packs again
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".int4-", suffix=".tmp")
