@@ -198,6 +198,23 @@ def test_the_packed_layout_is_cached_per_torch_version(embedded_dir, tmp_path, m
     assert not list((model_dir / "gguf_blocks").glob("*int4*"))
 
 
+def test_an_eagle2_head_on_a_packed_target_is_a_one_line_error(embedded_dir, tmp_path):
+    """An EAGLE-2 head multiplies by the target's lm_head weight, which the packed model does not keep: refused from
+    the head's config alone, before any weight loads."""
+    import json
+
+    import fastspec
+    from fastspec.errors import FastspecError
+
+    config = json.loads((embedded_dir / "config.json").read_text())
+    config.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    head = tmp_path / "eagle2-head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps(config))  # no weights: they would be read after the check
+    with pytest.raises(FastspecError, match="EAGLE-2 head needs the target's float lm_head"):
+        fastspec.LLM(speculative_algorithm="EAGLE", draft_model=str(head), quantization="gguf", max_total_tokens=512)
+
+
 def test_packing_a_model_that_is_not_a_gguf_is_a_one_line_error(tiny_dirs):
     import fastspec
     from fastspec.errors import FastspecError

@@ -89,6 +89,9 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
         raise FastspecError(f"{draft_dir}: {spec.algorithm} needs a {wanted} head, got {draft_config.architecture}")
     target_config = read_config(model_dir)
     check_draft_fits(draft_config, target_config, str(draft_dir))  # before any weights load
+    if quant == "gguf" and not draft_config.is_eagle3:  # an EAGLE-2 head multiplies by the target's lm_head weight
+        raise FastspecError(f"{draft_dir}: an EAGLE-2 head needs the target's float lm_head, which --quantization "
+                            "gguf does not keep (use an EAGLE-3 head, or no --quantization)")
     aux = draft_config.is_eagle3 and draft_config.use_aux_hidden_state
     capture = eagle3_capture_layers(target_config.num_layers, draft_config.aux_layer_ids) if aux else ()
     target = load_target(model_dir, dtype, device, capture_layers=capture, load_format=load,
