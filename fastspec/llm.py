@@ -80,9 +80,10 @@ class LLM:
                                   accept_threshold_acc=accept_threshold_acc, ngram=ngram, device=config.device)
         untuned = schedule is None and num_steps is None and topk is None and num_draft_tokens is None
         if tuned and untuned and spec.algorithm in ("EAGLE", "EAGLE3"):
-            from fastspec.tune.tuned import find_schedule
+            from fastspec.tune.tuned import find_schedule, weights_label
 
-            found = find_schedule(model_dir, draft_model, config.dtype, config.device, say or _to_stderr)
+            weights = weights_label(config.dtype, config.quantization)
+            found = find_schedule(model_dir, draft_model, weights, config.device, say or _to_stderr)
             if found is not None:
                 schedule, all_off = found
                 spec = SpecConfig() if all_off else spec  # tuned: plain decoding at every batch size

@@ -215,6 +215,26 @@ def test_an_eagle2_head_on_a_packed_target_is_a_one_line_error(embedded_dir, tmp
         fastspec.LLM(speculative_algorithm="EAGLE", draft_model=str(head), quantization="gguf", max_total_tokens=512)
 
 
+def test_a_tuned_file_is_keyed_by_the_quantization(embedded_dir, tmp_path, monkeypatch):
+    """A schedule tuned on the dequantised model is not applied to the packed one (its rounds cost differently),
+    nor the other way round; each finds its own."""
+    from pathlib import Path
+
+    import fastspec
+    from fastspec.config import SpecParams
+    from fastspec.tune.tuned import fingerprint, save_tuned, tuned_path, weights_label
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    head = Path(fastspec.__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
+    for weights, params in (("float32", [3, 2, 5]), (weights_label("float32", "gguf"), [2, 1, 3])):
+        save_tuned(tuned_path(embedded_dir, head, weights, "cpu"), fingerprint(embedded_dir, head, weights, "cpu"),
+                   [{"max_batch_size": 1, "params": params}, {"max_batch_size": 4, "params": None}])
+    kwargs = dict(model=str(embedded_dir), speculative_algorithm="EAGLE3", draft_model=str(head), max_total_tokens=512)
+    assert fastspec.LLM(**kwargs).planned_spec.schedule == ((1, SpecParams(3, 2, 5)), (4, None))
+    packed = fastspec.LLM(**kwargs, quantization="gguf")
+    assert packed.planned_spec.schedule == ((1, SpecParams(2, 1, 3)), (4, None))
+
+
 def test_packing_a_model_that_is_not_a_gguf_is_a_one_line_error(tiny_dirs):
     import fastspec
     from fastspec.errors import FastspecError

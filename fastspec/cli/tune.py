@@ -57,7 +57,8 @@ def tune(
     draft_dir = resolve_model_dir(draft, options.speculative_draft_model_revision)
     from fastspec.config import resolve_device
 
-    path = tuned_file.tuned_path(model_dir, draft_dir, options.dtype, resolve_device(options.device))
+    weights = tuned_file.weights_label(options.dtype, options.quantization)
+    path = tuned_file.tuned_path(model_dir, draft_dir, weights, resolve_device(options.device))
     console = Console(stderr=True)
     if from_tuned:
         if not path.exists():
@@ -75,7 +76,7 @@ def tune(
     with console.status("tuning") as status:
         result = run(llm, ids, cfg, say=lambda text: status.update(text))
     print_table(result)
-    print_ = tuned_file.fingerprint(model_dir, draft_dir, options.dtype, llm.engine.config.device)
+    print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, llm.engine.config.device)
     tuned_file.save_tuned(path, print_, result.tiers())
     console.print(f"wrote {path} · schedule {schedule_from(result.winners)}")
     _plot(result, plot or path.with_suffix(".png"), console)

@@ -25,6 +25,12 @@ from fastspec.utils.files import write_atomic
 VERSION = 1
 
 
+def weights_label(dtype: str, quantization: str | None) -> str:
+    """What a tuned file is keyed by besides the model: the dtype, and the quantization when there is one (a packed
+    target's rounds cost differently from its dequantised twin's)."""
+    return dtype if quantization is None else f"{dtype}-{quantization}"
+
+
 def fingerprint(model_dir: Path, draft_dir: Path, dtype: str, device: str) -> dict:
     return {"hardware": _hardware(device), "model": _dir_digest(model_dir), "draft": _dir_digest(draft_dir),
             "dtype": dtype, "torch": torch.__version__}
@@ -127,7 +133,8 @@ def _dir_digest(directory: Path) -> str:
 
 def find_schedule(model_dir: Path, draft_model: str, dtype: str, device: str,
                   say=lambda message: None) -> tuple[Schedule, bool] | None:
-    """The tuned schedule for this target, draft, dtype and machine, if `fastspec tune` wrote one."""
+    """The tuned schedule for this target, draft, dtype (weights_label: with its quantization) and machine, if
+    `fastspec tune` wrote one."""
     from fastspec.models.loader import resolve_model_dir
 
     draft_dir = resolve_model_dir(draft_model)
