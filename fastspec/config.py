@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "gguf")
+QUANTIZATIONS = (None, "gguf", "int4")
 
 
 def resolve_device(device: str) -> str:
@@ -67,7 +67,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"  # embedded name, HF directory or .gguf file
     load_format: str = "auto"  # auto: the model's weights; dummy: random weights from config.json alone (benchmarks)
-    quantization: str | None = None  # gguf: a GGUF model's 4-bit projections kept packed (CPU); None: as converted
+    quantization: str | None = None  # gguf: a GGUF model on its own blocks; int4: projections rounded at load (CPU)
     dtype: str = "float32"
     device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
     page_size: int = 1
@@ -112,9 +112,9 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise FastspecError(f"max-running-requests must be >= 1, got {self.max_running_requests}")
         check_device(self.device)
-        if self.quantization == "gguf" and self.device != "cpu":
-            raise FastspecError("--quantization gguf runs on the CPU for now (torch's int4 CPU kernel); use "
-                                "--device cpu")
+        if self.quantization is not None and self.device != "cpu":
+            raise FastspecError(f"--quantization {self.quantization} runs on the CPU for now (torch's int4 CPU "
+                                "kernel); use --device cpu")
         if self.graphs == "cuda" and self.device == "cpu":
             raise FastspecError("--graphs cuda needs a CUDA device, got --device cpu"
                                 + ("" if _cuda_available() else " (torch sees no GPU here)")

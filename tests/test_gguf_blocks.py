@@ -241,5 +241,5 @@ def test_packing_a_model_that_is_not_a_gguf_is_a_one_line_error(tiny_dirs):
 
     with pytest.raises(FastspecError, match="needs a model converted from a .gguf file"):
         fastspec.LLM(str(tiny_dirs["llama"][0]), quantization="gguf", max_total_tokens=512)
-    with pytest.raises(FastspecError, match="--quantization must be gguf, got 'awq'"):
+    with pytest.raises(FastspecError, match="--quantization must be gguf or int4, got 'awq'"):
         fastspec.LLM(quantization="awq")

@@ -32,7 +32,7 @@ class ModelOptions:
     model: Annotated[str, typer.Option("--model", "-m", "--model-path", help="Embedded model name, HF directory, .gguf file or Hugging Face hub id (org/name: from the hub cache, else downloaded unless HF_HUB_OFFLINE is set).")] = DEFAULT_MODEL
     revision: Annotated[Optional[str], typer.Option(help="Hub id --model: the branch, tag or commit (default main).")] = None
     load_format: Annotated[str, typer.Option(help="auto | dummy (random weights built on the device from config.json alone, none read: for benchmarks).")] = "auto"
-    quantization: Annotated[Optional[str], typer.Option(help="gguf: run a GGUF model on its own blocks (CPU: Q4_0 / Q4_1 / Q4_K through torch's int4 kernel, bfloat16 activations where this CPU runs them fast; an lm_head whose best tokens are rescored exactly); default: dequantised to --dtype, the exact reference.")] = None
+    quantization: Annotated[Optional[str], typer.Option(help="CPU, torch's int4 kernel (bfloat16 activations where this CPU runs them fast; an lm_head whose best tokens are rescored exactly). gguf: run a GGUF model on its own blocks (Q4_0 / Q4_1 / Q4_K; default: dequantised to --dtype, the exact reference). int4: round a float Llama-family checkpoint's projections to 4 bits at load (group 32, a scale and an offset each).")] = None
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32"
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N] (auto: cuda when torch sees a GPU).")] = "auto"
     page_size: Annotated[int, typer.Option(help="KV page size in tokens.")] = 1
