@@ -9,15 +9,15 @@ Every variant runs the linears of all 30 layers (fused QKV, o, fused gate_up, do
 with weights of its own (~100-540 MB in all, so they stream from memory as in a real step, not from cache), over
 `rows` activation rows (1: a plain decode step, 8: a verify). Each variant's error is checked against float32
 on the same dequantised weights first. Variants:
-  float32 / bfloat16      F.linear on dequantised weights (float32 is today's path)
+  float32 / bfloat16      F.linear on dequantised weights (float32 is the default path)
   int8 (bf16 / f32 act.)  torch's _weight_int8pack_mm, one scale per output channel (Q8_0 re-quantised per row)
   int4 (bf16 / f32 act.)  the engine's Int4Linear (torch's _weight_int4pack_mm_for_cpu, group 32): Q4_0 / Q4_1
                           exactly (w = (q - 8) * scale + zero: Q4_1's d*q + m is scale d, zero m + 8d)
   dequant+linear          Q4_1 nibbles unpacked to float32 per call, then F.linear (eager; the exact fallback)
 With --end-to-end: the embedded model as `fastspec generate` runs it at batch 1 (4 chat questions, 64 greedy
 tokens each, trials alternating between the engines), plain and EAGLE-3 (every round speculating), each with
-its projections dequantised (float32, today's default) and kept packed (`quantization="gguf"`): median tok/s
-and each one's ratio to dequantised plain decoding.
+its projections dequantised (float32, the default), kept packed (`quantization="gguf"`) and rounded again to 4 bits
+at load (`quantization="int4"`): median tok/s and each one's ratio to dequantised plain decoding.
 Writes bench/results/packed.json (packed_end_to_end.json).
 """
 
@@ -120,7 +120,7 @@ def end_to_end(trials: int) -> list[dict]:
     from fastspec.sampling import SamplingParams
 
     arms = {(algo, quant): fastspec.LLM(speculative_algorithm=algo, quantization=quant, max_total_tokens=4096,
-                                        tuned=False) for algo in ("NONE", "EAGLE3") for quant in (None, "gguf")}
+                                        tuned=False) for algo in ("NONE", "EAGLE3") for quant in (None, "gguf", "int4")}
     params = SamplingParams(max_new_tokens=64)
     rates = {arm: [] for arm in arms}
     for llm in arms.values():
