@@ -28,9 +28,9 @@ from torch import nn
 
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import trim_host_heap
-from fastspec.models.gguf import BLOCKS_FILE, SOURCE_MARKER
+from fastspec.models.gguf import BLOCKS_FILE
 from fastspec.models.gguf_blocks import blocks_from_state, merge_rows, quantise_rows
-from fastspec.models.packed_layers import BlockEmbedding, CastLinear, Int4Linear, RefinedHead
+from fastspec.models.packed_layers import ROW_TILE, BlockEmbedding, CastLinear, Int4Linear, RefinedHead
 from fastspec.models.layers import RotaryEmbedding
 from fastspec.models.llama import LlamaForCausalLM
 
@@ -44,19 +44,11 @@ PROJECTIONS = {  # each layer's linears -> the checkpoint weights each stacks, i
 }
 
 
-def gguf_source(model_dir: Path) -> Path | None:
-    """The GGUF file a converted model directory was made from, or None (not a conversion)."""
-    marker = Path(model_dir) / SOURCE_MARKER
-    if not marker.is_file():
-        return None
-    return Path(json.loads(marker.read_text())["gguf"])
-
-
 class StoredWeights:
     """A converted GGUF directory's weights, read one tensor at a time: the stored blocks, the dequantised floats."""
 
     def __init__(self, model_dir: Path):
-        if gguf_source(model_dir) is None or not (model_dir / BLOCKS_FILE).is_file():
+        if not (model_dir / BLOCKS_FILE).is_file():  # only a conversion of a .gguf file stores its blocks
             raise FastspecError(f"{model_dir}: --quantization gguf needs a model converted from a .gguf file "
                                 "(the embedded model or a .gguf path)")
         self.blocks = safe_open(str(model_dir / BLOCKS_FILE), "pt")
@@ -160,8 +152,8 @@ def _projection(weights: StoredWeights, cache: PackedCache, name: str, parts: li
     floats."""
     if all(weights.bits(n) == 4 for n in parts):
         return cache.linear(name, lambda: merge_rows([weights.get_blocks(n) for n in parts]), activation)
-    weights = [weights.get_float(n, activation) for n in parts]
-    return CastLinear(weights[0] if len(weights) == 1 else torch.cat(weights))
+    floats = [weights.get_float(n, activation) for n in parts]
+    return CastLinear(floats[0] if len(floats) == 1 else torch.cat(floats))
 
 
 def _table(weights: StoredWeights, name: str, dtype: torch.dtype) -> nn.Module:
@@ -184,7 +176,7 @@ def _head(weights: StoredWeights, cache: PackedCache, model: LlamaForCausalLM, a
     four_bit = weights.bits(name) == 4
     rows = table.num_embeddings
     blocks = (lambda: weights.get_blocks(name)) if four_bit else (lambda: quantise_rows(table, rows))
-    return RefinedHead(cache.linear("lm_head", lambda: blocks().pad_rows(16), activation), table)
+    return RefinedHead(cache.linear("lm_head", lambda: blocks().pad_rows(ROW_TILE), activation), table)
 
 
 def _parameter(tensor: torch.Tensor, dtype: torch.dtype, device) -> nn.Parameter:

@@ -15,6 +15,8 @@ from torch import nn
 
 from fastspec.models.gguf_blocks import BLOCK, Blocks
 
+ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows
+
 
 class Int4Linear(nn.Module):
     """y = x @ w.T for a 4-bit weight packed for torch's int4 CPU matmul (group 32; the packed layout is torch's own,
@@ -45,7 +47,7 @@ class Int4Linear(nn.Module):
         if blocks.bits != 4:
             raise ValueError("Int4Linear takes a 4-bit weight")
         n, k = blocks.q.shape
-        if k % BLOCK or n % 16:
+        if k % BLOCK or n % ROW_TILE:
             raise ValueError(f"a packed int4 weight needs K % 32 == 0 and N % 16 == 0, got [{n}, {k}]")
         zero = blocks.offset + 8 * blocks.scale
         scale_zero = torch.stack([blocks.scale, zero], -1).transpose(0, 1).contiguous()

@@ -14,7 +14,7 @@ from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import BLOCK, quantise_rows
 from fastspec.models.layers import MLP, Attention
 from fastspec.models.llama import LlamaForCausalLM
-from fastspec.models.packed_layers import Int4Linear, RefinedHead
+from fastspec.models.packed_layers import ROW_TILE, Int4Linear, RefinedHead
 
 PROJECTIONS = {Attention: ("qkv_proj", "o_proj"), MLP: ("gate_up_proj", "down_proj")}
 
@@ -32,7 +32,7 @@ def quantise_int4(model: LlamaForCausalLM, activation: torch.dtype) -> int:
             if linear is None:
                 raise FastspecError("--quantization int4 needs the fused model (fuse_projections first)")
             n, k = linear.weight.shape
-            if k % BLOCK == 0 and n % 16 == 0:
+            if k % BLOCK == 0 and n % ROW_TILE == 0:
                 weight = linear.weight.detach().float()
                 blocks = quantise_rows(lambda ids, w=weight: w[ids], n)
                 setattr(module, name, Int4Linear.from_blocks(blocks, activation, linear.bias))
@@ -40,6 +40,6 @@ def quantise_int4(model: LlamaForCausalLM, activation: torch.dtype) -> int:
     if activation != torch.float32:  # float32 activations: the float lm_head is as fast and exact
         tied = model.config.tie_word_embeddings
         table = model.model.embed_tokens if tied else nn.Embedding.from_pretrained(model.lm_head.weight.detach())
-        approx = Int4Linear.from_blocks(quantise_rows(table, table.num_embeddings).pad_rows(16), activation)
+        approx = Int4Linear.from_blocks(quantise_rows(table, table.num_embeddings).pad_rows(ROW_TILE), activation)
         model.lm_head = RefinedHead(approx, table)
     return rounded
