@@ -175,7 +175,8 @@ class Engine:
         if not batch:
             return None
         if not ahead:
-            self.worker.grow_kv(self._kv_wanted(scheduler))
+            if self.worker.memory.room_to_grow:  # a static pool (CUDA, --max-total-tokens) skips the sum
+                self.worker.grow_kv(self._kv_wanted(scheduler))
             self._free_before = self.worker.free_kv()
         return (None if prefilling else batch), self._submit(self.worker.step, batch, bool(prefilling))
 

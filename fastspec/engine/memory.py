@@ -83,16 +83,16 @@ def build_memory(c: ModelConfig, draft_shape: tuple | None, cfg: EngineConfig, s
     pool = KVPool(layers, heads, dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device, separate_v)
     draft_pool = None if draft_shape is None else KVPool(*draft_shape[:3], capacity, cfg.page_size,
                                                          cfg.torch_dtype, cfg.device, draft_shape[3])
-    compiled = cfg.graph_mode == "compile"
-    if compiled:
-        _mark_sizes_vary([p for p in (pool, draft_pool) if p is not None])
     allocator = make_allocator(pool.capacity, cfg.page_size, cfg.device)
     # a round's draft scratch or verify rows past the context, twice: under the overlap schedule a request that
     # finished runs one more round before the host knows
     margin = 2 * max(spec.topk * spec.num_steps, spec.num_draft_tokens) + cfg.page_size
     table = ReqToTokenTable(cfg.max_running_requests, max_context_len + margin, cfg.device)
     cache = PrefixCache(allocator, table, cfg.page_size, cfg.device, states) if cfg.radix_cache else None
-    return WorkerMemory(pool, draft_pool, allocator, table, states, cache, ceiling, compiled)
+    memory = WorkerMemory(pool, draft_pool, allocator, table, states, cache, ceiling, cfg.graph_mode == "compile")
+    if memory.compiled:
+        _mark_sizes_vary(memory.pools)
+    return memory
 
 
 def _mark_sizes_vary(pools) -> None:

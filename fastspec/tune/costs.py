@@ -140,10 +140,10 @@ class CostModel:
         """n slots the allocator has free (taken and handed straight back, as the drafter's scratch): writing
         their KV disturbs no request and nothing the prefix cache holds."""
         allocator = self.engine.worker.allocator
-        page = allocator.page_size
-        self.engine.worker.grow_kv(-(-n // page) * page)
+        whole_pages = -(-n // allocator.page_size) * allocator.page_size
+        self.engine.worker.grow_kv(whole_pages)
         state = allocator.backup_state()
-        slots = allocator.alloc(-(-n // page) * page) if n else torch.zeros(0, dtype=torch.int64)
+        slots = allocator.alloc(whole_pages) if n else torch.zeros(0, dtype=torch.int64)
         allocator.restore_state(state)
         if slots is None:
             raise FastspecError(f"tune: the KV pool has no {n} free slots to time a round in")
