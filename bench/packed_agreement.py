@@ -28,12 +28,25 @@ PROMPTS = [
 ]
 
 
-def teacher_forced_logits(model, prompt: list[int], answer: list[int]) -> torch.Tensor:  # [len(answer), V]
+def teacher_forced_logits(model, prompt: list[int], answer: list[int], pool: bool = False
+                          ) -> torch.Tensor:  # [len(answer), V]
+    """One causal forward over prompt + answer; `pool`: through a KV pool and the torch backend's plan, as the
+    engine runs a prefill (a packed model then runs its fused CPU kernels), else without a KV cache."""
+    from fastspec.attention import AttentionContext, TorchAttnBackend, extend_metadata
+    from fastspec.memory.kv_pool import KVPool
     from fastspec.train.data import PackedCausalAttention
 
     x = torch.tensor(prompt + answer)
+    attn = PackedCausalAttention(torch.zeros(len(x), dtype=torch.long))
+    if pool:
+        c = model.config
+        kv = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, len(x))
+        table = torch.arange(1, len(x) + 1, dtype=torch.int32)[None]
+        meta = extend_metadata(table, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                               torch.tensor([len(x)]))
+        attn = AttentionContext.build(TorchAttnBackend(), meta, kv)
     with torch.inference_mode():
-        hidden = model(x, torch.arange(len(x)), PackedCausalAttention(torch.zeros(len(x), dtype=torch.long))).final
+        hidden = model(x, torch.arange(len(x)), attn).final
         return model.compute_logits(hidden)[len(prompt) - 1:-1]
 
 
@@ -62,9 +75,10 @@ def main() -> None:
     if isinstance(packed.lm_head, RefinedHead):
         heads["4-bit lm_head, not rescored"] = packed.lm_head.approx
     results = []
-    for name, head in heads.items():
+    runs = [(name, head, False) for name, head in heads.items()] + [("as run, fused CPU kernels", heads["as run"], True)]
+    for name, head, pool in runs:
         packed.lm_head = head
-        same = sum(int((teacher_forced_logits(packed, p, a).argmax(-1) == e).sum())
+        same = sum(int((teacher_forced_logits(packed, p, a, pool).argmax(-1) == e).sum())
                    for (p, a), e in zip(sequences, expected))
         total = sum(len(a) for _, a in sequences)
         results.append({"lm_head": name, "agree": same, "positions": total, "agreement": round(same / total, 4)})

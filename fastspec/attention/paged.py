@@ -52,15 +52,19 @@ class PagedAttnBackend:
     def __init__(self):
         self._last: tuple[PagedPlan | None, TorchAttnPlan | None] = (None, None)
 
+    def dense(self, plan: PagedPlan) -> TorchAttnPlan:
+        """The torch twin's dense plan of `plan`, built on its first use in a forward (eager, on the host)."""
+        last, dense = self._last
+        if last is not plan:  # a new forward (plans are built per forward and never changed)
+            dense = twin_plan(plan.table, plan.rows, plan.prefix_lens, plan.block_slots, plan.block_mask,
+                              plan.self_visible)
+            self._last = (plan, dense)
+        return dense
+
     def run(self, plan: PagedPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scale: float) -> torch.Tensor:
         if kernel_for(q.device) == "torch" and not torch.compiler.is_compiling():
-            last, dense = self._last
-            if last is not plan:  # a new forward (plans are built per forward and never changed)
-                dense = twin_plan(plan.table, plan.rows, plan.prefix_lens, plan.block_slots, plan.block_mask,
-                                  plan.self_visible)
-                self._last = (plan, dense)
-            return _twin_output(dense, q, k_cache, v_cache, scale)
+            return _twin_output(self.dense(plan), q, k_cache, v_cache, scale)
         return torch.ops.fastspec.paged_attention(q, k_cache, v_cache, plan.table, plan.rows, plan.prefix_lens,
                                                   plan.block_slots, plan.block_mask, scale, plan.self_visible)
 

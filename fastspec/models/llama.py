@@ -17,6 +17,7 @@ from torch import nn
 from fastspec.models.bamba import BambaDecoderLayer
 from fastspec.models.config import ModelConfig
 from fastspec.models.deepseek import DeepseekDecoderLayer
+from fastspec.models.fused_cpu import fused_activation, fused_layers
 from fastspec.models.layers import DecoderLayer, RotaryEmbedding, make_norm
 from fastspec.models.moe import is_moe_layer
 from fastspec.models.qwen3_next import HybridDecoderLayer
@@ -72,7 +73,10 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: [T]
         x = self.model.embed_tokens(input_ids)
         states = {}  # layer id -> residual stream entering it (id == num_layers: the last layer's output)
-        if self.between_attention:
+        act = fused_activation(self, x, attn)
+        if act is not None:  # a packed stack on CPU: the fused kernels between its GEMMs
+            x, states = fused_layers(self, x, positions, attn, act, self.capture_layers)
+        elif self.between_attention:
             x, states = self._layers_between_attention(x, positions, attn)
         else:
             for i, layer in enumerate(self.model.layers):

@@ -1,0 +1,141 @@
+/* fastspec's fused CPU kernels for one decoder layer's work between its GEMMs (see cpu_fused.py, which builds this
+ * file with the system C compiler and holds a torch twin of every function). Float32 math; `act` names the dtype
+ * of a GEMM-side tensor: 0 float32, 1 bfloat16 (rounded to nearest even, as torch's .to(torch.bfloat16)).
+ * Single-threaded: each call is microseconds of work, less than waking a second thread. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays a quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void load_row(const void *src, int act, int64_t n, float *dst) {
+    if (act) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, n * sizeof(float));
+    }
+}
+
+static void store_row(const float *src, int64_t n, void *dst, int act) {
+    if (act) {
+        uint16_t *d = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, n * sizeof(float));
+    }
+}
+
+/* x_out = x (+ y); normed = w * (x_out * rsqrt(mean(x_out^2) + eps)), stored in `out_act`.
+ * x, x_out float32 [T, H]; y [T, H] in y_act (NULL: no addend); w float32 [H]; normed [T, H]. */
+void add_rms_norm(const float *x, const void *y, int y_act, const float *w, float eps, int64_t T, int64_t H,
+                  float *x_out, void *normed, int out_act) {
+    float *row = (float *)malloc(H * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * H;
+        float *xo = x_out + t * H;
+        if (y) {
+            load_row((const char *)y + t * H * (y_act ? 2 : 4), y_act, H, row);
+            for (int64_t i = 0; i < H; i++) xo[i] = xr[i] + row[i];
+        } else if (xo != xr) {
+            memcpy(xo, xr, H * sizeof(float));
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < H; i++) ss += xo[i] * xo[i];
+        float r = 1.f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) row[i] = w[i] * (xo[i] * r);
+        store_row(row, H, (char *)normed + t * H * (out_act ? 2 : 4), out_act);
+    }
+    free(row);
+}
+
+/* out = silu(gate) * up for gate_up [T, 2I] = [gate | up] in `act`; out [T, I] in `out_act`. */
+void silu_mul(const void *gate_up, int act, int64_t T, int64_t I, void *out, int out_act) {
+    float *g = (float *)malloc(2 * I * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        load_row((const char *)gate_up + t * 2 * I * (act ? 2 : 4), act, 2 * I, g);
+        for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * g[I + i];
+        store_row(g, I, (char *)out + t * I * (out_act ? 2 : 4), out_act);
+    }
+    free(g);
+}
+
+/* Rotate-half rope on q and k of qkv [T, (Hq + 2 Hkv) * D] (in `act`), K and V written to the cache rows `slots`
+ * (k_cache, v_cache float32 [num_slots, Hkv, D]), the rotated q to q_out float32 [T, Hq, D].
+ * cos, sin float32 [T, D]: sin's first half negated, so rotated[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d]. */
+void rope_write(const void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
+                const float *sin, const int64_t *slots, float *k_cache, float *v_cache, float *q_out) {
+    int64_t width = (Hq + 2 * Hkv) * D, half = D / 2;
+    float *row = (float *)malloc(width * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        load_row((const char *)qkv + t * width * (act ? 2 : 4), act, width, row);
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            const float *x = row + h * D;
+            float *dst = h < Hq ? q_out + (t * Hq + h) * D : k_cache + (slots[t] * Hkv + h - Hq) * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = x[d] * c[d] + x[(d + half) % D] * s[d];
+        }
+        memcpy(v_cache + slots[t] * Hkv * D, row + (Hq + Hkv) * D, Hkv * D * sizeof(float));
+    }
+    free(row);
+}
+
+/* Attention of a dense padded plan (fastspec.attention.torch_backend.TorchAttnPlan): token t is query row
+ * out_index[t] = b * max_qo + i; it sees key column j of request b (KV slot kv_slots[b, j]) where
+ * mask[b, i, j] (mask NULL: every column). q float32 [T, Hq, D]; caches float32 [num_slots, Hkv, D];
+ * out [T, Hq, D] in `out_act`. Query head h reads KV head h / (Hq / Hkv). */
+void attend(const float *q, const float *k_cache, const float *v_cache, int64_t T, int64_t Hq, int64_t Hkv,
+            int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
+            int64_t max_kv, float scale, void *out, int out_act) {
+    float *p = (float *)malloc((max_kv > 0 ? max_kv : 1) * sizeof(float));
+    float *acc = (float *)malloc(Hq * D * sizeof(float));
+    int64_t group = Hq / Hkv;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t b = out_index[t] / max_qo, i = out_index[t] % max_qo;
+        const int64_t *slots = kv_slots + b * max_kv;
+        const uint8_t *allowed = mask ? mask + (b * max_qo + i) * max_kv : NULL;
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *qh = q + (t * Hq + h) * D;
+            int64_t g = h / group;
+            float top = -INFINITY;
+            for (int64_t j = 0; j < max_kv; j++) {
+                if (allowed && !allowed[j]) { p[j] = -INFINITY; continue; }
+                const float *k = k_cache + (slots[j] * Hkv + g) * D;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qh[d] * k[d];
+                p[j] = dot * scale;
+                if (p[j] > top) top = p[j];
+            }
+            float sum = 0.f, *o = acc + h * D;
+            memset(o, 0, D * sizeof(float));
+            for (int64_t j = 0; j < max_kv; j++) {
+                if (p[j] == -INFINITY) continue;
+                float e = expf(p[j] - top);
+                sum += e;
+                const float *v = v_cache + (slots[j] * Hkv + g) * D;
+                for (int64_t d = 0; d < D; d++) o[d] += e * v[d];
+            }
+            float inv = sum > 0.f ? 1.f / sum : 0.f;
+            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
+        store_row(acc, Hq * D, (char *)out + t * Hq * D * (out_act ? 2 : 4), out_act);
+    }
+    free(p);
+    free(acc);
+}

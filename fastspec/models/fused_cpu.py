@@ -1,0 +1,75 @@
+"""A packed Llama-family layer stack run eagerly on CPU with the fused kernels between its GEMMs
+(fastspec.kernels.cpu_fused): per layer the four GEMMs and four calls (norm, rope + KV write, attention, SiLU-and-mul)
+instead of ~80 torch ops. The same math as DecoderLayer's enter / attend / hand_over / leave, to float32 rounding
+(sums in another order); LlamaForCausalLM runs it where `fused_activation` says it applies, else the layers.
+Does not plan attention (the AttentionContext's plan is read as the torch backend's dense one) nor compile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastspec.attention.context import AttentionContext
+from fastspec.attention.paged import PagedAttnBackend, PagedPlan, kernel_for
+from fastspec.attention.torch_backend import TorchAttnPlan
+from fastspec.kernels import cpu_fused
+from fastspec.models.layers import DecoderLayer, RMSNorm
+from fastspec.models.packed_layers import Int4Linear
+
+
+def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
+    """The dtype the fused stack feeds its GEMMs (its Int4Linears'), or None where it does not apply: compiled code;
+    not a packed float32 Llama-family stack on CPU (q / k norms, partial rope, offset norms excluded); attention
+    that is not a float32 KV pool read through a dense plan; no C compiler (the twins are the layers' own ops)."""
+    layers = model.model.layers
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    first = layers[0]
+    if not (model.between_attention and type(first) is DecoderLayer and type(first.input_layernorm) is RMSNorm
+            and type(first.post_attention_layernorm) is RMSNorm and first.self_attn.q_norm is None
+            and first.self_attn.qkv_proj is not None and first.mlp.gate_up_proj is not None
+            and model.rope.rotary_dim == first.self_attn.head_dim):
+        return None
+    packed = [m for m in first.modules() if isinstance(m, Int4Linear)]
+    if not packed:
+        return None
+    if not isinstance(attn, AttentionContext) or attn.pool.k.dtype != torch.float32 or attn.pool.v is None:
+        return None
+    if dense_plan(attn) is None or not cpu_fused.available():
+        return None
+    return packed[0].activation
+
+
+def dense_plan(attn) -> TorchAttnPlan | None:
+    """The attention plan as the torch backend's dense padded one, or None (another backend's)."""
+    if isinstance(attn.plan, TorchAttnPlan):
+        return attn.plan
+    if isinstance(attn.plan, PagedPlan) and isinstance(attn.backend, PagedAttnBackend):
+        return attn.backend.dense(attn.plan) if kernel_for(attn.plan.rows.device) == "torch" else None
+    return None
+
+
+def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: torch.dtype,
+                 capture: tuple[int, ...]) -> tuple[torch.Tensor, dict]:
+    """x [T, H] float32 embeddings -> (the last layer's output, {layer id: residual stream entering it} for the
+    `capture` layers)."""
+    layers, pool, plan = model.model.layers, attn.pool, dense_plan(attn)
+    cos, sin = model.rope.cos_sin(positions, torch.float32)
+    slots = attn.plan.out_cache_loc  # the context's own plan names them (a paged plan's dense twin does not)
+    states = {0: x} if 0 in capture else {}
+    norm = layers[0].input_layernorm
+    x, h = cpu_fused.add_rms_norm(x, None, norm.weight, norm.eps, act)
+    for i, layer in enumerate(layers):
+        a, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+        k_cache, v_cache = pool.k[a.layer_id], pool.v[a.layer_id]
+        q = cpu_fused.rope_write(a.qkv_proj(h), cos, sin, slots, k_cache, v_cache, a.num_heads)
+        o = cpu_fused.attend(plan, q, k_cache, v_cache, a.scale, act)
+        x, h = cpu_fused.add_rms_norm(x, a.o_proj(o), norm.weight, norm.eps, act)
+        y = mlp.down_proj(cpu_fused.silu_mul(mlp.gate_up_proj(h), act))
+        if i + 1 == len(layers):
+            return x + y, states
+        norm = layers[i + 1].input_layernorm
+        x, h = cpu_fused.add_rms_norm(x, y, norm.weight, norm.eps, act)
+        if i + 1 in capture:
+            states[i + 1] = x
+    raise AssertionError("unreachable: a model has at least one layer")

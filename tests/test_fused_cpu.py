@@ -1,0 +1,144 @@
+"""The fused CPU kernels (fastspec.kernels.cpu_fused) against their torch twins, one by one and as a packed model's
+layer stack (fastspec.models.fused_cpu) against its layers. Skipped where no C compiler builds them."""
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
+from fastspec.attention.paged import PagedAttnBackend, paged_block_plan
+from fastspec.kernels import cpu_fused
+from fastspec.memory.kv_pool import KVPool
+
+pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler for the fused CPU kernels")
+HQ, HKV, D = 6, 2, 16
+
+
+@pytest.fixture
+def twin(monkeypatch):
+    """Run a cpu_fused function as its torch twin: twin(fn, *args)."""
+    def run(fn, *args):
+        with monkeypatch.context() as m:
+            m.setattr(cpu_fused, "_library", lambda: None)
+            return fn(*args)
+    return run
+
+
+def close(actual, expected, dtype):
+    """float32: to float32 rounding (sums in another order); bfloat16: within one bfloat16 step of each other."""
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
+    assert actual.dtype == expected.dtype == dtype
+    torch.testing.assert_close(actual.float(), expected.float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_and_silu_mul_are_their_twins(twin, dtype):
+    g = torch.Generator().manual_seed(0)
+    x, y, w = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g).to(dtype), torch.rand(64, generator=g)
+    for addend in (y, None):
+        fused, expected = cpu_fused.add_rms_norm(x, addend, w, 1e-5, dtype), twin(cpu_fused.add_rms_norm, x, addend,
+                                                                                 w, 1e-5, dtype)
+        close(fused[0], expected[0], torch.float32)
+        close(fused[1], expected[1], dtype)
+    gate_up = (torch.randn(3, 2 * 40, generator=g) * 4).to(dtype)
+    close(cpu_fused.silu_mul(gate_up, dtype), twin(cpu_fused.silu_mul, gate_up, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype):
+    from fastspec.models.layers import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(4, (HQ + 2 * HKV) * D, generator=g).to(dtype)
+    rope = RotaryEmbedding(SimpleNamespace(head_dim=D, partial_rotary_factor=1.0, rope_theta=1e4, rope_scaling=None))
+    cos, sin = rope.cos_sin(torch.tensor([0, 5, 6, 40]), torch.float32)
+    slots = torch.tensor([3, 9, 1, 7])
+    caches = [[torch.zeros(12, HKV, D), torch.zeros(12, HKV, D)] for _ in range(2)]
+    q = cpu_fused.rope_write(qkv, cos, sin, slots, *caches[0], HQ)
+    expected = twin(cpu_fused.rope_write, qkv, cos, sin, slots, *caches[1], HQ)
+    close(q, expected, torch.float32)
+    for fused, reference in zip(*caches):
+        close(fused, reference, torch.float32)
+        assert fused[[0, 2, 4, 5, 6, 8, 10, 11]].abs().sum() == 0
+
+
+def plans():
+    """Dense plans of every shape the engine hands attention: a decode (no mask), a prefill of two requests of
+    different lengths after a cached prefix (causal, padded), and a paged tree verify's dense twin."""
+    table = torch.arange(1, 2 * 32 + 1, dtype=torch.int32).view(2, 32)
+    rows = torch.tensor([0, 1])
+    torch_backend = TorchAttnBackend()
+    decode = torch_backend.plan(decode_metadata(table, rows, torch.tensor([7, 12])))
+    prefill = torch_backend.plan(extend_metadata(table, rows, torch.tensor([2, 0]), torch.tensor([3, 5])))
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    paged = paged_block_plan(table, rows, torch.tensor([4, 9]), table[rows, 20:24].long(), tree.expand(2, 4, 4))
+    return {"decode": (decode, 2), "prefill": (prefill, 8), "tree verify": (PagedAttnBackend().dense(paged), 8)}
+
+
+@pytest.mark.parametrize("name", ["decode", "prefill", "tree verify"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_is_the_torch_backends_attention(twin, name, dtype):
+    plan, tokens = plans()[name]
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(tokens, HQ, D, generator=g), torch.randn(70, HKV, D, generator=g), torch.randn(70, HKV, D,
+                                                                                                       generator=g)
+    close(cpu_fused.attend(plan, q, k, v, D ** -0.5, dtype), twin(cpu_fused.attend, plan, q, k, v, D ** -0.5, dtype),
+          dtype)
+
+
+def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeypatch):
+    """A Q4_K_M model packed with float32 activations: a prefill and two decode steps through a KV pool give the same
+    logits fused as through its layers (float32 rounding), and the fused stack is what ran."""
+    from test_gguf_kquants import write_k_quant_gguf
+
+    from fastspec.models import llama
+    from fastspec.models.gguf import convert_gguf
+    from fastspec.models.gguf_packed import load_packed_target
+    from fastspec.models.llama import LlamaForCausalLM
+    from fastspec.models.loader import read_config
+
+    model_dir = convert_gguf(write_k_quant_gguf(tmp_path / "tiny.gguf"), tmp_path / "hf")
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(read_config(model_dir))
+    model = load_packed_target(skeleton, model_dir, torch.float32, activation=torch.float32)
+    c = model.config
+    calls = []
+    monkeypatch.setattr(llama, "fused_layers", lambda *a, f=llama.fused_layers: calls.append(1) or f(*a))
+
+    def run() -> list[torch.Tensor]:
+        pool, table = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 32), torch.arange(1, 33, dtype=torch.int32)[None]
+        rows, ids, logits = torch.zeros(1, dtype=torch.long), torch.tensor([3, 1, 4, 1, 5, 9]), []
+        meta = extend_metadata(table, rows, torch.zeros(1, dtype=torch.long), torch.tensor([len(ids)]))
+        for step in range(3):
+            positions = torch.arange(len(ids)) if step == 0 else torch.tensor([5 + step])
+            with torch.inference_mode():
+                hidden = model(ids, positions, AttentionContext.build(TorchAttnBackend(), meta, pool))
+                logits.append(model.compute_logits(hidden.final)[-1])
+            ids = logits[-1].argmax()[None]
+            meta = decode_metadata(table, rows, torch.tensor([7 + step]))
+        return logits
+
+    fused = run()
+    assert len(calls) == 3
+    monkeypatch.setattr(cpu_fused, "_library", lambda: None)
+    for a, b in zip(fused, run()):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert len(calls) == 3  # the layers ran the second time
+
+
+def test_a_damaged_library_in_the_cache_is_built_again(tmp_path):
+    """A library cut short in the cache (by another process: this one keeps the file it loaded) is compiled again."""
+    def load() -> str:
+        code = "from fastspec.kernels import cpu_fused; print(cpu_fused.available())"
+        env = {**os.environ, "FASTSPEC_CACHE": str(tmp_path)}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
+
+    assert load() == "True"
+    (library,) = (tmp_path / "kernels").glob("cpu_fused-*.so")
+    size = library.stat().st_size
+    library.write_bytes(library.read_bytes()[:100])
+    assert load() == "True" and library.stat().st_size == size
