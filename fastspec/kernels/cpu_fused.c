@@ -1,11 +1,14 @@
 /* fastspec's fused CPU kernels for one decoder layer's work between its GEMMs (see cpu_fused.py, which builds this
  * file with the system C compiler and holds a torch twin of every function). Float32 math; `act` names the dtype
  * of a GEMM-side tensor: 0 float32, 1 bfloat16 (rounded to nearest even, as torch's .to(torch.bfloat16)).
- * Single-threaded: each call is microseconds of work, less than waking a second thread. */
+ * Single-threaded: each call is microseconds of work, less than waking a second thread. Built with -ffast-math
+ * (vectorised expf and reductions): nothing here relies on infinities or NaN; a NaN input is not preserved. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define MASKED (-1e30f) /* a masked score: finite, since the library is built with -ffast-math (vector expf) */
 
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -69,7 +72,10 @@ void silu_mul(const void *gate_up, int act, int64_t T, int64_t I, void *out, int
     float *g = (float *)malloc(2 * I * sizeof(float));
     for (int64_t t = 0; t < T; t++) {
         load_row((const char *)gate_up + t * 2 * I * (act ? 2 : 4), act, 2 * I, g);
-        for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * g[I + i];
+        for (int64_t i = 0; i < I; i++) { /* sigmoid from exp(-|x|) <= 1: no overflow to infinity */
+            float e = expf(-fabsf(g[i])), sigmoid = (g[i] >= 0.f ? 1.f : e) / (1.f + e);
+            g[i] = g[i] * sigmoid * g[I + i];
+        }
         store_row(g, I, (char *)out + t * I * (out_act ? 2 : 4), out_act);
     }
     free(g);
@@ -112,26 +118,30 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
         for (int64_t h = 0; h < Hq; h++) {
             const float *qh = q + (t * Hq + h) * D;
             int64_t g = h / group;
-            float top = -INFINITY;
+            float top = MASKED;
             for (int64_t j = 0; j < max_kv; j++) {
-                if (allowed && !allowed[j]) { p[j] = -INFINITY; continue; }
-                const float *k = k_cache + (slots[j] * Hkv + g) * D;
                 float dot = 0.f;
+                if (!allowed || allowed[j]) {
+                    const float *k = k_cache + (slots[j] * Hkv + g) * D;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qh[d] * k[d];
-                p[j] = dot * scale;
-                if (p[j] > top) top = p[j];
+                    for (int64_t d = 0; d < D; d++) dot += qh[d] * k[d];
+                }
+                p[j] = allowed && !allowed[j] ? MASKED : dot * scale;
+                top = p[j] > top ? p[j] : top;
             }
             float sum = 0.f, *o = acc + h * D;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < max_kv; j++) {
+                p[j] = expf(p[j] - top); /* a masked column: exp of about -1e30, 0 */
+                sum += p[j];
+            }
             memset(o, 0, D * sizeof(float));
             for (int64_t j = 0; j < max_kv; j++) {
-                if (p[j] == -INFINITY) continue;
-                float e = expf(p[j] - top);
-                sum += e;
+                if (p[j] == 0.f) continue;
                 const float *v = v_cache + (slots[j] * Hkv + g) * D;
-                for (int64_t d = 0; d < D; d++) o[d] += e * v[d];
+                for (int64_t d = 0; d < D; d++) o[d] += p[j] * v[d];
             }
-            float inv = sum > 0.f ? 1.f / sum : 0.f;
+            float inv = 1.f / sum; /* sum >= 1: the top column's exp(0) */
             for (int64_t d = 0; d < D; d++) o[d] *= inv;
         }
         store_row(acc, Hq * D, (char *)out + t * Hq * D * (out_act ? 2 : 4), out_act);

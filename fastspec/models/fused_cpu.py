@@ -13,8 +13,11 @@ from fastspec.attention.context import AttentionContext
 from fastspec.attention.paged import PagedAttnBackend, PagedPlan, kernel_for
 from fastspec.attention.torch_backend import TorchAttnPlan
 from fastspec.kernels import cpu_fused
+from fastspec.models.gguf_blocks import BLOCK
 from fastspec.models.layers import DecoderLayer, RMSNorm
 from fastspec.models.packed_layers import Int4Linear
+
+INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
@@ -49,6 +52,14 @@ def dense_plan(attn) -> TorchAttnPlan | None:
     return None
 
 
+def _gemm(linear, h: torch.Tensor) -> torch.Tensor:
+    """linear(h) for h [T, K] already in the activation dtype: an Int4Linear's kernel called directly (its forward's
+    reshapes and casts would be four no-op dispatches per GEMM)."""
+    if type(linear) is Int4Linear and linear.bias is None and h.dtype == linear.activation:
+        return INT4_MM(h, linear.packed, BLOCK, linear.scale_zero)
+    return linear(h)
+
+
 def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: torch.dtype,
                  capture: tuple[int, ...]) -> tuple[torch.Tensor, dict]:
     """x [T, H] float32 embeddings -> (the last layer's output, {layer id: residual stream entering it} for the
@@ -62,10 +73,10 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
     for i, layer in enumerate(layers):
         a, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
         k_cache, v_cache = pool.k[a.layer_id], pool.v[a.layer_id]
-        q = cpu_fused.rope_write(a.qkv_proj(h), cos, sin, slots, k_cache, v_cache, a.num_heads)
+        q = cpu_fused.rope_write(_gemm(a.qkv_proj, h), cos, sin, slots, k_cache, v_cache, a.num_heads)
         o = cpu_fused.attend(plan, q, k_cache, v_cache, a.scale, act)
-        x, h = cpu_fused.add_rms_norm(x, a.o_proj(o), norm.weight, norm.eps, act)
-        y = mlp.down_proj(cpu_fused.silu_mul(mlp.gate_up_proj(h), act))
+        x, h = cpu_fused.add_rms_norm(x, _gemm(a.o_proj, o), norm.weight, norm.eps, act)
+        y = _gemm(mlp.down_proj, cpu_fused.silu_mul(_gemm(mlp.gate_up_proj, h), act))
         if i + 1 == len(layers):
             return x + y, states
         norm = layers[i + 1].input_layernorm
