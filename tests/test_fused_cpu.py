@@ -66,6 +66,12 @@ def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype)
         assert fused[[0, 2, 4, 5, 6, 8, 10, 11]].abs().sum() == 0
 
 
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """Built with -ffast-math but not linked with it: no flush-to-zero set for the whole process on load."""
+    assert cpu_fused.available()
+    assert torch.tensor([1e-38]).div(1e3).item() != 0.0
+
+
 def plans():
     """Dense plans of every shape the engine hands attention: a decode (no mask), a prefill of two requests of
     different lengths after a cached prefix (causal, padded), and a paged tree verify's dense twin."""

@@ -3,8 +3,8 @@ wants), SiLU-and-multiply, rope + the KV write, and attention over a dense padde
 
 Why: on CPU a packed 4-bit layer's GEMMs are a third of a decode step; the rest was ~80 torch ops per layer, each a
 few microseconds of dispatch. `cpu_fused.c` does that work in four calls. It is built on first use with the system
-C compiler (`cc -O3 -march=native -ffast-math`, about a second) into the cache (`cache_root()/kernels`, keyed by the source,
-the flags and the CPU) and called through ctypes. Without a compiler, or with FASTSPEC_FUSED_CPU=0, `available()`
+C compiler (`cc -O3 -march=native -ffast-math`, about a second) into the cache (`cache_root()/kernels`, keyed by
+the source, the flags and the CPU) and called through ctypes. Without a compiler, or with FASTSPEC_FUSED_CPU=0, `available()`
 is False and every function runs its torch twin, which is also what the tests compare the kernels against.
 Knows nothing about models: tensors in, tensors out.
 """
@@ -28,7 +28,7 @@ from fastspec.attention.torch_backend import TorchAttnPlan, attend_padded
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC")
 ACT = {torch.float32: 0, torch.bfloat16: 1}  # the C code's `act` codes
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -70,12 +70,16 @@ def _build(path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, timeout=120)
+        cc = os.environ.get("CC", "cc")
+        # compiled and linked apart: -ffast-math at link time would add crtfastmath, whose constructor turns on
+        # flush-to-zero for the whole process (every subnormal float in torch would become 0)
+        subprocess.run([cc, *FLAGS, "-c", str(SOURCE), "-o", f"{tmp}.o"], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, "-shared", f"{tmp}.o", "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
         os.chmod(tmp, 0o755)
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
+        Path(f"{tmp}.o").unlink(missing_ok=True)
 
 
 def _cpu_signature() -> str:
@@ -86,6 +90,15 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
     lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
     return platform.machine() + "\n".join(dict.fromkeys(lines))
+
+
+def _call(kernel, *args) -> None:
+    """kernel(*args); under torch's profiler also an operator `cpu_fused::<name>`, so `fastspec bench --profile`
+    sees the kernels (a ctypes call is otherwise host time to it)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(f"cpu_fused::{kernel.__name__}"):
+            return kernel(*args)
+    return kernel(*args)
 
 
 def available() -> bool:
@@ -108,8 +121,8 @@ def add_rms_norm(x: torch.Tensor,         # float32 [T, H]  the residual stream
         return x, (weight * normed).to(out_dtype)
     T, H = x.shape
     x_out, normed = (x if y is None else torch.empty_like(x)), x.new_empty(T, H, dtype=out_dtype)
-    lib.add_rms_norm(x.data_ptr(), _ptr(y), ACT[y.dtype] if y is not None else 0, weight.data_ptr(), eps, T, H,
-                     x_out.data_ptr(), normed.data_ptr(), ACT[out_dtype])
+    _call(lib.add_rms_norm, x.data_ptr(), _ptr(y), ACT[y.dtype] if y is not None else 0, weight.data_ptr(), eps, T,
+          H, x_out.data_ptr(), normed.data_ptr(), ACT[out_dtype])
     return x_out, normed
 
 
@@ -121,7 +134,7 @@ def silu_mul(gate_up: torch.Tensor,  # [T, 2I]  [gate | up], float32 or bf16
         return (F.silu(gate) * up).to(out_dtype)
     T, width = gate_up.shape
     out = gate_up.new_empty(T, width // 2, dtype=out_dtype)
-    lib.silu_mul(gate_up.data_ptr(), ACT[gate_up.dtype], T, width // 2, out.data_ptr(), ACT[out_dtype])
+    _call(lib.silu_mul, gate_up.data_ptr(), ACT[gate_up.dtype], T, width // 2, out.data_ptr(), ACT[out_dtype])
     return out
 
 
@@ -140,8 +153,8 @@ def rope_write(qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]  float32 or bf16
         v_cache.index_copy_(0, slots, v)
         return q
     q = qkv.new_empty(T, num_heads, d, dtype=torch.float32)
-    lib.rope_write(qkv.data_ptr(), ACT[qkv.dtype], T, num_heads, hkv, d, cos.data_ptr(), sin.data_ptr(),
-                   slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
+    _call(lib.rope_write, qkv.data_ptr(), ACT[qkv.dtype], T, num_heads, hkv, d, cos.data_ptr(), sin.data_ptr(),
+          slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
     return q
 
 
@@ -154,10 +167,10 @@ def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
     if lib is None:
         out = attend_padded(plan, q, k_cache, v_cache, scale).flatten(0, 1)
         return (out if plan.uniform_qo else out.index_select(0, plan.out_index)).reshape(T, hq * d).to(out_dtype)
-    bs, max_qo = plan.q_index.shape
+    max_qo = plan.q_index.shape[1]
     mask = None if plan.mask is None else plan.mask.contiguous()
     out = q.new_empty(T, hq * d, dtype=out_dtype)
-    lib.attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), T, hq, k_cache.shape[1], d,
-               plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), max_qo, plan.kv_slots.shape[1],
-               scale, out.data_ptr(), ACT[out_dtype])
+    _call(lib.attend, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), T, hq, k_cache.shape[1], d,
+          plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), max_qo, plan.kv_slots.shape[1], scale,
+          out.data_ptr(), ACT[out_dtype])
     return out
