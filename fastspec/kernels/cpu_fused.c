@@ -1,13 +1,14 @@
 /* fastspec's fused CPU kernels for one decoder layer's work between its GEMMs (see cpu_fused.py, which builds this
  * file with the system C compiler and holds a torch twin of every function). Float32 math; `act` names the dtype
  * of a GEMM-side tensor: 0 float32, 1 bfloat16 (rounded to nearest even, as torch's .to(torch.bfloat16)).
- * Single-threaded: each call is microseconds of work, less than waking a second thread. Built with -ffast-math
+ * Single-threaded but attention over enough keys (torch's OpenMP runtime: libgomp is already loaded by torch). Built with -ffast-math
  * (vectorised expf and reductions): nothing here relies on infinities or NaN; a NaN input is not preserved. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#define PARALLEL_WORK 4096 /* query rows x heads x keys below which attention runs on the calling thread */
 #define MASKED (-1e30f) /* a masked score: finite, since the library is built with -ffast-math (vector expf) */
 
 static inline float bf16_to_f32(uint16_t b) {
@@ -108,16 +109,19 @@ void rope_write(const void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, in
 void attend(const float *q, const float *k_cache, const float *v_cache, int64_t T, int64_t Hq, int64_t Hkv,
             int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
             int64_t max_kv, float scale, void *out, int out_act) {
-    float *p = (float *)malloc((max_kv > 0 ? max_kv : 1) * sizeof(float));
-    float *acc = (float *)malloc(Hq * D * sizeof(float));
     int64_t group = Hq / Hkv;
-    for (int64_t t = 0; t < T; t++) {
-        int64_t b = out_index[t] / max_qo, i = out_index[t] % max_qo;
-        const int64_t *slots = kv_slots + b * max_kv;
-        const uint8_t *allowed = mask ? mask + (b * max_qo + i) * max_kv : NULL;
-        for (int64_t h = 0; h < Hq; h++) {
-            const float *qh = q + (t * Hq + h) * D;
-            int64_t g = h / group;
+    float *o_all = (float *)malloc(T * Hq * D * sizeof(float));
+    /* (token, head) pairs split between torch's OpenMP threads once there is enough work to pay for waking them */
+#pragma omp parallel if (T * Hq * max_kv >= PARALLEL_WORK)
+    {
+        float *p = (float *)malloc((max_kv > 0 ? max_kv : 1) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t th = 0; th < T * Hq; th++) {
+            int64_t t = th / Hq, h = th % Hq, g = h / group;
+            int64_t b = out_index[t] / max_qo, i = out_index[t] % max_qo;
+            const int64_t *slots = kv_slots + b * max_kv;
+            const uint8_t *allowed = mask ? mask + (b * max_qo + i) * max_kv : NULL;
+            const float *qh = q + th * D;
             float top = MASKED;
             for (int64_t j = 0; j < max_kv; j++) {
                 float dot = 0.f;
@@ -129,7 +133,7 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
                 p[j] = allowed && !allowed[j] ? MASKED : dot * scale;
                 top = p[j] > top ? p[j] : top;
             }
-            float sum = 0.f, *o = acc + h * D;
+            float sum = 0.f, *o = o_all + th * D;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < max_kv; j++) {
                 p[j] = expf(p[j] - top); /* a masked column: exp of about -1e30, 0 */
@@ -144,8 +148,9 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
             float inv = 1.f / sum; /* sum >= 1: the top column's exp(0) */
             for (int64_t d = 0; d < D; d++) o[d] *= inv;
         }
-        store_row(acc, Hq * D, (char *)out + t * Hq * D * (out_act ? 2 : 4), out_act);
+        free(p);
     }
-    free(p);
-    free(acc);
+    for (int64_t t = 0; t < T; t++) store_row(o_all + t * Hq * D, Hq * D, (char *)out + t * Hq * D * (out_act ? 2 : 4),
+                                              out_act);
+    free(o_all);
 }

@@ -3,7 +3,7 @@ wants), SiLU-and-multiply, rope + the KV write, and attention over a dense padde
 
 Why: on CPU a packed 4-bit layer's GEMMs are a third of a decode step; the rest was ~80 torch ops per layer, each a
 few microseconds of dispatch. `cpu_fused.c` does that work in four calls. It is built on first use with the system
-C compiler (`cc -O3 -march=native -ffast-math`, about a second) into the cache (`cache_root()/kernels`, keyed by
+C compiler (`cc -O3 -march=native -ffast-math -fopenmp`, about a second) into the cache (`cache_root()/kernels`, keyed by
 the source, the flags and the CPU) and called through ctypes. Without a compiler, or with FASTSPEC_FUSED_CPU=0, `available()`
 is False and every function runs its torch twin, which is also what the tests compare the kernels against.
 Knows nothing about models: tensors in, tensors out.
@@ -28,7 +28,7 @@ from fastspec.attention.torch_backend import TorchAttnPlan, attend_padded
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 ACT = {torch.float32: 0, torch.bfloat16: 1}  # the C code's `act` codes
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -74,7 +74,8 @@ def _build(path: Path) -> None:
         # compiled and linked apart: -ffast-math at link time would add crtfastmath, whose constructor turns on
         # flush-to-zero for the whole process (every subnormal float in torch would become 0)
         subprocess.run([cc, *FLAGS, "-c", str(SOURCE), "-o", f"{tmp}.o"], check=True, capture_output=True, timeout=120)
-        subprocess.run([cc, "-shared", f"{tmp}.o", "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, "-shared", "-fopenmp", f"{tmp}.o", "-o", tmp, "-lm"], check=True, capture_output=True,
+                       timeout=120)
         os.chmod(tmp, 0o755)
         os.replace(tmp, path)
     finally:
