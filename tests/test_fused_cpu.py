@@ -136,15 +136,26 @@ def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeyp
     assert len(calls) == 3  # the layers ran the second time
 
 
+def load_in_child(cache, **env) -> str:
+    """Whether a fresh process with FASTSPEC_CACHE=cache (and `env`) has the kernels: "True" or "False"."""
+    code = "from fastspec.kernels import cpu_fused; print(cpu_fused.available())"
+    env = {**os.environ, "FASTSPEC_CACHE": str(cache), **env}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
+
+
 def test_a_damaged_library_in_the_cache_is_built_again(tmp_path):
     """A library cut short in the cache (by another process: this one keeps the file it loaded) is compiled again."""
-    def load() -> str:
-        code = "from fastspec.kernels import cpu_fused; print(cpu_fused.available())"
-        env = {**os.environ, "FASTSPEC_CACHE": str(tmp_path)}
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
-
-    assert load() == "True"
+    assert load_in_child(tmp_path) == "True"
     (library,) = (tmp_path / "kernels").glob("cpu_fused-*.so")
     size = library.stat().st_size
     library.write_bytes(library.read_bytes()[:100])
-    assert load() == "True" and library.stat().st_size == size
+    assert load_in_child(tmp_path) == "True" and library.stat().st_size == size
+
+
+def test_a_compiler_without_openmp_builds_them_single_threaded_and_none_runs_the_twins(tmp_path):
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec cc "$@"\n')
+    wrapper.chmod(0o755)
+    assert load_in_child(tmp_path / "a", CC=str(wrapper)) == "True"
+    assert load_in_child(tmp_path / "b", CC="/bin/false") == "False"
+    assert not list((tmp_path / "b").glob("kernels/*.so"))

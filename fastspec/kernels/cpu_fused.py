@@ -28,7 +28,8 @@ from fastspec.attention.torch_backend import TorchAttnPlan, attend_padded
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+THREADS = (("-fopenmp",), ("-fopenmp-simd",))  # OpenMP threads, else (a compiler without it) the calling thread
 ACT = {torch.float32: 0, torch.bfloat16: 1}  # the C code's `act` codes
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -71,11 +72,18 @@ def _build(path: Path) -> None:
     os.close(fd)
     try:
         cc = os.environ.get("CC", "cc")
-        # compiled and linked apart: -ffast-math at link time would add crtfastmath, whose constructor turns on
-        # flush-to-zero for the whole process (every subnormal float in torch would become 0)
-        subprocess.run([cc, *FLAGS, "-c", str(SOURCE), "-o", f"{tmp}.o"], check=True, capture_output=True, timeout=120)
-        subprocess.run([cc, "-shared", "-fopenmp", f"{tmp}.o", "-o", tmp, "-lm"], check=True, capture_output=True,
-                       timeout=120)
+        for threads in THREADS:
+            # compiled and linked apart: -ffast-math at link time would add crtfastmath, whose constructor turns on
+            # flush-to-zero for the whole process (every subnormal float in torch would become 0)
+            try:
+                subprocess.run([cc, *FLAGS, *threads, "-c", str(SOURCE), "-o", f"{tmp}.o"], check=True,
+                               capture_output=True, timeout=120)
+                subprocess.run([cc, "-shared", *threads, f"{tmp}.o", "-o", tmp, "-lm"], check=True,
+                               capture_output=True, timeout=120)
+                break
+            except subprocess.CalledProcessError:
+                if threads == THREADS[-1]:
+                    raise
         os.chmod(tmp, 0o755)
         os.replace(tmp, path)
     finally:
