@@ -40,8 +40,8 @@ import fastspec
 from fastspec.sampling import SamplingParams
 model, algorithm, head, (steps, topk, n), mode = json.loads(sys.argv[1])
 imported = time.perf_counter()
-llm = fastspec.LLM(model, speculative_algorithm=algorithm, draft_model=head, num_steps=steps, topk=topk,
-                   num_draft_tokens=n, graphs=mode)
+llm = fastspec.LLM(model, quantization=None, speculative_algorithm=algorithm, draft_model=head, num_steps=steps,
+                   topk=topk, num_draft_tokens=n, graphs=mode)
 built = time.perf_counter()
 marks = [time.perf_counter() for _ in llm.engine.stream([[2 + i % 60 for i in range(24)]],
                                                        [SamplingParams(max_new_tokens=16, ignore_eos=True)])]
@@ -109,8 +109,8 @@ def rounds(setup: tuple, sizes: tuple[int, ...], new_tokens: int, modes: list[st
     model, algorithm, head, (steps, topk, n) = setup
     out = {}
     for mode in modes:
-        llm = fastspec.LLM(model, speculative_algorithm=algorithm, draft_model=head, num_steps=steps, topk=topk,
-                           num_draft_tokens=n, max_total_tokens=8192, graphs=mode, cuda_graph_bs=sizes,
+        llm = fastspec.LLM(model, quantization=None, speculative_algorithm=algorithm, draft_model=head,
+                           num_steps=steps, topk=topk, num_draft_tokens=n, max_total_tokens=8192, graphs=mode, cuda_graph_bs=sizes,
                            max_running_requests=max(sizes), dtype=dtype)
         prompt = PROMPT if model == "smollm2-135m-instruct" else [2 + i % 60 for i in range(24)]  # tiny: no tokenizer
         out[mode] = [round_split(llm, bs, new_tokens, prompt) for bs in sizes]

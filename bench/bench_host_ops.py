@@ -57,8 +57,8 @@ def _where() -> str:
 
 def build(args):
     if args.embedded:
-        return fastspec.LLM(speculative_algorithm="EAGLE3", num_steps=args.shape[0], topk=args.shape[1],
-                            num_draft_tokens=args.shape[2], graphs="compile", overlap_schedule="off",
+        return fastspec.LLM(quantization=None, speculative_algorithm="EAGLE3", num_steps=args.shape[0],
+                            topk=args.shape[1], num_draft_tokens=args.shape[2], graphs="compile", overlap_schedule="off",
                             speculative_fallback=False, tuned=False)
     from tiny_models import make_hf_model
 

@@ -137,7 +137,7 @@ def main() -> None:
     unknown = set(names) - set(GRAPHS)
     if unknown:
         sys.exit(f"unknown graphs {sorted(unknown)} (known: {', '.join(GRAPHS)})")
-    llm = LLM(model=args.model, graphs="compile", max_running_requests=1, max_total_tokens=2048,
+    llm = LLM(model=args.model, quantization=None, graphs="compile", max_running_requests=1, max_total_tokens=2048,
               speculative_fallback=False)
     results = {}
     for name, codes in graph_codes(llm, names).items():

@@ -1,6 +1,7 @@
 """What one short answer costs from a cold process: peak resident memory and wall time (process start included) of a
 16-token greedy chat answer on the embedded SmolLM2-135M-Instruct, for `fastspec generate` (plain and the default
-EAGLE-3, dequantised and `--quantization gguf`) and for llama.cpp (llama-cpp-python) on the same Q4_1 GGUF.
+EAGLE-3, packed as by default and dequantised with `--quantization none`) and for llama.cpp (llama-cpp-python) on
+the same Q4_1 GGUF.
 
     .venv/bin/python bench/footprint.py [--trials 3] [--max-new-tokens 16] [--out PATH]
 
@@ -43,11 +44,11 @@ print(out["choices"][0]["message"]["content"])
 def commands(max_new_tokens: int) -> dict[str, list[str]]:
     fastspec = [str(Path(sys.executable).with_name("fastspec")), "generate", "--prompt", PROMPT,
                 "--max-new-tokens", str(max_new_tokens)]
-    plain, packed = ["--speculative-algorithm", "NONE"], ["--quantization", "gguf"]
-    runs = {"fastspec plain, dequantised": fastspec + plain,
-            "fastspec plain, --quantization gguf": fastspec + plain + packed,
-            "fastspec default (EAGLE-3), dequantised": fastspec,
-            "fastspec default (EAGLE-3), --quantization gguf": fastspec + packed}
+    plain, dequantised = ["--speculative-algorithm", "NONE"], ["--quantization", "none"]
+    runs = {"fastspec plain, dequantised": fastspec + plain + dequantised,
+            "fastspec plain, packed (the default)": fastspec + plain,
+            "fastspec default (EAGLE-3), dequantised": fastspec + dequantised,
+            "fastspec default (EAGLE-3), packed (the default)": fastspec}
     try:
         import llama_cpp  # noqa: F401
     except ImportError:

@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "packed_agreement.json"))
     args = parser.parse_args()
     model_dir = resolve_model_dir("smollm2-135m-instruct")
-    llm = fastspec.LLM(speculative_algorithm="NONE", max_total_tokens=4096)
+    llm = fastspec.LLM(speculative_algorithm="NONE", quantization=None, max_total_tokens=4096)  # the reference
     outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=args.max_new_tokens), chat=True)
     sequences = [(o.prompt_ids, o.output_ids) for o in outs]
     del llm

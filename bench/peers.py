@@ -152,7 +152,7 @@ def fastspec_peer(spec: str, kwargs: dict) -> Peer:
         c = llm.generate([list(prompt.ids)], params)[0]
         return Output(tuple(c.output_ids), c.text, c.metrics.tau if c.metrics.verify_rounds else None)
 
-    if kwargs.get("quantization") == "gguf":  # the file's Q4_1 projections, bfloat16 activations: other weights
+    if llm.engine.config.quantization == "gguf":  # the file's Q4_1 projections (the default): other weights
         return Peer(f"fastspec {spec}", f"Q4_1 GGUF projections packed, {kwargs['dtype']} rest", False, run)
     return Peer(f"fastspec {spec}", kwargs["dtype"], kwargs["dtype"] == "float32", run)
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "gguf", "int4")
+QUANTIZATIONS = ("auto", None, "gguf", "int4")  # "none" is read as None
 
 
 def resolve_device(device: str) -> str:
@@ -67,7 +67,10 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"  # embedded name, HF directory or .gguf file
     load_format: str = "auto"  # auto: the model's weights; dummy: random weights from config.json alone (benchmarks)
-    quantization: str | None = None  # gguf: a GGUF model on its own blocks; int4: projections rounded at load (CPU)
+    # auto: gguf for a model converted from a .gguf file on CPU (models.loader.resolve_quantization), else None;
+    # None ("none"): the weights dequantised to dtype (the exact reference); gguf: a GGUF model on its own blocks;
+    # int4: projections rounded at load (CPU)
+    quantization: str | None = "auto"
     dtype: str = "float32"
     device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
     page_size: int = 1
@@ -89,9 +92,10 @@ class EngineConfig:
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.load_format not in LOAD_FORMATS:
             raise FastspecError(f"--load-format must be {' or '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.quantization == "none":
+            object.__setattr__(self, "quantization", None)
         if self.quantization not in QUANTIZATIONS:
-            raise FastspecError(f"--quantization must be {' or '.join(q for q in QUANTIZATIONS if q)}, "
-                                f"got {self.quantization!r}")
+            raise FastspecError(f"--quantization must be auto, none, gguf or int4, got {self.quantization!r}")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise FastspecError(f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.graphs not in GRAPH_MODES:
@@ -112,7 +116,7 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise FastspecError(f"max-running-requests must be >= 1, got {self.max_running_requests}")
         check_device(self.device)
-        if self.quantization is not None and self.device != "cpu":
+        if self.quantization not in (None, "auto") and self.device != "cpu":
             raise FastspecError(f"--quantization {self.quantization} runs on the CPU for now (torch's int4 CPU "
                                 "kernel); use --device cpu")
         if self.graphs == "cuda" and self.device == "cpu":

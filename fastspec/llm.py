@@ -15,7 +15,7 @@ from fastspec.config import EngineConfig, Schedule, SpecConfig, check_spec_flags
 from fastspec.engine.engine import Engine, collect
 from fastspec.models.embedded import default_speculation
 from fastspec.models.hub import is_hub_id
-from fastspec.models.loader import read_config, resolve_draft_dir, resolve_model_dir
+from fastspec.models.loader import read_config, resolve_draft_dir, resolve_model_dir, resolve_quantization
 from fastspec.models.mtp_loader import mtp_draft
 from fastspec.sampling.params import SamplingParams
 from fastspec.text.detokenizer import IncrementalDetokenizer
@@ -78,6 +78,8 @@ class LLM:
                                   num_draft_tokens=num_draft_tokens, token_map=token_map,
                                   accept_threshold_single=accept_threshold_single,
                                   accept_threshold_acc=accept_threshold_acc, ngram=ngram, device=config.device)
+        config = dataclasses.replace(config, quantization=resolve_quantization(
+            config.quantization, model_dir, config.device, config.load_format, spec.algorithm))
         untuned = schedule is None and num_steps is None and topk is None and num_draft_tokens is None
         if tuned and untuned and spec.algorithm in ("EAGLE", "EAGLE3"):
             from fastspec.tune.tuned import find_schedule, weights_label

@@ -22,7 +22,7 @@ NEW = 20
 
 @pytest.fixture(scope="module")
 def llm():
-    return fastspec.LLM(max_total_tokens=4096, speculative_algorithm="NONE")
+    return fastspec.LLM(quantization=None, max_total_tokens=4096, speculative_algorithm="NONE")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def hf_greedy(embedded_dir, llm):
 def test_cli_generate_equals_transformers_greedy(hf_greedy):
     for q in QUESTIONS[:2]:
         result = CliRunner().invoke(app, ["generate", "--chat", "--prompt", q, "--max-new-tokens", str(NEW),
-                                          "--max-total-tokens", "2048", "--json"])
+                                          "--max-total-tokens", "2048", "--quantization", "none", "--json"])
         assert result.exit_code == 0, result.output
         record = json.loads(result.stdout)
         assert record["output_ids"] == hf_greedy[q]
@@ -52,7 +52,7 @@ def test_cli_generate_equals_transformers_greedy(hf_greedy):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_batched_generation_equals_transformers(hf_greedy, page_size):
-    llm = fastspec.LLM(max_total_tokens=4096, page_size=page_size, speculative_algorithm="NONE")
+    llm = fastspec.LLM(quantization=None, max_total_tokens=4096, page_size=page_size, speculative_algorithm="NONE")
     outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
     assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
     assert "Paris" in outputs[0].text
@@ -62,7 +62,7 @@ def test_batched_generation_equals_transformers(hf_greedy, page_size):
 
 def test_queueing_when_the_pool_is_small(hf_greedy):
     """A pool that holds one request at a time still finishes all of them, in order, with the same tokens."""
-    llm = fastspec.LLM(max_total_tokens=96, speculative_algorithm="NONE")
+    llm = fastspec.LLM(quantization=None, max_total_tokens=96, speculative_algorithm="NONE")
     outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
     assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
 
@@ -112,7 +112,7 @@ def test_speculative_on_the_embedded_model_equals_transformers(hf_greedy, embedd
     kind = "eagle3" if algorithm == "EAGLE3" else "eagle"
     head = (write_random_head(tmp_path / kind, c.hidden_size, c.vocab_size, kind, draft_vocab=2048)
             if algorithm != "NGRAM" else None)
-    llm = fastspec.LLM(speculative_algorithm=algorithm, draft_model=str(head) if head else None, num_steps=steps,
+    llm = fastspec.LLM(quantization=None, speculative_algorithm=algorithm, draft_model=str(head) if head else None, num_steps=steps,
                        topk=topk, num_draft_tokens=n, max_total_tokens=4096)
     outputs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=NEW), chat=True)
     assert [o.output_ids for o in outputs] == [hf_greedy[q] for q in QUESTIONS]
@@ -127,7 +127,7 @@ def test_the_shipped_eagle3_head_is_the_default_and_is_trained(hf_greedy):
 
     from fastspec.tune.replay import record, replay_tau
 
-    llm = fastspec.LLM(max_total_tokens=4096, tuned=False)
+    llm = fastspec.LLM(quantization=None, max_total_tokens=4096, tuned=False)
     e = llm.engine
     assert e.spec.algorithm == "EAGLE3"
     assert e.spec.draft_model == str(embedded_head(DEFAULT_MODEL))

@@ -91,7 +91,7 @@ def teacher(embedded_dir):
     from fastspec.models.loader import load_target
     from fastspec.sampling import SamplingParams
 
-    llm = fastspec.LLM(speculative_algorithm="NONE", max_total_tokens=2048)
+    llm = fastspec.LLM(quantization=None, speculative_algorithm="NONE", max_total_tokens=2048)
     outs = llm.generate(QUESTIONS, SamplingParams(max_new_tokens=32), chat=True)
     return fuse_projections(load_target(embedded_dir, torch.float32)), [(o.prompt_ids, o.output_ids) for o in outs]
 
@@ -230,9 +230,12 @@ def test_a_tuned_file_is_keyed_by_the_quantization(embedded_dir, tmp_path, monke
         save_tuned(tuned_path(embedded_dir, head, weights, "cpu"), fingerprint(embedded_dir, head, weights, "cpu"),
                    [{"max_batch_size": 1, "params": params}, {"max_batch_size": 4, "params": None}])
     kwargs = dict(model=str(embedded_dir), speculative_algorithm="EAGLE3", draft_model=str(head), max_total_tokens=512)
-    assert fastspec.LLM(**kwargs).planned_spec.schedule == ((1, SpecParams(3, 2, 5)), (4, None))
-    packed = fastspec.LLM(**kwargs, quantization="gguf")
-    assert packed.planned_spec.schedule == ((1, SpecParams(2, 1, 3)), (4, None))
+    dequantised = fastspec.LLM(**kwargs, quantization="none")
+    assert dequantised.planned_spec.schedule == ((1, SpecParams(3, 2, 5)), (4, None))
+    for quantization in ("gguf", "auto"):  # auto: packed, a GGUF model on CPU
+        packed = fastspec.LLM(**kwargs, quantization=quantization)
+        assert packed.engine.config.quantization == "gguf"
+        assert packed.planned_spec.schedule == ((1, SpecParams(2, 1, 3)), (4, None))
 
 
 def test_packing_a_model_that_is_not_a_gguf_is_a_one_line_error(tiny_dirs):
@@ -241,5 +244,18 @@ def test_packing_a_model_that_is_not_a_gguf_is_a_one_line_error(tiny_dirs):
 
     with pytest.raises(FastspecError, match="needs a model converted from a .gguf file"):
         fastspec.LLM(str(tiny_dirs["llama"][0]), quantization="gguf", max_total_tokens=512)
-    with pytest.raises(FastspecError, match="--quantization must be gguf or int4, got 'awq'"):
+    with pytest.raises(FastspecError, match="--quantization must be auto, none, gguf or int4, got 'awq'"):
         fastspec.LLM(quantization="awq")
+
+
+def test_auto_quantization_packs_a_gguf_model_on_cpu_only(embedded_dir, tiny_dirs):
+    from fastspec.config import EngineConfig
+    from fastspec.models.loader import resolve_quantization
+
+    assert resolve_quantization("auto", embedded_dir, "cpu", "auto", "EAGLE3") == "gguf"
+    assert resolve_quantization("auto", embedded_dir, "cuda", "auto", "NONE") is None  # the int4 kernel is CPU's
+    assert resolve_quantization("auto", embedded_dir, "cpu", "dummy", "NONE") is None  # no weights read
+    assert resolve_quantization("auto", embedded_dir, "cpu", "auto", "EAGLE") is None  # EAGLE-2: the float lm_head
+    assert resolve_quantization("auto", tiny_dirs["llama"][0], "cpu", "auto", "NONE") is None  # not a GGUF
+    assert resolve_quantization(None, embedded_dir, "cpu", "auto", "NONE") is None
+    assert EngineConfig(quantization="none").quantization is None

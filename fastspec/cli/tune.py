@@ -33,7 +33,7 @@ def tune(
     from fastspec.cli.common import parse_ids, prepare_progress
     from fastspec.llm import LLM
     from fastspec.models.embedded import default_speculation
-    from fastspec.models.loader import resolve_model_dir
+    from fastspec.models.loader import resolve_model_dir, resolve_quantization
     from fastspec.prompts import load_prompts, read_jsonl_prompts
     from fastspec.tune import tuned as tuned_file
     from fastspec.tune.tuner import TuneConfig, schedule_from
@@ -57,7 +57,9 @@ def tune(
     draft_dir = resolve_model_dir(draft, options.speculative_draft_model_revision)
     from fastspec.config import resolve_device
 
-    weights = tuned_file.weights_label(options.dtype, options.quantization)
+    quantization = resolve_quantization(options.quantization, model_dir, resolve_device(options.device),
+                                        options.load_format, algorithm.upper())
+    weights = tuned_file.weights_label(options.dtype, quantization)
     path = tuned_file.tuned_path(model_dir, draft_dir, weights, resolve_device(options.device))
     console = Console(stderr=True)
     if from_tuned:

@@ -53,8 +53,8 @@ class GenerateOutput:
 class Engine:
     def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None):
         """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled."""
-        self.config = config
         self.worker = Worker(config, spec, on_prepare)
+        self.config = config = self.worker.config  # its `auto` choices made
         self.preemptions = 0  # requests taken out of a running batch to make room (recomputed later)
         self.overlap = config.overlap
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fastspec-worker") if self.overlap else None

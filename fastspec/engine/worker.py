@@ -14,6 +14,7 @@ the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future
 from functools import partial
@@ -33,7 +34,7 @@ from fastspec.engine.spec_rounds import SpecRounds
 from fastspec.engine.target import Target
 from fastspec.errors import FastspecError
 from fastspec.graphs import StaticInput
-from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir
+from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir, resolve_quantization
 from fastspec.models.mla import mla_softmax_scale
 from fastspec.speculative.backlog import DraftBacklog
 from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
@@ -48,10 +49,12 @@ from fastspec.utils.metrics import PhaseTimes
 class Worker:
     def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None):
         """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled."""
-        self.config = config
         self.model_dir = resolve_model_dir(config.model)
         model_config = read_config(self.model_dir)
         self.spec = spec or SpecConfig()
+        quantization = resolve_quantization(config.quantization, self.model_dir, config.device, config.load_format,
+                                            self.spec.algorithm)
+        self.config = config = dataclasses.replace(config, quantization=quantization)
         self.max_context_len = config.max_context_len or model_config.max_position_embeddings
         self.times = PhaseTimes()  # benchmarks set sync_cuda for a phase split on a GPU (a sync per phase costs)
         models = load_models(self.model_dir, self.spec, config)

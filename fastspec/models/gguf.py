@@ -21,12 +21,11 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from fastspec.errors import FastspecError
-from fastspec.models.gguf_blocks import FORMATS, blocks_state, read_blocks
+from fastspec.models.gguf_blocks import BLOCKS_FILE, FORMATS, blocks_state, read_blocks
 from fastspec.models.gguf_kquants import read_q4_k
 
 CONVERTER_VERSION = 2  # bump when the output layout changes, so cached conversions are redone
 SOURCE_MARKER = "fastspec_source.json"
-BLOCKS_FILE = "gguf_blocks/blocks.safetensors"  # a subdirectory: not one of the model's *.safetensors
 BLOCK_KINDS = (*FORMATS, "Q4_K")  # GGUF types also stored as blocks
 
 _LAYER_NAMES = {  # GGUF tensor name inside blk.N -> HF name inside model.layers.N

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 32
+BLOCKS_FILE = "gguf_blocks/blocks.safetensors"  # a subdirectory: not one of the model's *.safetensors
 FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}  # bytes per block, f16 values before the quants
 
 

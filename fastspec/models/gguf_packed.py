@@ -28,8 +28,7 @@ from torch import nn
 
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import trim_host_heap
-from fastspec.models.gguf import BLOCKS_FILE
-from fastspec.models.gguf_blocks import blocks_from_state, merge_rows, quantise_rows
+from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
 from fastspec.models.packed_layers import ROW_TILE, BlockEmbedding, CastLinear, Int4Linear, RefinedHead
 from fastspec.models.layers import RotaryEmbedding
 from fastspec.models.llama import LlamaForCausalLM

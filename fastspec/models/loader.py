@@ -123,6 +123,18 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str
             tensor.copy_(state[name])
 
 
+def resolve_quantization(quantization: str | None, model_dir: Path, device: str, load_format: str,
+                         algorithm: str | None) -> str | None:
+    """EngineConfig.quantization with `auto` decided: gguf for a model converted from a .gguf file (its blocks stored)
+    run on CPU with its real weights and no EAGLE-2 head (which needs the float lm_head), else None."""
+    if quantization != "auto":
+        return quantization
+    from fastspec.models.gguf_blocks import BLOCKS_FILE
+
+    converted = (Path(model_dir) / BLOCKS_FILE).is_file()
+    return "gguf" if converted and device == "cpu" and load_format == "auto" and algorithm != "EAGLE" else None
+
+
 def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layers: tuple[int, ...] = (),
                 load_format: str = "auto", quantization: str | None = None) -> LlamaForCausalLM:
     """`load_format` dummy: random weights (fastspec.models.dummy), none read. `quantization` gguf: a converted GGUF

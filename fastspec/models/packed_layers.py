@@ -111,7 +111,7 @@ class RefinedHead(nn.Module):
         logits = self.approx(flat).float()[:, :self.table.num_embeddings]  # [M, V] (approx's rows may be padded)
         top = logits.topk(self.refine, -1).indices  # [M, refine]
         exact = torch.bmm(self.table(top).float(), flat.float()[:, :, None]).squeeze(-1)  # [M, refine]
-        return logits.scatter(-1, top, exact).view(*x.shape[:-1], -1)
+        return logits.scatter(-1, top, exact).view(*x.shape[:-1], logits.shape[-1])  # (no -1: M may be 0)
 
 
 class CastLinear(nn.Module):
