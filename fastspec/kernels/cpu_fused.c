@@ -1,8 +1,8 @@
 /* fastspec's fused CPU kernels for one decoder layer's work between its GEMMs (see cpu_fused.py, which builds this
  * file with the system C compiler and holds a torch twin of every function). Float32 math; `act` names the dtype
  * of a GEMM-side tensor: 0 float32, 1 bfloat16 (rounded to nearest even, as torch's .to(torch.bfloat16)).
- * Single-threaded but attention over enough keys (torch's OpenMP runtime: libgomp is already loaded by torch). Built with -ffast-math
- * (vectorised expf and reductions): nothing here relies on infinities or NaN; a NaN input is not preserved. */
+ * Single-threaded, but attention over enough keys (on torch's OpenMP runtime: libgomp is already loaded by torch).
+ * Built with -ffast-math (vectorised expf and reductions): nothing relies on infinities or NaN; a NaN is not kept. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

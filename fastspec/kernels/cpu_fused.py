@@ -3,9 +3,10 @@ wants), SiLU-and-multiply, rope + the KV write, and attention over a dense padde
 
 Why: on CPU a packed 4-bit layer's GEMMs are a third of a decode step; the rest was ~80 torch ops per layer, each a
 few microseconds of dispatch. `cpu_fused.c` does that work in four calls. It is built on first use with the system
-C compiler (`cc -O3 -march=native -ffast-math -fopenmp`, about a second) into the cache (`cache_root()/kernels`, keyed by
-the source, the flags and the CPU) and called through ctypes. Without a compiler, or with FASTSPEC_FUSED_CPU=0, `available()`
-is False and every function runs its torch twin, which is also what the tests compare the kernels against.
+C compiler (`cc -O3 -march=native -ffast-math -fopenmp`, about a second; without OpenMP, single-threaded) into the
+cache (`cache_root()/kernels`, keyed by the source, the flags and the CPU) and called through ctypes. Without a
+compiler, or with FASTSPEC_FUSED_CPU=0, `available()` is False and every function runs its torch twin, which is also
+what the tests compare the kernels against.
 Knows nothing about models: tensors in, tensors out.
 """
 
