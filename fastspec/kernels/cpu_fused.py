@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fastspec.attention.torch_backend import TorchAttnPlan, attend_padded
+from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".c")
@@ -175,8 +175,7 @@ def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
     T, hq, d = q.shape
     lib = _library()
     if lib is None:
-        out = attend_padded(plan, q, k_cache, v_cache, scale).flatten(0, 1)
-        return (out if plan.uniform_qo else out.index_select(0, plan.out_index)).reshape(T, hq * d).to(out_dtype)
+        return TorchAttnBackend().run(plan, q, k_cache, v_cache, scale).reshape(T, hq * d).to(out_dtype)
     max_qo = plan.q_index.shape[1]
     mask = None if plan.mask is None else plan.mask.contiguous()
     out = q.new_empty(T, hq * d, dtype=out_dtype)
