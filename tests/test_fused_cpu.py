@@ -11,7 +11,7 @@ import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.attention.paged import PagedAttnBackend, paged_block_plan
-from fastspec.kernels import cpu_fused
+from fastspec.kernels import cpu_fused, cpu_library
 from fastspec.memory.kv_pool import KVPool
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler for the fused CPU kernels")
@@ -23,7 +23,7 @@ def twin(monkeypatch):
     """Run a cpu_fused function as its torch twin: twin(fn, *args)."""
     def run(fn, *args):
         with monkeypatch.context() as m:
-            m.setattr(cpu_fused, "_library", lambda: None)
+            m.setattr(cpu_library, "library", lambda: None)
             return fn(*args)
     return run
 
@@ -96,9 +96,30 @@ def test_attend_is_the_torch_backends_attention(twin, name, dtype):
           dtype)
 
 
-def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeypatch):
-    """A Q4_K_M model packed with float32 activations: a prefill and two decode steps through a KV pool give the same
-    logits fused as through its layers (float32 rounding), and the fused stack is what ran."""
+def test_attend_is_batch_invariant():
+    """Each token of a tree verify gets, bit for bit, what a decode step of that token alone over the keys it sees
+    (its prefix, then its tree ancestors and itself) gets: speculation then stays lossless on the packed target
+    (the verify's logits are a plain step's, whatever the padding and the tree around a token)."""
+    table = torch.arange(1, 2 * 32 + 1, dtype=torch.int32).view(2, 32)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    prefix, tree_slots = [4, 9], table[:, 20:24].long()
+    plan = PagedAttnBackend().dense(paged_block_plan(table, torch.tensor([0, 1]), torch.tensor(prefix), tree_slots,
+                                                     tree.expand(2, 4, 4)))
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(n, HQ if n == 8 else HKV, D, generator=g) for n in (8, 70, 70))
+    verified = cpu_fused.attend(plan, q, k, v, D ** -0.5, torch.float32)
+    for t in range(8):
+        b, i = divmod(t, 4)
+        seen = torch.cat([table[b, :prefix[b]].long(), tree_slots[b][tree[i]]]).to(torch.int32)
+        alone = TorchAttnBackend().plan(decode_metadata(seen[None], torch.tensor([0]), torch.tensor([len(seen)])))
+        assert torch.equal(verified[t], cpu_fused.attend(alone, q[t:t + 1], k, v, D ** -0.5, torch.float32)[0]), t
+
+
+@pytest.mark.parametrize("activation", [torch.float32, torch.int16])
+def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeypatch, activation):
+    """A Q4_K_M model packed with float32 (torch's kernel) or int16 activations (fastspec's): a prefill and two decode
+    steps through a KV pool give the same logits fused as through its layers (float32 rounding), and the fused stack
+    is what ran."""
     from test_gguf_kquants import write_k_quant_gguf
 
     from fastspec.models import llama
@@ -110,7 +131,7 @@ def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeyp
     model_dir = convert_gguf(write_k_quant_gguf(tmp_path / "tiny.gguf"), tmp_path / "hf")
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(read_config(model_dir))
-    model = load_packed_target(skeleton, model_dir, torch.float32, activation=torch.float32)
+    model = load_packed_target(skeleton, model_dir, torch.float32, activation=activation)
     c = model.config
     calls = []
     monkeypatch.setattr(llama, "fused_layers", lambda *a, f=llama.fused_layers: calls.append(1) or f(*a))
@@ -130,7 +151,7 @@ def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeyp
 
     fused = run()
     assert len(calls) == 3
-    monkeypatch.setattr(cpu_fused, "_library", lambda: None)
+    monkeypatch.setattr(cpu_library, "library", lambda: None)
     for a, b in zip(fused, run()):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert len(calls) == 3  # the layers ran the second time

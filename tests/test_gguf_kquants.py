@@ -16,7 +16,8 @@ from test_gguf import LAYER_NAMES, TOKENS, write_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
-from fastspec.models.packed_layers import Int4Linear
+from fastspec.kernels import cpu_library
+from fastspec.models.packed_layers import Int4Linear, Q4Linear
 from fastspec.models.gguf_kquants import DEQUANTISED, read_q4_k
 
 HEADS, KV_HEADS = 4, 2
@@ -157,12 +158,13 @@ def test_a_q4_k_m_gguf_converts_to_the_oracles_weights(tmp_path):
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("activation", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", [torch.float32, torch.bfloat16, pytest.param(
+    torch.int16, marks=pytest.mark.skipif(not cpu_library.available(), reason="no C compiler"))])
 def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
     """--quantization gguf on a Q4_K_M file: the Q4_K projections packed, a group with a Q6_K part (layer 0's QKV and
     down) and the Q6_K output dequantised with one note, the Q4_K embedding kept as blocks. float32 activations give
-    the converted model's logits to float32 rounding; bfloat16 ones its greedy tokens, teacher-forced, nearly always
-    (the lm_head's best tokens rescored exactly)."""
+    the converted model's logits to float32 rounding; bfloat16 or int16 ones (the fast kernels) its greedy tokens,
+    teacher-forced, nearly always (the lm_head's best tokens rescored exactly)."""
     from fastspec.models.gguf_packed import load_packed_target
     from fastspec.models.layers import fuse_projections
     from fastspec.models.llama import LlamaForCausalLM as Target
@@ -177,7 +179,7 @@ def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
     model = load_packed_target(skeleton, model_dir, torch.float32, activation=activation)
     layers = model.model.layers
     assert isinstance(layers[0].self_attn.qkv_proj, CastLinear) and isinstance(layers[0].mlp.down_proj, CastLinear)
-    assert all(isinstance(m, Int4Linear) for m in (layers[1].self_attn.qkv_proj, layers[1].mlp.down_proj,
+    assert all(isinstance(m, Int4Linear | Q4Linear) for m in (layers[1].self_attn.qkv_proj, layers[1].mlp.down_proj,
                                                     layers[0].mlp.gate_up_proj, layers[0].self_attn.o_proj))
     assert isinstance(model.model.embed_tokens, BlockEmbedding)
     assert isinstance(model.lm_head, CastLinear if activation == torch.float32 else RefinedHead)

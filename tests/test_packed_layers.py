@@ -8,8 +8,7 @@ import torch.nn.functional as F
 from gguf.quants import quantize
 
 from fastspec.models.gguf_blocks import blocks_from_state, blocks_state, quantise_rows, read_blocks
-from fastspec.models.packed_layers import (BlockEmbedding, CastLinear, Int4Linear, RefinedHead, cast_linears,
-                                           fast_activation)
+from fastspec.models.packed_layers import BlockEmbedding, CastLinear, Int4Linear, RefinedHead, cast_linears
 
 
 def blocks(kind: str, n: int, k: int, seed: int = 0):
@@ -89,7 +88,3 @@ def test_packed_modules_compile_as_opaque_ops():
         x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
         compiled = torch.compile(module, fullgraph=True, dynamic=False)
         torch.testing.assert_close(compiled(x), module(x), atol=1e-5, rtol=1e-5)
-
-
-def test_the_activation_dtype_is_a_dtype_the_kernel_takes():
-    assert fast_activation() in (torch.bfloat16, torch.float32)

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from fastspec.models.gguf_blocks import quantise_rows
 from fastspec.models.layers import fuse_projections
 from fastspec.models.loader import load_target
-from fastspec.models.packed_layers import Int4Linear, RefinedHead
+from fastspec.kernels import cpu_library
+from fastspec.models.packed_layers import Int4Linear, Q4Linear, RefinedHead
 from fastspec.models.quantise import quantise_int4
 from fastspec.train.data import PackedCausalAttention
 
@@ -47,13 +48,15 @@ def test_int4_with_float32_activations_is_the_rounded_model(tiny_dirs, family):
     assert not torch.allclose(logits(float_model, ids), logits(oracle, ids), atol=1e-4)
 
 
-def test_int4_with_bfloat16_activations_rescores_the_head_exactly(tiny_dirs):
-    """bfloat16 activations (the fast kernels): the lm_head is refined, the rounded model's greedy choices kept
-    teacher-forced at nearly every position (the activations round to bfloat16)."""
+@pytest.mark.parametrize("activation", [torch.bfloat16, pytest.param(
+    torch.int16, marks=pytest.mark.skipif(not cpu_library.available(), reason="no C compiler"))])
+def test_int4_with_fast_activations_rescores_the_head_exactly(tiny_dirs, activation):
+    """bfloat16 or int16 activations (the fast kernels): the lm_head is refined, the rounded model's greedy choices
+    kept teacher-forced at nearly every position (the activations are rounded)."""
     model_dir, _ = tiny_dirs["qwen2"]  # tied embeddings: the head rescores from the embedding table itself
     oracle = rounded_twin(fuse_projections(load_target(model_dir, torch.float32)))
     model = fuse_projections(load_target(model_dir, torch.float32))
-    quantise_int4(model, torch.bfloat16)
+    quantise_int4(model, activation)
     assert isinstance(model.lm_head, RefinedHead) and model.lm_head.table is model.model.embed_tokens
     ids = torch.randint(3, 97, (64,), generator=torch.Generator().manual_seed(2))
     got, expected = logits(model, ids), logits(oracle, ids)
@@ -78,7 +81,7 @@ def test_speculation_on_an_int4_target_is_lossless(tiny_dirs, draft_dirs, algori
     llm.engine.policy = None  # every round speculates
     outputs = llm.generate(prompts, params)
     assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
-    assert isinstance(llm.engine.worker.model.model.layers[0].mlp.down_proj, Int4Linear)
+    assert isinstance(llm.engine.worker.model.model.layers[0].mlp.down_proj, Int4Linear | Q4Linear)
 
 
 def test_int4_on_a_target_it_does_not_take_is_a_one_line_error(tiny_dirs):

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #define PARALLEL_WORK 4096 /* query rows x heads x keys below which attention runs on the calling thread */
-#define MASKED (-1e30f) /* a masked score: finite, since the library is built with -ffast-math (vector expf) */
+#define MASKED (-1e30f) /* below every score: finite, since the library is built with -ffast-math (vector expf) */
 
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -105,7 +105,10 @@ void rope_write(const void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, in
 /* Attention of a dense padded plan (fastspec.attention.torch_backend.TorchAttnPlan): token t is query row
  * out_index[t] = b * max_qo + i; it sees key column j of request b (KV slot kv_slots[b, j]) where
  * mask[b, i, j] (mask NULL: every column). q float32 [T, Hq, D]; caches float32 [num_slots, Hkv, D];
- * out [T, Hq, D] in `out_act`. Query head h reads KV head h / (Hq / Hkv). */
+ * out [T, Hq, D] in `out_act`. Query head h reads KV head h / (Hq / Hkv).
+ * Batch-invariant: a token's output depends only on the keys it sees, in column order, not on the padding, the
+ * masked columns or the other tokens, so a tree verify computes bit for bit what a decode step of the same token
+ * would (the seen keys are gathered into a list first; every sum runs over that list in a fixed order). */
 void attend(const float *q, const float *k_cache, const float *v_cache, int64_t T, int64_t Hq, int64_t Hkv,
             int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
             int64_t max_kv, float scale, void *out, int out_act) {
@@ -114,41 +117,41 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
     /* (token, head) pairs split between torch's OpenMP threads once there is enough work to pay for waking them */
 #pragma omp parallel if (T * Hq * max_kv >= PARALLEL_WORK)
     {
-        float *p = (float *)malloc((max_kv > 0 ? max_kv : 1) * sizeof(float));
+        int64_t size = max_kv > 0 ? max_kv : 1;
+        float *p = (float *)malloc(size * sizeof(float));
+        int64_t *seen = (int64_t *)malloc(size * sizeof(int64_t));
 #pragma omp for schedule(static)
         for (int64_t th = 0; th < T * Hq; th++) {
             int64_t t = th / Hq, h = th % Hq, g = h / group;
-            int64_t b = out_index[t] / max_qo, i = out_index[t] % max_qo;
-            const int64_t *slots = kv_slots + b * max_kv;
+            int64_t b = out_index[t] / max_qo, i = out_index[t] % max_qo, n = 0;
             const uint8_t *allowed = mask ? mask + (b * max_qo + i) * max_kv : NULL;
+            for (int64_t j = 0; j < max_kv; j++)
+                if (!allowed || allowed[j]) seen[n++] = kv_slots[b * max_kv + j];
             const float *qh = q + th * D;
-            float top = MASKED;
-            for (int64_t j = 0; j < max_kv; j++) {
+            float top = MASKED, lanes[16] = {0}, sum = 0.f, *o = o_all + th * D;
+            for (int64_t a = 0; a < n; a++) {
+                const float *k = k_cache + (seen[a] * Hkv + g) * D;
                 float dot = 0.f;
-                if (!allowed || allowed[j]) {
-                    const float *k = k_cache + (slots[j] * Hkv + g) * D;
 #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qh[d] * k[d];
-                }
-                p[j] = allowed && !allowed[j] ? MASKED : dot * scale;
-                top = p[j] > top ? p[j] : top;
+                for (int64_t d = 0; d < D; d++) dot += qh[d] * k[d];
+                p[a] = dot * scale;
+                top = p[a] > top ? p[a] : top;
             }
-            float sum = 0.f, *o = o_all + th * D;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < max_kv; j++) {
-                p[j] = expf(p[j] - top); /* a masked column: exp of about -1e30, 0 */
-                sum += p[j];
+            for (int64_t a = 0; a < n; a++) {
+                p[a] = expf(p[a] - top);
+                lanes[a & 15] += p[a];
             }
+            for (int l = 0; l < 16; l++) sum += lanes[l];
             memset(o, 0, D * sizeof(float));
-            for (int64_t j = 0; j < max_kv; j++) {
-                if (p[j] == 0.f) continue;
-                const float *v = v_cache + (slots[j] * Hkv + g) * D;
-                for (int64_t d = 0; d < D; d++) o[d] += p[j] * v[d];
+            for (int64_t a = 0; a < n; a++) {
+                const float *v = v_cache + (seen[a] * Hkv + g) * D;
+                for (int64_t d = 0; d < D; d++) o[d] += p[a] * v[d];
             }
-            float inv = 1.f / sum; /* sum >= 1: the top column's exp(0) */
+            float inv = n ? 1.f / sum : 0.f; /* sum >= 1 (the top key's exp(0)) where a key is seen */
             for (int64_t d = 0; d < D; d++) o[d] *= inv;
         }
         free(p);
+        free(seen);
     }
     for (int64_t t = 0; t < T; t++) store_row(o_all + t * Hq * D, Hq * D, (char *)out + t * Hq * D * (out_act ? 2 : 4),
                                               out_act);

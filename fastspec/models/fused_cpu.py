@@ -12,16 +12,17 @@ import torch
 from fastspec.attention.context import AttentionContext
 from fastspec.attention.paged import PagedAttnBackend, PagedPlan, kernel_for
 from fastspec.attention.torch_backend import TorchAttnPlan
-from fastspec.kernels import cpu_fused
+from fastspec.kernels import cpu_fused, cpu_q4
 from fastspec.models.gguf_blocks import BLOCK
 from fastspec.models.layers import DecoderLayer, RMSNorm
-from fastspec.models.packed_layers import Int4Linear
+from fastspec.models.packed_layers import Int4Linear, Q4Linear
 
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
-    """The dtype the fused stack feeds its GEMMs (its Int4Linears'), or None where it does not apply: compiled code;
+    """The dtype the fused stack feeds its GEMMs (an Int4Linear's activation; float32 for a Q4Linear, which rounds
+    its input itself), or None where it does not apply: compiled code;
     not a packed float32 Llama-family stack on CPU (q / k norms, partial rope, offset norms excluded); attention
     that is not a float32 KV pool read through a dense plan; no C compiler (the twins are the layers' own ops)."""
     layers = model.model.layers
@@ -33,14 +34,14 @@ def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
             and first.self_attn.qkv_proj is not None and first.mlp.gate_up_proj is not None
             and model.rope.rotary_dim == first.self_attn.head_dim):
         return None
-    packed = [m for m in first.modules() if isinstance(m, Int4Linear)]
+    packed = [m for m in first.modules() if isinstance(m, Int4Linear | Q4Linear)]
     if not packed:
         return None
     if not isinstance(attn, AttentionContext) or attn.pool.k.dtype != torch.float32 or attn.pool.v is None:
         return None
     if dense_plan(attn) is None or not cpu_fused.available():
         return None
-    return packed[0].activation
+    return torch.float32 if isinstance(packed[0], Q4Linear) else packed[0].activation
 
 
 def dense_plan(attn) -> TorchAttnPlan | None:
@@ -53,10 +54,12 @@ def dense_plan(attn) -> TorchAttnPlan | None:
 
 
 def _gemm(linear, h: torch.Tensor) -> torch.Tensor:
-    """linear(h) for h [T, K] already in the activation dtype: an Int4Linear's kernel called directly (its forward's
+    """linear(h) for h [T, K] already in the activation dtype: a packed linear's kernel called directly (its forward's
     reshapes and casts would be four no-op dispatches per GEMM)."""
     if type(linear) is Int4Linear and linear.bias is None and h.dtype == linear.activation:
         return INT4_MM(h, linear.packed, BLOCK, linear.scale_zero)
+    if type(linear) is Q4Linear and linear.bias is None and h.dtype == torch.float32:
+        return cpu_q4.matmul(h, linear.packed, linear.scales)
     return linear(h)
 
 

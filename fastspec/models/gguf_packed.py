@@ -4,7 +4,7 @@ float copy of a packed weight is ever read.
 Each fused projection (QKV, o, gate_up, down) whose parts are all 4-bit becomes an Int4Linear over the file's blocks;
 an embedding of a block format stays as its blocks (BlockEmbedding, exact); the lm_head is a fast approximate GEMM
 whose best tokens are rescored exactly from the same table (RefinedHead); every other weight (a Q6_K / Q8_0 / F16
-projection: no exact packed kernel) is read dequantised and kept in the kernels' activation dtype (CastLinear), with
+projection: no exact packed kernel) is read dequantised and kept in the fast float dtype (CastLinear), with
 one note naming the types. Norms load as converted.
 torch's packed int4 layout is its own, so the first packed load also stores the packed weights beside the blocks,
 per torch version (PackedCache): later starts read them as they are.
@@ -29,7 +29,8 @@ from torch import nn
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
-from fastspec.models.packed_layers import ROW_TILE, BlockEmbedding, CastLinear, Int4Linear, RefinedHead
+from fastspec.models.packed_layers import (ROW_TILE, BlockEmbedding, CastLinear, Int4Linear, Q4Linear, RefinedHead,
+                                           float_dtype)
 from fastspec.models.layers import RotaryEmbedding
 from fastspec.models.llama import LlamaForCausalLM
 
@@ -75,8 +76,9 @@ class StoredWeights:
 
 
 class PackedCache:
-    """Int4Linear's packed weights and scales of one converted model for this torch version: read when stored,
-    else collected while packing and written once at the end (atomically; a read-only cache is left as it is)."""
+    """The packed 4-bit weights of one converted model for this torch version (torch's int4 layout is its own; the
+    int16 kernel's is fastspec's): read when stored, else collected while packing and written once at the end
+    (atomically; a read-only cache is left as it is)."""
 
     def __init__(self, model_dir: Path):
         self.path = model_dir / Path(BLOCKS_FILE).parent / f"int4-cpu-torch-{torch.__version__}.safetensors"
@@ -88,14 +90,17 @@ class PackedCache:
             self.stored = None
         self.new: dict[str, torch.Tensor] = {}
 
-    def linear(self, name: str, blocks, activation: torch.dtype) -> Int4Linear:
-        """The packed linear `name`: from the cache, else packed from `blocks()` (its 4-bit Blocks)."""
-        if f"{name}.packed" in self.names:
-            get = self.stored.get_tensor
-            return Int4Linear(get(f"{name}.packed"), get(f"{name}.scale_zero"), activation)
-        packed, scale_zero = Int4Linear.pack(blocks())
-        self.new.update({f"{name}.packed": packed, f"{name}.scale_zero": scale_zero})
-        return Int4Linear(packed, scale_zero, activation)
+    def linear(self, name: str, blocks, activation: torch.dtype) -> nn.Module:
+        """The 4-bit linear `name` for `activation` (packed_layers.int4_linear): from the cache, else packed from
+        `blocks()` (its 4-bit Blocks)."""
+        q4 = activation == torch.int16
+        keys = [f"{name}.q4_packed", f"{name}.q4_scales"] if q4 else [f"{name}.packed", f"{name}.scale_zero"]
+        if all(k in self.names for k in keys):
+            tensors = [self.stored.get_tensor(k) for k in keys]
+        else:
+            tensors = (Q4Linear if q4 else Int4Linear).pack(blocks())
+            self.new.update(zip(keys, tensors))
+        return Q4Linear(*tensors) if q4 else Int4Linear(*tensors, activation)
 
     def save(self) -> None:
         if not self.new:
@@ -116,8 +121,8 @@ class PackedCache:
 def load_packed_target(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device="cpu",
                        activation: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
     """The converted GGUF model at `model_dir` built into `model` (a skeleton on the meta device), fused, on its
-    blocks (see the module docstring): the residual stream, norms and KV in `dtype`, the packed kernels on
-    `activation`."""
+    blocks (see the module docstring): the residual stream, norms and KV in `dtype`, the 4-bit kernels on
+    `activation` (float32: exact; bfloat16: torch's fast one; int16: fastspec's, see packed_layers.int4_linear)."""
     weights, cache, config = StoredWeights(model_dir), PackedCache(model_dir), model.config
     with torch.device(device):
         model.rope = RotaryEmbedding(config)
@@ -138,7 +143,7 @@ def load_packed_target(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dt
     trim_host_heap()  # the transients of building it go back to the OS before the next allocations
     if weights.dequantised:
         log.warning("--quantization gguf: %s tensors have no packed kernel here and run dequantised to %s",
-                 " / ".join(sorted(weights.dequantised)), str(activation).removeprefix("torch."))
+                    " / ".join(sorted(weights.dequantised)), str(float_dtype(activation)).removeprefix("torch."))
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
         raise FastspecError(f"{model_dir}: weights not built for --quantization gguf: {', '.join(left[:4])}")
@@ -151,7 +156,7 @@ def _projection(weights: StoredWeights, cache: PackedCache, name: str, parts: li
     floats."""
     if all(weights.bits(n) == 4 for n in parts):
         return cache.linear(name, lambda: merge_rows([weights.get_blocks(n) for n in parts]), activation)
-    floats = [weights.get_float(n, activation) for n in parts]
+    floats = [weights.get_float(n, float_dtype(activation)) for n in parts]
     return CastLinear(floats[0] if len(floats) == 1 else torch.cat(floats))
 
 

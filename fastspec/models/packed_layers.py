@@ -1,7 +1,7 @@
-"""The modules a model kept on its quantised blocks runs: Int4Linear (torch's int4 CPU matmul), BlockEmbedding (rows
-dequantised on lookup), RefinedHead (an lm_head whose best tokens are rescored exactly), CastLinear (a float weight
-kept in the kernels' activation dtype), and the per-machine choice of that dtype. Math only: which weight becomes
-which module is gguf_packed's.
+"""The modules a model kept on its quantised blocks runs: Int4Linear (torch's int4 CPU matmul), Q4Linear (fastspec's
+int16 x 4-bit CPU kernel), BlockEmbedding (rows dequantised on lookup), RefinedHead (an lm_head whose best tokens are
+rescored exactly), CastLinear (a float weight kept in the fast float dtype), and the per-machine choice of the 4-bit
+kernel's activations (`fast_activation`). Math only: which weight becomes which module is gguf_packed's.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastspec.kernels import cpu_library, cpu_q4
 from fastspec.models.gguf_blocks import BLOCK, Blocks
 
 ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows
@@ -61,6 +62,58 @@ class Int4Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, BLOCK, self.scale_zero)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class Q4Linear(nn.Module):
+    """y = x @ w.T for a 4-bit weight in fastspec's own layout, run by the int16 x 4-bit C kernel
+    (fastspec.kernels.cpu_q4): x is rounded to int16 per group of 32 inside it, scales and offsets are kept as
+    float16. The fast path where it beats torch's kernel (fast_activation measures both); never the exact reference."""
+
+    activation = torch.int16  # what x is rounded to (the module itself takes and returns float32, any float dtype)
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = packed.shape[0] * cpu_q4.TILE, packed.shape[1] * cpu_q4.GROUP
+        self.register_buffer("packed", packed)  # uint8 [N/16, K/32, 256]
+        self.register_buffer("scales", scales)  # float16 [N/16, K/32, 2, 16]
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None) -> Q4Linear:
+        return cls(*cls.pack(blocks), bias)
+
+    @staticmethod
+    def pack(blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        if blocks.bits != 4:
+            raise ValueError("Q4Linear takes a 4-bit weight")
+        return cpu_q4.pack(blocks.q, blocks.scale, blocks.offset)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features).float()
+        if torch.compiler.is_compiling():
+            y = q4_matmul(flat, self.packed, self.scales)
+        else:
+            y = cpu_q4.matmul(flat, self.packed, self.scales)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def int4_linear(blocks: Blocks, activation: torch.dtype, bias: torch.Tensor | None = None) -> nn.Module:
+    """The 4-bit linear over `blocks` for activations in `activation`: torch.int16 fastspec's kernel, else torch's."""
+    if activation == torch.int16:
+        return Q4Linear.from_blocks(blocks, bias)
+    return Int4Linear.from_blocks(blocks, activation, bias)
+
+
+@torch.library.custom_op("fastspec::q4_matmul", mutates_args=())
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fastspec's int16 x 4-bit CPU matmul as an opaque op for torch.compile: x [M, K] float32 -> [M, N]."""
+    return cpu_q4.matmul(x, packed, scales)
+
+
+@q4_matmul.register_fake
+def _(x, packed, scales):
+    return x.new_empty(x.shape[0], packed.shape[0] * cpu_q4.TILE)
 
 
 @torch.library.custom_op("fastspec::int4_matmul", mutates_args=())
@@ -141,17 +194,33 @@ def cast_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-@functools.cache
-def fast_activation(reps: int = 16) -> torch.dtype:
-    """The activation dtype of the faster int4 CPU matmul on this machine, measured once per process (~20 ms) on one
-    token through a [1536, 576] weight, on one thread (a busy second core would stall a 2-thread call) and the
-    fastest of `reps` calls: bfloat16 where the CPU has bf16 instructions (about 10x faster than float32 on an AMX
-    Xeon), float32 where bf16 is emulated."""
-    q = torch.randint(0, 16, (1536, 576), dtype=torch.uint8)
-    blocks = Blocks(q, torch.full((1536, 18), 0.01), torch.zeros(1536, 18), 4)
+def fast_activation() -> torch.dtype:
+    """The activations of the fastest 4-bit CPU matmul on this machine: torch.int16 (fastspec's kernel, where the C
+    library builds), torch.bfloat16 or torch.float32 (torch's int4 kernel; bfloat16 is about 10x faster than float32
+    where the CPU has bf16 instructions, slower where it is emulated). Measured once per process, see `_seconds`."""
+    candidates = (torch.bfloat16, torch.float32, *((torch.int16,) if cpu_library.available() else ()))
+    return min(candidates, key=_seconds)
 
-    def seconds(dtype: torch.dtype) -> float:
-        linear, x = Int4Linear.from_blocks(blocks, dtype), torch.randn(1, 576)
+
+def float_dtype(activation: torch.dtype) -> torch.dtype:
+    """The dtype float weights next to 4-bit ones are kept in (CastLinear, a draft head): the activation dtype itself
+    where it is a float one, else the faster of bfloat16 and float32 for torch's int4 kernel (a proxy for whether
+    this CPU has bf16 instructions)."""
+    if activation.is_floating_point:
+        return activation
+    return min((torch.bfloat16, torch.float32), key=_seconds)
+
+
+@functools.cache
+def _seconds(activation: torch.dtype, reps: int = 16) -> float:
+    """One token through a [1536, 576] 4-bit weight with `activation`: the fastest of `reps` calls on one thread (a
+    busy second core would stall a 2-thread call), ~20 ms."""
+    q = torch.randint(0, 16, (1536, 576), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    linear, x = int4_linear(Blocks(q, torch.full((1536, 18), 0.01), torch.zeros(1536, 18), 4), activation), \
+        torch.randn(1, 576)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
         linear(x)  # warm-up
         times = []
         for _ in range(reps):
@@ -159,10 +228,5 @@ def fast_activation(reps: int = 16) -> torch.dtype:
             linear(x)
             times.append(time.perf_counter() - start)
         return min(times)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return torch.bfloat16 if seconds(torch.bfloat16) < seconds(torch.float32) else torch.float32
     finally:
         torch.set_num_threads(threads)

@@ -1,0 +1,109 @@
+"""fastspec's CPU kernels in C (cpu_fused.c: a decoder layer's work between its GEMMs; cpu_q4.c: the 4-bit GEMM on
+int8 activations) as one library: built on first use with the system C compiler (`cc -O3 -march=native -ffast-math
+-fopenmp`, a second or two; without OpenMP, single-threaded) into the cache (`cache_root()/kernels`, keyed by the
+sources, the flags and the CPU) and loaded through ctypes. Without a compiler, or with FASTSPEC_FUSED_CPU=0,
+`library()` is None and the callers run their torch twins. Knows nothing about what the kernels compute.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_fused.c", "cpu_q4.c"))
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
+THREADS = (("-fopenmp",), ("-fopenmp-simd",))  # OpenMP threads, else (a compiler without it) the calling thread
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+SIGNATURES = {  # name -> (argument types, result type)
+    "add_rms_norm": ((_P, _P, _C, _P, _F, _I, _I, _P, _P, _C), None),
+    "silu_mul": ((_P, _C, _I, _I, _P, _C), None),
+    "rope_write": ((_P, _C, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P), None),
+    "attend": ((_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _C), None),
+    "q4_gemm": ((_P, _I, _I, _P, _P, _I, _P), _C),
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    if os.environ.get("FASTSPEC_FUSED_CPU") == "0":
+        return None
+    from fastspec.models.embedded import cache_root
+
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"cpu_fused-{key}.so"
+    try:
+        if not path.exists():
+            _build(path)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged library in the cache: built again
+            _build(path)
+            lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.info("fused CPU kernels unavailable (%s); running their torch twins", str(e).splitlines()[0])
+        return None
+    for name, (argtypes, restype) in SIGNATURES.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
+    return lib
+
+
+def _build(path: Path) -> None:
+    """Compile into a temporary file beside `path`, then rename it in place (a reader never sees half a library)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".so")
+    os.close(fd)
+    objects = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
+    try:
+        cc = os.environ.get("CC", "cc")
+        for threads in THREADS:
+            # compiled and linked apart: -ffast-math at link time would add crtfastmath, whose constructor turns on
+            # flush-to-zero for the whole process (every subnormal float in torch would become 0)
+            try:
+                for source, obj in zip(SOURCES, objects):
+                    subprocess.run([cc, *FLAGS, *threads, "-c", str(source), "-o", obj], check=True,
+                                   capture_output=True, timeout=120)
+                subprocess.run([cc, "-shared", *threads, *objects, "-o", tmp, "-lm"], check=True,
+                               capture_output=True, timeout=120)
+                break
+            except subprocess.CalledProcessError:
+                if threads == THREADS[-1]:
+                    raise
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    finally:
+        for leftover in (tmp, *objects):
+            Path(leftover).unlink(missing_ok=True)
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return platform.machine() + "\n".join(dict.fromkeys(lines))
+
+
+def call(kernel, *args):
+    """kernel(*args); under torch's profiler also an operator `cpu_fused::<name>`, so `fastspec bench --profile`
+    sees the kernels (a ctypes call is otherwise host time to it)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(f"cpu_fused::{kernel.__name__}"):
+            return kernel(*args)
+    return kernel(*args)
+
+
+def available() -> bool:
+    return library() is not None

@@ -1,0 +1,201 @@
+/* fastspec's 4-bit CPU GEMM with int16 activations: y = x @ w.T for a weight stored as 4-bit values with a scale
+ * and an offset per group of 32 (w = q * scale + offset: GGUF's Q4_0 / Q4_1 / Q4_K read as blocks), x rounded to
+ * int16 per group of 32 on the fly (x ~= x16 * max |x| / 32767: within 2^-16 of the group's largest value, finer
+ * than bfloat16 for all but its smallest values). The integer dot products are exact; per group
+ *   y[m, n] += scale[n, g] * xs[m, g] * sum_k q[n, k] x16[m, k] + offset[n, g] * sum_k x[m, k]
+ * with the offset term taken on the unrounded x (cpu_q4.py holds the torch twin).
+ *
+ * The packed layout (cpu_q4.pack): a tile of 16 output rows by one group of 32 inputs is 256 bytes, four 64-byte
+ * vectors; vector v holds, for row j (bytes 4j..4j+3), inputs 4v..4v+3 in the low nibbles and 16+4v..16+4v+3 in
+ * the high ones. Masking a nibble vector's bytes into 16-bit halves gives each row the input pairs (4v, 4v+2) and
+ * (4v+1, 4v+3) (16 + those for the high nibbles), so one multiply-add of 16-bit pairs (VNNI vpdpwssd, AVX2 vpmaddwd)
+ * takes two inputs of 16 rows at once and a tile's sums never need a horizontal add; the activations are rounded
+ * into that pair order. Scales and offsets: float16 [N/16, K/32, 2, 16].
+ * Paths: AVX-512 VNNI, AVX2, portable C; -march=native picks one at build time. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define Q4_GROUP 32
+#define Q4_TILE 16
+#define Q4_ROWS 8 /* activation rows that share one unpacking of a tile's weights */
+#define Q4_PARALLEL_WORK 65536 /* multiply-adds below which the GEMM runs on the calling thread */
+
+/* the input each of a group's 32 rounded activations is, in the kernel's pair order (see above) */
+static const int8_t PAIR_ORDER[32] = {0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
+                                      16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, u;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    u = sign | (exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x [M, K] float32 -> x16 int16 [M, K] in pair order (x ~= x16 * xs), xs [M, K/32] = max |x| / 32767,
+ * xsum [M, K/32] = sum x. */
+static void round_rows(const float *x, int64_t M, int64_t K, int16_t *x16, float *xs, float *xsum) {
+    int64_t groups = M * (K / Q4_GROUP);
+#pragma omp parallel for schedule(static) if (M * K >= Q4_PARALLEL_WORK)
+    for (int64_t r = 0; r < groups; r++) {
+        const float *v = x + r * Q4_GROUP;
+        float amax = 0.f, sum = 0.f;
+        for (int i = 0; i < Q4_GROUP; i++) {
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+            sum += v[i];
+        }
+        float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        for (int i = 0; i < Q4_GROUP; i++) x16[r * Q4_GROUP + i] = (int16_t)lrintf(v[PAIR_ORDER[i]] * inv);
+        xs[r] = amax / 32767.f;
+        xsum[r] = sum;
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+/* One tile (16 output rows) against `mb` activation rows; y rows are `ldy` apart. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *w, const uint16_t *sm, int64_t G,
+                                                       const int16_t *x16, const float *xs, const float *xsum,
+                                                       int64_t K, float *y, int64_t ldy, const int mb) {
+    __m512 acc[Q4_ROWS];
+    for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i nibble = _mm512_set1_epi8(15), word = _mm512_set1_epi16(255);
+    for (int64_t g = 0; g < G; g++) {
+        __m512i q[16]; /* q[2u], q[2u + 1]: the pairs of nibble vector u (u < 4 low nibbles, u >= 4 high ones) */
+        for (int v = 0; v < 4; v++) {
+            __m512i b = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * v));
+            __m512i lo = _mm512_and_si512(b, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+            q[2 * v] = _mm512_and_si512(lo, word);
+            q[2 * v + 1] = _mm512_srli_epi16(lo, 8);
+            q[8 + 2 * v] = _mm512_and_si512(hi, word);
+            q[8 + 2 * v + 1] = _mm512_srli_epi16(hi, 8);
+        }
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + g * 32)));
+        __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + g * 32 + 16)));
+        for (int m = 0; m < mb; m++) {
+            const int32_t *a = (const int32_t *)(x16 + m * K + g * Q4_GROUP); /* one pair per int32 */
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int p = 0; p < 16; p += 2) {
+                s0 = _mm512_dpwssd_epi32(s0, q[p], _mm512_set1_epi32(a[p]));
+                s1 = _mm512_dpwssd_epi32(s1, q[p + 1], _mm512_set1_epi32(a[p + 1]));
+            }
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            int64_t r = m * (K / Q4_GROUP) + g;
+            acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xs[r])), acc[m]);
+            acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r]), acc[m]);
+        }
+    }
+    for (int m = 0; m < mb; m++) _mm512_storeu_ps(y + m * ldy, acc[m]);
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+/* AVX2: a 64-byte vector is two halves of 8 rows; vpmaddwd sums the products of 16-bit pairs as vpdpwssd does. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *w, const uint16_t *sm, int64_t G,
+                                                       const int16_t *x16, const float *xs, const float *xsum,
+                                                       int64_t K, float *y, int64_t ldy, const int mb) {
+    __m256 acc[Q4_ROWS][2];
+    for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    const __m256i nibble = _mm256_set1_epi8(15), word = _mm256_set1_epi16(255);
+    for (int64_t g = 0; g < G; g++) {
+        for (int h = 0; h < 2; h++) {
+            __m256i q[16];
+            for (int v = 0; v < 4; v++) {
+                __m256i b = _mm256_loadu_si256((const __m256i *)(w + g * 256 + 64 * v + 32 * h));
+                __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+                q[2 * v] = _mm256_and_si256(lo, word);
+                q[2 * v + 1] = _mm256_srli_epi16(lo, 8);
+                q[8 + 2 * v] = _mm256_and_si256(hi, word);
+                q[8 + 2 * v + 1] = _mm256_srli_epi16(hi, 8);
+            }
+            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 8 * h)));
+            __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 16 + 8 * h)));
+            for (int m = 0; m < mb; m++) {
+                const int32_t *a = (const int32_t *)(x16 + m * K + g * Q4_GROUP);
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int p = 0; p < 16; p += 2) {
+                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(q[p], _mm256_set1_epi32(a[p])));
+                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(q[p + 1], _mm256_set1_epi32(a[p + 1])));
+                }
+                int64_t r = m * (K / Q4_GROUP) + g;
+                __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                acc[m][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs[r])), acc[m][h]);
+                acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[r]), acc[m][h]);
+            }
+        }
+    }
+    for (int m = 0; m < mb; m++) {
+        _mm256_storeu_ps(y + m * ldy, acc[m][0]);
+        _mm256_storeu_ps(y + m * ldy + 8, acc[m][1]);
+    }
+}
+#else
+static inline void tile(const uint8_t *w, const uint16_t *sm, int64_t G, const int16_t *x16, const float *xs,
+                        const float *xsum, int64_t K, float *y, int64_t ldy, const int mb) {
+    for (int m = 0; m < mb; m++) {
+        float acc[Q4_TILE] = {0};
+        for (int64_t g = 0; g < G; g++) {
+            const int16_t *a = x16 + m * K + g * Q4_GROUP; /* a[p] is input PAIR_ORDER[p] */
+            int64_t r = m * (K / Q4_GROUP) + g;
+            for (int j = 0; j < Q4_TILE; j++) {
+                int32_t s = 0;
+                for (int p = 0; p < Q4_GROUP; p++) {
+                    int k = PAIR_ORDER[p], v = (k % 16) / 4, i = k % 4;
+                    uint8_t b = w[g * 256 + 64 * v + 4 * j + i];
+                    s += (k < 16 ? b & 15 : b >> 4) * a[p];
+                }
+                acc[j] += (float)s * (half_to_float(sm[g * 32 + j]) * xs[r]) +
+                          half_to_float(sm[g * 32 + 16 + j]) * xsum[r];
+            }
+        }
+        memcpy(y + m * ldy, acc, sizeof(acc));
+    }
+}
+#endif
+
+static __thread char *scratch; /* x16, xs, xsum of the calling thread, grown as needed */
+static __thread size_t scratch_size;
+
+/* y [M, N] float32 = x [M, K] float32 @ w.T; w packed [N/16, K/32, 256] bytes, sm float16 [N/16, K/32, 2, 16].
+ * N % 16 == 0, K % 32 == 0. Returns 0, or -1 when scratch memory cannot be had. */
+int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y) {
+    int64_t G = K / Q4_GROUP;
+    size_t need = (size_t)(M * K) * sizeof(int16_t) + 2 * sizeof(float) * (size_t)(M * G); /* K % 32 == 0: aligned */
+    if (need > scratch_size) {
+        char *grown = (char *)realloc(scratch, need);
+        if (!grown) return -1;
+        scratch = grown;
+        scratch_size = need;
+    }
+    int16_t *x16 = (int16_t *)scratch;
+    float *xs = (float *)(x16 + M * K), *xsum = xs + M * G;
+    round_rows(x, M, K, x16, xs, xsum);
+#pragma omp parallel for schedule(static) if (M * N * K >= Q4_PARALLEL_WORK)
+    for (int64_t t = 0; t < N / Q4_TILE; t++) {
+        const uint8_t *wt = w + t * G * 256;
+        const uint16_t *st = sm + t * G * 32;
+        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
+            const int16_t *a = x16 + m0 * K;
+            const float *s = xs + m0 * G, *u = xsum + m0 * G;
+            float *yt = y + m0 * N + t * Q4_TILE;
+            switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) { /* each row count its own unrolled copy */
+            case 1: tile(wt, st, G, a, s, u, K, yt, N, 1); break;
+            case 2: tile(wt, st, G, a, s, u, K, yt, N, 2); break;
+            case 3: tile(wt, st, G, a, s, u, K, yt, N, 3); break;
+            case 4: tile(wt, st, G, a, s, u, K, yt, N, 4); break;
+            case 5: tile(wt, st, G, a, s, u, K, yt, N, 5); break;
+            case 6: tile(wt, st, G, a, s, u, K, yt, N, 6); break;
+            case 7: tile(wt, st, G, a, s, u, K, yt, N, 7); break;
+            default: tile(wt, st, G, a, s, u, K, yt, N, 8); break;
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,115 @@
+"""The int16 x 4-bit CPU GEMM (fastspec.kernels.cpu_q4, Q4Linear): the C kernel against its torch twin, the twin
+against an independent oracle (the `gguf` package's Q8_0 rounding of the activations and its dequantised 4-bit
+weights), each instruction-set path of the C source built explicitly, and the module in a model."""
+
+import ctypes
+import platform
+import subprocess
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from fastspec.kernels import cpu_library, cpu_q4
+from fastspec.models.gguf_blocks import read_blocks
+from fastspec.models.packed_layers import Q4Linear, fast_activation, int4_linear
+
+needs_library = pytest.mark.skipif(not cpu_library.available(), reason="no C compiler for the CPU kernels")
+
+
+def q4_blocks(kind: str, n: int, k: int, seed: int = 0):
+    """(Blocks of a random weight quantised by the gguf package as `kind`, its raw rows)."""
+    data = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    raw = quantize(data, gguf.GGMLQuantizationType[kind])
+    return read_blocks(raw, kind), raw
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_the_twin_is_the_exact_product_within_the_activations_rounding(kind):
+    """Against ggml's own dequantised weight (the gguf package): y = x16 @ (q scale).T + x @ offset.T, x16 x rounded
+    to the nearest of 65535 levels spanning +-max |x| of its group (numpy: x * (32767 / max |x|) rounded in float32,
+    as the kernel does), so within half a level of each group's inputs of the exact x @ w.T (the offset's term takes
+    the unrounded x), and that rounding shows."""
+    blocks, raw = q4_blocks(kind, 32, 128, seed=1)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
+    weight = torch.from_numpy(dequantize(raw, gguf.GGMLQuantizationType[kind])).double()  # [N, K]
+    offset = blocks.offset.double().repeat_interleave(32, -1)  # [N, K]
+    groups = x.numpy().reshape(5, 4, 32)
+    amax = np.abs(groups).max(-1, keepdims=True)  # float32 [5, 4, 1]
+    levels = np.rint(groups * (np.float32(32767) / amax)).astype(np.float64)
+    step = amax.astype(np.float64) / 32767
+    rounded = torch.from_numpy((levels * step).reshape(5, 128))
+    expected = rounded @ (weight - offset).T + x.double() @ offset.T
+    got = cpu_q4.matmul_twin(x, *cpu_q4.pack(blocks.q, blocks.scale, blocks.offset)).double()
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
+    exact = x.double() @ weight.T
+    bound = (weight - offset).abs() @ torch.from_numpy(np.repeat(step / 2, 32, -1).reshape(5, 128)).T  # [N, 5]
+    assert ((got - exact).abs() <= bound.T + 1e-4).all()
+    assert (got - exact).abs().max() > 1e-6  # the rounding of x shows (the test could fail)
+
+
+@needs_library
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+def test_the_kernel_is_its_twin(rows):
+    """Every row count (the kernel unrolls up to 8 rows a pass), tiles split between threads or not: the twin's
+    numbers to float32 rounding (the integer sums are exact; the per-group float sums run in another order)."""
+    blocks, _ = q4_blocks("Q4_1", 96, 576, seed=rows)
+    packed = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3)) * 3
+    torch.testing.assert_close(cpu_q4.matmul(x, *packed), cpu_q4.matmul_twin(x, *packed), atol=1e-4, rtol=1e-5)
+    assert torch.equal(cpu_q4.matmul(torch.zeros(rows, 576), *packed), torch.zeros(rows, 96))
+
+
+def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
+    """cpu_q4.c alone, built for `march` (an instruction-set level below this CPU's own)."""
+    source, library = cpu_library.SOURCES[1], tmp_path / f"q4-{march}.so"
+    subprocess.run(["cc", "-O3", f"-march={march}", "-ffast-math", "-fPIC", "-c", str(source), "-o", f"{library}.o"],
+                   check=True, capture_output=True)
+    subprocess.run(["cc", "-shared", f"{library}.o", "-o", str(library), "-lm"], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(library))
+    lib.q4_gemm.argtypes, lib.q4_gemm.restype = cpu_library.SIGNATURES["q4_gemm"]
+    return lib
+
+
+@needs_library
+@pytest.mark.skipif(platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text(),
+                    reason="an x86-64 CPU with AVX2 runs both lower paths")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # the AVX2 path, the portable C one
+def test_each_instruction_set_path_is_the_twin(tmp_path, march):
+    lib = build_path(tmp_path, march)
+    blocks, _ = q4_blocks("Q4_0", 48, 96, seed=4)
+    packed, scales = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset)
+    for rows in (1, 5, 11):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        y = torch.empty(rows, 48)
+        assert lib.q4_gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr()) == 0
+        torch.testing.assert_close(y, cpu_q4.matmul_twin(x, packed, scales), atol=1e-4, rtol=1e-5)
+
+
+def test_pack_refuses_what_the_kernel_cannot_take():
+    blocks, _ = q4_blocks("Q4_1", 24, 64)
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        cpu_q4.pack(blocks.q, blocks.scale, blocks.offset)
+    blocks, _ = q4_blocks("Q4_1", 16, 64)
+    with pytest.raises(ValueError, match="float16"):
+        cpu_q4.pack(blocks.q, blocks.scale * 1e6, blocks.offset)
+
+
+def test_q4_linear_keeps_the_input_dtype_and_compiles_as_an_opaque_op():
+    blocks, _ = q4_blocks("Q4_1", 32, 64, seed=5)
+    linear = int4_linear(blocks, torch.int16)
+    assert isinstance(linear, Q4Linear) and (linear.out_features, linear.in_features) == (32, 64)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(6))
+    y = linear(x)
+    assert y.shape == (2, 3, 32) and y.dtype == torch.float32
+    assert linear(x.bfloat16()).dtype == torch.bfloat16
+    compiled = torch.compile(linear, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), y, atol=1e-5, rtol=1e-5)
+
+
+def test_the_fast_activation_is_one_the_kernels_take():
+    assert fast_activation() in ((torch.int16, torch.bfloat16, torch.float32) if cpu_library.available()
+                                 else (torch.bfloat16, torch.float32))
