@@ -23,6 +23,14 @@
 #define Q4_GROUP 32
 #define Q4_TILE 16
 #define Q4_ROWS 8 /* activation rows that share one unpacking of a tile's weights */
+/* groups ahead whose weights are prefetched (the next tile's once a tile ends; a prefetch never faults): a decode
+ * step reads every weight once, from memory, and the hardware prefetcher alone left the kernel at ~15 GB/s */
+#define Q4_AHEAD 16
+
+static inline void prefetch_group(const uint8_t *w, const uint16_t *sm, int64_t g) {
+    for (int c = 0; c < 256; c += 64) __builtin_prefetch(w + g * 256 + c);
+    __builtin_prefetch(sm + g * 32);
+}
 #define Q4_PARALLEL_WORK 65536 /* multiply-adds below which the GEMM runs on the calling thread */
 
 /* the input each of a group's 32 rounded activations is, in the kernel's pair order (see above) */
@@ -70,6 +78,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(15), word = _mm512_set1_epi16(255);
     for (int64_t g = 0; g < G; g++) {
+        prefetch_group(w, sm, g + Q4_AHEAD);
         __m512i q[16]; /* q[2u], q[2u + 1]: the pairs of nibble vector u (u < 4 low nibbles, u >= 4 high ones) */
         for (int v = 0; v < 4; v++) {
             __m512i b = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * v));
@@ -105,6 +114,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
     for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(15), word = _mm256_set1_epi16(255);
     for (int64_t g = 0; g < G; g++) {
+        prefetch_group(w, sm, g + Q4_AHEAD);
         for (int h = 0; h < 2; h++) {
             __m256i q[16];
             for (int v = 0; v < 4; v++) {
@@ -142,6 +152,7 @@ static inline void tile(const uint8_t *w, const uint16_t *sm, int64_t G, const i
     for (int m = 0; m < mb; m++) {
         float acc[Q4_TILE] = {0};
         for (int64_t g = 0; g < G; g++) {
+            prefetch_group(w, sm, g + Q4_AHEAD);
             const int16_t *a = x16 + m * K + g * Q4_GROUP; /* a[p] is input PAIR_ORDER[p] */
             int64_t r = m * (K / Q4_GROUP) + g;
             for (int j = 0; j < Q4_TILE; j++) {
