@@ -180,3 +180,34 @@ def test_a_compiler_without_openmp_builds_them_single_threaded_and_none_runs_the
     assert load_in_child(tmp_path / "a", CC=str(wrapper)) == "True"
     assert load_in_child(tmp_path / "b", CC="/bin/false") == "False"
     assert not list((tmp_path / "b").glob("kernels/*.so"))
+
+
+def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatch):
+    """Every projection a Q4Linear: the stack runs as one C call (cpu_fused.decoder_stack), which gives, bit for bit,
+    the logits and the captured residual streams of the same kernels called layer by layer (fused_layers' loop),
+    over a prefill of two requests and a decode step of both."""
+    from conftest import PoolRunner
+
+    from fastspec.models import fused_cpu
+    from fastspec.models.layers import fuse_projections
+    from fastspec.models.loader import load_target
+    from fastspec.models.quantise import quantise_int4
+
+    model = fuse_projections(load_target(tiny_dirs["llama"][0], torch.float32))
+    quantise_int4(model, torch.int16)
+    model.capture_layers = (0, 2, 3)
+    calls = []
+    monkeypatch.setattr(cpu_fused, "decoder_stack", lambda *a, f=cpu_fused.decoder_stack: calls.append(1) or f(*a))
+
+    def run() -> list[torch.Tensor]:
+        runner = PoolRunner(model)
+        first = runner.extend([0, 0], [[5, 9, 13, 2, 40], [7, 7, 8]])
+        second = runner.extend([5, 3], [[11], [12]])
+        return [t for out in (first, second) for t in (model.compute_logits(out.final), out.aux)]
+
+    one_call = run()
+    assert len(calls) == 2
+    monkeypatch.setattr(fused_cpu, "_q4_table", lambda m: None)
+    for a, b in zip(one_call, run()):
+        assert torch.equal(a, b)
+    assert len(calls) == 2  # the loop ran the second time

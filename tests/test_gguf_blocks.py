@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
+from fastspec.kernels import cpu_library
 from fastspec.models.gguf import unpermute_rope_rows
 from fastspec.models.gguf_blocks import merge_rows, read_blocks
-from fastspec.kernels import cpu_library
 from fastspec.models.packed_layers import Int4Linear, Q4Linear, fast_activation
 
 

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from test_gguf import LAYER_NAMES, TOKENS, write_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
 from fastspec.kernels import cpu_library
-from fastspec.models.packed_layers import Int4Linear, Q4Linear
+from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
 from fastspec.models.gguf_kquants import DEQUANTISED, read_q4_k
+from fastspec.models.packed_layers import Int4Linear, Q4Linear
 
 HEADS, KV_HEADS = 4, 2
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastspec.kernels import cpu_library
 from fastspec.models.gguf_blocks import quantise_rows
 from fastspec.models.layers import fuse_projections
 from fastspec.models.loader import load_target
-from fastspec.kernels import cpu_library
 from fastspec.models.packed_layers import Int4Linear, Q4Linear, RefinedHead
 from fastspec.models.quantise import quantise_int4
 from fastspec.train.data import PackedCausalAttention

@@ -157,3 +157,48 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
                                               out_act);
     free(o_all);
 }
+
+int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y);
+
+/* A Llama-family layer stack on 4-bit weights (cpu_q4.c) in one call: per layer the four GEMMs and the four
+ * kernels above, in the order fastspec.models.fused_cpu.fused_layers runs them (its Python loop is this function's
+ * twin, bit for bit). All float32.
+ * layers int64 [L, 10]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
+ * norm's weight and the next layer's input norm's weight (0 after the last layer); k, v: the KV pool's
+ * [L, num_slots, Hkv, D] caches (layer i's at i * layer_stride floats). x [T, H]: the residual stream entering layer 0, replaced by the last layer's output;
+ * h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured` [n, T, H]
+ * receiving the stream entering it, or -1. The rest as rope_write and attend take them.
+ * Returns 0, or -1 where memory could not be had. */
+int decoder_stack(int64_t L, const int64_t *layers, float *k, float *v, int64_t layer_stride, float *x,
+                  const float *h0, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, float eps,
+                  const float *cos, const float *sin, const int64_t *slots, const int64_t *out_index,
+                  const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo, int64_t max_kv, float scale,
+                  const int64_t *capture_at, float *captured) {
+    int64_t width = (Hq + 2 * Hkv) * D;
+    float *h = (float *)malloc(T * H * sizeof(float)), *qkv = (float *)malloc(T * width * sizeof(float));
+    float *q = (float *)malloc(T * Hq * D * sizeof(float)), *o = (float *)malloc(T * Hq * D * sizeof(float));
+    float *gate_up = (float *)malloc(T * 2 * I * sizeof(float)), *act = (float *)malloc(T * I * sizeof(float));
+    float *y = (float *)malloc(T * H * sizeof(float));
+    int status = (h && qkv && q && o && gate_up && act && y) ? 0 : -1;
+    if (status == 0) memcpy(h, h0, T * H * sizeof(float));
+    for (int64_t i = 0; i < L && status == 0; i++) {
+        const int64_t *w = layers + 10 * i;
+        float *k_cache = k + i * layer_stride, *v_cache = v + i * layer_stride;
+        status |= q4_gemm(h, T, H, (const uint8_t *)w[0], (const uint16_t *)w[1], width, qkv);
+        rope_write(qkv, 0, T, Hq, Hkv, D, cos, sin, slots, k_cache, v_cache, q);
+        attend(q, k_cache, v_cache, T, Hq, Hkv, D, out_index, kv_slots, mask, max_qo, max_kv, scale, o, 0);
+        status |= q4_gemm(o, T, Hq * D, (const uint8_t *)w[2], (const uint16_t *)w[3], H, y);
+        add_rms_norm(x, y, 0, (const float *)w[8], eps, T, H, x, h, 0);
+        status |= q4_gemm(h, T, H, (const uint8_t *)w[4], (const uint16_t *)w[5], 2 * I, gate_up);
+        silu_mul(gate_up, 0, T, I, act, 0);
+        status |= q4_gemm(act, T, I, (const uint8_t *)w[6], (const uint16_t *)w[7], H, y);
+        if (i + 1 == L) {
+            for (int64_t e = 0; e < T * H; e++) x[e] += y[e];
+        } else {
+            add_rms_norm(x, y, 0, (const float *)w[9], eps, T, H, x, h, 0);
+            if (capture_at[i + 1] >= 0) memcpy(captured + capture_at[i + 1] * T * H, x, T * H * sizeof(float));
+        }
+    }
+    free(h), free(qkv), free(q), free(o), free(gate_up), free(act), free(y);
+    return status;
+}

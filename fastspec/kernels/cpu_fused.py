@@ -91,3 +91,32 @@ def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
           plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), max_qo, plan.kv_slots.shape[1], scale,
           out.data_ptr(), ACT[out_dtype])
     return out
+
+
+def decoder_stack(layers: torch.Tensor,           # int64 [L, 10]  addresses of each layer's weights (cpu_fused.c)
+                  k: torch.Tensor, v: torch.Tensor,  # float32 [L, num_slots, Hkv, D]  the KV pool
+                  x: torch.Tensor,                # float32 [T, H]  the residual stream entering layer 0
+                  h: torch.Tensor,                # float32 [T, H]  layer 0's normed input
+                  num_heads: int, intermediate: int, eps: float,
+                  cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,  # as rope_write takes them
+                  plan: TorchAttnPlan, scale: float,
+                  capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """A layer stack on 4-bit weights (cpu_q4) in one C call: (the last layer's output, {layer id: the residual
+    stream entering it} for the `capture` ids in 1..L-1). Its twin is the Python loop of
+    fastspec.models.fused_cpu.fused_layers over the same kernels; only called where the library is built."""
+    lib = cpu_library.library()
+    L, T, (hkv, d) = layers.shape[0], x.shape[0], k.shape[2:]
+    ids = [i for i in capture if 0 < i < L]
+    capture_at = torch.full((L,), -1, dtype=torch.int64)
+    capture_at[ids] = torch.arange(len(ids))
+    captured = x.new_empty(len(ids), *x.shape)
+    out = x.clone()
+    mask = None if plan.mask is None else plan.mask.contiguous()
+    status = cpu_library.call(
+        lib.decoder_stack, L, layers.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].numel(), out.data_ptr(),
+        h.data_ptr(), T, x.shape[1], num_heads, hkv, d, intermediate, eps, cos.data_ptr(), sin.data_ptr(),
+        slots.data_ptr(), plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), plan.q_index.shape[1],
+        plan.kv_slots.shape[1], scale, capture_at.data_ptr(), captured.data_ptr())
+    if status:
+        raise MemoryError("the fused layer stack's buffers")
+    return out, dict(zip(ids, captured))

@@ -7,6 +7,8 @@ Does not plan attention (the AttentionContext's plan is read as the torch backen
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from fastspec.attention.context import AttentionContext
@@ -73,6 +75,13 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
     states = {0: x} if 0 in capture else {}
     norm = layers[0].input_layernorm
     x, h = cpu_fused.add_rms_norm(x, None, norm.weight, norm.eps, act)
+    table = _q4_table(model) if cpu_fused.available() else None
+    if table is not None and pool.k.is_contiguous() and pool.v.is_contiguous():  # the whole stack in one C call
+        a = layers[0].self_attn
+        x, captured = cpu_fused.decoder_stack(table, pool.k, pool.v, x, h, a.num_heads,
+                                              layers[0].mlp.down_proj.in_features, norm.eps, cos, sin, slots, plan,
+                                              a.scale, capture)
+        return x, states | captured
     for i, layer in enumerate(layers):
         a, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
         k_cache, v_cache = pool.k[a.layer_id], pool.v[a.layer_id]
@@ -87,3 +96,28 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
         if i + 1 in capture:
             states[i + 1] = x
     raise AssertionError("unreachable: a model has at least one layer")
+
+
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its decoder_stack table, or None)
+
+
+def _q4_table(model) -> torch.Tensor | None:
+    """int64 [L, 10]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four Q4Linears'
+    packed weights and scales, its post-attention norm, the next layer's input norm), or None where a layer is not
+    that (another kernel, a bias, norms with different eps, KV not at the layer's own index). Built once per model:
+    a loaded model's tensors do not move."""
+    if model not in _TABLES:
+        layers, rows = model.model.layers, []
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = (layer.post_attention_layernorm, layers[i + 1].input_layernorm if i + 1 < len(layers) else None)
+            if (any(type(m) is not Q4Linear or m.bias is not None for m in linears) or a.layer_id != i
+                    or any(n is not None and n.eps != layers[0].input_layernorm.eps for n in norms)):
+                _TABLES[model] = None
+                break
+            rows.append([t.data_ptr() for m in linears for t in (m.packed, m.scales)]
+                        + [0 if n is None else n.weight.data_ptr() for n in norms])
+        else:
+            _TABLES[model] = torch.tensor(rows, dtype=torch.int64)
+    return _TABLES[model]
