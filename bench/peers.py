@@ -135,6 +135,8 @@ def parse_fastspec(spec: str) -> dict:
 
 
 def _literal(value: str):
+    if value in ("True", "False"):
+        return value == "True"
     for kind in (int, float):
         try:
             return kind(value)

@@ -1,7 +1,8 @@
 """A packed Llama-family layer stack run eagerly on CPU with the fused kernels between its GEMMs
 (fastspec.kernels.cpu_fused): per layer the four GEMMs and four calls (norm, rope + KV write, attention, SiLU-and-mul)
-instead of ~80 torch ops. The same math as DecoderLayer's enter / attend / hand_over / leave, to float32 rounding
-(sums in another order); LlamaForCausalLM runs it where `fused_activation` says it applies, else the layers.
+instead of ~80 torch ops, and the whole stack as one C call where every GEMM is fastspec's own (Q4Linear). The same
+math as DecoderLayer's enter / attend / hand_over / leave, to float32 rounding (sums in another order);
+LlamaForCausalLM runs it where `fused_activation` says it applies, else the layers.
 Does not plan attention (the AttentionContext's plan is read as the torch backend's dense one) nor compile.
 """
 
@@ -75,8 +76,11 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
     states = {0: x} if 0 in capture else {}
     norm = layers[0].input_layernorm
     x, h = cpu_fused.add_rms_norm(x, None, norm.weight, norm.eps, act)
-    table = _q4_table(model) if cpu_fused.available() else None
-    if table is not None and pool.k.is_contiguous() and pool.v.is_contiguous():  # the whole stack in one C call
+    # the whole stack in one C call; under torch's profiler the loop below (the same kernels, bit for bit), so that
+    # `fastspec bench --profile` still sees each GEMM, attention and norm
+    profiling = torch.autograd.profiler._is_profiler_enabled
+    table = _q4_table(model) if cpu_fused.available() and not profiling else None
+    if table is not None and pool.k.is_contiguous() and pool.v.is_contiguous():
         a = layers[0].self_attn
         x, captured = cpu_fused.decoder_stack(table, pool.k, pool.v, x, h, a.num_heads,
                                               layers[0].mlp.down_proj.in_features, norm.eps, cos, sin, slots, plan,
