@@ -1,6 +1,6 @@
-"""The int16 x 4-bit CPU GEMM (fastspec.kernels.cpu_q4, Q4Linear): the C kernel against its torch twin, the twin
-against an independent oracle (the `gguf` package's Q8_0 rounding of the activations and its dequantised 4-bit
-weights), each instruction-set path of the C source built explicitly, and the module in a model."""
+"""The int16 x 4- / 8-bit CPU GEMMs (fastspec.kernels.cpu_q4, BlockLinear): the C kernels against their torch twin,
+the twin against the exact product over the `gguf` package's dequantised weights (within the activations' int16
+rounding), each instruction-set path of the C source built explicitly, and the module in a model."""
 
 import ctypes
 import platform
@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
+from test_gguf_kquants import random_q6_k
 
 from fastspec.kernels import cpu_library, cpu_q4
-from fastspec.models.gguf_blocks import read_blocks
-from fastspec.models.packed_layers import Q4Linear, fast_activation, int4_linear
+from fastspec.models.gguf_blocks import Blocks, as_8bit_16, merge_rows, read_blocks
+from fastspec.models.gguf_kquants import read_q6_k
+from fastspec.models.packed_layers import BlockLinear, fast_activation, int4_linear
 
 needs_library = pytest.mark.skipif(not cpu_library.available(), reason="no C compiler for the CPU kernels")
 
@@ -51,13 +53,36 @@ def test_the_twin_is_the_exact_product_within_the_activations_rounding(kind):
     assert (got - exact).abs().max() > 1e-6  # the rounding of x shows (the test could fail)
 
 
+def test_the_8bit_twin_is_the_exact_product_within_the_activations_rounding():
+    """8-bit blocks with a scale and an offset per 16 (random Q6_K rows: int8 values, offset 0; merged with 4-bit
+    Q4_1 rows, whose groups become two of 16): the twin is x16 @ (q scale).T + x @ offset.T against the dequantised
+    weight (its scales in float16, as the kernels keep them), as for 4-bit."""
+    q6 = read_q6_k(random_q6_k(16, 256, np.random.default_rng(7)))
+    merged = merge_rows([q6, q4_blocks("Q4_1", 16, 256, seed=8)[0]])
+    assert merged.bits == 8 and merged.group == 16
+    # the kernels keep scales and offsets as float16 (Q6_K's d * sc is not always one: a rounding of 2^-11 at most)
+    half = Blocks(merged.q, merged.scale.half().float(), merged.offset.half().float(), 8)
+    weight, offset = half.dequantise().double(), half.offset.double().repeat_interleave(16, -1)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9))
+    groups = x.numpy().reshape(3, 8, 32)
+    amax = np.abs(groups).max(-1, keepdims=True)
+    levels = np.rint(groups * (np.float32(32767) / amax)).astype(np.float64)
+    rounded = torch.from_numpy((levels * (amax.astype(np.float64) / 32767)).reshape(3, 256))
+    expected = rounded @ (weight - offset).T + x.double() @ offset.T
+    got = cpu_q4.matmul_twin(x, *cpu_q4.pack(merged.q, merged.scale, merged.offset, 8))
+    torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+
+
 @needs_library
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
-def test_the_kernel_is_its_twin(rows):
-    """Every row count (the kernel unrolls up to 8 rows a pass), tiles split between threads or not: the twin's
-    numbers to float32 rounding (the integer sums are exact; the per-group float sums run in another order)."""
+def test_the_kernel_is_its_twin(rows, bits):
+    """Every row count (the kernels unroll up to 8 rows a pass), tiles split between threads or not, both widths:
+    the twin's numbers to float32 rounding (the integer sums are exact; the per-group float sums run in another
+    order)."""
     blocks, _ = q4_blocks("Q4_1", 96, 576, seed=rows)
-    packed = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset)
+    blocks = blocks if bits == 4 else as_8bit_16(blocks)
+    packed = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3)) * 3
     torch.testing.assert_close(cpu_q4.matmul(x, *packed), cpu_q4.matmul_twin(x, *packed), atol=1e-4, rtol=1e-5)
     assert torch.equal(cpu_q4.matmul(torch.zeros(rows, 576), *packed), torch.zeros(rows, 96))
@@ -70,7 +95,8 @@ def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
                    check=True, capture_output=True)
     subprocess.run(["cc", "-shared", f"{library}.o", "-o", str(library), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(library))
-    lib.q4_gemm.argtypes, lib.q4_gemm.restype = cpu_library.SIGNATURES["q4_gemm"]
+    for name in ("q4_gemm", "q8_gemm"):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = cpu_library.SIGNATURES[name]
     return lib
 
 
@@ -78,14 +104,17 @@ def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
 @pytest.mark.skipif(platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text(),
                     reason="an x86-64 CPU with AVX2 runs both lower paths")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # the AVX2 path, the portable C one
-def test_each_instruction_set_path_is_the_twin(tmp_path, march):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_each_instruction_set_path_is_the_twin(tmp_path, march, bits):
     lib = build_path(tmp_path, march)
     blocks, _ = q4_blocks("Q4_0", 48, 96, seed=4)
-    packed, scales = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset)
+    blocks = blocks if bits == 4 else as_8bit_16(blocks)
+    packed, scales = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
+    gemm = lib.q4_gemm if bits == 4 else lib.q8_gemm
     for rows in (1, 5, 11):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         y = torch.empty(rows, 48)
-        assert lib.q4_gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr()) == 0
+        assert gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr()) == 0
         torch.testing.assert_close(y, cpu_q4.matmul_twin(x, packed, scales), atol=1e-4, rtol=1e-5)
 
 
@@ -101,7 +130,7 @@ def test_pack_refuses_what_the_kernel_cannot_take():
 def test_q4_linear_keeps_the_input_dtype_and_compiles_as_an_opaque_op():
     blocks, _ = q4_blocks("Q4_1", 32, 64, seed=5)
     linear = int4_linear(blocks, torch.int16)
-    assert isinstance(linear, Q4Linear) and (linear.out_features, linear.in_features) == (32, 64)
+    assert isinstance(linear, BlockLinear) and (linear.out_features, linear.in_features) == (32, 64)
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(6))
     y = linear(x)
     assert y.shape == (2, 3, 32) and y.dtype == torch.float32

@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize
 from fastspec.kernels import cpu_library
 from fastspec.models.gguf import unpermute_rope_rows
 from fastspec.models.gguf_blocks import merge_rows, read_blocks
-from fastspec.models.packed_layers import Int4Linear, Q4Linear, fast_activation
+from fastspec.models.packed_layers import Int4Linear, BlockLinear, fast_activation
 
 
 def quantised(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -123,7 +123,7 @@ def test_packed_projections_against_the_converted_model(embedded_dir, teacher, a
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(read_config(embedded_dir))
     model = load_packed_target(skeleton, embedded_dir, torch.float32, activation=activation)
-    packed = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Int4Linear | Q4Linear)]
+    packed = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Int4Linear | BlockLinear)]
     assert len(packed) == 4 * model.config.num_layers
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     same = total = 0

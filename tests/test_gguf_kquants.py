@@ -17,8 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastspec.kernels import cpu_library
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
-from fastspec.models.gguf_kquants import DEQUANTISED, read_q4_k
-from fastspec.models.packed_layers import Int4Linear, Q4Linear
+from fastspec.models.gguf_kquants import DEQUANTISED, read_q4_k, read_q6_k
+from fastspec.models.packed_layers import Int4Linear, BlockLinear
 
 HEADS, KV_HEADS = 4, 2
 
@@ -50,6 +50,28 @@ def test_q4_k_dequantises_as_gguf_does(n, k):
     assert blocks.bits == 4 and blocks.q.shape == (n, k) and blocks.scale.shape == blocks.offset.shape == (n, k // 32)
     assert blocks.q.dtype == torch.uint8 and 0 <= int(blocks.q.min()) and int(blocks.q.max()) <= 15
     assert torch.equal(blocks.dequantise(), oracle(raw, "Q4_K"))  # the same float32 arithmetic: bit for bit
+
+
+@pytest.mark.parametrize("n, k", [(16, 256), (8, 768)])
+def test_q6_k_dequantises_as_gguf_does(n, k):
+    raw = random_q6_k(n, k, np.random.default_rng(n + k))
+    blocks = read_q6_k(raw)
+    assert blocks.bits == 8 and blocks.group == 16 and blocks.q.dtype == torch.int8 and blocks.q.shape == (n, k)
+    assert -32 <= int(blocks.q.min()) and int(blocks.q.max()) <= 31 and not blocks.offset.any()
+    assert torch.equal(blocks.dequantise(), oracle(raw, "Q6_K"))  # the same float32 arithmetic: bit for bit
+
+
+def test_q6_k_blocks_are_stored_and_looked_up_exactly():
+    """Stored beside a conversion and read back (int8 values, a scale per 16), and as an embedding table (an untied
+    Q6_K output is the head's rescoring table): the oracle's rows."""
+    from fastspec.models.gguf_blocks import blocks_from_state, blocks_state
+    from fastspec.models.packed_layers import BlockEmbedding
+
+    raw = random_q6_k(40, 256, np.random.default_rng(3))
+    back = blocks_from_state(blocks_state("w", read_q6_k(raw)).__getitem__, "w")
+    assert back.bits == 8 and back.group == 16 and torch.equal(back.dequantise(), oracle(raw, "Q6_K"))
+    ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
+    assert torch.equal(BlockEmbedding(back)(ids), F.embedding(ids, oracle(raw, "Q6_K")))
 
 
 def test_int4_linear_over_q4_k_equals_a_linear_over_the_oracle():
@@ -161,10 +183,12 @@ def test_a_q4_k_m_gguf_converts_to_the_oracles_weights(tmp_path):
 @pytest.mark.parametrize("activation", [torch.float32, torch.bfloat16, pytest.param(
     torch.int16, marks=pytest.mark.skipif(not cpu_library.available(), reason="no C compiler"))])
 def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
-    """--quantization gguf on a Q4_K_M file: the Q4_K projections packed, a group with a Q6_K part (layer 0's QKV and
-    down) and the Q6_K output dequantised with one note, the Q4_K embedding kept as blocks. float32 activations give
-    the converted model's logits to float32 rounding; bfloat16 or int16 ones (the fast kernels) its greedy tokens,
-    teacher-forced, nearly always (the lm_head's best tokens rescored exactly)."""
+    """--quantization gguf on a Q4_K_M file: the Q4_K projections packed, the Q4_K embedding kept as blocks. With
+    torch's int4 kernel (float32 / bfloat16 activations) a group with a Q6_K part (layer 0's QKV and down) and the
+    Q6_K output run dequantised, with one note; with fastspec's (int16) they are packed too, as 8-bit blocks, and the
+    head rescores from the Q6_K table's blocks. float32 activations give the converted model's logits to float32
+    rounding; bfloat16 or int16 ones (the fast kernels) its greedy tokens, teacher-forced, nearly always (the
+    lm_head's best tokens rescored exactly)."""
     from fastspec.models.gguf_packed import load_packed_target
     from fastspec.models.layers import fuse_projections
     from fastspec.models.llama import LlamaForCausalLM as Target
@@ -178,12 +202,17 @@ def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
         skeleton = Target(read_config(model_dir))
     model = load_packed_target(skeleton, model_dir, torch.float32, activation=activation)
     layers = model.model.layers
-    assert isinstance(layers[0].self_attn.qkv_proj, CastLinear) and isinstance(layers[0].mlp.down_proj, CastLinear)
-    assert all(isinstance(m, Int4Linear | Q4Linear) for m in (layers[1].self_attn.qkv_proj, layers[1].mlp.down_proj,
-                                                    layers[0].mlp.gate_up_proj, layers[0].self_attn.o_proj))
+    mixed = (layers[0].self_attn.qkv_proj, layers[0].mlp.down_proj)  # a Q6_K part beside Q4_K ones, or Q6_K alone
+    if activation == torch.int16:
+        assert all(isinstance(m, BlockLinear) and m.packed.dtype == torch.int8 for m in mixed)
+        assert model.lm_head.table.q.dtype == torch.int8 and "no packed kernel" not in caplog.text
+    else:
+        assert all(isinstance(m, CastLinear) for m in mixed)
+        assert "Q6_K tensors have no packed kernel here" in caplog.text
+    assert all(isinstance(m, Int4Linear | BlockLinear) for m in (layers[1].self_attn.qkv_proj, layers[1].mlp.down_proj,
+                                                                  layers[0].mlp.gate_up_proj, layers[0].self_attn.o_proj))
     assert isinstance(model.model.embed_tokens, BlockEmbedding)
     assert isinstance(model.lm_head, CastLinear if activation == torch.float32 else RefinedHead)
-    assert "Q6_K tensors have no packed kernel here" in caplog.text
     x = torch.randint(0, len(TOKENS), (40,), generator=torch.Generator().manual_seed(0))
     logits = []
     for m in (model, reference):

@@ -9,7 +9,7 @@ from fastspec.kernels import cpu_library
 from fastspec.models.gguf_blocks import quantise_rows
 from fastspec.models.layers import fuse_projections
 from fastspec.models.loader import load_target
-from fastspec.models.packed_layers import Int4Linear, Q4Linear, RefinedHead
+from fastspec.models.packed_layers import Int4Linear, BlockLinear, RefinedHead
 from fastspec.models.quantise import quantise_int4
 from fastspec.train.data import PackedCausalAttention
 
@@ -81,7 +81,7 @@ def test_speculation_on_an_int4_target_is_lossless(tiny_dirs, draft_dirs, algori
     llm.engine.policy = None  # every round speculates
     outputs = llm.generate(prompts, params)
     assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
-    assert isinstance(llm.engine.worker.model.model.layers[0].mlp.down_proj, Int4Linear | Q4Linear)
+    assert isinstance(llm.engine.worker.model.model.layers[0].mlp.down_proj, Int4Linear | BlockLinear)
 
 
 def test_int4_on_a_target_it_does_not_take_is_a_one_line_error(tiny_dirs):

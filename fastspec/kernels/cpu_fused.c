@@ -159,12 +159,21 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
 }
 
 int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y);
+int q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const uint16_t *sm, int64_t N, float *y);
 
-/* A Llama-family layer stack on 4-bit weights (cpu_q4.c) in one call: per layer the four GEMMs and the four
+/* y = x @ w.T for linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a decoder_stack layer row (see below) */
+static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int64_t K, int64_t N, float *y) {
+    const uint16_t *scales = (const uint16_t *)row[2 * j + 1];
+    if (row[10 + j] == 4) return q4_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y);
+    return q8_gemm(x, M, K, (const int8_t *)row[2 * j], scales, N, y);
+}
+
+/* A Llama-family layer stack on 4- / 8-bit weights (cpu_q4.c) in one call: per layer the four GEMMs and the four
  * kernels above, in the order fastspec.models.fused_cpu.fused_layers runs them (its Python loop is this function's
  * twin, bit for bit). All float32.
- * layers int64 [L, 10]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
- * norm's weight and the next layer's input norm's weight (0 after the last layer); k, v: the KV pool's
+ * layers int64 [L, 14]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
+ * norm's weight and the next layer's input norm's weight (0 after the last layer), then the four linears' bit
+ * widths (4 or 8: which of cpu_q4.c's kernels runs each); k, v: the KV pool's
  * [L, num_slots, Hkv, D] caches (layer i's at i * layer_stride floats). x [T, H]: the residual stream entering layer 0, replaced by the last layer's output;
  * h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured` [n, T, H]
  * receiving the stream entering it, or -1. The rest as rope_write and attend take them.
@@ -182,16 +191,16 @@ int decoder_stack(int64_t L, const int64_t *layers, float *k, float *v, int64_t 
     int status = (h && qkv && q && o && gate_up && act && y) ? 0 : -1;
     if (status == 0) memcpy(h, h0, T * H * sizeof(float));
     for (int64_t i = 0; i < L && status == 0; i++) {
-        const int64_t *w = layers + 10 * i;
+        const int64_t *w = layers + 14 * i;
         float *k_cache = k + i * layer_stride, *v_cache = v + i * layer_stride;
-        status |= q4_gemm(h, T, H, (const uint8_t *)w[0], (const uint16_t *)w[1], width, qkv);
+        status |= layer_gemm(w, 0, h, T, H, width, qkv);
         rope_write(qkv, 0, T, Hq, Hkv, D, cos, sin, slots, k_cache, v_cache, q);
         attend(q, k_cache, v_cache, T, Hq, Hkv, D, out_index, kv_slots, mask, max_qo, max_kv, scale, o, 0);
-        status |= q4_gemm(o, T, Hq * D, (const uint8_t *)w[2], (const uint16_t *)w[3], H, y);
+        status |= layer_gemm(w, 1, o, T, Hq * D, H, y);
         add_rms_norm(x, y, 0, (const float *)w[8], eps, T, H, x, h, 0);
-        status |= q4_gemm(h, T, H, (const uint8_t *)w[4], (const uint16_t *)w[5], 2 * I, gate_up);
+        status |= layer_gemm(w, 2, h, T, H, 2 * I, gate_up);
         silu_mul(gate_up, 0, T, I, act, 0);
-        status |= q4_gemm(act, T, I, (const uint8_t *)w[6], (const uint16_t *)w[7], H, y);
+        status |= layer_gemm(w, 3, act, T, I, H, y);
         if (i + 1 == L) {
             for (int64_t e = 0; e < T * H; e++) x[e] += y[e];
         } else {

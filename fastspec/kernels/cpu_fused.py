@@ -93,7 +93,7 @@ def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
     return out
 
 
-def decoder_stack(layers: torch.Tensor,           # int64 [L, 10]  addresses of each layer's weights (cpu_fused.c)
+def decoder_stack(layers: torch.Tensor,           # int64 [L, 14]  each layer's weights and widths (cpu_fused.c)
                   k: torch.Tensor, v: torch.Tensor,  # float32 [L, num_slots, Hkv, D]  the KV pool
                   x: torch.Tensor,                # float32 [T, H]  the residual stream entering layer 0
                   h: torch.Tensor,                # float32 [T, H]  layer 0's normed input
@@ -101,7 +101,7 @@ def decoder_stack(layers: torch.Tensor,           # int64 [L, 10]  addresses of 
                   cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,  # as rope_write takes them
                   plan: TorchAttnPlan, scale: float,
                   capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """A layer stack on 4-bit weights (cpu_q4) in one C call: (the last layer's output, {layer id: the residual
+    """A layer stack on 4- / 8-bit weights (cpu_q4) in one C call: (the last layer's output, {layer id: the residual
     stream entering it} for the `capture` ids in 1..L-1). Its twin is the Python loop of
     fastspec.models.fused_cpu.fused_layers over the same kernels; only called where the library is built."""
     lib = cpu_library.library()

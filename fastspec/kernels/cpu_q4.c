@@ -49,23 +49,27 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* x [M, K] float32 -> x16 int16 [M, K] in pair order (x ~= x16 * xs), xs [M, K/32] = max |x| / 32767,
- * xsum [M, K/32] = sum x. */
-static void round_rows(const float *x, int64_t M, int64_t K, int16_t *x16, float *xs, float *xsum) {
+/* x [M, K] float32 -> x16 int16 [M, K] in pair order (x ~= x16 * xs), xs [M, K/32] = max |x| / 32767, and the
+ * sums of x over each group of 32 (xsum [M, K/32], the 4-bit kernel's) and of 16 (xsum16 [M, K/16], the 8-bit's). */
+static void round_rows(const float *x, int64_t M, int64_t K, int16_t *x16, float *xs, float *xsum, float *xsum16) {
     int64_t groups = M * (K / Q4_GROUP);
 #pragma omp parallel for schedule(static) if (M * K >= Q4_PARALLEL_WORK)
     for (int64_t r = 0; r < groups; r++) {
         const float *v = x + r * Q4_GROUP;
-        float amax = 0.f, sum = 0.f;
+        float amax = 0.f, sum = 0.f, half = 0.f;
         for (int i = 0; i < Q4_GROUP; i++) {
             float a = fabsf(v[i]);
             amax = a > amax ? a : amax;
             sum += v[i];
         }
+        for (int i = 0; i < Q4_GROUP / 2; i++) half += v[i];
         float inv = amax > 0.f ? 32767.f / amax : 0.f;
         for (int i = 0; i < Q4_GROUP; i++) x16[r * Q4_GROUP + i] = (int16_t)lrintf(v[PAIR_ORDER[i]] * inv);
         xs[r] = amax / 32767.f;
         xsum[r] = sum;
+        xsum16[2 * r] = half;
+        xsum16[2 * r + 1] = 0.f;
+        for (int i = Q4_GROUP / 2; i < Q4_GROUP; i++) xsum16[2 * r + 1] += v[i];
     }
 }
 
@@ -171,14 +175,114 @@ static inline void tile(const uint8_t *w, const uint16_t *sm, int64_t G, const i
 }
 #endif
 
+/* The 8-bit twin: y = x @ w.T for a weight stored as int8 values with a scale and an offset per group of 16
+ * (w = q * scale + offset: GGUF's Q8_0, Q6_K and, merged beside them, 4-bit groups), the activations rounded as
+ * above (int16 per group of 32; the offset term takes the sum of x over each group of 16). Layout (cpu_q4.pack8): a
+ * tile of 16 rows by one group of 16 inputs is 256 bytes, four 64-byte vectors; vector v holds, for row j
+ * (bytes 4j..4j+3), inputs 4v..4v+3; sign-extending the low / high byte of each 16-bit half gives the pairs
+ * (4v, 4v+2) / (4v+1, 4v+3), the 4-bit kernel's pair order. Scales and offsets: float16 [N/16, K/16, 2, 16]. */
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+static inline __attribute__((always_inline)) void tile8(const int8_t *w, const uint16_t *sm, int64_t G16,
+                                                        const int16_t *x16, const float *xs, const float *xsum,
+                                                        int64_t K, float *y, int64_t ldy, const int mb) {
+    __m512 acc[Q4_ROWS];
+    for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G16; g++) {
+        prefetch_group((const uint8_t *)w, sm, g + Q4_AHEAD);
+        __m512i q[8];
+        for (int v = 0; v < 4; v++) {
+            __m512i b = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * v));
+            q[2 * v] = _mm512_srai_epi16(_mm512_slli_epi16(b, 8), 8);
+            q[2 * v + 1] = _mm512_srai_epi16(b, 8);
+        }
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + g * 32)));
+        __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + g * 32 + 16)));
+        for (int m = 0; m < mb; m++) {
+            /* group g of 16 is half (g & 1) of the activations' group g / 2 of 32, whose pair order puts inputs
+             * 0..15 in its first 16 values */
+            const int32_t *a = (const int32_t *)(x16 + m * K + (g / 2) * Q4_GROUP + (g & 1) * 16);
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int p = 0; p < 8; p += 2) {
+                s0 = _mm512_dpwssd_epi32(s0, q[p], _mm512_set1_epi32(a[p]));
+                s1 = _mm512_dpwssd_epi32(s1, q[p + 1], _mm512_set1_epi32(a[p + 1]));
+            }
+            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * (K / Q4_GROUP) + g / 2])),
+                                     acc[m]);
+            acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * (K / 16) + g]), acc[m]);
+        }
+    }
+    for (int m = 0; m < mb; m++) _mm512_storeu_ps(y + m * ldy, acc[m]);
+}
+#endif
+#if !(defined(__AVX512VNNI__) && defined(__AVX512F__)) && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+static inline __attribute__((always_inline)) void tile8(const int8_t *w, const uint16_t *sm, int64_t G16,
+                                                        const int16_t *x16, const float *xs, const float *xsum,
+                                                        int64_t K, float *y, int64_t ldy, const int mb) {
+    __m256 acc[Q4_ROWS][2];
+    for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G16; g++) {
+        prefetch_group((const uint8_t *)w, sm, g + Q4_AHEAD);
+        for (int h = 0; h < 2; h++) {
+            __m256i q[8];
+            for (int v = 0; v < 4; v++) {
+                __m256i b = _mm256_loadu_si256((const __m256i *)(w + g * 256 + 64 * v + 32 * h));
+                q[2 * v] = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
+                q[2 * v + 1] = _mm256_srai_epi16(b, 8);
+            }
+            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 8 * h)));
+            __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 16 + 8 * h)));
+            for (int m = 0; m < mb; m++) {
+                const int32_t *a = (const int32_t *)(x16 + m * K + (g / 2) * Q4_GROUP + (g & 1) * 16);
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int p = 0; p < 8; p += 2) {
+                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(q[p], _mm256_set1_epi32(a[p])));
+                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(q[p + 1], _mm256_set1_epi32(a[p + 1])));
+                }
+                __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                acc[m][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs[m * (K / Q4_GROUP) + g / 2])),
+                                            acc[m][h]);
+                acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[m * (K / 16) + g]), acc[m][h]);
+            }
+        }
+    }
+    for (int m = 0; m < mb; m++) {
+        _mm256_storeu_ps(y + m * ldy, acc[m][0]);
+        _mm256_storeu_ps(y + m * ldy + 8, acc[m][1]);
+    }
+}
+#elif !(defined(__AVX512VNNI__) && defined(__AVX512F__))
+static inline void tile8(const int8_t *w, const uint16_t *sm, int64_t G16, const int16_t *x16, const float *xs,
+                         const float *xsum, int64_t K, float *y, int64_t ldy, const int mb) {
+    for (int m = 0; m < mb; m++) {
+        float acc[Q4_TILE] = {0};
+        for (int64_t g = 0; g < G16; g++) {
+            const int16_t *a = x16 + m * K + (g / 2) * Q4_GROUP + (g & 1) * 16; /* a[p]: input PAIR_ORDER[p] */
+            for (int j = 0; j < Q4_TILE; j++) {
+                int32_t s = 0;
+                for (int p = 0; p < 16; p++) {
+                    int k = PAIR_ORDER[p];
+                    s += w[g * 256 + 64 * (k / 4) + 4 * j + k % 4] * a[p];
+                }
+                acc[j] += (float)s * (half_to_float(sm[g * 32 + j]) * xs[m * (K / Q4_GROUP) + g / 2]) +
+                          half_to_float(sm[g * 32 + 16 + j]) * xsum[m * (K / 16) + g];
+            }
+        }
+        memcpy(y + m * ldy, acc, sizeof(acc));
+    }
+}
+#endif
+
 static __thread char *scratch; /* x16, xs, xsum of the calling thread, grown as needed */
 static __thread size_t scratch_size;
 
-/* y [M, N] float32 = x [M, K] float32 @ w.T; w packed [N/16, K/32, 256] bytes, sm float16 [N/16, K/32, 2, 16].
- * N % 16 == 0, K % 32 == 0. Returns 0, or -1 when scratch memory cannot be had. */
-int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y) {
+/* y [M, N] float32 = x [M, K] float32 @ w.T for a weight packed as cpu_q4.pack lays out `bits` (4: [N/16, K/32,
+ * 256] bytes, scales [N/16, K/32, 2, 16]; 8: [N/16, K/16, 256], scales [N/16, K/16, 2, 16]). N % 16 == 0,
+ * K % 32 == 0. Returns 0, or -1 when scratch memory cannot be had. */
+static int gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
+                int bits) {
     int64_t G = K / Q4_GROUP;
-    size_t need = (size_t)(M * K) * sizeof(int16_t) + 2 * sizeof(float) * (size_t)(M * G); /* K % 32 == 0: aligned */
+    size_t need = (size_t)(M * K) * sizeof(int16_t) + 4 * sizeof(float) * (size_t)(M * G); /* K % 32: aligned */
     if (need > scratch_size) {
         char *grown = (char *)realloc(scratch, need);
         if (!grown) return -1;
@@ -186,27 +290,53 @@ int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16
         scratch_size = need;
     }
     int16_t *x16 = (int16_t *)scratch;
-    float *xs = (float *)(x16 + M * K), *xsum = xs + M * G;
-    round_rows(x, M, K, x16, xs, xsum);
+    float *xs = (float *)(x16 + M * K), *xsum = xs + M * G, *xsum16 = xsum + M * G;
+    round_rows(x, M, K, x16, xs, xsum, xsum16);
+    int64_t wg = bits == 4 ? G : 2 * G; /* weight groups per row */
 #pragma omp parallel for schedule(static) if (M * N * K >= Q4_PARALLEL_WORK)
     for (int64_t t = 0; t < N / Q4_TILE; t++) {
-        const uint8_t *wt = w + t * G * 256;
-        const uint16_t *st = sm + t * G * 32;
+        const uint8_t *wt = w + t * wg * 256;
+        const uint16_t *st = sm + t * wg * 32;
         for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
             const int16_t *a = x16 + m0 * K;
-            const float *s = xs + m0 * G, *u = xsum + m0 * G;
+            const float *s = xs + m0 * G;
             float *yt = y + m0 * N + t * Q4_TILE;
-            switch (M - m0 < Q4_ROWS ? M - m0 : Q4_ROWS) { /* each row count its own unrolled copy */
-            case 1: tile(wt, st, G, a, s, u, K, yt, N, 1); break;
-            case 2: tile(wt, st, G, a, s, u, K, yt, N, 2); break;
-            case 3: tile(wt, st, G, a, s, u, K, yt, N, 3); break;
-            case 4: tile(wt, st, G, a, s, u, K, yt, N, 4); break;
-            case 5: tile(wt, st, G, a, s, u, K, yt, N, 5); break;
-            case 6: tile(wt, st, G, a, s, u, K, yt, N, 6); break;
-            case 7: tile(wt, st, G, a, s, u, K, yt, N, 7); break;
-            default: tile(wt, st, G, a, s, u, K, yt, N, 8); break;
+            int mb = M - m0 < Q4_ROWS ? (int)(M - m0) : Q4_ROWS;
+            if (bits == 4) {
+                const float *u = xsum + m0 * G;
+                switch (mb) { /* each row count its own unrolled copy */
+                case 1: tile(wt, st, G, a, s, u, K, yt, N, 1); break;
+                case 2: tile(wt, st, G, a, s, u, K, yt, N, 2); break;
+                case 3: tile(wt, st, G, a, s, u, K, yt, N, 3); break;
+                case 4: tile(wt, st, G, a, s, u, K, yt, N, 4); break;
+                case 5: tile(wt, st, G, a, s, u, K, yt, N, 5); break;
+                case 6: tile(wt, st, G, a, s, u, K, yt, N, 6); break;
+                case 7: tile(wt, st, G, a, s, u, K, yt, N, 7); break;
+                default: tile(wt, st, G, a, s, u, K, yt, N, 8); break;
+                }
+            } else {
+                const int8_t *w8 = (const int8_t *)wt;
+                const float *u = xsum16 + m0 * 2 * G;
+                switch (mb) {
+                case 1: tile8(w8, st, wg, a, s, u, K, yt, N, 1); break;
+                case 2: tile8(w8, st, wg, a, s, u, K, yt, N, 2); break;
+                case 3: tile8(w8, st, wg, a, s, u, K, yt, N, 3); break;
+                case 4: tile8(w8, st, wg, a, s, u, K, yt, N, 4); break;
+                case 5: tile8(w8, st, wg, a, s, u, K, yt, N, 5); break;
+                case 6: tile8(w8, st, wg, a, s, u, K, yt, N, 6); break;
+                case 7: tile8(w8, st, wg, a, s, u, K, yt, N, 7); break;
+                default: tile8(w8, st, wg, a, s, u, K, yt, N, 8); break;
+                }
             }
         }
     }
     return 0;
+}
+
+int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y) {
+    return gemm(x, M, K, w, sm, N, y, 4);
+}
+
+int q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const uint16_t *sm, int64_t N, float *y) {
+    return gemm(x, M, K, (const uint8_t *)w, sm, N, y, 8);
 }

@@ -1,7 +1,7 @@
 """A packed Llama-family layer stack run eagerly on CPU with the fused kernels between its GEMMs
 (fastspec.kernels.cpu_fused): per layer the four GEMMs and four calls (norm, rope + KV write, attention, SiLU-and-mul)
-instead of ~80 torch ops, and the whole stack as one C call where every GEMM is fastspec's own (Q4Linear). The same
-math as DecoderLayer's enter / attend / hand_over / leave, to float32 rounding (sums in another order);
+instead of ~80 torch ops, and the whole stack as one C call where every GEMM is fastspec's own (BlockLinear). The
+same math as DecoderLayer's enter / attend / hand_over / leave, to float32 rounding (sums in another order);
 LlamaForCausalLM runs it where `fused_activation` says it applies, else the layers.
 Does not plan attention (the AttentionContext's plan is read as the torch backend's dense one) nor compile.
 """
@@ -18,13 +18,13 @@ from fastspec.attention.torch_backend import TorchAttnPlan
 from fastspec.kernels import cpu_fused, cpu_q4
 from fastspec.models.gguf_blocks import BLOCK
 from fastspec.models.layers import DecoderLayer, RMSNorm
-from fastspec.models.packed_layers import Int4Linear, Q4Linear
+from fastspec.models.packed_layers import BlockLinear, Int4Linear
 
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
-    """The dtype the fused stack feeds its GEMMs (an Int4Linear's activation; float32 for a Q4Linear, which rounds
+    """The dtype the fused stack feeds its GEMMs (an Int4Linear's activation; float32 for a BlockLinear, which rounds
     its input itself), or None where it does not apply: compiled code;
     not a packed float32 Llama-family stack on CPU (q / k norms, partial rope, offset norms excluded); attention
     that is not a float32 KV pool read through a dense plan; no C compiler (the twins are the layers' own ops)."""
@@ -37,14 +37,14 @@ def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
             and first.self_attn.qkv_proj is not None and first.mlp.gate_up_proj is not None
             and model.rope.rotary_dim == first.self_attn.head_dim):
         return None
-    packed = [m for m in first.modules() if isinstance(m, Int4Linear | Q4Linear)]
+    packed = [m for m in first.modules() if isinstance(m, Int4Linear | BlockLinear)]
     if not packed:
         return None
     if not isinstance(attn, AttentionContext) or attn.pool.k.dtype != torch.float32 or attn.pool.v is None:
         return None
     if dense_plan(attn) is None or not cpu_fused.available():
         return None
-    return torch.float32 if isinstance(packed[0], Q4Linear) else packed[0].activation
+    return torch.float32 if isinstance(packed[0], BlockLinear) else packed[0].activation
 
 
 def dense_plan(attn) -> TorchAttnPlan | None:
@@ -61,7 +61,7 @@ def _gemm(linear, h: torch.Tensor) -> torch.Tensor:
     reshapes and casts would be four no-op dispatches per GEMM)."""
     if type(linear) is Int4Linear and linear.bias is None and h.dtype == linear.activation:
         return INT4_MM(h, linear.packed, BLOCK, linear.scale_zero)
-    if type(linear) is Q4Linear and linear.bias is None and h.dtype == torch.float32:
+    if type(linear) is BlockLinear and linear.bias is None and h.dtype == torch.float32:
         return cpu_q4.matmul(h, linear.packed, linear.scales)
     return linear(h)
 
@@ -79,7 +79,7 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
     # the whole stack in one C call; under torch's profiler the loop below (the same kernels, bit for bit), so that
     # `fastspec bench --profile` still sees each GEMM, attention and norm
     profiling = torch.autograd.profiler._is_profiler_enabled
-    table = _q4_table(model) if cpu_fused.available() and not profiling else None
+    table = _stack_table(model) if cpu_fused.available() and not profiling else None
     if table is not None and pool.k.is_contiguous() and pool.v.is_contiguous():
         a = layers[0].self_attn
         x, captured = cpu_fused.decoder_stack(table, pool.k, pool.v, x, h, a.num_heads,
@@ -105,9 +105,10 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its decoder_stack table, or None)
 
 
-def _q4_table(model) -> torch.Tensor | None:
-    """int64 [L, 10]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four Q4Linears'
-    packed weights and scales, its post-attention norm, the next layer's input norm), or None where a layer is not
+def _stack_table(model) -> torch.Tensor | None:
+    """int64 [L, 14]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four BlockLinears'
+    packed weights and scales, its post-attention norm, the next layer's input norm) and its linears' bit widths,
+    or None where a layer is not
     that (another kernel, a bias, norms with different eps, KV not at the layer's own index). Built once per model:
     a loaded model's tensors do not move."""
     if model not in _TABLES:
@@ -116,12 +117,13 @@ def _q4_table(model) -> torch.Tensor | None:
             a, mlp = layer.self_attn, layer.mlp
             linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
             norms = (layer.post_attention_layernorm, layers[i + 1].input_layernorm if i + 1 < len(layers) else None)
-            if (any(type(m) is not Q4Linear or m.bias is not None for m in linears) or a.layer_id != i
+            if (any(type(m) is not BlockLinear or m.bias is not None for m in linears) or a.layer_id != i
                     or any(n is not None and n.eps != layers[0].input_layernorm.eps for n in norms)):
                 _TABLES[model] = None
                 break
             rows.append([t.data_ptr() for m in linears for t in (m.packed, m.scales)]
-                        + [0 if n is None else n.weight.data_ptr() for n in norms])
+                        + [0 if n is None else n.weight.data_ptr() for n in norms]
+                        + [4 if m.packed.dtype == torch.uint8 else 8 for m in linears])
         else:
             _TABLES[model] = torch.tensor(rows, dtype=torch.int64)
     return _TABLES[model]

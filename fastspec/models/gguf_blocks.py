@@ -27,19 +27,24 @@ FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}  # bytes per block
 
 @dataclass(frozen=True)
 class Blocks:
-    """One quantised weight [N, K]: w[n, k] = q[n, k] * scale[n, k // 32] + offset[n, k // 32]."""
+    """One quantised weight [N, K]: w[n, k] = q[n, k] * scale[n, k // g] + offset[n, k // g], g = `group` (32; 16
+    for Q6_K's sub-blocks)."""
 
-    q: torch.Tensor  # [N, K]  Q4: uint8 0..15, Q8: int8 -128..127 (a byte per value)
-    scale: torch.Tensor  # float32 [N, K/32]
-    offset: torch.Tensor  # float32 [N, K/32]
+    q: torch.Tensor  # [N, K]  Q4: uint8 0..15, Q8 / Q6_K: int8 (a byte per value)
+    scale: torch.Tensor  # float32 [N, K/g]
+    offset: torch.Tensor  # float32 [N, K/g]
     bits: int  # 4 or 8
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
 
     def dequantise(self, dtype: torch.dtype = torch.float32, rows: int = 4096) -> torch.Tensor:  # [N, K]
         """w in float32 arithmetic, stored as `dtype`, `rows` rows at a time (no float32 copy of a large table)."""
         n, k = self.q.shape
         w = torch.empty(n, k, dtype=dtype)
         for r in range(0, n, rows):
-            q = self.q[r:r + rows].view(-1, k // BLOCK, BLOCK).float()
+            q = self.q[r:r + rows].view(-1, k // self.group, self.group).float()
             w[r:r + rows] = (q * self.scale[r:r + rows, :, None] + self.offset[r:r + rows, :, None]).view(-1, k)
         return w
 
@@ -104,7 +109,15 @@ def blocks_from_state(get, name: str) -> Blocks:
 
 
 def merge_rows(parts: list[Blocks]) -> Blocks:
-    """Several weights over the same input stacked by rows (fused QKV, gate_up), still quantised."""
-    if len({p.bits for p in parts}) != 1:
-        raise ValueError("merged weights must share a bit width")
+    """Several weights over the same input stacked by rows (fused QKV, gate_up), still quantised; parts of different
+    bit widths or groups (Q4_K beside Q6_K in a Q4_K_M file) as 8-bit values with a scale per 16 (`as_8bit_16`)."""
+    if len({(p.bits, p.group) for p in parts}) != 1:
+        parts = [as_8bit_16(p) for p in parts]
     return Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "offset")), parts[0].bits)
+
+
+def as_8bit_16(b: Blocks) -> Blocks:
+    """The same weight as int8 values with a scale and an offset per 16 (exact: a 4-bit value is an int8 one, a
+    group of 32 two groups of 16 with its scale and offset)."""
+    repeat = b.group // 16
+    return Blocks(b.q.to(torch.int8), b.scale.repeat_interleave(repeat, -1), b.offset.repeat_interleave(repeat, -1), 8)

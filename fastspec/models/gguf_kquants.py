@@ -1,19 +1,21 @@
-"""GGML's K-quant formats as seen by the packed path: Q4_K read as `Blocks` (its 32-value sub-blocks are exactly a
-4-bit weight with a scale and an offset per group of 32, so Int4Linear takes it unchanged), and the K-quant mix
-types that stay dequantised, with why. Does not own: reading the file, choosing a reader per tensor type (the
-caller's), nor the kernels (gguf_blocks).
+"""GGML's K-quant formats as seen by the packed path: Q4_K and Q6_K read as `Blocks`, and the K-quant mix types that
+stay dequantised, with why. Does not own: reading the file, choosing a reader per tensor type (the caller's), nor
+the kernels (gguf_blocks, packed_layers).
 
 Q4_K stores each row in super-blocks of 256 values, 144 bytes each:
   f16 d, f16 dmin, 12 bytes of 6-bit scales sc[0..7] and mins m[0..7] (one per 32-value sub-block j),
   128 bytes of nibbles                                   w = d * sc[j] * q - dmin * m[j],  q in 0..15
 which is Blocks' w = q * scale + offset with scale = d * sc[j] and offset = -dmin * m[j] per group of 32.
+Q6_K stores super-blocks of 256 values in 210 bytes:
+  128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales sc[0..15] (one per 16 values), f16 d
+                                                         w = d * sc[j] * (q - 32),  q in 0..63
+which is an 8-bit Blocks (int8 values q - 32) with scale = d * sc[j] and offset 0 per group of 16: fastspec's own
+8-bit kernel (packed_layers.BlockLinear) takes it; torch's int4 / int8 kernels do not.
 
-Which other formats could run packed exactly: only 4-bit values fit the int4 kernel (group 32, a scale and a zero
-per group), and torch's int8 kernel takes one scale per output row. Q5_0, Q5_1 and Q5_K have Blocks' 32-groups with
-a scale and an offset but 5-bit values (0..31): no int4 kernel takes them, and their per-group scales rule out the
-per-row int8 one. Q8_K (f32 d per 256 values, int8 values) is 8-bit with offset 0 but one scale per 256 values, not
-per row; it is ggml's activation format for K-quant dot products, not a stored weight (the gguf package has no
-dequantiser for it). Q2_K, Q3_K and Q6_K scale every 16 values (see DEQUANTISED).
+Which other formats could run packed exactly: Q5_0, Q5_1 and Q5_K have Blocks' 32-groups with a scale and an offset
+but 5-bit values (0..31); they would be 8-bit Blocks as Q6_K is (not read here yet). Q8_K (f32 d per 256 values,
+int8 values) is ggml's activation format for K-quant dot products, not a stored weight. Q2_K and Q3_K scale every
+16 values with 2- / 3-bit values (see DEQUANTISED).
 """
 
 from __future__ import annotations
@@ -25,13 +27,11 @@ from fastspec.models.gguf_blocks import Blocks
 
 SUPER_BLOCK = 256  # values per K-quant super-block: 8 sub-blocks of 32
 Q4_K_BYTES = 144  # f16 d, f16 dmin, 12 bytes of scales and mins, 128 bytes of nibbles
+Q6_K_BYTES = 210  # 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, f16 d
 
 # GGML types of llama.cpp's K-quant mixes (Q2_K .. Q6_K files; Q5_0 / Q5_1 stand in for Q4_K / Q5_K in rows that
-# are not a multiple of 256) that no packed kernel here takes exactly: the packed path keeps their converted
-# (dequantised) weights. Q6_K (attn_v, ffn_down and output in Q4_K_M files) has an int8 scale per 16 values and
-# 6-bit values in -32..31: a 32-group Blocks could hold it only as q = sc * q6 (13-bit values, scale d), which
-# no int4 or int8 kernel takes, so packing it would save nothing over its dequantised weight.
-DEQUANTISED = ("Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+# are not a multiple of 256) that the packed path keeps as their converted (dequantised) weights.
+DEQUANTISED = ("Q2_K", "Q3_K", "Q5_0", "Q5_1", "Q5_K")
 
 
 def read_q4_k(data: np.ndarray) -> Blocks:
@@ -48,6 +48,23 @@ def read_q4_k(data: np.ndarray) -> Blocks:
     q = unpack_nibbles(blocks[..., 16:])  # uint8 [N, S, 256]
     return Blocks(torch.from_numpy(q.reshape(n, -1)), torch.from_numpy(scale.reshape(n, -1)),
                   torch.from_numpy(offset.reshape(n, -1)), 4)
+
+
+def read_q6_k(data: np.ndarray) -> Blocks:
+    """A Q6_K tensor's raw rows (uint8 [N, K / 256 * 210]) as an 8-bit Blocks [N, K] with a scale per 16 values:
+    q = value - 32 (int8), scale = f32(d) * sc, offset 0, so `dequantise()` equals gguf.quants.dequantize(data, Q6_K)
+    bit for bit. Each half super-block of 128 values takes 64 bytes of low nibbles and 32 of high bit pairs: value
+    32 c + l (c = 0..3, l = 0..31) is the low (c < 2) or high nibble of low byte 32 (c % 2) + l, topped by bits
+    2c, 2c + 1 of high byte l."""
+    blocks = _super_blocks(data, Q6_K_BYTES, "Q6_K")  # uint8 [N, S, 210]
+    n = blocks.shape[0]
+    low, high = blocks[..., :128].reshape(n, -1, 2, 2, 32), blocks[..., 128:192].reshape(n, -1, 2, 32)
+    nibbles = np.stack([low[..., 0, :] & 15, low[..., 1, :] & 15, low[..., 0, :] >> 4, low[..., 1, :] >> 4], -2)
+    pairs = np.stack([(high >> shift) & 3 for shift in (0, 2, 4, 6)], -2)  # [N, S, 2 halves, 4, 32]
+    q = ((nibbles | (pairs << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, -1)
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, S, 16]
+    scale = (_f16(blocks[..., 208:210]) * sc).reshape(n, -1)
+    return Blocks(torch.from_numpy(q), torch.from_numpy(scale), torch.zeros(scale.shape), 8)
 
 
 def unpack_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

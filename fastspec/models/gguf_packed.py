@@ -1,13 +1,15 @@
 """A GGUF model run on its own blocks (`quantization="gguf"`), built straight from what the conversion stored: no
 float copy of a packed weight is ever read.
 
-Each fused projection (QKV, o, gate_up, down) whose parts are all 4-bit becomes an Int4Linear over the file's blocks;
-an embedding of a block format stays as its blocks (BlockEmbedding, exact); the lm_head is a fast approximate GEMM
-whose best tokens are rescored exactly from the same table (RefinedHead); every other weight (a Q6_K / Q8_0 / F16
-projection: no exact packed kernel) is read dequantised and kept in the fast float dtype (CastLinear), with
-one note naming the types. Norms load as converted.
-torch's packed int4 layout is its own, so the first packed load also stores the packed weights beside the blocks,
-per torch version (PackedCache): later starts read them as they are.
+Each fused projection (QKV, o, gate_up, down) becomes a packed linear over the file's blocks: fastspec's own kernels
+(BlockLinear, int16 activations) take every block format (Q4_0 / Q4_1 / Q4_K as 4-bit, Q8_0 / Q6_K and mixes of
+widths as 8-bit), torch's int4 kernel (Int4Linear, bfloat16 / float32 activations) only all-4-bit ones; an embedding
+of a block format stays as its blocks (BlockEmbedding, exact); the lm_head is a fast approximate GEMM whose best
+tokens are rescored exactly from the same table (RefinedHead); every other weight (an F16 or Q5 projection, or one
+torch's kernel cannot take) is read dequantised and kept in the fast float dtype (CastLinear), with one note naming
+the types. Norms load as converted.
+The first packed load also stores the packed weights beside the blocks, per torch version (PackedCache; torch's int4
+layout is its own): later starts read them as they are.
 The converted float32 model is the reference twin: with float32 activations the packed model computes the same
 weights to float32 rounding; bfloat16 ones are the fast kernel (tests: logits, teacher-forced agreement, lossless
 speculation on the packed target).
@@ -29,7 +31,7 @@ from torch import nn
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
-from fastspec.models.packed_layers import (ROW_TILE, BlockEmbedding, CastLinear, Int4Linear, Q4Linear, RefinedHead,
+from fastspec.models.packed_layers import (ROW_TILE, BlockEmbedding, CastLinear, Int4Linear, BlockLinear, RefinedHead,
                                            float_dtype)
 from fastspec.models.layers import RotaryEmbedding
 from fastspec.models.llama import LlamaForCausalLM
@@ -91,16 +93,16 @@ class PackedCache:
         self.new: dict[str, torch.Tensor] = {}
 
     def linear(self, name: str, blocks, activation: torch.dtype) -> nn.Module:
-        """The 4-bit linear `name` for `activation` (packed_layers.int4_linear): from the cache, else packed from
-        `blocks()` (its 4-bit Blocks)."""
+        """The packed linear `name` for `activation` (packed_layers.int4_linear): from the cache, else packed from
+        `blocks()` (its Blocks: 4-bit, or with int16 activations any width)."""
         q4 = activation == torch.int16
-        keys = [f"{name}.q4_packed", f"{name}.q4_scales"] if q4 else [f"{name}.packed", f"{name}.scale_zero"]
+        keys = [f"{name}.blocks_packed", f"{name}.blocks_scales"] if q4 else [f"{name}.packed", f"{name}.scale_zero"]
         if all(k in self.names for k in keys):
             tensors = [self.stored.get_tensor(k) for k in keys]
         else:
-            tensors = (Q4Linear if q4 else Int4Linear).pack(blocks())
+            tensors = (BlockLinear if q4 else Int4Linear).pack(blocks())
             self.new.update(zip(keys, tensors))
-        return Q4Linear(*tensors) if q4 else Int4Linear(*tensors, activation)
+        return BlockLinear(*tensors) if q4 else Int4Linear(*tensors, activation)
 
     def save(self) -> None:
         if not self.new:
@@ -152,9 +154,11 @@ def load_packed_target(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dt
 
 def _projection(weights: StoredWeights, cache: PackedCache, name: str, parts: list[str], activation: torch.dtype
                 ) -> nn.Module:
-    """The linear `name` stacking `parts` by rows: packed when every part is 4-bit blocks, else their dequantised
-    floats."""
-    if all(weights.bits(n) == 4 for n in parts):
+    """The linear `name` stacking `parts` by rows: packed when every part is 4-bit blocks, or is stored as blocks at
+    all where fastspec's kernels run (int16 activations: 8-bit ones too, as BlockLinear's 8-bit layout), else their
+    dequantised floats."""
+    bits = [weights.bits(n) for n in parts]
+    if all(b == 4 for b in bits) or (activation == torch.int16 and all(bits)):
         return cache.linear(name, lambda: merge_rows([weights.get_blocks(n) for n in parts]), activation)
     floats = [weights.get_float(n, float_dtype(activation)) for n in parts]
     return CastLinear(floats[0] if len(floats) == 1 else torch.cat(floats))

@@ -1,7 +1,7 @@
-"""The modules a model kept on its quantised blocks runs: Int4Linear (torch's int4 CPU matmul), Q4Linear (fastspec's
-int16 x 4-bit CPU kernel), BlockEmbedding (rows dequantised on lookup), RefinedHead (an lm_head whose best tokens are
-rescored exactly), CastLinear (a float weight kept in the fast float dtype), and the per-machine choice of the 4-bit
-kernel's activations (`fast_activation`). Math only: which weight becomes which module is gguf_packed's.
+"""The modules a model kept on its quantised blocks runs: Int4Linear (torch's int4 CPU matmul), BlockLinear
+(fastspec's int16 x 4- / 8-bit CPU kernels), BlockEmbedding (rows dequantised on lookup), RefinedHead (an lm_head
+whose best tokens are rescored exactly), CastLinear (a float weight kept in the fast float dtype), and the
+per-machine choice of the 4-bit kernel's activations (`fast_activation`). Math only: which weight becomes which module is gguf_packed's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastspec.kernels import cpu_library, cpu_q4
-from fastspec.models.gguf_blocks import BLOCK, Blocks
+from fastspec.models.gguf_blocks import BLOCK, Blocks, as_8bit_16
 
 ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows
 
@@ -64,34 +64,37 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Q4Linear(nn.Module):
-    """y = x @ w.T for a 4-bit weight in fastspec's own layout, run by the int16 x 4-bit C kernel
-    (fastspec.kernels.cpu_q4): x is rounded to int16 per group of 32 inside it, scales and offsets are kept as
-    float16. The fast path where it beats torch's kernel (fast_activation measures both); never the exact reference."""
+class BlockLinear(nn.Module):
+    """y = x @ w.T for a 4- or 8-bit weight kept as its blocks (a scale and an offset per 32 or 16 values) in
+    fastspec's own layout, run by the C kernels of fastspec.kernels.cpu_q4: x is rounded to int16 per group of 32
+    inside them, scales and offsets are kept as float16. The fast path where it beats torch's kernel (fast_activation
+    measures both); never the exact reference."""
 
     activation = torch.int16  # what x is rounded to (the module itself takes and returns float32, any float dtype)
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.out_features, self.in_features = packed.shape[0] * cpu_q4.TILE, packed.shape[1] * cpu_q4.GROUP
-        self.register_buffer("packed", packed)  # uint8 [N/16, K/32, 256]
-        self.register_buffer("scales", scales)  # float16 [N/16, K/32, 2, 16]
+        group = cpu_q4.WEIGHT_GROUP[4 if packed.dtype == torch.uint8 else 8]
+        self.out_features, self.in_features = packed.shape[0] * cpu_q4.TILE, packed.shape[1] * group
+        self.register_buffer("packed", packed)  # [N/16, K/g, 256]  uint8 (4-bit, g = 32) or int8 (8-bit, g = 16)
+        self.register_buffer("scales", scales)  # float16 [N/16, K/g, 2, 16]
         self.register_buffer("bias", bias)
 
     @classmethod
-    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None) -> Q4Linear:
+    def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None) -> BlockLinear:
         return cls(*cls.pack(blocks), bias)
 
     @staticmethod
     def pack(blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        if blocks.bits != 4:
-            raise ValueError("Q4Linear takes a 4-bit weight")
-        return cpu_q4.pack(blocks.q, blocks.scale, blocks.offset)
+        """4-bit blocks of 32 as they are; 8-bit ones (or others) as 8-bit values with a scale per 16."""
+        if blocks.bits != 4 or blocks.group != 32:
+            blocks = as_8bit_16(blocks)
+        return cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, blocks.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features).float()
         if torch.compiler.is_compiling():
-            y = q4_matmul(flat, self.packed, self.scales)
+            y = block_matmul(flat, self.packed, self.scales)
         else:
             y = cpu_q4.matmul(flat, self.packed, self.scales)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -101,17 +104,17 @@ class Q4Linear(nn.Module):
 def int4_linear(blocks: Blocks, activation: torch.dtype, bias: torch.Tensor | None = None) -> nn.Module:
     """The 4-bit linear over `blocks` for activations in `activation`: torch.int16 fastspec's kernel, else torch's."""
     if activation == torch.int16:
-        return Q4Linear.from_blocks(blocks, bias)
+        return BlockLinear.from_blocks(blocks, bias)
     return Int4Linear.from_blocks(blocks, activation, bias)
 
 
-@torch.library.custom_op("fastspec::q4_matmul", mutates_args=())
-def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """fastspec's int16 x 4-bit CPU matmul as an opaque op for torch.compile: x [M, K] float32 -> [M, N]."""
+@torch.library.custom_op("fastspec::block_matmul", mutates_args=())
+def block_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fastspec's int16 x 4- / 8-bit CPU matmul as an opaque op for torch.compile: x [M, K] float32 -> [M, N]."""
     return cpu_q4.matmul(x, packed, scales)
 
 
-@q4_matmul.register_fake
+@block_matmul.register_fake
 def _(x, packed, scales):
     return x.new_empty(x.shape[0], packed.shape[0] * cpu_q4.TILE)
 
@@ -137,11 +140,11 @@ class BlockEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = blocks.q.shape
         self.dtype = dtype
         self.register_buffer("q", blocks.q)  # [V, H] a byte per value
-        self.register_buffer("scale", blocks.scale)  # [V, H/32] float32
-        self.register_buffer("offset", blocks.offset)  # [V, H/32] float32
+        self.register_buffer("scale", blocks.scale)  # [V, H/g] float32
+        self.register_buffer("offset", blocks.offset)  # [V, H/g] float32
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., H]
-        q = self.q[ids].float().unflatten(-1, (-1, BLOCK))  # [..., H/32, 32]
+        q = self.q[ids].float().unflatten(-1, (self.scale.shape[1], -1))  # [..., H/g, g]
         rows = q * self.scale[ids][..., None] + self.offset[ids][..., None]
         return rows.flatten(-2).to(self.dtype)
 
