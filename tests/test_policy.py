@@ -22,10 +22,27 @@ def test_policy_picks_the_faster_mode_and_probes_the_other():
         # speculation: 2 tokens per request in 0.3 s; plain: 1 token in 0.1 s -> plain is faster
         policy.record(4, spec, 2.0 if spec else 1.0, 0.3 if spec else 0.1)
     assert choices[:2] == [True, True] and choices[2] is False  # warm-up, then the first plain probe
-    assert sum(choices[3:]) == sum(1 for n in range(4, 41) if n % 10 == 0)  # only the periodic probes speculate
+    # plain leads from round 4: speculation is probed 10 rounds later, then 20 after that (it still loses)
+    assert [n for n, c in enumerate(choices, 1) if c and n > 2] == [14, 34]
     spec_rate, plain_rate = policy.rates(4)
     assert plain_rate == pytest.approx(10.0) and spec_rate == pytest.approx(2 / 0.3)
     assert policy.speculate(1)  # other batch sizes are measured separately
+
+
+def test_probes_of_a_losing_mode_back_off_and_restart_when_the_lead_changes():
+    """alpha 1: each mode's rate is its last round's. Plain leads until round 60 (speculation probed 4 rounds after
+    plain takes the lead, then 8, then every 16); then speculation is faster, leads from the first decision that
+    sees it, and plain is probed 4, 8, 16, 16 rounds after that."""
+    policy = SpecPolicy(probe_every=4, max_probe_every=16, warmup_rounds=0, alpha=1.0)
+    chose = {}
+    for n in range(1, 111):
+        chose[n] = policy.speculate(1)
+        fast = not chose[n] if n <= 60 else chose[n]
+        policy.record(1, chose[n], 1.0, 0.1 if fast else 0.3)
+    assert chose[1] and not chose[2]  # the first round of each mode
+    assert [n for n in range(3, 61) if chose[n]] == [7, 15, 31, 47]  # plain leads from round 3
+    assert chose[61] is False and all(chose[n] for n in range(62, 66))  # 61 measures plain slow: a new leader
+    assert [n for n in range(62, 111) if not chose[n]] == [66, 74, 90, 106]
 
 
 def test_policy_keeps_speculating_when_it_pays():

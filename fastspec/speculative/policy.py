@@ -2,8 +2,10 @@
 
 Speculation only pays when tau outgrows the extra cost of drafting and verifying N tokens; on a CPU or at a
 large batch it often does not. Each mode's per-request tokens/second is an exponential moving average per batch
-size; the faster one runs, and the other is re-measured every `probe_every` rounds because acceptance drifts
-with the content. Decisions never change tokens (both modes are exact), only speed.
+size; the faster one runs, and the other is re-measured now and then because acceptance drifts with the content:
+`probe_every` rounds after the lead changes, then twice as long after each probe that still loses, up to
+`max_probe_every` (a mode that keeps losing costs fewer and fewer probes). Decisions never change tokens (both
+modes are exact), only speed.
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ class _Rates:
     spec: float | None = None  # per-request tokens / second, EMA
     plain: float | None = None
     rounds: int = 0
+    leader: bool | None = None  # whether speculation led at the last decision
+    interval: int = 0  # rounds between probes of the losing mode now
+    next_probe: int = 0  # the round that probes it
 
 
 @dataclass
 class SpecPolicy:
     probe_every: int = 32
+    max_probe_every: int = 512
     alpha: float = 0.3
     warmup_rounds: int = 2  # speculative rounds measured before the first plain probe
     _rates: dict[int, _Rates] = field(default_factory=dict)
@@ -34,8 +40,13 @@ class SpecPolicy:
         if r.plain is None:
             return False
         spec_wins = r.spec >= r.plain
-        probe = r.rounds % self.probe_every == 0  # re-measure the losing mode now and then
-        return spec_wins != probe
+        if spec_wins != r.leader:  # a new leader: probe the other mode soon again
+            r.leader, r.interval, r.next_probe = spec_wins, self.probe_every, r.rounds + self.probe_every
+        if r.rounds < r.next_probe:
+            return spec_wins
+        r.interval = min(2 * r.interval, self.max_probe_every)  # the probe is now; the next one waits longer
+        r.next_probe = r.rounds + r.interval
+        return not spec_wins
 
     def record(self, bs: int, speculative: bool, tokens_per_request: float, seconds: float) -> None:
         r = self._rates.setdefault(bs, _Rates())
