@@ -13,11 +13,14 @@ on the same dequantised weights first. Variants:
   int8 (bf16 / f32 act.)  torch's _weight_int8pack_mm, one scale per output channel (Q8_0 re-quantised per row)
   int4 (bf16 / f32 act.)  the engine's Int4Linear (torch's _weight_int4pack_mm_for_cpu, group 32): Q4_0 / Q4_1
                           exactly (w = (q - 8) * scale + zero: Q4_1's d*q + m is scale d, zero m + 8d)
+  int4 / int8 (int16 act.) fastspec's own kernels (BlockLinear, kernels/cpu_q4.c): the Q4_1 blocks as stored, and
+                          the same values as 8-bit blocks of 16 (the layout of Q8_0 / Q6_K weights)
   dequant+linear          Q4_1 nibbles unpacked to float32 per call, then F.linear (eager; the exact fallback)
 With --end-to-end: the embedded model as `fastspec generate` runs it at batch 1 (4 chat questions, 64 greedy
 tokens each, trials alternating between the engines), plain and EAGLE-3 (every round speculating), each with
-its projections dequantised (float32, the default), kept packed (`quantization="gguf"`) and rounded again to 4 bits
-at load (`quantization="int4"`): median tok/s and each one's ratio to dequantised plain decoding.
+its projections dequantised (float32), kept packed (`quantization="gguf"`, the default) and rounded again to 4 bits
+at load (`quantization="int4"`), each packed one on this machine's fastest kernel: median tok/s and each one's ratio
+to dequantised plain decoding.
 Writes bench/results/packed.json (packed_end_to_end.json).
 """
 
@@ -32,9 +35,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fastspec.kernels import cpu_q4
 from fastspec.models.gguf_blocks import BLOCK as GROUP
-from fastspec.models.gguf_blocks import Blocks
-from fastspec.models.packed_layers import Int4Linear, int4_matmul
+from fastspec.models.gguf_blocks import Blocks, as_8bit_16
+from fastspec.models.packed_layers import BlockLinear, Int4Linear, int4_matmul
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
 Q_KV = 576 + 2 * 192  # 9 query heads, 3 KV heads of 64
@@ -54,6 +58,10 @@ def build(variant: str, blocks: Blocks):
     w = blocks.dequantise()
     if variant in ("float32", "bfloat16"):
         return w.to(getattr(torch, variant)), F.linear
+    if variant.endswith("int16 act"):  # fastspec's own kernels (BlockLinear): 4-bit as stored, or as 8-bit values
+        b = Blocks(blocks.q.to(torch.uint8), blocks.scale, blocks.offset, 4)
+        linear = BlockLinear.from_blocks(b if variant.startswith("int4") else as_8bit_16(b))
+        return (linear.packed, linear.scales), lambda x, data: cpu_q4.matmul(x, *data)
     if variant.startswith("int8"):
         scale = w.abs().amax(1) / 127
         w8 = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
@@ -75,7 +83,7 @@ def build(variant: str, blocks: Blocks):
 
 
 VARIANTS = ["float32", "bfloat16", "int8 bf16 act", "int8 f32 act", "int4 bf16 act", "int4 f32 act",
-            "dequant+linear"]
+            "int4 int16 act", "int8 int16 act", "dequant+linear"]
 
 
 def activation_dtype(variant: str) -> torch.dtype:
