@@ -209,8 +209,9 @@ def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
     else:
         assert all(isinstance(m, CastLinear) for m in mixed)
         assert "Q6_K tensors have no packed kernel here" in caplog.text
-    assert all(isinstance(m, Int4Linear | BlockLinear) for m in (layers[1].self_attn.qkv_proj, layers[1].mlp.down_proj,
-                                                                  layers[0].mlp.gate_up_proj, layers[0].self_attn.o_proj))
+    packed = (layers[1].self_attn.qkv_proj, layers[1].mlp.down_proj, layers[0].mlp.gate_up_proj,
+              layers[0].self_attn.o_proj)
+    assert all(isinstance(m, Int4Linear | BlockLinear) for m in packed)
     assert isinstance(model.model.embed_tokens, BlockEmbedding)
     assert isinstance(model.lm_head, CastLinear if activation == torch.float32 else RefinedHead)
     x = torch.randint(0, len(TOKENS), (40,), generator=torch.Generator().manual_seed(0))

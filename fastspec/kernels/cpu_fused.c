@@ -173,10 +173,10 @@ static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int6
  * twin, bit for bit). All float32.
  * layers int64 [L, 14]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
  * norm's weight and the next layer's input norm's weight (0 after the last layer), then the four linears' bit
- * widths (4 or 8: which of cpu_q4.c's kernels runs each); k, v: the KV pool's
- * [L, num_slots, Hkv, D] caches (layer i's at i * layer_stride floats). x [T, H]: the residual stream entering layer 0, replaced by the last layer's output;
- * h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured` [n, T, H]
- * receiving the stream entering it, or -1. The rest as rope_write and attend take them.
+ * widths (4 or 8: which of cpu_q4.c's kernels runs each); k, v: the KV pool's [L, num_slots, Hkv, D] caches
+ * (layer i's at i * layer_stride floats). x [T, H]: the residual stream entering layer 0, replaced by the last
+ * layer's output; h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured`
+ * [n, T, H] receiving the stream entering it, or -1. The rest as rope_write and attend take them.
  * Returns 0, or -1 where memory could not be had. */
 int decoder_stack(int64_t L, const int64_t *layers, float *k, float *v, int64_t layer_stride, float *x,
                   const float *h0, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, float eps,

@@ -39,8 +39,8 @@ def add_rms_norm(x: torch.Tensor,         # float32 [T, H]  the residual stream
         return x, (weight * normed).to(out_dtype)
     T, H = x.shape
     x_out, normed = (x if y is None else torch.empty_like(x)), x.new_empty(T, H, dtype=out_dtype)
-    cpu_library.call(lib.add_rms_norm, x.data_ptr(), _ptr(y), ACT[y.dtype] if y is not None else 0, weight.data_ptr(), eps, T,
-          H, x_out.data_ptr(), normed.data_ptr(), ACT[out_dtype])
+    cpu_library.call(lib.add_rms_norm, x.data_ptr(), _ptr(y), ACT[y.dtype] if y is not None else 0, weight.data_ptr(),
+                     eps, T, H, x_out.data_ptr(), normed.data_ptr(), ACT[out_dtype])
     return x_out, normed
 
 
@@ -52,7 +52,8 @@ def silu_mul(gate_up: torch.Tensor,  # [T, 2I]  [gate | up], float32 or bf16
         return (F.silu(gate) * up).to(out_dtype)
     T, width = gate_up.shape
     out = gate_up.new_empty(T, width // 2, dtype=out_dtype)
-    cpu_library.call(lib.silu_mul, gate_up.data_ptr(), ACT[gate_up.dtype], T, width // 2, out.data_ptr(), ACT[out_dtype])
+    cpu_library.call(lib.silu_mul, gate_up.data_ptr(), ACT[gate_up.dtype], T, width // 2, out.data_ptr(),
+                     ACT[out_dtype])
     return out
 
 
@@ -71,8 +72,8 @@ def rope_write(qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]  float32 or bf16
         v_cache.index_copy_(0, slots, v)
         return q
     q = qkv.new_empty(T, num_heads, d, dtype=torch.float32)
-    cpu_library.call(lib.rope_write, qkv.data_ptr(), ACT[qkv.dtype], T, num_heads, hkv, d, cos.data_ptr(), sin.data_ptr(),
-          slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
+    cpu_library.call(lib.rope_write, qkv.data_ptr(), ACT[qkv.dtype], T, num_heads, hkv, d, cos.data_ptr(),
+                     sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
     return q
 
 
@@ -88,8 +89,8 @@ def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
     mask = None if plan.mask is None else plan.mask.contiguous()
     out = q.new_empty(T, hq * d, dtype=out_dtype)
     cpu_library.call(lib.attend, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), T, hq, k_cache.shape[1], d,
-          plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), max_qo, plan.kv_slots.shape[1], scale,
-          out.data_ptr(), ACT[out_dtype])
+                     plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), max_qo, plan.kv_slots.shape[1],
+                     scale, out.data_ptr(), ACT[out_dtype])
     return out
 
 

@@ -74,6 +74,20 @@ static void round_rows(const float *x, int64_t M, int64_t K, int16_t *x16, float
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
+/* acc + scale * xs * (the `n` weight pair vectors q dotted with the activation pairs a, 16 rows at once) +
+ * offset * xsum: one weight group's share of 16 outputs for one activation row */
+static inline __attribute__((always_inline)) __m512 group_sum(__m512 acc, const __m512i *q, const int32_t *a, int n,
+                                                              __m512 scale, __m512 offset, float xs, float xsum) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int p = 0; p < n; p += 2) {
+        s0 = _mm512_dpwssd_epi32(s0, q[p], _mm512_set1_epi32(a[p]));
+        s1 = _mm512_dpwssd_epi32(s1, q[p + 1], _mm512_set1_epi32(a[p + 1]));
+    }
+    __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+    acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xs)), acc);
+    return _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum), acc);
+}
+
 /* One tile (16 output rows) against `mb` activation rows; y rows are `ldy` apart. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *w, const uint16_t *sm, int64_t G,
                                                        const int16_t *x16, const float *xs, const float *xsum,
@@ -96,21 +110,26 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
         __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + g * 32 + 16)));
         for (int m = 0; m < mb; m++) {
             const int32_t *a = (const int32_t *)(x16 + m * K + g * Q4_GROUP); /* one pair per int32 */
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int p = 0; p < 16; p += 2) {
-                s0 = _mm512_dpwssd_epi32(s0, q[p], _mm512_set1_epi32(a[p]));
-                s1 = _mm512_dpwssd_epi32(s1, q[p + 1], _mm512_set1_epi32(a[p + 1]));
-            }
-            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
             int64_t r = m * (K / Q4_GROUP) + g;
-            acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xs[r])), acc[m]);
-            acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r]), acc[m]);
+            acc[m] = group_sum(acc[m], q, a, 16, scale, offset, xs[r], xsum[r]);
         }
     }
     for (int m = 0; m < mb; m++) _mm512_storeu_ps(y + m * ldy, acc[m]);
 }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 /* AVX2: a 64-byte vector is two halves of 8 rows; vpmaddwd sums the products of 16-bit pairs as vpdpwssd does. */
+static inline __attribute__((always_inline)) __m256 group_sum(__m256 acc, const __m256i *q, const int32_t *a, int n,
+                                                              __m256 scale, __m256 offset, float xs, float xsum) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int p = 0; p < n; p += 2) {
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(q[p], _mm256_set1_epi32(a[p])));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(q[p + 1], _mm256_set1_epi32(a[p + 1])));
+    }
+    __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+    acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs)), acc);
+    return _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum), acc);
+}
+
 static inline __attribute__((always_inline)) void tile(const uint8_t *w, const uint16_t *sm, int64_t G,
                                                        const int16_t *x16, const float *xs, const float *xsum,
                                                        int64_t K, float *y, int64_t ldy, const int mb) {
@@ -133,15 +152,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
             __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 16 + 8 * h)));
             for (int m = 0; m < mb; m++) {
                 const int32_t *a = (const int32_t *)(x16 + m * K + g * Q4_GROUP);
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                for (int p = 0; p < 16; p += 2) {
-                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(q[p], _mm256_set1_epi32(a[p])));
-                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(q[p + 1], _mm256_set1_epi32(a[p + 1])));
-                }
                 int64_t r = m * (K / Q4_GROUP) + g;
-                __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-                acc[m][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs[r])), acc[m][h]);
-                acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[r]), acc[m][h]);
+                acc[m][h] = group_sum(acc[m][h], q, a, 16, scale, offset, xs[r], xsum[r]);
             }
         }
     }
@@ -201,15 +213,7 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *w, const u
             /* group g of 16 is half (g & 1) of the activations' group g / 2 of 32, whose pair order puts inputs
              * 0..15 in its first 16 values */
             const int32_t *a = (const int32_t *)(x16 + m * K + (g / 2) * Q4_GROUP + (g & 1) * 16);
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int p = 0; p < 8; p += 2) {
-                s0 = _mm512_dpwssd_epi32(s0, q[p], _mm512_set1_epi32(a[p]));
-                s1 = _mm512_dpwssd_epi32(s1, q[p + 1], _mm512_set1_epi32(a[p + 1]));
-            }
-            __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xs[m * (K / Q4_GROUP) + g / 2])),
-                                     acc[m]);
-            acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * (K / 16) + g]), acc[m]);
+            acc[m] = group_sum(acc[m], q, a, 8, scale, offset, xs[m * (K / Q4_GROUP) + g / 2], xsum[m * (K / 16) + g]);
         }
     }
     for (int m = 0; m < mb; m++) _mm512_storeu_ps(y + m * ldy, acc[m]);
@@ -234,15 +238,8 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *w, const u
             __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 16 + 8 * h)));
             for (int m = 0; m < mb; m++) {
                 const int32_t *a = (const int32_t *)(x16 + m * K + (g / 2) * Q4_GROUP + (g & 1) * 16);
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                for (int p = 0; p < 8; p += 2) {
-                    s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(q[p], _mm256_set1_epi32(a[p])));
-                    s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(q[p + 1], _mm256_set1_epi32(a[p + 1])));
-                }
-                __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-                acc[m][h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs[m * (K / Q4_GROUP) + g / 2])),
-                                            acc[m][h]);
-                acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[m * (K / 16) + g]), acc[m][h]);
+                acc[m][h] = group_sum(acc[m][h], q, a, 8, scale, offset, xs[m * (K / Q4_GROUP) + g / 2],
+                                      xsum[m * (K / 16) + g]);
             }
         }
     }

@@ -1,7 +1,8 @@
 """The modules a model kept on its quantised blocks runs: Int4Linear (torch's int4 CPU matmul), BlockLinear
 (fastspec's int16 x 4- / 8-bit CPU kernels), BlockEmbedding (rows dequantised on lookup), RefinedHead (an lm_head
 whose best tokens are rescored exactly), CastLinear (a float weight kept in the fast float dtype), and the
-per-machine choice of the 4-bit kernel's activations (`fast_activation`). Math only: which weight becomes which module is gguf_packed's.
+per-machine choice of the 4-bit kernel's activations (`fast_activation`). Math only: which weight becomes which
+module is gguf_packed's.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Online 4-bit quantisation (`quantization="int4"`, CPU): a float checkpoint's fused projections rounded at load to
 4 bits per weight with a scale and an offset per group of 32 (Q4_1's rounding, gguf_blocks.quantise_rows) and run
 through a 4-bit kernel (packed_layers.int4_linear); the lm_head becomes a RefinedHead over its float table (the
-embedding when tied), so its best tokens are scored exactly. Embeddings, norms and a projection whose shape the kernel cannot take stay as loaded.
-Llama-family targets (Llama, Qwen2, Qwen3, Mistral). Does not own the kernels (packed_layers) nor loading (loader).
+embedding when tied), so its best tokens are scored exactly. Embeddings, norms and a projection whose shape the
+kernel cannot take stay as loaded. Llama-family targets (Llama, Qwen2, Qwen3, Mistral). Does not own the kernels
+(packed_layers) nor loading (loader).
 """
 
 from __future__ import annotations
