@@ -111,7 +111,7 @@ def decoder_stack(layers: torch.Tensor,           # int64 [L, 14]  each layer's 
     capture_at = torch.full((L,), -1, dtype=torch.int64)
     capture_at[ids] = torch.arange(len(ids))
     captured = x.new_empty(len(ids), *x.shape)
-    out = x.clone()
+    out = x.clone(memory_format=torch.contiguous_format)
     mask = None if plan.mask is None else plan.mask.contiguous()
     status = cpu_library.call(
         lib.decoder_stack, L, layers.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].numel(), out.data_ptr(),

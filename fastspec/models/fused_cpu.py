@@ -108,9 +108,8 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (it
 def _stack_table(model) -> torch.Tensor | None:
     """int64 [L, 14]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four BlockLinears'
     packed weights and scales, its post-attention norm, the next layer's input norm) and its linears' bit widths,
-    or None where a layer is not
-    that (another kernel, a bias, norms with different eps, KV not at the layer's own index). Built once per model:
-    a loaded model's tensors do not move."""
+    or None where a layer is not that (another kernel, a bias, norms with different eps, KV not at the layer's own
+    index). Built once per model: a loaded model's tensors do not move."""
     if model not in _TABLES:
         layers, rows = model.model.layers, []
         for i, layer in enumerate(layers):

@@ -11,8 +11,8 @@ the types. Norms load as converted.
 The first packed load also stores the packed weights beside the blocks, per torch version (PackedCache; torch's int4
 layout is its own): later starts read them as they are.
 The converted float32 model is the reference twin: with float32 activations the packed model computes the same
-weights to float32 rounding; bfloat16 ones are the fast kernel (tests: logits, teacher-forced agreement, lossless
-speculation on the packed target).
+weights to float32 rounding; int16 or bfloat16 ones are the fast kernels (tests: logits, teacher-forced agreement,
+lossless speculation on the packed target).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
-from fastspec.models.packed_layers import (ROW_TILE, BlockEmbedding, CastLinear, Int4Linear, BlockLinear, RefinedHead,
+from fastspec.models.packed_layers import (ROW_TILE, BlockEmbedding, BlockLinear, CastLinear, Int4Linear, RefinedHead,
                                            float_dtype)
 from fastspec.models.layers import RotaryEmbedding
 from fastspec.models.llama import LlamaForCausalLM
@@ -78,9 +78,9 @@ class StoredWeights:
 
 
 class PackedCache:
-    """The packed 4-bit weights of one converted model for this torch version (torch's int4 layout is its own; the
-    int16 kernel's is fastspec's): read when stored, else collected while packing and written once at the end
-    (atomically; a read-only cache is left as it is)."""
+    """The packed weights of one converted model for this torch version (torch's int4 layout is its own; the int16
+    kernels' is fastspec's): read when stored, else collected while packing and written once at the end (atomically;
+    a read-only cache is left as it is)."""
 
     def __init__(self, model_dir: Path):
         self.path = model_dir / Path(BLOCKS_FILE).parent / f"int4-cpu-torch-{torch.__version__}.safetensors"
@@ -95,14 +95,14 @@ class PackedCache:
     def linear(self, name: str, blocks, activation: torch.dtype) -> nn.Module:
         """The packed linear `name` for `activation` (packed_layers.int4_linear): from the cache, else packed from
         `blocks()` (its Blocks: 4-bit, or with int16 activations any width)."""
-        q4 = activation == torch.int16
-        keys = [f"{name}.blocks_packed", f"{name}.blocks_scales"] if q4 else [f"{name}.packed", f"{name}.scale_zero"]
+        ours = activation == torch.int16
+        keys = [f"{name}.blocks_packed", f"{name}.blocks_scales"] if ours else [f"{name}.packed", f"{name}.scale_zero"]
         if all(k in self.names for k in keys):
             tensors = [self.stored.get_tensor(k) for k in keys]
         else:
-            tensors = (BlockLinear if q4 else Int4Linear).pack(blocks())
+            tensors = (BlockLinear if ours else Int4Linear).pack(blocks())
             self.new.update(zip(keys, tensors))
-        return BlockLinear(*tensors) if q4 else Int4Linear(*tensors, activation)
+        return BlockLinear(*tensors) if ours else Int4Linear(*tensors, activation)
 
     def save(self) -> None:
         if not self.new:

@@ -220,8 +220,8 @@ def _seconds(activation: torch.dtype, reps: int = 16) -> float:
     """One token through a [1536, 576] 4-bit weight with `activation`: the fastest of `reps` calls on one thread (a
     busy second core would stall a 2-thread call), ~20 ms."""
     q = torch.randint(0, 16, (1536, 576), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    linear, x = int4_linear(Blocks(q, torch.full((1536, 18), 0.01), torch.zeros(1536, 18), 4), activation), \
-        torch.randn(1, 576)
+    blocks = Blocks(q, torch.full((1536, 18), 0.01), torch.zeros(1536, 18), 4)
+    linear, x = int4_linear(blocks, activation), torch.randn(1, 576)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
