@@ -221,3 +221,17 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
     for a, b in zip(one_call, run()):
         assert torch.equal(a, b)
     assert len(calls) == 2  # the loop ran the second time
+
+
+def test_top_k_is_the_set_torch_topk_picks():
+    """Per row the set of torch.topk's indices (distinct values: no ties to break), over a whole vocabulary, a row
+    slice of a wider tensor and k = the row length; NaNs are never taken while numbers are left."""
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(3, 49200, generator=g)
+    for x, k in ((wide[:, :49152], 16), (wide[:1, :40], 40), (torch.randn(4, 100, generator=g), 7)):
+        got = cpu_fused.top_k(x, k)
+        assert got.shape == (x.shape[0], k)
+        assert all(set(a.tolist()) == set(b.tolist()) for a, b in zip(got, x.topk(k, -1).indices))
+    x = torch.tensor([[0.5, float("nan"), 2.0, -1.0, 3.0]])
+    assert set(cpu_fused.top_k(x, 3)[0].tolist()) == {0, 2, 4}
+    assert set(cpu_fused.top_k(x, 5)[0].tolist()) == {0, 1, 2, 3, 4}

@@ -18,6 +18,12 @@ static inline float bf16_to_f32(uint16_t b) {
     return f;
 }
 
+static inline int is_nan(float f) { /* by its bits: -ffast-math lets the compiler assume f == f */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u & 0x7fffffffu) > 0x7f800000u;
+}
+
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -156,6 +162,42 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
     for (int64_t t = 0; t < T; t++) store_row(o_all + t * Hq * D, Hq * D, (char *)out + t * Hq * D * (out_act ? 2 : 4),
                                               out_act);
     free(o_all);
+}
+
+/* The indices of the k largest values of each row of x [M, V] (rows `stride` floats apart) into out int64 [M, k], in
+ * no particular order (a min-heap of k per row, one pass; a tie goes to the lower index; a NaN is never taken). */
+void top_k(const float *x, int64_t M, int64_t V, int64_t stride, int64_t k, int64_t *out) {
+#pragma omp parallel for schedule(static) if (M > 1 && M * V >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * stride;
+        int64_t *heap = out + m * k, n = 0; /* heap[0]: the smallest kept value's index */
+        for (int64_t j = 0; j < V; j++) {
+            float v = row[j];
+            if (is_nan(v)) continue;
+            if (n < k) { /* sift up */
+                int64_t c = n++;
+                while (c > 0 && row[heap[(c - 1) / 2]] > v) {
+                    heap[c] = heap[(c - 1) / 2];
+                    c = (c - 1) / 2;
+                }
+                heap[c] = j;
+            } else if (v > row[heap[0]]) { /* replace the smallest, sift down */
+                int64_t c = 0;
+                for (;;) {
+                    int64_t l = 2 * c + 1, r = l + 1, s = c;
+                    float sv = v;
+                    if (l < k && row[heap[l]] < sv) s = l, sv = row[heap[l]];
+                    if (r < k && row[heap[r]] < sv) s = r;
+                    if (s == c) break;
+                    heap[c] = heap[s];
+                    c = s;
+                }
+                heap[c] = j;
+            }
+        }
+        for (int64_t j = 0; n < k; j++) /* fewer than k numbers (NaNs): the first indices not taken */
+            if (is_nan(row[j])) heap[n++] = j;
+    }
 }
 
 int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y);

@@ -94,6 +94,19 @@ def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
     return out
 
 
+def top_k(x: torch.Tensor,  # float32 [M, V]  (rows may be a slice of wider ones)
+          k: int) -> torch.Tensor:  # int64 [M, k]
+    """The indices of each row's k largest values, in no particular order (torch.topk's set; a tie may pick
+    another index of the same value)."""
+    lib = cpu_library.library()
+    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.stride(-1) != 1
+            or not 0 < k <= x.shape[-1]):
+        return x.topk(k, -1).indices
+    out = torch.empty(x.shape[0], k, dtype=torch.int64)
+    cpu_library.call(lib.top_k, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), k, out.data_ptr())
+    return out
+
+
 def decoder_stack(layers: torch.Tensor,           # int64 [L, 14]  each layer's weights and widths (cpu_fused.c)
                   k: torch.Tensor, v: torch.Tensor,  # float32 [L, num_slots, Hkv, D]  the KV pool
                   x: torch.Tensor,                # float32 [T, H]  the residual stream entering layer 0
