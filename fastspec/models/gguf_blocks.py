@@ -93,6 +93,15 @@ def quantise_rows(rows, n: int, chunk: int = 4096) -> Blocks:
     return Blocks(q, torch.cat(scale), torch.cat(offset), 4)
 
 
+def round_8bit(weight: torch.Tensor) -> Blocks:
+    """A float weight [N, K] (K % 16 == 0) rounded to int8 values with a scale per 16 (max |w| / 127, offset 0): each
+    value within half a step, 1/254 of its group's largest."""
+    w = weight.detach().float().unflatten(-1, (-1, 16))  # [N, K/16, 16]
+    scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N, K/16]
+    q = torch.round(w / scale[..., None]).clamp(-127, 127).to(torch.int8).flatten(-2)
+    return Blocks(q, scale, torch.zeros_like(scale), 8)
+
+
 def blocks_state(name: str, b: Blocks) -> dict[str, torch.Tensor]:
     """How `b` is stored under `name` (safetensors): 4-bit values two to a byte (element 2j in the low nibble, 2j + 1
     in the high one), 8-bit values as int8, scales and offsets as float32."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastspec.kernels import cpu_fused, cpu_library, cpu_q4
-from fastspec.models.gguf_blocks import BLOCK, Blocks, as_8bit_16
+from fastspec.models.gguf_blocks import BLOCK, Blocks, as_8bit_16, round_8bit
 
 ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows
 
@@ -198,6 +198,22 @@ def cast_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             setattr(model, name, CastLinear(child.weight.detach().to(dtype), bias))
         else:
             cast_linears(child, dtype)
+    return model
+
+
+def pack_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every nn.Linear of `model` (in place) as a BlockLinear over its weight rounded to 8 bits per 16 values
+    (gguf_blocks.round_8bit: a draft head beside a target on fastspec's kernels, which only proposes tokens: the
+    output stays exact), or as a CastLinear in `dtype` where the kernel cannot take its shape."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            bias = None if child.bias is None else child.bias.detach()
+            n, k = child.weight.shape
+            fits = n % cpu_q4.TILE == 0 and k % cpu_q4.GROUP == 0
+            setattr(model, name, BlockLinear.from_blocks(round_8bit(child.weight), bias) if fits
+                    else CastLinear(child.weight.detach().to(dtype), bias))
+        else:
+            pack_linears(child, dtype)
     return model
 
 

@@ -38,22 +38,24 @@ PREPACK_BS = (1, 2, 4)  # each packed row count is one more copy of the weights:
 def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
     """Target and draft weights, their projections fused (fastspec.models.layers.fuse_projections); with quantization
     "gguf" a GGUF target on its own blocks (fastspec.models.gguf_packed), with "int4" its projections rounded to 4
-    bits at load (fastspec.models.quantise), and either way the draft's linears in the fast float dtype; on CPU
-    in float32, other linears are prepacked for the row counts of the verify (bs * num_draft_tokens) and of the
-    draft steps (bs * topk) at batch sizes 1, 2 and 4."""
+    bits at load (fastspec.models.quantise), and either way the draft's linears on fastspec's kernels (8-bit blocks)
+    where the target runs on them, else in the fast float dtype; on CPU in float32, other linears are prepacked for
+    the row counts of the verify (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2
+    and 4."""
     models = _load_models(model_dir, spec, config)
     for model in (models.target, models.draft):
         if isinstance(model, nn.Module):
             fuse_projections(model)  # one QKV and one gate_up GEMM per layer
     if config.quantization is not None:
-        from fastspec.models.packed_layers import cast_linears, fast_activation, float_dtype
+        from fastspec.models.packed_layers import cast_linears, fast_activation, float_dtype, pack_linears
 
         if config.quantization == "int4":
             from fastspec.models.quantise import quantise_int4
 
             quantise_int4(models.target, fast_activation())
-        if isinstance(models.draft, nn.Module):
-            cast_linears(models.draft, float_dtype(fast_activation()))  # bfloat16 where this CPU runs it fast
+        if isinstance(models.draft, nn.Module):  # on fastspec's kernels where the target is, else in the float dtype
+            act = fast_activation()
+            (pack_linears if act == torch.int16 else cast_linears)(models.draft, float_dtype(act))
     pack_round_rows(models.target, models.draft, spec, config)
     if config.device == "cpu":
         trim_host_heap()  # what loading freed goes back to the OS
