@@ -1,7 +1,8 @@
-/* fastspec's 4-bit CPU GEMM with int16 activations: y = x @ w.T for a weight stored as 4-bit values with a scale
- * and an offset per group of 32 (w = q * scale + offset: GGUF's Q4_0 / Q4_1 / Q4_K read as blocks), x rounded to
- * int16 per group of 32 on the fly (x ~= x16 * max |x| / 32767: within 2^-16 of the group's largest value, finer
- * than bfloat16 for all but its smallest values). The integer dot products are exact; per group
+/* fastspec's 4- and 8-bit CPU GEMMs with int16 activations (the 8-bit one further down, before the driver).
+ * The 4-bit one: y = x @ w.T for a weight stored as 4-bit values with a scale and an offset per group of 32
+ * (w = q * scale + offset: GGUF's Q4_0 / Q4_1 / Q4_K read as blocks), x rounded to int16 per group of 32 on the fly
+ * (x ~= x16 * max |x| / 32767: within 2^-16 of the group's largest value, finer than bfloat16 for all but its
+ * smallest values). The integer dot products are exact; per group
  *   y[m, n] += scale[n, g] * xs[m, g] * sum_k q[n, k] x16[m, k] + offset[n, g] * sum_k x[m, k]
  * with the offset term taken on the unrounded x (cpu_q4.py holds the torch twin).
  *
@@ -26,12 +27,12 @@
 /* groups ahead whose weights are prefetched (the next tile's once a tile ends; a prefetch never faults): a decode
  * step reads every weight once, from memory, and the hardware prefetcher alone left the kernel at ~15 GB/s */
 #define Q4_AHEAD 16
+#define Q4_PARALLEL_WORK 65536 /* multiply-adds below which the GEMM runs on the calling thread */
 
 static inline void prefetch_group(const uint8_t *w, const uint16_t *sm, int64_t g) {
     for (int c = 0; c < 256; c += 64) __builtin_prefetch(w + g * 256 + c);
     __builtin_prefetch(sm + g * 32);
 }
-#define Q4_PARALLEL_WORK 65536 /* multiply-adds below which the GEMM runs on the calling thread */
 
 /* the input each of a group's 32 rounded activations is, in the kernel's pair order (see above) */
 static const int8_t PAIR_ORDER[32] = {0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
@@ -187,9 +188,9 @@ static inline void tile(const uint8_t *w, const uint16_t *sm, int64_t G, const i
 }
 #endif
 
-/* The 8-bit twin: y = x @ w.T for a weight stored as int8 values with a scale and an offset per group of 16
+/* The 8-bit kernel: y = x @ w.T for a weight stored as int8 values with a scale and an offset per group of 16
  * (w = q * scale + offset: GGUF's Q8_0, Q6_K and, merged beside them, 4-bit groups), the activations rounded as
- * above (int16 per group of 32; the offset term takes the sum of x over each group of 16). Layout (cpu_q4.pack8): a
+ * above (int16 per group of 32; the offset term takes the sum of x over each group of 16). Layout (cpu_q4.pack): a
  * tile of 16 rows by one group of 16 inputs is 256 bytes, four 64-byte vectors; vector v holds, for row j
  * (bytes 4j..4j+3), inputs 4v..4v+3; sign-extending the low / high byte of each 16-bit half gives the pairs
  * (4v, 4v+2) / (4v+1, 4v+3), the 4-bit kernel's pair order. Scales and offsets: float16 [N/16, K/16, 2, 16]. */
