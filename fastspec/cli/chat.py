@@ -30,7 +30,7 @@ def chat(
     """Chat in the terminal. Without a terminal on stdin: one user message per line, plain answers on stdout."""
     from fastspec.cli.common import Notes, prepare_progress
     from fastspec.llm import LLM
-    from fastspec.models.embedded import cache_root
+    from fastspec.utils.cache import cache_root
     from fastspec.text.chat import ChatSession
 
     params = sampling_params(temperature, top_k, top_p, seed, max_new_tokens)

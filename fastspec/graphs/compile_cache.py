@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from fastspec.errors import first_line
+from fastspec.utils.cache import cache_root
 
 log = logging.getLogger(__name__)
 DYNAMO_RECOMPILE_LIMIT = 1024  # one dynamo cache entry per bucket (and per runner sharing a function)
@@ -116,8 +117,6 @@ def _clear_loaded_modules() -> None:
 
 
 def _own_cache_dir() -> Path:
-    from fastspec.models.embedded import cache_root
-
     return cache_root() / "inductor"
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from fastspec.utils.cache import cache_root
+
 log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_fused.c", "cpu_q4.c"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
@@ -42,8 +44,6 @@ SIGNATURES = {  # name -> (argument types, result type)
 def library() -> ctypes.CDLL | None:
     if os.environ.get("FASTSPEC_FUSED_CPU") == "0":
         return None
-    from fastspec.models.embedded import cache_root
-
     key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(FLAGS).encode()
                          + _cpu_signature().encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"cpu_fused-{key}.so"

@@ -1,6 +1,7 @@
 """Embedded default models: GGUF files shipped inside pip packages, converted once into a local cache.
 
-Owns: the table of embedded models, the cache locations and the "convert once, reuse after" check.
+Owns: the table of embedded models, where converted models live and the "convert once, reuse after" check (the
+cache's root is fastspec.utils.cache's; `cache_root` is re-exported here).
 Does not own: the conversion itself (gguf.py) nor loading the converted directory (loader.py).
 The package is located with `find_spec` and never imported (its own dependencies need not be installed).
 """
@@ -12,6 +13,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from fastspec.errors import FastspecError
+from fastspec.utils.cache import cache_root  # noqa: F401  (re-exported: callers that locate converted models)
 
 
 @dataclass(frozen=True)
@@ -41,15 +43,6 @@ def default_speculation(model: str, algorithm: str | None, draft_model: str | No
     if head is None or draft_model is not None or (algorithm or "EAGLE3").upper() != "EAGLE3":
         return algorithm, draft_model
     return "EAGLE3", str(head)
-
-
-def cache_root() -> Path:
-    """$FASTSPEC_CACHE, else $XDG_CACHE_HOME/fastspec, else ~/.cache/fastspec."""
-    if os.environ.get("FASTSPEC_CACHE"):
-        return Path(os.environ["FASTSPEC_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "fastspec"
-    return Path.home() / ".cache" / "fastspec"
 
 
 def models_root() -> Path:

@@ -18,7 +18,7 @@ import torch
 
 from fastspec.config import Schedule, SpecParams, check_tree
 from fastspec.errors import FastspecError
-from fastspec.models.embedded import cache_root
+from fastspec.utils.cache import cache_root
 from fastspec.utils import threads
 from fastspec.utils.files import write_atomic
 

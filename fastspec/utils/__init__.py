@@ -1,2 +1,2 @@
-"""Small helpers every area uses: atomic files, thread counts, host->device copies without a stream
+"""Small helpers every area uses: the cache's root, atomic files, thread counts, host->device copies without a stream
 synchronisation, speculative metrics and phase timers."""
