@@ -192,28 +192,28 @@ class CastLinear(nn.Module):
 def cast_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Every nn.Linear of `model` (in place) as a CastLinear with its weight in `dtype` (a bfloat16 draft head next
     to a packed target: its weights are stored in bfloat16 anyway, and no prepacked float32 copies)."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            bias = None if child.bias is None else child.bias.detach()
-            setattr(model, name, CastLinear(child.weight.detach().to(dtype), bias))
-        else:
-            cast_linears(child, dtype)
-    return model
+    return _replace_linears(model, lambda weight, bias: CastLinear(weight.to(dtype), bias))
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Every nn.Linear of `model` (in place) as a BlockLinear over its weight rounded to 8 bits per 16 values
     (gguf_blocks.round_8bit: a draft head beside a target on fastspec's kernels, which only proposes tokens: the
     output stays exact), or as a CastLinear in `dtype` where the kernel cannot take its shape."""
+    def block(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        n, k = weight.shape
+        if n % cpu_q4.TILE or k % cpu_q4.GROUP:
+            return CastLinear(weight.to(dtype), bias)
+        return BlockLinear.from_blocks(round_8bit(weight), bias)
+    return _replace_linears(model, block)
+
+
+def _replace_linears(model: nn.Module, make) -> nn.Module:
+    """Every nn.Linear of `model`, at any depth, replaced in place by make(weight, bias) (detached tensors)."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            bias = None if child.bias is None else child.bias.detach()
-            n, k = child.weight.shape
-            fits = n % cpu_q4.TILE == 0 and k % cpu_q4.GROUP == 0
-            setattr(model, name, BlockLinear.from_blocks(round_8bit(child.weight), bias) if fits
-                    else CastLinear(child.weight.detach().to(dtype), bias))
+            setattr(model, name, make(child.weight.detach(), None if child.bias is None else child.bias.detach()))
         else:
-            pack_linears(child, dtype)
+            _replace_linears(child, make)
     return model
 
 
