@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", None, "gguf", "int4")  # "none" is read as None
+# "none" is read as None; fp8 / int8 / int4 round a float checkpoint at load (or name an fp8 checkpoint's own); the
+# others name a quantised checkpoint's method (models.quant_config)
+QUANTIZATIONS = ("auto", None, "gguf", "fp8", "int8", "int4", "awq", "gptq", "compressed-tensors", "fbgemm_fp8")
 
 
 def resolve_device(device: str) -> str:
@@ -67,9 +69,9 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"  # embedded name, HF directory or .gguf file
     load_format: str = "auto"  # auto: the model's weights; dummy: random weights from config.json alone (benchmarks)
-    # auto: gguf for a model converted from a .gguf file on CPU (models.loader.resolve_quantization), else None;
-    # None ("none"): the weights dequantised to dtype (the exact reference); gguf: a GGUF model on its own blocks;
-    # int4: projections rounded at load (CPU)
+    # auto: a quantised checkpoint's own method, gguf for a model converted from a .gguf file on CPU, else None
+    # (models.loader.resolve_quantization); None ("none"): the weights dequantised to dtype (the exact reference);
+    # gguf: a GGUF model on its own blocks; fp8 / int8 / int4: a float checkpoint's projections rounded at load
     quantization: str | None = "auto"
     dtype: str = "float32"
     device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
@@ -95,7 +97,8 @@ class EngineConfig:
         if self.quantization == "none":
             object.__setattr__(self, "quantization", None)
         if self.quantization not in QUANTIZATIONS:
-            raise FastspecError(f"--quantization must be auto, none, gguf or int4, got {self.quantization!r}")
+            names = ", ".join("none" if q is None else q for q in QUANTIZATIONS)
+            raise FastspecError(f"--quantization must be one of {names}, got {self.quantization!r}")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise FastspecError(f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}")
         if self.graphs not in GRAPH_MODES:
@@ -116,9 +119,8 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise FastspecError(f"max-running-requests must be >= 1, got {self.max_running_requests}")
         check_device(self.device)
-        if self.quantization not in (None, "auto") and self.device != "cpu":
-            raise FastspecError(f"--quantization {self.quantization} runs on the CPU for now (torch's int4 CPU "
-                                "kernel); use --device cpu")
+        if self.quantization == "gguf" and self.device != "cpu":
+            raise FastspecError("--quantization gguf runs on the CPU (fastspec's block kernels); use --device cpu")
         if self.graphs == "cuda" and self.device == "cpu":
             raise FastspecError("--graphs cuda needs a CUDA device, got --device cpu"
                                 + ("" if _cuda_available() else " (torch sees no GPU here)")

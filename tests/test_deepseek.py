@@ -185,7 +185,8 @@ def test_nextn_without_an_mtp_layer_is_a_one_line_error(ds):
 
 @pytest.mark.commands
 @pytest.mark.parametrize("change, message", [
-    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, r"quantised checkpoints \(fp8\)"),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+     r"quantisation method 'bitsandbytes' \(bitsandbytes' NF4 / int8 layouts\) is not supported; supported: fp8"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "unsupported rope scaling type 'longrope'"),
     ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
     ({"n_group": 3}, "inconsistent MoE routing"),

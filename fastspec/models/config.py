@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fastspec.errors import FastspecError
 from fastspec.models.arch_config import (HybridConfig, MLAConfig, MoEConfig, bamba_fields, deepseek_fields,
                                          qwen3_next_fields)
+from fastspec.models.quant_config import read_scheme
 
 __all__ = ["HybridConfig", "MLAConfig", "MoEConfig", "ModelConfig", "RopeScaling"]
 
@@ -108,7 +109,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict, *, source: str = "config.json") -> ModelConfig:
         arch = _architecture(hf, source)
-        _check_quantization(hf, source)
+        read_scheme(hf, source=source)  # an unsupported quantisation: refused here, before any weight is read
         try:
             hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
             vocab = int(hf["vocab_size"])
@@ -174,14 +175,6 @@ def _architecture(hf: dict, source: str) -> str:
         known = ", ".join(TARGET_ARCHITECTURES + DRAFT_ARCHITECTURES)
         raise FastspecError(f"{source}: unsupported architecture {arch or '(none)'!r}; supported: {known}")
     return arch
-
-
-def _check_quantization(hf: dict, source: str) -> None:
-    quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise FastspecError(f"{source}: quantised checkpoints ({method}) are not supported; use a bf16 / fp16 / "
-                            "fp32 copy of the weights")
 
 
 def _int_tuple(value) -> tuple[int, ...]:

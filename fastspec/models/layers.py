@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastspec.models.config import ModelConfig, RopeScaling
+from fastspec.models.quant_layers import QuantLinear
 
 
 class RMSNorm(nn.Module):
@@ -133,8 +134,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-def merged_linear(*parts: nn.Linear) -> nn.Linear:
-    """One linear whose output is the parts' outputs side by side (their weights concatenated: one GEMM)."""
+def merged_linear(*parts: nn.Module) -> nn.Module | None:
+    """One linear whose output is the parts' outputs side by side (their weights concatenated: one GEMM); quantised
+    parts merged in their stored form, or None where they cannot share one (the parts then stay separate)."""
+    if all(isinstance(p, QuantLinear) for p in parts):
+        return QuantLinear.merge(list(parts))
+    if not all(isinstance(p, nn.Linear) for p in parts):
+        return None
     merged = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
                        device="meta")
     merged.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
@@ -162,8 +168,11 @@ class MLP(nn.Module):
 
     def fuse(self, merged: nn.Module | None = None) -> None:
         """gate and up as one linear: theirs concatenated, or `merged` (a prebuilt one, e.g. packed)."""
-        if self.gate_up_proj is None:
-            self.gate_up_proj = merged or merged_linear(self.gate_proj, self.up_proj)
+        if self.gate_up_proj is not None:
+            return
+        merged = merged or merged_linear(self.gate_proj, self.up_proj)
+        if merged is not None:
+            self.gate_up_proj = merged
             del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,8 +202,11 @@ class Attention(nn.Module):
 
     def fuse(self, merged: nn.Module | None = None) -> None:
         """q, k and v as one linear: theirs concatenated, or `merged` (a prebuilt one, e.g. packed)."""
-        if self.qkv_proj is None:
-            self.qkv_proj = merged or merged_linear(self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv_proj is not None:
+            return
+        merged = merged or merged_linear(self.q_proj, self.k_proj, self.v_proj)
+        if merged is not None:
+            self.qkv_proj = merged
             del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, positions, x, rope: RotaryEmbedding, attn) -> torch.Tensor:

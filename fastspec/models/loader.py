@@ -24,6 +24,7 @@ from fastspec.models.dummy import default_dtype, fill_random
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.moe import Router, stack_experts
+from fastspec.models.quant_loader import build_quantised, checkpoint_scheme, split_quantised
 
 
 def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
@@ -125,12 +126,27 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str
 
 def resolve_quantization(quantization: str | None, model_dir: Path, device: str, load_format: str,
                          algorithm: str | None) -> str | None:
-    """EngineConfig.quantization with `auto` decided: gguf for a model converted from a .gguf file (its blocks stored)
-    run on CPU with its real weights and no EAGLE-2 head (which needs the float lm_head), else None."""
-    if quantization != "auto":
-        return quantization
+    """EngineConfig.quantization with `auto` decided and checked against the checkpoint: a quantised checkpoint's
+    own method (dummy weights: the online rounding of its kind); gguf for a model converted from a .gguf file (its
+    blocks stored) run on CPU with its real weights and no EAGLE-2 head (which needs the float lm_head); else None.
+    A method the checkpoint contradicts is one line."""
     from fastspec.models.gguf_blocks import BLOCKS_FILE
 
+    scheme = checkpoint_scheme(model_dir)
+    if scheme is not None and load_format == "dummy":  # random weights: rounded at load as the checkpoint's kind
+        return ("fp8" if scheme.kind == "fp8" else f"int{scheme.bits}") if quantization == "auto" else quantization
+    if scheme is not None:
+        if quantization in ("auto", scheme.method) or (quantization == "fp8" and scheme.kind == "fp8"):
+            return scheme.method
+        if quantization is None:
+            return None
+        raise FastspecError(f"--quantization {quantization} contradicts {model_dir}'s own quantisation "
+                            f"({scheme.label}); use auto, {scheme.method} or none (dequantised)")
+    if quantization in ("awq", "gptq", "compressed-tensors", "fbgemm_fp8"):
+        raise FastspecError(f"--quantization {quantization}: {model_dir} is not a {quantization} checkpoint (no "
+                            "quantization_config); fp8, int8 or int4 round a float checkpoint at load")
+    if quantization != "auto":
+        return quantization
     converted = (Path(model_dir) / BLOCKS_FILE).is_file()
     return "gguf" if converted and device == "cpu" and load_format == "auto" and algorithm != "EAGLE" else None
 
@@ -152,16 +168,38 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
             skeleton = LlamaForCausalLM(config, capture_layers)
         return load_packed_target(skeleton, model_dir, dtype, device, fast_activation())
     dummy = load_format == "dummy"
+    scheme = None if dummy else checkpoint_scheme(model_dir)
+    if scheme is not None:  # a quantised checkpoint: kept in its stored form, or dequantised (quantization None)
+        return _load_quantised(model_dir, config, capture_layers, scheme, dtype, device, quantization is not None)
     with _skip_init(), torch.device(device), default_dtype(dtype if dummy else None):
         model = _keep_routers_float32(LlamaForCausalLM(config, capture_layers).to(dtype))
     if dummy:
         fill_random(model, config.initializer_range)
         return model.eval().requires_grad_(False)
     skip = ("lm_head.",) if config.tie_word_embeddings else ()
-    state = stack_experts(read_state_dict(model_dir))
+    _load_into(model, _renamed(stack_experts(read_state_dict(model_dir))), skip, str(model_dir))
+    return model.eval().requires_grad_(False)
+
+
+def _renamed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if "model.final_layernorm.weight" in state:  # Bamba's name for the final norm
         state["model.norm.weight"] = state.pop("model.final_layernorm.weight")
-    _load_into(model, state, skip, str(model_dir))
+    return state
+
+
+def _load_quantised(model_dir: Path, config: ModelConfig, capture_layers: tuple[int, ...], scheme, dtype, device,
+                    keep: bool) -> LlamaForCausalLM:
+    """A quantised checkpoint (fastspec.models.quant_loader): its linears kept in their stored form (`keep`), or
+    every weight dequantised to `dtype` and loaded as a float model."""
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config, capture_layers)
+    state, forms = split_quantised(read_state_dict(model_dir), scheme, skeleton, dtype, keep, str(model_dir))
+    state = _renamed(stack_experts(state))
+    if forms:
+        return build_quantised(skeleton, state, forms, dtype, device, str(model_dir))
+    with _skip_init(), torch.device(device):
+        model = _keep_routers_float32(LlamaForCausalLM(config, capture_layers).to(dtype))
+    _load_into(model, state, ("lm_head.",) if config.tie_word_embeddings else (), str(model_dir))
     return model.eval().requires_grad_(False)
 
 

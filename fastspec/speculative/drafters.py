@@ -19,6 +19,7 @@ from fastspec.models.layers import fuse_projections
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
 from fastspec.models.mtp_loader import check_mtp_fits, load_mtp, mtp_prefix
+from fastspec.models.quant_layers import quantise_target
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.eagle import EagleDrafter, StandaloneDraft
 from fastspec.speculative.runners import GraphPlan
@@ -37,8 +38,9 @@ PREPACK_BS = (1, 2, 4)  # each packed row count is one more copy of the weights:
 
 def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
     """Target and draft weights, their projections fused (fastspec.models.layers.fuse_projections); with quantization
-    "gguf" a GGUF target on its own blocks (fastspec.models.gguf_packed), with "int4" its projections rounded to 4
-    bits at load (fastspec.models.quantise), and either way the draft's linears on fastspec's kernels (8-bit blocks)
+    "gguf" a GGUF target on its own blocks (fastspec.models.gguf_packed), with a quantised checkpoint's method its
+    stored linears (fastspec.models.quant_loader), with fp8 / int8 / int4 its projections rounded at load, each on
+    its device's kernel (fastspec.models.quant_layers.quantise_target); on CPU the draft's linears on fastspec's kernels (8-bit blocks)
     where the target runs on them, else in the fast float dtype; on CPU in float32, other linears are prepacked for
     the row counts of the verify (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2
     and 4."""
@@ -46,16 +48,16 @@ def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Load
     for model in (models.target, models.draft):
         if isinstance(model, nn.Module):
             fuse_projections(model)  # one QKV and one gate_up GEMM per layer
-    if config.quantization is not None:
+    if config.quantization is not None and config.device == "cpu":
         from fastspec.models.packed_layers import cast_linears, fast_activation, float_dtype, pack_linears
 
-        if config.quantization == "int4":
-            from fastspec.models.quantise import quantise_int4
-
-            quantise_int4(models.target, fast_activation())
+        act = fast_activation()
+        if config.quantization != "gguf":  # gguf_packed built its kernels already
+            quantise_target(models.target, config.quantization, act)
         if isinstance(models.draft, nn.Module):  # on fastspec's kernels where the target is, else in the float dtype
-            act = fast_activation()
             (pack_linears if act == torch.int16 else cast_linears)(models.draft, float_dtype(act))
+    elif config.quantization is not None:
+        quantise_target(models.target, config.quantization, None)
     pack_round_rows(models.target, models.draft, spec, config)
     if config.device == "cpu":
         trim_host_heap()  # what loading freed goes back to the OS

@@ -1,0 +1,215 @@
+"""The modules a quantised linear runs as, and the choice among them per device (`bind`):
+
+  QuantLinear     the stored form (quant_weights: IntWeight / Fp8Weight), dequantised on each call: runs anywhere,
+                  exact (the weights a dequantising reference computes), the slow twin of the others
+  Fp8Linear       W8A8: activations rounded to e4m3 per token at run time, torch._scaled_mm with row-wise scales
+                  (CUDA with fp8 tensor cores; on CPU it is the same op's slow reference, used by the tests)
+  PermutedLinear  a GPTQ desc_act weight: the inputs gathered into its column order, then its linear
+  and on CPU the packed kernels of packed_layers: 4-bit blocks on fastspec's int16 kernel (BlockLinear) or torch's
+  int4 one (Int4Linear), 8-bit blocks and fp8 weights (re-rounded to 8 bits per 16 values) on BlockLinear, else a
+  CastLinear over the dequantised weight.
+`quantise_online` makes QuantLinears from a float model's projections (--quantization fp8 / int8 / int4);
+`quantise_target` is the whole step after fusing: online rounding, `bind`, the refined lm_head.
+Does not read checkpoints (quant_weights, loader).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastspec.errors import FastspecError
+from fastspec.kernels import cpu_q4
+from fastspec.models.gguf_blocks import BLOCK, Blocks, quantise_rows, round_8bit
+from fastspec.models.packed_layers import ROW_TILE, BlockLinear, CastLinear, RefinedHead, float_dtype, int4_linear
+from fastspec.models.quant_weights import FP8, Fp8Weight, IntWeight, QuantWeight, merge
+
+FP8_MAX = 448.0  # the largest e4m3 value
+
+
+class QuantLinear(nn.Module):
+    """y = x @ w.T (+ b) with w dequantised from its stored form on every call (see the module docstring)."""
+
+    def __init__(self, form: QuantWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.out_features, self.in_features = form.shape
+        self.kind = type(form)
+        self.fields = {}  # non-tensor fields of the form (bits, cols)
+        for name, value in _flat(form).items():
+            if isinstance(value, torch.Tensor) or value is None:
+                self.register_buffer(name, value)
+            else:
+                self.fields[name] = value
+        self.register_buffer("bias", bias)
+
+    @property
+    def form(self) -> QuantWeight:
+        values = {**{n: b for n, b in self._buffers.items() if n != "bias"}, **self.fields}
+        if self.kind is IntWeight:
+            return IntWeight(Blocks(values["q"], values["scale"], values["offset"], values["bits"]), values["perm"])
+        return Fp8Weight(values["weight"], values["scale"], values["cols"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.form.dequantise(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    @staticmethod
+    def merge(parts: list[QuantLinear]) -> QuantLinear | None:
+        """The parts stacked by rows (fused QKV / gate_up), or None where their forms cannot be merged."""
+        form = merge([p.form for p in parts])
+        if form is None or any((p.bias is None) != (parts[0].bias is None) for p in parts):
+            return None
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+        return QuantLinear(form, bias)
+
+
+def _flat(form: QuantWeight) -> dict:
+    if isinstance(form, IntWeight):
+        b = form.blocks
+        return dict(q=b.q, scale=b.scale, offset=b.offset, bits=b.bits, perm=form.perm)
+    return dict(weight=form.weight, scale=form.scale, cols=form.cols)
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ w.T (+ b), W8A8: x rounded to e4m3 with a scale per token (max |x| / 448), multiplied in fp8 by
+    torch._scaled_mm with the weight's scale per output channel."""
+
+    def __init__(self, form: Fp8Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        if not form.per_channel:
+            raise ValueError("Fp8Linear takes one weight scale per output channel")
+        self.out_features, self.in_features = form.shape
+        self.register_buffer("weight", form.weight)  # e4m3 [N, K]
+        self.register_buffer("scale", form.scale.reshape(1, -1).float().contiguous())  # [1, N]
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features).float()
+        x_scale = flat.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX  # [M, 1]
+        xq = (flat / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        out = torch.bfloat16 if x.dtype == torch.float32 and x.is_cuda else x.dtype
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=out)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class PermutedLinear(nn.Module):
+    """y = inner(x[..., perm]): a weight whose groups run over its inputs in another order (GPTQ desc_act)."""
+
+    def __init__(self, perm: torch.Tensor, inner: nn.Module):
+        super().__init__()
+        self.register_buffer("perm", perm)  # int64 [K]
+        self.inner = inner
+        self.out_features, self.in_features = inner.out_features, inner.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.index_select(-1, self.perm))
+
+
+def bind(linear: QuantLinear, activation: torch.dtype | None) -> nn.Module:
+    """The module `linear` runs as where it lives: on CPU (`activation`: packed_layers.fast_activation) a packed
+    kernel where one takes its shape, on CUDA Fp8Linear for a per-channel fp8 weight where the GPU has fp8 tensor
+    cores; else `linear` itself (dequantised per call)."""
+    form, bias = linear.form, linear.bias
+    device = (bias if bias is not None else next(linear.buffers())).device
+    if device.type == "cuda":
+        if isinstance(form, Fp8Weight) and form.per_channel and torch.cuda.get_device_capability(device) >= (8, 9):
+            return Fp8Linear(form, bias)
+        return linear
+    if device.type != "cpu" or activation is None:
+        return linear
+    n, k = form.shape
+    tiles = n % ROW_TILE == 0 and k % cpu_q4.GROUP == 0
+    if isinstance(form, Fp8Weight):
+        if activation == torch.int16 and tiles:  # an 8-bit grid per 16 values over the e4m3 ones
+            return BlockLinear.from_blocks(round_8bit(form.dequantise()), bias)
+        return CastLinear(form.dequantise(float_dtype(activation)), bias)
+    blocks, inner = form.blocks, None
+    if tiles and blocks.bits == 4 and blocks.group % BLOCK == 0:
+        inner = int4_linear(_regroup(blocks, BLOCK), activation, bias)
+    elif tiles and activation == torch.int16 and blocks.group % 16 == 0:
+        inner = BlockLinear.from_blocks(_regroup(blocks, 16) if blocks.bits == 8 else blocks, bias)
+    if inner is None:
+        return CastLinear(form.dequantise(float_dtype(activation)), bias)
+    return inner if form.perm is None else PermutedLinear(form.perm, inner)
+
+
+def _regroup(blocks: Blocks, group: int) -> Blocks:
+    """The same weight with a scale and offset per `group` values (a divisor of its own group: repeated)."""
+    repeat = blocks.group // group
+    if repeat == 1:
+        return blocks
+    return Blocks(blocks.q, blocks.scale.repeat_interleave(repeat, -1), blocks.offset.repeat_interleave(repeat, -1),
+                  blocks.bits)
+
+
+def bind_linears(model: nn.Module, activation: torch.dtype | None) -> int:
+    """Every QuantLinear of `model` (in place) as `bind` chooses; returns how many were replaced by another module."""
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, QuantLinear):
+                bound = bind(child, activation)
+                replaced += bound is not child
+                setattr(module, name, bound)
+    return replaced
+
+
+ONLINE = ("fp8", "int8", "int4")
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a fused Llama-family layer's linears
+
+
+def quantise_online(model: nn.Module, method: str) -> int:
+    """A float model's fused projections (in place, Llama family) as QuantLinears: fp8 e4m3 with a scale per output
+    channel; int8 symmetric per output channel; int4 with a scale and an offset per 32 inputs (Q4_1's rounding).
+    Projections already quantised (a quantised checkpoint's) and, for int4, those whose inputs are not a multiple of
+    32 stay as they are. Returns how many were quantised."""
+    if not getattr(model, "between_attention", False):
+        raise FastspecError(f"--quantization {method} quantises Llama-family targets (Llama, Qwen2, Qwen3, Mistral) "
+                            f"at load, not {model.config.architecture}")
+    count = 0
+    for module in list(model.model.layers.modules()):
+        for name in PROJECTIONS:
+            linear = getattr(module, name, None)
+            if isinstance(linear, nn.Linear) and (method != "int4" or linear.in_features % BLOCK == 0):
+                bias = None if linear.bias is None else linear.bias.detach()
+                setattr(module, name, QuantLinear(online_form(linear.weight.detach(), method), bias))
+                count += 1
+    return count
+
+
+def online_form(weight: torch.Tensor, method: str) -> QuantWeight:
+    """`weight` [N, K] rounded by `method` (see quantise_online)."""
+    w = weight.float()
+    if method == "fp8":
+        scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [N, 1]
+        return Fp8Weight((w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale, w.shape[1])
+    if method == "int8":
+        scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N, 1]
+        q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+        return IntWeight(Blocks(q, scale, torch.zeros_like(scale), 8))
+    return IntWeight(quantise_rows(lambda ids: w[ids], w.shape[0]))
+
+
+def refine_head(model: nn.Module, activation: torch.dtype) -> None:
+    """On CPU beside packed projections, the model's float lm_head as a RefinedHead (packed_layers): a 4-bit
+    approximation over the whole vocabulary on `activation`'s kernel, its best tokens rescored exactly from the float
+    table (the embedding when tied). Float32 activations keep the exact linear (as fast)."""
+    if activation in (None, torch.float32) or not isinstance(model.lm_head, nn.Linear):
+        return
+    tied = model.config.tie_word_embeddings
+    table = model.model.embed_tokens if tied else nn.Embedding.from_pretrained(model.lm_head.weight.detach().float())
+    if table.embedding_dim % BLOCK:
+        return
+    approx = int4_linear(quantise_rows(table, table.num_embeddings).pad_rows(ROW_TILE), activation)
+    model.lm_head = RefinedHead(approx, table)
+
+
+def quantise_target(model: nn.Module, method: str, activation: torch.dtype | None) -> int:
+    """A fused target's projections as `method` runs them: rounded at load where it is an online method (float
+    projections only), each bound to its device's module (`bind`; `activation` on CPU: fast_activation, None
+    elsewhere), the lm_head refined beside packed kernels on CPU. Returns how many projections were rounded."""
+    count = quantise_online(model, method) if method in ONLINE else 0
+    bind_linears(model, activation)
+    refine_head(model, activation)
+    return count

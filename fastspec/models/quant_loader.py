@@ -1,0 +1,103 @@
+"""A quantised Hugging Face checkpoint loaded as a target (the config's scheme: quant_config; its tensors:
+quant_weights): each quantised linear kept in its stored form (QuantLinear, built on a skeleton on the meta device so
+no float copy of it is ever made), everything else loaded as stored; or, with `--quantization none`, every
+quantised weight dequantised to the model's dtype (the exact reference). Weights the model reads as tensors rather
+than through a linear (stacked MoE experts, MLA's kv_b_proj, an lm_head) are dequantised either way. Which kernel
+a kept linear runs on is chosen after fusing (quant_layers.quantise_target). Does not read files itself (loader).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastspec.errors import FastspecError
+from fastspec.models.gguf_blocks import Blocks
+from fastspec.models.layers import RotaryEmbedding
+from fastspec.models.llama import LlamaForCausalLM
+from fastspec.models.quant_config import QuantScheme, read_scheme
+from fastspec.models.quant_layers import QuantLinear
+from fastspec.models.quant_weights import QuantWeight, decode_state
+
+log = logging.getLogger(__name__)
+
+FLOAT_LINEARS = ("lm_head", "kv_b_proj")  # linears whose weight the model reads as a tensor
+
+
+def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
+    """The QuantScheme of the checkpoint at `model_dir` (None: float weights, or no config.json to read)."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return read_scheme(raw, Path(model_dir), str(Path(model_dir) / "config.json")) if isinstance(raw, dict) else None
+
+
+def split_quantised(state: dict[str, torch.Tensor], scheme: QuantScheme, skeleton: nn.Module, dtype: torch.dtype,
+                    keep: bool, source: str) -> tuple[dict[str, torch.Tensor], dict[str, QuantWeight]]:
+    """(float state, {linear name: stored form}): with `keep`, the quantised weights of `skeleton`'s linears kept
+    in their form; every other quantised weight (all of them without `keep`) dequantised into the state as
+    `name.weight` in `dtype`."""
+    floats, forms = decode_state(state, scheme, source)
+    linears = {name for name, m in skeleton.named_modules() if isinstance(m, nn.Linear)
+               and not name.endswith(FLOAT_LINEARS)}
+    kept = {name: form for name, form in forms.items() if keep and name in linears}
+    for name, form in forms.items():
+        if name not in kept:
+            floats[f"{name}.weight"] = form.dequantise(dtype)
+    if keep and len(kept) < len(forms):
+        log.info("%s: %d quantised weights read as tensors by the model are dequantised to %s", source,
+                 len(forms) - len(kept), str(dtype).removeprefix("torch."))
+    return floats, kept
+
+
+def build_quantised(model: LlamaForCausalLM, state: dict[str, torch.Tensor], forms: dict[str, QuantWeight],
+                    dtype: torch.dtype, device, source: str) -> LlamaForCausalLM:
+    """`model` (a skeleton on the meta device) with `forms`' linears as QuantLinears on `device` and every other
+    weight from `state` in `dtype` (MoE routers in float32, as the float loader keeps them)."""
+    from fastspec.models.moe import Router
+
+    config = model.config
+    for name, form in forms.items():
+        parent, _, attr = name.rpartition(".")
+        old = model.get_submodule(name)
+        bias = state.pop(f"{name}.bias", None) if old.bias is not None else None
+        if old.bias is not None and bias is None:
+            raise FastspecError(f"{source}: missing weight {name}.bias")
+        moved = type(form)(**{k: _to(v, device) for k, v in vars(form).items()})
+        setattr(model.get_submodule(parent), attr, QuantLinear(moved, None if bias is None else bias.to(device, dtype)))
+    with torch.device(device):
+        model.rope = RotaryEmbedding(config)
+    skip = ("lm_head.",) if config.tie_word_embeddings else ()
+    for module_name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            continue
+        float32 = isinstance(module, Router)
+        for attr, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            full = f"{module_name}.{attr}" if module_name else attr
+            if not tensor.is_meta or full.startswith(skip):
+                continue
+            if full not in state:
+                raise FastspecError(f"{source}: missing weight {full}")
+            if tuple(state[full].shape) != tuple(tensor.shape):
+                raise FastspecError(f"{source}: weight {full} has shape {tuple(state[full].shape)}, expected "
+                                    f"{tuple(tensor.shape)}")
+            value = state[full].to(device, torch.float32 if float32 else dtype)
+            if attr in module._parameters:
+                module._parameters[attr] = nn.Parameter(value, requires_grad=False)
+            else:
+                module._buffers[attr] = value
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+def _to(value, device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Blocks):
+        return type(value)(value.q.to(device), value.scale.to(device), value.offset.to(device), value.bits)
+    return value

@@ -1,0 +1,252 @@
+"""A quantised checkpoint's tensors read into two exact forms, whatever the method that wrote them:
+
+  IntWeight  4- / 8-bit integers as gguf_blocks.Blocks: w[n, k] = q * scale + offset per group of input columns
+             (offset = -zero * scale), over the input columns in `perm` order (GPTQ's desc_act; None: in order)
+  Fp8Weight  e4m3 values [N, K] times a float32 scale per row and per `cols` input columns (per tensor and per
+             channel: cols = K; a 128 x 128 block: its scale repeated on each of its 128 rows)
+
+Both dequantise exactly in float32 (a 16-bit scale times a small integer, or an e4m3 value times a float32 scale:
+one rounding at most), and merge by rows (fused QKV / gate_up) without changing a weight. `decode_state` splits a
+checkpoint's state dict into its float tensors and the forms of its quantised linears. Layouts, as their writers
+pack them:
+
+  AWQ (GEMM)  qweight int32 [K, N/8]: output column 8 c + ORDER[i] in bits 4 i..4 i+3 of word c (ORDER =
+              0 2 4 6 1 3 5 7); qzeros int32 [K/g, N/8] likewise; scales [K/g, N]; w = (q - z) * s
+  GPTQ        qweight int32 [K * bits / 32, N]: input 32 / bits * r + i in bits bits * i.. of row r; qzeros int32
+              [G, N * bits / 32] packed the same way along outputs, stored minus one in v1; scales [G, N]; g_idx [K]
+              the group of each input (desc_act: not in order)
+  compressed-tensors pack-quantized: weight_packed int32 [N, K * bits / 32] along inputs, value + 2^(bits-1)
+              stored (symmetric); weight_scale [N, K/g]
+Does not build modules (quant_layers) nor read files (loader).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastspec.errors import FastspecError
+from fastspec.models.gguf_blocks import Blocks
+from fastspec.models.quant_config import QuantScheme
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within 8) held by nibble i of an AWQ word
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class IntWeight:
+    blocks: Blocks  # [N, K] over the input columns in perm order
+    perm: torch.Tensor | None = None  # int64 [K]: blocks' column j is input perm[j]; None: in order
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.blocks.q.shape)
+
+    def dequantise(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [N, K]
+        w = self.blocks.dequantise(torch.float32)
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w.to(dtype)
+
+    @staticmethod
+    def merge(parts: list[IntWeight]) -> IntWeight | None:
+        """The parts stacked by rows, or None where their column orders differ (they then stay separate)."""
+        perms = [p.perm for p in parts]
+        if any(p is None for p in perms) != all(p is None for p in perms):
+            return None
+        if perms[0] is not None and not all(torch.equal(perms[0], p) for p in perms[1:]):
+            return None
+        if len({(p.blocks.bits, p.blocks.group) for p in parts}) != 1:
+            return None
+        b = [p.blocks for p in parts]
+        return IntWeight(Blocks(*(torch.cat([getattr(x, f) for x in b]) for f in ("q", "scale", "offset")),
+                                b[0].bits), perms[0])
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32 [N, ceil(K / cols)]
+    cols: int  # input columns per scale (K: per channel or per tensor)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def per_channel(self) -> bool:
+        return self.cols >= self.weight.shape[1]
+
+    def dequantise(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [N, K]
+        k = self.weight.shape[1]
+        return (self.weight.float() * self.scale.repeat_interleave(self.cols, 1)[:, :k]).to(dtype)
+
+    @staticmethod
+    def merge(parts: list[Fp8Weight]) -> Fp8Weight | None:
+        if len({p.cols for p in parts}) != 1:
+            return None
+        return Fp8Weight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]), parts[0].cols)
+
+
+QuantWeight = IntWeight | Fp8Weight
+
+
+def merge(parts: list[QuantWeight]) -> QuantWeight | None:
+    """Several quantised weights over the same input stacked by rows, or None where they cannot share one form."""
+    if len({type(p) for p in parts}) != 1:
+        return None
+    return type(parts[0]).merge(parts)
+
+
+def decode_state(state: dict[str, torch.Tensor], scheme: QuantScheme, source: str
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, QuantWeight]]:
+    """(the float tensors, {linear name: its quantised weight}) of a checkpoint's state dict. A linear is
+    quantised where its tensors say so (`qweight`, `weight_packed`, an e4m3 `weight`); the rest (embeddings, norms,
+    an lm_head or router left in float) are returned as they are. Every mismatch with `scheme` is one line naming
+    the tensor."""
+    floats, forms = dict(state), {}
+    names = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
+    names += [k.removesuffix(".weight_packed") for k in state if k.endswith(".weight_packed")]
+    names += [k.removesuffix(".weight") for k, t in state.items() if k.endswith(".weight") and t.dtype == FP8]
+    for name in names:
+        tensors = {k.removeprefix(f"{name}."): floats.pop(k) for k in list(floats) if k.startswith(f"{name}.")
+                   and k.count(".") == name.count(".") + 1 and k.rsplit(".", 1)[1] != "bias"}
+        forms[name] = _decode(name, tensors, scheme, source)
+    stray = [k for k in floats if k.endswith((".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_scale_inv",
+                                              ".weight_zero_point"))]
+    if stray:
+        raise FastspecError(f"{source}: {stray[0]} has no quantised weight beside it")
+    if not forms:
+        raise FastspecError(f"{source}: quantization_config says {scheme.label} but no tensor is quantised")
+    return floats, forms
+
+
+def _decode(name: str, t: dict[str, torch.Tensor], scheme: QuantScheme, source: str) -> QuantWeight:
+    where = f"{source}: {name}"
+    if "qweight" in t:
+        if scheme.method not in ("awq", "gptq"):
+            raise FastspecError(f"{where}.qweight: a packed int weight in a {scheme.label} checkpoint")
+        return (_awq if scheme.method == "awq" else _gptq)(t, scheme, where)
+    if "weight_packed" in t:
+        if scheme.method != "compressed-tensors" or scheme.kind != "int":
+            raise FastspecError(f"{where}.weight_packed: a packed int weight in a {scheme.label} checkpoint")
+        return _pack_quantized(t, scheme, where)
+    if scheme.kind != "fp8":
+        raise FastspecError(f"{where}.weight: an fp8 weight in a {scheme.label} checkpoint")
+    return _fp8(t, scheme, where)
+
+
+def _need(t: dict, key: str, where: str) -> torch.Tensor:
+    if key not in t:
+        raise FastspecError(f"{where}.{key} is missing")
+    return t[key]
+
+
+def _expect(tensor: torch.Tensor, shape: tuple, key: str, where: str) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise FastspecError(f"{where}.{key} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words -> their 32 / bits unsigned values along `dim`, value i of a word in bits bits * i.. (uint8)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    words = packed if dim == 1 else packed.t()
+    values = ((words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)  # [rows, words * 32 / bits]
+    return (values if dim == 1 else values.t()).to(torch.uint8)
+
+
+def _awq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
+    qweight, qzeros, scales = (_need(t, k, where) for k in ("qweight", "qzeros", "scales"))
+    k, n = qweight.shape[0], scales.shape[-1]
+    group = scheme.group or k
+    if k % group:
+        raise FastspecError(f"{where}.qweight: {k} inputs are not a multiple of the group size {group}")
+    _expect(qweight, (k, n // 8), "qweight", where)
+    _expect(qzeros, (k // group, n // 8), "qzeros", where)
+    _expect(scales, (k // group, n), "scales", where)
+    reorder = torch.tensor([AWQ_ORDER.index(j) for j in range(8)])  # column j sits in nibble AWQ_ORDER.index(j)
+
+    def columns(packed):  # [rows, N/8] int32 -> [rows, N] uint8, output columns in order
+        return unpack_int32(packed.to(torch.int32), 4, 1).view(packed.shape[0], -1, 8)[..., reorder].flatten(1)
+
+    q, z = columns(qweight).t().contiguous(), columns(qzeros).t().float()  # [N, K], [N, K/g]
+    s = scales.t().float()
+    return IntWeight(Blocks(q, s.contiguous(), (-z * s).contiguous(), 4))
+
+
+def _gptq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
+    qweight, qzeros, scales = (_need(t, k, where) for k in ("qweight", "qzeros", "scales"))
+    bits, per = scheme.bits, 32 // scheme.bits
+    k, n = qweight.shape[0] * per, qweight.shape[1]
+    group = scheme.group or k
+    if k % group:
+        raise FastspecError(f"{where}.qweight: {k} inputs are not a multiple of the group size {group}")
+    groups = k // group
+    _expect(scales, (groups, n), "scales", where)
+    _expect(qzeros, (groups, n // per), "qzeros", where)
+    q = unpack_int32(qweight.to(torch.int32), bits, 0).t()  # [N, K]
+    z = unpack_int32(qzeros.to(torch.int32), bits, 1).t().float() + (1 if scheme.gptq_v1 else 0)  # [N, G]
+    if scheme.gptq_v1:
+        z = z.remainder(1 << bits)  # v1 stores zero - 1 in `bits` bits (a zero of 0 wrapped around)
+    s = scales.t().float()
+    perm = _gptq_order(t.get("g_idx"), k, group, where)
+    if perm is not None:
+        q = q[:, perm]
+    if bits == 8:  # int8 values: q - 128, the offset takes the 128 back
+        return IntWeight(Blocks((q.to(torch.int16) - 128).to(torch.int8).contiguous(), s.contiguous(),
+                                ((128 - z) * s).contiguous(), 8), perm)
+    return IntWeight(Blocks(q.contiguous(), s.contiguous(), (-z * s).contiguous(), 4), perm)
+
+
+def _gptq_order(g_idx: torch.Tensor | None, k: int, group: int, where: str) -> torch.Tensor | None:
+    """The input order that makes each group contiguous (None: already in order). desc_act quantised the inputs
+    in another order: g_idx names each input's group, `group` inputs to a group."""
+    if g_idx is None:
+        return None
+    _expect(g_idx, (k,), "g_idx", where)
+    g_idx = g_idx.long()
+    in_order = torch.arange(k) // group
+    if torch.equal(g_idx, in_order):
+        return None
+    perm = torch.sort(g_idx, stable=True).indices
+    if not torch.equal(g_idx[perm], in_order):
+        raise FastspecError(f"{where}.g_idx: groups do not hold {group} inputs each")
+    return perm
+
+
+def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
+    packed, scale = _need(t, "weight_packed", where), _need(t, "weight_scale", where)
+    if "weight_zero_point" in t or "weight_g_idx" in t:
+        raise FastspecError(f"{where}: zero points or g_idx in a symmetric compressed-tensors checkpoint")
+    bits = scheme.bits
+    n, k = (int(v) for v in t["weight_shape"].tolist()) if "weight_shape" in t else (packed.shape[0],
+                                                                                    packed.shape[1] * 32 // bits)
+    _expect(packed, (n, -(-k * bits // 32)), "weight_packed", where)
+    group = scheme.group or k
+    if k % group:
+        raise FastspecError(f"{where}.weight_packed: {k} inputs are not a multiple of the group size {group}")
+    _expect(scale, (n, k // group), "weight_scale", where)
+    u = unpack_int32(packed.to(torch.int32), bits, 1)[:, :k]  # value + 2^(bits-1)
+    s = scale.float()
+    if bits == 8:
+        return IntWeight(Blocks((u.to(torch.int16) - 128).to(torch.int8).contiguous(), s.contiguous(),
+                                torch.zeros_like(s), 8))
+    return IntWeight(Blocks(u.contiguous(), s.contiguous(), (-8 * s).contiguous(), 4))
+
+
+def _fp8(t: dict, scheme: QuantScheme, where: str) -> Fp8Weight:
+    weight = t["weight"]
+    n, k = weight.shape
+    key = "weight_scale_inv" if "weight_scale_inv" in t else "weight_scale"
+    scale = _need(t, key, where).float()
+    if scheme.block is not None:
+        rows, cols = scheme.block
+        _expect(scale, (-(-n // rows), -(-k // cols)), key, where)
+        return Fp8Weight(weight, scale.repeat_interleave(rows, 0)[:n].contiguous(), cols)
+    if scale.numel() == 1:
+        return Fp8Weight(weight, scale.reshape(1, 1).expand(n, 1).contiguous(), k)
+    if scale.numel() != n:
+        raise FastspecError(f"{where}.{key} has {scale.numel()} values: neither one per tensor nor one per output "
+                            f"channel ({n})")
+    return Fp8Weight(weight, scale.reshape(n, 1).contiguous(), k)

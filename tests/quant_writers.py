@@ -1,0 +1,129 @@
+"""Quantised checkpoints of the tiny models, written as each method's own tools write them (packing written here
+from the published layouts, independently of fastspec's readers; compressed-tensors' own packer and dequantiser
+where the package is installed), each with its oracle: the same transformers model over the exactly dequantised
+weights."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's pack order: nibble i of a word holds output column ORDER[i]
+GROUP = 32
+FP8 = torch.float8_e4m3fn
+
+CONFIGS = {
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
+             "checkpoint_format": "gptq"},
+    "gptq8": {"quant_method": "gptq", "bits": 8, "group_size": GROUP, "desc_act": False, "sym": True,
+              "checkpoint_format": "gptq_v2"},
+    "ct_int4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": GROUP}, "input_activations": None}}, "ignore": ["lm_head"]},
+    "fp8_block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
+    "ct_fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}}},
+        "ignore": ["lm_head"]},
+    "fbgemm_fp8": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0},
+}
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """[R, C] unsigned ints -> int32 [R * bits / 32, C]: row 32 / bits * r + i in bits bits * i.. of word row r."""
+    per = 32 // bits
+    v = values.to(torch.int64).view(-1, per, values.shape[1])
+    word = sum(v[:, i] << (bits * i) for i in range(per))
+    return (word - (word >= 2**31).long() * 2**32).to(torch.int32)  # the same 32 bits as a signed int32
+
+
+def awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """[R, N] nibbles -> int32 [R, N / 8] in AutoAWQ's order."""
+    v = values.to(torch.int64).view(values.shape[0], -1, 8)
+    word = sum(v[:, :, AWQ_ORDER[i]] << (4 * i) for i in range(8))
+    return (word - (word >= 2**31).long() * 2**32).to(torch.int32)
+
+
+def _asym(w: torch.Tensor, bits: int, groups_of: torch.Tensor):
+    """Asymmetric rounding of w [N, K] per group (groups_of [K]: each input's group): q, zero, scale (fp16)."""
+    top = (1 << bits) - 1
+    n_groups = int(groups_of.max()) + 1
+    low = torch.stack([w[:, groups_of == g].amin(1) for g in range(n_groups)], 1).clamp(max=0)
+    high = torch.stack([w[:, groups_of == g].amax(1) for g in range(n_groups)], 1).clamp(min=0)
+    scale = ((high - low) / top).clamp_min(1e-4).half().float()  # [N, G]
+    zero = torch.round(-low / scale).clamp(0, top)
+    q = torch.round(w / scale[:, groups_of] + zero[:, groups_of]).clamp(0, top)
+    return q, zero, scale
+
+
+def quantise(w: torch.Tensor, method: str, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(the tensors `method` stores for weight w [N, K], keyed by suffix; the dequantised weight)."""
+    n, k = w.shape
+    if method == "awq":
+        q, zero, scale = _asym(w, 4, torch.arange(k) // GROUP)
+        deq = (q - zero.repeat_interleave(GROUP, 1)) * scale.repeat_interleave(GROUP, 1)
+        return {"qweight": awq_pack(q.t()), "qzeros": awq_pack(zero.t()), "scales": scale.t().half()}, deq
+    if method in ("gptq", "gptq8"):
+        bits = 4 if method == "gptq" else 8
+        g_idx = torch.arange(k) // GROUP
+        if method == "gptq":  # desc_act: the groups run over a permutation of the inputs
+            g_idx = g_idx[torch.argsort(torch.rand(k, generator=gen))]
+        q, zero, scale = _asym(w, bits, g_idx)
+        if method == "gptq8":  # symmetric: the zero in the middle
+            zero = torch.full_like(zero, 128.0)
+            scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-4).half().float().expand(-1, k // GROUP)
+            q = torch.round(w / scale[:, g_idx] + 128).clamp(0, 255)
+        deq = (q - zero[:, g_idx]) * scale[:, g_idx]
+        stored_zero = (zero - 1).remainder(1 << bits) if method == "gptq" else zero  # v1: minus one
+        return {"qweight": pack_rows(q.t(), bits), "qzeros": pack_rows(stored_zero, bits).t().contiguous(),
+                "scales": scale.t().half().contiguous(), "g_idx": g_idx.to(torch.int32)}, deq
+    if method == "ct_int4":
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+        scale = (w.view(n, -1, GROUP).abs().amax(-1) / 7).clamp_min(1e-4).to(torch.bfloat16).float()  # [N, K/g]
+        q = torch.round(w / scale.repeat_interleave(GROUP, 1)).clamp(-8, 7)
+        return ({"weight_packed": pack_to_int32(q.to(torch.int8), 4), "weight_scale": scale.to(torch.bfloat16),
+                 "weight_shape": torch.tensor([n, k])}, q * scale.repeat_interleave(GROUP, 1))
+    if method == "fp8_block":
+        blocks = w.view(n // 32, 32, k // 32, 32)
+        scale = (blocks.abs().amax((1, 3)) / 448).clamp_min(1e-6)  # [N/32, K/32]
+        full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+        q = (w / full).to(FP8)
+        return {"weight": q, "weight_scale_inv": scale}, q.float() * full
+    scale = (w.abs().amax() / 448).reshape(1) if method == "ct_fp8" else w.abs().amax(1, keepdim=True) / 448
+    q = (w / scale.reshape(-1, 1)).to(FP8)
+    extra = {"input_scale": torch.tensor([0.05])} if method == "ct_fp8" else {}
+    return {"weight": q, "weight_scale": scale} | extra, q.float() * scale.reshape(-1, 1)
+
+
+def write_quantised(hf_model, directory: Path, method: str, seed: int = 0):
+    """`hf_model` (a transformers model) saved in `directory` with its decoder layers' linears quantised by `method`;
+    returns the oracle (a copy of the model over the dequantised weights)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(directory)
+    oracle = copy.deepcopy(hf_model)
+    state, own = {}, dict(oracle.named_parameters())
+    for name, tensor in hf_model.state_dict().items():
+        if ".layers." in name and name.endswith("_proj.weight") and tensor.dim() == 2:
+            stored, deq = quantise(tensor.detach().float(), method, gen)
+            prefix = name.removesuffix(".weight")
+            state |= {f"{prefix}.{k}": v.contiguous() for k, v in stored.items()}
+            with torch.no_grad():
+                own[name].copy_(deq)
+        else:
+            state[name] = tensor.detach().contiguous()
+    if hf_model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for f in directory.glob("*.safetensors"):
+        f.unlink()
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | {"quantization_config": CONFIGS[method]}))
+    return oracle.eval()

@@ -1,0 +1,280 @@
+"""Quantised Hugging Face checkpoints (AWQ, GPTQ with desc_act and 8 bits, compressed-tensors int4 and fp8, block
+fp8, fbgemm fp8) and online fp8 / int8: read against hand-worked words in the published layouts, loaded against
+transformers over the exactly dequantised weights, run packed within a stated tolerance of that, lossless under
+speculation, and every bad input one line."""
+
+import json
+
+import pytest
+import torch
+
+import fastspec
+from fastspec.errors import FastspecError
+from fastspec.models.gguf_blocks import Blocks
+from fastspec.models.layers import fuse_projections
+from fastspec.models.loader import load_target
+from fastspec.models.quant_config import read_scheme
+from fastspec.models.quant_layers import Fp8Linear, QuantLinear, bind, online_form
+from fastspec.models.quant_weights import Fp8Weight, IntWeight, unpack_int32
+from fastspec.sampling import SamplingParams
+from fastspec.train.data import PackedCausalAttention
+from quant_writers import AWQ_ORDER, awq_pack, write_quantised
+
+METHODS = ["awq", "gptq", "gptq8", "ct_int4", "fp8_block", "ct_fp8", "fbgemm_fp8"]
+PROMPTS = [[5, 9, 13, 3, 40], [7, 7, 8, 60, 61, 62, 7, 7]]
+
+
+def needs(method):
+    if method.startswith("ct_"):
+        pytest.importorskip("compressed_tensors")
+
+
+@pytest.fixture(scope="module")
+def quantised(tiny_dirs, tmp_path_factory):
+    """method -> (directory, transformers oracle over the dequantised weights), made on first use."""
+    made = {}
+
+    def get(method, family="llama"):
+        if (method, family) not in made:
+            needs(method)
+            d = tmp_path_factory.mktemp(f"{method}-{family}")
+            made[method, family] = d, write_quantised(tiny_dirs[family][1], d, method)
+        return made[method, family]
+    return get
+
+
+def logits(model, ids):
+    with torch.inference_mode():
+        hidden = model(ids, torch.arange(len(ids)), PackedCausalAttention(torch.zeros(len(ids), dtype=torch.long)))
+        return model.compute_logits(hidden.final)
+
+
+def hf_greedy(hf, prompt, new):
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(new):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt):].tolist()
+
+
+def test_an_awq_word_holds_its_columns_in_autoawqs_order():
+    """Columns 0..7 holding 0..7: nibble i (bits 4i..) holds column ORDER[i] = 0 2 4 6 1 3 5 7, so the word reads
+    0x75316420 from its high nibble down."""
+    word = awq_pack(torch.arange(8).view(1, 8))
+    assert word.item() == 0x75316420
+    scheme = read_scheme({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 32}})
+    from fastspec.models.quant_weights import decode_state
+
+    k = 32
+    qweight = awq_pack(torch.arange(8).repeat(k, 1))  # [32, 1]: every input row the same word
+    _, forms = decode_state({"a.qweight": qweight, "a.qzeros": awq_pack(torch.full((1, 8), 3)),
+                             "a.scales": torch.full((1, 8), 0.5, dtype=torch.float16)}, scheme, "t")
+    assert torch.equal(forms["a"].dequantise(), ((torch.arange(8.0) - 3) * 0.5)[:, None].expand(8, k))
+    assert AWQ_ORDER[1] == 2
+
+
+def test_a_gptq_word_holds_inputs_low_bits_first():
+    """qweight row r holds inputs 8r..8r+7 of its column, input 8r+i in bits 4i..; 0x76543210 is inputs 0..7 = 0..7."""
+    assert unpack_int32(torch.tensor([[0x76543210]], dtype=torch.int32), 4, 0).flatten().tolist() == list(range(8))
+    assert unpack_int32(torch.tensor([[-1]], dtype=torch.int32), 8, 1).flatten().tolist() == [255] * 4
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_dequantised_load_is_transformers_over_the_dequantised_weights(quantised, method):
+    """--quantization none: the exact reference. Logits equal transformers' over the same dequantised weights (float32,
+    the same tolerance as the float models' test) and greedy tokens equal token for token."""
+    model_dir, oracle = quantised(method)
+    model = load_target(model_dir, torch.float32, quantization=None)
+    ids = torch.tensor(PROMPTS[1])
+    with torch.inference_mode():
+        expected = oracle(ids[None]).logits[0]
+    torch.testing.assert_close(logits(model, ids), expected, atol=2e-4, rtol=2e-4)
+    llm = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", quantization="none", max_total_tokens=512)
+    got = llm.generate(PROMPTS, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert [o.output_ids for o in got] == [hf_greedy(oracle, p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stored_form_dequantises_on_each_call_exactly(quantised, method):
+    """The kept form (QuantLinear, any device) computes the dequantised reference's weights: logits equal to float32
+    rounding. Fusing merges the stored forms by rows, except desc_act GPTQ linears whose input orders differ (each
+    of this checkpoint's has its own random g_idx): they stay separate."""
+    model_dir, _ = quantised(method)
+    reference = fuse_projections(load_target(model_dir, torch.float32, quantization=None))
+    model = fuse_projections(load_target(model_dir, torch.float32, quantization="auto"))
+    attn = model.model.layers[0].self_attn
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+    assert (attn.qkv_proj is None) == (method == "gptq")  # a random g_idx per linear: orders differ
+    ids = torch.tensor(PROMPTS[1])
+    torch.testing.assert_close(logits(model, ids), logits(reference, ids), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_packed_kernels_are_close_to_the_exact_model(quantised, method):
+    """The default on CPU: the fastest kernels measured here (int16 activations, re-rounded fp8, a refined head).
+    The best 8 logits of each position (those the head rescores exactly; the tail keeps its 4-bit approximation)
+    within 5 % of the largest (activations rounded; fp8 re-rounded to 8 bits per 16) and the exact model's greedy
+    choice kept at >= 90 % of teacher-forced positions."""
+    model_dir, oracle = quantised(method)
+    llm = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=512)
+    assert llm.engine.worker.config.quantization == read_scheme(json.loads((model_dir / "config.json").read_text())).method
+    model = llm.engine.worker.model
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())  # every linear bound to a CPU kernel
+    ids = torch.randint(3, 97, (64,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = oracle(ids[None]).logits[0]
+    got = logits(model, ids)
+    top = got.topk(8, -1).indices
+    assert (got.gather(-1, top) - expected.gather(-1, top)).abs().max() <= 0.05 * expected.abs().max()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("method, algorithm", [("awq", "EAGLE3"), ("gptq", "EAGLE3"), ("fp8_block", "EAGLE3"),
+                                               ("ct_int4", "NGRAM"), ("gptq8", "NGRAM"), ("ct_fp8", "NGRAM")])
+def test_speculation_on_a_quantised_checkpoint_is_lossless(quantised, draft_dirs, method, algorithm):
+    model_dir, _ = quantised(method)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=1024)
+    expected = [o.output_ids for o in plain.generate(PROMPTS, params)]
+    draft = str(draft_dirs["llama"]["eagle3"]) if algorithm == "EAGLE3" else None
+    llm = fastspec.LLM(str(model_dir), speculative_algorithm=algorithm, draft_model=draft, max_total_tokens=1024,
+                       tuned=False)
+    llm.engine.policy = None  # every round speculates
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_online_quantisation_is_lossless_and_close(tiny_dirs, draft_dirs, method):
+    """--quantization fp8 / int8 on a float checkpoint: each projection rounded per output channel; logits close
+    to those of the float model over the rounded weights (the oracle: online_form's dequantisation, which the
+    rounding itself moves away from the float model) and EAGLE-3 on it equals plain decoding on it."""
+    model_dir = str(tiny_dirs["llama"][0])
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = fastspec.LLM(model_dir, speculative_algorithm="NONE", quantization=method, max_total_tokens=1024)
+    expected = [o.output_ids for o in plain.generate(PROMPTS, params)]
+    llm = fastspec.LLM(model_dir, speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]),
+                       quantization=method, max_total_tokens=1024, tuned=False)
+    llm.engine.policy = None
+    assert [o.output_ids for o in llm.generate(PROMPTS, params)] == expected
+    ids = torch.randint(3, 97, (32,), generator=torch.Generator().manual_seed(3))
+    reference = fuse_projections(load_target(tiny_dirs["llama"][0], torch.float32))
+    original = logits(reference, ids)
+    for layer in reference.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.weight.data = online_form(linear.weight.detach(), method).dequantise()
+    got, want = logits(plain.engine.worker.model, ids), logits(reference, ids)
+    top = got.topk(8, -1).indices  # those the head rescores exactly (see test_packed_kernels_are_close...)
+    assert (got.gather(-1, top) - want.gather(-1, top)).abs().max() <= 0.05 * want.abs().max()
+    assert not torch.allclose(want, original, atol=1e-3)
+
+
+def test_w8a8_fp8_is_scaled_mm_over_activations_rounded_per_token():
+    """Fp8Linear (the CUDA path; torch runs the same op on CPU) against its twin: x rounded to e4m3 per token,
+    multiplied by the dequantised weight in float32 (tolerance: the op's own summation order)."""
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(48, 64, generator=gen), torch.randn(5, 64, generator=gen)
+    form = online_form(w, "fp8")
+    x_scale = x.abs().amax(-1, keepdim=True) / 448
+    twin = ((x / x_scale).to(torch.float8_e4m3fn).float() * x_scale) @ form.dequantise().t()
+    torch.testing.assert_close(Fp8Linear(form)(x), twin, atol=1e-4, rtol=1e-4)
+    assert (twin - x @ w.t()).abs().max() < 0.1 * (x @ w.t()).abs().max()
+
+
+def test_bind_keeps_the_stored_form_where_no_kernel_takes_the_shape():
+    """A 40 x 48 int4 weight (rows not a multiple of 16): a CastLinear over its exact dequantisation on CPU (in
+    float32 beside float32 activations)."""
+    q = torch.randint(0, 16, (40, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(6))
+    form = IntWeight(Blocks(q, torch.full((40, 3), 0.1), torch.full((40, 3), -0.8), 4))
+    bound = bind(QuantLinear(form), torch.float32)
+    assert type(bound).__name__ == "CastLinear"
+    x = torch.randn(3, 48)
+    torch.testing.assert_close(bound(x), x @ form.dequantise().t())
+    fp8 = Fp8Weight(torch.randn(32, 64).to(torch.float8_e4m3fn), torch.rand(32, 2), 32)
+    assert torch.equal(QuantLinear(fp8).form.scale, fp8.scale)
+
+
+BAD_CONFIGS = [
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ with 3 bits is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "is_marlin_format": True}, "Marlin layout is not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv' is not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'.*not supported; supported: fp8"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight block size \[128\] is not two positive integers"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group size 100 is not supported"),
+]
+
+
+@pytest.mark.commands
+@pytest.mark.parametrize("quant, message", BAD_CONFIGS)
+def test_unsupported_quantisation_is_one_line_before_loading(tiny_dirs, tmp_path, quant, message):
+    from typer.testing import CliRunner
+
+    from fastspec.cli.main import app
+
+    config = json.loads((tiny_dirs["llama"][0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
+    with pytest.raises(FastspecError, match=message):
+        fastspec.LLM(str(tmp_path), max_total_tokens=512)
+    result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path), "--prompt", "hi"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s.pop("model.layers.0.self_attn.q_proj.scales"), r"q_proj\.scales is missing"),
+    (lambda s: s.update({"model.layers.1.mlp.up_proj.qzeros": s["model.layers.1.mlp.up_proj.qzeros"][:1]}),
+     r"up_proj\.qzeros has shape \(1, 12\), expected \(2, 12\)"),
+    (lambda s: s.update({"model.layers.0.mlp.down_proj.g_idx": torch.zeros(96, dtype=torch.int32)}),
+     r"down_proj\.g_idx: groups do not hold 32 inputs each"),
+])
+def test_quantised_tensors_that_do_not_match_are_one_line(quantised, tmp_path, damage, message):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, _ = quantised("gptq")
+    shutil.copytree(model_dir, tmp_path / "m")
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    damage(state)
+    save_file(state, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(FastspecError, match=message):
+        fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="NONE", max_total_tokens=512)
+
+
+def test_quantization_flags_that_contradict_the_checkpoint_are_one_line(quantised, tiny_dirs):
+    model_dir, _ = quantised("awq")
+    with pytest.raises(FastspecError, match=r"--quantization fp8 contradicts .*awq int4 g32.*use auto, awq or none"):
+        fastspec.LLM(str(model_dir), quantization="fp8", max_total_tokens=512)
+    with pytest.raises(FastspecError, match="is not a gptq checkpoint"):
+        fastspec.LLM(str(tiny_dirs["llama"][0]), quantization="gptq", max_total_tokens=512)
+
+
+def test_gptq_settings_in_quantize_config_json_are_read(quantised, tmp_path):
+    import shutil
+
+    model_dir, _ = quantised("gptq8")
+    shutil.copytree(model_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    quant.pop("quant_method")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "m" / "quantize_config.json").write_text(json.dumps(quant))
+    llm = fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="NONE", max_total_tokens=512)
+    assert llm.engine.worker.config.quantization == "gptq"
+
+
+def test_compressed_tensors_dequantises_fp8_blocks_as_fastspec_does():
+    """The independent dequantiser: compressed-tensors' own, over a 2 x 2 grid of 32 x 32 blocks."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    from fastspec.models.quant_weights import decode_state
+
+    gen = torch.Generator().manual_seed(7)
+    q = (torch.randn(64, 64, generator=gen) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 2, generator=gen) + 0.01
+    args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[32, 32])
+    scheme = read_scheme({"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}})
+    _, forms = decode_state({"x.weight": q, "x.weight_scale_inv": scale}, scheme, "t")
+    torch.testing.assert_close(forms["x"].dequantise(), dequantize(q, scale, args=args, dtype=torch.float32),
+                               atol=0, rtol=0)
