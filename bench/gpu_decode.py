@@ -44,7 +44,7 @@ from fastspec.models.loader import resolve_model_dir
 from fastspec.sampling import SamplingParams
 from fastspec.utils.metrics import SpecMetrics
 
-PARTS = ("startup", "transformers", "fastspec", "kernels", "8b")  # run in this order: start-up first, while cold
+PARTS = ("startup", "transformers", "fastspec", "kernels", "8b", "8b_fp8", "8b_int4")  # run in this order: start-up first, while cold
 EAGLE_SHAPES = {"eagle3 5/4/8": (5, 4, 8), "eagle3 chain 3/1/4": (3, 1, 4)}  # (num_steps, topk, num_draft_tokens)
 SGLANG_8B_SHAPE = (5, 8, 32)  # SGLang docs' EAGLE-3 launch example for Llama-3.1-8B-Instruct
 SMOLLM2_SHAPE = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -253,9 +253,10 @@ def profiled(llm, prompts, new_tokens: int, activity) -> dict[str, int]:
             "graph_launches": sum(e.get("name") == "cudaGraphLaunch" for e in events)}
 
 
-def part_8b(setup: Setup, out: dict, save) -> None:
+def part_8b(setup: Setup, out: dict, save, quantization: str | None = None) -> None:
     """A Llama-3.1-8B-shaped target, random weights (load_format dummy), batch 1: decode ms/token against
-    streamed weight bytes / measured copy bandwidth; then one EAGLE-3 round at SGLang's shape, random head."""
+    streamed weight bytes / measured copy bandwidth; then one EAGLE-3 round at SGLang's shape, random head.
+    `quantization` fp8 / int4: its projections rounded at load (the bytes a step streams are the packed ones)."""
     a = setup.args
     shape = LLAMA31_TINY if a.small else LLAMA31_8B
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama", **shape, **LLAMA31_ROPE, rms_norm_eps=1e-5,
@@ -267,11 +268,13 @@ def part_8b(setup: Setup, out: dict, save) -> None:
     save()
     options = dict(load_format="dummy", dtype=a.dtype, device=a.device, graphs=a.graphs, tuned=False,
                    max_running_requests=1, cuda_graph_bs=(1,), max_total_tokens=1024 + a.max_new_tokens,
-                   max_context_len=4096)
+                   max_context_len=4096, quantization=quantization or "none")
     prompt = [[1] + [100 + (7 * j) % 1900 for j in range(31)]]
     llm = fastspec.LLM(target, speculative_algorithm="NONE", **options)
-    streamed = sum(p.numel() * p.element_size() for n, p in llm.engine.model.named_parameters()
-                   if "embed_tokens" not in n)  # untied: the embedding table is gathered, not streamed
+    model = llm.engine.model
+    streamed = sum(p.numel() * p.element_size() for n, p in (*model.named_parameters(), *model.named_buffers())
+                   if "embed_tokens" not in n and "rope" not in n)  # untied: the embedding table is gathered
+    out["linears"] = dict(Counter(type(m).__name__ for m in model.modules() if hasattr(m, "out_features")))
     run(llm, prompt, a.max_new_tokens)  # warm-up
     timed = run(llm, prompt, a.max_new_tokens)
     out["plain"] = {"tok_s": round(timed.tok_s, 2), "ms_per_token": round(timed.ms_per_step, 3),
@@ -303,7 +306,9 @@ def part_8b(setup: Setup, out: dict, save) -> None:
 
 
 PART_FUNCTIONS = {"startup": part_startup, "transformers": part_transformers, "fastspec": part_fastspec,
-                  "kernels": part_kernels, "8b": part_8b}
+                  "kernels": part_kernels, "8b": part_8b,
+                  "8b_fp8": lambda *a: part_8b(*a, quantization="fp8"),
+                  "8b_int4": lambda *a: part_8b(*a, quantization="int4")}
 
 
 def copy_bandwidth(device: str, gib: float = 2.0, repeats: int = 5) -> float | None:
@@ -349,9 +354,10 @@ def summary(parts: dict) -> dict[str, float | bool | None]:
                                                        rows["transformers static tok/s (bs1)"])
     for mode in ("cuda", "cuda unfused", "eager"):
         rows[f"kernels per decode step ({mode})"] = get("kernels", mode, "kernels_per_step")
-    rows |= {"8B plain ms/token": get("8b", "plain", "ms_per_token"),
-             "8B fraction of bandwidth limit": get("8b", "plain", "fraction_of_limit"),
-             "8B EAGLE-3 round ms": get("8b", "eagle3_round", "ms_per_round")}
+    for part, label in (("8b", "8B"), ("8b_fp8", "8B fp8"), ("8b_int4", "8B int4")):
+        rows |= {f"{label} plain ms/token": get(part, "plain", "ms_per_token"),
+                 f"{label} fraction of bandwidth limit": get(part, "plain", "fraction_of_limit"),
+                 f"{label} EAGLE-3 round ms": get(part, "eagle3_round", "ms_per_round")}
     return {k: v for k, v in rows.items() if v is not None}
 
 

@@ -244,7 +244,7 @@ def test_quantization_flags_that_contradict_the_checkpoint_are_one_line(quantise
     model_dir, _ = quantised("awq")
     with pytest.raises(FastspecError, match=r"--quantization fp8 contradicts .*awq int4 g32.*use auto, awq or none"):
         fastspec.LLM(str(model_dir), quantization="fp8", max_total_tokens=512)
-    with pytest.raises(FastspecError, match="is not a gptq checkpoint"):
+    with pytest.raises(FastspecError, match="--quantization gptq: .* is a float checkpoint"):
         fastspec.LLM(str(tiny_dirs["llama"][0]), quantization="gptq", max_total_tokens=512)
 
 
@@ -278,3 +278,26 @@ def test_compressed_tensors_dequantises_fp8_blocks_as_fastspec_does():
     _, forms = decode_state({"x.weight": q, "x.weight_scale_inv": scale}, scheme, "t")
     torch.testing.assert_close(forms["x"].dequantise(), dequantize(q, scale, args=args, dtype=torch.float32),
                                atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int4", "fp8"])
+def test_cuda_kernels_compute_the_stored_forms_weights(kind):
+    """On CUDA: bind chooses tinygemm for 4-bit groups of 128 and W8A8 _scaled_mm for per-channel fp8; each within
+    its activations' rounding (bfloat16 / e4m3 per token) of the stored form dequantised per call."""
+    from fastspec.models.quant_layers import TinyGemmLinear
+
+    gen = torch.Generator().manual_seed(8)
+    w, x = torch.randn(256, 512, generator=gen), torch.randn(4, 512, generator=gen)
+    if kind == "int4":
+        q, zero, scale = (torch.randint(0, 16, (256, 512), generator=gen, dtype=torch.uint8),
+                          torch.randint(0, 16, (256, 4), generator=gen).float(), torch.rand(256, 4, generator=gen) / 8)
+        form = IntWeight(Blocks(q, scale, -zero * scale, 4))
+    else:
+        form = online_form(w, "fp8")
+    stored = QuantLinear(form).cuda()
+    bound = bind(stored, None)
+    assert isinstance(bound, TinyGemmLinear if kind == "int4" else Fp8Linear)
+    xc = x.cuda()
+    want = stored(xc)
+    torch.testing.assert_close(bound(xc).float(), want, atol=0.03 * want.abs().max().item(), rtol=0.03)

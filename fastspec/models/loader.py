@@ -143,8 +143,8 @@ def resolve_quantization(quantization: str | None, model_dir: Path, device: str,
         raise FastspecError(f"--quantization {quantization} contradicts {model_dir}'s own quantisation "
                             f"({scheme.label}); use auto, {scheme.method} or none (dequantised)")
     if quantization in ("awq", "gptq", "compressed-tensors", "fbgemm_fp8"):
-        raise FastspecError(f"--quantization {quantization}: {model_dir} is not a {quantization} checkpoint (no "
-                            "quantization_config); fp8, int8 or int4 round a float checkpoint at load")
+        raise FastspecError(f"--quantization {quantization}: {model_dir} is a float checkpoint (no "
+                            "quantization_config); fp8, int8 or int4 round one at load")
     if quantization != "auto":
         return quantization
     converted = (Path(model_dir) / BLOCKS_FILE).is_file()

@@ -4,6 +4,7 @@
                   exact (the weights a dequantising reference computes), the slow twin of the others
   Fp8Linear       W8A8: activations rounded to e4m3 per token at run time, torch._scaled_mm with row-wise scales
                   (CUDA with fp8 tensor cores; on CPU it is the same op's slow reference, used by the tests)
+  TinyGemmLinear  4-bit blocks on CUDA through torch's tinygemm kernel (bfloat16 activations)
   PermutedLinear  a GPTQ desc_act weight: the inputs gathered into its column order, then its linear
   and on CPU the packed kernels of packed_layers: 4-bit blocks on fastspec's int16 kernel (BlockLinear) or torch's
   int4 one (Int4Linear), 8-bit blocks and fp8 weights (re-rounded to 8 bits per 16 values) on BlockLinear, else a
@@ -93,6 +94,37 @@ class Fp8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class TinyGemmLinear(nn.Module):
+    """y = x @ w.T (+ b) for a 4-bit weight on CUDA through torch's tinygemm kernel (bfloat16 activations; groups of
+    32 to 256): w = (q - 8) * scale + zero per group, so zero = offset + 8 * scale holds any Blocks exactly."""
+
+    GROUPS = (32, 64, 128, 256)
+
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None = None):
+        super().__init__()
+        n, k = blocks.q.shape
+        self.out_features, self.in_features, self.group = n, k, blocks.group
+        q = blocks.q.to(torch.int32)
+        pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]: the even input in the high nibble
+        inner = 8 if k % (8 * 16) == 0 else 4 if k % (4 * 16) == 0 else 2
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack(pairs, inner))
+        zero = blocks.offset + 8 * blocks.scale
+        scale_zero = torch.stack([blocks.scale, zero], -1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16))
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def takes(cls, blocks: Blocks) -> bool:
+        n, k = blocks.q.shape
+        return blocks.bits == 4 and blocks.group in cls.GROUPS and k % 32 == 0 and n % 8 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, self.group, self.scale_zero)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class PermutedLinear(nn.Module):
     """y = inner(x[..., perm]): a weight whose groups run over its inputs in another order (GPTQ desc_act)."""
 
@@ -109,12 +141,15 @@ class PermutedLinear(nn.Module):
 def bind(linear: QuantLinear, activation: torch.dtype | None) -> nn.Module:
     """The module `linear` runs as where it lives: on CPU (`activation`: packed_layers.fast_activation) a packed
     kernel where one takes its shape, on CUDA Fp8Linear for a per-channel fp8 weight where the GPU has fp8 tensor
-    cores; else `linear` itself (dequantised per call)."""
+    cores and TinyGemmLinear for 4-bit groups of 32 to 256; else `linear` itself (dequantised per call)."""
     form, bias = linear.form, linear.bias
     device = (bias if bias is not None else next(linear.buffers())).device
     if device.type == "cuda":
         if isinstance(form, Fp8Weight) and form.per_channel and torch.cuda.get_device_capability(device) >= (8, 9):
             return Fp8Linear(form, bias)
+        if isinstance(form, IntWeight) and TinyGemmLinear.takes(form.blocks):
+            inner = TinyGemmLinear(form.blocks, bias)
+            return inner if form.perm is None else PermutedLinear(form.perm, inner)
         return linear
     if device.type != "cpu" or activation is None:
         return linear
