@@ -5,7 +5,6 @@ weights."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -100,30 +99,45 @@ def quantise(w: torch.Tensor, method: str, gen: torch.Generator) -> tuple[dict[s
     return {"weight": q, "weight_scale": scale} | extra, q.float() * scale.reshape(-1, 1)
 
 
+def _takes(method: str, shape: tuple[int, int]) -> bool:
+    """Whether `method` quantises a weight of `shape` (the others stay float, as real checkpoints leave them)."""
+    n, k = shape
+    if method == "fp8_block":
+        return n % 32 == 0 and k % 32 == 0
+    if method in ("awq", "gptq", "gptq8", "ct_int4"):
+        return k % GROUP == 0 and n % 8 == 0
+    return True
+
+
 def write_quantised(hf_model, directory: Path, method: str, seed: int = 0):
-    """`hf_model` (a transformers model) saved in `directory` with its decoder layers' linears quantised by `method`;
-    returns the oracle (a copy of the model over the dequantised weights)."""
-    from safetensors.torch import save_file
+    """`hf_model` (a transformers model) saved in `directory` with its decoder layers' linears (as stored: one per
+    MoE expert) quantised by `method` where their shapes allow; returns the oracle: transformers' model loaded from
+    the same checkpoint with every quantised weight dequantised exactly (written beside it, `<name>-dequantised`)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
 
     gen = torch.Generator().manual_seed(seed)
-    directory.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(directory)
-    oracle = copy.deepcopy(hf_model)
-    state, own = {}, dict(oracle.named_parameters())
-    for name, tensor in hf_model.state_dict().items():
-        if ".layers." in name and name.endswith("_proj.weight") and tensor.dim() == 2:
-            stored, deq = quantise(tensor.detach().float(), method, gen)
+    dequantised_dir = directory.parent / f"{directory.name}-dequantised"
+    for d in (directory, dequantised_dir):
+        d.mkdir(parents=True, exist_ok=True)
+        hf_model.save_pretrained(d)
+    files = sorted(directory.glob("*.safetensors"))
+    stored = {k: v for f in files for k, v in load_file(f).items()}
+    state, floats = {}, {}
+    for name, tensor in stored.items():
+        if ".layers." in name and name.endswith("_proj.weight") and tensor.dim() == 2 and _takes(method, tensor.shape):
+            parts, deq = quantise(tensor.float(), method, gen)
             prefix = name.removesuffix(".weight")
-            state |= {f"{prefix}.{k}": v.contiguous() for k, v in stored.items()}
-            with torch.no_grad():
-                own[name].copy_(deq)
+            state |= {f"{prefix}.{k}": v.contiguous() for k, v in parts.items()}
+            floats[name] = deq.to(tensor.dtype)
         else:
-            state[name] = tensor.detach().contiguous()
-    if hf_model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    for f in directory.glob("*.safetensors"):
+            state[name] = floats[name] = tensor
+    for f in files:
         f.unlink()
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    for f in dequantised_dir.glob("*.safetensors"):
+        f.unlink()
+    save_file(floats, dequantised_dir / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps(config | {"quantization_config": CONFIGS[method]}))
-    return oracle.eval()
+    return AutoModelForCausalLM.from_pretrained(str(dequantised_dir), dtype=torch.float32).eval()

@@ -200,7 +200,7 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
     from fastspec.models.quant_layers import quantise_target
 
     model = fuse_projections(load_target(tiny_dirs["llama"][0], torch.float32))
-    quantise_target(model, "int4", torch.int16)
+    quantise_target(model, "int4", torch.int16, True)
     mlp = model.model.layers[1].mlp  # one linear as 8-bit blocks: the stack takes both widths
     q, scale, offset = cpu_q4.unpack(mlp.down_proj.packed, mlp.down_proj.scales)
     mlp.down_proj = BlockLinear.from_blocks(as_8bit_16(Blocks(q.to(torch.uint8), scale, offset, 4)))

@@ -41,7 +41,7 @@ def test_int4_with_float32_activations_is_the_rounded_model(tiny_dirs, family):
     float_model = fuse_projections(load_target(model_dir, torch.float32))
     oracle = rounded_twin(fuse_projections(load_target(model_dir, torch.float32)))
     model = fuse_projections(load_target(model_dir, torch.float32))
-    assert quantise_target(model, "int4", torch.float32) == 4 * model.config.num_layers
+    assert quantise_target(model, "int4", torch.float32, True) == 4 * model.config.num_layers
     assert not any(isinstance(m, torch.nn.Linear) for layer in model.model.layers for m in layer.modules())
     ids = torch.randint(3, 97, (24,), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(logits(model, ids), logits(oracle, ids), atol=1e-4, rtol=1e-4)
@@ -56,7 +56,7 @@ def test_int4_with_fast_activations_rescores_the_head_exactly(tiny_dirs, activat
     model_dir, _ = tiny_dirs["qwen2"]  # tied embeddings: the head rescores from the embedding table itself
     oracle = rounded_twin(fuse_projections(load_target(model_dir, torch.float32)))
     model = fuse_projections(load_target(model_dir, torch.float32))
-    quantise_target(model, "int4", activation)
+    quantise_target(model, "int4", activation, True)
     assert isinstance(model.lm_head, RefinedHead) and model.lm_head.table is model.model.embed_tokens
     ids = torch.randint(3, 97, (64,), generator=torch.Generator().manual_seed(2))
     got, expected = logits(model, ids), logits(oracle, ids)

@@ -17,10 +17,14 @@ from fastspec.models.quant_config import read_scheme
 from fastspec.models.quant_layers import Fp8Linear, QuantLinear, bind, online_form
 from fastspec.models.quant_weights import Fp8Weight, IntWeight, unpack_int32
 from fastspec.sampling import SamplingParams
-from fastspec.train.data import PackedCausalAttention
 from quant_writers import AWQ_ORDER, awq_pack, write_quantised
 
 METHODS = ["awq", "gptq", "gptq8", "ct_int4", "fp8_block", "ct_fp8", "fbgemm_fp8"]
+# every method on Llama; the other families (qkv bias, q / k norms and another head_dim, MLA + MoE experts, gated
+# delta net layers + MoE, Mamba2 mixers) with a few
+CASES = [(m, "llama") for m in METHODS] + [
+    ("awq", "qwen2"), ("gptq", "qwen3"), ("ct_int4", "mistral"), ("fp8_block", "deepseek_v3"),
+    ("gptq8", "deepseek_v2"), ("ct_fp8", "qwen3_next"), ("fbgemm_fp8", "bamba"), ("awq", "qwen3_next")]
 PROMPTS = [[5, 9, 13, 3, 40], [7, 7, 8, 60, 61, 62, 7, 7]]
 
 
@@ -44,9 +48,11 @@ def quantised(tiny_dirs, tmp_path_factory):
 
 
 def logits(model, ids):
+    """A prefill's logits [T, V] through a KV pool (and the recurrent states of a hybrid model)."""
+    from conftest import PoolRunner
+
     with torch.inference_mode():
-        hidden = model(ids, torch.arange(len(ids)), PackedCausalAttention(torch.zeros(len(ids), dtype=torch.long)))
-        return model.compute_logits(hidden.final)
+        return model.compute_logits(PoolRunner(model).extend([0], [ids.tolist()]).final)
 
 
 def hf_greedy(hf, prompt, new):
@@ -79,11 +85,11 @@ def test_a_gptq_word_holds_inputs_low_bits_first():
     assert unpack_int32(torch.tensor([[-1]], dtype=torch.int32), 8, 1).flatten().tolist() == [255] * 4
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_dequantised_load_is_transformers_over_the_dequantised_weights(quantised, method):
+@pytest.mark.parametrize("method, family", CASES)
+def test_dequantised_load_is_transformers_over_the_dequantised_weights(quantised, method, family):
     """--quantization none: the exact reference. Logits equal transformers' over the same dequantised weights (float32,
     the same tolerance as the float models' test) and greedy tokens equal token for token."""
-    model_dir, oracle = quantised(method)
+    model_dir, oracle = quantised(method, family)
     model = load_target(model_dir, torch.float32, quantization=None)
     ids = torch.tensor(PROMPTS[1])
     with torch.inference_mode():
@@ -94,28 +100,30 @@ def test_dequantised_load_is_transformers_over_the_dequantised_weights(quantised
     assert [o.output_ids for o in got] == [hf_greedy(oracle, p, 12) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_stored_form_dequantises_on_each_call_exactly(quantised, method):
+@pytest.mark.parametrize("method, family", CASES)
+def test_stored_form_dequantises_on_each_call_exactly(quantised, method, family):
     """The kept form (QuantLinear, any device) computes the dequantised reference's weights: logits equal to float32
     rounding. Fusing merges the stored forms by rows, except desc_act GPTQ linears whose input orders differ (each
     of this checkpoint's has its own random g_idx): they stay separate."""
-    model_dir, _ = quantised(method)
+    model_dir, _ = quantised(method, family)
     reference = fuse_projections(load_target(model_dir, torch.float32, quantization=None))
     model = fuse_projections(load_target(model_dir, torch.float32, quantization="auto"))
-    attn = model.model.layers[0].self_attn
-    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
-    assert (attn.qkv_proj is None) == (method == "gptq")  # a random g_idx per linear: orders differ
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= model.config.num_layers
+    if family == "llama":
+        attn = model.model.layers[0].self_attn
+        assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+        assert (attn.qkv_proj is None) == (method == "gptq")  # a random g_idx per linear: orders differ
     ids = torch.tensor(PROMPTS[1])
     torch.testing.assert_close(logits(model, ids), logits(reference, ids), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_packed_kernels_are_close_to_the_exact_model(quantised, method):
+@pytest.mark.parametrize("method, family", CASES)
+def test_packed_kernels_are_close_to_the_exact_model(quantised, method, family):
     """The default on CPU: the fastest kernels measured here (int16 activations, re-rounded fp8, a refined head).
     The best 8 logits of each position (those the head rescores exactly; the tail keeps its 4-bit approximation)
-    within 5 % of the largest (activations rounded; fp8 re-rounded to 8 bits per 16) and the exact model's greedy
-    choice kept at >= 90 % of teacher-forced positions."""
-    model_dir, oracle = quantised(method)
+    within 5 % of the largest (activations rounded; fp8 re-rounded to 8 bits per 16; not for MoE models) and the
+    exact model's greedy choice kept at >= 90 % of teacher-forced positions."""
+    model_dir, oracle = quantised(method, family)
     llm = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=512)
     assert llm.engine.worker.config.quantization == read_scheme(json.loads((model_dir / "config.json").read_text())).method
     model = llm.engine.worker.model
@@ -125,18 +133,21 @@ def test_packed_kernels_are_close_to_the_exact_model(quantised, method):
         expected = oracle(ids[None]).logits[0]
     got = logits(model, ids)
     top = got.topk(8, -1).indices
-    assert (got.gather(-1, top) - expected.gather(-1, top)).abs().max() <= 0.05 * expected.abs().max()
+    if model.config.moe is None:  # MoE routing is discontinuous: a flipped expert moves a position's logits a lot
+        assert (got.gather(-1, top) - expected.gather(-1, top)).abs().max() <= 0.05 * expected.abs().max()
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("method, algorithm", [("awq", "EAGLE3"), ("gptq", "EAGLE3"), ("fp8_block", "EAGLE3"),
-                                               ("ct_int4", "NGRAM"), ("gptq8", "NGRAM"), ("ct_fp8", "NGRAM")])
-def test_speculation_on_a_quantised_checkpoint_is_lossless(quantised, draft_dirs, method, algorithm):
-    model_dir, _ = quantised(method)
+@pytest.mark.parametrize("method, family, algorithm", [
+    ("awq", "llama", "EAGLE3"), ("gptq", "llama", "EAGLE3"), ("fp8_block", "llama", "EAGLE3"), ("awq", "qwen2", "EAGLE3"),
+    ("gptq", "qwen3", "EAGLE"), ("ct_int4", "llama", "NGRAM"), ("gptq8", "llama", "NGRAM"), ("ct_fp8", "llama", "NGRAM"),
+    ("fp8_block", "deepseek_v3", "NGRAM"), ("awq", "qwen3_next", "NGRAM")])
+def test_speculation_on_a_quantised_checkpoint_is_lossless(quantised, draft_dirs, method, family, algorithm):
+    model_dir, _ = quantised(method, family)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=1024)
     expected = [o.output_ids for o in plain.generate(PROMPTS, params)]
-    draft = str(draft_dirs["llama"]["eagle3"]) if algorithm == "EAGLE3" else None
+    draft = str(draft_dirs[family][algorithm.lower()]) if algorithm.startswith("EAGLE") else None
     llm = fastspec.LLM(str(model_dir), speculative_algorithm=algorithm, draft_model=draft, max_total_tokens=1024,
                        tuned=False)
     llm.engine.policy = None  # every round speculates
@@ -301,3 +312,17 @@ def test_cuda_kernels_compute_the_stored_forms_weights(kind):
     xc = x.cuda()
     want = stored(xc)
     torch.testing.assert_close(bound(xc).float(), want, atol=0.03 * want.abs().max().item(), rtol=0.03)
+
+
+@pytest.mark.parametrize("method", ["gptq", "fp8_block"])
+def test_compiled_rounds_on_a_quantised_checkpoint_equal_plain_decoding(quantised, draft_dirs, method):
+    """The draft loop and verify compiled fullgraph (the CPU proof of no host sync) over the bound modules (a
+    desc_act GPTQ's gathered inputs, unfused QKV) give plain eager decoding's tokens."""
+    model_dir, _ = quantised(method)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    plain = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=1024)
+    expected = [o.output_ids for o in plain.generate(PROMPTS, params)]
+    llm = fastspec.LLM(str(model_dir), speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]),
+                       graphs="compile", max_total_tokens=1024, tuned=False, cuda_graph_bs=(1, 2))
+    llm.engine.policy = None
+    assert [o.output_ids for o in llm.generate(PROMPTS, params)] == expected

@@ -240,11 +240,11 @@ def refine_head(model: nn.Module, activation: torch.dtype) -> None:
     model.lm_head = RefinedHead(approx, table)
 
 
-def quantise_target(model: nn.Module, method: str, activation: torch.dtype | None) -> int:
-    """A fused target's projections as `method` runs them: rounded at load where it is an online method (float
-    projections only), each bound to its device's module (`bind`; `activation` on CPU: fast_activation, None
+def quantise_target(model: nn.Module, method: str, activation: torch.dtype | None, online: bool) -> int:
+    """A fused target's projections as `method` runs them: rounded at load where `online` (a float checkpoint and
+    an online method), each bound to its device's module (`bind`; `activation` on CPU: fast_activation, None
     elsewhere), the lm_head refined beside packed kernels on CPU. Returns how many projections were rounded."""
-    count = quantise_online(model, method) if method in ONLINE else 0
+    count = quantise_online(model, method) if online else 0
     bind_linears(model, activation)
     refine_head(model, activation)
     return count

@@ -19,7 +19,8 @@ from fastspec.models.layers import fuse_projections
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
 from fastspec.models.mtp_loader import check_mtp_fits, load_mtp, mtp_prefix
-from fastspec.models.quant_layers import quantise_target
+from fastspec.models.quant_layers import ONLINE, quantise_target
+from fastspec.models.quant_loader import checkpoint_scheme
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.eagle import EagleDrafter, StandaloneDraft
 from fastspec.speculative.runners import GraphPlan
@@ -45,6 +46,7 @@ def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Load
     the row counts of the verify (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2
     and 4."""
     models = _load_models(model_dir, spec, config)
+    online = config.quantization in ONLINE and checkpoint_scheme(model_dir) is None  # rounded here, not stored so
     for model in (models.target, models.draft):
         if isinstance(model, nn.Module):
             fuse_projections(model)  # one QKV and one gate_up GEMM per layer
@@ -53,11 +55,11 @@ def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Load
 
         act = fast_activation()
         if config.quantization != "gguf":  # gguf_packed built its kernels already
-            quantise_target(models.target, config.quantization, act)
+            quantise_target(models.target, config.quantization, act, online)
         if isinstance(models.draft, nn.Module):  # on fastspec's kernels where the target is, else in the float dtype
             (pack_linears if act == torch.int16 else cast_linears)(models.draft, float_dtype(act))
     elif config.quantization is not None:
-        quantise_target(models.target, config.quantization, None)
+        quantise_target(models.target, config.quantization, None, online)
     pack_round_rows(models.target, models.draft, spec, config)
     if config.device == "cpu":
         trim_host_heap()  # what loading freed goes back to the OS
