@@ -6,6 +6,7 @@ weights."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -113,14 +114,22 @@ def write_quantised(hf_model, directory: Path, method: str, seed: int = 0):
     """`hf_model` (a transformers model) saved in `directory` with its decoder layers' linears (as stored: one per
     MoE expert) quantised by `method` where their shapes allow; returns the oracle: transformers' model loaded from
     the same checkpoint with every quantised weight dequantised exactly (written beside it, `<name>-dequantised`)."""
-    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(directory)
+    dequantised_dir = quantise_dir(directory, method, seed)
+    return AutoModelForCausalLM.from_pretrained(str(dequantised_dir), dtype=torch.float32).eval()
+
+
+def quantise_dir(directory: Path, method: str, seed: int = 0) -> Path:
+    """The checkpoint in `directory` quantised in place by `method` (its `.layers.` linears, MTP layers included);
+    returns the directory of its exact dequantisation (`<name>-dequantised`, a float checkpoint)."""
+    from safetensors.torch import load_file, save_file
 
     gen = torch.Generator().manual_seed(seed)
     dequantised_dir = directory.parent / f"{directory.name}-dequantised"
-    for d in (directory, dequantised_dir):
-        d.mkdir(parents=True, exist_ok=True)
-        hf_model.save_pretrained(d)
+    shutil.copytree(directory, dequantised_dir, dirs_exist_ok=True)
     files = sorted(directory.glob("*.safetensors"))
     stored = {k: v for f in files for k, v in load_file(f).items()}
     state, floats = {}, {}
@@ -132,12 +141,11 @@ def write_quantised(hf_model, directory: Path, method: str, seed: int = 0):
             floats[name] = deq.to(tensor.dtype)
         else:
             state[name] = floats[name] = tensor
-    for f in files:
-        f.unlink()
+    for d in (directory, dequantised_dir):
+        for f in d.glob("*.safetensors"):
+            f.unlink()
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
-    for f in dequantised_dir.glob("*.safetensors"):
-        f.unlink()
     save_file(floats, dequantised_dir / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps(config | {"quantization_config": CONFIGS[method]}))
-    return AutoModelForCausalLM.from_pretrained(str(dequantised_dir), dtype=torch.float32).eval()
+    return dequantised_dir

@@ -326,3 +326,21 @@ def test_compiled_rounds_on_a_quantised_checkpoint_equal_plain_decoding(quantise
                        graphs="compile", max_total_tokens=1024, tuned=False, cuda_graph_bs=(1, 2))
     llm.engine.policy = None
     assert [o.output_ids for o in llm.generate(PROMPTS, params)] == expected
+
+
+def test_nextn_on_a_quantised_deepseek_drafts_with_its_dequantised_mtp_layer(tmp_path):
+    """An fp8 DeepSeek-V3 checkpoint with its MTP layer quantised too: NEXTN drafts with that layer dequantised and
+    the output equals plain decoding on the same quantised target."""
+    from tiny_models import write_deepseek
+
+    from quant_writers import quantise_dir
+
+    write_deepseek(tmp_path / "ds", mtp=1)
+    quantise_dir(tmp_path / "ds", "ct_fp8")
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    plain = fastspec.LLM(str(tmp_path / "ds"), speculative_algorithm="NONE", max_total_tokens=1024)
+    expected = [o.output_ids for o in plain.generate(PROMPTS, params)]
+    llm = fastspec.LLM(str(tmp_path / "ds"), speculative_algorithm="NEXTN", max_total_tokens=1024, tuned=False)
+    llm.engine.policy = None
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)

@@ -16,6 +16,7 @@ from fastspec.models.deepseek import DeepseekMTP, MTPStack
 from fastspec.models.llama import LlamaForCausalLM
 from fastspec.models.loader import _keep_routers_float32, _load_into, _skip_init, read_config, read_state_dict
 from fastspec.models.moe import stack_experts
+from fastspec.models.quant_loader import dequantise_state
 from fastspec.models.qwen3_next import Qwen3NextMTP
 
 
@@ -26,6 +27,7 @@ def load_mtp(model_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, devi
     config = read_config(model_dir)
     prefix = mtp_prefix(config)
     weights = {} if prefix is None else read_state_dict(model_dir, partial(_is_mtp_weight, config))
+    weights = dequantise_state(weights, model_dir, dtype)  # a quantised checkpoint's MTP layers run dequantised
     if not any(k.startswith(prefix) for k in weights):
         raise FastspecError(f"{model_dir}: NEXTN needs the checkpoint's MTP layer ({prefix or 'none'}*), and this "
                             f"{config.architecture} checkpoint has none; give an EAGLE head with --draft")

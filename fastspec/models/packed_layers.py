@@ -18,6 +18,7 @@ from fastspec.kernels import cpu_fused, cpu_library, cpu_q4
 from fastspec.models.gguf_blocks import BLOCK, Blocks, as_8bit_16, round_8bit
 
 ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows
+TENSOR_LINEARS = ("kv_b_proj",)  # linears whose weight a model reads as a tensor (MLA absorbs it into q and o)
 
 
 class Int4Linear(nn.Module):
@@ -208,9 +209,10 @@ def pack_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def _replace_linears(model: nn.Module, make) -> nn.Module:
-    """Every nn.Linear of `model`, at any depth, replaced in place by make(weight, bias) (detached tensors)."""
+    """Every nn.Linear of `model`, at any depth, replaced in place by make(weight, bias) (detached tensors), except
+    those whose weight the model reads as a tensor (TENSOR_LINEARS)."""
     for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
+        if isinstance(child, nn.Linear) and name not in TENSOR_LINEARS:
             setattr(model, name, make(child.weight.detach(), None if child.bias is None else child.bias.detach()))
         else:
             _replace_linears(child, make)

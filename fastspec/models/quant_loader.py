@@ -20,12 +20,13 @@ from fastspec.models.gguf_blocks import Blocks
 from fastspec.models.layers import RotaryEmbedding
 from fastspec.models.llama import LlamaForCausalLM
 from fastspec.models.quant_config import QuantScheme, read_scheme
+from fastspec.models.packed_layers import TENSOR_LINEARS
 from fastspec.models.quant_layers import QuantLinear
 from fastspec.models.quant_weights import QuantWeight, decode_state
 
 log = logging.getLogger(__name__)
 
-FLOAT_LINEARS = ("lm_head", "kv_b_proj")  # linears whose weight the model reads as a tensor
+FLOAT_LINEARS = ("lm_head", *TENSOR_LINEARS)  # linears kept float: the head, those a model reads as a tensor
 
 
 def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
@@ -43,6 +44,8 @@ def split_quantised(state: dict[str, torch.Tensor], scheme: QuantScheme, skeleto
     in their form; every other quantised weight (all of them without `keep`) dequantised into the state as
     `name.weight` in `dtype`."""
     floats, forms = decode_state(state, scheme, source)
+    if not forms:
+        raise FastspecError(f"{source}: quantization_config says {scheme.label} but no tensor is quantised")
     linears = {name for name, m in skeleton.named_modules() if isinstance(m, nn.Linear)
                and not name.endswith(FLOAT_LINEARS)}
     kept = {name: form for name, form in forms.items() if keep and name in linears}
@@ -53,6 +56,16 @@ def split_quantised(state: dict[str, torch.Tensor], scheme: QuantScheme, skeleto
         log.info("%s: %d quantised weights read as tensors by the model are dequantised to %s", source,
                  len(forms) - len(kept), str(dtype).removeprefix("torch."))
     return floats, kept
+
+
+def dequantise_state(state: dict[str, torch.Tensor], model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state` (some of a checkpoint's tensors, e.g. its MTP layers) with every quantised weight dequantised to
+    `dtype` as `name.weight`; unchanged for a float checkpoint."""
+    scheme = checkpoint_scheme(model_dir)
+    if scheme is None:
+        return state
+    floats, forms = decode_state(state, scheme, str(model_dir))
+    return floats | {f"{name}.weight": form.dequantise(dtype) for name, form in forms.items()}
 
 
 def build_quantised(model: LlamaForCausalLM, state: dict[str, torch.Tensor], forms: dict[str, QuantWeight],

@@ -117,8 +117,6 @@ def decode_state(state: dict[str, torch.Tensor], scheme: QuantScheme, source: st
                                               ".weight_zero_point"))]
     if stray:
         raise FastspecError(f"{source}: {stray[0]} has no quantised weight beside it")
-    if not forms:
-        raise FastspecError(f"{source}: quantization_config says {scheme.label} but no tensor is quantised")
     return floats, forms
 
 
