@@ -5,6 +5,7 @@
   Fp8Linear       W8A8: activations rounded to e4m3 per token at run time, torch._scaled_mm with row-wise scales
                   (CUDA with fp8 tensor cores; on CPU it is the same op's slow reference, used by the tests)
   TinyGemmLinear  4-bit blocks on CUDA through torch's tinygemm kernel (bfloat16 activations)
+  ByteLinear      any form as bytes decoded inside a Triton GEMM (block fp8, 8-bit and other 4-bit blocks on CUDA)
   PermutedLinear  a GPTQ desc_act weight: the inputs gathered into its column order, then its linear
   and on CPU the packed kernels of packed_layers: 4-bit blocks on fastspec's int16 kernel (BlockLinear) or torch's
   int4 one (Int4Linear), 8-bit blocks and fp8 weights (re-rounded to 8 bits per 16 values) on BlockLinear, else a
@@ -15,6 +16,8 @@ Does not read checkpoints (quant_weights, loader).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +128,41 @@ class TinyGemmLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class ByteLinear(nn.Module):
+    """y = x @ w.T (+ b) for a weight kept as bytes (e4m3, int8 or two 4-bit values each) with a scale and an offset
+    per row and `cols` inputs, decoded inside a Triton GEMM (fastspec.kernels.triton_quant; its torch twin where
+    Triton does not run): the CUDA kernel for block fp8 and for the 8- and 4-bit blocks tinygemm does not take."""
+
+    def __init__(self, form: QuantWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        from fastspec.kernels import triton_quant  # Triton: CUDA builds of torch, or the dev extra
+
+        self.out_features, self.in_features = form.shape
+        if isinstance(form, Fp8Weight):
+            w, scale, offset, self.cols, self.fmt = form.weight.view(torch.uint8), form.scale, None, form.cols, 0
+        else:
+            b = form.blocks
+            self.cols, self.fmt = b.group, triton_quant.INT8 if b.bits == 8 else triton_quant.UINT4
+            w = b.q.view(torch.uint8) if b.bits == 8 else (b.q[:, 0::2] | b.q[:, 1::2] << 4)
+            scale, offset = b.scale, (None if not b.offset.any() else b.offset)
+        triton_quant.block_k(self.cols, self.in_features)  # refuses a shape no K tile fits
+        self.register_buffer("w", w.contiguous())  # uint8 [N, K] or [N, K/2]
+        self.register_buffer("scale", scale.float().contiguous())  # [N, K/cols]
+        self.register_buffer("offset", None if offset is None else offset.float().contiguous())
+        self.register_buffer("bias", bias)
+
+    @staticmethod
+    def takes(form: QuantWeight) -> bool:
+        cols = form.cols if isinstance(form, Fp8Weight) else form.blocks.group
+        return cols % 16 == 0 and form.shape[1] % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features)
+        y = torch.ops.fastspec.byte_matmul(flat, self.w, self.scale, self.offset, self.cols, self.fmt)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class PermutedLinear(nn.Module):
     """y = inner(x[..., perm]): a weight whose groups run over its inputs in another order (GPTQ desc_act)."""
 
@@ -140,17 +178,23 @@ class PermutedLinear(nn.Module):
 
 def bind(linear: QuantLinear, activation: torch.dtype | None) -> nn.Module:
     """The module `linear` runs as where it lives: on CPU (`activation`: packed_layers.fast_activation) a packed
-    kernel where one takes its shape, on CUDA Fp8Linear for a per-channel fp8 weight where the GPU has fp8 tensor
-    cores and TinyGemmLinear for 4-bit groups of 32 to 256; else `linear` itself (dequantised per call)."""
+    kernel where one takes its shape; on CUDA Fp8Linear for a per-channel fp8 weight where the GPU has fp8 tensor
+    cores, TinyGemmLinear for 4-bit groups of 32 to 256, ByteLinear for the rest (block fp8, 8-bit, other 4-bit
+    groups; also on CPU with FASTSPEC_TRITON_QUANT=1, the kernel's tests); else `linear` itself (dequantised per
+    call)."""
     form, bias = linear.form, linear.bias
     device = (bias if bias is not None else next(linear.buffers())).device
-    if device.type == "cuda":
-        if isinstance(form, Fp8Weight) and form.per_channel and torch.cuda.get_device_capability(device) >= (8, 9):
+    if device.type == "cuda" or os.environ.get("FASTSPEC_TRITON_QUANT") == "1":
+        if isinstance(form, Fp8Weight) and form.per_channel and device.type == "cuda" and \
+                torch.cuda.get_device_capability(device) >= (8, 9):
             return Fp8Linear(form, bias)
-        if isinstance(form, IntWeight) and TinyGemmLinear.takes(form.blocks):
+        if isinstance(form, IntWeight) and device.type == "cuda" and TinyGemmLinear.takes(form.blocks):
             inner = TinyGemmLinear(form.blocks, bias)
-            return inner if form.perm is None else PermutedLinear(form.perm, inner)
-        return linear
+        elif ByteLinear.takes(form):
+            inner = ByteLinear(form, bias)
+        else:
+            return linear
+        return inner if isinstance(form, Fp8Weight) or form.perm is None else PermutedLinear(form.perm, inner)
     if device.type != "cpu" or activation is None:
         return linear
     n, k = form.shape
