@@ -109,6 +109,8 @@ def test_stored_form_dequantises_on_each_call_exactly(quantised, method, family)
     reference = fuse_projections(load_target(model_dir, torch.float32, quantization=None))
     model = fuse_projections(load_target(model_dir, torch.float32, quantization="auto"))
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) >= model.config.num_layers
+    if model.config.moe is not None and (method, family) != ("awq", "qwen3_next"):  # (there the experts' down_proj
+        assert any(type(m).__name__ == "LinearExperts" for m in model.modules())  # has 24 inputs: left float)
     if family == "llama":
         attn = model.model.layers[0].self_attn
         assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
@@ -314,18 +316,22 @@ def test_cuda_kernels_compute_the_stored_forms_weights(kind):
     torch.testing.assert_close(bound(xc).float(), want, atol=0.03 * want.abs().max().item(), rtol=0.03)
 
 
-@pytest.mark.parametrize("method", ["gptq", "fp8_block"])
-def test_compiled_rounds_on_a_quantised_checkpoint_equal_plain_decoding(quantised, draft_dirs, method):
+@pytest.mark.parametrize("method, family", [("gptq", "llama"), ("fp8_block", "llama"), ("ct_fp8", "deepseek_v3")])
+def test_compiled_rounds_on_a_quantised_checkpoint_equal_plain_decoding(quantised, draft_dirs, method, family):
     """The draft loop and verify compiled fullgraph (the CPU proof of no host sync) over the bound modules (a
-    desc_act GPTQ's gathered inputs, unfused QKV) give plain eager decoding's tokens."""
-    model_dir, _ = quantised(method)
+    desc_act GPTQ's gathered inputs, unfused QKV; quantised MoE experts run densely) give plain eager decoding's
+    tokens."""
+    model_dir, _ = quantised(method, family)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     plain = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=1024)
     expected = [o.output_ids for o in plain.generate(PROMPTS, params)]
-    llm = fastspec.LLM(str(model_dir), speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]),
-                       graphs="compile", max_total_tokens=1024, tuned=False, cuda_graph_bs=(1, 2))
+    spec = dict(speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"])) if family == "llama" \
+        else dict(speculative_algorithm="NGRAM")
+    llm = fastspec.LLM(str(model_dir), **spec, graphs="compile", max_total_tokens=1024, tuned=False,
+                       cuda_graph_bs=(1, 2))
     llm.engine.policy = None
-    assert [o.output_ids for o in llm.generate(PROMPTS, params)] == expected
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
 
 
 def test_nextn_on_a_quantised_deepseek_drafts_with_its_dequantised_mtp_layer(tmp_path):

@@ -193,10 +193,10 @@ def _load_quantised(model_dir: Path, config: ModelConfig, capture_layers: tuple[
     every weight dequantised to `dtype` and loaded as a float model."""
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(config, capture_layers)
-    state, forms = split_quantised(read_state_dict(model_dir), scheme, skeleton, dtype, keep, str(model_dir))
+    state, forms, experts = split_quantised(read_state_dict(model_dir), scheme, skeleton, dtype, keep, str(model_dir))
     state = _renamed(stack_experts(state))
-    if forms:
-        return build_quantised(skeleton, state, forms, dtype, device, str(model_dir))
+    if forms or experts:
+        return build_quantised(skeleton, state, forms, experts, dtype, device, str(model_dir))
     with _skip_init(), torch.device(device):
         model = _keep_routers_float32(LlamaForCausalLM(config, capture_layers).to(dtype))
     _load_into(model, state, ("lm_head.",) if config.tie_word_embeddings else (), str(model_dir))

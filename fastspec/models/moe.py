@@ -107,6 +107,38 @@ class Experts(nn.Module):
         return out
 
 
+class LinearExperts(nn.Module):
+    """E gated MLPs as modules, one [gate | up] and one down linear each (a quantised checkpoint's experts, each
+    linear in its stored form or bound to a kernel: fastspec.models.quant_layers); the same two ways to run as
+    Experts."""
+
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module]):
+        super().__init__()
+        self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if torch.compiler.is_compiling() or capturing:  # every expert on every token, unchosen ones weighed 0
+            dense = torch.zeros(x.shape[0], len(self.down), device=x.device).scatter(1, index, weights).to(x.dtype)
+            return sum(self._expert(e, x) * dense[:, e, None] for e in range(len(self.down)))
+        k, out = index.shape[1], torch.zeros_like(x)
+        order = index.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
+        counts = torch.bincount(index.flatten(), minlength=len(self.down)).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                pairs = order[start:start + n]
+                start += n
+                tokens = pairs // k
+                y = self._expert(e, x.index_select(0, tokens))
+                out.index_add_(0, tokens, y * weights.flatten()[pairs, None].to(x.dtype))
+        return out
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up[e](x).chunk(2, -1)
+        return self.down[e](F.silu(gate) * up)
+
+
 class MoE(nn.Module):
     def __init__(self, hidden: int, m: MoEConfig):
         super().__init__()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from fastspec.models.quant_config import QuantScheme, read_scheme
 from fastspec.models.packed_layers import TENSOR_LINEARS
 from fastspec.models.quant_layers import QuantLinear
 from fastspec.models.quant_weights import QuantWeight, decode_state
+from fastspec.models.moe import Experts, LinearExperts, Router
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +41,10 @@ def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
 
 
 def split_quantised(state: dict[str, torch.Tensor], scheme: QuantScheme, skeleton: nn.Module, dtype: torch.dtype,
-                    keep: bool, source: str) -> tuple[dict[str, torch.Tensor], dict[str, QuantWeight]]:
-    """(float state, {linear name: stored form}): with `keep`, the quantised weights of `skeleton`'s linears kept
-    in their form; every other quantised weight (all of them without `keep`) dequantised into the state as
+                    keep: bool, source: str) -> tuple[dict[str, torch.Tensor], dict[str, QuantWeight], dict]:
+    """(float state, {linear name: stored form}, {MoE experts name: LinearExperts' stored linears}): with `keep`,
+    the quantised weights of `skeleton`'s linears and of its MoE layers whose every expert is quantised kept in
+    their form; every other quantised weight (all of them without `keep`) dequantised into the state as
     `name.weight` in `dtype`."""
     floats, forms = decode_state(state, scheme, source)
     if not forms:
@@ -49,13 +52,36 @@ def split_quantised(state: dict[str, torch.Tensor], scheme: QuantScheme, skeleto
     linears = {name for name, m in skeleton.named_modules() if isinstance(m, nn.Linear)
                and not name.endswith(FLOAT_LINEARS)}
     kept = {name: form for name, form in forms.items() if keep and name in linears}
+    experts = _kept_experts(forms, skeleton) if keep else {}
     for name, form in forms.items():
-        if name not in kept:
+        match = _EXPERT.match(name)
+        if name not in kept and not (match and match[1] in experts):
             floats[f"{name}.weight"] = form.dequantise(dtype)
-    if keep and len(kept) < len(forms):
-        log.info("%s: %d quantised weights read as tensors by the model are dequantised to %s", source,
-                 len(forms) - len(kept), str(dtype).removeprefix("torch."))
-    return floats, kept
+    left = len(forms) - len(kept) - 3 * sum(len(d) for _, d in experts.values())
+    if keep and left:
+        log.info("%s: %d quantised weights read as tensors by the model are dequantised to %s", source, left,
+                 str(dtype).removeprefix("torch."))
+    return floats, kept, experts
+
+
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+
+
+def _kept_experts(forms: dict[str, QuantWeight], skeleton: nn.Module) -> dict[str, tuple[list, list]]:
+    """{experts module name: ([E merged gate | up QuantLinears], [E down QuantLinears])} for every MoE layer of
+    `skeleton` whose experts are all quantised and whose gate / up forms merge."""
+    out = {}
+    for name, module in skeleton.named_modules():
+        if not isinstance(module, Experts):
+            continue
+        count = module.gate_proj.shape[0]
+        parts = [[forms.get(f"{name}.{e}.{p}") for p in ("gate_proj", "up_proj", "down_proj")] for e in range(count)]
+        if any(f is None for p in parts for f in p):
+            continue
+        gate_up = [QuantLinear.merge([QuantLinear(g), QuantLinear(u)]) for g, u, _ in parts]
+        if all(m is not None for m in gate_up):
+            out[name] = (gate_up, [QuantLinear(d) for _, _, d in parts])
+    return out
 
 
 def dequantise_state(state: dict[str, torch.Tensor], model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -69,12 +95,14 @@ def dequantise_state(state: dict[str, torch.Tensor], model_dir: Path, dtype: tor
 
 
 def build_quantised(model: LlamaForCausalLM, state: dict[str, torch.Tensor], forms: dict[str, QuantWeight],
-                    dtype: torch.dtype, device, source: str) -> LlamaForCausalLM:
-    """`model` (a skeleton on the meta device) with `forms`' linears as QuantLinears on `device` and every other
-    weight from `state` in `dtype` (MoE routers in float32, as the float loader keeps them)."""
-    from fastspec.models.moe import Router
-
+                    experts: dict, dtype: torch.dtype, device, source: str) -> LlamaForCausalLM:
+    """`model` (a skeleton on the meta device) with `forms`' linears as QuantLinears and `experts`' MoE layers as
+    LinearExperts on `device`, and every other weight from `state` in `dtype` (MoE routers in float32, as the float
+    loader keeps them)."""
     config = model.config
+    for name, (gate_up, down) in experts.items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, LinearExperts(gate_up, down).to(device))
     for name, form in forms.items():
         parent, _, attr = name.rpartition(".")
         old = model.get_submodule(name)
