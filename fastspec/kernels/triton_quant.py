@@ -37,7 +37,7 @@ def _decode(raw, FORMAT: tl.constexpr):
 
 
 @triton.jit
-def _kernel(X, W, S, O, Y, M, N, K, cols, stride_xm, stride_wn, stride_sn, stride_ym,
+def _byte_gemm_kernel(X, W, S, O, Y, M, N, K, cols, stride_xm, stride_wn, stride_sn, stride_ym,
             FORMAT: tl.constexpr, HAS_OFFSET: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -84,9 +84,9 @@ def matmul(x: torch.Tensor,       # [M, K] float
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     bm, bn, bk = 16, 64, block_k(cols, k)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    _kernel[grid](x, w, scale, scale if offset is None else offset.contiguous(), y, m, n, k, cols, x.stride(0),
-                  w.stride(0), scale.stride(0), y.stride(0), FORMAT=fmt, HAS_OFFSET=offset is not None,
-                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    _byte_gemm_kernel[grid](x, w, scale, scale if offset is None else offset.contiguous(), y, m, n, k, cols,
+                            x.stride(0), w.stride(0), scale.stride(0), y.stride(0), FORMAT=fmt,
+                            HAS_OFFSET=offset is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y
 
 
