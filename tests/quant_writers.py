@@ -6,7 +6,9 @@ weights."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -61,7 +63,9 @@ def _asym(w: torch.Tensor, bits: int, groups_of: torch.Tensor):
 
 
 def quantise(w: torch.Tensor, method: str, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(the tensors `method` stores for weight w [N, K], keyed by suffix; the dequantised weight)."""
+    """(the tensors `method` stores for weight w [N, K], keyed by suffix; the dequantised weight). GPTQ's desc_act
+    order comes from `gen` (linears over the same input get the same order, as GPTQ's act order does: it follows
+    the input's statistics)."""
     n, k = w.shape
     if method == "awq":
         q, zero, scale = _asym(w, 4, torch.arange(k) // GROUP)
@@ -71,7 +75,7 @@ def quantise(w: torch.Tensor, method: str, gen: torch.Generator) -> tuple[dict[s
         bits = 4 if method == "gptq" else 8
         g_idx = torch.arange(k) // GROUP
         if method == "gptq":  # desc_act: the groups run over a permutation of the inputs
-            g_idx = g_idx[torch.argsort(torch.rand(k, generator=gen))]
+            g_idx = g_idx[torch.argsort(torch.rand(k, generator=gen))]  # (each input's group)
         q, zero, scale = _asym(w, bits, g_idx)
         if method == "gptq8":  # symmetric: the zero in the middle
             zero = torch.full_like(zero, 128.0)
@@ -127,7 +131,6 @@ def quantise_dir(directory: Path, method: str, seed: int = 0) -> Path:
     returns the directory of its exact dequantisation (`<name>-dequantised`, a float checkpoint)."""
     from safetensors.torch import load_file, save_file
 
-    gen = torch.Generator().manual_seed(seed)
     dequantised_dir = directory.parent / f"{directory.name}-dequantised"
     shutil.copytree(directory, dequantised_dir, dirs_exist_ok=True)
     files = sorted(directory.glob("*.safetensors"))
@@ -135,6 +138,8 @@ def quantise_dir(directory: Path, method: str, seed: int = 0) -> Path:
     state, floats = {}, {}
     for name, tensor in stored.items():
         if ".layers." in name and name.endswith("_proj.weight") and tensor.dim() == 2 and _takes(method, tensor.shape):
+            same_input = re.sub(r"(q|k|v|gate|up)_proj\.weight$", "in_proj", name)  # q / k / v, gate / up
+            gen = torch.Generator().manual_seed(seed + zlib.crc32(same_input.encode()))
             parts, deq = quantise(tensor.float(), method, gen)
             prefix = name.removesuffix(".weight")
             state |= {f"{prefix}.{k}": v.contiguous() for k, v in parts.items()}
