@@ -197,7 +197,7 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
     from fastspec.models.layers import fuse_projections
     from fastspec.models.packed_layers import BlockLinear
     from fastspec.models.loader import load_target
-    from fastspec.models.quant_layers import quantise_target
+    from fastspec.models.quantise import quantise_target
 
     model = fuse_projections(load_target(tiny_dirs["llama"][0], torch.float32))
     quantise_target(model, "int4", torch.int16, True)

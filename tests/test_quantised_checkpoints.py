@@ -14,7 +14,8 @@ from fastspec.models.gguf_blocks import Blocks
 from fastspec.models.layers import fuse_projections
 from fastspec.models.loader import load_target
 from fastspec.models.quant_config import read_scheme
-from fastspec.models.quant_layers import Fp8Linear, QuantLinear, bind, online_form
+from fastspec.models.quant_layers import Fp8Linear, QuantLinear, bind
+from fastspec.models.quantise import online_form
 from fastspec.models.quant_weights import Fp8Weight, IntWeight, unpack_int32
 from fastspec.sampling import SamplingParams
 from quant_writers import AWQ_ORDER, awq_pack, write_quantised

@@ -11,7 +11,8 @@ triton = pytest.importorskip("triton")
 
 from fastspec.kernels import triton_quant as tq  # noqa: E402
 from fastspec.models.gguf_blocks import Blocks  # noqa: E402
-from fastspec.models.quant_layers import ByteLinear, QuantLinear, online_form  # noqa: E402
+from fastspec.models.quant_layers import ByteLinear, QuantLinear  # noqa: E402
+from fastspec.models.quantise import online_form  # noqa: E402
 from fastspec.models.quant_weights import Fp8Weight, IntWeight  # noqa: E402
 
 

@@ -10,8 +10,6 @@
   and on CPU the packed kernels of packed_layers: 4-bit blocks on fastspec's int16 kernel (BlockLinear) or torch's
   int4 one (Int4Linear), 8-bit blocks and fp8 weights (re-rounded to 8 bits per 16 values) on BlockLinear, else a
   CastLinear over the dequantised weight.
-`quantise_online` makes QuantLinears from a float model's projections (--quantization fp8 / int8 / int4);
-`quantise_target` is the whole step after fusing: online rounding, `bind`, the refined lm_head.
 Does not read checkpoints (quant_weights, loader).
 """
 
@@ -23,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.errors import FastspecError
 from fastspec.kernels import cpu_q4
-from fastspec.models.gguf_blocks import BLOCK, Blocks, quantise_rows, round_8bit
-from fastspec.models.packed_layers import ROW_TILE, BlockLinear, CastLinear, RefinedHead, float_dtype, int4_linear
+from fastspec.models.gguf_blocks import BLOCK, Blocks, round_8bit
+from fastspec.models.packed_layers import ROW_TILE, BlockLinear, CastLinear, float_dtype, int4_linear
 from fastspec.models.quant_weights import FP8, Fp8Weight, IntWeight, QuantWeight, merge
 
 FP8_MAX = 448.0  # the largest e4m3 value
@@ -232,63 +229,3 @@ def bind_linears(model: nn.Module, activation: torch.dtype | None) -> int:
                 replaced += bound is not child
                 setattr(module, name, bound)
     return replaced
-
-
-ONLINE = ("fp8", "int8", "int4")
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a fused Llama-family layer's linears
-
-
-def quantise_online(model: nn.Module, method: str) -> int:
-    """A float model's fused projections (in place, Llama family) as QuantLinears: fp8 e4m3 with a scale per output
-    channel; int8 symmetric per output channel; int4 with a scale and an offset per 32 inputs (Q4_1's rounding).
-    Projections already quantised (a quantised checkpoint's) and, for int4, those whose inputs are not a multiple of
-    32 stay as they are. Returns how many were quantised."""
-    if not getattr(model, "between_attention", False):
-        raise FastspecError(f"--quantization {method} quantises Llama-family targets (Llama, Qwen2, Qwen3, Mistral) "
-                            f"at load, not {model.config.architecture}")
-    count = 0
-    for module in list(model.model.layers.modules()):
-        for name in PROJECTIONS:
-            linear = getattr(module, name, None)
-            if isinstance(linear, nn.Linear) and (method != "int4" or linear.in_features % BLOCK == 0):
-                bias = None if linear.bias is None else linear.bias.detach()
-                setattr(module, name, QuantLinear(online_form(linear.weight.detach(), method), bias))
-                count += 1
-    return count
-
-
-def online_form(weight: torch.Tensor, method: str) -> QuantWeight:
-    """`weight` [N, K] rounded by `method` (see quantise_online)."""
-    w = weight.float()
-    if method == "fp8":
-        scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # [N, 1]
-        return Fp8Weight((w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale, w.shape[1])
-    if method == "int8":
-        scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [N, 1]
-        q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
-        return IntWeight(Blocks(q, scale, torch.zeros_like(scale), 8))
-    return IntWeight(quantise_rows(lambda ids: w[ids], w.shape[0]))
-
-
-def refine_head(model: nn.Module, activation: torch.dtype) -> None:
-    """On CPU beside packed projections, the model's float lm_head as a RefinedHead (packed_layers): a 4-bit
-    approximation over the whole vocabulary on `activation`'s kernel, its best tokens rescored exactly from the float
-    table (the embedding when tied). Float32 activations keep the exact linear (as fast)."""
-    if activation in (None, torch.float32) or not isinstance(model.lm_head, nn.Linear):
-        return
-    tied = model.config.tie_word_embeddings
-    table = model.model.embed_tokens if tied else nn.Embedding.from_pretrained(model.lm_head.weight.detach().float())
-    if table.embedding_dim % BLOCK:
-        return
-    approx = int4_linear(quantise_rows(table, table.num_embeddings).pad_rows(ROW_TILE), activation)
-    model.lm_head = RefinedHead(approx, table)
-
-
-def quantise_target(model: nn.Module, method: str, activation: torch.dtype | None, online: bool) -> int:
-    """A fused target's projections as `method` runs them: rounded at load where `online` (a float checkpoint and
-    an online method), each bound to its device's module (`bind`; `activation` on CPU: fast_activation, None
-    elsewhere), the lm_head refined beside packed kernels on CPU. Returns how many projections were rounded."""
-    count = quantise_online(model, method) if online else 0
-    bind_linears(model, activation)
-    refine_head(model, activation)
-    return count

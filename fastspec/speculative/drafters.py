@@ -19,8 +19,8 @@ from fastspec.models.layers import fuse_projections
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
 from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
 from fastspec.models.mtp_loader import check_mtp_fits, load_mtp, mtp_prefix
-from fastspec.models.quant_layers import ONLINE, quantise_target
 from fastspec.models.quant_loader import checkpoint_scheme
+from fastspec.models.quantise import ONLINE, quantise_target
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.eagle import EagleDrafter, StandaloneDraft
 from fastspec.speculative.runners import GraphPlan
@@ -41,7 +41,7 @@ def load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Load
     """Target and draft weights, their projections fused (fastspec.models.layers.fuse_projections); with quantization
     "gguf" a GGUF target on its own blocks (fastspec.models.gguf_packed), with a quantised checkpoint's method its
     stored linears (fastspec.models.quant_loader), with fp8 / int8 / int4 its projections rounded at load, each on
-    its device's kernel (fastspec.models.quant_layers.quantise_target); on CPU the draft's linears on fastspec's kernels (8-bit blocks)
+    its device's kernel (fastspec.models.quantise.quantise_target); on CPU the draft's linears on fastspec's kernels (8-bit blocks)
     where the target runs on them, else in the fast float dtype; on CPU in float32, other linears are prepacked for
     the row counts of the verify (bs * num_draft_tokens) and of the draft steps (bs * topk) at batch sizes 1, 2
     and 4."""
