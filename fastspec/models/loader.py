@@ -195,11 +195,14 @@ def _load_quantised(model_dir: Path, config: ModelConfig, capture_layers: tuple[
         skeleton = LlamaForCausalLM(config, capture_layers)
     state, forms, experts = split_quantised(read_state_dict(model_dir), scheme, skeleton, dtype, keep, str(model_dir))
     state = _renamed(stack_experts(state))
-    if forms or experts:
-        return build_quantised(skeleton, state, forms, experts, dtype, device, str(model_dir))
-    with _skip_init(), torch.device(device):
-        model = _keep_routers_float32(LlamaForCausalLM(config, capture_layers).to(dtype))
-    _load_into(model, state, ("lm_head.",) if config.tie_word_embeddings else (), str(model_dir))
+    skip = ("lm_head.",) if config.tie_word_embeddings else ()
+    if forms or experts:  # the kept linears built on the skeleton, the rest filled as a float model's
+        model = skeleton
+        skip += build_quantised(model, state, forms, experts, dtype, device, str(model_dir))
+    else:
+        with _skip_init(), torch.device(device):
+            model = LlamaForCausalLM(config, capture_layers).to(dtype)
+    _load_into(_keep_routers_float32(model), state, skip, str(model_dir))
     return model.eval().requires_grad_(False)
 
 

@@ -24,7 +24,7 @@ from fastspec.models.quant_config import QuantScheme, read_scheme
 from fastspec.models.packed_layers import TENSOR_LINEARS
 from fastspec.models.quant_layers import QuantLinear
 from fastspec.models.quant_weights import QuantWeight, decode_state
-from fastspec.models.moe import Experts, LinearExperts, Router
+from fastspec.models.moe import Experts, LinearExperts
 
 log = logging.getLogger(__name__)
 
@@ -95,45 +95,32 @@ def dequantise_state(state: dict[str, torch.Tensor], model_dir: Path, dtype: tor
 
 
 def build_quantised(model: LlamaForCausalLM, state: dict[str, torch.Tensor], forms: dict[str, QuantWeight],
-                    experts: dict, dtype: torch.dtype, device, source: str) -> LlamaForCausalLM:
-    """`model` (a skeleton on the meta device) with `forms`' linears as QuantLinears and `experts`' MoE layers as
-    LinearExperts on `device`, and every other weight from `state` in `dtype` (MoE routers in float32, as the float
-    loader keeps them)."""
-    config = model.config
+                    experts: dict, dtype: torch.dtype, device, source: str) -> tuple[str, ...]:
+    """`model` (a skeleton on the meta device), in place: `forms`' linears as QuantLinears and `experts`' MoE layers
+    as LinearExperts on `device` (biases taken from `state`), every other tensor allocated on `device` in `dtype`
+    for the float loader to fill. Returns the name prefixes of what was built here (the loader's skip list)."""
     for name, (gate_up, down) in experts.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, LinearExperts(gate_up, down).to(device))
     for name, form in forms.items():
         parent, _, attr = name.rpartition(".")
-        old = model.get_submodule(name)
-        bias = state.pop(f"{name}.bias", None) if old.bias is not None else None
-        if old.bias is not None and bias is None:
-            raise FastspecError(f"{source}: missing weight {name}.bias")
+        bias = None
+        if model.get_submodule(name).bias is not None:
+            if f"{name}.bias" not in state:
+                raise FastspecError(f"{source}: missing weight {name}.bias")
+            bias = state.pop(f"{name}.bias")
         moved = type(form)(**{k: _to(v, device) for k, v in vars(form).items()})
         setattr(model.get_submodule(parent), attr, QuantLinear(moved, None if bias is None else bias.to(device, dtype)))
     with torch.device(device):
-        model.rope = RotaryEmbedding(config)
-    skip = ("lm_head.",) if config.tie_word_embeddings else ()
-    for module_name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
-            continue
-        float32 = isinstance(module, Router)
-        for attr, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-            full = f"{module_name}.{attr}" if module_name else attr
-            if not tensor.is_meta or full.startswith(skip):
-                continue
-            if full not in state:
-                raise FastspecError(f"{source}: missing weight {full}")
-            if tuple(state[full].shape) != tuple(tensor.shape):
-                raise FastspecError(f"{source}: weight {full} has shape {tuple(state[full].shape)}, expected "
-                                    f"{tuple(tensor.shape)}")
-            value = state[full].to(device, torch.float32 if float32 else dtype)
-            if attr in module._parameters:
-                module._parameters[attr] = nn.Parameter(value, requires_grad=False)
-            else:
-                module._buffers[attr] = value
+        model.rope = RotaryEmbedding(model.config)
+    for module in model.modules():
+        for group in (module._parameters, module._buffers):
+            for attr, tensor in group.items():
+                if tensor is not None and tensor.is_meta:
+                    empty = torch.empty(tensor.shape, dtype=dtype, device=device)
+                    group[attr] = nn.Parameter(empty, requires_grad=False) if group is module._parameters else empty
     model.tie_weights()
-    return model.eval().requires_grad_(False)
+    return tuple(f"{name}." for name in (*forms, *experts))
 
 
 def _to(value, device):
