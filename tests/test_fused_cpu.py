@@ -186,9 +186,10 @@ def test_a_compiler_without_openmp_builds_them_single_threaded_and_none_runs_the
 
 
 def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatch):
-    """Every projection a BlockLinear (4-bit, one 8-bit): the stack runs as one C call (cpu_fused.decoder_stack),
-    which gives, bit for bit, the logits and the captured residual streams of the same kernels called layer by layer
-    (fused_layers' loop), over a prefill of two requests and a decode step of both."""
+    """Every projection a BlockLinear (4-bit, one 8-bit, two over inputs in another order: GPTQ desc_act's
+    PermutedLinear): the stack runs as one C call (cpu_fused.decoder_stack), which gives, bit for bit, the logits and
+    the captured residual streams of the same kernels called layer by layer (fused_layers' loop), over a prefill of
+    two requests and a decode step of both."""
     from conftest import PoolRunner
 
     from fastspec.kernels import cpu_q4
@@ -197,6 +198,7 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
     from fastspec.models.layers import fuse_projections
     from fastspec.models.packed_layers import BlockLinear
     from fastspec.models.loader import load_target
+    from fastspec.models.quant_layers import PermutedLinear
     from fastspec.models.quantise import quantise_target
 
     model = fuse_projections(load_target(tiny_dirs["llama"][0], torch.float32))
@@ -205,6 +207,9 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
     q, scale, offset = cpu_q4.unpack(mlp.down_proj.packed, mlp.down_proj.scales)
     mlp.down_proj = BlockLinear.from_blocks(as_8bit_16(Blocks(q.to(torch.uint8), scale, offset, 4)))
     assert mlp.down_proj.packed.dtype == torch.int8
+    gen = torch.Generator().manual_seed(4)
+    for layer in model.model.layers[2:]:  # the same weights over their inputs reordered, as desc_act stores them
+        layer.mlp.gate_up_proj = PermutedLinear(torch.randperm(64, generator=gen), layer.mlp.gate_up_proj)
     model.capture_layers = (0, 2, 3)
     calls = []
     monkeypatch.setattr(cpu_fused, "decoder_stack", lambda *a, f=cpu_fused.decoder_stack: calls.append(1) or f(*a))

@@ -203,9 +203,17 @@ void top_k(const float *x, int64_t M, int64_t V, int64_t stride, int64_t k, int6
 int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y);
 int q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const uint16_t *sm, int64_t N, float *y);
 
-/* y = x @ w.T for linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a decoder_stack layer row (see below) */
-static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int64_t K, int64_t N, float *y) {
+/* y = x @ w.T for linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a decoder_stack layer row (see below); where the
+ * row names an input order (a GPTQ desc_act weight), x's columns are gathered into `scratch` [M, K] in it first */
+static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int64_t K, int64_t N, float *y,
+                      float *scratch) {
     const uint16_t *scales = (const uint16_t *)row[2 * j + 1];
+    const int64_t *perm = (const int64_t *)row[14 + j];
+    if (perm) {
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t c = 0; c < K; c++) scratch[m * K + c] = x[m * K + perm[c]];
+        x = scratch;
+    }
     if (row[10 + j] == 4) return q4_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y);
     return q8_gemm(x, M, K, (const int8_t *)row[2 * j], scales, N, y);
 }
@@ -213,9 +221,9 @@ static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int6
 /* A Llama-family layer stack on 4- / 8-bit weights (cpu_q4.c) in one call: per layer the four GEMMs and the four
  * kernels above, in the order fastspec.models.fused_cpu.fused_layers runs them (its Python loop is this function's
  * twin, bit for bit). All float32.
- * layers int64 [L, 14]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
- * norm's weight and the next layer's input norm's weight (0 after the last layer), then the four linears' bit
- * widths (4 or 8: which of cpu_q4.c's kernels runs each); k, v: the KV pool's [L, num_slots, Hkv, D] caches
+ * layers int64 [L, 18]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
+ * norm's weight and the next layer's input norm's weight (0 after the last layer), the four linears' bit widths (4
+ * or 8: which of cpu_q4.c's kernels runs each), then the addresses of their input orders (int64 [K], 0: in order); k, v: the KV pool's [L, num_slots, Hkv, D] caches
  * (layer i's at i * layer_stride floats). x [T, H]: the residual stream entering layer 0, replaced by the last
  * layer's output; h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured`
  * [n, T, H] receiving the stream entering it, or -1. The rest as rope_write and attend take them.
@@ -230,19 +238,21 @@ int decoder_stack(int64_t L, const int64_t *layers, float *k, float *v, int64_t 
     float *q = (float *)malloc(T * Hq * D * sizeof(float)), *o = (float *)malloc(T * Hq * D * sizeof(float));
     float *gate_up = (float *)malloc(T * 2 * I * sizeof(float)), *act = (float *)malloc(T * I * sizeof(float));
     float *y = (float *)malloc(T * H * sizeof(float));
-    int status = (h && qkv && q && o && gate_up && act && y) ? 0 : -1;
+    int64_t widest = H > Hq * D ? H : Hq * D;
+    float *scratch = (float *)malloc(T * (widest > I ? widest : I) * sizeof(float));
+    int status = (h && qkv && q && o && gate_up && act && y && scratch) ? 0 : -1;
     if (status == 0) memcpy(h, h0, T * H * sizeof(float));
     for (int64_t i = 0; i < L && status == 0; i++) {
-        const int64_t *w = layers + 14 * i;
+        const int64_t *w = layers + 18 * i;
         float *k_cache = k + i * layer_stride, *v_cache = v + i * layer_stride;
-        status |= layer_gemm(w, 0, h, T, H, width, qkv);
+        status |= layer_gemm(w, 0, h, T, H, width, qkv, scratch);
         rope_write(qkv, 0, T, Hq, Hkv, D, cos, sin, slots, k_cache, v_cache, q);
         attend(q, k_cache, v_cache, T, Hq, Hkv, D, out_index, kv_slots, mask, max_qo, max_kv, scale, o, 0);
-        status |= layer_gemm(w, 1, o, T, Hq * D, H, y);
+        status |= layer_gemm(w, 1, o, T, Hq * D, H, y, scratch);
         add_rms_norm(x, y, 0, (const float *)w[8], eps, T, H, x, h, 0);
-        status |= layer_gemm(w, 2, h, T, H, 2 * I, gate_up);
+        status |= layer_gemm(w, 2, h, T, H, 2 * I, gate_up, scratch);
         silu_mul(gate_up, 0, T, I, act, 0);
-        status |= layer_gemm(w, 3, act, T, I, H, y);
+        status |= layer_gemm(w, 3, act, T, I, H, y, scratch);
         if (i + 1 == L) {
             for (int64_t e = 0; e < T * H; e++) x[e] += y[e];
         } else {
@@ -250,6 +260,6 @@ int decoder_stack(int64_t L, const int64_t *layers, float *k, float *v, int64_t 
             if (capture_at[i + 1] >= 0) memcpy(captured + capture_at[i + 1] * T * H, x, T * H * sizeof(float));
         }
     }
-    free(h), free(qkv), free(q), free(o), free(gate_up), free(act), free(y);
+    free(h), free(qkv), free(q), free(o), free(gate_up), free(act), free(y), free(scratch);
     return status;
 }

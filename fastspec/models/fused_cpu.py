@@ -19,6 +19,7 @@ from fastspec.kernels import cpu_fused, cpu_q4
 from fastspec.models.gguf_blocks import BLOCK
 from fastspec.models.layers import DecoderLayer, RMSNorm
 from fastspec.models.packed_layers import BlockLinear, Int4Linear
+from fastspec.models.quant_layers import PermutedLinear
 
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
@@ -106,15 +107,18 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (it
 
 
 def _stack_table(model) -> torch.Tensor | None:
-    """int64 [L, 14]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four BlockLinears'
-    packed weights and scales, its post-attention norm, the next layer's input norm) and its linears' bit widths,
-    or None where a layer is not that (another kernel, a bias, norms with different eps, KV not at the layer's own
-    index). Built once per model: a loaded model's tensors do not move."""
+    """int64 [L, 18]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four BlockLinears'
+    packed weights and scales, its post-attention norm, the next layer's input norm), its linears' bit widths and
+    their input orders (a PermutedLinear's; 0: none), or None where a layer is not that (another kernel, a bias,
+    norms with different eps, KV not at the layer's own index). Built once per model: a loaded model's tensors do not
+    move."""
     if model not in _TABLES:
         layers, rows = model.model.layers, []
         for i, layer in enumerate(layers):
             a, mlp = layer.self_attn, layer.mlp
-            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            linears = [a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            perms = [m.perm if type(m) is PermutedLinear else None for m in linears]
+            linears = [m.inner if type(m) is PermutedLinear else m for m in linears]
             norms = (layer.post_attention_layernorm, layers[i + 1].input_layernorm if i + 1 < len(layers) else None)
             if (any(type(m) is not BlockLinear or m.bias is not None for m in linears) or a.layer_id != i
                     or any(n is not None and n.eps != layers[0].input_layernorm.eps for n in norms)):
@@ -122,7 +126,8 @@ def _stack_table(model) -> torch.Tensor | None:
                 break
             rows.append([t.data_ptr() for m in linears for t in (m.packed, m.scales)]
                         + [0 if n is None else n.weight.data_ptr() for n in norms]
-                        + [4 if m.packed.dtype == torch.uint8 else 8 for m in linears])
+                        + [4 if m.packed.dtype == torch.uint8 else 8 for m in linears]
+                        + [0 if p is None else p.data_ptr() for p in perms])
         else:
             _TABLES[model] = torch.tensor(rows, dtype=torch.int64)
     return _TABLES[model]

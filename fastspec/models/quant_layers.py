@@ -165,7 +165,7 @@ class PermutedLinear(nn.Module):
 
     def __init__(self, perm: torch.Tensor, inner: nn.Module):
         super().__init__()
-        self.register_buffer("perm", perm)  # int64 [K]
+        self.register_buffer("perm", perm.long().contiguous())  # int64 [K]
         self.inner = inner
         self.out_features, self.in_features = inner.out_features, inner.in_features
 
