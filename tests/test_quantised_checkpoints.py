@@ -229,6 +229,9 @@ BAD_CONFIGS = [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'.*not supported; supported: fp8"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight block size \[128\] is not two positive integers"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group size 100 is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down.*": {"bits": 8}}}, r"per-module settings \(`dynamic`\)"),
+    ({"quant_method": "compressed-tensors", "format": "sparse-24-bitmask", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "float", "strategy": "channel"}}}}, "format 'sparse-24-bitmask' with float 8-bit"),
 ]
 
 

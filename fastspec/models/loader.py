@@ -191,7 +191,7 @@ def _load_quantised(model_dir: Path, config: ModelConfig, capture_layers: tuple[
                     keep: bool) -> LlamaForCausalLM:
     """A quantised checkpoint (fastspec.models.quant_loader): its linears kept in their stored form (`keep`), or
     every weight dequantised to `dtype` and loaded as a float model."""
-    with torch.device("meta"):
+    with _skip_init(), torch.device("meta"):  # (init on meta would import torch's decompositions: ~1 s)
         skeleton = LlamaForCausalLM(config, capture_layers)
     state, forms, experts = split_quantised(read_state_dict(model_dir), scheme, skeleton, dtype, keep, str(model_dir))
     state = _renamed(stack_experts(state))

@@ -127,6 +127,9 @@ def _gptq(quant: dict, source: str) -> QuantScheme:
         raise FastspecError(f"{source}: GPTQ in the Marlin layout is not supported (use the plain gptq format)")
     if fmt not in ("gptq", "gptq_v2"):
         raise FastspecError(f"{source}: GPTQ checkpoint format {fmt!r} is not supported (gptq or gptq_v2)")
+    if quant.get("dynamic"):
+        raise FastspecError(f"{source}: GPTQ with per-module settings (`dynamic`) is not supported (one bit width "
+                            "and group size for every linear)")
     bits = int(quant.get("bits", 4))
     if bits not in (4, 8):
         raise FastspecError(f"{source}: GPTQ with {bits} bits is not supported (4 or 8 bits)")

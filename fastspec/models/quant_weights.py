@@ -101,17 +101,20 @@ def merge(parts: list[QuantWeight]) -> QuantWeight | None:
 
 def decode_state(state: dict[str, torch.Tensor], scheme: QuantScheme, source: str
                  ) -> tuple[dict[str, torch.Tensor], dict[str, QuantWeight]]:
-    """(the float tensors, {linear name: its quantised weight}) of a checkpoint's state dict. A linear is
-    quantised where its tensors say so (`qweight`, `weight_packed`, an e4m3 `weight`); the rest (embeddings, norms,
-    an lm_head or router left in float) are returned as they are. Every mismatch with `scheme` is one line naming
-    the tensor."""
-    floats, forms = dict(state), {}
+    """(the float tensors, {linear name: its quantised weight}) of a checkpoint's state dict, which it consumes (each
+    linear's stored tensors leave `state` as they are decoded, so a large checkpoint is not held twice; the float
+    tensors returned are `state` itself). A linear is quantised where its tensors say so (`qweight`,
+    `weight_packed`, an e4m3 `weight`); the rest (embeddings, norms, an lm_head or router left in float) stay as
+    they are. Every mismatch with `scheme` is one line naming the tensor."""
+    floats, forms = state, {}
+    by_module: dict[str, list[str]] = {}
+    for key in state:
+        by_module.setdefault(key.rpartition(".")[0], []).append(key)
     names = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
     names += [k.removesuffix(".weight_packed") for k in state if k.endswith(".weight_packed")]
     names += [k.removesuffix(".weight") for k, t in state.items() if k.endswith(".weight") and t.dtype == FP8]
     for name in names:
-        tensors = {k.removeprefix(f"{name}."): floats.pop(k) for k in list(floats) if k.startswith(f"{name}.")
-                   and k.count(".") == name.count(".") + 1 and k.rsplit(".", 1)[1] != "bias"}
+        tensors = {k.rpartition(".")[2]: floats.pop(k) for k in by_module[name] if not k.endswith(".bias")}
         forms[name] = _decode(name, tensors, scheme, source)
     stray = [k for k in floats if k.endswith((".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_scale_inv",
                                               ".weight_zero_point"))]
