@@ -140,9 +140,8 @@ def test_packed_kernels_are_close_to_the_exact_model(quantised, method, family):
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("method, family, algorithm", [
-    ("awq", "llama", "EAGLE3"), ("gptq", "llama", "EAGLE3"), ("fp8_block", "llama", "EAGLE3"), ("awq", "qwen2", "EAGLE3"),
-    ("gptq", "qwen3", "EAGLE"), ("ct_int4", "llama", "NGRAM"), ("gptq8", "llama", "NGRAM"), ("ct_fp8", "llama", "NGRAM"),
+@pytest.mark.parametrize("method, family, algorithm", [(m, "llama", "EAGLE3") for m in METHODS] + [
+    ("awq", "qwen2", "EAGLE3"), ("gptq", "qwen3", "EAGLE"), ("ct_int4", "llama", "NGRAM"), ("gptq8", "llama", "NGRAM"),
     ("fp8_block", "deepseek_v3", "NGRAM"), ("awq", "qwen3_next", "NGRAM")])
 def test_speculation_on_a_quantised_checkpoint_is_lossless(quantised, draft_dirs, method, family, algorithm):
     model_dir, _ = quantised(method, family)
