@@ -36,7 +36,24 @@ def local(tmp_path_factory):
     dirs["wide"] = write_random_head(root / "wide", 32, 97, "eagle3", draft_vocab=40)
     make_hf_model("llama").save_pretrained(root / "sharded", max_shard_size="40KB")
     dirs["sharded"] = root / "sharded"
+    dirs["bin-head"] = as_bin_only(dirs["head"], root / "bin-head")
     return dirs
+
+
+def as_bin_only(head, out):
+    """`head` as its authors publish many: the weights as pytorch_model.bin in float16 (d2t kept int64, t2d as a
+    bool mask, as EAGLE-3's trainers save them), no safetensors."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    out.mkdir()
+    shutil.copy(head / "config.json", out / "config.json")
+    state = {k: v.half() if v.is_floating_point() else v for k, v in load_file(head / "model.safetensors").items()}
+    state["t2d"] = torch.zeros(97, dtype=torch.bool)
+    torch.save(state, out / "pytorch_model.bin")
+    return out
 
 
 @pytest.fixture
@@ -49,6 +66,7 @@ def cache(local, tmp_path, monkeypatch):
     shards = sorted(p.name for p in local["sharded"].glob("model-*.safetensors"))
     assert len(shards) >= 2
     add_snapshot(cache, "tiny-org/sharded", local["sharded"], commit_id(5), skip=(shards[-1],))
+    add_snapshot(cache, "tiny-org/bin-head", local["bin-head"], commit_id(6))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return cache
@@ -104,7 +122,8 @@ def online(cache, local, monkeypatch):
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     monkeypatch.delenv("HF_HUB_OFFLINE")
-    hosted = {"tiny-org/new": local["target"], "tiny-org/new-wide-head": local["wide"]}
+    hosted = {"tiny-org/new": local["target"], "tiny-org/new-wide-head": local["wide"],
+              "tiny-org/new-bin-head": local["bin-head"]}
     calls = []
 
     def snapshot_download(repo_id, *, revision=None, cache_dir=None, allow_patterns=None, local_files_only=False,
@@ -155,3 +174,23 @@ def test_a_local_directory_named_like_an_id_wins(tmp_path, monkeypatch):
     assert is_hub_id("org/name")
     (tmp_path / "org" / "name").mkdir(parents=True)
     assert not is_hub_id("org/name") and not is_hub_id("./org/name") and not is_hub_id("/abs/path")
+
+
+def test_a_head_published_as_bin_only_loads_by_hub_id(cache, local):
+    """A head repo without safetensors (its weights a float16 pytorch_model.bin): by hub id, from the cache, it
+    drafts as the same weights from a directory do (the same tokens and accepted lengths)."""
+    eagle = dict(speculative_algorithm="EAGLE3", num_steps=2, topk=1, num_draft_tokens=3, dtype="float16")
+    by_id = fastspec.LLM(TARGET, draft_model="tiny-org/bin-head", max_total_tokens=512, tuned=False, **eagle)
+    by_dir = fastspec.LLM(TARGET, draft_model=str(local["head"]), max_total_tokens=512, tuned=False, **eagle)
+    a, b = (llm.engine.generate([PROMPT], [PARAMS])[0] for llm in (by_id, by_dir))
+    assert a.output_ids == b.output_ids and a.metrics.accepted_tokens == b.metrics.accepted_tokens
+
+
+def test_a_bin_only_head_is_downloaded_with_its_bin_files(online, local):
+    """Online: the safetensors patterns find no weights, so the .bin files are fetched after them."""
+    from fastspec.models.hub import BIN_FILES
+
+    path = resolve_model_dir("tiny-org/new-bin-head")
+    assert (path / "pytorch_model.bin").is_file()
+    fetched = [patterns for repo, patterns, local_only in online if repo == "tiny-org/new-bin-head" and not local_only]
+    assert fetched == [tuple(MODEL_FILES), tuple(BIN_FILES)]

@@ -20,6 +20,7 @@ from fastspec.errors import FastspecError, first_line
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name: one slash, no leading ./ or /
 CONFIG_FILES = ["config.json"]
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # no .bin, .gguf, .onnx
+BIN_FILES = ["pytorch_model*.bin"]  # fetched only for a repo without safetensors (EAGLE heads published as .bin)
 
 
 def is_hub_id(spec: str) -> bool:
@@ -61,6 +62,8 @@ def fetch(repo_id: str, revision: str | None = None, config_only: bool = False) 
                             f"(download it where the hub is reachable, or give a local directory)")
     try:
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns))
+        if not config_only and not _has_weights(path):  # no safetensors: its PyTorch .bin weights
+            path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=BIN_FILES))
     except Exception as e:
         raise FastspecError(f"{where}: not in the Hugging Face cache {cache}, and downloading it failed: "
                             f"{first_line(e, 200)}") from None
@@ -76,7 +79,9 @@ def _is_missing(error: Exception) -> bool:
 
 
 def _has_weights(path: Path) -> bool:
-    return any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+    """safetensors (or their index), else PyTorch .bin files (read with weights_only by the loader)."""
+    return (any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+            or any(path.glob("pytorch_model*.bin")))
 
 
 def _checked(path: Path, where: str) -> Path:
