@@ -210,8 +210,8 @@ def _rope_fields(hf: dict) -> dict:
 
 
 def _draft_fields(hf: dict, arch: str) -> dict:
-    if arch != "LlamaForCausalLMEagle3":
-        return {"draft_vocab_size": hf.get("hot_vocab_size")}
+    if arch != "LlamaForCausalLMEagle3":  # EAGLE-2: fc has a bias unless the config says `"bias": false`
+        return {"draft_vocab_size": hf.get("hot_vocab_size"), "fc_bias": bool(hf.get("bias", True))}
     eagle = hf.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     return {

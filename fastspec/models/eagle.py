@@ -34,7 +34,7 @@ class LlamaForCausalLMEagle(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = embed
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(config, i, input_norm=i > 0) for i in range(config.num_layers))
         self.rope = RotaryEmbedding(config)
         head = lm_head_weight if hot_token_id is None else lm_head_weight[hot_token_id].clone()

@@ -19,7 +19,7 @@ from torch import nn
 from fastspec.errors import FastspecError, first_line
 from fastspec.models import hub
 from fastspec.models.hub import check_model_spec  # noqa: F401  (its home before: importers keep it)
-from fastspec.models.config import ModelConfig
+from fastspec.models.config import LLAMA_FAMILY, ModelConfig
 from fastspec.models.dummy import default_dtype, fill_random
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
@@ -72,6 +72,24 @@ def read_state_dict(model_dir: Path, keep=None) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(_read_weight_file(f, keep))
     return state
+
+
+def weight_names(model_dir: Path) -> list[str]:
+    """The names of a checkpoint's tensors without reading them where the format allows (a safetensors index or
+    headers); .bin files are read (weights_only, memory-mapped)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    from safetensors import safe_open
+
+    names = []
+    try:
+        for f in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as handle:
+                names += list(handle.keys())
+    except Exception:  # safetensors has no common error class: let the full read name the damage
+        names = []
+    return names or list(read_state_dict(model_dir))
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -214,12 +232,33 @@ def _keep_routers_float32(model: nn.Module) -> nn.Module:
     return model
 
 
-def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu",
-               token_map: Path | None = None, load_format: str = "auto"
-               ) -> LlamaForCausalLMEagle | LlamaForCausalLMEagle3:
-    """An EAGLE-2 or EAGLE-3 head that fits `target` (checked), sharing its embedding / lm_head. With load_format
-    dummy (see load_target) a head directory without weight files gets random weights; one with them loads them."""
+def read_draft_config(draft_dir: Path, algorithm: str | None) -> ModelConfig:
+    """The draft's config. A head published under a target's architecture (EAGLE-1's `LlamaForCausalLM`) whose
+    weights are an EAGLE head's (`fc` beside `layers.0.*`) or an EAGLE-3 head's (`midlayer.*` or `d2t`) is read as
+    that head when `algorithm` asks for one."""
     config = read_config(draft_dir)
+    if config.is_draft or algorithm not in ("EAGLE", "EAGLE3") or config.architecture not in LLAMA_FAMILY:
+        return config
+    names = {n.removeprefix("model.") for n in weight_names(draft_dir)} if _weight_files(draft_dir) else set()
+    if "fc.weight" not in names:
+        return config
+    if "d2t" in names or any(n.startswith("midlayer.") for n in names):
+        kind = "LlamaForCausalLMEagle3"
+    elif any(n.startswith("layers.0.") for n in names) and not any(n.startswith("layers.1.") for n in names):
+        kind = "LlamaForCausalLMEagle"
+    else:
+        return config
+    raw = json.loads((draft_dir / "config.json").read_text())
+    return ModelConfig.from_hf(raw | {"architectures": [kind]}, source=str(draft_dir / "config.json"))
+
+
+def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu",
+               token_map: Path | None = None, load_format: str = "auto", config: ModelConfig | None = None
+               ) -> LlamaForCausalLMEagle | LlamaForCausalLMEagle3:
+    """An EAGLE-2 or EAGLE-3 head that fits `target` (checked), sharing its embedding / lm_head; `config`: the
+    head's as read_draft_config reads it (default: its config.json). With load_format dummy (see load_target) a
+    head directory without weight files gets random weights; one with them loads them."""
+    config = config or read_config(draft_dir)
     check_draft_fits(config, target.config, str(draft_dir))
     dummy = load_format == "dummy" and not _weight_files(draft_dir)
     state = {} if dummy else {k.removeprefix("model."): v for k, v in read_state_dict(draft_dir).items()}
@@ -256,8 +295,12 @@ def resolve_draft_dir(spec: str, revision: str | None, target: ModelConfig, algo
     that cannot fit is refused before its weights are downloaded or read."""
     if hub.is_hub_id(spec):
         config = read_config(hub.fetch(spec, revision, config_only=True))
-        if config.is_draft or algorithm == "EAGLE3":
+        maybe_head = algorithm in ("EAGLE", "EAGLE3") and config.architecture in LLAMA_FAMILY  # (EAGLE-1's label:
+        if config.is_draft or (algorithm == "EAGLE3" and not maybe_head):                  # its weights tell)
             check_draft_fits(config, target, spec)
+        elif maybe_head and config.hidden_size != target.hidden_size:
+            raise FastspecError(f"{spec}: draft expects target features of width {config.hidden_size}, "
+                                f"the target's hidden size is {target.hidden_size}")
         elif config.vocab_size != target.vocab_size:
             raise FastspecError(f"{spec}: draft vocabulary {config.vocab_size} != target vocabulary "
                                 f"{target.vocab_size}")
@@ -266,8 +309,10 @@ def resolve_draft_dir(spec: str, revision: str | None, target: ModelConfig, algo
 
 def check_draft_fits(draft: ModelConfig, target: ModelConfig, source: str) -> None:
     if not draft.is_draft:
-        raise FastspecError(f"{source}: {draft.architecture} is not an EAGLE draft head "
-                            "(use --speculative-algorithm STANDALONE for a full draft model)")
+        standalone = draft.vocab_size == target.vocab_size and draft.hybrid is None  # where that advice would work
+        raise FastspecError(f"{source}: {draft.architecture} is not an EAGLE draft head (its weights have no fc "
+                            "beside one decoder layer)" + ("; a full model drafts with --speculative-algorithm "
+                                                          "STANDALONE" if standalone else ""))
     if draft.vocab_size != target.vocab_size:
         raise FastspecError(f"{source}: draft vocabulary {draft.vocab_size} != target vocabulary {target.vocab_size}")
     width = draft.target_hidden_size if draft.is_eagle3 else draft.hidden_size

@@ -4,7 +4,6 @@ tensors (the target's weights are not read a second time)."""
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
@@ -14,7 +13,8 @@ from fastspec.errors import FastspecError
 from fastspec.models.config import ModelConfig
 from fastspec.models.deepseek import DeepseekMTP, MTPStack
 from fastspec.models.llama import LlamaForCausalLM
-from fastspec.models.loader import _keep_routers_float32, _load_into, _skip_init, read_config, read_state_dict
+from fastspec.models.loader import (_keep_routers_float32, _load_into, _skip_init, read_config, read_state_dict,
+                                   weight_names)
 from fastspec.models.moe import stack_experts
 from fastspec.models.quant_loader import dequantise_state
 from fastspec.models.qwen3_next import Qwen3NextMTP
@@ -79,7 +79,7 @@ def has_mtp_layer(model_dir: Path, config: ModelConfig) -> bool:
     """Whether the checkpoint stores an MTP layer (config.json's count alone is not proof: transformers writes
     num_nextn_predict_layers = 1 into DeepSeek checkpoints without one)."""
     prefix = mtp_prefix(config)
-    return prefix is not None and any(name.startswith(prefix) for name in _weight_names(model_dir))
+    return prefix is not None and any(name.startswith(prefix) for name in weight_names(model_dir))
 
 
 def mtp_draft(model: str, model_dir: Path, config: ModelConfig, algorithm: str | None, draft: str | None) -> str | None:
@@ -95,22 +95,6 @@ def mtp_draft(model: str, model_dir: Path, config: ModelConfig, algorithm: str |
         raise FastspecError(f"{model_dir}: NEXTN drafts with the checkpoint's MTP layer, and this "
                             f"{config.architecture} checkpoint has none{where}")
     return draft
-
-
-def _weight_names(model_dir: Path) -> list[str]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text()).get("weight_map", {}))
-    from safetensors import safe_open
-
-    names = []
-    try:
-        for f in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(f), "pt") as handle:
-                names += list(handle.keys())
-    except Exception:  # safetensors has no common error class: let the full read name the damage
-        names = []
-    return names or list(read_state_dict(model_dir))
 
 
 def check_mtp_fits(draft: ModelConfig, target: ModelConfig, source: str) -> None:

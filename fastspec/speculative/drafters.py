@@ -17,7 +17,8 @@ from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import can_prepack, prepack_linears, trim_host_heap
 from fastspec.models.layers import fuse_projections
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
-from fastspec.models.loader import check_draft_fits, load_draft, load_target, read_config, resolve_model_dir
+from fastspec.models.loader import (check_draft_fits, load_draft, load_target, read_config, read_draft_config,
+                                    resolve_model_dir)
 from fastspec.models.mtp_loader import check_mtp_fits, load_mtp, mtp_prefix
 from fastspec.models.quant_loader import checkpoint_scheme
 from fastspec.models.quantise import ONLINE, quantise_target
@@ -79,7 +80,7 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
     if spec.algorithm not in ("EAGLE", "EAGLE3", "STANDALONE"):
         return LoadedModels(load_target(model_dir, dtype, device, load_format=load, quantization=quant), None, "none")
     draft_dir = resolve_model_dir(spec.draft_model)
-    draft_config = read_config(draft_dir)
+    draft_config = read_draft_config(draft_dir, spec.algorithm)
     if spec.algorithm == "STANDALONE":
         target = load_target(model_dir, dtype, device, load_format=load, quantization=quant)
         if draft_config.is_draft:
@@ -109,7 +110,7 @@ def _load_models(model_dir: Path, spec: SpecConfig, config: EngineConfig) -> Loa
     target = load_target(model_dir, dtype, device, capture_layers=capture, load_format=load,
                          quantization=quant)
     token_map = Path(spec.token_map) if spec.token_map else None
-    draft = load_draft(draft_dir, target, dtype, device, token_map, load_format=load)
+    draft = load_draft(draft_dir, target, dtype, device, token_map, load_format=load, config=draft_config)
     return LoadedModels(target, draft, "aux" if aux else "final")
 
 
