@@ -80,8 +80,10 @@ class ModelConfig:
     draft_vocab_size: int | None = None  # EAGLE-3 lm_head rows (None: the full vocabulary)
     target_hidden_size: int | None = None  # width of one target feature (EAGLE-3 fc input is 3x this)
     fc_bias: bool = False
-    aux_layer_ids: tuple[int, ...] | None = None  # eagle_config.eagle_aux_hidden_state_layer_ids
-    use_aux_hidden_state: bool = True
+    aux_layer_ids: tuple[int, ...] | None = None  # eagle_config.eagle_aux_hidden_state_layer_ids (SGLang's: the
+    use_aux_hidden_state: bool = True              # residual stream entering layer id + 1 is captured)
+    norm_before_residual: bool = False  # EAGLE-3: the midlayer's residual is hidden_norm(fc output), not the output
+    fc_norm: bool = False  # EAGLE-3: an RMSNorm over the three target features before fc (`norm_before_fc`)
 
     @property
     def is_draft(self) -> bool:
@@ -220,4 +222,6 @@ def _draft_fields(hf: dict, arch: str) -> dict:
         "fc_bias": bool(hf.get("bias", False)),
         "aux_layer_ids": tuple(int(i) for i in ids) if ids is not None else None,
         "use_aux_hidden_state": bool(eagle.get("use_aux_hidden_state", True)),
+        "norm_before_residual": bool(hf.get("norm_before_residual", False)),
+        "fc_norm": bool(hf.get("norm_before_fc", False)),
     }

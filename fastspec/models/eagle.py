@@ -59,11 +59,13 @@ class LlamaForCausalLMEagle(nn.Module):
 
 
 class Eagle3Layer(nn.Module):
-    """The EAGLE-3 midlayer: attention over cat([input_norm(embed), hidden_norm(hidden)]) (2H wide)."""
+    """The EAGLE-3 midlayer: attention over cat([input_norm(embed), hidden_norm(hidden)]) (2H wide), added to the
+    residual `hidden` (or to hidden_norm(hidden) where the head was trained with norm_before_residual)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual = config.norm_before_residual
         self.input_layernorm = RMSNorm(H, eps)
         self.hidden_norm = RMSNorm(H, eps)
         self.self_attn = Attention(config, 0, in_features=2 * H)
@@ -81,7 +83,8 @@ class Eagle3Layer(nn.Module):
 
     @torch.compiler.nested_compile_region
     def _finish(self, hidden, o):
-        h = hidden + self.self_attn.output(o)
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
+        h = residual + self.self_attn.output(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -97,6 +100,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         self.config = c
         self.embed_tokens = embed if embed is not None else nn.Embedding(c.vocab_size, c.hidden_size)
         self.fc = nn.Linear(3 * c.target_hidden_size, c.hidden_size, bias=c.fc_bias)
+        self.input_norm = RMSNorm(3 * c.target_hidden_size, c.rms_norm_eps) if c.fc_norm else None
         self.midlayer = Eagle3Layer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rope = RotaryEmbedding(c)
@@ -117,7 +121,7 @@ class LlamaForCausalLMEagle3(nn.Module):
         # hidden: [T, 3Ht] target aux features (extend) or [T, Hd] own carry (decode steps skip fc)
         hidden = hidden.to(self.norm.weight.dtype)
         if hidden.shape[-1] != self.config.hidden_size:
-            hidden = self.fc(hidden)
+            hidden = self.fc(hidden if self.input_norm is None else self.input_norm(hidden))
         s = self.midlayer(positions, self.embed_tokens(input_ids), hidden, self.rope, attn)
         return DraftHidden(self.norm(s), s)
 

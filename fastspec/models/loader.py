@@ -20,6 +20,7 @@ from fastspec.errors import FastspecError, first_line
 from fastspec.models import hub
 from fastspec.models.hub import check_model_spec  # noqa: F401  (its home before: importers keep it)
 from fastspec.models.config import LLAMA_FAMILY, ModelConfig
+from fastspec.models.draft_formats import from_speculators, is_speculators
 from fastspec.models.dummy import default_dtype, fill_random
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
 from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
@@ -59,6 +60,9 @@ def read_config(model_dir: Path) -> ModelConfig:
         raise FastspecError(f"{source}: cannot read ({e})") from None
     if not isinstance(raw, dict):
         raise FastspecError(f"{source}: not a JSON object")
+    if is_speculators(raw):  # vLLM's speculators format: the SGLang config it equals
+        bias = "fc.bias" in weight_names(model_dir) if _weight_files(model_dir) else None
+        raw = from_speculators(raw, source, bias)
     return ModelConfig.from_hf(raw, source=source)
 
 
@@ -108,9 +112,12 @@ def _read_weight_file(path: Path, keep=None) -> dict[str, torch.Tensor]:
 
             return load_file(str(path))
         state = torch.load(path, map_location="cpu", weights_only=True)
-        return state if keep is None else {name: t for name, t in state.items() if keep(name)}
     except Exception as e:  # safetensors / unpickler errors have no common base class
         raise FastspecError(f"{path}: corrupt or truncated weights file ({first_line(e, None)})") from None
+    bad = [k for k, t in state.items() if not isinstance(t, torch.Tensor)] if isinstance(state, dict) else ["(top)"]
+    if bad:
+        raise FastspecError(f"{path}: not a state dict of tensors ({bad[0]})")
+    return state if keep is None else {name: t for name, t in state.items() if keep(name)}
 
 
 @contextlib.contextmanager
@@ -261,7 +268,7 @@ def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, de
     config = config or read_config(draft_dir)
     check_draft_fits(config, target.config, str(draft_dir))
     dummy = load_format == "dummy" and not _weight_files(draft_dir)
-    state = {} if dummy else {k.removeprefix("model."): v for k, v in read_state_dict(draft_dir).items()}
+    state = {} if dummy else {_draft_key(k, config): v for k, v in read_state_dict(draft_dir).items()}
     with _skip_init(), torch.device(device), default_dtype(dtype if dummy else None):
         if config.is_eagle3:
             model, skip = _build_eagle3(config, target)
@@ -279,6 +286,13 @@ def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, de
         _load_into(model, state, skip, str(draft_dir))
     _check_hot_map(model.hot_token_map(), target.config.vocab_size, str(draft_dir))
     return model.eval().requires_grad_(False)
+
+
+def _draft_key(name: str, config: ModelConfig) -> str:
+    """A head's weight name as fastspec's modules name it: no `model.` prefix; an EAGLE-3 midlayer saved as
+    `layers.0.` (the speculators format) is `midlayer.`."""
+    name = name.removeprefix("model.")
+    return "midlayer." + name.removeprefix("layers.0.") if config.is_eagle3 and name.startswith("layers.0.") else name
 
 
 def _build_eagle3(config: ModelConfig, target: LlamaForCausalLM):
