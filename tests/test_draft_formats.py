@@ -201,3 +201,55 @@ def test_a_pickled_object_as_bin_weights_is_refused(tiny_dirs, draft_dirs, tmp_p
     torch.save({"fc.weight": [1.0, 2.0]}, head / "pytorch_model.bin")  # allowed by weights_only, still no tensor
     with pytest.raises(FastspecError, match=r"pytorch_model\.bin: not a state dict of tensors \(fc\.weight\)"):
         drafted(tiny_dirs["llama"][0], head, "EAGLE3")
+
+
+def test_export_round_trips_through_speculators_and_back(tiny_dirs, draft_dirs, tmp_path):
+    """SGLang -> speculators -> SGLang: the same draft logits at each stage (norm_before_residual and the aux ids
+    carried over); the speculators copy holds what vLLM reads (layers.0, d2t, t2d, the verifier)."""
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    target = tiny_dirs["llama"][0]
+    head = rewrite(draft_dirs["llama"]["eagle3"], tmp_path / "head", {"norm_before_residual": True})
+    run = CliRunner().invoke
+    result = run(app, ["export-draft", str(head), str(tmp_path / "spec"), "--verifier", "tiny-org/target"])
+    assert result.exit_code == 0, result.output
+    assert run(app, ["export-draft", str(tmp_path / "spec"), str(tmp_path / "back"), "--format", "sglang"]).exit_code == 0
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3DraftModel"] and config["norm_before_residual"] is True
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-org/target"
+    keys = set(load_file(tmp_path / "spec" / "model.safetensors"))
+    assert {"d2t", "t2d", "layers.0.hidden_norm.weight"} <= keys and not any(k.startswith("midlayer.") for k in keys)
+    expected = head_logits(target, head)
+    for d in ("spec", "back"):
+        assert torch.equal(head_logits(target, tmp_path / d), expected)
+
+
+def test_export_of_an_eagle1_head_writes_sglangs_eagle2_format(tiny_dirs, eagle_twins, tmp_path):
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    sglang, eagle1 = eagle_twins
+    result = CliRunner().invoke(app, ["export-draft", str(eagle1), str(tmp_path / "out"), "--format", "sglang"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    target = tiny_dirs["llama"][0]
+    assert torch.equal(head_logits(target, tmp_path / "out", "EAGLE"), head_logits(target, sglang, "EAGLE"))
+
+
+@pytest.mark.commands
+def test_export_refusals_are_one_line(tiny_dirs, eagle_twins, tmp_path):
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    run = lambda *a: CliRunner().invoke(app, ["export-draft", *map(str, a)])  # noqa: E731
+    for args, message in (((eagle_twins[0], tmp_path / "a", "--verifier", "t"), "only EAGLE-3 heads have a "
+                                                                               "speculators form"),
+                          ((eagle_twins[0], tmp_path / "b"), "give --verifier"),
+                          ((tiny_dirs["llama"][0], tmp_path / "c", "--format", "sglang"), "is not a draft head"),
+                          ((eagle_twins[0], tmp_path / "d", "--format", "gguf"), "--format must be sglang or")):
+        result = run(*args)
+        assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args

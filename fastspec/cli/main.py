@@ -11,6 +11,7 @@ import typer
 from fastspec.cli.bench import bench
 from fastspec.cli.chat import chat
 from fastspec.cli.common import user_errors
+from fastspec.cli.export import export_draft
 from fastspec.cli.generate import generate
 from fastspec.cli.options import model_options
 from fastspec.cli.serve import serve
@@ -28,5 +29,5 @@ def _root() -> None:
 
 for name, command, shared_flags in (("generate", generate, True), ("bench", bench, True), ("chat", chat, True),
                                     ("train-draft", train_draft, False), ("tune", tune, True),
-                                    ("serve", serve, True)):
+                                    ("serve", serve, True), ("export-draft", export_draft, False)):
     app.command(name)(user_errors(model_options(command) if shared_flags else command))

@@ -49,3 +49,44 @@ def from_speculators(raw: dict, source: str, fc_bias: bool | None = None) -> dic
             raise FastspecError(f"{source}: eagle_aux_hidden_state_layer_ids {ids!r} is not a list of layer ids")
         out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}
     return out
+
+
+SGLANG_ONLY = ("architectures", "draft_vocab_size", "target_hidden_size", "eagle_config", "bias",
+               "norm_before_residual", "norm_before_fc", "num_hidden_layers")
+
+
+def to_speculators(raw: dict, state: dict, verifier: str, source: str) -> tuple[dict, dict]:
+    """(config, state dict) of an SGLang-format EAGLE-3 head (`raw` its config, `state` its tensors named as
+    fastspec names them: midlayer.*) in the speculators format vLLM loads (see the module docstring); `verifier`:
+    the target's name or path, which speculators records. An fc bias has no speculators form: refused."""
+    import torch
+
+    if (raw.get("architectures") or [None])[0] not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"):
+        raise FastspecError(f"{source}: only EAGLE-3 heads have a speculators form (this is "
+                            f"{(raw.get('architectures') or ['?'])[0]})")
+    if "fc.bias" in state:
+        raise FastspecError(f"{source}: this head's fc has a bias, which speculators' Eagle3DraftModel has not")
+    layer = {k: v for k, v in raw.items() if k not in SGLANG_ONLY} | {"model_type": "llama", "num_hidden_layers": 1}
+    vocab = int(raw["vocab_size"])
+    draft_vocab = int(raw.get("draft_vocab_size") or vocab)
+    config = {"architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
+              "transformer_layer_config": layer, "draft_vocab_size": draft_vocab,
+              "target_hidden_size": raw.get("target_hidden_size"),
+              "norm_before_residual": bool(raw.get("norm_before_residual", False)),
+              "norm_before_fc": bool(raw.get("norm_before_fc", False)),
+              "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                     "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                                           "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                                     "verifier": {"name_or_path": verifier, "architectures": []}}}
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in ids]
+    out = {("layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k): v
+           for k, v in state.items() if k != "t2d"}
+    if draft_vocab != vocab:  # both maps, as speculators keeps them (draft id -> target offset, target id -> kept)
+        d2t = state.get("d2t", torch.zeros(draft_vocab, dtype=torch.int64)).long()
+        out["d2t"] = d2t
+        out["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, d2t + torch.arange(draft_vocab), True)
+    else:
+        out.pop("d2t", None)
+    return config, out

@@ -1,0 +1,54 @@
+"""`fastspec export-draft`: a draft head (any format fastspec reads: SGLang / SpecForge, EAGLE-1, speculators) written
+in the SGLang format or in vLLM's speculators format, so a head trained here runs in SGLang and vLLM unchanged.
+Registered on the app by fastspec.cli.main; errors become one line through user_errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+FORMATS = ("sglang", "speculators")
+
+
+def export_draft(
+    head: Annotated[str, typer.Argument(help="The head: a directory or a hub id (org/name).")],
+    out: Annotated[Path, typer.Argument(help="Directory to write (created; must be empty or absent).")],
+    format: Annotated[str, typer.Option(help="sglang (LlamaForCausalLMEagle3, midlayer.*) or speculators "
+                                             "(Eagle3DraftModel, layers.0.*, for vLLM).")] = "speculators",
+    verifier: Annotated[Optional[str], typer.Option(help="The target's hub id or path, recorded by the speculators "
+                                                         "format (vLLM reads it).")] = None,
+) -> None:
+    """Write a draft head in another format (round trip: the same drafts)."""
+    from safetensors.torch import save_file
+
+    from fastspec.errors import FastspecError
+    from fastspec.models.draft_formats import from_speculators, is_speculators, to_speculators
+    from fastspec.models.loader import read_draft_config, read_state_dict, resolve_model_dir, weight_names
+
+    if format not in FORMATS:
+        raise FastspecError(f"--format must be {' or '.join(FORMATS)}, got {format!r}")
+    if format == "speculators" and not verifier:
+        raise FastspecError("--format speculators records the target: give --verifier (its hub id or path)")
+    if out.exists() and any(out.iterdir()):
+        raise FastspecError(f"{out} exists and is not empty")
+    head = resolve_model_dir(head)
+    config = read_draft_config(head, "EAGLE")  # every check a load makes (an EAGLE-1 label read as the head it is)
+    if not config.is_draft:
+        raise FastspecError(f"{head}: {config.architecture} is not a draft head")
+    raw = json.loads((head / "config.json").read_text())
+    if is_speculators(raw):
+        raw = from_speculators(raw, str(head), "fc.bias" in weight_names(head))
+    raw["architectures"] = [config.architecture]
+    state = {k.removeprefix("model."): v.contiguous() for k, v in read_state_dict(head).items()}
+    if config.is_eagle3:
+        state = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
+                 for k, v in state.items()}
+    if format == "speculators":
+        raw, state = to_speculators(raw, state, verifier, str(head))
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
+    typer.echo(f"wrote {out} ({format})")
