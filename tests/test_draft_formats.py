@@ -253,3 +253,18 @@ def test_export_refusals_are_one_line(tiny_dirs, eagle_twins, tmp_path):
                           ((eagle_twins[0], tmp_path / "d", "--format", "gguf"), "--format must be sglang or")):
         result = run(*args)
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "mistral"])
+def test_eagle3_heads_with_the_targets_head_dim_and_rope_are_lossless(tiny_dirs, tmp_path, family):
+    """Published Qwen / Mistral EAGLE-3 heads are Llama layers with the target's head_dim and rope_theta: EAGLE-3
+    with such a head gives plain decoding's tokens."""
+    hf = tiny_dirs[family][1].config
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    head = write_random_head(tmp_path / "h", hf.hidden_size, hf.vocab_size, "eagle3", head_dim=head_dim)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps(config | {"rope_theta": 1000000.0}))
+    target = tiny_dirs[family][0]
+    plain = fastspec.LLM(str(target), speculative_algorithm="NONE", max_total_tokens=1024)
+    expected = [o.output_ids for o in plain.generate(PROMPTS, PARAMS)]
+    assert [out for out, _, _ in drafted(target, head, "EAGLE3")] == expected
