@@ -309,8 +309,9 @@ def resolve_draft_dir(spec: str, revision: str | None, target: ModelConfig, algo
     that cannot fit is refused before its weights are downloaded or read."""
     if hub.is_hub_id(spec):
         config = read_config(hub.fetch(spec, revision, config_only=True))
-        maybe_head = algorithm in ("EAGLE", "EAGLE3") and config.architecture in LLAMA_FAMILY  # (EAGLE-1's label:
-        if config.is_draft or (algorithm == "EAGLE3" and not maybe_head):                  # its weights tell)
+        # a head labelled as a Llama model (EAGLE-1's): only its weights tell, so only its width is checked here
+        maybe_head = algorithm in ("EAGLE", "EAGLE3") and config.architecture in LLAMA_FAMILY
+        if config.is_draft or (algorithm == "EAGLE3" and not maybe_head):
             check_draft_fits(config, target, spec)
         elif maybe_head and config.hidden_size != target.hidden_size:
             raise FastspecError(f"{spec}: draft expects target features of width {config.hidden_size}, "
