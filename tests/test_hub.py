@@ -194,3 +194,22 @@ def test_a_bin_only_head_is_downloaded_with_its_bin_files(online, local):
     assert (path / "pytorch_model.bin").is_file()
     fetched = [patterns for repo, patterns, local_only in online if repo == "tiny-org/new-bin-head" and not local_only]
     assert fetched == [tuple(MODEL_FILES), tuple(BIN_FILES)]
+
+
+def test_eagle1_and_speculators_heads_by_hub_id_draft_as_their_directories(cache, local, tmp_path):
+    """An EAGLE-1 head labelled LlamaForCausalLM and a speculators head, cached by id: each drafts as the same
+    directory does (the EAGLE-1 one's config passes the width check before its weights are read)."""
+    from test_draft_formats import as_speculators, rewrite
+
+    eagle2 = write_random_head(tmp_path / "e2", 64, 97, "eagle")
+    eagle1 = rewrite(eagle2, tmp_path / "e1", {"architectures": ["LlamaForCausalLM"], "bias": True})
+    speculators = as_speculators(local["head"], tmp_path / "spec")
+    add_snapshot(cache, "tiny-org/eagle1-head", eagle1, commit_id(7))
+    add_snapshot(cache, "tiny-org/speculators-head", speculators, commit_id(8))
+    for head, directory, algorithm in (("tiny-org/eagle1-head", eagle1, "EAGLE"),
+                                       ("tiny-org/speculators-head", speculators, "EAGLE3")):
+        eagle = dict(speculative_algorithm=algorithm, num_steps=2, topk=1, num_draft_tokens=3)
+        by_id = fastspec.LLM(TARGET, draft_model=head, max_total_tokens=512, tuned=False, **eagle)
+        by_dir = fastspec.LLM(TARGET, draft_model=str(directory), max_total_tokens=512, tuned=False, **eagle)
+        a, b = (llm.engine.generate([PROMPT], [PARAMS])[0] for llm in (by_id, by_dir))
+        assert a.output_ids == b.output_ids and a.metrics.accepted_tokens == b.metrics.accepted_tokens
