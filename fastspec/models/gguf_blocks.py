@@ -42,7 +42,7 @@ class Blocks:
     def dequantise(self, dtype: torch.dtype = torch.float32, rows: int = 4096) -> torch.Tensor:  # [N, K]
         """w in float32 arithmetic, stored as `dtype`, `rows` rows at a time (no float32 copy of a large table)."""
         n, k = self.q.shape
-        w = torch.empty(n, k, dtype=dtype)
+        w = torch.empty(n, k, dtype=dtype, device=self.q.device)
         for r in range(0, n, rows):
             q = self.q[r:r + rows].view(-1, k // self.group, self.group).float()
             w[r:r + rows] = (q * self.scale[r:r + rows, :, None] + self.offset[r:r + rows, :, None]).view(-1, k)

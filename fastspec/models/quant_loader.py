@@ -117,7 +117,8 @@ def build_quantised(model: LlamaForCausalLM, state: dict[str, torch.Tensor], for
         for group in (module._parameters, module._buffers):
             for attr, tensor in group.items():
                 if tensor is not None and tensor.is_meta:
-                    empty = torch.empty(tensor.shape, dtype=dtype, device=device)
+                    kind = dtype if tensor.is_floating_point() else tensor.dtype
+                    empty = torch.empty(tensor.shape, dtype=kind, device=device)
                     group[attr] = nn.Parameter(empty, requires_grad=False) if group is module._parameters else empty
     model.tie_weights()
     return tuple(f"{name}." for name in (*forms, *experts))
