@@ -88,7 +88,7 @@ class Fp8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).float()
         x_scale = flat.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX  # [M, 1]
         xq = (flat / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        out = torch.bfloat16 if x.dtype == torch.float32 and x.is_cuda else x.dtype
+        out = torch.bfloat16 if x.is_cuda else x.dtype  # row-wise scales: bfloat16 output on CUDA
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=out)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -182,8 +182,8 @@ def bind(linear: QuantLinear, activation: torch.dtype | None) -> nn.Module:
     form, bias = linear.form, linear.bias
     device = (bias if bias is not None else next(linear.buffers())).device
     if device.type == "cuda" or os.environ.get("FASTSPEC_TRITON_QUANT") == "1":
-        if isinstance(form, Fp8Weight) and form.per_channel and device.type == "cuda" and \
-                torch.cuda.get_device_capability(device) >= (8, 9):
+        if (isinstance(form, Fp8Weight) and form.per_channel and device.type == "cuda" and form.shape[0] % 16 == 0
+                and form.shape[1] % 16 == 0 and torch.cuda.get_device_capability(device) >= (8, 9)):
             return Fp8Linear(form, bias)
         if isinstance(form, IntWeight) and device.type == "cuda" and TinyGemmLinear.takes(form.blocks):
             inner = TinyGemmLinear(form.blocks, bias)
