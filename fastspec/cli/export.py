@@ -26,7 +26,7 @@ def export_draft(
 
     from fastspec.errors import FastspecError
     from fastspec.models.draft_formats import from_speculators, is_speculators, to_speculators
-    from fastspec.models.loader import read_draft_config, read_state_dict, resolve_model_dir, weight_names
+    from fastspec.models.loader import draft_key, read_draft_config, read_state_dict, resolve_model_dir, weight_names
 
     if format not in FORMATS:
         raise FastspecError(f"--format must be {' or '.join(FORMATS)}, got {format!r}")
@@ -42,10 +42,7 @@ def export_draft(
     if is_speculators(raw):
         raw = from_speculators(raw, str(head), "fc.bias" in weight_names(head))
     raw["architectures"] = [config.architecture]
-    state = {k.removeprefix("model."): v.contiguous() for k, v in read_state_dict(head).items()}
-    if config.is_eagle3:
-        state = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
-                 for k, v in state.items()}
+    state = {draft_key(k, config): v.contiguous() for k, v in read_state_dict(head).items()}
     if format == "speculators":
         raw, state = to_speculators(raw, state, verifier, str(head))
     out.mkdir(parents=True, exist_ok=True)

@@ -268,7 +268,7 @@ def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, de
     config = config or read_config(draft_dir)
     check_draft_fits(config, target.config, str(draft_dir))
     dummy = load_format == "dummy" and not _weight_files(draft_dir)
-    state = {} if dummy else {_draft_key(k, config): v for k, v in read_state_dict(draft_dir).items()}
+    state = {} if dummy else {draft_key(k, config): v for k, v in read_state_dict(draft_dir).items()}
     with _skip_init(), torch.device(device), default_dtype(dtype if dummy else None):
         if config.is_eagle3:
             model, skip = _build_eagle3(config, target)
@@ -288,7 +288,7 @@ def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, de
     return model.eval().requires_grad_(False)
 
 
-def _draft_key(name: str, config: ModelConfig) -> str:
+def draft_key(name: str, config: ModelConfig) -> str:
     """A head's weight name as fastspec's modules name it: no `model.` prefix; an EAGLE-3 midlayer saved as
     `layers.0.` (the speculators format) is `midlayer.`."""
     name = name.removeprefix("model.")
