@@ -146,7 +146,7 @@ def tuned_plain_at_1(scratch: Path) -> dict:
     """A scratch cache whose tuned file (for this machine, the embedded model and its head) decodes plainly at
     batch 1 and speculates from batch 2; the converted model is shared with the user's cache. -> env for chats."""
     from fastspec.models.embedded import DEFAULT_MODEL, embedded_head, embedded_model_dir, models_root
-    from fastspec.tune.tuned import fingerprint, save_tuned, tuned_path
+    from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path
 
     env = {"FASTSPEC_CACHE": str(scratch), "FASTSPEC_MODEL_CACHE": str(models_root())}
     os.environ.update(env)  # tuned_path and the fingerprint read the cache root, as the chat will

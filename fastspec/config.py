@@ -1,6 +1,6 @@
 """Frozen engine and speculative configuration values, each resolved once at construction.
 
-A model's own configuration (config.json normalised) lives in fastspec.models.config. Nothing here touches
+A model's own configuration (config.json normalised) lives in fastspec.models.model_config. Nothing here touches
 tensors beyond naming a dtype, and torch is imported only where a value needs it (a dtype asked for as a torch
 dtype, `auto` / `cuda` devices): checking flags stays fast.
 """
@@ -140,9 +140,8 @@ class EngineConfig:
 
     @property
     def overlap(self) -> bool:
-        """`auto`: on for CUDA, off on CPU. On an H100 (issue 30's run, EAGLE-3 5/4/8, batch 1, same tau) the
-        overlap schedule took 265 -> 318 tok/s; on CPU bench/bench_overlap.py measures no gain (the device is the
-        host there: nothing overlaps but the ~0.2-0.6 ms hand-out of a 100+ ms step)."""
+        """`auto`: on for CUDA, off on CPU, where the device is the host: nothing would overlap but the hand-out
+        of a step (bench/bench_overlap.py measures both)."""
         if self.overlap_schedule == "auto":
             return self.device.startswith("cuda")
         return self.overlap_schedule == "on"
@@ -162,10 +161,8 @@ SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 # SGLang's auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) by target architecture
 _AUTO_SPEC = {"LlamaForCausalLM": (5, 4, 8), "DeepseekV2ForCausalLM": (3, 1, 4), "DeepseekV3ForCausalLM": (3, 1, 4)}
 _AUTO_SPEC_FALLBACK = (3, 1, 4)
-# On a CPU a verify of N tokens is not free as on a GPU (a GEMM over 8 rows costs ~1.4x a one-row GEMV), so
-# Llama's wide default does not pay there: bench/bench_shapes.py on the embedded target and its EAGLE-3 head (2-core
-# Xeon, batch 1, three noisy runs) ranked 2/2/3 first every time (1.01-1.35x plain), 3/2/4 next, 5/4/8 last
-# (0.98-1.08x). `fastspec tune` replaces it with what it measures.
+# On a CPU a verify of N tokens is not free as on a GPU (a GEMM over 8 rows costs more than a one-row GEMV), so
+# Llama's wide default does not pay there; bench/bench_shapes.py ranks the shapes, `fastspec tune` measures them.
 _AUTO_SPEC_CPU = {"LlamaForCausalLM": (2, 2, 3)}
 
 
@@ -175,6 +172,44 @@ class SpecParams:
     num_steps: int
     topk: int
     num_draft_tokens: int
+
+
+MATCH_TYPES = ("BFS", "PROB")
+
+
+@dataclass(frozen=True)
+class NgramParams:
+    """SGLang's speculative_ngram_* flags. Windows are n-gram lengths matched against the context's tail;
+    branch_length is the longest trie path (window + proposal); breadths bound children per tree level."""
+
+    min_match_window_size: int = 1
+    max_match_window_size: int = 12
+    min_bfs_breadth: int = 1
+    max_bfs_breadth: int = 10
+    match_type: str = "BFS"     # "BFS": breadth-limited BFS | "PROB": best-first by path probability
+    branch_length: int = 18
+    capacity: int = 1_000_000   # max trie nodes per cache; the least recently seen n-grams are evicted beyond it
+
+    def __post_init__(self):
+        checks = (
+            (self.min_match_window_size >= 1, "ngram min_match_window_size must be >= 1"),
+            (self.min_match_window_size <= self.max_match_window_size,
+             "ngram min_match_window_size must be <= max_match_window_size"),
+            (self.max_match_window_size < self.branch_length,
+             "ngram max_match_window_size must be < branch_length (a matched window needs room to continue)"),
+            (self.min_bfs_breadth >= 1, "ngram min_bfs_breadth must be >= 1"),
+            (self.min_bfs_breadth <= self.max_bfs_breadth, "ngram min_bfs_breadth must be <= max_bfs_breadth"),
+            (self.match_type in MATCH_TYPES, f"ngram match_type must be one of {', '.join(MATCH_TYPES)}"),
+            (self.capacity >= self.branch_length, "ngram capacity must be >= branch_length"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise FastspecError(f"{message} (got {self})")
+
+    @property
+    def bfs_breadth_scale(self) -> float:  # breadth lost per window size below the max and per tree level
+        windows = self.max_match_window_size - self.min_match_window_size + 1
+        return (self.max_bfs_breadth - self.min_bfs_breadth) / windows
 
 
 Schedule = tuple[tuple[int, "SpecParams | None"], ...]  # (up to this batch size, params or None = decode plainly)
@@ -192,7 +227,7 @@ class SpecConfig:
     accept_threshold_single: float = 1.0
     accept_threshold_acc: float = 1.0
     token_map: str | None = None
-    ngram: object = None  # fastspec.speculative.ngram.NgramParams for NGRAM
+    ngram: NgramParams | None = None  # NGRAM's trie parameters
     schedule: Schedule = ()  # per batch-size tiers (`fastspec tune`); num_steps / topk / N are then their maxima
 
     @property
@@ -251,8 +286,6 @@ class SpecConfig:
 
     @classmethod
     def _resolve_ngram(cls, common, ngram, num_steps, topk, num_draft_tokens) -> SpecConfig:
-        from fastspec.speculative.ngram import NgramParams
-
         ngram = ngram or NgramParams()
         n = num_draft_tokens or ngram.max_match_window_size
         if n < 2:

@@ -82,7 +82,7 @@ class LLM:
             config.quantization, model_dir, config.device, config.load_format, spec.algorithm))
         untuned = schedule is None and num_steps is None and topk is None and num_draft_tokens is None
         if tuned and untuned and spec.algorithm in ("EAGLE", "EAGLE3"):
-            from fastspec.tune.tuned import find_schedule, weights_label
+            from fastspec.speculative.tuned import find_schedule, weights_label
 
             weights = weights_label(config.dtype, config.quantization)
             found = find_schedule(model_dir, draft_model, weights, config.device, say or _to_stderr)

@@ -22,7 +22,7 @@ TRUNCATED_TUNED = '{"version": 1, "fingerprint": {"hardware": "x'
 
 def fill(cache: Path, target: Path, draft: Path) -> None:
     """Damaged and foreign entries for (target, draft) in every place fastspec reads under `cache`."""
-    from fastspec.tune.tuned import VERSION, fingerprint, tuned_path
+    from fastspec.speculative.tuned import VERSION, fingerprint, tuned_path
 
     real = fingerprint(target, draft, "float32", "cpu")
     tuned = cache / "tuned" / tuned_path(target, draft, "float32", "cpu").name

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fastspec.speculative.ngram import NgramCache, NgramParams
+from fastspec.config import NgramParams
+from fastspec.speculative.ngram import NgramCache
 
 
 def cache_of(history: list[int], **params) -> NgramCache:

@@ -96,7 +96,7 @@ def test_a_resized_terminal_is_followed():
 
 def test_the_banner_says_what_decodes_at_batch_1():
     from fastspec.config import SpecConfig, SpecParams
-    from fastspec.text.chat import decoding
+    from fastspec.text.conversation import decoding
 
     eagle = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model="head", num_steps=3, topk=2,
                                num_draft_tokens=4)
@@ -116,7 +116,7 @@ def test_warming_up_before_the_prompt_leaves_no_trace():
 
     import fastspec
     from fastspec.sampling import SamplingParams
-    from fastspec.text.chat import ChatSession
+    from fastspec.text.conversation import ChatSession
 
     answers = []
     for warm in (True, False):
@@ -138,7 +138,7 @@ def test_stats_say_what_decodes_and_the_acceptance_even_when_nothing_was_accepte
     from types import SimpleNamespace
 
     from fastspec.config import SpecConfig
-    from fastspec.text.chat import ChatSession, TurnStats
+    from fastspec.text.conversation import ChatSession, TurnStats
     from fastspec.utils.metrics import SpecMetrics
 
     spec = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model="head", num_steps=2, topk=2,

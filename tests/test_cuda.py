@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 import fastspec
 from fastspec.sampling import SamplingParams
-from fastspec.speculative.runners import StepGraphs
+from fastspec.graphs.step_graphs import StepGraphs
 
 pytestmark = pytest.mark.gpu
 COPIES = {"aten._to_copy.default", "aten.copy_.default"}

@@ -224,7 +224,7 @@ def test_a_tuned_file_is_keyed_by_the_quantization(embedded_dir, tmp_path, monke
 
     import fastspec
     from fastspec.config import SpecParams
-    from fastspec.tune.tuned import fingerprint, save_tuned, tuned_path, weights_label
+    from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path, weights_label
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
     head = Path(fastspec.__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"

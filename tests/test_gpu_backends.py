@@ -24,7 +24,7 @@ from fastspec.attention.flashinfer_plan import (AttnShape, GraphBucket, GraphLim
                                                 wrapper_key)
 from fastspec.attention.metadata import AttnMetadata, AttnMode
 from fastspec.errors import FastspecError
-from fastspec.kernels.tree import ancestor_mask, full_tree_mask
+from fastspec.kernels.tree_build import ancestor_mask, full_tree_mask
 
 SHAPE = AttnShape(8, 2, 16, torch.bfloat16, torch.bfloat16, 0.25)
 I32 = torch.int32

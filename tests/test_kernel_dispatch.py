@@ -11,9 +11,9 @@ import torch
 
 from fastspec.kernels import dispatch
 from fastspec.kernels import sampling as sampling_twins
-from fastspec.kernels import tree as tree_twins
+from fastspec.kernels import tree_build as tree_twins
 from fastspec.kernels import verify as verify_twins
-from fastspec.kernels.tree import TreeMaskMode
+from fastspec.kernels.tree_build import TreeMaskMode
 from fastspec.speculative.tree import organize_draft_results, select_top_k
 
 I32 = torch.int32

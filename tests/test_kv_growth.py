@@ -9,7 +9,7 @@ from conftest import all_slots_free
 from test_speculative import PROMPTS
 
 import fastspec
-import fastspec.engine.memory as memory_module
+import fastspec.engine.pools as memory_module
 import fastspec.memory.kv_pool as kv_pool_module
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams

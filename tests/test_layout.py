@@ -84,3 +84,36 @@ def test_readme_layout_names_every_area():
     modules = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
     missing = [a for a in areas + modules if not re.search(rf"\b{re.escape(a)}", layout)]
     assert missing == []
+
+
+def area(module: str) -> str:
+    """fastspec.engine.worker -> engine; fastspec.config -> config (a top-level module is an area of its own)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_no_area_imports_back_up():
+    """Areas (packages and top-level modules) form layers: none imports an area that imports it back."""
+    graph: dict[str, set[str]] = {}
+    for module, imported in import_graph().items():
+        edges = graph.setdefault(area(module), set())
+        edges.update(area(m) for m in imported if area(m) not in (area(module), "__init__"))
+    for a in graph:
+        graph[a] &= set(graph)
+    assert cycles(graph) == []
+
+
+def test_module_names_do_not_collide_across_areas():
+    names: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            names.setdefault(path.stem, []).append(module_name(path))
+    assert {n: m for n, m in names.items() if len(m) > 1} == {}
+
+
+def test_comments_cite_nothing_outside_the_code():
+    """Comments and docstrings say what the code does now: no issue numbers, design documents or benchmark runs."""
+    cited = re.compile(r"\bissue \d+|\bseed \d{3}\b|reference §|§\d|\d-core (VM|Xeon|CPU|machine)|\bH[12]00\b")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in PACKAGE.rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1) if cited.search(line)]
+    assert found == []

@@ -7,7 +7,7 @@ import torch
 from conftest import FAMILIES, PoolRunner, make_hf_model
 
 from fastspec.errors import FastspecError
-from fastspec.models.config import ModelConfig
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.layers import MLP, fuse_projections
 from fastspec.models.llama import eagle3_capture_layers
 from fastspec.models.loader import load_target, read_config

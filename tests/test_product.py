@@ -34,7 +34,7 @@ def test_scripted_chat_two_turns():
 
 
 def test_chat_session_keeps_an_interrupted_answer(tmp_path):
-    from fastspec.text.chat import ChatSession
+    from fastspec.text.conversation import ChatSession
 
     llm = fastspec.LLM(max_total_tokens=4096, speculative_algorithm="NGRAM")
     session = ChatSession(llm, SamplingParams(max_new_tokens=48))
@@ -53,7 +53,7 @@ def test_chat_session_keeps_an_interrupted_answer(tmp_path):
 
 def test_chat_saves_never_overwrite_and_an_unwritable_directory_prints_the_conversation(tmp_path, capsys):
     from fastspec.cli.chat import save_chat
-    from fastspec.text.chat import ChatSession
+    from fastspec.text.conversation import ChatSession
 
     session = ChatSession(None, SamplingParams())
     assert session.save(tmp_path) is None  # nothing said yet: nothing written

@@ -18,7 +18,7 @@ from test_serve import MODEL, engine_settled, served  # noqa: F401  (the served 
 
 import fastspec
 from fastspec.sampling import SamplingParams
-from fastspec.serve.errors import APIError
+from fastspec.serve.api_error import APIError
 from fastspec.serve.tool_stream import ToolStream
 from fastspec.serve.tools import close_objects, parse_output, parse_tools, template_parser, writes_spaces
 from fastspec.text.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ import torch
 
 import triton  # noqa: E402,F401  (a dev dependency: CI must not skip these)
 from fastspec.attention.paged import paged_attention_twin  # noqa: E402
-from fastspec.kernels.triton_attention import paged_attention as triton_paged_attention  # noqa: E402
+from fastspec.attention.triton_paged import paged_attention as triton_paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}

@@ -97,7 +97,7 @@ def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head
 
 
 def test_tuned_file_round_trips_and_guards_its_fingerprint(tmp_path):
-    from fastspec.tune.tuned import load_schedule, read_tuned, save_tuned
+    from fastspec.speculative.tuned import load_schedule, read_tuned, save_tuned
 
     path, print_ = tmp_path / "t.json", {"hardware": "cpu", "model": "a", "draft": "b", "dtype": "float32"}
     tiers = [{"max_batch_size": 1, "params": [5, 4, 8]}, {"max_batch_size": 4, "params": [3, 1, 4]},
@@ -151,7 +151,7 @@ def test_cli_emits_sglang_flags_from_the_tuned_file_and_llm_loads_it(chat_target
     from typer.testing import CliRunner
 
     from fastspec.cli import app
-    from fastspec.tune.tuned import fingerprint, save_tuned, tuned_path
+    from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
     args = ["tune", "--model", str(chat_target), "--speculative-algorithm", "EAGLE3", "--draft", str(head),
@@ -175,8 +175,8 @@ def test_a_draft_the_schedule_never_uses_at_the_engines_batch_sizes_is_not_loade
                                                                                    monkeypatch):  # noqa: F811
     """Issue 37: a tuned file that decodes plainly at batch 1 and a chat (one request at a time): the draft is never
     loaded, the banner still says what was tuned, and the output is plain decoding's."""
-    from fastspec.text.chat import decoding
-    from fastspec.tune.tuned import fingerprint, save_tuned, tuned_path
+    from fastspec.text.conversation import decoding
+    from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
     save_tuned(tuned_path(chat_target, head, "float32", "cpu"), fingerprint(chat_target, head, "float32", "cpu"),

@@ -154,7 +154,7 @@ def draft_decode_metadata(req_to_token: torch.Tensor,  # int32 [max_requests, ma
                           rows: torch.Tensor,          # int64 [bs]
                           seq_lens: torch.Tensor,      # int64 [bs]  committed lengths, no draft tokens
                           topk: int, num_steps: int, step: int) -> AttnMetadata:
-    """Draft forward `step`: query row b*topk+k is branch k of request b (per-branch-slot history, §1.4).
+    """Draft forward `step`: query row b*topk+k is branch k of request b (per-branch-slot history).
 
     Keys of row (b, k): table[r, 0:seq_len] then table[r, seq_len + k*num_steps + 0 .. step]; its K/V go to
     table[r, seq_len + k*num_steps + step]. E.g. seq_len 2, topk 2, num_steps 3, step 1: branch 0 reads
@@ -203,7 +203,7 @@ def verify_metadata(req_to_token: torch.Tensor,  # int32 [max_requests, max_cont
                     rows: torch.Tensor,          # int64 [bs]
                     seq_lens: torch.Tensor,      # int64 [bs]  committed lengths
                     num_draft_tokens: int,
-                    tree_mask: torch.Tensor,     # bool [sum_b N * (seq_len_b + N)]  FULL_MASK layout (§2.3)
+                    tree_mask: torch.Tensor,     # bool [sum_b N * (seq_len_b + N)]  FULL_MASK layout
                     ) -> AttnMetadata:
     """Target verify: qo = N tree tokens, kv = seq_len + N; K/V to table[r, seq_len : seq_len + N]."""
     _check_lens(seq_lens=seq_lens)

@@ -3,7 +3,7 @@ req_to_token row up to its length (device tensors), then a block of explicit key
 
 Owns `PagedPlan` (built on the device, no host value: graph-safe), `paged_block_plan` (the new tokens of an
 extend / verify / decode as the block), `PagedAttnBackend` and the op `fastspec::paged_attention` it calls: on
-CUDA the Triton kernels (fastspec.kernels.triton_attention), elsewhere the torch twin below. The op is opaque to
+CUDA the Triton kernels (fastspec.attention.triton_paged), elsewhere the torch twin below. The op is opaque to
 torch.compile, so a compiled round function has no KV width in it: one compile (and one CUDA graph per batch
 bucket) serves every context length. The twin reads the longest length on the host, which only an opaque op may.
 """
@@ -83,7 +83,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """[T, Hq, Dv]. FASTSPEC_TRITON_ATTENTION=1 runs the Triton kernels on CPU too (with TRITON_INTERPRET=1)."""
     args = (q, k_cache, v_cache, table, rows, prefix_lens, block_slots, block_mask, scale, self_visible)
     if kernel_for(q.device) == "triton":
-        from fastspec.kernels.triton_attention import paged_attention as triton_paged_attention
+        from fastspec.attention.triton_paged import paged_attention as triton_paged_attention
 
         return triton_paged_attention(*args)
     return paged_attention_twin(*args)

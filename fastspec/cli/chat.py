@@ -1,5 +1,5 @@
 """`fastspec chat`: a conversation in the terminal (rich prompt, streamed answers) or over piped lines, kept
-on disk when it ends (fastspec.text.chat owns the session; this file the two front ends and their loop)."""
+on disk when it ends (fastspec.text.conversation owns the session; this file the two front ends and their loop)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def chat(
     from fastspec.cli.common import Notes, prepare_progress
     from fastspec.llm import LLM
     from fastspec.utils.cache import cache_root
-    from fastspec.text.chat import ChatSession
+    from fastspec.text.conversation import ChatSession
 
     params = sampling_params(temperature, top_k, top_p, seed, max_new_tokens)
     notes = Notes()
@@ -126,7 +126,7 @@ class TerminalChatIO:
 
         from rich.console import Console
 
-        from fastspec.text.chat import HELP, decoding
+        from fastspec.text.conversation import HELP, decoding
         from fastspec.text.wrap import WordWrap
 
         self.console = Console(highlight=False)

@@ -48,7 +48,7 @@ class ModelOptions:
     overlap_schedule: Annotated[str, typer.Option(help="auto | on | off: launch the next decode round before the last is read and handed out (auto: off until measured faster on a GPU).")] = "auto"
     disable_overlap_schedule: Annotated[bool, typer.Option(help="= --overlap-schedule off (SGLang's flag).")] = False
     radix_cache: Annotated[bool, typer.Option("--radix-cache/--disable-radix-cache", help="Reuse the KV of cached token prefixes (chat turns, shared system prompts).")] = True
-    threads: Annotated[int, typer.Option(envvar="FASTSPEC_THREADS", help="CPU threads for torch (0 = every core; 1 is measured 2.5x faster beside a busy process on 2 cores).")] = 0
+    threads: Annotated[int, typer.Option(envvar="FASTSPEC_THREADS", help="CPU threads for torch (0 = auto: every core no other process keeps busy).")] = 0
     mamba_track_interval: Annotated[int, typer.Option(help="Hybrid targets with --radix-cache: save the recurrent state every N tokens (a multiple of the page size), where a cached prefix can resume.")] = 256
     speculative_algorithm: Annotated[Optional[str], typer.Option(help="NONE | EAGLE (NEXTN) | EAGLE3 | STANDALONE | NGRAM", rich_help_panel=SPEC)] = None
     speculative_draft_model_path: Annotated[Optional[str], typer.Option("--speculative-draft-model-path", "--draft", help="Draft head / model: a directory or a hub id.", rich_help_panel=SPEC)] = None
@@ -97,7 +97,7 @@ class ModelOptions:
         engine's config, which imports torch to see a GPU)."""
         ngram = None
         if (self.speculative_algorithm or "").upper() == "NGRAM":
-            from fastspec.speculative.ngram_params import NgramParams
+            from fastspec.config import NgramParams
 
             prefix = "speculative_ngram_"
             ngram = NgramParams(**{f.name[len(prefix):]: getattr(self, f.name) for f in fields(self)

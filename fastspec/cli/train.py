@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.train.config import Progress, TrainConfig
+from fastspec.train.job import Progress, TrainConfig
 
 PHASES = {"generate": "generating responses", "features": "target features", "train": "training"}
 

@@ -35,7 +35,7 @@ def tune(
     from fastspec.models.embedded import default_speculation
     from fastspec.models.loader import resolve_model_dir, resolve_quantization
     from fastspec.prompts import load_prompts, read_jsonl_prompts
-    from fastspec.tune import tuned as tuned_file
+    from fastspec.speculative import tuned as tuned_file
     from fastspec.tune.tuner import TuneConfig, schedule_from
     from fastspec.tune.tuner import tune as run
 

@@ -13,7 +13,7 @@ from fastspec.engine.scheduler import Request
 from fastspec.engine.slots import BatchSlots
 from fastspec.engine.target import Target
 from fastspec.speculative.backlog import DraftBacklog
-from fastspec.speculative.runners import StepGraphs
+from fastspec.graphs.step_graphs import StepGraphs
 from fastspec.utils.transfer import to_device
 
 

@@ -23,7 +23,7 @@ from fastspec.speculative.batch import DecodeBatch
 from fastspec.speculative.future import FutureMaps, PendingRound, start_readback
 from fastspec.speculative.kv import DeviceKV, plan_round_kv_on_device, round_free_slots
 from fastspec.speculative.packing import pack_verify
-from fastspec.speculative.runners import StepGraphs
+from fastspec.graphs.step_graphs import StepGraphs
 from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
 from fastspec.utils.transfer import to_device
 

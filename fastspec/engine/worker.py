@@ -23,7 +23,7 @@ import torch
 
 from fastspec.attention import make_backend
 from fastspec.config import EngineConfig, SpecConfig, SpecParams
-from fastspec.engine.memory import build_memory
+from fastspec.engine.pools import build_memory
 from fastspec.engine.overlap import OverlapSchedule
 from fastspec.engine.plain_rounds import PlainRounds
 from fastspec.engine.prefill import Prefill
@@ -41,7 +41,7 @@ from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_mo
 from fastspec.speculative.future import FutureMaps
 from fastspec.speculative.packing import prefix_specs
 from fastspec.speculative.policy import SpecPolicy, record_round
-from fastspec.speculative.runners import GraphPlan, StepGraphs
+from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
 from fastspec.speculative.steps import target_verify
 from fastspec.utils.metrics import PhaseTimes
 

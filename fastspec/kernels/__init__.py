@@ -16,7 +16,7 @@ from fastspec.kernels.dispatch import (
     verify_tree_greedy,
 )
 from fastspec.kernels.sampling import fast_topk
-from fastspec.kernels.tree import TreeMaskMode, ancestor_mask, full_tree_mask
+from fastspec.kernels.tree_build import TreeMaskMode, ancestor_mask, full_tree_mask
 from fastspec.kernels.verify import sample_from_weights, tree_links
 
 __all__ = [

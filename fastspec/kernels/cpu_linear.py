@@ -1,9 +1,9 @@
 """CPU linear layers over MKL-prepacked weights for the few row counts a speculative round uses.
 
 Why: torch's CPU GEMM packs the weight on every call, so a linear over a handful of rows (a verify of 8 tree
-tokens, a draft step over bs*topk rows) costs 2-3x a one-row GEMV: SmolLM2's lm_head takes ~7 ms for 1 row and
-~23 ms for 8, but ~9 ms for 8 over a weight packed once for exactly 8 rows (MKL's packed GEMM is per row count;
-any other count falls back to the plain linear). Applied after loading, on CPU in float32, for eager and compiled
+tokens, a draft step over bs*topk rows) costs several one-row GEMVs, while over a weight packed once for exactly
+that row count it costs little more than one (MKL's packed GEMM is per row count; any other count falls back to
+the plain linear; bench/bench_kernels.py measures both). Applied after loading, on CPU in float32, for eager and compiled
 round functions alike: inside a compiled graph the packed GEMM is the custom op `fastspec::packed_linear`
 (Inductor's own MKL lowering packs only frozen weights, and freezing would bake the weights into the graph and its
 cache key). Each packed row count costs one more copy of the weights.
@@ -32,8 +32,8 @@ def can_prepack(device: str, dtype: torch.dtype) -> bool:
 def bf16_matmul_is_faster(rows: int = 512, width: int = 576, out: int = 1536, reps: int = 4) -> bool:
     """Whether a bfloat16 GEMM beats float32 on this CPU, measured once per process (~0.1 s).
 
-    CPUs with AMX or AVX512-BF16 run bf16 about 2x faster than float32; AVX2-only CPUs emulate it (measured
-    here on an AVX2 EPYC: 17 vs 123 GFLOPS, 7x slower), so bf16 autocast must be a measured choice."""
+    CPUs with AMX or AVX512-BF16 run bf16 faster than float32; AVX2-only CPUs emulate it several times slower,
+    so bf16 autocast must be a measured choice."""
     def seconds(dtype: torch.dtype) -> float:
         x, w = torch.randn(rows, width, dtype=dtype), torch.randn(out, width, dtype=dtype)
         F.linear(x, w)  # warm-up: oneDNN picks and caches its kernel

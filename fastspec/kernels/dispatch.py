@@ -16,8 +16,8 @@ import torch
 
 from fastspec.kernels.sampling import top_k_renorm_prob as _top_k_renorm_prob_twin
 from fastspec.kernels.sampling import top_p_renorm_prob as _top_p_renorm_prob_twin
-from fastspec.kernels.tree import build_tree_kernel_efficient as _build_tree_twin
-from fastspec.kernels.tree import reconstruct_indices_from_tree_mask as _reconstruct_twin
+from fastspec.kernels.tree_build import build_tree_kernel_efficient as _build_tree_twin
+from fastspec.kernels.tree_build import reconstruct_indices_from_tree_mask as _reconstruct_twin
 from fastspec.kernels.verify import tree_speculative_sampling_target_only as _tree_sampling_twin
 from fastspec.kernels.verify import verify_tree_greedy as _verify_greedy_twin
 

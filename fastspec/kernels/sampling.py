@@ -1,5 +1,5 @@
 """Probability renormalisation and top-k selection: pure-torch twins of sgl_kernel's `top_k_renorm_prob`,
-`top_p_renorm_prob` and SGLang's `fast_topk` (reference §2.6, §1.2).
+`top_p_renorm_prob` and SGLang's `fast_topk`.
 
 Owns: truncating probability rows to their top-k / top-p set and renormalising (sort-based, like SGLang's
 native sampler; ties are broken by position, where the pivot-based CUDA kernels may keep all tied entries).

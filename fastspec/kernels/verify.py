@@ -1,5 +1,5 @@
 """Tree verification ops: pure-torch twins of sgl_kernel's `verify_tree_greedy` and
-`tree_speculative_sampling_target_only` (reference §2.4, §2.5).
+`tree_speculative_sampling_target_only`.
 
 Glossary (one verify round, per request):
   draft token    -- a non-root node of the tree, proposed by the drafter.
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fastspec.kernels.tree import _jump_rounds
+from fastspec.kernels.tree_build import _jump_rounds
 
 
 def tree_links(retrieve_next_token: torch.Tensor,    # int64 [bs, N]  first child, -1 = leaf

@@ -3,7 +3,7 @@
 Owns the K/V tensors, slot-indexed writes and moves, growth (larger tensors, the old slots copied over) and
 sizing (bytes per token; capacity from a token budget or from a fraction of the device's available memory).
 Does not decide which slots a token gets (allocator.py), which request owns them (req_table.py) nor when the
-pool grows (fastspec.engine.memory); knows nothing about attention or models.
+pool grows (fastspec.engine.pools); knows nothing about attention or models.
 Slot 0 (the whole page 0 when paged) is the dummy slot that padded rows write to.
 """
 

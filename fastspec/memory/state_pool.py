@@ -11,14 +11,22 @@ Knows nothing about models or attention; `RecurrentView` tells a forward which r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from fastspec.models.config import HybridConfig
+
+class StateShapes(Protocol):
+    """What the pool reads of a hybrid model's configuration (fastspec.models' HybridConfig is one)."""
+
+    linear_layers: tuple[int, ...]  # the recurrent layers
+    conv_dim: int
+    conv_kernel: int
+    state_shape: tuple[int, ...]  # one recurrent state per layer and row
 
 
 class StatePool:
-    def __init__(self, hybrid: HybridConfig, max_rows: int, max_nodes: int, dtype=torch.float32, device="cpu",
+    def __init__(self, hybrid: StateShapes, max_rows: int, max_nodes: int, dtype=torch.float32, device="cpu",
                  max_checkpoints: int = 0):
         """`max_nodes`: draft-tree nodes a verify tracks per request (0: no speculation, no track buffers);
         `max_checkpoints`: saved states the prefix cache can resume from (0: none)."""

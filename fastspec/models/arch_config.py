@@ -1,5 +1,5 @@
 """Architecture-specific parts of a model's configuration: MLA and MoE (DeepSeek), recurrent layers (Qwen3-Next's
-gated delta nets, Bamba's Mamba2 mixers), and the config.json parsers that fill them (fastspec.models.config's
+gated delta nets, Bamba's Mamba2 mixers), and the config.json parsers that fill them (fastspec.models.model_config's
 ModelConfig.from_hf calls these). Nothing here touches tensors.
 """
 

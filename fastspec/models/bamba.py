@@ -15,7 +15,7 @@ from torch import nn
 
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models import ssd
-from fastspec.models.config import ModelConfig
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.layers import MLP, Attention, RMSNorm
 from fastspec.models.recurrent import run_layer
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastspec.models.config import ModelConfig
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.eagle import DraftHidden
 from fastspec.models.layers import MLP, RMSNorm, RotaryEmbedding
 from fastspec.models.mla import MLAttention

@@ -1,5 +1,5 @@
 """Draft-head configs in the formats heads are published in, read as the SGLang / SpecForge config they equal (the
-one fastspec.models.config reads). vLLM's `speculators` format (`Eagle3DraftModel`, older `Eagle3Speculator`):
+one fastspec.models.model_config reads). vLLM's `speculators` format (`Eagle3DraftModel`, older `Eagle3Speculator`):
 
   geometry nested in `transformer_layer_config` (a Llama config)       -> the top level
   `eagle_aux_hidden_state_layer_ids` naming the layer whose INPUT is   -> ids - 1 in `eagle_config` (SGLang's ids

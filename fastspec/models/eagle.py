@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fastspec.models.config import ModelConfig
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.models.config import ModelConfig, RopeScaling
+from fastspec.models.model_config import ModelConfig, RopeScaling
 from fastspec.models.quant_layers import QuantLinear
 
 

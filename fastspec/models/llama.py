@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fastspec.models.bamba import BambaDecoderLayer
-from fastspec.models.config import ModelConfig
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.deepseek import DeepseekDecoderLayer
 from fastspec.models.fused_cpu import fused_activation, fused_layers
 from fastspec.models.layers import DecoderLayer, RotaryEmbedding, make_norm

@@ -19,7 +19,7 @@ from torch import nn
 from fastspec.errors import FastspecError, first_line
 from fastspec.models import hub
 from fastspec.models.hub import check_model_spec  # noqa: F401  (its home before: importers keep it)
-from fastspec.models.config import LLAMA_FAMILY, ModelConfig
+from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
 from fastspec.models.draft_formats import from_speculators, is_speculators
 from fastspec.models.dummy import default_dtype, fill_random
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.models.config import ModelConfig, MoEConfig
+from fastspec.models.model_config import ModelConfig, MoEConfig
 from fastspec.models.layers import MLP
 
 

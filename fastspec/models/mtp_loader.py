@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.models.config import ModelConfig
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.deepseek import DeepseekMTP, MTPStack
 from fastspec.models.llama import LlamaForCausalLM
 from fastspec.models.loader import (_keep_routers_float32, _load_into, _skip_init, read_config, read_state_dict,

@@ -19,7 +19,7 @@ from torch import nn
 
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models import gated_delta
-from fastspec.models.config import ModelConfig
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.eagle import DraftHidden
 from fastspec.models.layers import MLP, RotaryEmbedding, make_norm
 from fastspec.models.moe import Experts, Router, is_moe_layer

@@ -2,7 +2,7 @@
 
 Why llguidance and not xgrammar: one Rust wheel (abi3, every Python) with no dependencies, where xgrammar pulls
 triton and a TVM FFI into a CPU install; JSON schema, regex and Lark grammars (GBNF, the EBNF of llama.cpp and
-xgrammar, converts to Lark); token-level `rollback`; a mask for the 49k vocabulary in ~0.1 ms on a 2-core CPU.
+xgrammar, converts to Lark); token-level `rollback`; a mask for the 49k vocabulary in well under a millisecond on a CPU.
 
 A request's `Grammar` is its matcher at its output so far; the worker advances it with every produced token.
 Masks are applied to the target's logits at every position with the grammar state as of that position: a

@@ -27,7 +27,7 @@ def make_server(llm, model_name: str, max_queued: int, tool_parser: str | None =
     import uvicorn
 
     from fastspec.serve.app import build_app
-    from fastspec.serve.metrics import ServerMetrics
+    from fastspec.serve.prometheus import ServerMetrics
     from fastspec.serve.service import EngineService
 
     service = EngineService(llm, max_queued, ServerMetrics(model_name, llm.engine)).start()

@@ -22,8 +22,8 @@ from starlette.routing import Route
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve import protocol as api
-from fastspec.serve.metrics import CONTENT_TYPE
-from fastspec.serve.errors import APIError
+from fastspec.serve.prometheus import CONTENT_TYPE
+from fastspec.serve.api_error import APIError
 from fastspec.serve.protocol import ParsedRequest
 from fastspec.serve.service import EngineService, Event
 from fastspec.serve.tool_formats import needs_special_text
@@ -51,7 +51,7 @@ def build_app(service: EngineService, model_name: str, tool_parser: str | None =
         await asyncio.to_thread(service.call, service.engine.flush_cache)
         return JSONResponse({"status": "ok"})
 
-    async def metrics(_: Request) -> Response:  # Prometheus' text format (fastspec.serve.metrics)
+    async def metrics(_: Request) -> Response:  # Prometheus' text format (fastspec.serve.prometheus)
         if service.metrics is None:
             return _error(APIError("this server keeps no metrics", 404, kind="not_found_error"))
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
-from fastspec.serve.errors import APIError
+from fastspec.serve.api_error import APIError
 from fastspec.serve.tools import Tools, parse_tools
 from fastspec.utils.metrics import SpecMetrics
 

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from fastspec.serve import free_calls
-from fastspec.serve.errors import APIError
+from fastspec.serve.api_error import APIError
 from fastspec.serve.json_scan import skip_space
 from fastspec.serve.tool_formats import (FORMATS, PartialCall, Scanned, json_calls, one_line,  # noqa: F401
                                          template_parser)

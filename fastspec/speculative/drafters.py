@@ -23,8 +23,8 @@ from fastspec.models.mtp_loader import check_mtp_fits, load_mtp, mtp_prefix
 from fastspec.models.quant_loader import checkpoint_scheme
 from fastspec.models.quantise import ONLINE, quantise_target
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
-from fastspec.speculative.eagle import EagleDrafter, StandaloneDraft
-from fastspec.speculative.runners import GraphPlan
+from fastspec.speculative.eagle_drafter import EagleDrafter, StandaloneDraft
+from fastspec.graphs.step_graphs import GraphPlan
 from fastspec.speculative.tree import DraftTree, tree_from_parents
 
 

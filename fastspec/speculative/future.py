@@ -1,4 +1,4 @@
-"""What a launched speculative round leaves on the device for the next one (seed 004's future maps), and the
+"""What a launched speculative round leaves on the device for the next one (its future maps), and the
 round itself until the host has read it (PendingRound).
 
 With the overlap schedule the worker launches round K+1 before it reads round K's accept result: K+1's draft

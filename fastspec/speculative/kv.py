@@ -89,8 +89,8 @@ def plan_round_kv_on_device(verify_slots: torch.Tensor,  # int64 [bs, N]
                             accept_index: torch.Tensor,  # int64 [bs, E]  flat verify rows b*N + node, -1 pad
                             page_size: int, chain: bool) -> DeviceKV:
     """plan_round_kv's table and moves for every request at once, with no host read; the slots to free are
-    only known on the host (round_free_slots, once the accept result is read), as seed 004's plan A returns the
-    unused part of a worst-case reservation after verify. Chains keep node j at column j: nothing to remap.
+    only known on the host (round_free_slots, once the accept result is read), so the unused part of a worst-case
+    reservation is returned after verify. Chains keep node j at column j: nothing to remap.
     E.g. P=1, kept nodes [0, 2] of slots [7, 9, 4, 5]: table_slots [7, 4, ...] (plan_round_kv's table)."""
     bs, n = verify_slots.shape
     accept_index = accept_index[:, :n]  # a path never holds more than the tree's N nodes

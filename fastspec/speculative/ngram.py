@@ -1,4 +1,4 @@
-"""NGRAM drafting (reference §8): no draft model; proposals come from a per-request trie of the n-grams of the
+"""NGRAM drafting: no draft model; proposals come from a per-request trie of the n-grams of the
 request's own prompt + output, expanded as a token tree that `tree.tree_from_parents` turns into a DraftTree.
 
 Owns: the trie (NgramCache: incremental insertion, frequency/recency ranking, eviction) and the
@@ -16,7 +16,7 @@ from itertools import count
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.speculative.ngram_params import MATCH_TYPES, NgramParams  # noqa: F401  (NgramParams: read here)
+from fastspec.config import NgramParams
 
 _TOKEN_BITS = 32  # edge key = parent node << 32 | token; token ids must lie in [0, 2**32)
 

@@ -1,5 +1,5 @@
 """The draft tree as values: top-k expansion during drafting, the `DraftTree` handed to verify and the
-`VerifyResult` handed to commit (reference §1.4-1.6, §2.1-2.5).
+`VerifyResult` handed to commit.
 
 Glossary (one round, per request):
   root           -- node 0: the last emitted token, not yet in the target KV (position seq_len).
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.kernels import tree as tree_twins
+from fastspec.kernels import tree_build as tree_twins
 from fastspec.kernels import verify as verify_twins
 from fastspec.kernels import (
     TreeMaskMode,

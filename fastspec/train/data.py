@@ -149,8 +149,8 @@ def extract_features(target, conversations: list[Conversation], batch_tokens: in
     with `soft_topk` > 0 the top-k of the target's next-token distribution at every position (soft labels).
 
     A greedy conversation is its own label (the target chose every response token by argmax); sampled ones
-    take the argmax of the target's logits. `bf16` autocasts the forward (~2x faster on CPUs with AMX, ~7x slower
-    on AVX2-only ones)."""
+    take the argmax of the target's logits. `bf16` autocasts the forward (faster on CPUs with AMX, much slower on
+    AVX2-only ones)."""
     device = target.lm_head.weight.device
     tokens, aux, labels, soft_ids, soft_probs = [], [], [], [], []
     groups = pack([len(c.ids) for c in conversations], batch_tokens)

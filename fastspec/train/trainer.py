@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.models.config import ModelConfig
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.llama import eagle3_capture_layers
 from fastspec.models.loader import load_target, read_config, resolve_model_dir
 from fastspec.prompts import load_prompts, read_jsonl_prompts
@@ -29,7 +29,7 @@ from fastspec.train.checkpoint import (atomic_save, export_head, head_config, in
 from fastspec.train.corpus import Corpus
 from fastspec.train.data import (SAMPLED, Features, JsonlStore, choose_draft_vocab, extract_features,
                                  generate_conversations, pack, response_labels)
-from fastspec.train.config import Progress, TrainConfig
+from fastspec.train.job import Progress, TrainConfig
 from fastspec.train.ttt import make_batch, ttt_loss
 
 EXPORTED = ("config.json", "model.safetensors")

@@ -6,7 +6,7 @@
 4. Successive halving end to end: the best predicted shapes (of several tree sizes) run the prompts at that
    batch size, the faster half runs again with twice the tokens until one is left, which then faces plain
    decoding over alternating full-length runs (median); a speculative winner is checked lossless against plain
-   greedy output. The chosen tiers go to the tuned file (tuned.py) the engine loads automatically.
+   greedy output. The chosen tiers go to the tuned file (fastspec.speculative.tuned) the engine loads automatically.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def _halve(llm, prompts, bs: int, candidates: list[Candidate], cfg: TuneConfig, 
     """Successive halving of the speculative shapes (the faster half reruns with twice the tokens), then the
     survivor against plain decoding: `cfg.final_trials` alternating full-length runs each, decided by median.
 
-    Why a final rematch: one run on a shared 2-core CPU varies by +-20%, more than a weak head's gain, so a
+    Why a final rematch: one run on a shared CPU can vary by more than a weak head's gain, so a
     single short run could crown a shape slower than no speculation (or knock plain out early)."""
     tokens, start = max(8, cfg.max_new_tokens // 4), time.perf_counter()
     plain = next(c for c in candidates if c.params is None)

@@ -1,11 +1,10 @@
 """How many threads torch's CPU ops use: `--threads N`, or 0 = auto (every core no other process keeps busy).
 
 torch runs one OpenMP thread per core. When another process keeps a core busy, every parallel op waits at its
-barrier for the thread sharing that core, and the small ops of a decode step become much slower: measured by
-bench/bench_threads.py on a 2-core VM, one thread decodes 2.5x faster than two beside a spinning process, and
-0.89x as fast on a quiet machine. So auto measures the machine's load at start-up (/proc/stat read twice, 0.2 s
-apart, while this process waits) and leaves out the cores others keep busy. Timing matmuls at both counts (the
-first auto tried) picked wrongly in both conditions there: single small matmuls flip-flop run to run.
+barrier for the thread sharing that core, and the small ops of a decode step become much slower (one thread
+beats every core beside a spinning process; bench/bench_threads.py measures both). So auto measures the machine's
+load at start-up (/proc/stat read twice, 0.2 s apart, while this process waits) and leaves out the cores others
+keep busy. Timing matmuls at both counts instead picks wrongly: single small matmuls flip-flop run to run.
 """
 
 from __future__ import annotations

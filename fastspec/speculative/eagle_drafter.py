@@ -20,7 +20,7 @@ from fastspec.models.eagle import DraftHidden
 from fastspec.sampling.grammar import draft_masks
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.packing import pack_draft, pack_extend, pack_extend_padded, prefix_specs
-from fastspec.speculative.runners import GraphPlan, StepGraphs
+from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
 from fastspec.speculative.steps import as_tree, draft_extend, draft_loop, draft_top_k
 from fastspec.speculative.tree import DraftTree
 

@@ -20,7 +20,7 @@ from fastspec.memory.allocator import make_allocator
 from fastspec.memory.kv_pool import KVPool
 from fastspec.memory.req_table import ReqToTokenTable
 from fastspec.memory.state_pool import StatePool
-from fastspec.models.config import ModelConfig
+from fastspec.models.model_config import ModelConfig
 
 CHECKPOINTS_PER_ROW = 8  # hybrid targets with the prefix cache: saved states per running-request row
 INITIAL_KV_TOKENS = 256  # a growing pool's first capacity (whole pages): a short prompt and answer

@@ -1,5 +1,5 @@
 """Tree construction ops: pure-torch twins of sgl_kernel's `build_tree_kernel_efficient` and
-`reconstruct_indices_from_tree_mask` (reference §2.3, §2.7), plus two torch helpers they share.
+`reconstruct_indices_from_tree_mask`, plus two torch helpers they share.
 
 Owns: turning a draft tree given by parents into the verify inputs (attention mask, positions, the retrieve
 linked lists). Does not own: choosing the tree (speculative/tree.py) or walking it (kernels/verify.py).
