@@ -7,7 +7,7 @@ questions typed at its `you>` prompt), default against `--speculative-algorithm 
 
 Each variant is a fresh `fastspec chat` (the embedded model, the user's cache and tuned file as `make chat` uses
 them; with `--tuned-plain-at-1` a scratch cache whose tuned file for this machine decodes plainly at batch 1 and
-speculates from batch 2, as `fastspec tune` chose on issue 37's AMD box). Its tok/s per answer is what the chat
+speculates from batch 2, as `fastspec tune` chose on an AMD machine). Its tok/s per answer is what the chat
 itself reports under the answer (tokens over the answer's wall time, prefill included); its banner line is kept
 (what decodes at batch 1). transformers: float32, greedy, the same questions with its own answers as history,
 exactly as many new tokens as fastspec's default answer had, timed the same way (prefill included), loaded once

@@ -4,7 +4,7 @@ fresh process takes to its first decode round, cold (empty Inductor cache) and w
     .venv/bin/python bench/bench_graphs.py [--batch-sizes 1,4] [--max-new-tokens 32] [--skip-rounds]
         [--skip-startup] [--models tiny,embedded] [--modes eager,compile]
 
-Models: `tiny` is a random 2-layer, 64-token-vocabulary Llama with a random EAGLE head at 4/2/6 (what issue 13 ran);
+Models: `tiny` is a random 2-layer, 64-token-vocabulary Llama with a random EAGLE head at 4/2/6;
 `embedded` is SmolLM2-135M-Instruct with a random full-size EAGLE-3 head at 5/4/8 (acceptance is whatever a random
 head gets, ~0: these are costs, not speedups). Start-up runs
 the defaults a user gets: KV pool sized from free memory, graph buckets prepared lazily. `cuda` joins the modes

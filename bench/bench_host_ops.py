@@ -1,8 +1,8 @@
 """Host work per speculative round, counted rather than timed: the torch ops a round dispatches outside its graphs.
 
 On a GPU every op the host dispatches outside a captured graph is at least one kernel launch (~5-20 us of host
-time through Python and the dispatcher), so their count per round is what the host's share of a round scales with
-(issue 30: ~2.3 ms of a batch-1 round on an H100). Counted on any machine: a tiny random Llama with a random
+time through Python and the dispatcher), so their count per round is what the host's share of a round scales with.
+Counted on any machine: a tiny random Llama with a random
 EAGLE-3 head (or the embedded model, --embedded), rounds run serially through compiled round functions
 (`--graphs compile`, as the CUDA graphs are laid out: the runner's input copies and output clones are host ops),
 every op attributed to the innermost fastspec line that dispatched it; what runs inside a compiled round function

@@ -29,8 +29,8 @@ from fastspec.config import SpecParams
 from fastspec.models.embedded import DEFAULT_MODEL, embedded_head
 from fastspec.prompts import load_prompts
 from fastspec.sampling import SamplingParams
-from fastspec.tune.replay import record, replay_tau
 from fastspec.speculative.tuned import read_tuned, tuned_path
+from fastspec.tune.replay import record, replay_tau
 from fastspec.tune.tuner import Candidate, TuneConfig, TuneResult, _run, tune
 
 GRID = [SpecParams(s, 1, s + 1) for s in range(1, 7)] + [  # chains, then trees: a coarse but wide grid

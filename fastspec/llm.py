@@ -14,10 +14,9 @@ from functools import cached_property
 from fastspec.config import EngineConfig, Schedule, SpecConfig, check_spec_flags
 from fastspec.engine.engine import Engine, collect
 from fastspec.models.embedded import default_speculation
-from fastspec.models.hub import is_hub_id
-from fastspec.models.loader import read_config, resolve_draft_dir, resolve_model_dir, resolve_quantization
-from fastspec.models.mtp_loader import mtp_draft
+from fastspec.models.sources import resolve_sources
 from fastspec.sampling.params import SamplingParams
+from fastspec.speculative.tuned import find_schedule, weights_label
 from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.text.tokenizer import Tokenizer
 from fastspec.utils.metrics import SpecMetrics
@@ -60,32 +59,25 @@ class LLM:
         snapshot, or downloaded into the hub cache unless HF_HUB_OFFLINE is set. `load_format="dummy"` (an engine
         option): random weights from the model's config.json alone (see fastspec.models.dummy).
 
-        Checks run cheapest first: the flags, then the model's config, and only then the tuned file."""
+        Checks run cheapest first: the flags, then the models' configs (fastspec.models.sources), and only then
+        the tuned file."""
         config = EngineConfig(model=model, **engine_options)
         check_spec_flags(speculative_algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
                          accept_threshold_acc)
-        speculative_algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
-        model_dir = resolve_model_dir(model, revision)
-        if is_hub_id(model):  # the engine, the tokenizer and the tuned file read the snapshot directory
-            model, config = str(model_dir), dataclasses.replace(config, model=str(model_dir))
-        model_config = read_config(model_dir)
-        draft_model = mtp_draft(model, model_dir, model_config, speculative_algorithm, draft_model)
-        if draft_model is not None and is_hub_id(draft_model):
-            algorithm = (speculative_algorithm or "").upper()
-            draft_model = str(resolve_draft_dir(draft_model, draft_revision, model_config, algorithm))
-        spec = SpecConfig.resolve(speculative_algorithm, model_config.architecture,
-                                  draft_model=draft_model, num_steps=num_steps, topk=topk,
-                                  num_draft_tokens=num_draft_tokens, token_map=token_map,
+        algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
+        self.sources = sources = resolve_sources(
+            model, algorithm, draft_model, revision=revision, draft_revision=draft_revision,
+            quantization=config.quantization, device=config.device, load_format=config.load_format)
+        config = dataclasses.replace(config, model=str(sources.model_dir), quantization=sources.quantization)
+        draft = None if sources.draft_dir is None else str(sources.draft_dir)
+        spec = SpecConfig.resolve(algorithm, sources.config.architecture, draft_model=draft, num_steps=num_steps,
+                                  topk=topk, num_draft_tokens=num_draft_tokens, token_map=token_map,
                                   accept_threshold_single=accept_threshold_single,
                                   accept_threshold_acc=accept_threshold_acc, ngram=ngram, device=config.device)
-        config = dataclasses.replace(config, quantization=resolve_quantization(
-            config.quantization, model_dir, config.device, config.load_format, spec.algorithm))
         untuned = schedule is None and num_steps is None and topk is None and num_draft_tokens is None
         if tuned and untuned and spec.algorithm in ("EAGLE", "EAGLE3"):
-            from fastspec.speculative.tuned import find_schedule, weights_label
-
             weights = weights_label(config.dtype, config.quantization)
-            found = find_schedule(model_dir, draft_model, weights, config.device, say or _to_stderr)
+            found = find_schedule(sources.model_dir, sources.draft_dir, weights, config.device, say or _to_stderr)
             if found is not None:
                 schedule, all_off = found
                 spec = SpecConfig() if all_off else spec  # tuned: plain decoding at every batch size
@@ -94,7 +86,7 @@ class LLM:
         self.planned_spec = spec  # what was asked for and tuned (banners say it); the engine runs `spec`
         if spec.schedule and all(spec.params_for(bs) is None for bs in range(1, config.max_running_requests + 1)):
             spec = SpecConfig()  # no batch size this engine runs speculates: the draft is never loaded
-        self.engine = Engine(config, spec, on_prepare)
+        self.engine = Engine(config, spec, on_prepare, sources)
 
     @cached_property
     def tokenizer(self) -> Tokenizer:

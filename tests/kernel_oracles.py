@@ -55,7 +55,7 @@ def build_hand_tree(mode: TreeMaskMode, tree_mask: torch.Tensor, parent_list=PAR
     return positions.tolist(), retrieve.tolist()
 
 # ---------------------------------------------------------------------------------------------------------
-# Literal Python transcriptions of the sgl_kernel loops (reference §2.3-2.5): the oracles.
+# Literal Python transcriptions of the sgl_kernel loops: the oracles.
 
 def oracle_build(parent_list, selected, seq_len, topk, n, b):
     next_token, next_sibling = [-1] * n, [-1] * n

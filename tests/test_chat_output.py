@@ -104,7 +104,7 @@ def test_the_banner_says_what_decodes_at_batch_1():
     assert decoding(eagle, False) == "EAGLE3 3/2/4"
     assert decoding(eagle, True) == "EAGLE3 3/2/4 · plain where measured faster"
     tuned = eagle.with_schedule(((1, None), (4, SpecParams(2, 4, 5))))
-    assert decoding(tuned, True) == "EAGLE3 · plain at batch 1 (tuned)"  # issue 37: the banner said EAGLE3
+    assert decoding(tuned, True) == "EAGLE3 · plain at batch 1 (tuned)"  # not "EAGLE3" alone: the draft is not loaded
     assert decoding(eagle.with_schedule(((1, SpecParams(2, 2, 3)),)), False) == "EAGLE3 2/2/3 (tuned)"
 
 

@@ -13,8 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fastspec
-from fastspec.sampling import SamplingParams
 from fastspec.graphs.step_graphs import StepGraphs
+from fastspec.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 COPIES = {"aten._to_copy.default", "aten.copy_.default"}

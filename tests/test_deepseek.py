@@ -18,9 +18,9 @@ from tiny_models import write_deepseek
 import fastspec
 from fastspec.errors import FastspecError
 from fastspec.memory import KVPool
-from fastspec.models.model_config import MoEConfig
 from fastspec.models.heads import write_random_head
 from fastspec.models.loader import load_target
+from fastspec.models.model_config import MoEConfig
 from fastspec.models.moe import Experts, Router
 from fastspec.sampling import SamplingParams
 from fastspec.train.data import PackedCausalAttention

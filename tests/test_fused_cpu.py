@@ -122,19 +122,19 @@ def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeyp
     pool give the same logits fused as through its layers and the torch twins, and the fused stack is what ran."""
     from test_gguf_kquants import write_k_quant_gguf
 
-    from fastspec.models import llama
+    from fastspec.models import causal_lm
+    from fastspec.models.causal_lm import CausalLM
     from fastspec.models.gguf import convert_gguf
     from fastspec.models.gguf_packed import load_packed_target
-    from fastspec.models.llama import LlamaForCausalLM
     from fastspec.models.loader import read_config
 
     model_dir = convert_gguf(write_k_quant_gguf(tmp_path / "tiny.gguf"), tmp_path / "hf")
     with torch.device("meta"):
-        skeleton = LlamaForCausalLM(read_config(model_dir))
+        skeleton = CausalLM(read_config(model_dir))
     model = load_packed_target(skeleton, model_dir, torch.float32, activation=activation)
     c = model.config
     calls = []
-    monkeypatch.setattr(llama, "fused_layers", lambda *a, f=llama.fused_layers: calls.append(1) or f(*a))
+    monkeypatch.setattr(causal_lm, "fused_layers", lambda *a, f=causal_lm.fused_layers: calls.append(1) or f(*a))
 
     def run() -> list[torch.Tensor]:
         pool, table = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 32), torch.arange(1, 33, dtype=torch.int32)[None]
@@ -196,8 +196,8 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
     from fastspec.models import fused_cpu
     from fastspec.models.gguf_blocks import Blocks, as_8bit_16
     from fastspec.models.layers import fuse_projections
-    from fastspec.models.packed_layers import BlockLinear
     from fastspec.models.loader import load_target
+    from fastspec.models.packed_layers import BlockLinear
     from fastspec.models.quant_layers import PermutedLinear
     from fastspec.models.quantise import quantise_target
 

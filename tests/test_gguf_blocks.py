@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize
 from fastspec.kernels import cpu_library
 from fastspec.models.gguf import unpermute_rope_rows
 from fastspec.models.gguf_blocks import merge_rows, read_blocks
-from fastspec.models.packed_layers import Int4Linear, BlockLinear, fast_activation
+from fastspec.models.packed_layers import BlockLinear, Int4Linear, fast_activation
 
 
 def quantised(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -115,13 +115,13 @@ def test_packed_projections_against_the_converted_model(embedded_dir, teacher, a
     float linear left. float32 activations: the converted model's logits to float32 rounding (1e-3) and its every
     greedy token; bfloat16 or int16 (the fast kernels): teacher-forced top-1 agreement (64 / 64 measured here with
     bfloat16; bench/packed_agreement.py measures it on twelve held-out answers; 96 % asserted)."""
+    from fastspec.models.causal_lm import CausalLM
     from fastspec.models.gguf_packed import load_packed_target
-    from fastspec.models.llama import LlamaForCausalLM
     from fastspec.models.loader import read_config
 
     reference, sequences = teacher
     with torch.device("meta"):
-        skeleton = LlamaForCausalLM(read_config(embedded_dir))
+        skeleton = CausalLM(read_config(embedded_dir))
     model = load_packed_target(skeleton, embedded_dir, torch.float32, activation=activation)
     packed = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Int4Linear | BlockLinear)]
     assert len(packed) == 4 * model.config.num_layers
@@ -256,10 +256,10 @@ def test_auto_quantization_packs_a_gguf_model_on_cpu_only(embedded_dir, tiny_dir
     from fastspec.config import EngineConfig
     from fastspec.models.loader import resolve_quantization
 
-    assert resolve_quantization("auto", embedded_dir, "cpu", "auto", "EAGLE3") == "gguf"
-    assert resolve_quantization("auto", embedded_dir, "cuda", "auto", "NONE") is None  # the int4 kernel is CPU's
-    assert resolve_quantization("auto", embedded_dir, "cpu", "dummy", "NONE") is None  # no weights read
-    assert resolve_quantization("auto", embedded_dir, "cpu", "auto", "EAGLE") is None  # EAGLE-2: the float lm_head
-    assert resolve_quantization("auto", tiny_dirs["llama"][0], "cpu", "auto", "NONE") is None  # not a GGUF
-    assert resolve_quantization(None, embedded_dir, "cpu", "auto", "NONE") is None
+    assert resolve_quantization("auto", embedded_dir, None, "cpu", "auto", "EAGLE3") == "gguf"
+    assert resolve_quantization("auto", embedded_dir, None, "cuda", "auto", "NONE") is None  # the int4 kernel is CPU's
+    assert resolve_quantization("auto", embedded_dir, None, "cpu", "dummy", "NONE") is None  # no weights read
+    assert resolve_quantization("auto", embedded_dir, None, "cpu", "auto", "EAGLE") is None  # EAGLE-2: the float lm_head
+    assert resolve_quantization("auto", tiny_dirs["llama"][0], None, "cpu", "auto", "NONE") is None  # not a GGUF
+    assert resolve_quantization(None, embedded_dir, None, "cpu", "auto", "NONE") is None
     assert EngineConfig(quantization="none").quantization is None

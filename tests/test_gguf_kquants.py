@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from fastspec.kernels import cpu_library
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
 from fastspec.models.gguf_kquants import DEQUANTISED, read_q4_k, read_q6_k
-from fastspec.models.packed_layers import Int4Linear, BlockLinear
+from fastspec.models.packed_layers import BlockLinear, Int4Linear
 
 HEADS, KV_HEADS = 4, 2
 
@@ -189,9 +189,9 @@ def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
     head rescores from the Q6_K table's blocks. float32 activations give the converted model's logits to float32
     rounding; bfloat16 or int16 ones (the fast kernels) its greedy tokens, teacher-forced, nearly always (the
     lm_head's best tokens rescored exactly)."""
+    from fastspec.models.causal_lm import CausalLM as Target
     from fastspec.models.gguf_packed import load_packed_target
     from fastspec.models.layers import fuse_projections
-    from fastspec.models.llama import LlamaForCausalLM as Target
     from fastspec.models.loader import load_target, read_config
     from fastspec.models.packed_layers import BlockEmbedding, CastLinear, RefinedHead
     from fastspec.train.data import PackedCausalAttention

@@ -13,15 +13,29 @@ import types
 
 import pytest
 import torch
-
 from fake_flashinfer import FakeDecodeWrapper, FakePrefillWrapper
 
-from fastspec.attention import (TorchAttnBackend, decode_metadata, draft_decode_metadata, draft_extend_metadata,
-                                extend_metadata, make_backend, verify_metadata)
+from fastspec.attention import (
+    TorchAttnBackend,
+    decode_metadata,
+    draft_decode_metadata,
+    draft_extend_metadata,
+    extend_metadata,
+    make_backend,
+    verify_metadata,
+)
 from fastspec.attention.flashinfer_backend import FlashInferAttnBackend
-from fastspec.attention.flashinfer_plan import (AttnShape, GraphBucket, GraphLimits, decode_plan_args,
-                                                decode_use_tensor_cores, pad_to_bucket, prefill_plan_args, scale_kwargs,
-                                                wrapper_key)
+from fastspec.attention.flashinfer_plan import (
+    AttnShape,
+    GraphBucket,
+    GraphLimits,
+    decode_plan_args,
+    decode_use_tensor_cores,
+    pad_to_bucket,
+    prefill_plan_args,
+    scale_kwargs,
+    wrapper_key,
+)
 from fastspec.attention.metadata import AttnMetadata, AttnMode
 from fastspec.errors import FastspecError
 from fastspec.kernels.tree_build import ancestor_mask, full_tree_mask

@@ -7,10 +7,10 @@ import torch
 from conftest import FAMILIES, PoolRunner, make_hf_model
 
 from fastspec.errors import FastspecError
-from fastspec.models.model_config import ModelConfig
+from fastspec.models.causal_lm import eagle3_capture_layers
 from fastspec.models.layers import MLP, fuse_projections
-from fastspec.models.llama import eagle3_capture_layers
 from fastspec.models.loader import load_target, read_config
+from fastspec.models.model_config import ModelConfig
 
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [7, 7, 21], [90, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 40]]
 

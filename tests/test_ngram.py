@@ -8,14 +8,12 @@ import random
 
 import pytest
 import torch
-
 from ngram_helpers import cache_of, node_depths, occurs, trie_ngrams
 
-from fastspec.errors import FastspecError
 from fastspec.config import NgramParams
+from fastspec.errors import FastspecError
 from fastspec.speculative.ngram import NgramCache, NgramDrafter
 from fastspec.speculative.tree import tree_from_parents, verify_greedy
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Hand-worked proposals

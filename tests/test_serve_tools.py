@@ -362,7 +362,7 @@ CITY = {"type": "function", "function": {"name": "get_weather", "description": "
 @pytest.mark.slow
 @pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
 def test_forced_calls_on_the_embedded_model_end_and_hold_only_declared_keys(choice):
-    """Issue 36's example: get_weather(city) without additionalProperties. The forced call ends (EOS) within 64
+    """A reported example: get_weather(city) without additionalProperties. The forced call ends (EOS) within 64
     tokens with only the declared key, and speculative (EAGLE-3) decoding equals target-only under the grammar."""
     tools = parse_tools({"tools": [CITY], "tool_choice": choice})
     params = SamplingParams(max_new_tokens=64, json_schema=tools.grammar())

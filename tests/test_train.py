@@ -202,9 +202,9 @@ def test_warm_start_makes_the_head_the_targets_layer(chat_target):
     """With the embedding half of q/k/v zeroed, a warm-started head at step 0 computes target layer L exactly:
     fc passes the input of L through and the midlayer is L. On the tiny target the capture layers are (2, 2, 1),
     so L = 1 and its output is the input of layer 2: the first captured feature, an independent oracle."""
-    from fastspec.models.model_config import ModelConfig
-    from fastspec.models.llama import eagle3_capture_layers
+    from fastspec.models.causal_lm import eagle3_capture_layers
     from fastspec.models.loader import load_target
+    from fastspec.models.model_config import ModelConfig
     from fastspec.train.checkpoint import head_config, init_head, warm_start
     from fastspec.train.data import PackedCausalAttention
 

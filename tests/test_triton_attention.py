@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import triton  # noqa: E402,F401  (a dev dependency: CI must not skip these)
+
 from fastspec.attention.paged import paged_attention_twin  # noqa: E402
 from fastspec.attention.triton_paged import paged_attention as triton_paged_attention  # noqa: E402
 

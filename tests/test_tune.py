@@ -173,10 +173,10 @@ def test_cli_emits_sglang_flags_from_the_tuned_file_and_llm_loads_it(chat_target
 
 def test_a_draft_the_schedule_never_uses_at_the_engines_batch_sizes_is_not_loaded(chat_target, head, tmp_path,
                                                                                    monkeypatch):  # noqa: F811
-    """Issue 37: a tuned file that decodes plainly at batch 1 and a chat (one request at a time): the draft is never
+    """A tuned file that decodes plainly at batch 1 and a chat (one request at a time): the draft is never
     loaded, the banner still says what was tuned, and the output is plain decoding's."""
-    from fastspec.text.conversation import decoding
     from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path
+    from fastspec.text.conversation import decoding
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
     save_tuned(tuned_path(chat_target, head, "float32", "cpu"), fingerprint(chat_target, head, "float32", "cpu"),

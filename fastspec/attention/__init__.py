@@ -1,6 +1,6 @@
 """Attention: metadata builders, the pure-torch reference backend and the per-forward context."""
 
-from fastspec.attention.context import AttentionContext, KVPoolLike
+from fastspec.attention.context import AttentionBackend, AttentionContext, KVPoolLike
 from fastspec.attention.flashinfer_backend import make_backend
 from fastspec.attention.metadata import (
     AttnMetadata,
@@ -14,6 +14,7 @@ from fastspec.attention.metadata import (
 from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
 
 __all__ = [
+    "AttentionBackend",
     "AttentionContext",
     "AttnMetadata",
     "AttnMode",

@@ -7,12 +7,11 @@ not build metadata (metadata.py), does not allocate slots (memory/) and knows no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from fastspec.attention.metadata import AttnMetadata
-from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
 
 
 class KVPoolLike(Protocol):
@@ -24,15 +23,28 @@ class KVPoolLike(Protocol):
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None: ...
 
 
+class AttentionBackend(Protocol):
+    """An attention backend (the torch reference, flashinfer, flashinfer MLA): `plan` on the host, once per forward;
+    `run` inside the graphs, once per layer."""
+
+    def plan(self, meta: AttnMetadata) -> Any: ...
+
+    def run(self, plan: Any,
+            q: torch.Tensor,        # [T, Hq, D]
+            k_cache: torch.Tensor,  # [num_slots, Hkv, D]  one layer's pool
+            v_cache: torch.Tensor,  # [num_slots, Hkv, Dv]
+            scale: float) -> torch.Tensor: ...  # [T, Hq, Dv]
+
+
 @dataclass(frozen=True)
 class AttentionContext:
-    backend: TorchAttnBackend  # or any backend with the same plan()/run() interface
-    plan: TorchAttnPlan
+    backend: AttentionBackend
+    plan: Any  # what backend.plan returned (TorchAttnPlan for the reference backend)
     pool: KVPoolLike
     states: object = None  # fastspec.memory.state_pool.RecurrentView for a hybrid target's linear layers
 
     @classmethod
-    def build(cls, backend: TorchAttnBackend, meta: AttnMetadata, pool: KVPoolLike, states=None
+    def build(cls, backend: AttentionBackend, meta: AttnMetadata, pool: KVPoolLike, states=None
               ) -> "AttentionContext":
         """Plan once per forward; the returned context is reused by every layer."""
         return cls(backend=backend, plan=backend.plan(meta), pool=pool, states=states)

@@ -30,8 +30,8 @@ def chat(
     """Chat in the terminal. Without a terminal on stdin: one user message per line, plain answers on stdout."""
     from fastspec.cli.common import Notes, prepare_progress
     from fastspec.llm import LLM
-    from fastspec.utils.cache import cache_root
     from fastspec.text.conversation import ChatSession
+    from fastspec.utils.cache import cache_root
 
     params = sampling_params(temperature, top_k, top_p, seed, max_new_tokens)
     notes = Notes()

@@ -45,7 +45,7 @@ class ModelOptions:
     disable_cuda_graph: Annotated[bool, typer.Option(help="Run everything eagerly (= --graphs eager).", rich_help_panel=GRAPHS)] = False
     enable_torch_compile: Annotated[bool, typer.Option(help="torch.compile the graphs (= --graphs compile on CPU).", rich_help_panel=GRAPHS)] = False
     attention_backend: Annotated[str, typer.Option(help="torch | flashinfer (CUDA only).", rich_help_panel=GRAPHS)] = "torch"
-    overlap_schedule: Annotated[str, typer.Option(help="auto | on | off: launch the next decode round before the last is read and handed out (auto: off until measured faster on a GPU).")] = "auto"
+    overlap_schedule: Annotated[str, typer.Option(help="auto | on | off: launch the next decode round before the last is read and handed out (auto: on for CUDA, off on CPU).")] = "auto"
     disable_overlap_schedule: Annotated[bool, typer.Option(help="= --overlap-schedule off (SGLang's flag).")] = False
     radix_cache: Annotated[bool, typer.Option("--radix-cache/--disable-radix-cache", help="Reuse the KV of cached token prefixes (chat turns, shared system prompts).")] = True
     threads: Annotated[int, typer.Option(envvar="FASTSPEC_THREADS", help="CPU threads for torch (0 = auto: every core no other process keeps busy).")] = 0

@@ -33,7 +33,7 @@ def tune(
     from fastspec.cli.common import parse_ids, prepare_progress
     from fastspec.llm import LLM
     from fastspec.models.embedded import default_speculation
-    from fastspec.models.loader import resolve_model_dir, resolve_quantization
+    from fastspec.models.sources import resolve_sources
     from fastspec.prompts import load_prompts, read_jsonl_prompts
     from fastspec.speculative import tuned as tuned_file
     from fastspec.tune.tuner import TuneConfig, schedule_from
@@ -53,21 +53,22 @@ def tune(
     if (algorithm or "").upper() not in ("EAGLE", "EAGLE3") or draft is None:
         raise FastspecError("fastspec tune tunes EAGLE / EAGLE3 heads: give --speculative-algorithm and --draft")
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts("all", "train")[::37]
-    model_dir = resolve_model_dir(options.model, options.revision)
-    draft_dir = resolve_model_dir(draft, options.speculative_draft_model_revision)
     from fastspec.config import resolve_device
 
-    quantization = resolve_quantization(options.quantization, model_dir, resolve_device(options.device),
-                                        options.load_format, algorithm.upper())
-    weights = tuned_file.weights_label(options.dtype, quantization)
-    path = tuned_file.tuned_path(model_dir, draft_dir, weights, resolve_device(options.device))
+    device = resolve_device(options.device)
+    sources = resolve_sources(options.model, algorithm, draft, revision=options.revision,
+                              draft_revision=options.speculative_draft_model_revision,
+                              quantization=options.quantization, device=device, load_format=options.load_format)
+    model_dir, draft_dir = sources.model_dir, sources.draft_dir
+    weights = tuned_file.weights_label(options.dtype, sources.quantization)
+    path = tuned_file.tuned_path(model_dir, draft_dir, weights, device)
     console = Console(stderr=True)
     if from_tuned:
         if not path.exists():
             raise FastspecError(f"no tuned file at {path}: run fastspec tune first")
         print(sglang_flags(tuned_file.read_tuned(path)["tiers"], algorithm, draft_dir))
         return
-    cfg = TuneConfig.for_device(resolve_device(options.device), batch_sizes=sizes, max_new_tokens=max_new_tokens,
+    cfg = TuneConfig.for_device(device, batch_sizes=sizes, max_new_tokens=max_new_tokens,
                                 budget=budget)
     kwargs = options.llm_kwargs() | dict(speculative_algorithm=algorithm, draft_model=draft, tuned=False,
                                          num_steps=cfg.max_steps, topk=max(cfg.topks),

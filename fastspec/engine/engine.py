@@ -17,6 +17,7 @@ from fastspec.config import EngineConfig, SpecConfig
 from fastspec.engine.scheduler import Request, Scheduler
 from fastspec.engine.worker import Worker
 from fastspec.errors import FastspecError
+from fastspec.models.sources import ModelSources
 from fastspec.sampling.draw import make_generator
 from fastspec.sampling.grammar import GrammarCompiler
 from fastspec.sampling.params import SamplingParams
@@ -51,9 +52,11 @@ class GenerateOutput:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None):
-        """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled."""
-        self.worker = Worker(config, spec, on_prepare)
+    def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None,
+                 sources: ModelSources | None = None):
+        """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled; `sources`: the
+        models as start-up resolved them (see Worker)."""
+        self.worker = Worker(config, spec, on_prepare, sources)
         self.config = config = self.worker.config  # its `auto` choices made
         self.preemptions = 0  # requests taken out of a running batch to make room (recomputed later)
         self.overlap = config.overlap

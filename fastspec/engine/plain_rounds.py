@@ -12,8 +12,8 @@ from fastspec.engine.produce import Producer, RoundOutput
 from fastspec.engine.scheduler import Request
 from fastspec.engine.slots import BatchSlots
 from fastspec.engine.target import Target
-from fastspec.speculative.backlog import DraftBacklog
 from fastspec.graphs.step_graphs import StepGraphs
+from fastspec.speculative.backlog import DraftBacklog
 from fastspec.utils.transfer import to_device
 
 

@@ -16,7 +16,7 @@ from fastspec.config import EngineConfig, SpecConfig
 from fastspec.engine.prefix_cache import PrefixCache
 from fastspec.errors import FastspecError
 from fastspec.graphs import size_varies
-from fastspec.memory.allocator import make_allocator
+from fastspec.memory.allocator import SlotAllocator, make_allocator
 from fastspec.memory.kv_pool import KVPool
 from fastspec.memory.req_table import ReqToTokenTable
 from fastspec.memory.state_pool import StatePool
@@ -30,7 +30,7 @@ INITIAL_KV_TOKENS = 256  # a growing pool's first capacity (whole pages): a shor
 class WorkerMemory:
     pool: KVPool
     draft_pool: KVPool | None
-    allocator: object  # fastspec.memory.allocator's token or paged allocator
+    allocator: SlotAllocator
     table: ReqToTokenTable
     states: StatePool | None  # a hybrid target's recurrent states
     cache: PrefixCache | None  # --radix-cache

@@ -9,12 +9,12 @@ import torch
 from fastspec.engine.prefix_cache import PrefixCache
 from fastspec.engine.scheduler import Request
 from fastspec.errors import FastspecError
-from fastspec.memory import ReqToTokenTable
+from fastspec.memory import ReqToTokenTable, SlotAllocator
 from fastspec.utils.transfer import to_device
 
 
 class BatchSlots:
-    def __init__(self, allocator, table: ReqToTokenTable, cache: PrefixCache | None, device):
+    def __init__(self, allocator: SlotAllocator, table: ReqToTokenTable, cache: PrefixCache | None, device):
         self.allocator, self.table, self.cache, self.device = allocator, table, cache, device
 
     def available(self) -> int:

@@ -18,18 +18,19 @@ from fastspec.engine.scheduler import Request
 from fastspec.engine.slots import BatchSlots
 from fastspec.engine.target import Target
 from fastspec.errors import FastspecError
+from fastspec.graphs.step_graphs import StepGraphs
 from fastspec.sampling.draw import SamplingTensors, draw_uniforms
 from fastspec.speculative.batch import DecodeBatch
+from fastspec.speculative.drafter import Drafter
 from fastspec.speculative.future import FutureMaps, PendingRound, start_readback
 from fastspec.speculative.kv import DeviceKV, plan_round_kv_on_device, round_free_slots
 from fastspec.speculative.packing import pack_verify
-from fastspec.graphs.step_graphs import StepGraphs
 from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
 from fastspec.utils.transfer import to_device
 
 
 class SpecRounds:
-    def __init__(self, target: Target, slots: BatchSlots, producer: Producer, drafters: dict,
+    def __init__(self, target: Target, slots: BatchSlots, producer: Producer, drafters: dict[SpecParams, Drafter],
                  verify_graphs: dict[int, StepGraphs], futures: FutureMaps, spec: SpecConfig, page_size: int):
         """drafters: SpecParams -> drafter (one per tree shape); verify_graphs: num_draft_tokens -> graphs."""
         self.target, self.slots, self.producer = target, slots, producer

@@ -8,16 +8,17 @@ from dataclasses import dataclass
 
 import torch
 
-from fastspec.attention import AttentionContext
+from fastspec.attention import AttentionBackend, AttentionContext
 from fastspec.memory import KVPool
 from fastspec.memory.state_pool import StatePool
+from fastspec.models.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)
 class Target:
-    model: torch.nn.Module  # a fastspec.models family: forward(ids, positions, ctx) -> hidden, compute_logits
+    model: CausalLM  # forward(ids, positions, ctx) -> hidden; compute_logits
     pool: KVPool
-    backend: object  # a fastspec.attention backend (plan on the host, run inside the graphs)
+    backend: AttentionBackend  # plan on the host, run inside the graphs
     states: StatePool | None  # a hybrid target's recurrent states
     feature: str | None  # what the drafter reads: "aux" (EAGLE-3's captured layers), "final", or None
 

@@ -23,9 +23,9 @@ import torch
 
 from fastspec.attention import make_backend
 from fastspec.config import EngineConfig, SpecConfig, SpecParams
-from fastspec.engine.pools import build_memory
 from fastspec.engine.overlap import OverlapSchedule
 from fastspec.engine.plain_rounds import PlainRounds
+from fastspec.engine.pools import build_memory
 from fastspec.engine.prefill import Prefill
 from fastspec.engine.produce import Producer, RoundOutput, StepResult
 from fastspec.engine.scheduler import Request
@@ -34,33 +34,35 @@ from fastspec.engine.spec_rounds import SpecRounds
 from fastspec.engine.target import Target
 from fastspec.errors import FastspecError
 from fastspec.graphs import StaticInput
-from fastspec.models.loader import generation_eos_ids, read_config, resolve_model_dir, resolve_quantization
+from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
+from fastspec.models.assemble import load_models, pack_round_rows
 from fastspec.models.mla import mla_softmax_scale
+from fastspec.models.sources import ModelSources, resolve_sources
 from fastspec.speculative.backlog import DraftBacklog
-from fastspec.speculative.drafters import build_drafter, draft_kv_shape, load_models, pack_round_rows
+from fastspec.speculative.drafter import Drafter, build_drafters
 from fastspec.speculative.future import FutureMaps
 from fastspec.speculative.packing import prefix_specs
 from fastspec.speculative.policy import SpecPolicy, record_round
-from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
-from fastspec.speculative.steps import target_verify
+from fastspec.speculative.steps import target_forward
 from fastspec.utils.metrics import PhaseTimes
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None):
-        """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled."""
-        self.model_dir = resolve_model_dir(config.model)
-        model_config = read_config(self.model_dir)
-        self.spec = spec or SpecConfig()
-        quantization = resolve_quantization(config.quantization, self.model_dir, config.device, config.load_format,
-                                            self.spec.algorithm)
-        self.config = config = dataclasses.replace(config, quantization=quantization)
-        self.max_context_len = config.max_context_len or model_config.max_position_embeddings
+    def __init__(self, config: EngineConfig, spec: SpecConfig | None = None, on_prepare=None,
+                 sources: ModelSources | None = None):
+        """on_prepare(graph_name, bucket) is called before each graph bucket is captured / compiled. `sources`:
+        the models as start-up resolved them (default: resolved here from config.model and spec.draft_model)."""
+        self.spec = spec = spec or SpecConfig()
+        self.sources = sources = sources or resolve_sources(
+            config.model, spec.algorithm, spec.draft_model, quantization=config.quantization, device=config.device,
+            load_format=config.load_format)
+        self.model_dir, self.eos_ids = sources.model_dir, sources.eos_ids
+        self.config = config = dataclasses.replace(config, quantization=sources.quantization)
+        self.max_context_len = config.max_context_len or sources.config.max_position_embeddings
         self.times = PhaseTimes()  # benchmarks set sync_cuda for a phase split on a GPU (a sync per phase costs)
-        models = load_models(self.model_dir, self.spec, config)
+        models = load_models(sources, spec, config)
         self.model, self.feature = models.target, models.feature
-        self.eos_ids = generation_eos_ids(self.model_dir, model_config.eos_token_ids)
-        m = build_memory(self.model.config, draft_kv_shape(models.draft), config, self.spec, self.max_context_len)
+        m = build_memory(self.model.config, models.draft_kv_shape, config, spec, self.max_context_len)
         self.memory = m
         self.pool, self.draft_pool, self.allocator, self.table = m.pool, m.draft_pool, m.allocator, m.table
         self.states, self.cache = m.states, m.cache
@@ -89,17 +91,17 @@ class Worker:
         return make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=heads, head_dim=dim,
                             dtype=cfg.torch_dtype, device=cfg.device, **mla)
 
-    def _drafters(self, plan: GraphPlan) -> dict:
+    def _drafters(self, plan: GraphPlan) -> dict[SpecParams, Drafter]:
         """SpecParams -> drafter: one per tree shape (several with a batch-size schedule)."""
-        return build_drafter(self.spec, self._draft_model, self.draft_pool, self.table, self.allocator,
+        return build_drafters(self.spec, self._draft_model, self.draft_pool, self.table, self.allocator,
                              self.target.feature_width, plan, self.times)
 
-    def _build_rounds(self, drafters: dict) -> None:
+    def _build_rounds(self, drafters: dict[SpecParams, Drafter]) -> None:
         """The rounds over `drafters`, with one verify graph set per tree shape."""
         plan, hybrid = self._plan, self.states is not None
         self.verify_graphs = {p.num_draft_tokens: StepGraphs(
             "verify" if len(drafters) < 2 else f"verify N={p.num_draft_tokens}",
-            partial(target_verify, self.model, self.pool, self.table.table, self.feature, states=self.states,
+            partial(target_forward, self.model, self.pool, self.table.table, self.feature, states=self.states,
                     accept=True),
             verify_specs(p.num_draft_tokens, hybrid, self.table.pad_row, tree=True), plan, self.times, "verify",
             persist=())
@@ -107,11 +109,11 @@ class Worker:
         # plain decode rounds through the same function as a one-node verify: captured too (not for hybrid targets,
         # whose plain rounds advance their recurrent states in place)
         self.decode_graphs = None if hybrid or plan.mode == "eager" else StepGraphs(
-            "decode", partial(target_verify, self.model, self.pool, self.table.table, self.feature),
+            "decode", partial(target_forward, self.model, self.pool, self.table.table, self.feature),
             verify_specs(1, False, self.table.pad_row), plan, self.times, "decode", persist=())
         self.use_drafters(drafters)
 
-    def use_drafters(self, drafters: dict) -> None:
+    def use_drafters(self, drafters: dict[SpecParams, Drafter]) -> None:
         """Draft with `drafters` (SpecParams -> drafter; tests: an oracle) from now on, between streams."""
         self.drafters = drafters
         self.drafter = next(iter(drafters.values()), None)  # any of them extends and releases
@@ -211,7 +213,7 @@ class Worker:
         if params is None:
             self.flush()
             done = Future()
-            done.set_result(self._step_now(reqs, False, None))
+            done.set_result(self._step_now(reqs, False, plain=True))
             return done
         self.slots.make_room(self.round_headroom() * len(reqs))
         if any(self.backlog.behind(r.rid) for r in reqs):  # after a prefill or plain round: none is in flight
@@ -226,8 +228,8 @@ class Worker:
         self.overlap.flush()
         self._release_finished()
 
-    def _step_now(self, reqs: list[Request], prefill: bool, params: SpecParams | None | str = "policy") -> StepResult:
-        """Run the step to its end; a decode round speculates with `params` (None: plain; "policy": ask it)."""
+    def _step_now(self, reqs: list[Request], prefill: bool, plain: bool = False) -> StepResult:
+        """Run the step to its end; a decode round is plain with `plain`, else speculates as the policy says."""
         reqs = [r for r in reqs if r.done is None]
         if not reqs:
             out = RoundOutput([])
@@ -237,7 +239,7 @@ class Worker:
                 self._bound_backlog(reqs)
         else:
             self.slots.make_room(self.round_headroom() * len(reqs))
-            out = self._decode(reqs, self._round_params(reqs) if params == "policy" else params)
+            out = self._decode(reqs, None if plain else self._round_params(reqs))
         return StepResult.of(reqs, out, self.slots.available())
 
     def _round_params(self, reqs: list[Request]) -> SpecParams | None:

@@ -4,8 +4,8 @@ Owns: the static input buffers (sized for the largest bucket), padding a batch u
 `torch.compile(fullgraph=True, dynamic=False)` compile per bucket (Inductor fuses the function's kernels; a
 successful fullgraph compile proves it has no host sync and no data-dependent Python control flow), CUDA-graph
 capture of that compiled code and replay with one memory pool shared by all buckets (as SGLang: compiled without
-Inductor's own cudagraphs, captured here), and Inductor's on-disk cache. Buckets are prepared ahead (`prepare`)
-or lazily on their first run. A size that differs between processes (a KV pool's capacity: `size_varies`) is
+Inductor's own cudagraphs, captured here), and Inductor's on-disk cache. Buckets are prepared by `prepare`: all ahead,
+or each before its first run (StepGraphs). A size that differs between processes (a KV pool's capacity: `size_varies`) is
 symbolic in the compiled graph, so Inductor's on-disk cache serves the next process.
 Does not own: what the function computes (the draft loop, draft-extend and verify are handed in; this file knows
 nothing about EAGLE, models or attention) nor tensors the function reads or writes by closure (KV pools), which
@@ -58,11 +58,9 @@ class GraphRunner:
     """
 
     def __init__(self, name: str, fn: GraphFn, inputs: list[StaticInput], buckets: list[int], backend: str,
-                 device: str | torch.device = "cpu", pool: tuple[int, int] | None = None, lazy: bool = False,
-                 on_bucket: Callable[[str, int], None] | None = None, fuse: bool | None = None,
+                 device: str | torch.device = "cpu", on_bucket: Callable[[str, int], None] | None = None, fuse: bool | None = None,
                  fallback: bool | None = None):
-        """`lazy`: `run` prepares a bucket on its first use, calling `on_bucket(name, bs)` first (a progress line).
-        `fuse` (cuda): capture the Inductor-compiled function (default; FASTSPEC_FUSE=0 captures the eager
+        """`on_bucket(name, bs)` is called before a bucket is prepared (a progress line). `fuse` (cuda): capture the Inductor-compiled function (default; FASTSPEC_FUSE=0 captures the eager
         kernels, to compare). `fallback`: a bucket whose compile fails runs its eager kernels instead (cuda:
         captured; compile: uncompiled) after one warning line naming the graph, the bucket and the reason
         (default; FASTSPEC_GRAPH_FALLBACK=0 raises instead, as the test suite does: there a failed compile is
@@ -78,12 +76,12 @@ class GraphRunner:
         self.name, self.fn, self.inputs, self.backend = name, fn, list(inputs), backend
         self.buckets = sorted(set(buckets))
         self.device = torch.device(device)
-        self.pool = pool  # cuda: memory pool handle shared by every bucket (and by other runners if passed)
+        self.pool = None  # cuda: the memory pool every bucket's graph shares (made at the first capture)
         max_bs = self.buckets[-1]
         self.buffers = {s.name: torch.full((s.rows(max_bs), *s.shape), s.pad_value, dtype=s.dtype,
                                            device=self.device) for s in self.inputs}
         self._views = {bs: {s.name: self.buffers[s.name][: s.rows(bs)] for s in self.inputs} for bs in self.buckets}
-        self.lazy, self.on_bucket = lazy, on_bucket
+        self.on_bucket = on_bucket
         self.fuse = backend == "compile" or (backend == "cuda" and (
             os.environ.get("FASTSPEC_FUSE", "1") != "0" if fuse is None else fuse))
         self.fallback = os.environ.get("FASTSPEC_GRAPH_FALLBACK", "1") != "0" if fallback is None else fallback
@@ -138,8 +136,6 @@ class GraphRunner:
         replay has run. The returned views are valid until the next `run` (see the class docstring).
         """
         bucket = self.bucket_for(bs)
-        if self.lazy and not self.prepared(bs):
-            self.prepare(buckets=[bucket])  # before loading: preparing runs the function on pad values
         with torch.inference_mode():
             self._load(bs, bucket, inputs)
             return self._slice_outputs(self._call(bucket), bucket, bs)

@@ -39,10 +39,6 @@ class StepGraphs:
         if plan.ahead and self.runner is not None:
             self.runner.prepare()
 
-    @property
-    def bucketed(self) -> bool:
-        return self.runner is not None
-
     def __call__(self, bs: int, inputs: dict) -> dict:
         if self.runner is None or bs > self.plan.buckets[-1]:  # past the largest bucket: eager, as SGLang
             with self.times(self.phase):

@@ -3,7 +3,7 @@
 Why: torch's CPU GEMM packs the weight on every call, so a linear over a handful of rows (a verify of 8 tree
 tokens, a draft step over bs*topk rows) costs several one-row GEMVs, while over a weight packed once for exactly
 that row count it costs little more than one (MKL's packed GEMM is per row count; any other count falls back to
-the plain linear; bench/bench_kernels.py measures both). Applied after loading, on CPU in float32, for eager and compiled
+the plain linear). Applied after loading, on CPU in float32, for eager and compiled
 round functions alike: inside a compiled graph the packed GEMM is the custom op `fastspec::packed_linear`
 (Inductor's own MKL lowering packs only frozen weights, and freezing would bake the weights into the graph and its
 cache key). Each packed row count costs one more copy of the weights.

@@ -8,9 +8,42 @@ Does not own the K/V tensors (kv_pool.py) or request rows (req_table.py). Frees 
 hot path; `check` is the leak / double-allocation audit for tests and debug runs.
 """
 
+from typing import Protocol
+
 import torch
 
 from fastspec.utils.transfer import to_device
+
+
+class SlotAllocator(Protocol):
+    """What the rest of fastspec asks of an allocator (TokenAllocator and PagedAllocator implement it)."""
+
+    capacity: int  # allocatable slots 1..capacity (0 is the dummy)
+    page_size: int
+
+    def num_free(self) -> int: ...
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots (int64 [n]), or None with the state unchanged."""
+
+    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor | None,
+                     host_lens: tuple[list[int], list[int]] | None = None) -> torch.Tensor | None:
+        """Slots for each request growing from prefix_lens to seq_lens ([bs] int64), in request order."""
+
+    def reserve_extend(self, prefix_lens: torch.Tensor, n: int, last_loc: torch.Tensor | None):
+        """n slots per request when only the device knows prefix_lens: (slots [bs*n], what to give back later)."""
+
+    def free(self, slots: torch.Tensor) -> None: ...
+
+    def grow(self, capacity: int) -> None: ...
+
+    def backup_state(self) -> object:
+        """An O(1) snapshot of the free list (drafting allocates scratch slots under it)."""
+
+    def restore_state(self, state) -> None: ...
+
+    def check(self, held: torch.Tensor) -> None:
+        """AssertionError unless the free slots and `held` partition 1..capacity."""
 
 
 def check_ids(free: torch.Tensor, held: torch.Tensor, num_ids: int, unit: str) -> None:

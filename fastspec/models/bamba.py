@@ -1,6 +1,6 @@
 """Bamba blocks: Mamba2 mixers beside plain GQA attention layers (half of each head rotated), SwiGLU MLPs.
 
-The target is fastspec.models.llama's CausalLM with these layers (`make_layer` picks them by config). A Mamba2
+The target is fastspec.models.causal_lm's CausalLM with these layers (`make_layer` picks them by config). A Mamba2
 mixer projects x to [gate z | conv input (x, B, C) | dt], convolves the conv input over a short causal window,
 scans it with the selective state space rule (fastspec.models.ssd) and normalises the output gated by silu(z)
 per group of heads; its states live in the state pool (fastspec.models.recurrent runs it over the forward's
@@ -15,8 +15,8 @@ from torch import nn
 
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models import ssd
-from fastspec.models.model_config import ModelConfig
 from fastspec.models.layers import MLP, Attention, RMSNorm
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.recurrent import run_layer
 
 

@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3 blocks: the decoder layer (MLA + dense MLP or MoE) and the MTP layer that drafts (NEXTN).
 
-The target itself is fastspec.models.llama's CausalLM with these layers (`make_layer` picks them by config).
+The target itself is fastspec.models.causal_lm's CausalLM with these layers (`make_layer` picks them by config).
 An MTP layer (DeepSeek-V3's multi-token prediction module, stored after the last decoder layer under
 `model.layers.{num_hidden_layers + i}.`) maps (token t_{p+1}, the target's final hidden state h_p) to a hidden
 state predicting t_{p+2}, like an EAGLE head: eh_proj([enorm(embed(t)), hnorm(h)]), one decoder layer, then
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastspec.models.model_config import ModelConfig
 from fastspec.models.eagle import DraftHidden
 from fastspec.models.layers import MLP, RMSNorm, RotaryEmbedding
 from fastspec.models.mla import MLAttention
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import MoE, is_moe_layer
 
 

@@ -1,4 +1,5 @@
-"""EAGLE draft heads: `LlamaForCausalLMEagle` (EAGLE-2) and `LlamaForCausalLMEagle3` (EAGLE-3).
+"""Draft models: the EAGLE heads `LlamaForCausalLMEagle` (EAGLE-2) and `LlamaForCausalLMEagle3` (EAGLE-3), and
+`StandaloneDraft` (a full small model behind the same interface).
 
 Both map (token t_{p+1}, target feature h_p) at position p to a draft hidden state predicting t_{p+2}.
 Shared embedding / lm_head tensors of the target are handed in at construction. Math only: the caller owns
@@ -12,8 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fastspec.models.model_config import ModelConfig
 from fastspec.models.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from fastspec.models.model_config import ModelConfig
 
 
 class DraftHidden(NamedTuple):
@@ -127,3 +128,24 @@ class LlamaForCausalLMEagle3(nn.Module):
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.lm_head(normed).float()  # [T, Vd] float32
+
+
+class StandaloneDraft(torch.nn.Module):
+    """A full small LM as the draft (STANDALONE): same interface as the EAGLE heads, features ignored."""
+
+    per_step_layers = 1  # one draft model for every step (fastspec.models.deepseek.MTPStack: one each)
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        self.config = lm.config
+
+    def forward(self, input_ids, positions, hidden, attn) -> DraftHidden:
+        h = self.lm(input_ids, positions, attn).final
+        return DraftHidden(h, h)
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.lm.compute_logits(normed)
+
+    def hot_token_map(self) -> None:
+        return None

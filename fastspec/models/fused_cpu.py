@@ -2,7 +2,7 @@
 (fastspec.kernels.cpu_fused): per layer the four GEMMs and four calls (norm, rope + KV write, attention, SiLU-and-mul)
 instead of ~80 torch ops, and the whole stack as one C call where every GEMM is fastspec's own (BlockLinear). The
 same math as DecoderLayer's enter / attend / hand_over / leave, to float32 rounding (sums in another order);
-LlamaForCausalLM runs it where `fused_activation` says it applies, else the layers.
+CausalLM runs it where `fused_activation` says it applies, else the layers.
 Does not plan attention (the AttentionContext's plan is read as the torch backend's dense one) nor compile.
 """
 

@@ -30,11 +30,18 @@ from torch import nn
 
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import trim_host_heap
+from fastspec.models.causal_lm import CausalLM
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
-from fastspec.models.packed_layers import (ROW_TILE, BlockEmbedding, BlockLinear, CastLinear, Int4Linear, RefinedHead,
-                                           float_dtype)
 from fastspec.models.layers import RotaryEmbedding
-from fastspec.models.llama import LlamaForCausalLM
+from fastspec.models.packed_layers import (
+    ROW_TILE,
+    BlockEmbedding,
+    BlockLinear,
+    CastLinear,
+    Int4Linear,
+    RefinedHead,
+    float_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +127,8 @@ class PackedCache:
                 Path(tmp).unlink(missing_ok=True)
 
 
-def load_packed_target(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, device="cpu",
-                       activation: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
+def load_packed_target(model: CausalLM, model_dir: Path, dtype: torch.dtype, device="cpu",
+                       activation: torch.dtype = torch.bfloat16) -> CausalLM:
     """The converted GGUF model at `model_dir` built into `model` (a skeleton on the meta device), fused, on its
     blocks (see the module docstring): the residual stream, norms and KV in `dtype`, the 4-bit kernels on
     `activation` (float32: exact; bfloat16: torch's fast one; int16: fastspec's, see packed_layers.int4_linear)."""
@@ -171,7 +178,7 @@ def _table(weights: StoredWeights, name: str, dtype: torch.dtype) -> nn.Module:
     return nn.Embedding.from_pretrained(weights.get_float(name, dtype))
 
 
-def _head(weights: StoredWeights, cache: PackedCache, model: LlamaForCausalLM, activation: torch.dtype,
+def _head(weights: StoredWeights, cache: PackedCache, model: CausalLM, activation: torch.dtype,
           dtype: torch.dtype) -> nn.Module:
     """The lm_head: with float32 activations the exact linear; else a RefinedHead over the table (the embedding
     when tied): packed int4 over its blocks when they are 4-bit, else over a 4-bit rounding of it (cached like the

@@ -18,13 +18,14 @@ from torch import nn
 
 from fastspec.errors import FastspecError, first_line
 from fastspec.models import hub
-from fastspec.models.hub import check_model_spec  # noqa: F401  (its home before: importers keep it)
-from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
+from fastspec.models.causal_lm import CausalLM, eagle3_capture_layers
 from fastspec.models.draft_formats import from_speculators, is_speculators
 from fastspec.models.dummy import default_dtype, fill_random
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
-from fastspec.models.llama import LlamaForCausalLM, eagle3_capture_layers
+from fastspec.models.hub import check_model_spec  # noqa: F401  (its home before: importers keep it)
+from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
 from fastspec.models.moe import Router, stack_experts
+from fastspec.models.quant_config import QuantScheme
 from fastspec.models.quant_loader import build_quantised, checkpoint_scheme, split_quantised
 
 
@@ -149,15 +150,14 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str
             tensor.copy_(state[name])
 
 
-def resolve_quantization(quantization: str | None, model_dir: Path, device: str, load_format: str,
-                         algorithm: str | None) -> str | None:
+def resolve_quantization(quantization: str | None, model_dir: Path, scheme: QuantScheme | None, device: str,
+                         load_format: str, algorithm: str | None) -> str | None:
     """EngineConfig.quantization with `auto` decided and checked against the checkpoint: a quantised checkpoint's
     own method (dummy weights: the online rounding of its kind); gguf for a model converted from a .gguf file (its
     blocks stored) run on CPU with its real weights and no EAGLE-2 head (which needs the float lm_head); else None.
-    A method the checkpoint contradicts is one line."""
+    A method the checkpoint contradicts is one line. `scheme`: the checkpoint's (checkpoint_scheme)."""
     from fastspec.models.gguf_blocks import BLOCKS_FILE
 
-    scheme = checkpoint_scheme(model_dir)
     if scheme is not None and load_format == "dummy":  # random weights: rounded at load as the checkpoint's kind
         return ("fp8" if scheme.kind == "fp8" else f"int{scheme.bits}") if quantization == "auto" else quantization
     if scheme is not None:
@@ -177,27 +177,28 @@ def resolve_quantization(quantization: str | None, model_dir: Path, device: str,
 
 
 def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layers: tuple[int, ...] = (),
-                load_format: str = "auto", quantization: str | None = None) -> LlamaForCausalLM:
+                load_format: str = "auto", quantization: str | None = None,
+                read: tuple[ModelConfig, QuantScheme | None] | None = None) -> CausalLM:
     """`load_format` dummy: random weights (fastspec.models.dummy), none read. `quantization` gguf: a converted GGUF
-    model on its own blocks, already fused (fastspec.models.gguf_packed)."""
-    config = read_config(model_dir)
+    model on its own blocks, already fused (fastspec.models.gguf_packed). `read`: the checkpoint's config and
+    quantisation scheme as start-up read them (fastspec.models.sources); default: read here."""
+    config, scheme = read or (read_config(model_dir), checkpoint_scheme(model_dir))
     if config.is_draft:
         raise FastspecError(f"{model_dir}: {config.architecture} is a draft head, not a target model")
     if any(not 0 <= i <= config.num_layers for i in capture_layers):
         raise FastspecError(f"capture layers {capture_layers} outside 0..{config.num_layers}")
     if quantization == "gguf":
-        from fastspec.models.packed_layers import fast_activation
         from fastspec.models.gguf_packed import load_packed_target  # the gguf package: only for this path
+        from fastspec.models.packed_layers import fast_activation
 
         with _skip_init(), torch.device("meta"):  # a skeleton: every weight is built from the stored blocks
-            skeleton = LlamaForCausalLM(config, capture_layers)
+            skeleton = CausalLM(config, capture_layers)
         return load_packed_target(skeleton, model_dir, dtype, device, fast_activation())
     dummy = load_format == "dummy"
-    scheme = None if dummy else checkpoint_scheme(model_dir)
-    if scheme is not None:  # a quantised checkpoint: kept in its stored form, or dequantised (quantization None)
+    if scheme is not None and not dummy:  # a quantised checkpoint: kept in its stored form, or dequantised (quantization None)
         return _load_quantised(model_dir, config, capture_layers, scheme, dtype, device, quantization is not None)
     with _skip_init(), torch.device(device), default_dtype(dtype if dummy else None):
-        model = _keep_routers_float32(LlamaForCausalLM(config, capture_layers).to(dtype))
+        model = _keep_routers_float32(CausalLM(config, capture_layers).to(dtype))
     if dummy:
         fill_random(model, config.initializer_range)
         return model.eval().requires_grad_(False)
@@ -213,11 +214,11 @@ def _renamed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _load_quantised(model_dir: Path, config: ModelConfig, capture_layers: tuple[int, ...], scheme, dtype, device,
-                    keep: bool) -> LlamaForCausalLM:
+                    keep: bool) -> CausalLM:
     """A quantised checkpoint (fastspec.models.quant_loader): its linears kept in their stored form (`keep`), or
     every weight dequantised to `dtype` and loaded as a float model."""
     with _skip_init(), torch.device("meta"):  # (init on meta would import torch's decompositions: ~1 s)
-        skeleton = LlamaForCausalLM(config, capture_layers)
+        skeleton = CausalLM(config, capture_layers)
     state, forms, experts = split_quantised(read_state_dict(model_dir), scheme, skeleton, dtype, keep, str(model_dir))
     state = _renamed(stack_experts(state))
     skip = ("lm_head.",) if config.tie_word_embeddings else ()
@@ -226,7 +227,7 @@ def _load_quantised(model_dir: Path, config: ModelConfig, capture_layers: tuple[
         skip += build_quantised(model, state, forms, experts, dtype, device, str(model_dir))
     else:
         with _skip_init(), torch.device(device):
-            model = LlamaForCausalLM(config, capture_layers).to(dtype)
+            model = CausalLM(config, capture_layers).to(dtype)
     _load_into(_keep_routers_float32(model), state, skip, str(model_dir))
     return model.eval().requires_grad_(False)
 
@@ -259,7 +260,7 @@ def read_draft_config(draft_dir: Path, algorithm: str | None) -> ModelConfig:
     return ModelConfig.from_hf(raw | {"architectures": [kind]}, source=str(draft_dir / "config.json"))
 
 
-def load_draft(draft_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu",
+def load_draft(draft_dir: Path, target: CausalLM, dtype: torch.dtype, device="cpu",
                token_map: Path | None = None, load_format: str = "auto", config: ModelConfig | None = None
                ) -> LlamaForCausalLMEagle | LlamaForCausalLMEagle3:
     """An EAGLE-2 or EAGLE-3 head that fits `target` (checked), sharing its embedding / lm_head; `config`: the
@@ -295,7 +296,7 @@ def draft_key(name: str, config: ModelConfig) -> str:
     return "midlayer." + name.removeprefix("layers.0.") if config.is_eagle3 and name.startswith("layers.0.") else name
 
 
-def _build_eagle3(config: ModelConfig, target: LlamaForCausalLM):
+def _build_eagle3(config: ModelConfig, target: CausalLM):
     share_embed = config.target_hidden_size == config.hidden_size == target.config.hidden_size
     lm_head = target.lm_head if config.load_lm_head_from_target else None
     model = LlamaForCausalLMEagle3(config, target.model.embed_tokens if share_embed else None, lm_head)

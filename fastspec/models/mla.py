@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastspec.models.model_config import ModelConfig
 from fastspec.models.layers import RMSNorm, RotaryEmbedding, yarn_mscale
+from fastspec.models.model_config import ModelConfig
 
 LORA_NORM_EPS = 1e-6  # DeepSeek's q_a / kv_a layernorms use the default eps, not rms_norm_eps
 

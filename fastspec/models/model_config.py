@@ -12,8 +12,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from fastspec.errors import FastspecError
-from fastspec.models.arch_config import (HybridConfig, MLAConfig, MoEConfig, bamba_fields, deepseek_fields,
-                                         qwen3_next_fields)
+from fastspec.models.arch_config import (
+    HybridConfig,
+    MLAConfig,
+    MoEConfig,
+    bamba_fields,
+    deepseek_fields,
+    qwen3_next_fields,
+)
 from fastspec.models.quant_config import read_scheme
 
 __all__ = ["HybridConfig", "MLAConfig", "MoEConfig", "ModelConfig", "RopeScaling"]

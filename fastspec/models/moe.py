@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.models.model_config import ModelConfig, MoEConfig
 from fastspec.models.layers import MLP
+from fastspec.models.model_config import ModelConfig, MoEConfig
 
 
 def is_moe_layer(config: ModelConfig, layer_id: int) -> bool:

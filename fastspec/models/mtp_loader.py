@@ -10,21 +10,29 @@ from pathlib import Path
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.models.model_config import ModelConfig
+from fastspec.models.causal_lm import CausalLM
 from fastspec.models.deepseek import DeepseekMTP, MTPStack
-from fastspec.models.llama import LlamaForCausalLM
-from fastspec.models.loader import (_keep_routers_float32, _load_into, _skip_init, read_config, read_state_dict,
-                                   weight_names)
+from fastspec.models.loader import (
+    _keep_routers_float32,
+    _load_into,
+    _skip_init,
+    read_config,
+    read_state_dict,
+    weight_names,
+)
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import stack_experts
 from fastspec.models.quant_loader import dequantise_state
 from fastspec.models.qwen3_next import Qwen3NextMTP
 
 
-def load_mtp(model_dir: Path, target: LlamaForCausalLM, dtype: torch.dtype, device="cpu"):
+def load_mtp(model_dir: Path, target: CausalLM, dtype: torch.dtype, device="cpu",
+             config: ModelConfig | None = None):
     """The checkpoint's own multi-token-prediction layers as a draft model (NEXTN): DeepSeek's (`model.layers.
     {num_hidden_layers + k}.`, one per draft step when there are several; each layer's embedding and head are the
-    target's unless the checkpoint stores its own) or Qwen3-Next's (`mtp.`; the target's embedding and lm_head)."""
-    config = read_config(model_dir)
+    target's unless the checkpoint stores its own) or Qwen3-Next's (`mtp.`; the target's embedding and lm_head).
+    `config`: the checkpoint's, as read (default: read here)."""
+    config = config or read_config(model_dir)
     prefix = mtp_prefix(config)
     weights = {} if prefix is None else read_state_dict(model_dir, partial(_is_mtp_weight, config))
     weights = dequantise_state(weights, model_dir, dtype)  # a quantised checkpoint's MTP layers run dequantised

@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 from fastspec.errors import FastspecError
+from fastspec.models.causal_lm import CausalLM
 from fastspec.models.gguf_blocks import Blocks
 from fastspec.models.layers import RotaryEmbedding
-from fastspec.models.llama import LlamaForCausalLM
-from fastspec.models.quant_config import QuantScheme, read_scheme
+from fastspec.models.moe import Experts, LinearExperts
 from fastspec.models.packed_layers import TENSOR_LINEARS
+from fastspec.models.quant_config import QuantScheme, read_scheme
 from fastspec.models.quant_layers import QuantLinear
 from fastspec.models.quant_weights import QuantWeight, decode_state
-from fastspec.models.moe import Experts, LinearExperts
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def dequantise_state(state: dict[str, torch.Tensor], model_dir: Path, dtype: tor
     return floats | {f"{name}.weight": form.dequantise(dtype) for name, form in forms.items()}
 
 
-def build_quantised(model: LlamaForCausalLM, state: dict[str, torch.Tensor], forms: dict[str, QuantWeight],
+def build_quantised(model: CausalLM, state: dict[str, torch.Tensor], forms: dict[str, QuantWeight],
                     experts: dict, dtype: torch.dtype, device, source: str) -> tuple[str, ...]:
     """`model` (a skeleton on the meta device), in place: `forms`' linears as QuantLinears and `experts`' MoE layers
     as LinearExperts on `device` (biases taken from `state`), every other tensor allocated on `device` in `dtype`

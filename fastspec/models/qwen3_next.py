@@ -1,6 +1,6 @@
 """Qwen3-Next blocks: gated delta net (linear attention) layers beside gated full-attention layers, MoE MLPs.
 
-The target is fastspec.models.llama's CausalLM with these layers (`make_layer` picks them by config). A
+The target is fastspec.models.causal_lm's CausalLM with these layers (`make_layer` picks them by config). A
 full-attention layer is GQA with per-head q / k norm, partial rope and an output gate (q_proj yields [q | gate]
 per head; the attention output is scaled by sigmoid(gate)); its KV goes to the KV pool at its index among the
 full-attention layers. A linear layer mixes tokens with the gated delta rule (fastspec.models.gated_delta)
@@ -19,9 +19,9 @@ from torch import nn
 
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models import gated_delta
-from fastspec.models.model_config import ModelConfig
 from fastspec.models.eagle import DraftHidden
 from fastspec.models.layers import MLP, RotaryEmbedding, make_norm
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import Experts, Router, is_moe_layer
 from fastspec.models.recurrent import run_layer
 

@@ -22,8 +22,8 @@ from starlette.routing import Route
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve import protocol as api
-from fastspec.serve.prometheus import CONTENT_TYPE
 from fastspec.serve.api_error import APIError
+from fastspec.serve.prometheus import CONTENT_TYPE
 from fastspec.serve.protocol import ParsedRequest
 from fastspec.serve.service import EngineService, Event
 from fastspec.serve.tool_formats import needs_special_text

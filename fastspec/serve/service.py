@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
-from fastspec.serve.prometheus import ServerMetrics
 from fastspec.serve.api_error import APIError
+from fastspec.serve.prometheus import ServerMetrics
 from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.utils.metrics import SpecMetrics
 

@@ -45,7 +45,3 @@ class ExtendBatch:
     positions: torch.Tensor  # int64 [T]
     features: torch.Tensor  # [T, F]  target features h_p (final hidden for EAGLE, aux for EAGLE-3)
     max_extend: int | None = None  # max(extend_lens), likewise
-
-    @property
-    def last_rows(self) -> torch.Tensor:  # int64 [bs]  each request's last row in the flat T dimension
-        return torch.cumsum(self.extend_lens, 0) - 1

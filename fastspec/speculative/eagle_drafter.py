@@ -16,11 +16,11 @@ from functools import partial
 import torch
 
 from fastspec.graphs import StaticInput
-from fastspec.models.eagle import DraftHidden
+from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
+from fastspec.memory import KVPool, ReqToTokenTable, SlotAllocator
 from fastspec.sampling.grammar import draft_masks
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.packing import pack_draft, pack_extend, pack_extend_padded, prefix_specs
-from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
 from fastspec.speculative.steps import as_tree, draft_extend, draft_loop, draft_top_k
 from fastspec.speculative.tree import DraftTree
 
@@ -36,31 +36,10 @@ class DraftState:
     normed: torch.Tensor | None = None  # [Hd]  what the top-k was scored from (a grammar re-scores it masked)
 
 
-class StandaloneDraft(torch.nn.Module):
-    """A full small LM as the draft (STANDALONE): same interface as the EAGLE heads, features ignored."""
-
-    per_step_layers = 1  # one draft model for every step (fastspec.models.deepseek.MTPStack: one each)
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-        self.config = lm.config
-
-    def forward(self, input_ids, positions, hidden, attn) -> DraftHidden:
-        h = self.lm(input_ids, positions, attn).final
-        return DraftHidden(h, h)
-
-    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.lm.compute_logits(normed)
-
-    def hot_token_map(self) -> None:
-        return None
-
-
 class EagleDrafter:
     uses_extend = True
 
-    def __init__(self, model, pool, table, allocator, num_steps: int, topk: int, num_draft_tokens: int,
+    def __init__(self, model, pool: KVPool, table: ReqToTokenTable, allocator: SlotAllocator, num_steps: int, topk: int, num_draft_tokens: int,
                  feature_width: int, plan: GraphPlan, times=None, extend_topk: int | None = None,
                  states: dict | None = None):
         """`extend_topk` >= topk and a shared `states` dict let drafters of several tree shapes (a batch-size

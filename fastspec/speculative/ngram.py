@@ -15,8 +15,10 @@ from itertools import count
 
 import torch
 
-from fastspec.errors import FastspecError
 from fastspec.config import NgramParams
+from fastspec.errors import FastspecError
+from fastspec.speculative.batch import DecodeBatch, ExtendBatch
+from fastspec.speculative.tree import DraftTree, tree_from_parents
 
 _TOKEN_BITS = 32  # edge key = parent node << 32 | token; token ids must lie in [0, 2**32)
 
@@ -258,3 +260,30 @@ class NgramDrafter:
         shape = (len(rids), size)
         return (torch.tensor(tokens, dtype=torch.int64).view(shape),
                 torch.tensor(parents, dtype=torch.int64).view(shape))
+
+
+class NgramTreeDrafter:
+    """NGRAM as a Drafter: per-request tries over prompt + output; no draft model, no draft KV. The tries are
+    updated from each request's tokens when it drafts, so there is nothing to extend."""
+
+    uses_extend = False
+    uses_scratch = False
+
+    def __init__(self, params: NgramParams, num_steps: int, num_draft_tokens: int):
+        self.ngram = NgramDrafter(params, num_draft_tokens)
+        self.num_steps = num_steps
+
+    def draft(self, batch: DecodeBatch) -> DraftTree:  # host-side trie walk: counted as host time
+        for rid, history in zip(batch.rids, batch.histories):
+            self.ngram.update(rid, history)
+        tokens, parents = self.ngram.propose(list(batch.rids), list(batch.histories))  # host tensors
+        return tree_from_parents(batch.verified_id, tokens, parents, batch.seq_lens, self.num_steps)
+
+    def extend(self, batch: ExtendBatch, decode_round: bool) -> None:
+        pass  # the tries read tokens at draft time
+
+    def extend_round(self, rids, rows, prefix_lens, keep_lens, input_ids, positions, features) -> None:
+        pass
+
+    def release(self, rid: int) -> None:
+        self.ngram.release(rid)

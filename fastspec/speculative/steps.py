@@ -1,5 +1,5 @@
 """The three static-shape functions of a speculative round, each captured / compiled per batch-size bucket:
-the multi-step draft loop, the draft extend, and the target verify forward.
+the multi-step draft loop, the draft extend, and the target forward (a verify; with one node, a plain decode).
 
 Each takes a dict of tensors whose shapes depend only on the batch bucket (never on a context length) and
 contains no host sync and no data-dependent Python control flow, so the same code runs eagerly, under
@@ -18,8 +18,7 @@ from fastspec.attention.paged import PagedAttnBackend, PagedPlan, paged_block_pl
 from fastspec.kernels import fast_topk
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models.recurrent import tree_parents
-from fastspec.speculative.tree import (DraftTree, build_tree, organize_draft_results, select_top_k,
-                                       verify_predicted)
+from fastspec.speculative.tree import DraftTree, build_tree, organize_draft_results, select_top_k, verify_predicted
 
 TREE_FIELDS = ("draft_tokens", "positions", "tree_mask", "retrieve_index", "retrieve_next_token",
                "retrieve_next_sibling")
@@ -128,8 +127,9 @@ def draft_candidates(model, hot_token_id, pool, table, topk: int, num_steps: int
     return score_list, token_list, parents_list
 
 
-def target_verify(model, pool, table, feature: str, x: dict, states=None, accept: bool = False) -> dict:
-    """Target forward over the N tree tokens of every request under the tree mask; with `accept` (a speculative
+def target_forward(model, pool, table, feature: str, x: dict, states=None, accept: bool = False) -> dict:
+    """Target forward over N tokens of every request under a tree mask: a verify of the draft tree, or with N = 1
+    a plain decode step (the same function, so both capture alike). With `accept` (a speculative
     round) it first writes the new slots into the table at positions prefix_len.. (padded rows: the pad row), and
     also returns the greedy acceptance (verify_greedy over a depth of N-1: slice accept_index / emitted to the
     tree's num_steps+1), so a round neither writes the table nor walks the tree on the host.

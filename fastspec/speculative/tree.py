@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.kernels import tree_build as tree_twins
-from fastspec.kernels import verify as verify_twins
 from fastspec.kernels import (
     TreeMaskMode,
     ancestor_mask,
@@ -31,6 +29,8 @@ from fastspec.kernels import (
     tree_speculative_sampling_target_only,
     verify_tree_greedy,
 )
+from fastspec.kernels import tree_build as tree_twins
+from fastspec.kernels import verify as verify_twins
 from fastspec.sampling.draw import target_probs
 from fastspec.utils.transfer import to_device
 

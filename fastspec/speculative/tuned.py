@@ -18,8 +18,8 @@ import torch
 
 from fastspec.config import Schedule, SpecParams, check_tree
 from fastspec.errors import FastspecError
-from fastspec.utils.cache import cache_root
 from fastspec.utils import threads
+from fastspec.utils.cache import cache_root
 from fastspec.utils.files import write_atomic
 
 VERSION = 1
@@ -131,12 +131,9 @@ def _dir_digest(directory: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def find_schedule(model_dir: Path, draft_model: str, dtype: str, device: str,
+def find_schedule(model_dir: Path, draft_dir: Path, dtype: str, device: str,
                   say=lambda message: None) -> tuple[Schedule, bool] | None:
     """The tuned schedule for this target, draft, dtype (weights_label: with its quantization) and machine, if
     `fastspec tune` wrote one."""
-    from fastspec.models.loader import resolve_model_dir
-
-    draft_dir = resolve_model_dir(draft_model)
     return load_schedule(tuned_path(model_dir, draft_dir, dtype, device),
                          fingerprint(model_dir, draft_dir, dtype, device), say)

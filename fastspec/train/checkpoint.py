@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import save
 
 from fastspec.errors import FastspecError, first_line
-from fastspec.models.model_config import ModelConfig
+from fastspec.models.causal_lm import eagle3_capture_layers
 from fastspec.models.eagle import LlamaForCausalLMEagle3
-from fastspec.models.llama import eagle3_capture_layers
+from fastspec.models.model_config import ModelConfig
 from fastspec.utils.files import read_or_refuse, write_atomic
 
 

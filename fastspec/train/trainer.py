@@ -20,15 +20,31 @@ from pathlib import Path
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.models.model_config import ModelConfig
-from fastspec.models.llama import eagle3_capture_layers
+from fastspec.models.causal_lm import eagle3_capture_layers
 from fastspec.models.loader import load_target, read_config, resolve_model_dir
+from fastspec.models.model_config import ModelConfig
 from fastspec.prompts import load_prompts, read_jsonl_prompts
-from fastspec.train.checkpoint import (atomic_save, export_head, head_config, init_head, load_artifact, load_checkpoint,
-                                       save_checkpoint, warm_start)
+from fastspec.train.checkpoint import (
+    atomic_save,
+    export_head,
+    head_config,
+    init_head,
+    load_artifact,
+    load_checkpoint,
+    save_checkpoint,
+    warm_start,
+)
 from fastspec.train.corpus import Corpus
-from fastspec.train.data import (SAMPLED, Features, JsonlStore, choose_draft_vocab, extract_features,
-                                 generate_conversations, pack, response_labels)
+from fastspec.train.data import (
+    SAMPLED,
+    Features,
+    JsonlStore,
+    choose_draft_vocab,
+    extract_features,
+    generate_conversations,
+    pack,
+    response_labels,
+)
 from fastspec.train.job import Progress, TrainConfig
 from fastspec.train.ttt import make_batch, ttt_loss
 

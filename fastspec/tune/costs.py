@@ -23,8 +23,8 @@ from fastspec.config import SpecParams
 from fastspec.errors import FastspecError
 from fastspec.graphs import GraphRunner, StaticInput
 from fastspec.kernels.cpu_linear import PackedLinear, prepack_linears
-from fastspec.speculative.drafters import PREPACK_BS
-from fastspec.speculative.steps import draft_extend, draft_loop, target_verify
+from fastspec.models.assemble import PREPACK_BS
+from fastspec.speculative.steps import draft_extend, draft_loop, target_forward
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class CostModel:
             "tree_mask": torch.ones(n, n, dtype=torch.bool).tril().expand(bs, n, n).contiguous()}
         if self._packed:
             prepack_linears(e.model, _engine_packs(bs, n))
-        return self._time(partial(target_verify, e.model, e.pool, self._table(bs), e.feature), x, bs)
+        return self._time(partial(target_forward, e.model, e.pool, self._table(bs), e.feature), x, bs)
 
     def _draft(self, steps: int, topk: int, bs: int) -> float:
         d, c = self.drafter, self.drafter.model.config

@@ -2,7 +2,8 @@
 DeepSeek-V2 / V3 (their MLA / MoE decoder layers, fastspec.models.deepseek), Qwen3-Next (gated delta net
 layers beside gated attention, fastspec.models.qwen3_next) and Bamba (Mamba2 mixers, fastspec.models.bamba).
 
-One implementation configured by `ModelConfig` (the architectures differ in flags and in the decoder layer).
+One implementation, `CausalLM`, configured by `ModelConfig` (the architectures differ in flags and in the
+decoder layer).
 `forward` returns hidden states (and, when asked at construction, the EAGLE-3 auxiliary residual-stream
 states); logits are a separate call. Parameter names equal Hugging Face's, so checkpoints load without renaming.
 """
@@ -15,10 +16,10 @@ import torch
 from torch import nn
 
 from fastspec.models.bamba import BambaDecoderLayer
-from fastspec.models.model_config import ModelConfig
 from fastspec.models.deepseek import DeepseekDecoderLayer
 from fastspec.models.fused_cpu import fused_activation, fused_layers
 from fastspec.models.layers import DecoderLayer, RotaryEmbedding, make_norm
+from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import is_moe_layer
 from fastspec.models.qwen3_next import HybridDecoderLayer
 
@@ -44,7 +45,7 @@ def make_layer(config: ModelConfig, layer_id: int) -> nn.Module:
     return DecoderLayer(config, layer_id)
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -52,12 +53,12 @@ class LlamaModel(nn.Module):
         self.norm = make_norm(config)
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, capture_layers: tuple[int, ...] = ()):
         super().__init__()
         self.config = config
         self.capture_layers = capture_layers
-        self.model = LlamaModel(config)
+        self.model = DecoderModel(config)
         self.rope = RotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # Llama-family layers run as compile regions between attention ops (DecoderLayer); MLA / MoE / hybrid layers
@@ -102,7 +103,3 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [T, V] float32
-
-
-Qwen2ForCausalLM = Qwen3ForCausalLM = MistralForCausalLM = LlamaForCausalLM
-DeepseekV2ForCausalLM = DeepseekV3ForCausalLM = Qwen3NextForCausalLM = BambaForCausalLM = LlamaForCausalLM

@@ -1,0 +1,95 @@
+"""The models a worker runs, from resolved `ModelSources`: the target (and the draft its algorithm needs) loaded,
+their projections fused, quantised and packed for the device.
+
+With quantization "gguf" a GGUF target runs on its own blocks (fastspec.models.gguf_packed); with a quantised
+checkpoint's method, on its stored linears (fastspec.models.quant_loader); with fp8 / int8 / int4, its projections
+are rounded at load (fastspec.models.quantise). On CPU the draft's linears run on fastspec's 8-bit block kernels
+where the target runs on them (else in the fast float dtype), and in float32 the linears are prepacked for the row
+counts of the rounds (fastspec.kernels.cpu_linear). Reads no config: every check ran in resolve_sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fastspec.config import EngineConfig, SpecConfig
+from fastspec.kernels.cpu_linear import can_prepack, prepack_linears, trim_host_heap
+from fastspec.models.causal_lm import CausalLM, eagle3_capture_layers
+from fastspec.models.eagle import StandaloneDraft
+from fastspec.models.layers import fuse_projections
+from fastspec.models.loader import load_draft, load_target
+from fastspec.models.mtp_loader import load_mtp, mtp_prefix
+from fastspec.models.quantise import ONLINE, quantise_target
+from fastspec.models.sources import ModelSources
+
+PREPACK_BS = (1, 2, 4)  # each packed row count is one more copy of the weights: only the small batches
+
+
+@dataclass(frozen=True)
+class LoadedModels:
+    target: CausalLM
+    draft: nn.Module | None
+    feature: str  # which target hidden state the draft is fed: "final" | "aux" | "none"
+
+    @property
+    def draft_kv_shape(self) -> tuple[int, int, int, bool] | None:
+        """(num_layers, num_kv_heads, head_dim, separate_v) of the draft's KV pool; None without a draft model."""
+        return None if self.draft is None else self.draft.config.kv_layout
+
+
+def load_models(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
+    """The target and, for EAGLE / EAGLE3 / STANDALONE, the draft; fused, quantised and packed (module docstring)."""
+    models = _load(sources, spec, config)
+    online = config.quantization in ONLINE and sources.scheme is None  # rounded here, not stored so
+    for model in (models.target, models.draft):
+        if isinstance(model, nn.Module):
+            fuse_projections(model)  # one QKV and one gate_up GEMM per layer
+    if config.quantization is not None and config.device == "cpu":
+        from fastspec.models.packed_layers import cast_linears, fast_activation, float_dtype, pack_linears
+
+        act = fast_activation()
+        if config.quantization != "gguf":  # gguf_packed built its kernels already
+            quantise_target(models.target, config.quantization, act, online)
+        if isinstance(models.draft, nn.Module):  # on fastspec's kernels where the target is, else in the float dtype
+            (pack_linears if act == torch.int16 else cast_linears)(models.draft, float_dtype(act))
+    elif config.quantization is not None:
+        quantise_target(models.target, config.quantization, None, online)
+    pack_round_rows(models.target, models.draft, spec, config)
+    if config.device == "cpu":
+        trim_host_heap()  # what loading freed goes back to the OS
+    return models
+
+
+def pack_round_rows(target, draft, spec: SpecConfig, config: EngineConfig) -> None:
+    """(Re)pack the linears for the row counts of spec's tree shapes (CPU, float32; eager or compiled rounds): the
+    verify's bs * num_draft_tokens and the draft steps' bs * topk at batch sizes PREPACK_BS."""
+    if spec.enabled and config.graph_mode != "cuda" and can_prepack(config.device, config.torch_dtype):
+        prepack_linears(target, tuple(bs * p.num_draft_tokens for p in spec.tiers for bs in PREPACK_BS))
+        if isinstance(draft, nn.Module):
+            prepack_linears(draft, tuple(bs * p.topk for p in spec.tiers for bs in PREPACK_BS))
+
+
+def _load(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
+    dtype, device, load = config.torch_dtype, config.device, config.load_format
+
+    def target(capture: tuple[int, ...] = ()) -> CausalLM:
+        return load_target(sources.model_dir, dtype, device, capture_layers=capture, load_format=load,
+                           quantization=config.quantization, read=(sources.config, sources.scheme))
+
+    draft_dir, draft_config = sources.draft_dir, sources.draft_config
+    if spec.algorithm not in ("EAGLE", "EAGLE3", "STANDALONE") or draft_dir is None:
+        return LoadedModels(target(), None, "none")
+    if spec.algorithm == "STANDALONE":
+        return LoadedModels(target(), StandaloneDraft(load_target(draft_dir, dtype, device, load_format=load)), "none")
+    if spec.algorithm == "EAGLE" and mtp_prefix(draft_config) is not None:  # NEXTN: the checkpoint's MTP layer
+        model = target()
+        return LoadedModels(model, load_mtp(draft_dir, model, dtype, device, draft_config), "final")
+    aux = draft_config.is_eagle3 and draft_config.use_aux_hidden_state
+    model = target(eagle3_capture_layers(sources.config.num_layers, draft_config.aux_layer_ids) if aux else ())
+    token_map = Path(spec.token_map) if spec.token_map else None
+    draft = load_draft(draft_dir, model, dtype, device, token_map, load_format=load, config=draft_config)
+    return LoadedModels(model, draft, "aux" if aux else "final")
