@@ -7,7 +7,7 @@ feature it is fed); NGRAM proposes trees from each request's own tokens (`NgramT
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -19,6 +19,7 @@ from fastspec.speculative.ngram import NgramTreeDrafter
 from fastspec.speculative.tree import DraftTree
 
 
+@runtime_checkable
 class Drafter(Protocol):
     """What a speculative round asks of a drafter. Per-request state (if any) is keyed by request id."""
 

@@ -1,0 +1,58 @@
+"""Start-up resolves the models once (fastspec.models.sources): the engine and its worker read the LLM's ModelSources,
+a draft that cannot run is refused before any weight is read, and every drafter implements the Drafter front."""
+
+import pytest
+import torch
+
+import fastspec
+from fastspec.errors import FastspecError
+from fastspec.sampling.params import SamplingParams
+from fastspec.speculative.drafter import Drafter
+
+PROMPTS = [[5, 9, 2, 7, 11], [3, 3, 8]]
+
+
+def test_the_worker_reads_what_start_up_resolved(tiny_dirs, draft_dirs, monkeypatch):
+    from fastspec.engine import worker
+
+    def again(*args, **kwargs):
+        raise AssertionError("the worker resolved the models a second time")
+
+    monkeypatch.setattr(worker, "resolve_sources", again)
+    head = draft_dirs["llama"]["eagle3"]
+    llm = fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm="EAGLE3", draft_model=str(head),
+                       num_steps=2, topk=2, num_draft_tokens=4, max_total_tokens=1024)
+    sources = llm.sources
+    assert llm.engine.worker.sources is sources
+    assert sources.model_dir == tiny_dirs["llama"][0] and sources.draft_dir == head
+    assert sources.draft_config.is_eagle3 and sources.scheme is None and sources.quantization is None
+    assert llm.engine.model_dir == sources.model_dir and llm.engine.worker.eos_ids == sources.eos_ids
+
+
+@pytest.mark.parametrize("algorithm, draft, message", [
+    ("EAGLE", "eagle3", "EAGLE needs a LlamaForCausalLMEagle head"),
+    ("STANDALONE", "eagle", "STANDALONE needs a full model"),
+    ("EAGLE3", "eagle", "EAGLE3 needs a LlamaForCausalLMEagle3 head"),
+])
+def test_a_draft_that_cannot_run_is_refused_before_any_weight_is_read(tiny_dirs, draft_dirs, monkeypatch,
+                                                                      algorithm, draft, message):
+    from fastspec.models import assemble
+
+    monkeypatch.setattr(assemble, "load_target", lambda *a, **k: pytest.fail("weights read before the check"))
+    with pytest.raises(FastspecError, match=message):
+        fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm=algorithm,
+                     draft_model=str(draft_dirs["llama"][draft]), max_total_tokens=1024)
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
+def test_every_drafter_implements_the_drafter_front(tiny_dirs, draft_dirs, algorithm):
+    draft = str(draft_dirs["llama"]["eagle3"]) if algorithm == "EAGLE3" else None
+    llm = fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm=algorithm, draft_model=draft,
+                       max_total_tokens=1024)
+    drafters = llm.engine.worker.drafters
+    assert drafters and all(isinstance(d, Drafter) for d in drafters.values())
+    plain = fastspec.LLM(str(tiny_dirs["llama"][0]), max_total_tokens=1024)
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True)] * len(PROMPTS)
+    with torch.inference_mode():
+        assert [o.output_ids for o in llm.generate(PROMPTS, params)] == \
+            [o.output_ids for o in plain.generate(PROMPTS, params)]
