@@ -24,7 +24,7 @@ from fastspec.models.layers import fuse_projections
 from fastspec.models.loader import load_draft, load_target
 from fastspec.models.mtp_loader import load_mtp, mtp_prefix
 from fastspec.models.quantise import ONLINE, quantise_target
-from fastspec.models.sources import ModelSources
+from fastspec.models.sources import DRAFTED, ModelSources
 
 PREPACK_BS = (1, 2, 4)  # each packed row count is one more copy of the weights: only the small batches
 
@@ -81,7 +81,7 @@ def _load(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -> Load
                            quantization=config.quantization, read=(sources.config, sources.scheme))
 
     draft_dir, draft_config = sources.draft_dir, sources.draft_config
-    if spec.algorithm not in ("EAGLE", "EAGLE3", "STANDALONE") or draft_dir is None:
+    if spec.algorithm not in DRAFTED or draft_dir is None:
         return LoadedModels(target(), None, "none")
     if spec.algorithm == "STANDALONE":
         return LoadedModels(target(), StandaloneDraft(load_target(draft_dir, dtype, device, load_format=load)), "none")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from fastspec.config import check_spec_flags
 from fastspec.errors import FastspecError
-from fastspec.models.hub import is_hub_id
 from fastspec.models.loader import (
     check_draft_fits,
     generation_eos_ids,
@@ -61,8 +60,7 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
         draft = mtp_draft(str(model_dir), model_dir, config, named, draft_model)
         if draft is None:
             raise FastspecError(f"{algorithm} needs a draft model (--speculative-draft-model-path / --draft)")
-        draft_dir = resolve_draft_dir(draft, draft_revision, config, algorithm) if is_hub_id(draft) else \
-            resolve_model_dir(draft)
+        draft_dir = resolve_draft_dir(draft, draft_revision, config, algorithm)
         draft_config = read_draft_config(draft_dir, algorithm)
         check_draft(algorithm, draft_config, config, draft_dir, quantization)
     return ModelSources(model_dir, config, generation_eos_ids(model_dir, config.eos_token_ids), scheme, quantization,
