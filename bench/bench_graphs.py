@@ -28,7 +28,8 @@ import torch
 
 import fastspec
 from fastspec.models.heads import write_random_head
-from fastspec.models.loader import read_config, resolve_model_dir
+from fastspec.models.loader import read_config
+from fastspec.models.sources import resolve_model_dir
 from fastspec.sampling import SamplingParams
 
 PROMPT = "Explain how a refrigerator keeps food cold."

@@ -40,7 +40,7 @@ import fastspec
 from fastspec.benchmark.profile import profile_step
 from fastspec.config import parse_dtype
 from fastspec.models.embedded import embedded_head
-from fastspec.models.loader import resolve_model_dir
+from fastspec.models.sources import resolve_model_dir
 from fastspec.sampling import SamplingParams
 from fastspec.utils.metrics import SpecMetrics
 

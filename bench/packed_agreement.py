@@ -53,8 +53,9 @@ def teacher_forced_logits(model, prompt: list[int], answer: list[int], pool: boo
 def main() -> None:
     import fastspec
     from fastspec.models.layers import fuse_projections
-    from fastspec.models.loader import load_target, resolve_model_dir
+    from fastspec.models.loader import load_target
     from fastspec.models.packed_layers import CastLinear, RefinedHead, fast_activation
+    from fastspec.models.sources import resolve_model_dir
     from fastspec.sampling import SamplingParams
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

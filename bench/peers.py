@@ -32,12 +32,11 @@ from typing import Callable
 import torch
 
 import fastspec
-from fastspec.config import EngineConfig
+from fastspec.config import EngineConfig, NgramParams
 from fastspec.errors import FastspecError
 from fastspec.models.embedded import find_embedded_gguf
-from fastspec.models.loader import resolve_model_dir
+from fastspec.models.sources import resolve_model_dir
 from fastspec.sampling import SamplingParams
-from fastspec.speculative.ngram import NgramParams
 from fastspec.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"

@@ -65,12 +65,12 @@ def agreement(model_dir: Path, quantization: str, new: int) -> tuple[int, int]:
 
 
 def main() -> None:
+    from quant_writers import write_quantised
     from transformers import LlamaForCausalLM
 
     import fastspec
-    from fastspec.models.loader import resolve_model_dir
     from fastspec.models.packed_layers import fast_activation
-    from quant_writers import write_quantised
+    from fastspec.models.sources import resolve_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=64)

@@ -69,7 +69,7 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"  # embedded name, HF directory or .gguf file
     load_format: str = "auto"  # auto: the model's weights; dummy: random weights from config.json alone (benchmarks)
     # auto: a quantised checkpoint's own method, gguf for a model converted from a .gguf file on CPU, else None
-    # (models.loader.resolve_quantization); None ("none"): the weights dequantised to dtype (the exact reference);
+    # (models.sources.resolve_quantization); None ("none"): the weights dequantised to dtype (the exact reference);
     # gguf: a GGUF model on its own blocks; fp8 / int8 / int4: a float checkpoint's projections rounded at load
     quantization: str | None = "auto"
     dtype: str = "float32"

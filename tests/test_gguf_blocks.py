@@ -254,7 +254,7 @@ def test_packing_a_model_that_is_not_a_gguf_is_a_one_line_error(tiny_dirs):
 
 def test_auto_quantization_packs_a_gguf_model_on_cpu_only(embedded_dir, tiny_dirs):
     from fastspec.config import EngineConfig
-    from fastspec.models.loader import resolve_quantization
+    from fastspec.models.sources import resolve_quantization
 
     assert resolve_quantization("auto", embedded_dir, None, "cpu", "auto", "EAGLE3") == "gguf"
     assert resolve_quantization("auto", embedded_dir, None, "cuda", "auto", "NONE") is None  # the int4 kernel is CPU's

@@ -18,7 +18,7 @@ from fastspec.errors import FastspecError
 from fastspec.models import loader
 from fastspec.models.heads import write_random_head
 from fastspec.models.hub import CONFIG_FILES, MODEL_FILES, is_hub_id
-from fastspec.models.loader import resolve_model_dir
+from fastspec.models.sources import resolve_model_dir
 from fastspec.sampling import SamplingParams
 
 PROMPT = [1, 5, 9, 13]

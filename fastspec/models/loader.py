@@ -1,4 +1,4 @@
-"""Loading: model specs (embedded name, HF directory, .gguf file) -> directories -> configs, weights, models.
+"""Loading: a model directory -> its config, weights and model (specs become directories in fastspec.models.sources).
 
 Reads single or sharded safetensors (and `pytorch_model*.bin` with `weights_only=True`), EAGLE / EAGLE-3
 checkpoints in SGLang / SpecForge key format, and FR-Spec token maps (a checkpoint's MTP layers: mtp_loader), all
@@ -9,7 +9,6 @@ fastspec.models.dummy). Every failure a user can cause becomes a one-line Fastsp
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from pathlib import Path
 
@@ -17,40 +16,14 @@ import torch
 from torch import nn
 
 from fastspec.errors import FastspecError, first_line
-from fastspec.models import hub
 from fastspec.models.causal_lm import CausalLM, eagle3_capture_layers
 from fastspec.models.draft_formats import from_speculators, is_speculators
 from fastspec.models.dummy import default_dtype, fill_random
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
-from fastspec.models.hub import check_model_spec  # noqa: F401  (its home before: importers keep it)
 from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
 from fastspec.models.moe import Router, stack_experts
 from fastspec.models.quant_config import QuantScheme
 from fastspec.models.quant_loader import build_quantised, checkpoint_scheme, split_quantised
-
-
-def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
-    """An embedded model name, a Hugging Face model directory, a .gguf file or a hub id (`org/name` at `revision`:
-    the cached snapshot, or downloaded) -> a model directory."""
-    from fastspec.models import embedded
-
-    check_model_spec(spec)
-    if spec in embedded.EMBEDDED_MODELS:
-        return embedded.embedded_model_dir(spec)
-    if hub.is_hub_id(spec):
-        return hub.fetch(spec, revision)
-    path = Path(spec).expanduser()
-    return _converted_gguf(path) if path.suffix == ".gguf" else path
-
-
-def _converted_gguf(path: Path) -> Path:
-    from fastspec.models.embedded import is_current_conversion, models_root
-    from fastspec.models.gguf import convert_gguf
-
-    stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = models_root() / "gguf" / f"{path.stem}-{key}"
-    return out if is_current_conversion(out, path) else convert_gguf(path, out)
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -148,32 +121,6 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str
                 raise FastspecError(f"{source}: weight {name} has shape {tuple(state[name].shape)}, "
                                     f"expected {tuple(tensor.shape)}")
             tensor.copy_(state[name])
-
-
-def resolve_quantization(quantization: str | None, model_dir: Path, scheme: QuantScheme | None, device: str,
-                         load_format: str, algorithm: str | None) -> str | None:
-    """EngineConfig.quantization with `auto` decided and checked against the checkpoint: a quantised checkpoint's
-    own method (dummy weights: the online rounding of its kind); gguf for a model converted from a .gguf file (its
-    blocks stored) run on CPU with its real weights and no EAGLE-2 head (which needs the float lm_head); else None.
-    A method the checkpoint contradicts is one line. `scheme`: the checkpoint's (checkpoint_scheme)."""
-    from fastspec.models.gguf_blocks import BLOCKS_FILE
-
-    if scheme is not None and load_format == "dummy":  # random weights: rounded at load as the checkpoint's kind
-        return ("fp8" if scheme.kind == "fp8" else f"int{scheme.bits}") if quantization == "auto" else quantization
-    if scheme is not None:
-        if quantization in ("auto", scheme.method) or (quantization == "fp8" and scheme.kind == "fp8"):
-            return scheme.method
-        if quantization is None:
-            return None
-        raise FastspecError(f"--quantization {quantization} contradicts {model_dir}'s own quantisation "
-                            f"({scheme.label}); use auto, {scheme.method} or none (dequantised)")
-    if quantization in ("awq", "gptq", "compressed-tensors", "fbgemm_fp8"):
-        raise FastspecError(f"--quantization {quantization}: {model_dir} is a float checkpoint (no "
-                            "quantization_config); fp8, int8 or int4 round one at load")
-    if quantization != "auto":
-        return quantization
-    converted = (Path(model_dir) / BLOCKS_FILE).is_file()
-    return "gguf" if converted and device == "cpu" and load_format == "auto" and algorithm != "EAGLE" else None
 
 
 def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layers: tuple[int, ...] = (),
@@ -304,25 +251,6 @@ def _build_eagle3(config: ModelConfig, target: CausalLM):
     return model, skip
 
 
-def resolve_draft_dir(spec: str, revision: str | None, target: ModelConfig, algorithm: str) -> Path:
-    """The draft's directory (see resolve_model_dir). A hub id's config is fetched and checked against the target
-    first (an EAGLE head's width and vocabulary; a STANDALONE model's or an MTP checkpoint's vocabulary), so a head
-    that cannot fit is refused before its weights are downloaded or read."""
-    if hub.is_hub_id(spec):
-        config = read_config(hub.fetch(spec, revision, config_only=True))
-        # a head labelled as a Llama model (EAGLE-1's): only its weights tell, so only its width is checked here
-        maybe_head = algorithm in ("EAGLE", "EAGLE3") and config.architecture in LLAMA_FAMILY
-        if config.is_draft or (algorithm == "EAGLE3" and not maybe_head):
-            check_draft_fits(config, target, spec)
-        elif maybe_head and config.hidden_size != target.hidden_size:
-            raise FastspecError(f"{spec}: draft expects target features of width {config.hidden_size}, "
-                                f"the target's hidden size is {target.hidden_size}")
-        elif config.vocab_size != target.vocab_size:
-            raise FastspecError(f"{spec}: draft vocabulary {config.vocab_size} != target vocabulary "
-                                f"{target.vocab_size}")
-    return resolve_model_dir(spec, revision)
-
-
 def check_draft_fits(draft: ModelConfig, target: ModelConfig, source: str) -> None:
     if not draft.is_draft:
         standalone = draft.vocab_size == target.vocab_size and draft.hybrid is None  # where that advice would work
@@ -367,11 +295,3 @@ def _check_hot_map(ids: torch.Tensor | None, vocab_size: int, source: str) -> No
         raise FastspecError(f"{source}: token ids outside the target vocabulary [0, {vocab_size})")
 
 
-def generation_eos_ids(model_dir, config_eos: tuple[int, ...]) -> frozenset[int]:
-    """EOS ids from config.json and generation_config.json (either may list several)."""
-    ids = set(config_eos)
-    path = model_dir / "generation_config.json"
-    if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return frozenset(ids)

@@ -1,5 +1,6 @@
 """Start-up's one resolve step: what the user named (an embedded model, a directory, a .gguf file, a hub id; a draft)
--> the directories and configs every later stage reads, as one frozen `ModelSources`.
+-> the directories and configs every later stage reads, as one frozen `ModelSources`; and the steps it is made of
+(`resolve_model_dir`: a spec to a directory, converting a .gguf file once; `resolve_quantization`).
 
 Reads config.json files and the quantisation scheme once, and runs every check that needs no weights: the draft
 head against the target (width, vocabulary, EAGLE vs EAGLE-3, aux layers), a STANDALONE draft, an MTP draft, and
@@ -8,21 +9,17 @@ head against the target (width, vocabulary, EAGLE vs EAGLE-3, aux layers), a STA
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastspec.config import check_spec_flags
 from fastspec.errors import FastspecError
-from fastspec.models.loader import (
-    check_draft_fits,
-    generation_eos_ids,
-    read_config,
-    read_draft_config,
-    resolve_draft_dir,
-    resolve_model_dir,
-    resolve_quantization,
-)
-from fastspec.models.model_config import ModelConfig
+from fastspec.models import hub
+from fastspec.models.hub import check_model_spec
+from fastspec.models.loader import check_draft_fits, read_config, read_draft_config
+from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
 from fastspec.models.mtp_loader import check_mtp_fits, mtp_draft, mtp_prefix
 from fastspec.models.quant_config import QuantScheme
 from fastspec.models.quant_loader import checkpoint_scheme
@@ -91,3 +88,82 @@ def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_d
     if quantization == "gguf" and not draft.is_eagle3:  # an EAGLE-2 head multiplies by the target's lm_head weight
         raise FastspecError(f"{draft_dir}: an EAGLE-2 head needs the target's float lm_head, which --quantization "
                             "gguf does not keep (use an EAGLE-3 head, or no --quantization)")
+
+
+def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
+    """An embedded model name, a Hugging Face model directory, a .gguf file or a hub id (`org/name` at `revision`:
+    the cached snapshot, or downloaded) -> a model directory."""
+    from fastspec.models import embedded
+
+    check_model_spec(spec)
+    if spec in embedded.EMBEDDED_MODELS:
+        return embedded.embedded_model_dir(spec)
+    if hub.is_hub_id(spec):
+        return hub.fetch(spec, revision)
+    path = Path(spec).expanduser()
+    return _converted_gguf(path) if path.suffix == ".gguf" else path
+
+
+def _converted_gguf(path: Path) -> Path:
+    from fastspec.models.embedded import is_current_conversion, models_root
+    from fastspec.models.gguf import convert_gguf
+
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = models_root() / "gguf" / f"{path.stem}-{key}"
+    return out if is_current_conversion(out, path) else convert_gguf(path, out)
+
+
+def resolve_draft_dir(spec: str, revision: str | None, target: ModelConfig, algorithm: str) -> Path:
+    """The draft's directory (see resolve_model_dir). A hub id's config is fetched and checked against the target
+    first (an EAGLE head's width and vocabulary; a STANDALONE model's or an MTP checkpoint's vocabulary), so a head
+    that cannot fit is refused before its weights are downloaded or read."""
+    if hub.is_hub_id(spec):
+        config = read_config(hub.fetch(spec, revision, config_only=True))
+        # a head labelled as a Llama model (EAGLE-1's): only its weights tell, so only its width is checked here
+        maybe_head = algorithm in ("EAGLE", "EAGLE3") and config.architecture in LLAMA_FAMILY
+        if config.is_draft or (algorithm == "EAGLE3" and not maybe_head):
+            check_draft_fits(config, target, spec)
+        elif maybe_head and config.hidden_size != target.hidden_size:
+            raise FastspecError(f"{spec}: draft expects target features of width {config.hidden_size}, "
+                                f"the target's hidden size is {target.hidden_size}")
+        elif config.vocab_size != target.vocab_size:
+            raise FastspecError(f"{spec}: draft vocabulary {config.vocab_size} != target vocabulary "
+                                f"{target.vocab_size}")
+    return resolve_model_dir(spec, revision)
+
+
+def resolve_quantization(quantization: str | None, model_dir: Path, scheme: QuantScheme | None, device: str,
+                         load_format: str, algorithm: str | None) -> str | None:
+    """EngineConfig.quantization with `auto` decided and checked against the checkpoint: a quantised checkpoint's
+    own method (dummy weights: the online rounding of its kind); gguf for a model converted from a .gguf file (its
+    blocks stored) run on CPU with its real weights and no EAGLE-2 head (which needs the float lm_head); else None.
+    A method the checkpoint contradicts is one line. `scheme`: the checkpoint's (checkpoint_scheme)."""
+    from fastspec.models.gguf_blocks import BLOCKS_FILE
+
+    if scheme is not None and load_format == "dummy":  # random weights: rounded at load as the checkpoint's kind
+        return ("fp8" if scheme.kind == "fp8" else f"int{scheme.bits}") if quantization == "auto" else quantization
+    if scheme is not None:
+        if quantization in ("auto", scheme.method) or (quantization == "fp8" and scheme.kind == "fp8"):
+            return scheme.method
+        if quantization is None:
+            return None
+        raise FastspecError(f"--quantization {quantization} contradicts {model_dir}'s own quantisation "
+                            f"({scheme.label}); use auto, {scheme.method} or none (dequantised)")
+    if quantization in ("awq", "gptq", "compressed-tensors", "fbgemm_fp8"):
+        raise FastspecError(f"--quantization {quantization}: {model_dir} is a float checkpoint (no "
+                            "quantization_config); fp8, int8 or int4 round one at load")
+    if quantization != "auto":
+        return quantization
+    converted = (Path(model_dir) / BLOCKS_FILE).is_file()
+    return "gguf" if converted and device == "cpu" and load_format == "auto" and algorithm != "EAGLE" else None
+
+
+def generation_eos_ids(model_dir, config_eos: tuple[int, ...]) -> frozenset[int]:
+    """EOS ids from config.json and generation_config.json (either may list several)."""
+    ids = set(config_eos)
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)

@@ -21,8 +21,9 @@ import torch
 
 from fastspec.errors import FastspecError
 from fastspec.models.causal_lm import eagle3_capture_layers
-from fastspec.models.loader import load_target, read_config, resolve_model_dir
+from fastspec.models.loader import load_target, read_config
 from fastspec.models.model_config import ModelConfig
+from fastspec.models.sources import resolve_model_dir
 from fastspec.prompts import load_prompts, read_jsonl_prompts
 from fastspec.train.checkpoint import (
     atomic_save,
