@@ -64,7 +64,7 @@ MUTANTS = [
     Mutant("code fence never closes", "fastspec/text/wrap.py",
            "self.code = not self.code", "self.code = True", ("tests/test_chat_output.py",)),
     Mutant("MLP.fuse a no-op", "fastspec/models/layers.py",
-           "            self.gate_up_proj = merged_linear(self.gate_proj, self.up_proj)\n"
+           "            self.gate_up_proj = merged\n"
            "            del self.gate_proj, self.up_proj", "            pass", ("tests/test_models.py",)),
     Mutant("a draft layer per step reads zeros before each extend", "fastspec/speculative/eagle_drafter.py",
            "            return state.layers", "            return torch.zeros_like(state.layers)",
