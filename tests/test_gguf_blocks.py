@@ -259,7 +259,7 @@ def test_auto_quantization_packs_a_gguf_model_on_cpu_only(embedded_dir, tiny_dir
     assert resolve_quantization("auto", embedded_dir, None, "cpu", "auto", "EAGLE3") == "gguf"
     assert resolve_quantization("auto", embedded_dir, None, "cuda", "auto", "NONE") is None  # the int4 kernel is CPU's
     assert resolve_quantization("auto", embedded_dir, None, "cpu", "dummy", "NONE") is None  # no weights read
-    assert resolve_quantization("auto", embedded_dir, None, "cpu", "auto", "EAGLE") is None  # EAGLE-2: the float lm_head
+    assert resolve_quantization("auto", embedded_dir, None, "cpu", "auto", "EAGLE") is None  # EAGLE-2: float lm_head
     assert resolve_quantization("auto", tiny_dirs["llama"][0], None, "cpu", "auto", "NONE") is None  # not a GGUF
     assert resolve_quantization(None, embedded_dir, None, "cpu", "auto", "NONE") is None
     assert EngineConfig(quantization="none").quantization is None

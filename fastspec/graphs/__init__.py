@@ -6,10 +6,11 @@ from fastspec.graphs.buckets import bucket_for, default_buckets, parse_buckets
 
 _LAZY = {"configure_compile_caches": "fastspec.graphs.compile_cache", "BACKENDS": "fastspec.graphs.runner",
          "GraphRunner": "fastspec.graphs.runner", "StaticInput": "fastspec.graphs.runner",
-         "size_varies": "fastspec.graphs.runner"}
+         "size_varies": "fastspec.graphs.runner", "GraphPlan": "fastspec.graphs.step_graphs",
+         "StepGraphs": "fastspec.graphs.step_graphs"}
 
-__all__ = ["BACKENDS", "GraphRunner", "StaticInput", "bucket_for", "configure_compile_caches", "default_buckets",
-           "parse_buckets", "size_varies"]
+__all__ = ["BACKENDS", "GraphPlan", "GraphRunner", "StaticInput", "StepGraphs", "bucket_for",
+           "configure_compile_caches", "default_buckets", "parse_buckets", "size_varies"]
 
 
 def __getattr__(name: str):

@@ -2,8 +2,8 @@
 
 A tuned file is only valid for the hardware, target, draft and dtype it was measured on; `load_schedule`
 ignores, with one note, a file whose fingerprint differs or that is damaged (unreadable, or naming a tree shape
-that cannot exist); `read_tuned` refuses such a file with a FastspecError. Lives in <cache>/tuned/<target>--<draft>--<dtype>-<device>.json. Knows nothing about
-tuning itself.
+that cannot exist); `read_tuned` refuses such a file with a FastspecError. Lives in
+<cache>/tuned/<target>--<draft>--<dtype>-<device>.json. Written by fastspec.tune; knows nothing about tuning itself.
 """
 
 from __future__ import annotations
