@@ -56,3 +56,8 @@ def test_every_drafter_implements_the_drafter_front(tiny_dirs, draft_dirs, algor
     with torch.inference_mode():
         assert [o.output_ids for o in llm.generate(PROMPTS, params)] == \
             [o.output_ids for o in plain.generate(PROMPTS, params)]
+
+
+def test_a_draft_head_given_as_the_target_is_one_line(draft_dirs):
+    with pytest.raises(FastspecError, match="is a draft head, not a target model"):
+        fastspec.LLM(str(draft_dirs["llama"]["eagle3"]), max_total_tokens=1024)

@@ -94,7 +94,7 @@ class Worker:
     def _drafters(self, plan: GraphPlan) -> dict[SpecParams, Drafter]:
         """SpecParams -> drafter: one per tree shape (several with a batch-size schedule)."""
         return build_drafters(self.spec, self._draft_model, self.draft_pool, self.table, self.allocator,
-                             self.target.feature_width, plan, self.times)
+                              self.target.feature_width, plan, self.times)
 
     def _build_rounds(self, drafters: dict[SpecParams, Drafter]) -> None:
         """The rounds over `drafters`, with one verify graph set per tree shape."""

@@ -4,9 +4,9 @@ Owns: the static input buffers (sized for the largest bucket), padding a batch u
 `torch.compile(fullgraph=True, dynamic=False)` compile per bucket (Inductor fuses the function's kernels; a
 successful fullgraph compile proves it has no host sync and no data-dependent Python control flow), CUDA-graph
 capture of that compiled code and replay with one memory pool shared by all buckets (as SGLang: compiled without
-Inductor's own cudagraphs, captured here), and Inductor's on-disk cache. Buckets are prepared by `prepare`: all ahead,
-or each before its first run (StepGraphs). A size that differs between processes (a KV pool's capacity: `size_varies`) is
-symbolic in the compiled graph, so Inductor's on-disk cache serves the next process.
+Inductor's own cudagraphs, captured here), and Inductor's on-disk cache. Buckets are prepared by `prepare`: all
+ahead, or each before its first run (StepGraphs). A size that differs between processes (a KV pool's capacity:
+`size_varies`) is symbolic in the compiled graph, so Inductor's on-disk cache serves the next process.
 Does not own: what the function computes (the draft loop, draft-extend and verify are handed in; this file knows
 nothing about EAGLE, models or attention) nor tensors the function reads or writes by closure (KV pools), which
 are never copied.
@@ -58,13 +58,13 @@ class GraphRunner:
     """
 
     def __init__(self, name: str, fn: GraphFn, inputs: list[StaticInput], buckets: list[int], backend: str,
-                 device: str | torch.device = "cpu", on_bucket: Callable[[str, int], None] | None = None, fuse: bool | None = None,
-                 fallback: bool | None = None):
-        """`on_bucket(name, bs)` is called before a bucket is prepared (a progress line). `fuse` (cuda): capture the Inductor-compiled function (default; FASTSPEC_FUSE=0 captures the eager
-        kernels, to compare). `fallback`: a bucket whose compile fails runs its eager kernels instead (cuda:
-        captured; compile: uncompiled) after one warning line naming the graph, the bucket and the reason
-        (default; FASTSPEC_GRAPH_FALLBACK=0 raises instead, as the test suite does: there a failed compile is
-        a defect to see, not to survive)."""
+                 device: str | torch.device = "cpu", on_bucket: Callable[[str, int], None] | None = None,
+                 fuse: bool | None = None, fallback: bool | None = None):
+        """`on_bucket(name, bs)` is called before a bucket is prepared (a progress line). `fuse` (cuda): capture the
+        Inductor-compiled function (default; FASTSPEC_FUSE=0 captures the eager kernels, to compare). `fallback`: a
+        bucket whose compile fails runs its eager kernels instead (cuda: captured; compile: uncompiled) after one
+        warning line naming the graph, the bucket and the reason (default; FASTSPEC_GRAPH_FALLBACK=0 raises instead,
+        as the test suite does: there a failed compile is a defect to see, not to survive)."""
         if backend not in BACKENDS:
             raise FastspecError(f"unknown graph backend '{backend}' (known: {', '.join(BACKENDS)})")
         if backend == "cuda" and (torch.device(device).type != "cuda" or not torch.cuda.is_available()):

@@ -123,6 +123,11 @@ def _load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str
             tensor.copy_(state[name])
 
 
+def check_target(config: ModelConfig, model_dir: Path) -> None:
+    if config.is_draft:
+        raise FastspecError(f"{model_dir}: {config.architecture} is a draft head, not a target model")
+
+
 def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layers: tuple[int, ...] = (),
                 load_format: str = "auto", quantization: str | None = None,
                 read: tuple[ModelConfig, QuantScheme | None] | None = None) -> CausalLM:
@@ -130,8 +135,7 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
     model on its own blocks, already fused (fastspec.models.gguf_packed). `read`: the checkpoint's config and
     quantisation scheme as start-up read them (fastspec.models.sources); default: read here."""
     config, scheme = read or (read_config(model_dir), checkpoint_scheme(model_dir))
-    if config.is_draft:
-        raise FastspecError(f"{model_dir}: {config.architecture} is a draft head, not a target model")
+    check_target(config, model_dir)
     if any(not 0 <= i <= config.num_layers for i in capture_layers):
         raise FastspecError(f"capture layers {capture_layers} outside 0..{config.num_layers}")
     if quantization == "gguf":
@@ -142,7 +146,7 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
             skeleton = CausalLM(config, capture_layers)
         return load_packed_target(skeleton, model_dir, dtype, device, fast_activation())
     dummy = load_format == "dummy"
-    if scheme is not None and not dummy:  # a quantised checkpoint: kept in its stored form, or dequantised (quantization None)
+    if scheme is not None and not dummy:  # a quantised checkpoint: kept in its stored form, or dequantised (None)
         return _load_quantised(model_dir, config, capture_layers, scheme, dtype, device, quantization is not None)
     with _skip_init(), torch.device(device), default_dtype(dtype if dummy else None):
         model = _keep_routers_float32(CausalLM(config, capture_layers).to(dtype))

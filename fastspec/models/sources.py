@@ -18,7 +18,7 @@ from fastspec.config import check_spec_flags
 from fastspec.errors import FastspecError
 from fastspec.models import hub
 from fastspec.models.hub import check_model_spec
-from fastspec.models.loader import check_draft_fits, read_config, read_draft_config
+from fastspec.models.loader import check_draft_fits, check_target, read_config, read_draft_config
 from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
 from fastspec.models.mtp_loader import check_mtp_fits, mtp_draft, mtp_prefix
 from fastspec.models.quant_config import QuantScheme
@@ -48,8 +48,7 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
     named, algorithm = algorithm, check_spec_flags(algorithm)
     model_dir = resolve_model_dir(model, revision)
     config = read_config(model_dir)
-    if config.is_draft:
-        raise FastspecError(f"{model_dir}: {config.architecture} is a draft head, not a target model")
+    check_target(config, model_dir)
     scheme = checkpoint_scheme(model_dir)
     quantization = resolve_quantization(quantization, model_dir, scheme, device, load_format, algorithm)
     draft_dir = draft_config = None

@@ -39,9 +39,9 @@ class DraftState:
 class EagleDrafter:
     uses_extend = True
 
-    def __init__(self, model, pool: KVPool, table: ReqToTokenTable, allocator: SlotAllocator, num_steps: int, topk: int, num_draft_tokens: int,
-                 feature_width: int, plan: GraphPlan, times=None, extend_topk: int | None = None,
-                 states: dict | None = None):
+    def __init__(self, model, pool: KVPool, table: ReqToTokenTable, allocator: SlotAllocator, num_steps: int,
+                 topk: int, num_draft_tokens: int, feature_width: int, plan: GraphPlan, times=None,
+                 extend_topk: int | None = None, states: dict | None = None):
         """`extend_topk` >= topk and a shared `states` dict let drafters of several tree shapes (a batch-size
         schedule) take turns on the same requests: the extend keeps the top extend_topk, each draft slices it."""
         self.model, self.pool, self.table, self.allocator = model, pool, table, allocator
