@@ -311,11 +311,12 @@ def test_compressed_tensors_dequantises_fp8_blocks_as_fastspec_does():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int4", "fp8", "fp8_block"])
 def test_cuda_kernels_compute_the_stored_forms_weights(kind):
-    """On CUDA: bind chooses tinygemm for 4-bit groups of 128 and W8A8 _scaled_mm for per-channel fp8; each within
-    its activations' rounding (bfloat16 / e4m3 per token) of the stored form dequantised per call."""
-    from fastspec.models.quant_layers import TinyGemmLinear
+    """On CUDA: bind chooses tinygemm for 4-bit groups of 128, W8A8 _scaled_mm for per-channel fp8 and the W8A8
+    block GEMM for 128 x 128 fp8 blocks; each within its activations' rounding (bfloat16 / e4m3 per token or per
+    token and block) of the stored form dequantised per call."""
+    from fastspec.models.quant_layers import Fp8BlockLinear, TinyGemmLinear
 
     gen = torch.Generator().manual_seed(8)
     w, x = torch.randn(256, 512, generator=gen), torch.randn(4, 512, generator=gen)
@@ -323,11 +324,14 @@ def test_cuda_kernels_compute_the_stored_forms_weights(kind):
         q, zero, scale = (torch.randint(0, 16, (256, 512), generator=gen, dtype=torch.uint8),
                           torch.randint(0, 16, (256, 4), generator=gen).float(), torch.rand(256, 4, generator=gen) / 8)
         form = IntWeight(Blocks(q, scale, -zero * scale, 4))
-    else:
+    elif kind == "fp8":
         form = online_form(w, "fp8")
+    else:
+        scale = torch.rand(2, 4, generator=gen).repeat_interleave(128, 0) / 16
+        form = Fp8Weight((w * 16).to(torch.float8_e4m3fn), scale, 128)
     stored = QuantLinear(form).cuda()
     bound = bind(stored, None)
-    assert isinstance(bound, TinyGemmLinear if kind == "int4" else Fp8Linear)
+    assert isinstance(bound, {"int4": TinyGemmLinear, "fp8": Fp8Linear, "fp8_block": Fp8BlockLinear}[kind])
     xc = x.cuda()
     want = stored(xc)
     torch.testing.assert_close(bound(xc).float(), want, atol=0.03 * want.abs().max().item(), rtol=0.03)

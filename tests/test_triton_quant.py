@@ -1,6 +1,7 @@
-"""The byte-coded weight GEMM (fastspec.kernels.triton_quant) in Triton's interpreter (TRITON_INTERPRET=1, set by
-conftest; compiled on a GPU) against its torch twin and against independent decoders: torch's own float8_e4m3fn
-for every e4m3 code, the stored forms' dequantisation for ByteLinear, and plain decoding for a whole model."""
+"""The byte-coded weight GEMM (fastspec.kernels.triton_quant) and the block-fp8 W8A8 GEMM (triton_fp8) in Triton's
+interpreter (TRITON_INTERPRET=1, set by conftest; compiled on a GPU) against their torch twins and against
+independent decoders: torch's own float8_e4m3fn for every e4m3 code, the stored forms' dequantisation for
+ByteLinear, activations rounded group by group for Fp8BlockLinear, and plain decoding for a whole model."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from fastspec.kernels import fp8_block, triton_fp8  # noqa: E402
 from fastspec.kernels import triton_quant as tq  # noqa: E402
 from fastspec.models.gguf_blocks import Blocks  # noqa: E402
-from fastspec.models.quant_layers import ByteLinear, QuantLinear  # noqa: E402
+from fastspec.models.quant_layers import ByteLinear, Fp8BlockLinear, QuantLinear, bind  # noqa: E402
 from fastspec.models.quantise import online_form  # noqa: E402
 from fastspec.models.quant_weights import Fp8Weight, IntWeight  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on CPU
+
+
+def on_device(*args):
+    return [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def test_every_e4m3_code_decodes_as_torch_reads_it():
@@ -22,15 +30,17 @@ def test_every_e4m3_code_decodes_as_torch_reads_it():
     codes = codes[(codes & 0x7F) != 0x7F].view(1, -1)[:, :240]  # 254 finite codes; K a multiple of 16
     w = codes.expand(16, -1).contiguous()
     eye = torch.eye(w.shape[1])
-    y = tq.matmul(eye, w, torch.ones(16, 1), None, w.shape[1], tq.E4M3)
+    y = tq.matmul(*on_device(eye, w, torch.ones(16, 1), None, w.shape[1], tq.E4M3)).cpu()
     assert torch.equal(y[:, 0], codes.view(torch.float8_e4m3fn).float()[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fmt", [tq.E4M3, tq.INT8, tq.UINT4])
 @pytest.mark.parametrize("m, n, k, cols", [(1, 64, 128, 128), (5, 72, 96, 32), (19, 200, 64, 16)])
-def test_kernel_equals_its_twin(fmt, m, n, k, cols):
+def test_kernel_equals_its_twin(fmt, m, n, k, cols, dtype):
     """Partial row and column tiles, several scale columns, offsets where the format has them (float32 rounding:
-    the kernel sums tile by tile)."""
+    the kernel sums tile by tile; float16 activations are dotted in float16 with float32 sums, every code being
+    exact in float16)."""
     gen = torch.Generator().manual_seed(m * n + fmt)
     if fmt == tq.E4M3:
         w = (torch.randn(n, k, generator=gen) * 20).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -40,10 +50,10 @@ def test_kernel_equals_its_twin(fmt, m, n, k, cols):
         w = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
     scale = torch.rand(n, k // cols, generator=gen)
     offset = None if fmt == tq.E4M3 else torch.randn(n, k // cols, generator=gen)
-    x = torch.randn(m, k, generator=gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
     want = tq.matmul_twin(x, w, scale, offset, cols, fmt)
-    torch.testing.assert_close(tq.matmul(x, w, scale, offset, cols, fmt), want, atol=1e-4 * want.abs().max(),
-                               rtol=1e-5)
+    got = tq.matmul(*on_device(x, w, scale, offset, cols, fmt)).cpu()
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max(), rtol=1e-5)
 
 
 def forms():
@@ -62,13 +72,70 @@ def test_byte_linear_computes_the_stored_forms_weights(monkeypatch, name):
     form = forms()[name]
     x = torch.randn(3, 64)
     want = QuantLinear(form)(x)
-    torch.testing.assert_close(ByteLinear(form, None)(x), want, atol=1e-4 * want.abs().max(), rtol=1e-5)
+    got = ByteLinear(form, None).to(DEVICE)(x.to(DEVICE)).cpu()
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["fp8_block", "gptq8"])
-def test_speculation_through_the_byte_kernel_is_lossless(monkeypatch, tiny_dirs, draft_dirs, tmp_path, method):
-    """FASTSPEC_TRITON_QUANT=1: the quantised target's linears run the Triton kernel (interpreted) on CPU; EAGLE-3
-    on it gives plain decoding's tokens on it."""
+def test_activations_are_rounded_per_token_and_group():
+    """Each group of a token's inputs: its largest magnitude becomes +-448 exactly, every value within e4m3's
+    rounding (3 mantissa bits: 1/16 relative, or the subnormal step) of x / scale; a group of zeros stays zero."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 96, generator=gen) * torch.tensor([1e-3, 1.0, 300.0]).repeat_interleave(32)
+    x[2, 32:64] = 0
+    xq, sx = fp8_block.quantise_groups(x, 32)
+    assert xq.dtype == torch.float8_e4m3fn and sx.shape == (3, 3)
+    for m in range(3):
+        for g in range(3):
+            part, q, s = x[m, 32 * g:32 * (g + 1)], xq[m, 32 * g:32 * (g + 1)].float(), sx[m, g].item()
+            if not part.any():
+                assert not q.any()
+                continue
+            assert s == pytest.approx(part.abs().max().item() / 448, rel=1e-6)
+            assert q.abs().max().item() == 448
+            assert ((q - part / s).abs() <= torch.maximum((part / s).abs() / 16, torch.tensor(2.0 ** -9))).all()
+
+
+@pytest.mark.parametrize("m, n, k, group", [(1, 64, 128, 128), (5, 72, 96, 32), (19, 200, 256, 64),
+                                            (3, 130, 320, 128)])
+def test_fp8_block_kernel_equals_its_twin(m, n, k, group):
+    """Partial row, column and group tiles (K = 320: a last group of 64 in a group of 128)."""
+    gen = torch.Generator().manual_seed(m * n)
+    xq, sx = fp8_block.quantise_groups(torch.randn(m, k, generator=gen) * 3, group)
+    w = (torch.randn(n, k, generator=gen) * 20).to(torch.float8_e4m3fn)
+    sw = torch.rand(n, -(-k // group), generator=gen)
+    want = fp8_block.matmul_twin(xq, sx, w, sw, group)
+    got = triton_fp8.matmul(*on_device(xq, sx, w, sw, group, torch.float32)).cpu()  # fp8 tensor cores on sm89+
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_fp8_block_linear_is_w8a8_over_the_stored_form(monkeypatch, kernel):
+    """Fp8BlockLinear against a reference built group by group: x rounded by torch's e4m3 cast per token and 32
+    inputs, times the stored form dequantised (64 x 32 blocks: scales repeated over 64 rows)."""
+    monkeypatch.setenv("FASTSPEC_TRITON_QUANT", "1")
+    gen = torch.Generator().manual_seed(6)
+    scale = torch.rand(2, 3, generator=gen).repeat_interleave(64, 0)
+    form = Fp8Weight((torch.randn(128, 96, generator=gen) * 30).to(torch.float8_e4m3fn), scale, 32)
+    bias, x = torch.randn(128, generator=gen), torch.randn(2, 4, 96, generator=gen)
+    rows = []
+    for token in x.reshape(-1, 96):
+        groups = token.view(3, 32)
+        s = groups.abs().amax(-1, keepdim=True) / 448
+        rows.append(((groups / s).to(torch.float8_e4m3fn).float() * s).reshape(96))
+    want = (torch.stack(rows) @ form.dequantise().t() + bias).view(2, 4, 128)
+    bound = bind(QuantLinear(form, bias).to(DEVICE), None)
+    assert isinstance(bound, Fp8BlockLinear) and bound.kernel in ("triton", "sgl_kernel")
+    got = Fp8BlockLinear(form, bias, kernel).to(DEVICE)(x.to(DEVICE)).cpu()
+    torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=1e-5)
+    exact = x @ form.dequantise().t() + bias
+    assert 0 < (got - exact).abs().max() < 0.1 * exact.abs().max()  # W8A8: the activations' rounding, no more
+
+
+@pytest.mark.parametrize("method, module", [("fp8_block", Fp8BlockLinear), ("gptq8", ByteLinear)])
+def test_speculation_through_the_triton_kernels_is_lossless(monkeypatch, tiny_dirs, draft_dirs, tmp_path, method,
+                                                             module):
+    """FASTSPEC_TRITON_QUANT=1: the quantised target's linears run the Triton kernels (interpreted) on CPU: block fp8
+    W8A8, 8-bit GPTQ as bytes; EAGLE-3 on it gives plain decoding's tokens on it."""
     import fastspec
     from fastspec.sampling import SamplingParams
     from quant_writers import write_quantised
@@ -78,9 +145,9 @@ def test_speculation_through_the_byte_kernel_is_lossless(monkeypatch, tiny_dirs,
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     prompts = [[5, 9, 13, 3, 40]]
     plain = fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="NONE", max_total_tokens=512)
-    assert isinstance(plain.engine.worker.model.model.layers[0].mlp.down_proj, ByteLinear)
+    assert isinstance(plain.engine.worker.model.model.layers[0].mlp.down_proj, module)
     expected = [o.output_ids for o in plain.generate(prompts, params)]
-    llm = fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]),
-                       max_total_tokens=512, tuned=False)
+    llm = fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="EAGLE3",
+                       draft_model=str(draft_dirs["llama"]["eagle3"]), max_total_tokens=512, tuned=False)
     llm.engine.policy = None
     assert [o.output_ids for o in llm.generate(prompts, params)] == expected

@@ -32,11 +32,15 @@ def _sgl_kernel():
     return sgl_kernel
 
 
-def _kernel(name: str, tensor: torch.Tensor):
-    """sgl_kernel.<name> if `tensor` is on CUDA and the installed sgl_kernel provides it, else None."""
-    if not tensor.is_cuda:
+def sgl_kernel_op(name: str, device):
+    """sgl_kernel.<name> for tensors on `device` if it is CUDA and the installed sgl_kernel provides it, else None."""
+    if torch.device(device).type != "cuda":
         return None
     return getattr(_sgl_kernel(), name, None)
+
+
+def _kernel(name: str, tensor: torch.Tensor):
+    return sgl_kernel_op(name, tensor.device)
 
 
 def kernels_backend(device) -> str:

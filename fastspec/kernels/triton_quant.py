@@ -7,7 +7,9 @@ weight instead of two. FORMAT picks the code:
   UINT4  a byte holds two values 0..15, input 2j in its low nibble and 2j + 1 in its high one
 
 One program computes BLOCK_M x BLOCK_N outputs over the whole of K; each K tile lies in one scale column (cols is a
-multiple of BLOCK_K), so the tile's products are scaled once: acc += dot(x, v.T) * scale + sum(x) * offset. The
+multiple of BLOCK_K), so the tile's products are scaled once: acc += dot(x, v.T) * scale + sum(x) * offset. With
+float16 / bfloat16 activations v is cast to their type (every code is exact there) and dotted on tensor cores;
+float32 activations are dotted in float32. Sums are float32 either way. The
 grid depends on shapes alone: capturable. `matmul_twin` is the same arithmetic in torch; tests run both under
 TRITON_INTERPRET=1 on CPU. Knows nothing about checkpoints (fastspec.models.quant_weights makes the bytes).
 """
@@ -24,7 +26,7 @@ E4M3, INT8, UINT4 = 0, 1, 2
 
 
 @triton.jit
-def _decode(raw, FORMAT: tl.constexpr):
+def decode_codes(raw, FORMAT: tl.constexpr):
     """Stored bytes (int32 0..255, one value each) -> float32 values."""
     if FORMAT == 0:  # e4m3: normal (8 + m) * 2^(e - 10) built as float32 bits, subnormal m * 2^-9
         e, m = (raw >> 3) & 15, raw & 7
@@ -38,7 +40,7 @@ def _decode(raw, FORMAT: tl.constexpr):
 
 @triton.jit
 def _byte_gemm_kernel(X, W, S, O, Y, M, N, K, cols, stride_xm, stride_wn, stride_sn, stride_ym,
-            FORMAT: tl.constexpr, HAS_OFFSET: tl.constexpr,
+            FORMAT: tl.constexpr, HAS_OFFSET: tl.constexpr, HALF: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -48,20 +50,23 @@ def _byte_gemm_kernel(X, W, S, O, Y, M, N, K, cols, stride_xm, stride_wn, stride
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
-                    other=0.0).to(tl.float32)  # [BM, BK]
+                    other=0.0)  # [BM, BK]
         wmask = (rn[:, None] < N) & (kk[None, :] < K)
         if FORMAT == 2:  # two values a byte: value k is byte k // 2's low (even k) or high nibble
             raw = tl.load(W + rn[:, None] * stride_wn + kk[None, :] // 2, mask=wmask, other=0).to(tl.int32)
             raw = (raw >> ((kk[None, :] % 2) * 4)) & 15
         else:
             raw = tl.load(W + rn[:, None] * stride_wn + kk[None, :], mask=wmask, other=0).to(tl.int32)
-        v = _decode(raw & 255, FORMAT)  # [BN, BK]
+        v = decode_codes(raw & 255, FORMAT)  # [BN, BK]
         col = k0 // cols
         scale = tl.load(S + rn * stride_sn + col, mask=rn < N, other=0.0)  # [BN]
-        acc += tl.dot(x, tl.trans(v), input_precision="ieee") * scale[None, :]
+        if HALF:  # every code is exact in 16 bits: tensor-core dots, float32 sums
+            acc += tl.dot(x, tl.trans(v.to(x.dtype))) * scale[None, :]
+        else:
+            acc += tl.dot(x.to(tl.float32), tl.trans(v), input_precision="ieee") * scale[None, :]
         if HAS_OFFSET:
             offset = tl.load(O + rn * stride_sn + col, mask=rn < N, other=0.0)
-            acc += tl.sum(x, 1)[:, None] * offset[None, :]
+            acc += tl.sum(x.to(tl.float32), 1)[:, None] * offset[None, :]
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -86,7 +91,8 @@ def matmul(x: torch.Tensor,       # [M, K] float
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _byte_gemm_kernel[grid](x, w, scale, scale if offset is None else offset.contiguous(), y, m, n, k, cols,
                             x.stride(0), w.stride(0), scale.stride(0), y.stride(0), FORMAT=fmt,
-                            HAS_OFFSET=offset is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                            HAS_OFFSET=offset is not None, HALF=x.dtype in (torch.float16, torch.bfloat16),
+                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y
 
 

@@ -4,8 +4,11 @@
                   exact (the weights a dequantising reference computes), the slow twin of the others
   Fp8Linear       W8A8: activations rounded to e4m3 per token at run time, torch._scaled_mm with row-wise scales
                   (CUDA with fp8 tensor cores; on CPU it is the same op's slow reference, used by the tests)
+  Fp8BlockLinear  W8A8 for block fp8: activations rounded to e4m3 per token and block of inputs, sgl-kernel's or
+                  fastspec's Triton block-scaled GEMM (CUDA with fp8 tensor cores)
   TinyGemmLinear  4-bit blocks on CUDA through torch's tinygemm kernel (bfloat16 activations)
-  ByteLinear      any form as bytes decoded inside a Triton GEMM (block fp8, 8-bit and other 4-bit blocks on CUDA)
+  ByteLinear      any form as bytes decoded inside a Triton GEMM (8-bit and other 4-bit blocks on CUDA, block fp8
+                  on a GPU without fp8 tensor cores)
   PermutedLinear  a GPTQ desc_act weight: the inputs gathered into its column order, then its linear
   and on CPU the packed kernels of packed_layers: 4-bit blocks on fastspec's int16 kernel (BlockLinear) or torch's
   int4 one (Int4Linear), 8-bit blocks and fp8 weights (re-rounded to 8 bits per 16 values) on BlockLinear, else a
@@ -21,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.kernels import cpu_q4
+from fastspec.kernels import cpu_q4, fp8_block
 from fastspec.models.gguf_blocks import BLOCK, Blocks, round_8bit
 from fastspec.models.packed_layers import ROW_TILE, BlockLinear, CastLinear, float_dtype, int4_linear
 from fastspec.models.quant_weights import FP8, Fp8Weight, IntWeight, QuantWeight, merge
@@ -91,6 +94,33 @@ class Fp8Linear(nn.Module):
         out = torch.bfloat16 if x.is_cuda else x.dtype  # row-wise scales: bfloat16 output on CUDA
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=out)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Fp8BlockLinear(nn.Module):
+    """y = x @ w.T (+ b), W8A8 for an fp8 weight with a scale per block of inputs (block fp8): x rounded to e4m3 per
+    token and per block of inputs at run time, multiplied in fp8 (fastspec.kernels.fp8_block: sgl-kernel's CUTLASS
+    GEMM, else fastspec's Triton one; the torch twin on CPU)."""
+
+    def __init__(self, form: Fp8Weight, bias: torch.Tensor | None = None, kernel: str | None = None):
+        super().__init__()
+        self.out_features, self.in_features = n, k = form.shape
+        self.group, scale = form.cols, form.scale.float()
+        blocks = scale[::128] if n % 128 == 0 else None  # [N / 128, K / group]: one scale per 128 x 128 block
+        square = blocks is not None and torch.equal(scale, blocks.repeat_interleave(128, 0))
+        self.kernel = kernel or fp8_block.kernel_for(form.weight.device, n, k, self.group, square)
+        self.register_buffer("weight", form.weight)  # e4m3 [N, K]
+        self.register_buffer("scale", (blocks if self.kernel == "sgl_kernel" else scale).contiguous())
+        self.register_buffer("bias", bias)
+
+    @staticmethod
+    def takes(form: Fp8Weight) -> bool:
+        return not form.per_channel and form.cols % 32 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        xq, sx = fp8_block.quantise_groups(x.reshape(-1, self.in_features), self.group)
+        y = torch.ops.fastspec.fp8_block_matmul(xq, sx, self.weight, self.scale, self.group, self.kernel, x.dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -175,16 +205,20 @@ class PermutedLinear(nn.Module):
 
 def bind(linear: QuantLinear, activation: torch.dtype | None) -> nn.Module:
     """The module `linear` runs as where it lives: on CPU (`activation`: packed_layers.fast_activation) a packed
-    kernel where one takes its shape; on CUDA Fp8Linear for a per-channel fp8 weight where the GPU has fp8 tensor
-    cores, TinyGemmLinear for 4-bit groups of 32 to 256, ByteLinear for the rest (block fp8, 8-bit, other 4-bit
-    groups; also on CPU with FASTSPEC_TRITON_QUANT=1, the kernel's tests); else `linear` itself (dequantised per
-    call)."""
+    kernel where one takes its shape; on CUDA where the GPU has fp8 tensor cores Fp8Linear for a per-channel fp8
+    weight and Fp8BlockLinear for block fp8, TinyGemmLinear for 4-bit groups of 32 to 256, ByteLinear for the rest
+    (8-bit, other 4-bit groups, fp8 without fp8 tensor cores); on CPU with FASTSPEC_TRITON_QUANT=1 (the Triton
+    kernels' tests, interpreted) Fp8BlockLinear for block fp8 and ByteLinear for the rest; else `linear` itself
+    (dequantised per call)."""
     form, bias = linear.form, linear.bias
     device = (bias if bias is not None else next(linear.buffers())).device
     if device.type == "cuda" or os.environ.get("FASTSPEC_TRITON_QUANT") == "1":
-        if (isinstance(form, Fp8Weight) and form.per_channel and device.type == "cuda" and form.shape[0] % 16 == 0
-                and form.shape[1] % 16 == 0 and torch.cuda.get_device_capability(device) >= (8, 9)):
+        cores = fp8_block.fp8_tensor_cores(device)
+        if (isinstance(form, Fp8Weight) and form.per_channel and cores and form.shape[0] % 16 == 0
+                and form.shape[1] % 16 == 0):
             return Fp8Linear(form, bias)
+        if isinstance(form, Fp8Weight) and Fp8BlockLinear.takes(form) and (cores or device.type == "cpu"):
+            return Fp8BlockLinear(form, bias)
         if isinstance(form, IntWeight) and device.type == "cuda" and TinyGemmLinear.takes(form.blocks):
             inner = TinyGemmLinear(form.blocks, bias)
         elif ByteLinear.takes(form):
