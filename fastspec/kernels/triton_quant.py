@@ -82,12 +82,12 @@ def matmul(x: torch.Tensor,       # [M, K] float
            w: torch.Tensor,       # uint8 [N, K] (E4M3 / INT8: one byte a value) or [N, K / 2] (UINT4)
            scale: torch.Tensor,   # float32 [N, K / cols]
            offset: torch.Tensor | None,  # float32 [N, K / cols] or None (no offset)
-           cols: int, fmt: int) -> torch.Tensor:  # [M, N] float32
+           cols: int, fmt: int, block_n: int = 64) -> torch.Tensor:  # [M, N] float32
     m, k = x.shape
     n = w.shape[0]
     x, w, scale = x.contiguous(), w.contiguous(), scale.contiguous()
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    bm, bn, bk = 16, 64, block_k(cols, k)
+    bm, bn, bk = 16, block_n, block_k(cols, k)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _byte_gemm_kernel[grid](x, w, scale, scale if offset is None else offset.contiguous(), y, m, n, k, cols,
                             x.stride(0), w.stride(0), scale.stride(0), y.stride(0), FORMAT=fmt,
