@@ -131,6 +131,8 @@ def test_bench_profile_splits_a_plain_step_and_a_round_by_category():
         # difference came out negative on a busy machine (it reads as 0, so the categories leave less)
         left = max(0.0, 1 - sum(by.values()) / p["ms_per_step"])
         assert left - 0.005 <= p["host_share"] <= left + 0.05
+    assert plain["gemm_kernels"]["target"] and "draft" not in plain["gemm_kernels"]
+    assert sum(spec["gemm_kernels"]["draft"].values()) >= 3  # the EAGLE-3 head's fc, attention and MLP projections
     assert plain["steps"] == 16  # the two profiled runs are 16 tokens apart
     assert spec["steps"] == int(spec["steps"]) and 1 <= spec["steps"] <= 16  # whole rounds, a token at least each
 
@@ -141,6 +143,8 @@ def test_profile_step_is_the_difference_of_two_runs_per_step(monkeypatch):
     from collections import Counter
     from types import SimpleNamespace
 
+    import torch
+
     from fastspec.benchmark import profile
 
     runs = {4: (0.30, 0.20, Counter(gemm=0.10, attention=0.05, sampling=0.01, copies=0.04), 400, 6),
@@ -148,13 +152,18 @@ def test_profile_step_is_the_difference_of_two_runs_per_step(monkeypatch):
     monkeypatch.setattr(profile, "_generate", lambda *args: None)
     monkeypatch.setattr(profile, "_recorded", lambda llm, prompt, bs, tokens: runs[tokens])
     for enabled, per in ((False, 16), (True, 8)):  # plain: the 16 tokens asked for; speculative: 16 rounds / bs 2
-        engine = SimpleNamespace(spec=SimpleNamespace(enabled=enabled), config=SimpleNamespace(device="cpu"))
+        worker = SimpleNamespace(model=torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2)),
+                                 draft_model=torch.nn.Linear(2, 2, dtype=torch.bfloat16))
+        engine = SimpleNamespace(spec=SimpleNamespace(enabled=enabled), config=SimpleNamespace(device="cpu"),
+                                 worker=worker)
         p = profile.profile_step(SimpleNamespace(engine=engine), [1, 2, 3], bs=2, steps=16)
         assert (p.device, p.steps) == ("cpu", per)
         assert p.ms_per_step == pytest.approx(800 / per, abs=1e-3) and p.launches_per_step == 800 / per
         expected = {"gemm": 400, "attention": 160, "norm/elementwise": 0, "copies": 0, "sampling": 40, "other": 60}
         assert p.ms_by_category == pytest.approx({c: ms / per for c, ms in expected.items()}, abs=1e-3)  # copies < 0
         assert p.host_share == pytest.approx(1 - 0.64 / 0.80, abs=1e-3)  # wall time without a recorded operator
+        draft = {"draft": {"F.linear bfloat16": 1}} if enabled else {}
+        assert p.gemm_kernels == {"target": {"F.linear float32": 2}} | draft
 
 
 def test_bench_profile_refuses_a_url():

@@ -131,6 +131,24 @@ def test_fp8_block_linear_is_w8a8_over_the_stored_form(monkeypatch, kernel):
     assert 0 < (got - exact).abs().max() < 0.1 * exact.abs().max()  # W8A8: the activations' rounding, no more
 
 
+def test_gemm_kernels_name_what_each_linear_runs(monkeypatch):
+    """bench --profile's names: a stored form left as it is, the Triton kernels bind chooses (a GPTQ desc_act
+    weight's inputs gathered first), a float linear; counted per kernel, inner modules not again."""
+    from fastspec.models.quant_layers import gemm_kernels
+
+    gen = torch.Generator().manual_seed(9)
+    fp8 = forms()["fp8 block"]
+    perm = torch.randperm(64, generator=gen)
+    gptq = IntWeight(forms()["int4 with zeros"].blocks, perm)
+    model = torch.nn.ModuleList([QuantLinear(fp8), QuantLinear(gptq), torch.nn.Linear(4, 4)])
+    assert gemm_kernels(model) == {"dequantised per call, F.linear": 2, "F.linear float32": 1}
+    monkeypatch.setenv("FASTSPEC_TRITON_QUANT", "1")
+    model = torch.nn.ModuleList([bind(QuantLinear(fp8), None), bind(QuantLinear(fp8), None),
+                                 bind(QuantLinear(gptq), None)])
+    assert gemm_kernels(model) == {"fastspec Triton fp8 block GEMM, W8A8 per token and 32 inputs": 2,
+                                   "fastspec Triton byte GEMM (uint4 weights), inputs gathered": 1}
+
+
 @pytest.mark.parametrize("method, module", [("fp8_block", Fp8BlockLinear), ("gptq8", ByteLinear)])
 def test_speculation_through_the_triton_kernels_is_lossless(monkeypatch, tiny_dirs, draft_dirs, tmp_path, method,
                                                              module):

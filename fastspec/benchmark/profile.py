@@ -5,6 +5,7 @@ by the extra steps (plain) or verify rounds (speculative), is one step without t
 recorded kernel (CUDA) or operator (CPU: self time, so nothing counts twice) falls into a category by its name:
 GEMM, attention, norm / elementwise (Inductor's fused kernels), copies, sampling, other. The host's share is the
 part of the wall time the device spends on nothing (CUDA: no kernel running; CPU: no operator running, i.e. Python).
+Each linear of the target and the draft is named by the GEMM kernel it runs (quant_layers.gemm_kernel).
 No printing here: fastspec.cli.bench renders the returned values.
 """
 
@@ -19,6 +20,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from fastspec.errors import FastspecError
+from fastspec.models.quant_layers import gemm_kernels
 from fastspec.sampling.params import SamplingParams
 
 CATEGORIES = ("gemm", "attention", "norm/elementwise", "copies", "sampling", "other")
@@ -47,6 +49,7 @@ class StepProfile:
     ms_by_category: dict      # device (CUDA kernel / CPU operator) time per step, by category
     launches_per_step: float  # CUDA kernels, or CPU operators, per step
     host_share: float         # fraction of the wall time with nothing running on the device
+    gemm_kernels: dict        # {"target" / "draft": {the GEMM kernel a linear runs: how many linears run it}}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -68,7 +71,15 @@ def profile_step(llm, prompt: list[int], bs: int, steps: int = 16) -> StepProfil
     # a noisy machine can make a small category's difference negative: it reads as nothing
     by = {c: round(max(cats_b[c] - cats_a[c], 0.0) / per * 1e3, 3) for c in CATEGORIES}
     return StepProfile(name, _device_kind(llm), round(per, 2), round(wall * 1e3, 3), by,
-                       round((n_b - n_a) / per, 1), round(max(0.0, 1 - busy / wall), 3) if wall > 0 else 0.0)
+                       round((n_b - n_a) / per, 1), round(max(0.0, 1 - busy / wall), 3) if wall > 0 else 0.0,
+                       linear_kernels(llm))
+
+
+def linear_kernels(llm) -> dict[str, dict[str, int]]:
+    """The GEMM kernel each of the target's (and the draft's) linears runs, counted."""
+    worker = llm.engine.worker
+    models = {"target": worker.model, "draft": worker.draft_model if llm.engine.spec.enabled else None}
+    return {name: gemm_kernels(model) for name, model in models.items() if model is not None}
 
 
 def _generate(llm, prompt: list[int], bs: int, tokens: int):

@@ -127,6 +127,9 @@ def bench_profile(baseline, spec, prompt: list[int], sizes: list[int], options: 
         table.add_row(str(bs), "plain" if p.name == "plain step" else "spec", f"{p.ms_per_step:.1f}",
                       f"{p.launches_per_step:.0f}", f"{p.host_share:.0%}", *shares)
     Console().print(table)
+    kernels = {model: counts for _, p in rows for model, counts in p.gemm_kernels.items()}
+    for model, counts in kernels.items():
+        Console().print(f"{model} GEMMs: " + "; ".join(f"{n} x {kernel}" for kernel, n in counts.items()))
 
 
 SHORT = {"gemm": "gemm", "attention": "attn", "norm/elementwise": "norm", "copies": "copy", "sampling": "sample",

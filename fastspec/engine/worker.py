@@ -71,7 +71,7 @@ class Worker:
         track = self.cache is not None and self.states is not None  # save states every interval tokens
         self.producer = Producer(self.eos_ids, self.states, config.mamba_track_interval if track else None)
         self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
-        self._draft_model, self._reserved = models.draft, self.spec.params
+        self.draft_model, self._reserved = models.draft, self.spec.params
         self.futures = FutureMaps(self.table.max_requests, config.device)
         self.backlog = DraftBacklog(config.chunked_prefill_size)  # rows prefill / plain rounds left the draft
         self._release_after: list[Request] = []  # released while in the round in flight (overlap)
@@ -93,7 +93,7 @@ class Worker:
 
     def _drafters(self, plan: GraphPlan) -> dict[SpecParams, Drafter]:
         """SpecParams -> drafter: one per tree shape (several with a batch-size schedule)."""
-        return build_drafters(self.spec, self._draft_model, self.draft_pool, self.table, self.allocator,
+        return build_drafters(self.spec, self.draft_model, self.draft_pool, self.table, self.allocator,
                               self.target.feature_width, plan, self.times)
 
     def _build_rounds(self, drafters: dict[SpecParams, Drafter]) -> None:
@@ -145,7 +145,7 @@ class Worker:
         if spec.num_steps > r.num_steps or spec.topk > r.topk or spec.num_draft_tokens > r.num_draft_tokens:
             raise FastspecError(f"schedule needs up to {spec.params}, the engine reserved {r}")
         self.spec = spec
-        pack_round_rows(self.model, self._draft_model, spec, self.config)
+        pack_round_rows(self.model, self.draft_model, spec, self.config)
         self._plan = self._graph_plan(on_prepare)
         self._build_rounds(self._drafters(self._plan))
 

@@ -48,6 +48,8 @@ def bf16_matmul_is_faster(rows: int = 512, width: int = 576, out: int = 1536, re
 class PackedLinear(nn.Module):
     """y = x @ W.T (+ b); inputs of a prepacked row count use MKL's packed GEMM, others F.linear (inference)."""
 
+    gemm_kernel = "MKL packed GEMM (prepacked row counts), else F.linear"
+
     def __init__(self, linear: nn.Linear, rows: tuple[int, ...]):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

@@ -39,6 +39,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zero", scale_zero.to(activation))  # [K/32, N, 2]
         self.register_buffer("bias", bias)
 
+    @property
+    def gemm_kernel(self) -> str:
+        return f"torch int4 CPU kernel, {str(self.activation).removeprefix('torch.')} activations"
+
     @classmethod
     def from_blocks(cls, blocks: Blocks, activation: torch.dtype = torch.bfloat16,
                     bias: torch.Tensor | None = None) -> Int4Linear:
@@ -73,6 +77,7 @@ class BlockLinear(nn.Module):
     measures both); never the exact reference."""
 
     activation = torch.int16  # what x is rounded to (the module itself takes and returns float32, any float dtype)
+    gemm_kernel = "fastspec CPU block kernel, int16 activations"
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -164,6 +169,10 @@ class RefinedHead(nn.Module):
         super().__init__()
         self.approx, self.table, self.refine = approx, table, refine  # table: ids -> rows [..., H], shared
 
+    @property
+    def gemm_kernel(self) -> str:
+        return f"{self.approx.gemm_kernel}, best {self.refine} rescored exactly"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., V] float32
         flat = x.reshape(-1, x.shape[-1])  # [M, H]
         logits = self.approx(flat).float()[:, :self.table.num_embeddings]  # [M, V] (approx's rows may be padded)
@@ -184,6 +193,10 @@ class CastLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)  # [N, K]
         self.register_buffer("bias", bias)
+
+    @property
+    def gemm_kernel(self) -> str:
+        return f"F.linear {str(self.weight.dtype).removeprefix('torch.')}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)

@@ -35,6 +35,8 @@ FP8_MAX = 448.0  # the largest e4m3 value
 class QuantLinear(nn.Module):
     """y = x @ w.T (+ b) with w dequantised from its stored form on every call (see the module docstring)."""
 
+    gemm_kernel = "dequantised per call, F.linear"
+
     def __init__(self, form: QuantWeight, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = form.shape
@@ -78,6 +80,8 @@ class Fp8Linear(nn.Module):
     """y = x @ w.T (+ b), W8A8: x rounded to e4m3 with a scale per token (max |x| / 448), multiplied in fp8 by
     torch._scaled_mm with the weight's scale per output channel."""
 
+    gemm_kernel = "torch._scaled_mm, fp8 W8A8 per token"
+
     def __init__(self, form: Fp8Weight, bias: torch.Tensor | None = None):
         super().__init__()
         if not form.per_channel:
@@ -102,6 +106,9 @@ class Fp8BlockLinear(nn.Module):
     token and per block of inputs at run time, multiplied in fp8 (fastspec.kernels.fp8_block: sgl-kernel's CUTLASS
     GEMM, else fastspec's Triton one; the torch twin on CPU)."""
 
+    NAMES = {"sgl_kernel": "sgl-kernel fp8_blockwise_scaled_mm", "triton": "fastspec Triton fp8 block GEMM",
+             "torch": "fp8 block GEMM's torch twin"}
+
     def __init__(self, form: Fp8Weight, bias: torch.Tensor | None = None, kernel: str | None = None):
         super().__init__()
         self.out_features, self.in_features = n, k = form.shape
@@ -117,6 +124,10 @@ class Fp8BlockLinear(nn.Module):
     def takes(form: Fp8Weight) -> bool:
         return not form.per_channel and form.cols % 32 == 0
 
+    @property
+    def gemm_kernel(self) -> str:
+        return f"{self.NAMES[self.kernel]}, W8A8 per token and {self.group} inputs"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         xq, sx = fp8_block.quantise_groups(x.reshape(-1, self.in_features), self.group)
         y = torch.ops.fastspec.fp8_block_matmul(xq, sx, self.weight, self.scale, self.group, self.kernel, x.dtype)
@@ -129,6 +140,7 @@ class TinyGemmLinear(nn.Module):
     32 to 256): w = (q - 8) * scale + zero per group, so zero = offset + 8 * scale holds any Blocks exactly."""
 
     GROUPS = (32, 64, 128, 256)
+    gemm_kernel = "torch tinygemm int4 (_weight_int4pack_mm)"
 
     def __init__(self, blocks: Blocks, bias: torch.Tensor | None = None):
         super().__init__()
@@ -183,6 +195,14 @@ class ByteLinear(nn.Module):
         cols = form.cols if isinstance(form, Fp8Weight) else form.blocks.group
         return cols % 16 == 0 and form.shape[1] % 16 == 0
 
+    @property
+    def gemm_kernel(self) -> str:
+        from fastspec.kernels import triton_quant
+
+        code = {triton_quant.E4M3: "e4m3", triton_quant.INT8: "int8", triton_quant.UINT4: "uint4"}[self.fmt]
+        twin = "" if triton_quant.kernel_for(self.w.device) == "triton" else "'s torch twin"
+        return f"fastspec Triton byte GEMM{twin} ({code} weights)"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features)
         y = torch.ops.fastspec.byte_matmul(flat, self.w, self.scale, self.offset, self.cols, self.fmt)
@@ -198,6 +218,10 @@ class PermutedLinear(nn.Module):
         self.register_buffer("perm", perm.long().contiguous())  # int64 [K]
         self.inner = inner
         self.out_features, self.in_features = inner.out_features, inner.in_features
+
+    @property
+    def gemm_kernel(self) -> str:
+        return gemm_kernel(self.inner) + ", inputs gathered"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x.index_select(-1, self.perm))
@@ -251,6 +275,30 @@ def _regroup(blocks: Blocks, group: int) -> Blocks:
         return blocks
     return Blocks(blocks.q, blocks.scale.repeat_interleave(repeat, -1), blocks.offset.repeat_interleave(repeat, -1),
                   blocks.bits)
+
+
+def gemm_kernel(module: nn.Module) -> str | None:
+    """The GEMM kernel a linear module runs (its `gemm_kernel`; F.linear for an nn.Linear), None for other modules."""
+    if isinstance(module, nn.Linear):
+        return f"F.linear {str(module.weight.dtype).removeprefix('torch.')}"
+    return getattr(module, "gemm_kernel", None)
+
+
+def gemm_kernels(model: nn.Module) -> dict[str, int]:
+    """How many of `model`'s linears run each GEMM kernel (`fastspec bench --profile` names them), most used first;
+    a linear's own inner modules are not counted again."""
+    counts: dict[str, int] = {}
+
+    def walk(module: nn.Module) -> None:
+        name = gemm_kernel(module)
+        if name is not None:
+            counts[name] = counts.get(name, 0) + 1
+            return
+        for child in module.children():
+            walk(child)
+
+    walk(model)
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
 def bind_linears(model: nn.Module, activation: torch.dtype | None) -> int:
