@@ -96,6 +96,26 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_an_answer_ended_at_once_without_chat_says_why(monkeypatch, chat):
+    """A chat model given a raw --prompt often ends at once (EOS first): the empty answer comes with a note that
+    --chat applies the template; with --chat, or an answer, no note."""
+    from types import SimpleNamespace
+
+    from fastspec.llm import LLM
+
+    def generate(self, prompts, params, chat=False):
+        return [SimpleNamespace(output_ids=[2], text="", finish_reason="stop"),
+                SimpleNamespace(output_ids=[5, 6], text="Paris", finish_reason="length")]
+
+    monkeypatch.setattr(LLM, "generate", generate)
+    args = ["generate", "--prompt", "Capital of France?", "--prompt", "x", "--max-total-tokens", "512"]
+    result = CliRunner().invoke(app, args + (["--chat"] if chat else []))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "\nParis\n"
+    assert ("--chat applies its chat template" in result.stderr) != chat
+
+
 def test_missing_model_directory_files(tmp_path):
     result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path), "--prompt", "hi"])
     assert result.exit_code == 2 and "has no config.json" in result.stderr

@@ -47,6 +47,10 @@ def generate(
     llm = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)
     outputs = llm.generate(prompts, params, chat=chat)
     notes.show()
+    if (not chat and input_ids is None and llm.tokenizer.chat_template
+            and any(not o.output_ids[:-1] and o.finish_reason == "stop" for o in outputs)):
+        typer.echo("note: the model ended at once (a chat model continues raw text; --chat applies its chat "
+                   "template to --prompt)", err=True)
     if as_json:
         records = [{"output_ids": o.output_ids, "text": o.text, "finish_reason": o.finish_reason,
                     "num_prompt_tokens": len(o.prompt_ids), **o.metrics.as_dict(),
