@@ -149,23 +149,32 @@ def test_gemm_kernels_name_what_each_linear_runs(monkeypatch):
                                    "fastspec Triton byte GEMM (uint4 weights), inputs gathered": 1}
 
 
-@pytest.mark.parametrize("method, module", [("fp8_block", Fp8BlockLinear), ("gptq8", ByteLinear)])
+@pytest.mark.parametrize("method, family, algorithm, graphs, kernel", [
+    ("fp8_block", "llama", "EAGLE3", "eager", "fastspec Triton fp8 block GEMM"),
+    ("fp8_block", "llama", "EAGLE3", "compile", "fastspec Triton fp8 block GEMM"),
+    ("fp8_block", "deepseek_v3", "NGRAM", "eager", "fastspec Triton fp8 block GEMM"),
+    ("gptq8", "llama", "EAGLE3", "eager", "fastspec Triton byte GEMM")])
 def test_speculation_through_the_triton_kernels_is_lossless(monkeypatch, tiny_dirs, draft_dirs, tmp_path, method,
-                                                             module):
+                                                             family, algorithm, graphs, kernel):
     """FASTSPEC_TRITON_QUANT=1: the quantised target's linears run the Triton kernels (interpreted) on CPU: block fp8
-    W8A8, 8-bit GPTQ as bytes; EAGLE-3 on it gives plain decoding's tokens on it."""
+    W8A8 (DeepSeek-V3's MLA and MoE experts too), 8-bit GPTQ as bytes; speculation on it, eager or compiled
+    fullgraph (the ops are opaque to the compiler, the activations' rounding is traced), gives plain decoding's
+    tokens on it."""
     import fastspec
+    from fastspec.models.quant_layers import gemm_kernels
     from fastspec.sampling import SamplingParams
     from quant_writers import write_quantised
 
     monkeypatch.setenv("FASTSPEC_TRITON_QUANT", "1")
-    write_quantised(tiny_dirs["llama"][1], tmp_path / "m", method)
+    write_quantised(tiny_dirs[family][1], tmp_path / "m", method)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    prompts = [[5, 9, 13, 3, 40]]
+    prompts = [[5, 9, 13, 3, 40], [7, 7, 8, 7, 7, 8, 7]]
     plain = fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="NONE", max_total_tokens=512)
-    assert isinstance(plain.engine.worker.model.model.layers[0].mlp.down_proj, module)
+    assert any(name.startswith(kernel) for name in gemm_kernels(plain.engine.worker.model))
     expected = [o.output_ids for o in plain.generate(prompts, params)]
-    llm = fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="EAGLE3",
-                       draft_model=str(draft_dirs["llama"]["eagle3"]), max_total_tokens=512, tuned=False)
+    draft = str(draft_dirs[family]["eagle3"]) if algorithm == "EAGLE3" else None
+    llm = fastspec.LLM(str(tmp_path / "m"), speculative_algorithm=algorithm, draft_model=draft, max_total_tokens=512,
+                       tuned=False, graphs=graphs, cuda_graph_bs=(1, 2))
     llm.engine.policy = None
-    assert [o.output_ids for o in llm.generate(prompts, params)] == expected
+    outputs = llm.generate(prompts, params)
+    assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
