@@ -39,7 +39,8 @@ from gpu_decode import copy_bandwidth, release
 
 from fastspec.kernels import fp8_block
 from fastspec.models.gguf_blocks import Blocks
-from fastspec.models.quant_layers import ByteLinear, Fp8BlockLinear, Fp8Linear, QuantLinear, TinyGemmLinear
+from fastspec.models.cuda_linears import ByteLinear, Fp8BlockLinear, Fp8Linear, TinyGemmLinear
+from fastspec.models.quant_layers import QuantLinear
 from fastspec.models.quantise import online_form
 from fastspec.models.quant_weights import Fp8Weight, IntWeight
 

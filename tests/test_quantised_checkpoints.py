@@ -14,7 +14,8 @@ from fastspec.models.gguf_blocks import Blocks
 from fastspec.models.layers import fuse_projections
 from fastspec.models.loader import load_target
 from fastspec.models.quant_config import read_scheme
-from fastspec.models.quant_layers import Fp8Linear, QuantLinear, bind
+from fastspec.models.cuda_linears import Fp8Linear
+from fastspec.models.quant_layers import QuantLinear, bind
 from fastspec.models.quantise import online_form
 from fastspec.models.quant_weights import Fp8Weight, IntWeight, unpack_int32
 from fastspec.sampling import SamplingParams
@@ -316,7 +317,7 @@ def test_cuda_kernels_compute_the_stored_forms_weights(kind):
     """On CUDA: bind chooses tinygemm for 4-bit groups of 128, W8A8 _scaled_mm for per-channel fp8 and the W8A8
     block GEMM for 128 x 128 fp8 blocks; each within its activations' rounding (bfloat16 / e4m3 per token or per
     token and block) of the stored form dequantised per call."""
-    from fastspec.models.quant_layers import Fp8BlockLinear, TinyGemmLinear
+    from fastspec.models.cuda_linears import Fp8BlockLinear, TinyGemmLinear
 
     gen = torch.Generator().manual_seed(8)
     w, x = torch.randn(256, 512, generator=gen), torch.randn(4, 512, generator=gen)

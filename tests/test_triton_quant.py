@@ -13,7 +13,8 @@ triton = pytest.importorskip("triton")
 from fastspec.kernels import fp8_block, triton_fp8  # noqa: E402
 from fastspec.kernels import triton_quant as tq  # noqa: E402
 from fastspec.models.gguf_blocks import Blocks  # noqa: E402
-from fastspec.models.quant_layers import ByteLinear, Fp8BlockLinear, QuantLinear, bind  # noqa: E402
+from fastspec.models.cuda_linears import ByteLinear, Fp8BlockLinear  # noqa: E402
+from fastspec.models.quant_layers import QuantLinear, bind  # noqa: E402
 from fastspec.models.quantise import online_form  # noqa: E402
 from fastspec.models.quant_weights import Fp8Weight, IntWeight  # noqa: E402
 

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from fastspec.errors import FastspecError
+from fastspec.kernels.fp8_block import FP8
 from fastspec.models.gguf_blocks import Blocks
 from fastspec.models.quant_config import QuantScheme
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (within 8) held by nibble i of an AWQ word
-FP8 = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ from torch import nn
 from fastspec.models.gguf_blocks import BLOCK, Blocks, quantise_rows
 from fastspec.models.moe import Experts, LinearExperts
 from fastspec.models.packed_layers import ROW_TILE, TENSOR_LINEARS, RefinedHead, int4_linear
-from fastspec.models.quant_layers import FP8_MAX, QuantLinear, bind_linears
-from fastspec.models.quant_weights import FP8, Fp8Weight, IntWeight, QuantWeight
+from fastspec.kernels.fp8_block import FP8, FP8_MAX
+from fastspec.models.quant_layers import QuantLinear, bind_linears
+from fastspec.models.quant_weights import Fp8Weight, IntWeight, QuantWeight
 
 ONLINE = ("fp8", "int8", "int4")
 
