@@ -1,5 +1,5 @@
 """Tree shapes at batch 1 against plain decoding, end to end, on the embedded model and its EAGLE-3 head: what the
-CPU default tree (fastspec.config._AUTO_SPEC_CPU) is chosen by.
+CPU default tree (fastspec.spec_config._AUTO_SPEC_CPU) is chosen by.
 
     .venv/bin/python bench/bench_shapes.py [--shapes 5,4,8 --shapes 3,2,4 ...] [--trials 3] [--max-new-tokens 96]
         [--output bench/results/shapes.json]

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import fastspec
-from fastspec.config import SpecParams
 from fastspec.models.embedded import DEFAULT_MODEL, embedded_head
 from fastspec.prompts import load_prompts
 from fastspec.sampling import SamplingParams
+from fastspec.spec_config import SpecParams
 from fastspec.speculative.tuned import read_tuned, tuned_path
 from fastspec.tune.replay import record, replay_tau
 from fastspec.tune.tuner import Candidate, TuneConfig, TuneResult, _run, tune

@@ -32,11 +32,12 @@ from typing import Callable
 import torch
 
 import fastspec
-from fastspec.config import EngineConfig, NgramParams
+from fastspec.config import EngineConfig
 from fastspec.errors import FastspecError
 from fastspec.models.embedded import find_embedded_gguf
 from fastspec.models.sources import resolve_model_dir
 from fastspec.sampling import SamplingParams
+from fastspec.spec_config import NgramParams
 from fastspec.text.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"

@@ -11,11 +11,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-from fastspec.config import EngineConfig, Schedule, SpecConfig, check_spec_flags
+from fastspec.config import EngineConfig
 from fastspec.engine.engine import Engine, collect
 from fastspec.models.embedded import default_speculation
 from fastspec.models.sources import resolve_sources
 from fastspec.sampling.params import SamplingParams
+from fastspec.spec_config import Schedule, SpecConfig, check_spec_flags
 from fastspec.speculative.tuned import find_schedule, weights_label
 from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.text.tokenizer import Tokenizer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastspec.config import NgramParams
+from fastspec.spec_config import NgramParams
 from fastspec.speculative.ngram import NgramCache
 
 

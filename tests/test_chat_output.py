@@ -95,7 +95,7 @@ def test_a_resized_terminal_is_followed():
 
 
 def test_the_banner_says_what_decodes_at_batch_1():
-    from fastspec.config import SpecConfig, SpecParams
+    from fastspec.spec_config import SpecConfig, SpecParams
     from fastspec.text.conversation import decoding
 
     eagle = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model="head", num_steps=3, topk=2,
@@ -137,7 +137,7 @@ def test_warming_up_before_the_prompt_leaves_no_trace():
 def test_stats_say_what_decodes_and_the_acceptance_even_when_nothing_was_accepted():
     from types import SimpleNamespace
 
-    from fastspec.config import SpecConfig
+    from fastspec.spec_config import SpecConfig
     from fastspec.text.conversation import ChatSession, TurnStats
     from fastspec.utils.metrics import SpecMetrics
 

@@ -223,7 +223,7 @@ def test_a_tuned_file_is_keyed_by_the_quantization(embedded_dir, tmp_path, monke
     from pathlib import Path
 
     import fastspec
-    from fastspec.config import SpecParams
+    from fastspec.spec_config import SpecParams
     from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path, weights_label
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))

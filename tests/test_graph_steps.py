@@ -10,9 +10,10 @@ import torch
 from conftest import all_slots_free
 from test_speculative import PROMPTS, reference
 
-from fastspec.config import EngineConfig, SpecConfig
+from fastspec.config import EngineConfig
 from fastspec.engine.engine import Engine
 from fastspec.sampling import SamplingParams
+from fastspec.spec_config import SpecConfig
 from fastspec.speculative.steps import TREE_FIELDS, draft_extend, draft_loop
 
 BUCKETS = (1, 4)

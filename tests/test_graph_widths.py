@@ -67,9 +67,10 @@ def test_a_generation_past_several_former_kv_widths_compiles_nothing_new(tmp_pat
     from torch._dynamo.utils import counters
 
     import fastspec
-    from fastspec.config import EngineConfig, SpecConfig
+    from fastspec.config import EngineConfig
     from fastspec.engine.engine import Engine
     from fastspec.sampling import SamplingParams
+    from fastspec.spec_config import SpecConfig
 
     make_hf_model("llama", max_position_embeddings=1024).save_pretrained(tmp_path)
     prepared = []

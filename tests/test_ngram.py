@@ -10,8 +10,8 @@ import pytest
 import torch
 from ngram_helpers import cache_of, node_depths, occurs, trie_ngrams
 
-from fastspec.config import NgramParams
 from fastspec.errors import FastspecError
+from fastspec.spec_config import NgramParams
 from fastspec.speculative.ngram import NgramCache, NgramDrafter
 from fastspec.speculative.tree import tree_from_parents, verify_greedy
 

@@ -158,7 +158,7 @@ def test_fr_spec_token_map_keeps_greedy_lossless(tiny_dirs, draft_dirs, tmp_path
 
 
 def test_topk_one_forces_a_chain(tiny_dirs):
-    from fastspec.config import SpecConfig, SpecParams
+    from fastspec.spec_config import SpecConfig, SpecParams
 
     spec = SpecConfig.resolve("EAGLE", "LlamaForCausalLM", draft_model="x", num_steps=4, topk=1, num_draft_tokens=9)
     assert spec.num_draft_tokens == 5

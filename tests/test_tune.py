@@ -10,9 +10,9 @@ from conftest import all_slots_free
 from test_train import chat_target, prompt_file, tiny_config  # noqa: F401  (fixtures)
 
 import fastspec
-from fastspec.config import SpecParams
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
+from fastspec.spec_config import SpecParams
 from fastspec.train.trainer import train_draft
 from fastspec.tune.replay import candidate_params, record, replay_tau
 
@@ -74,7 +74,7 @@ def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head
     """Tiers: bs 1 a chain, bs 2 plain, bs 3+ a tree; requests of different lengths finish at different
     times, so rounds move between all three tiers while requests keep their draft state (under overlap, a round
     launched ahead may take another tier's shape than the round in flight)."""
-    from fastspec.config import SpecConfig
+    from fastspec.spec_config import SpecConfig
 
     prompts = PROMPTS + [[1, 70, 71, 72]]
     lengths = [64, 8, 25, 14, 33]  # the longest runs alone for a while: every tier is used
@@ -183,11 +183,11 @@ def test_a_draft_the_schedule_never_uses_at_the_engines_batch_sizes_is_not_loade
                [{"max_batch_size": 1, "params": None}, {"max_batch_size": 4, "params": [3, 2, 5]}])
     kwargs = dict(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head))
     alone = fastspec.LLM(**kwargs, max_running_requests=1)
-    assert not alone.engine.spec.enabled and alone.engine.worker._draft_model is None
+    assert not alone.engine.spec.enabled and alone.engine.worker.draft_model is None
     assert decoding(alone.planned_spec, False) == "EAGLE3 · plain at batch 1 (tuned)"
     batched = fastspec.LLM(**kwargs, max_running_requests=4)
     assert batched.engine.spec.schedule == ((1, None), (4, SpecParams(3, 2, 5)))
-    assert batched.engine.worker._draft_model is not None
+    assert batched.engine.worker.draft_model is not None
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     plain = fastspec.LLM(model=str(chat_target), speculative_algorithm="NONE").generate(PROMPTS[:1], params)
     assert alone.generate(PROMPTS[:1], params)[0].output_ids == plain[0].output_ids

@@ -71,8 +71,9 @@ class ModelOptions:
     def validate(self) -> None:
         """Every check these flags allow without reading a model, a tuned file or a checkpoint, so that bad
         input fails first, in one line, whatever the cache holds."""
-        from fastspec.config import EngineConfig, check_spec_flags
+        from fastspec.config import EngineConfig
         from fastspec.models.hub import check_model_spec
+        from fastspec.spec_config import check_spec_flags
 
         if self.disable_overlap_schedule and self.overlap_schedule == "on":
             raise FastspecError("--disable-overlap-schedule contradicts --overlap-schedule on: give one of them")
@@ -97,7 +98,7 @@ class ModelOptions:
         engine's config, which imports torch to see a GPU)."""
         ngram = None
         if (self.speculative_algorithm or "").upper() == "NGRAM":
-            from fastspec.config import NgramParams
+            from fastspec.spec_config import NgramParams
 
             prefix = "speculative_ngram_"
             ngram = NgramParams(**{f.name[len(prefix):]: getattr(self, f.name) for f in fields(self)

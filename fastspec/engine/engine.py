@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from fastspec.config import EngineConfig, SpecConfig
+from fastspec.config import EngineConfig
 from fastspec.engine.scheduler import Request, Scheduler
 from fastspec.engine.worker import Worker
 from fastspec.errors import FastspecError
@@ -21,6 +21,7 @@ from fastspec.models.sources import ModelSources
 from fastspec.sampling.draw import make_generator
 from fastspec.sampling.grammar import GrammarCompiler
 from fastspec.sampling.params import SamplingParams
+from fastspec.spec_config import SpecConfig
 from fastspec.utils.metrics import SpecMetrics
 
 

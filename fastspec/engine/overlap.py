@@ -18,11 +18,11 @@ from concurrent.futures import Future
 
 import torch
 
-from fastspec.config import SpecParams
 from fastspec.engine.produce import RoundOutput, StepResult
 from fastspec.engine.scheduler import Request
 from fastspec.engine.spec_rounds import SpecRounds
 from fastspec.sampling.controls import active as controls_active
+from fastspec.spec_config import SpecParams
 from fastspec.speculative.future import PendingRound
 from fastspec.speculative.policy import SpecPolicy, record_round
 from fastspec.utils.metrics import PhaseTimes

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastspec.config import EngineConfig, SpecConfig
+from fastspec.config import EngineConfig
 from fastspec.engine.prefix_cache import PrefixCache
 from fastspec.errors import FastspecError
 from fastspec.graphs import size_varies
@@ -21,6 +21,7 @@ from fastspec.memory.kv_pool import KVPool
 from fastspec.memory.req_table import ReqToTokenTable
 from fastspec.memory.state_pool import StatePool
 from fastspec.models.model_config import ModelConfig
+from fastspec.spec_config import SpecConfig
 
 CHECKPOINTS_PER_ROW = 8  # hybrid targets with the prefix cache: saved states per running-request row
 INITIAL_KV_TOKENS = 256  # a growing pool's first capacity (whole pages): a short prompt and answer

@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from fastspec.config import SpecConfig, SpecParams
 from fastspec.engine.produce import Producer, RoundOutput
 from fastspec.engine.scheduler import Request
 from fastspec.engine.slots import BatchSlots
@@ -20,6 +19,7 @@ from fastspec.engine.target import Target
 from fastspec.errors import FastspecError
 from fastspec.graphs.step_graphs import StepGraphs
 from fastspec.sampling.draw import SamplingTensors, draw_uniforms
+from fastspec.spec_config import SpecConfig, SpecParams
 from fastspec.speculative.batch import DecodeBatch
 from fastspec.speculative.drafter import Drafter
 from fastspec.speculative.future import FutureMaps, PendingRound, start_readback

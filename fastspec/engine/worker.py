@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from fastspec.attention import make_backend
-from fastspec.config import EngineConfig, SpecConfig, SpecParams
+from fastspec.config import EngineConfig
 from fastspec.engine.overlap import OverlapSchedule
 from fastspec.engine.plain_rounds import PlainRounds
 from fastspec.engine.pools import build_memory
@@ -38,6 +38,7 @@ from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
 from fastspec.models.assemble import load_models, pack_round_rows
 from fastspec.models.mla import mla_softmax_scale
 from fastspec.models.sources import ModelSources, resolve_sources
+from fastspec.spec_config import SpecConfig, SpecParams
 from fastspec.speculative.backlog import DraftBacklog
 from fastspec.speculative.drafter import Drafter, build_drafters
 from fastspec.speculative.future import FutureMaps

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fastspec.config import EngineConfig, SpecConfig
+from fastspec.config import EngineConfig
 from fastspec.kernels.cpu_linear import can_prepack, prepack_linears, trim_host_heap
 from fastspec.models.causal_lm import CausalLM, eagle3_capture_layers
 from fastspec.models.eagle import StandaloneDraft
@@ -25,6 +25,7 @@ from fastspec.models.loader import load_draft, load_target
 from fastspec.models.mtp_loader import load_mtp, mtp_prefix
 from fastspec.models.quantise import ONLINE, quantise_target
 from fastspec.models.sources import DRAFTED, ModelSources
+from fastspec.spec_config import SpecConfig
 
 PREPACK_BS = (1, 2, 4)  # each packed row count is one more copy of the weights: only the small batches
 

@@ -14,7 +14,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastspec.config import check_spec_flags
 from fastspec.errors import FastspecError
 from fastspec.models import hub
 from fastspec.models.hub import check_model_spec
@@ -23,6 +22,7 @@ from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
 from fastspec.models.mtp_loader import check_mtp_fits, mtp_draft, mtp_prefix
 from fastspec.models.quant_config import QuantScheme
 from fastspec.models.quant_loader import checkpoint_scheme
+from fastspec.spec_config import check_spec_flags
 
 DRAFTED = ("EAGLE", "EAGLE3", "STANDALONE")  # the algorithms with a draft model
 

@@ -11,8 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from fastspec.config import SpecConfig, SpecParams
 from fastspec.graphs.step_graphs import GraphPlan
+from fastspec.spec_config import SpecConfig, SpecParams
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.eagle_drafter import EagleDrafter
 from fastspec.speculative.ngram import NgramTreeDrafter

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fastspec.config import SpecParams
+from fastspec.spec_config import SpecParams
 
 
 class FutureMaps:

@@ -15,8 +15,8 @@ from itertools import count
 
 import torch
 
-from fastspec.config import NgramParams
 from fastspec.errors import FastspecError
+from fastspec.spec_config import NgramParams
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.tree import DraftTree, tree_from_parents
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fastspec.config import Schedule, SpecParams, check_tree
 from fastspec.errors import FastspecError
+from fastspec.spec_config import Schedule, SpecParams, check_tree
 from fastspec.utils import threads
 from fastspec.utils.cache import cache_root
 from fastspec.utils.files import write_atomic

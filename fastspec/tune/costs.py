@@ -19,11 +19,11 @@ from functools import partial
 
 import torch
 
-from fastspec.config import SpecParams
 from fastspec.errors import FastspecError
 from fastspec.graphs import GraphRunner, StaticInput
 from fastspec.kernels.cpu_linear import PackedLinear, prepack_linears
 from fastspec.models.assemble import PREPACK_BS
+from fastspec.spec_config import SpecParams
 from fastspec.speculative.steps import draft_extend, draft_loop, target_forward
 
 

@@ -16,8 +16,8 @@ import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend
 from fastspec.attention.torch_backend import block_plan
-from fastspec.config import SpecParams
 from fastspec.memory import KVPool
+from fastspec.spec_config import SpecParams
 from fastspec.speculative.steps import draft_candidates, draft_top_k
 from fastspec.speculative.tree import build_tree, organize_draft_results, verify_predicted
 from fastspec.train.data import PackedCausalAttention

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from fastspec.config import SpecParams
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
+from fastspec.spec_config import SpecParams
 from fastspec.tune.costs import CostModel
 from fastspec.tune.replay import candidate_params, record, replay_tau
 

@@ -1,0 +1,191 @@
+"""Frozen speculative-decoding configuration: the algorithm, the draft-tree shape (SGLang's auto rules, resolved
+once by `SpecConfig.resolve`), NGRAM's trie parameters and the per-batch-size schedule `fastspec tune` writes.
+Checks every flag that needs no model (`check_spec_flags`, `check_tree`); imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fastspec.errors import FastspecError
+
+SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
+# SGLang's auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) by target architecture
+_AUTO_SPEC = {"LlamaForCausalLM": (5, 4, 8), "DeepseekV2ForCausalLM": (3, 1, 4), "DeepseekV3ForCausalLM": (3, 1, 4)}
+_AUTO_SPEC_FALLBACK = (3, 1, 4)
+# On a CPU a verify of N tokens is not free as on a GPU (a GEMM over 8 rows costs more than a one-row GEMV), so
+# Llama's wide default does not pay there; bench/bench_shapes.py ranks the shapes, `fastspec tune` measures them.
+_AUTO_SPEC_CPU = {"LlamaForCausalLM": (2, 2, 3)}
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """One draft-tree shape."""
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+
+MATCH_TYPES = ("BFS", "PROB")
+
+
+@dataclass(frozen=True)
+class NgramParams:
+    """SGLang's speculative_ngram_* flags. Windows are n-gram lengths matched against the context's tail;
+    branch_length is the longest trie path (window + proposal); breadths bound children per tree level."""
+
+    min_match_window_size: int = 1
+    max_match_window_size: int = 12
+    min_bfs_breadth: int = 1
+    max_bfs_breadth: int = 10
+    match_type: str = "BFS"     # "BFS": breadth-limited BFS | "PROB": best-first by path probability
+    branch_length: int = 18
+    capacity: int = 1_000_000   # max trie nodes per cache; the least recently seen n-grams are evicted beyond it
+
+    def __post_init__(self):
+        checks = (
+            (self.min_match_window_size >= 1, "ngram min_match_window_size must be >= 1"),
+            (self.min_match_window_size <= self.max_match_window_size,
+             "ngram min_match_window_size must be <= max_match_window_size"),
+            (self.max_match_window_size < self.branch_length,
+             "ngram max_match_window_size must be < branch_length (a matched window needs room to continue)"),
+            (self.min_bfs_breadth >= 1, "ngram min_bfs_breadth must be >= 1"),
+            (self.min_bfs_breadth <= self.max_bfs_breadth, "ngram min_bfs_breadth must be <= max_bfs_breadth"),
+            (self.match_type in MATCH_TYPES, f"ngram match_type must be one of {', '.join(MATCH_TYPES)}"),
+            (self.capacity >= self.branch_length, "ngram capacity must be >= branch_length"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise FastspecError(f"{message} (got {self})")
+
+    @property
+    def bfs_breadth_scale(self) -> float:  # breadth lost per window size below the max and per tree level
+        windows = self.max_match_window_size - self.min_match_window_size + 1
+        return (self.max_bfs_breadth - self.min_bfs_breadth) / windows
+
+
+Schedule = tuple[tuple[int, "SpecParams | None"], ...]  # (up to this batch size, params or None = decode plainly)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding parameters, fully resolved (SGLang's rules) by `resolve`."""
+
+    algorithm: str = "NONE"
+    draft_model: str | None = None
+    num_steps: int = 0
+    topk: int = 0
+    num_draft_tokens: int = 0
+    accept_threshold_single: float = 1.0
+    accept_threshold_acc: float = 1.0
+    token_map: str | None = None
+    ngram: NgramParams | None = None  # NGRAM's trie parameters
+    schedule: Schedule = ()  # per batch-size tiers (`fastspec tune`); num_steps / topk / N are then their maxima
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm != "NONE"
+
+    @property
+    def params(self) -> SpecParams:
+        return SpecParams(self.num_steps, self.topk, self.num_draft_tokens)
+
+    @property
+    def tiers(self) -> list[SpecParams]:
+        """The distinct tree shapes the engine may run (one without a schedule)."""
+        if not self.schedule:
+            return [self.params]
+        return list(dict.fromkeys(p for _, p in self.schedule if p is not None))
+
+    def params_for(self, bs: int) -> SpecParams | None:
+        """The tree shape for a round of `bs` requests, or None to decode plainly."""
+        for max_bs, params in self.schedule:
+            if bs <= max_bs:
+                return params
+        return self.schedule[-1][1] if self.schedule else self.params
+
+    def with_schedule(self, schedule: Schedule) -> SpecConfig:
+        """This config switching tree shapes by batch size; memory is sized for the largest of each."""
+        tiers = [p for _, p in schedule if p is not None]
+        if self.algorithm not in ("EAGLE", "EAGLE3") or not tiers:
+            raise FastspecError("a batch-size schedule needs EAGLE / EAGLE3 and at least one speculative tier")
+        for p in tiers:
+            check_tree(p.num_steps, p.topk, p.num_draft_tokens)
+        return dataclasses.replace(self, schedule=tuple(sorted(schedule, key=lambda t: t[0])),
+                                   num_steps=max(p.num_steps for p in tiers), topk=max(p.topk for p in tiers),
+                                   num_draft_tokens=max(p.num_draft_tokens for p in tiers))
+
+    @classmethod
+    def resolve(cls, algorithm: str | None, target_arch: str, *, draft_model=None, num_steps=None, topk=None,
+                num_draft_tokens=None, accept_threshold_single=1.0, accept_threshold_acc=1.0, token_map=None,
+                ngram=None, device: str = "cuda") -> SpecConfig:
+        """SGLang's rules; on a CPU `device` the tree flags left unset default to the CPU's measured shape."""
+        algo = check_spec_flags(algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
+                                accept_threshold_acc)
+        common = dict(algorithm=algo, accept_threshold_single=accept_threshold_single,
+                      accept_threshold_acc=accept_threshold_acc)
+        if algo == "NONE":
+            return cls(**common)
+        if algo == "NGRAM":
+            return cls._resolve_ngram(common, ngram, num_steps, topk, num_draft_tokens)
+        if draft_model is None:
+            raise FastspecError(f"{algo} needs a draft model (--speculative-draft-model-path / --draft)")
+        if algo != "EAGLE" and token_map is not None:
+            token_map = None  # SGLang ignores --speculative-token-map except for EAGLE (EAGLE-3 has d2t)
+        steps, k, n = _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens, device == "cpu")
+        return cls(draft_model=draft_model, num_steps=steps, topk=k, num_draft_tokens=n, token_map=token_map,
+                   **common)
+
+    @classmethod
+    def _resolve_ngram(cls, common, ngram, num_steps, topk, num_draft_tokens) -> SpecConfig:
+        ngram = ngram or NgramParams()
+        n = num_draft_tokens or ngram.max_match_window_size
+        if n < 2:
+            raise FastspecError(f"--speculative-num-draft-tokens must be >= 2 for NGRAM, got {n}")
+        return cls(num_steps=n - 1, topk=ngram.max_bfs_breadth, num_draft_tokens=n, ngram=ngram, **common)
+
+
+def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: int | None = None,
+                     num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
+                     accept_threshold_acc: float = 1.0) -> str:
+    """The canonical algorithm name, after every check that needs no model: the name, the thresholds, and the
+    tree flags as far as they are given (whether a partial shape is feasible depends on the target's defaults,
+    which `resolve` checks)."""
+    algo = (algorithm or "NONE").upper()
+    algo = "EAGLE" if algo == "NEXTN" else algo
+    if algo not in SPEC_ALGORITHMS:
+        raise FastspecError(f"unknown speculative algorithm {algorithm!r}; choose one of "
+                            f"{', '.join(SPEC_ALGORITHMS)} (NEXTN = EAGLE)")
+    for name, value in (("accept-threshold-single", accept_threshold_single),
+                        ("accept-threshold-acc", accept_threshold_acc)):
+        if not 0 <= value <= 1:
+            raise FastspecError(f"--speculative-{name} must be in [0, 1], got {value}")
+    for name, value, least in (("num-steps", num_steps, 1), ("eagle-topk", topk, 1),
+                               ("num-draft-tokens", num_draft_tokens, 2)):
+        if value is not None and value < least:
+            raise FastspecError(f"--speculative-{name} must be >= {least}, got {value}")
+    if algo in ("EAGLE", "EAGLE3", "STANDALONE") and None not in (num_steps, topk, num_draft_tokens):
+        check_tree(num_steps, topk, num_steps + 1 if topk == 1 else num_draft_tokens)
+    return algo
+
+
+def _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens, cpu=False) -> tuple[int, int, int]:
+    auto = _AUTO_SPEC_FALLBACK if algo == "STANDALONE" else _AUTO_SPEC.get(target_arch, _AUTO_SPEC_FALLBACK)
+    auto = _AUTO_SPEC_CPU.get(target_arch, auto) if cpu and algo != "STANDALONE" else auto
+    steps = num_steps if num_steps is not None else auto[0]
+    k = topk if topk is not None else auto[1]
+    n = num_draft_tokens if num_draft_tokens is not None else auto[2]
+    if k == 1:
+        n = steps + 1  # a chain: SGLang forces num_draft_tokens = num_steps + 1
+    check_tree(steps, k, n)
+    return steps, k, n
+
+
+def check_tree(steps: int, k: int, n: int) -> None:
+    if steps < 1 or k < 1:
+        raise FastspecError(f"--speculative-num-steps and --speculative-eagle-topk must be >= 1, got {steps}, {k}")
+    capacity = 1 + k + (steps - 1) * k * k  # root + every candidate the top-k expansion produces
+    if not 2 <= n <= capacity or (k == 1 and n != steps + 1):
+        raise FastspecError(f"--speculative-num-draft-tokens={n} is infeasible with num_steps={steps}, topk={k}: "
+                            f"it must be in [2, {capacity}]" + (" and = num_steps + 1 for topk 1" if k == 1 else ""))
