@@ -56,25 +56,25 @@ def tune(
     from fastspec.config import resolve_device
 
     device = resolve_device(options.device)
-    sources = resolve_sources(options.model, algorithm, draft, revision=options.revision,
-                              draft_revision=options.speculative_draft_model_revision,
-                              quantization=options.quantization, device=device, load_format=options.load_format)
-    model_dir, draft_dir = sources.model_dir, sources.draft_dir
-    weights = tuned_file.weights_label(options.dtype, sources.quantization)
-    path = tuned_file.tuned_path(model_dir, draft_dir, weights, device)
-    console = Console(stderr=True)
-    if from_tuned:
+    if from_tuned:  # no model loaded: its sources name the tuned file
+        sources = resolve_sources(options.model, algorithm, draft, revision=options.revision,
+                                  draft_revision=options.speculative_draft_model_revision,
+                                  quantization=options.quantization, device=device, load_format=options.load_format)
+        path, _ = tuned_location(sources, options.dtype, device)
         if not path.exists():
             raise FastspecError(f"no tuned file at {path}: run fastspec tune first")
-        print(sglang_flags(tuned_file.read_tuned(path)["tiers"], algorithm, draft_dir))
+        print(sglang_flags(tuned_file.read_tuned(path)["tiers"], algorithm, sources.draft_dir))
         return
     cfg = TuneConfig.for_device(device, batch_sizes=sizes, max_new_tokens=max_new_tokens,
                                 budget=budget)
     kwargs = options.llm_kwargs() | dict(speculative_algorithm=algorithm, draft_model=draft, tuned=False,
                                          num_steps=cfg.max_steps, topk=max(cfg.topks),
-                                         num_draft_tokens=cfg.max_draft_tokens, speculative_fallback=False, radix_cache=False,
-                                         max_running_requests=max(max(sizes), 2))
+                                         num_draft_tokens=cfg.max_draft_tokens, speculative_fallback=False,
+                                         radix_cache=False, max_running_requests=max(max(sizes), 2))
     llm = LLM(**kwargs, on_prepare=prepare_progress())
+    model_dir, draft_dir = llm.sources.model_dir, llm.sources.draft_dir
+    path, weights = tuned_location(llm.sources, options.dtype, device)
+    console = Console(stderr=True)
     ids = [llm.encode(t, chat=True) for t in texts[:num_prompts]]
     with console.status("tuning") as status:
         result = run(llm, ids, cfg, say=lambda text: status.update(text))
@@ -85,6 +85,14 @@ def tune(
     _plot(result, plot or path.with_suffix(".png"), console)
     if emit:
         print(sglang_flags(result.tiers(), algorithm, draft_dir))
+
+
+def tuned_location(sources, dtype: str | None, device: str) -> tuple[Path, str]:
+    """(where the tuned file of these sources on `device` lives, its weights label)."""
+    from fastspec.speculative import tuned as tuned_file
+
+    weights = tuned_file.weights_label(dtype, sources.quantization)
+    return tuned_file.tuned_path(sources.model_dir, sources.draft_dir, weights, device), weights
 
 
 def sglang_flags(tiers: list[dict], algorithm: str, draft_dir: Path) -> str:
