@@ -348,8 +348,11 @@ def test_cuda_kernels_compute_the_stored_forms_weights(kind):
     bound = bind(stored, None)
     assert isinstance(bound, {"int4": TinyGemmLinear, "fp8": Fp8Linear, "fp8_block": Fp8BlockLinear}[kind])
     xc = x.cuda()
-    want = stored(xc)
-    torch.testing.assert_close(bound(xc).float(), want, atol=0.03 * want.abs().max().item(), rtol=0.03)
+    want, got = stored(xc), bound(xc).float()
+    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0.03)
+    if kind == "fp8_block":  # the same W8A8 product as its torch twin, but for the order of float32 sums
+        twin = Fp8BlockLinear(form, None, "torch").cuda()(xc)
+        torch.testing.assert_close(got, twin, atol=1e-4 * twin.abs().max().item(), rtol=1e-4)
 
 
 @pytest.mark.parametrize("method, family", [("gptq", "llama"), ("fp8_block", "llama"), ("ct_fp8", "deepseek_v3")])
