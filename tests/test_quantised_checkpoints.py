@@ -212,6 +212,36 @@ def test_block_fp8_w8a8_compiles_fullgraph_as_it_runs_eagerly():
                                rtol=1e-5)
 
 
+def test_block_fp8_calls_sgl_kernel_as_sglang_does(monkeypatch):
+    """The sgl_kernel path's calling convention, against a stand-in for sgl_kernel.fp8_blockwise_scaled_mm that
+    checks the layouts SGLang passes (a row-major e4m3 [M, K], the weight as a column-major [K, N] view, the
+    activation scales [M, K / 128] column-major, the block scales [K / 128, N / 128]) and computes the product from
+    them: the same output as the torch twin, in bfloat16."""
+    from fastspec.kernels import fp8_block
+    from fastspec.models.cuda_linears import Fp8BlockLinear
+
+    def fake(a, b, scales_a, scales_b, out_dtype):
+        m, k = a.shape
+        n = b.shape[1]
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and a.is_contiguous() and b.stride() == (1, k)
+        assert scales_a.shape == (m, k // 128) and scales_a.stride(0) == 1 and scales_b.shape == (k // 128, n // 128)
+        assert out_dtype in (torch.bfloat16, torch.float16)
+        x = a.float() * scales_a.repeat_interleave(128, 1)
+        return (x @ (b.float() * scales_b.repeat_interleave(128, 0).repeat_interleave(128, 1))).to(out_dtype)
+
+    monkeypatch.setattr(fp8_block, "sgl_kernel_op", lambda name, device: fake)
+    gen = torch.Generator().manual_seed(11)
+    scale = torch.rand(2, 3, generator=gen).repeat_interleave(128, 0)
+    form = Fp8Weight((torch.randn(256, 384, generator=gen) * 40).to(torch.float8_e4m3fn), scale, 128)
+    x = torch.randn(5, 384, generator=gen)
+    sgl = Fp8BlockLinear(form, None, "sgl_kernel")
+    assert sgl.scale.shape == (2, 3)  # one scale per 128 x 128 block
+    twin = Fp8BlockLinear(form, None, "torch")(x)
+    got = sgl(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, twin.bfloat16().float(), atol=1e-2 * twin.abs().max().item(), rtol=1e-2)
+
+
 def test_weights_over_inputs_in_different_orders_stay_separate():
     """desc_act GPTQ linears whose g_idx orders differ cannot share one form: fusing leaves them as they are."""
     from fastspec.models.layers import merged_linear
