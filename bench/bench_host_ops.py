@@ -77,7 +77,8 @@ def count(llm, bs: int, rounds: int) -> dict:
     worker, counter, done = llm.engine.worker, OpCounter(), {"rounds": 0, "graphs": 0}
     real_run, real_call = worker.spec_rounds.run, GraphRunner._call
     prompts = [[3 + i, 14, 15, 92, 65] for i in range(bs)]
-    llm.engine.generate(prompts, [SamplingParams(max_new_tokens=4, ignore_eos=True)] * bs)  # compile first
+    # compile first, every bucket the counted run goes through (compiling one inside the counter fails)
+    llm.engine.generate(prompts, [SamplingParams(max_new_tokens=rounds, ignore_eos=True)] * bs)
 
     def run(reqs, params):
         done["rounds"] += 1
