@@ -157,6 +157,32 @@ def test_speculation_on_a_quantised_checkpoint_is_lossless(quantised, draft_dirs
     assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
 
 
+def test_a_quantised_standalone_draft_runs_as_stored_and_is_lossless(quantised, tiny_dirs, tmp_path):
+    """STANDALONE with an AWQ draft checkpoint beside a GPTQ target: the draft's linears are bound to the device's
+    kernels (not dequantised at load, not dequantised per call), and the output equals plain decoding."""
+    from transformers import AutoModelForCausalLM
+
+    from fastspec.models.quant_layers import gemm_kernels
+
+    model_dir, _ = quantised("gptq", "llama")
+    hf_draft = AutoModelForCausalLM.from_pretrained(str(tiny_dirs["llama"][0]), dtype=torch.float32)
+    hf_draft.model.layers = hf_draft.model.layers[:1]
+    hf_draft.config.num_hidden_layers = 1
+    write_quantised(hf_draft, tmp_path / "draft", "awq")
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    plain = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=1024)
+    expected = [o.output_ids for o in plain.generate(PROMPTS, params)]
+    llm = fastspec.LLM(str(model_dir), speculative_algorithm="STANDALONE", draft_model=str(tmp_path / "draft"),
+                       num_steps=2, topk=2, num_draft_tokens=4, max_total_tokens=1024, tuned=False)
+    llm.engine.policy = None
+    kernels = gemm_kernels(llm.engine.worker.draft_model)
+    assert sum(kernels.values()) == 5  # fused QKV, o, fused gate_up, down (its one layer) and the lm_head
+    four_bit = sum(n for k, n in kernels.items() if "4-bit" in k or k.startswith("torch int4"))
+    assert four_bit == 4  # the layer's linears on a 4-bit kernel, as stored (dequantised, they would be 8-bit)
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
+
+
 @pytest.mark.parametrize("method", ["fp8", "int8"])
 def test_online_quantisation_is_lossless_and_close(tiny_dirs, draft_dirs, method):
     """--quantization fp8 / int8 on a float checkpoint: each projection rounded per output channel; logits close

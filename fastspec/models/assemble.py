@@ -5,7 +5,9 @@ With quantization "gguf" a GGUF target runs on its own blocks (fastspec.models.g
 checkpoint's method, on its stored linears (fastspec.models.quant_loader); with fp8 / int8 / int4, its projections
 are rounded at load (fastspec.models.quantise). On CPU the draft's linears run on fastspec's 8-bit block kernels
 where the target runs on them (else in the fast float dtype), and in float32 the linears are prepacked for the row
-counts of the rounds (fastspec.kernels.cpu_linear). Reads no config: every check ran in resolve_sources.
+counts of the rounds (fastspec.kernels.cpu_linear). A quantised STANDALONE draft keeps its stored form, bound to the
+device's kernels as the target's are, unless --quantization is none. Reads no config: every check ran in
+resolve_sources.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fastspec.models.eagle import StandaloneDraft
 from fastspec.models.layers import fuse_projections
 from fastspec.models.loader import load_draft, load_target
 from fastspec.models.mtp_loader import load_mtp, mtp_prefix
+from fastspec.models.quant_layers import bind_linears
 from fastspec.models.quantise import ONLINE, quantise_target
 from fastspec.models.sources import DRAFTED, ModelSources
 from fastspec.spec_config import SpecConfig
@@ -56,9 +59,12 @@ def load_models(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -
         if config.quantization != "gguf":  # gguf_packed built its kernels already
             quantise_target(models.target, config.quantization, act, online)
         if isinstance(models.draft, nn.Module):  # on fastspec's kernels where the target is, else in the float dtype
+            bind_linears(models.draft, act)  # a quantised STANDALONE draft's stored linears
             (pack_linears if act == torch.int16 else cast_linears)(models.draft, float_dtype(act))
     elif config.quantization is not None:
         quantise_target(models.target, config.quantization, None, online)
+        if isinstance(models.draft, nn.Module):
+            bind_linears(models.draft, None)
     pack_round_rows(models.target, models.draft, spec, config)
     if config.device == "cpu":
         trim_host_heap()  # what loading freed goes back to the OS
@@ -84,8 +90,10 @@ def _load(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -> Load
     draft_dir, draft_config = sources.draft_dir, sources.draft_config
     if spec.algorithm not in DRAFTED or draft_dir is None:
         return LoadedModels(target(), None, "none")
-    if spec.algorithm == "STANDALONE":
-        return LoadedModels(target(), StandaloneDraft(load_target(draft_dir, dtype, device, load_format=load)), "none")
+    if spec.algorithm == "STANDALONE":  # a quantised draft checkpoint kept as stored unless --quantization none
+        stored = None if config.quantization is None else "auto"
+        draft = load_target(draft_dir, dtype, device, load_format=load, quantization=stored)
+        return LoadedModels(target(), StandaloneDraft(draft), "none")
     if spec.algorithm == "EAGLE" and mtp_prefix(draft_config) is not None:  # NEXTN: the checkpoint's MTP layer
         model = target()
         return LoadedModels(model, load_mtp(draft_dir, model, dtype, device, draft_config), "final")

@@ -77,7 +77,6 @@ class BlockLinear(nn.Module):
     measures both); never the exact reference."""
 
     activation = torch.int16  # what x is rounded to (the module itself takes and returns float32, any float dtype)
-    gemm_kernel = "fastspec CPU block kernel, int16 activations"
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -86,6 +85,11 @@ class BlockLinear(nn.Module):
         self.register_buffer("packed", packed)  # [N/16, K/g, 256]  uint8 (4-bit, g = 32) or int8 (8-bit, g = 16)
         self.register_buffer("scales", scales)  # float16 [N/16, K/g, 2, 16]
         self.register_buffer("bias", bias)
+
+    @property
+    def gemm_kernel(self) -> str:
+        bits = 4 if self.packed.dtype == torch.uint8 else 8
+        return f"fastspec CPU block kernel, {bits}-bit weights, int16 activations"
 
     @classmethod
     def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None) -> BlockLinear:
