@@ -27,7 +27,6 @@ from fastspec.kernels.dispatch import sgl_kernel_op
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest e4m3 value
-KERNELS = ("sgl_kernel", "triton", "torch")
 
 
 def quantise_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
