@@ -157,28 +157,34 @@ def test_speculation_on_a_quantised_checkpoint_is_lossless(quantised, draft_dirs
     assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
 
 
-def test_a_quantised_standalone_draft_runs_as_stored_and_is_lossless(quantised, tiny_dirs, tmp_path):
-    """STANDALONE with an AWQ draft checkpoint beside a GPTQ target: the draft's linears are bound to the device's
-    kernels (not dequantised at load, not dequantised per call), and the output equals plain decoding."""
+@pytest.mark.parametrize("target, quantization, four_bit", [("gptq", "auto", 4), ("float", "auto", 4),
+                                                             ("gptq", None, 0)])
+def test_a_quantised_standalone_draft_runs_as_stored_and_is_lossless(quantised, tiny_dirs, tmp_path, target,
+                                                                     quantization, four_bit):
+    """STANDALONE with an AWQ draft checkpoint, beside a GPTQ or a float target: the draft's layer runs its stored
+    4-bit form on the device's kernels (dequantised it would run 8-bit or float), or dequantised with --quantization
+    none; the output equals plain decoding either way."""
     from transformers import AutoModelForCausalLM
 
     from fastspec.models.quant_layers import gemm_kernels
 
-    model_dir, _ = quantised("gptq", "llama")
+    model_dir = quantised("gptq", "llama")[0] if target == "gptq" else tiny_dirs["llama"][0]
     hf_draft = AutoModelForCausalLM.from_pretrained(str(tiny_dirs["llama"][0]), dtype=torch.float32)
     hf_draft.model.layers = hf_draft.model.layers[:1]
     hf_draft.config.num_hidden_layers = 1
     write_quantised(hf_draft, tmp_path / "draft", "awq")
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    plain = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=1024)
+    plain = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=1024,
+                         quantization=quantization)
     expected = [o.output_ids for o in plain.generate(PROMPTS, params)]
     llm = fastspec.LLM(str(model_dir), speculative_algorithm="STANDALONE", draft_model=str(tmp_path / "draft"),
-                       num_steps=2, topk=2, num_draft_tokens=4, max_total_tokens=1024, tuned=False)
+                       num_steps=2, topk=2, num_draft_tokens=4, max_total_tokens=1024, tuned=False,
+                       quantization=quantization)
     llm.engine.policy = None
     kernels = gemm_kernels(llm.engine.worker.draft_model)
+    assert "dequantised per call, F.linear" not in kernels
     assert sum(kernels.values()) == 5  # fused QKV, o, fused gate_up, down (its one layer) and the lm_head
-    four_bit = sum(n for k, n in kernels.items() if "4-bit" in k or k.startswith("torch int4"))
-    assert four_bit == 4  # the layer's linears on a 4-bit kernel, as stored (dequantised, they would be 8-bit)
+    assert sum(n for k, n in kernels.items() if "4-bit" in k or k.startswith("torch int4")) == four_bit
     outputs = llm.generate(PROMPTS, params)
     assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
 

@@ -52,19 +52,20 @@ def load_models(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -
     for model in (models.target, models.draft):
         if isinstance(model, nn.Module):
             fuse_projections(model)  # one QKV and one gate_up GEMM per layer
-    if config.quantization is not None and config.device == "cpu":
-        from fastspec.models.packed_layers import cast_linears, fast_activation, float_dtype, pack_linears
+    cpu, draft = config.device == "cpu", models.draft
+    act = None  # CPU: the packed kernels' activations, measured here when something runs on them
+    if cpu and (config.quantization is not None or sources.draft_quantization is not None):
+        from fastspec.models.packed_layers import fast_activation
 
         act = fast_activation()
-        if config.quantization != "gguf":  # gguf_packed built its kernels already
-            quantise_target(models.target, config.quantization, act, online)
-        if isinstance(models.draft, nn.Module):  # on fastspec's kernels where the target is, else in the float dtype
-            bind_linears(models.draft, act)  # a quantised STANDALONE draft's stored linears
-            (pack_linears if act == torch.int16 else cast_linears)(models.draft, float_dtype(act))
-    elif config.quantization is not None:
-        quantise_target(models.target, config.quantization, None, online)
-        if isinstance(models.draft, nn.Module):
-            bind_linears(models.draft, None)
+    if config.quantization not in (None, "gguf"):  # gguf_packed built its kernels already
+        quantise_target(models.target, config.quantization, act, online)
+    if isinstance(draft, nn.Module):
+        bind_linears(draft, act)  # a quantised STANDALONE draft's stored linears
+        if cpu and config.quantization is not None:  # on fastspec's kernels where the target is, else the float dtype
+            from fastspec.models.packed_layers import cast_linears, float_dtype, pack_linears
+
+            (pack_linears if act == torch.int16 else cast_linears)(draft, float_dtype(act))
     pack_round_rows(models.target, models.draft, spec, config)
     if config.device == "cpu":
         trim_host_heap()  # what loading freed goes back to the OS
@@ -91,8 +92,8 @@ def _load(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -> Load
     if spec.algorithm not in DRAFTED or draft_dir is None:
         return LoadedModels(target(), None, "none")
     if spec.algorithm == "STANDALONE":  # a quantised draft checkpoint kept as stored unless --quantization none
-        stored = None if config.quantization is None else "auto"
-        draft = load_target(draft_dir, dtype, device, load_format=load, quantization=stored)
+        draft = load_target(draft_dir, dtype, device, load_format=load, quantization=sources.draft_quantization,
+                            read=(draft_config, sources.draft_scheme))
         return LoadedModels(target(), StandaloneDraft(draft), "none")
     if spec.algorithm == "EAGLE" and mtp_prefix(draft_config) is not None:  # NEXTN: the checkpoint's MTP layer
         model = target()

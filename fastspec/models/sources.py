@@ -38,6 +38,8 @@ class ModelSources:
     quantization: str | None  # EngineConfig.quantization with `auto` decided (resolve_quantization)
     draft_dir: Path | None = None  # EAGLE / EAGLE3 / STANDALONE: the draft (an MTP draft: the target's own dir)
     draft_config: ModelConfig | None = None  # as read_draft_config reads it
+    draft_scheme: QuantScheme | None = None  # a STANDALONE draft checkpoint's quantisation (None: float weights)
+    draft_quantization: str | None = None  # "auto": that draft kept in its stored form; None: float or dequantised
 
 
 def resolve_sources(model: str, algorithm: str | None, draft_model: str | None = None, *, revision: str | None = None,
@@ -45,13 +47,13 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
                     load_format: str = "auto") -> ModelSources:
     """`algorithm` as the user named it (NEXTN: EAGLE with the checkpoint's MTP layer). Hub ids are fetched (the
     draft's config first, so a head that cannot fit is refused before its weights download)."""
-    named, algorithm = algorithm, check_spec_flags(algorithm)
+    named, algorithm, asked = algorithm, check_spec_flags(algorithm), quantization
     model_dir = resolve_model_dir(model, revision)
     config = read_config(model_dir)
     check_target(config, model_dir)
     scheme = checkpoint_scheme(model_dir)
     quantization = resolve_quantization(quantization, model_dir, scheme, device, load_format, algorithm)
-    draft_dir = draft_config = None
+    draft_dir = draft_config = draft_scheme = None
     if algorithm in DRAFTED:
         draft = mtp_draft(str(model_dir), model_dir, config, named, draft_model)
         if draft is None:
@@ -59,8 +61,10 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
         draft_dir = resolve_draft_dir(draft, draft_revision, config, algorithm)
         draft_config = read_draft_config(draft_dir, algorithm)
         check_draft(algorithm, draft_config, config, draft_dir, quantization)
+        draft_scheme = checkpoint_scheme(draft_dir) if algorithm == "STANDALONE" else None
+    keep_draft = draft_scheme is not None and asked is not None and load_format != "dummy"  # unless --quantization none
     return ModelSources(model_dir, config, generation_eos_ids(model_dir, config.eos_token_ids), scheme, quantization,
-                        draft_dir, draft_config)
+                        draft_dir, draft_config, draft_scheme, "auto" if keep_draft else None)
 
 
 def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_dir: Path,
