@@ -435,20 +435,35 @@ def test_compiled_rounds_on_a_quantised_checkpoint_equal_plain_decoding(quantise
     assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
 
 
-def test_nextn_on_a_quantised_deepseek_drafts_with_its_dequantised_mtp_layer(tmp_path):
-    """An fp8 DeepSeek-V3 checkpoint with its MTP layer quantised too: NEXTN drafts with that layer dequantised and
-    the output equals plain decoding on the same quantised target."""
-    from tiny_models import write_deepseek
+@pytest.mark.parametrize("family, method, quantization", [
+    ("deepseek_v3", "ct_fp8", "auto"), ("deepseek_v3", "awq", "auto"), ("deepseek_v3", "awq", None),
+    ("qwen3_next", "awq", "auto")])
+def test_nextn_drafts_with_the_stored_mtp_layer_of_a_quantised_checkpoint(tmp_path, family, method, quantization):
+    """A quantised DeepSeek-V3 or Qwen3-Next checkpoint with its MTP layer quantised too: NEXTN drafts with that
+    layer's linears (MoE experts included) in their stored form, bound to the device's kernels as the target's are
+    (AWQ: on the 4-bit kernel; dequantised, they would be float or 8-bit), or all dequantised with --quantization
+    none; the output equals plain decoding on the same target either way."""
+    from tiny_models import write_deepseek, write_qwen3_next_mtp
 
+    from fastspec.models.quant_layers import gemm_kernels
     from quant_writers import quantise_dir
 
-    write_deepseek(tmp_path / "ds", mtp=1)
-    quantise_dir(tmp_path / "ds", "ct_fp8")
+    if family == "deepseek_v3":
+        write_deepseek(tmp_path / "ds", mtp=1)
+    else:
+        write_qwen3_next_mtp(tmp_path / "ds")
+    quantise_dir(tmp_path / "ds", method)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    plain = fastspec.LLM(str(tmp_path / "ds"), speculative_algorithm="NONE", max_total_tokens=1024)
+    plain = fastspec.LLM(str(tmp_path / "ds"), speculative_algorithm="NONE", max_total_tokens=1024,
+                         quantization=quantization)
     expected = [o.output_ids for o in plain.generate(PROMPTS, params)]
-    llm = fastspec.LLM(str(tmp_path / "ds"), speculative_algorithm="NEXTN", max_total_tokens=1024, tuned=False)
+    llm = fastspec.LLM(str(tmp_path / "ds"), speculative_algorithm="NEXTN", max_total_tokens=1024, tuned=False,
+                       quantization=quantization)
     llm.engine.policy = None
+    kernels = gemm_kernels(llm.engine.worker.draft_model)
+    four_bit = sum(n for k, n in kernels.items() if "4-bit" in k or k.startswith("torch int4"))
+    assert (four_bit > 2) == ((method, quantization) == ("awq", "auto"))  # its experts' linears among them
+    assert "dequantised per call, F.linear" not in kernels
     outputs = llm.generate(PROMPTS, params)
     assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
 

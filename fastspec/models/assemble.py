@@ -97,7 +97,9 @@ def _load(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -> Load
         return LoadedModels(target(), StandaloneDraft(draft), "none")
     if spec.algorithm == "EAGLE" and mtp_prefix(draft_config) is not None:  # NEXTN: the checkpoint's MTP layer
         model = target()
-        return LoadedModels(model, load_mtp(draft_dir, model, dtype, device, draft_config), "final")
+        mtp = load_mtp(draft_dir, model, dtype, device, draft_config, sources.draft_scheme,
+                       keep=sources.draft_quantization is not None)
+        return LoadedModels(model, mtp, "final")
     aux = draft_config.is_eagle3 and draft_config.use_aux_hidden_state
     model = target(eagle3_capture_layers(sources.config.num_layers, draft_config.aux_layer_ids) if aux else ())
     token_map = Path(spec.token_map) if spec.token_map else None

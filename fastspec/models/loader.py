@@ -176,6 +176,7 @@ def _load_quantised(model_dir: Path, config: ModelConfig, capture_layers: tuple[
     if forms or experts:  # the kept linears built on the skeleton, the rest filled as a float model's
         model = skeleton
         skip += build_quantised(model, state, forms, experts, dtype, device, str(model_dir))
+        model.tie_weights()
     else:
         with _skip_init(), torch.device(device):
             model = CausalLM(config, capture_layers).to(dtype)

@@ -1,6 +1,7 @@
 """The checkpoint's own multi-token-prediction layers as a draft (NEXTN): which checkpoints have one, where
 their weights sit (DeepSeek's layers past the last decoder layer, Qwen3-Next's `mtp.`), and loading only those
-tensors (the target's weights are not read a second time)."""
+tensors (the target's weights are not read a second time). A quantised checkpoint's MTP linears are kept in their
+stored form (quant_loader, as a quantised target's are), or dequantised with --quantization none."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from fastspec.errors import FastspecError
 from fastspec.models.causal_lm import CausalLM
@@ -22,28 +24,29 @@ from fastspec.models.loader import (
 )
 from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import stack_experts
-from fastspec.models.quant_loader import dequantise_state
+from fastspec.models.quant_config import QuantScheme
+from fastspec.models.quant_loader import build_quantised, split_quantised
 from fastspec.models.qwen3_next import Qwen3NextMTP
 
 
 def load_mtp(model_dir: Path, target: CausalLM, dtype: torch.dtype, device="cpu",
-             config: ModelConfig | None = None):
+             config: ModelConfig | None = None, scheme: QuantScheme | None = None, keep: bool = False):
     """The checkpoint's own multi-token-prediction layers as a draft model (NEXTN): DeepSeek's (`model.layers.
     {num_hidden_layers + k}.`, one per draft step when there are several; each layer's embedding and head are the
     target's unless the checkpoint stores its own) or Qwen3-Next's (`mtp.`; the target's embedding and lm_head).
-    `config`: the checkpoint's, as read (default: read here)."""
+    `config`: the checkpoint's, as read (default: read here); `scheme`: its quantisation (None: float weights);
+    `keep`: a quantised checkpoint's linears as stored (else dequantised to `dtype`)."""
     config = config or read_config(model_dir)
     prefix = mtp_prefix(config)
     weights = {} if prefix is None else read_state_dict(model_dir, partial(_is_mtp_weight, config))
-    weights = dequantise_state(weights, model_dir, dtype)  # a quantised checkpoint's MTP layers run dequantised
     if not any(k.startswith(prefix) for k in weights):
         raise FastspecError(f"{model_dir}: NEXTN needs the checkpoint's MTP layer ({prefix or 'none'}*), and this "
                             f"{config.architecture} checkpoint has none; give an EAGLE head with --draft")
+    build = partial(_built, dtype=dtype, device=device, scheme=scheme, keep=keep, source=str(model_dir))
     if config.mla is None:
         state = {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
-        with _skip_init(), torch.device(device):
-            model = _keep_routers_float32(Qwen3NextMTP(config, target.model.embed_tokens, target.lm_head).to(dtype))
-        _load_into(model, stack_experts(state), ("embed_tokens.", "lm_head."), str(model_dir))
+        model = build(lambda: Qwen3NextMTP(config, target.model.embed_tokens, target.lm_head), state,
+                      ("embed_tokens.", "lm_head."))
         return model.eval().requires_grad_(False)
     layers = []
     for k in range(max(config.num_nextn_predict_layers, 1)):
@@ -51,20 +54,37 @@ def load_mtp(model_dir: Path, target: CausalLM, dtype: torch.dtype, device="cpu"
         state = {n.removeprefix(layer_prefix): v for n, v in weights.items() if n.startswith(layer_prefix)}
         if not state:
             break  # fewer layers stored than config.json counts
-        layers.append(_deepseek_mtp_layer(config, k, state, target, dtype, device, str(model_dir)))
+        borrowed = [name for name in ("embed_tokens", "shared_head.head") if f"{name}.weight" not in state]
+        layers.append(build(partial(_deepseek_mtp_layer, config, k, borrowed, target), state,
+                            tuple(f"{name}." for name in borrowed)))
     return (layers[0] if len(layers) == 1 else MTPStack(layers)).eval().requires_grad_(False)
 
 
-def _deepseek_mtp_layer(config: ModelConfig, k: int, state: dict, target, dtype, device, source: str) -> DeepseekMTP:
-    with _skip_init(), torch.device(device):
-        layer = _keep_routers_float32(DeepseekMTP(config, config.num_layers + k, attn_layer_id=k).to(dtype))
-    borrowed = [name for name in ("embed_tokens", "shared_head.head") if f"{name}.weight" not in state]
+def _deepseek_mtp_layer(config: ModelConfig, k: int, borrowed: list[str], target: CausalLM) -> DeepseekMTP:
+    """MTP layer k, its embedding and head the target's where the checkpoint stores none (`borrowed`)."""
+    layer = DeepseekMTP(config, config.num_layers + k, attn_layer_id=k)
     if "embed_tokens" in borrowed:
         layer.embed_tokens = target.model.embed_tokens
     if "shared_head.head" in borrowed:
         layer.shared_head.head = target.lm_head
-    _load_into(layer, stack_experts(state), tuple(f"{name}." for name in borrowed), source)
     return layer
+
+
+def _built(make, state: dict, skip: tuple[str, ...], dtype, device, scheme: QuantScheme | None, keep: bool,
+           source: str) -> nn.Module:
+    """The module `make()` builds, its weights from `state`: a float one built on `device` in `dtype`; a quantised
+    one's stored linears kept (`keep`) on a skeleton on the meta device, or all dequantised into `state`."""
+    if scheme is None:
+        with _skip_init(), torch.device(device):
+            module = _keep_routers_float32(make().to(dtype))
+        _load_into(module, stack_experts(state), skip, source)
+        return module
+    with _skip_init(), torch.device("meta"):  # the target's borrowed modules stay as they are
+        module = make()
+    state, forms, experts = split_quantised(state, scheme, module, dtype, keep, source)
+    skip += build_quantised(module, state, forms, experts, dtype, device, source)
+    _load_into(_keep_routers_float32(module), stack_experts(state), skip, source)
+    return module
 
 
 def _is_mtp_weight(config: ModelConfig, name: str) -> bool:

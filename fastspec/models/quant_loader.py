@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from fastspec.errors import FastspecError
-from fastspec.models.causal_lm import CausalLM
 from fastspec.models.gguf_blocks import Blocks
 from fastspec.models.layers import RotaryEmbedding
 from fastspec.models.moe import Experts, LinearExperts
@@ -84,21 +83,13 @@ def _kept_experts(forms: dict[str, QuantWeight], skeleton: nn.Module) -> dict[st
     return out
 
 
-def dequantise_state(state: dict[str, torch.Tensor], model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`state` (some of a checkpoint's tensors, e.g. its MTP layers) with every quantised weight dequantised to
-    `dtype` as `name.weight`; unchanged for a float checkpoint."""
-    scheme = checkpoint_scheme(model_dir)
-    if scheme is None:
-        return state
-    floats, forms = decode_state(state, scheme, str(model_dir))
-    return floats | {f"{name}.weight": form.dequantise(dtype) for name, form in forms.items()}
-
-
-def build_quantised(model: CausalLM, state: dict[str, torch.Tensor], forms: dict[str, QuantWeight],
+def build_quantised(model: nn.Module, state: dict[str, torch.Tensor], forms: dict[str, QuantWeight],
                     experts: dict, dtype: torch.dtype, device, source: str) -> tuple[str, ...]:
-    """`model` (a skeleton on the meta device), in place: `forms`' linears as QuantLinears and `experts`' MoE layers
-    as LinearExperts on `device` (biases taken from `state`), every other tensor allocated on `device` in `dtype`
-    for the float loader to fill. Returns the name prefixes of what was built here (the loader's skip list)."""
+    """`model` (a skeleton on the meta device: a CausalLM or an MTP draft, whose modules borrowed from a target are
+    real already), in place: `forms`' linears as QuantLinears and `experts`' MoE layers as LinearExperts on
+    `device` (biases taken from `state`), its rotary table built on `device`, every other meta tensor allocated on
+    `device` in `dtype` for the float loader to fill. Returns the name prefixes of what was built here (the loader's
+    skip list)."""
     for name, (gate_up, down) in experts.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, LinearExperts(gate_up, down).to(device))
@@ -120,7 +111,6 @@ def build_quantised(model: CausalLM, state: dict[str, torch.Tensor], forms: dict
                     kind = dtype if tensor.is_floating_point() else tensor.dtype
                     empty = torch.empty(tensor.shape, dtype=kind, device=device)
                     group[attr] = nn.Parameter(empty, requires_grad=False) if group is module._parameters else empty
-    model.tie_weights()
     return tuple(f"{name}." for name in (*forms, *experts))
 
 

@@ -38,7 +38,7 @@ class ModelSources:
     quantization: str | None  # EngineConfig.quantization with `auto` decided (resolve_quantization)
     draft_dir: Path | None = None  # EAGLE / EAGLE3 / STANDALONE: the draft (an MTP draft: the target's own dir)
     draft_config: ModelConfig | None = None  # as read_draft_config reads it
-    draft_scheme: QuantScheme | None = None  # a STANDALONE draft checkpoint's quantisation (None: float weights)
+    draft_scheme: QuantScheme | None = None  # a STANDALONE / MTP draft checkpoint's quantisation (None: float)
     draft_quantization: str | None = None  # "auto": that draft kept in its stored form; None: float or dequantised
 
 
@@ -61,7 +61,8 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
         draft_dir = resolve_draft_dir(draft, draft_revision, config, algorithm)
         draft_config = read_draft_config(draft_dir, algorithm)
         check_draft(algorithm, draft_config, config, draft_dir, quantization)
-        draft_scheme = checkpoint_scheme(draft_dir) if algorithm == "STANDALONE" else None
+        nextn = algorithm == "EAGLE" and mtp_prefix(draft_config) is not None  # the checkpoint's MTP layer
+        draft_scheme = checkpoint_scheme(draft_dir) if algorithm == "STANDALONE" or nextn else None
     keep_draft = draft_scheme is not None and asked is not None and load_format != "dummy"  # unless --quantization none
     return ModelSources(model_dir, config, generation_eos_ids(model_dir, config.eos_token_ids), scheme, quantization,
                         draft_dir, draft_config, draft_scheme, "auto" if keep_draft else None)
