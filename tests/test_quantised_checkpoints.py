@@ -437,22 +437,33 @@ def test_compiled_rounds_on_a_quantised_checkpoint_equal_plain_decoding(quantise
 
 @pytest.mark.parametrize("family, method, quantization", [
     ("deepseek_v3", "ct_fp8", "auto"), ("deepseek_v3", "awq", "auto"), ("deepseek_v3", "awq", None),
-    ("qwen3_next", "awq", "auto")])
+    ("qwen3_next", "awq", "auto"), ("deepseek_v3 with a float MTP layer", "awq", "auto")])
 def test_nextn_drafts_with_the_stored_mtp_layer_of_a_quantised_checkpoint(tmp_path, family, method, quantization):
     """A quantised DeepSeek-V3 or Qwen3-Next checkpoint with its MTP layer quantised too: NEXTN drafts with that
     layer's linears (MoE experts included) in their stored form, bound to the device's kernels as the target's are
     (AWQ: on the 4-bit kernel; dequantised, they would be float or 8-bit), or all dequantised with --quantization
-    none; the output equals plain decoding on the same target either way."""
+    none; the output equals plain decoding on the same target either way. An MTP layer stored in float beside
+    quantised decoder layers loads as float."""
     from tiny_models import write_deepseek, write_qwen3_next_mtp
 
     from fastspec.models.quant_layers import gemm_kernels
     from quant_writers import quantise_dir
 
-    if family == "deepseek_v3":
-        write_deepseek(tmp_path / "ds", mtp=1)
-    else:
+    if family == "qwen3_next":
         write_qwen3_next_mtp(tmp_path / "ds")
-    quantise_dir(tmp_path / "ds", method)
+    else:
+        write_deepseek(tmp_path / "ds", mtp=1)
+    dequantised = quantise_dir(tmp_path / "ds", method)
+    float_mtp = family.endswith("float MTP layer")
+    if float_mtp:
+        from safetensors.torch import load_file, save_file
+
+        state, floats = load_file(tmp_path / "ds" / "model.safetensors"), load_file(dequantised / "model.safetensors")
+        layers = json.loads((tmp_path / "ds" / "config.json").read_text())["num_hidden_layers"]
+        mtp = f"model.layers.{layers}."  # the layer past the last decoder layer
+        state = {k: v for k, v in state.items() if not k.startswith(mtp)} | {
+            k: v for k, v in floats.items() if k.startswith(mtp)}
+        save_file(state, tmp_path / "ds" / "model.safetensors", metadata={"format": "pt"})
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     plain = fastspec.LLM(str(tmp_path / "ds"), speculative_algorithm="NONE", max_total_tokens=1024,
                          quantization=quantization)
@@ -462,7 +473,7 @@ def test_nextn_drafts_with_the_stored_mtp_layer_of_a_quantised_checkpoint(tmp_pa
     llm.engine.policy = None
     kernels = gemm_kernels(llm.engine.worker.draft_model)
     four_bit = sum(n for k, n in kernels.items() if "4-bit" in k or k.startswith("torch int4"))
-    assert (four_bit > 2) == ((method, quantization) == ("awq", "auto"))  # its experts' linears among them
+    assert (four_bit > 2) == ((method, quantization) == ("awq", "auto") and not float_mtp)  # experts among them
     assert "dequantised per call, F.linear" not in kernels
     outputs = llm.generate(PROMPTS, params)
     assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)

@@ -81,7 +81,7 @@ def _built(make, state: dict, skip: tuple[str, ...], dtype, device, scheme: Quan
         return module
     with _skip_init(), torch.device("meta"):  # the target's borrowed modules stay as they are
         module = make()
-    state, forms, experts = split_quantised(state, scheme, module, dtype, keep, source)
+    state, forms, experts = split_quantised(state, scheme, module, dtype, keep, source, strict=False)
     skip += build_quantised(module, state, forms, experts, dtype, device, source)
     _load_into(_keep_routers_float32(module), stack_experts(state), skip, source)
     return module

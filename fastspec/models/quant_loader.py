@@ -40,13 +40,15 @@ def checkpoint_scheme(model_dir: Path) -> QuantScheme | None:
 
 
 def split_quantised(state: dict[str, torch.Tensor], scheme: QuantScheme, skeleton: nn.Module, dtype: torch.dtype,
-                    keep: bool, source: str) -> tuple[dict[str, torch.Tensor], dict[str, QuantWeight], dict]:
+                    keep: bool, source: str, strict: bool = True
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, QuantWeight], dict]:
     """(float state, {linear name: stored form}, {MoE experts name: LinearExperts' stored linears}): with `keep`,
     the quantised weights of `skeleton`'s linears and of its MoE layers whose every expert is quantised kept in
     their form; every other quantised weight (all of them without `keep`) dequantised into the state as
-    `name.weight` in `dtype`."""
+    `name.weight` in `dtype`. `strict`: a state without a quantised tensor is an error (a checkpoint's MTP layers,
+    not strict, may be stored in float beside quantised decoder layers)."""
     floats, forms = decode_state(state, scheme, source)
-    if not forms:
+    if not forms and strict:
         raise FastspecError(f"{source}: quantization_config says {scheme.label} but no tensor is quantised")
     linears = {name for name, m in skeleton.named_modules() if isinstance(m, nn.Linear)
                and not name.endswith(FLOAT_LINEARS)}
