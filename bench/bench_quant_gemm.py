@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from gpu_decode import copy_bandwidth, release
 
 from fastspec.kernels import fp8_block
-from fastspec.models.gguf_blocks import Blocks
+from fastspec.models.gguf_blocks import quantise_rows
 from fastspec.models.cuda_linears import ByteLinear, Fp8BlockLinear, Fp8Linear, TinyGemmLinear
 from fastspec.models.quant_layers import QuantLinear
 from fastspec.models.quantise import online_form
@@ -59,16 +59,6 @@ def block_fp8(w: torch.Tensor) -> Fp8Weight:
     scale = blocks.clamp_min(1e-12).repeat_interleave(128, 0)
     q = (w.float() / scale.repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn)
     return Fp8Weight(q, scale, 128)
-
-
-def int4_groups(w: torch.Tensor, group: int = 128) -> Blocks:
-    """`w` as 4-bit values 0..15 with a scale and an offset per `group` inputs (min / max rounding)."""
-    n, k = w.shape
-    g = w.float().view(n, k // group, group)
-    low, high = g.amin(-1), g.amax(-1)
-    scale = ((high - low) / 15).clamp_min(1e-12)
-    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
-    return Blocks(q, scale, low, 4)
 
 
 class ScaledMmBlock(torch.nn.Module):
@@ -100,14 +90,15 @@ class Tiled(torch.nn.Module):
         from fastspec.kernels import triton_fp8
 
         xq, sx = fp8_block.quantise_groups(x, m.group)
-        return triton_fp8.matmul(xq, sx, m.weight, m.scale, m.group, x.dtype, self.block_n)
+        return triton_fp8.matmul(xq, sx, m.weight, m.scale, m.group, x.dtype, self.block_n,
+                                 native=fp8_block.fp8_tensor_cores(x.device))
 
 
 def kernels(w: torch.Tensor, device: str) -> dict[str, tuple[torch.nn.Module, torch.nn.Module, int]]:
     """name -> (module, its stored form as a QuantLinear (the reference), weight bytes a call streams)."""
     cuda = device.startswith("cuda")
     n, k = w.shape
-    fp8b, int8, int4 = block_fp8(w), online_form(w, "int8"), IntWeight(int4_groups(w))
+    fp8b, int8, int4 = block_fp8(w), online_form(w, "int8"), IntWeight(quantise_rows(lambda ids: w[ids], n, group=128))
     ref = {name: QuantLinear(form) for name, form in (("fp8b", fp8b), ("int8", int8), ("int4", int4))}
     fp8c = online_form(w, "fp8")
     b8, b4 = n * k + n * k // 32, n * k // 2 + n * k // 16  # e4m3 / int8 bytes + scales; nibbles + scales, offsets

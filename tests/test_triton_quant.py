@@ -105,7 +105,8 @@ def test_fp8_block_kernel_equals_its_twin(m, n, k, group):
     w = (torch.randn(n, k, generator=gen) * 20).to(torch.float8_e4m3fn)
     sw = torch.rand(n, -(-k // group), generator=gen)
     want = fp8_block.matmul_twin(xq, sx, w, sw, group)
-    got = triton_fp8.matmul(*on_device(xq, sx, w, sw, group, torch.float32)).cpu()  # fp8 tensor cores on sm89+
+    args = on_device(xq, sx, w, sw, group, torch.float32)
+    got = triton_fp8.matmul(*args, native=fp8_block.fp8_tensor_cores(DEVICE)).cpu()  # fp8 tensor cores on sm89+
     torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max(), rtol=1e-5)
 
 

@@ -31,11 +31,12 @@ FP8_MAX = 448.0  # the largest e4m3 value
 
 def quantise_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / group)]): each token's inputs rounded per `group` of
-    them to x / scale, scale = max |x| / 448 over the group (a group of zeros: a tiny scale, zero codes)."""
+    them (group = K: per token) to x / scale, scale = max |x| / 448 over the group (a group of zeros: a tiny
+    scale, zero codes)."""
     m, k = x.shape
     pad = -k % group
     g = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, group)
-    scale = g.abs().amax(-1).clamp_min(1e-10) / FP8_MAX
+    scale = g.abs().amax(-1).clamp_min(1e-12) / FP8_MAX
     q = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, -1)
     return q[:, :k], scale
 
@@ -48,6 +49,7 @@ def matmul_twin(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.T
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:
+    """A CUDA device that multiplies e4m3 on tensor cores (sm89+)."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
@@ -78,7 +80,7 @@ def fp8_block_matmul(xq: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: to
     if kernel == "triton":
         from fastspec.kernels import triton_fp8
 
-        return triton_fp8.matmul(xq, sx, w, sw, group, out_dtype)
+        return triton_fp8.matmul(xq, sx, w, sw, group, out_dtype, native=fp8_tensor_cores(xq.device))
     return matmul_twin(xq, sx, w, sw, group).to(out_dtype)
 
 

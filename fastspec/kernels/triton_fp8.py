@@ -54,13 +54,13 @@ def matmul(xq: torch.Tensor,   # e4m3 [M, K]
            sx: torch.Tensor,   # float32 [M, ceil(K / group)]
            w: torch.Tensor,    # e4m3 [N, K]
            sw: torch.Tensor,   # float32 [N, ceil(K / group)]
-           group: int, out_dtype: torch.dtype, block_n: int = 64) -> torch.Tensor:  # [M, N]
+           group: int, out_dtype: torch.dtype, block_n: int = 64, *,
+           native: bool) -> torch.Tensor:  # [M, N]; native: fp8_block.fp8_tensor_cores(device)
     m, k = xq.shape
     n = w.shape[0]
     xq, w = xq.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8)
     sx, sw = sx.float().contiguous(), sw.float().contiguous()
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    native = xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (8, 9)
     bm, bn, bk = 16, block_n, block_k(group)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
     _fp8_block_gemm_kernel[grid](xq, sx, w, sw, y, m, n, k, group, xq.stride(0), sx.stride(0), w.stride(0),

@@ -24,7 +24,7 @@ from fastspec.models.causal_lm import CausalLM, eagle3_capture_layers
 from fastspec.models.eagle import StandaloneDraft
 from fastspec.models.layers import fuse_projections
 from fastspec.models.loader import load_draft, load_target
-from fastspec.models.mtp_loader import load_mtp, mtp_prefix
+from fastspec.models.mtp_loader import drafts_with_mtp, load_mtp
 from fastspec.models.quant_layers import bind_linears
 from fastspec.models.quantise import ONLINE, quantise_target
 from fastspec.models.sources import DRAFTED, ModelSources
@@ -95,7 +95,7 @@ def _load(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -> Load
         draft = load_target(draft_dir, dtype, device, load_format=load, quantization=sources.draft_quantization,
                             read=(draft_config, sources.draft_scheme))
         return LoadedModels(target(), StandaloneDraft(draft), "none")
-    if spec.algorithm == "EAGLE" and mtp_prefix(draft_config) is not None:  # NEXTN: the checkpoint's MTP layer
+    if drafts_with_mtp(spec.algorithm, draft_config):  # NEXTN: the checkpoint's MTP layer
         model = target()
         mtp = load_mtp(draft_dir, model, dtype, device, draft_config, sources.draft_scheme,
                        keep=sources.draft_quantization is not None)

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from fastspec.kernels import fp8_block
-from fastspec.kernels.fp8_block import FP8, FP8_MAX
 from fastspec.models.gguf_blocks import Blocks
 from fastspec.models.quant_weights import Fp8Weight, QuantWeight
 
@@ -38,9 +37,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
-        flat = x.reshape(-1, self.in_features).float()
-        x_scale = flat.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_MAX  # [M, 1]
-        xq = (flat / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        xq, x_scale = fp8_block.quantise_groups(x.reshape(-1, self.in_features), self.in_features)  # x_scale [M, 1]
         out = torch.bfloat16 if x.is_cuda else x.dtype  # row-wise scales: bfloat16 output on CUDA
         y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=out)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)

@@ -78,15 +78,16 @@ def read_blocks(data: np.ndarray, kind: str) -> Blocks:
     return Blocks(q, scale, offset, 4)
 
 
-def quantise_rows(rows, n: int, chunk: int = 4096) -> Blocks:
+def quantise_rows(rows, n: int, chunk: int = 4096, group: int = BLOCK) -> Blocks:
     """The float weight whose rows `rows(ids)` returns ([len(ids), K]) rounded to 4 bits as Q4_1 does (per group of
-    32: offset the minimum, scale (max - min) / 15), `chunk` rows at a time: an approximation within half a step."""
+    `group`, 32 as Q4_1: offset the minimum, scale (max - min) / 15), `chunk` rows at a time, on the rows' device:
+    an approximation within half a step."""
     q, scale, offset = None, [], []
     for r in range(0, n, chunk):
-        w = rows(torch.arange(r, min(r + chunk, n))).float().unflatten(-1, (-1, BLOCK))  # [rows, K/32, 32]
+        w = rows(torch.arange(r, min(r + chunk, n))).float().unflatten(-1, (-1, group))  # [rows, K/g, g]
         low, high = w.amin(-1), w.amax(-1)
         step = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        q = torch.empty(n, w.shape[1] * BLOCK, dtype=torch.uint8) if q is None else q
+        q = torch.empty(n, w.shape[1] * group, dtype=torch.uint8, device=w.device) if q is None else q
         q[r:r + chunk] = torch.round((w - low[..., None]) / step[..., None]).clamp(0, 15).flatten(-2)
         scale.append(step)
         offset.append(low)

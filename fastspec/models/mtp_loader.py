@@ -103,6 +103,11 @@ def mtp_prefix(config: ModelConfig) -> str | None:
     return "mtp." if config.architecture == "Qwen3NextForCausalLM" else None
 
 
+def drafts_with_mtp(algorithm: str, draft: ModelConfig) -> bool:
+    """NEXTN: EAGLE whose draft is a checkpoint's MTP layer, not an EAGLE head (`algorithm`: canonical)."""
+    return algorithm == "EAGLE" and mtp_prefix(draft) is not None
+
+
 def has_mtp_layer(model_dir: Path, config: ModelConfig) -> bool:
     """Whether the checkpoint stores an MTP layer (config.json's count alone is not proof: transformers writes
     num_nextn_predict_layers = 1 into DeepSeek checkpoints without one)."""

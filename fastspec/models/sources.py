@@ -19,7 +19,7 @@ from fastspec.models import hub
 from fastspec.models.hub import check_model_spec
 from fastspec.models.loader import check_draft_fits, check_target, read_config, read_draft_config
 from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
-from fastspec.models.mtp_loader import check_mtp_fits, mtp_draft, mtp_prefix
+from fastspec.models.mtp_loader import check_mtp_fits, drafts_with_mtp, mtp_draft
 from fastspec.models.quant_config import QuantScheme
 from fastspec.models.quant_loader import checkpoint_scheme
 from fastspec.spec_config import check_spec_flags
@@ -61,8 +61,8 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
         draft_dir = resolve_draft_dir(draft, draft_revision, config, algorithm)
         draft_config = read_draft_config(draft_dir, algorithm)
         check_draft(algorithm, draft_config, config, draft_dir, quantization)
-        nextn = algorithm == "EAGLE" and mtp_prefix(draft_config) is not None  # the checkpoint's MTP layer
-        draft_scheme = checkpoint_scheme(draft_dir) if algorithm == "STANDALONE" or nextn else None
+        stored = algorithm == "STANDALONE" or drafts_with_mtp(algorithm, draft_config)  # checkpoints, not heads
+        draft_scheme = checkpoint_scheme(draft_dir) if stored else None
     keep_draft = draft_scheme is not None and asked is not None and load_format != "dummy"  # unless --quantization none
     return ModelSources(model_dir, config, generation_eos_ids(model_dir, config.eos_token_ids), scheme, quantization,
                         draft_dir, draft_config, draft_scheme, "auto" if keep_draft else None)
@@ -82,7 +82,7 @@ def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_d
             raise FastspecError(f"{draft_dir}: draft vocabulary {draft.vocab_size} != target vocabulary "
                                 f"{target.vocab_size}")
         return
-    if algorithm == "EAGLE" and mtp_prefix(draft) is not None:  # NEXTN: a checkpoint's MTP layer
+    if drafts_with_mtp(algorithm, draft):  # NEXTN
         check_mtp_fits(draft, target, str(draft_dir))
         return
     if (algorithm == "EAGLE3") != draft.is_eagle3:
