@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
-from test_gguf_kquants import random_q6_k
+from test_gguf_kquants import random_rows
 
 from fastspec.kernels import cpu_library, cpu_q4
 from fastspec.models.gguf_blocks import Blocks, as_8bit_16, merge_rows, read_blocks
@@ -57,7 +57,7 @@ def test_the_8bit_twin_is_the_exact_product_within_the_activations_rounding():
     """8-bit blocks with a scale and an offset per 16 (random Q6_K rows: int8 values, offset 0; merged with 4-bit
     Q4_1 rows, whose groups become two of 16): the twin is x16 @ (q scale).T + x @ offset.T against the dequantised
     weight (its scales in float16, as the kernels keep them), as for 4-bit."""
-    q6 = read_q6_k(random_q6_k(16, 256, np.random.default_rng(7)))
+    q6 = read_q6_k(random_rows("Q6_K", 16, 256, np.random.default_rng(7)))
     merged = merge_rows([q6, q4_blocks("Q4_1", 16, 256, seed=8)[0]])
     assert merged.bits == 8 and merged.group == 16
     # the kernels keep scales and offsets as float16 (Q6_K's d * sc is not always one: a rounding of 2^-11 at most)

@@ -115,11 +115,14 @@ def test_attend_is_batch_invariant():
         assert torch.equal(verified[t], cpu_fused.attend(alone, q[t:t + 1], k, v, D ** -0.5, torch.float32)[0]), t
 
 
-@pytest.mark.parametrize("activation", [torch.float32, torch.int16])
-def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeypatch, activation):
+@pytest.mark.parametrize("activation, layout", [(torch.float32, "q4_k_m_type"), (torch.int16, "q4_k_m_type"),
+                                                (torch.int16, "every_type")])
+def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeypatch, activation, layout):
     """A Q4_K_M model packed with float32 (torch's kernel; its Q6_K parts dequantised) or int16 activations
-    (fastspec's kernels: every projection packed, the stack one C call): a prefill and two decode steps through a KV
-    pool give the same logits fused as through its layers and the torch twins, and the fused stack is what ran."""
+    (fastspec's kernels: every projection packed, the stack one C call), and one of every other packed type (8-bit
+    blocks): a prefill and two decode steps through a KV pool give the same logits fused as through its layers and
+    the torch twins, and the fused stack is what ran."""
+    import test_gguf_kquants
     from test_gguf_kquants import write_k_quant_gguf
 
     from fastspec.models import causal_lm
@@ -128,7 +131,8 @@ def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeyp
     from fastspec.models.gguf_packed import load_packed_target
     from fastspec.models.loader import read_config
 
-    model_dir = convert_gguf(write_k_quant_gguf(tmp_path / "tiny.gguf"), tmp_path / "hf")
+    model_dir = convert_gguf(write_k_quant_gguf(tmp_path / "tiny.gguf", types=getattr(test_gguf_kquants, layout)),
+                             tmp_path / "hf")
     with torch.device("meta"):
         skeleton = CausalLM(read_config(model_dir))
     model = load_packed_target(skeleton, model_dir, torch.float32, activation=activation)

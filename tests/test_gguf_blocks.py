@@ -24,11 +24,13 @@ def oracle(raw: np.ndarray, kind: str) -> torch.Tensor:
     return torch.from_numpy(np.array(dequantize(raw, gguf.GGMLQuantizationType[kind]), dtype=np.float32))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_blocks_dequantise_as_gguf_does(kind):
+@pytest.mark.parametrize("kind, values", [("Q4_0", (0, 15)), ("Q4_1", (0, 15)), ("Q5_0", (-16, 15)), ("Q5_1", (0, 31)),
+                                          ("Q8_0", (-127, 127))])
+def test_blocks_dequantise_as_gguf_does(kind, values):
     raw = quantised(kind, 24, 96)
     blocks = read_blocks(raw, kind)
     assert blocks.q.shape == (24, 96) and blocks.scale.shape == (24, 3)
+    assert (int(blocks.q.min()), int(blocks.q.max())) == values and blocks.bits == (4 if kind[1] == "4" else 8)
     assert torch.equal(blocks.dequantise(), oracle(raw, kind))  # the same float32 arithmetic: bit for bit
 
 

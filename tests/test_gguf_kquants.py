@@ -1,7 +1,8 @@
-"""Q4_K read as Blocks, checked against the `gguf` package's own dequantiser (the independent oracle) on random
-super-blocks (the package cannot quantise to Q4_K); the packed int4 linear over them against a float32 linear over
-the oracle's weight; and a tiny llama GGUF laid out like a Q4_K_M file (Q4_K projections, some Q6_K) whose
-conversion gives the oracle's weights, a fixture for end-to-end tests of the packed path."""
+"""The K-quants and IQ4_XS read as Blocks, checked against the `gguf` package's own dequantiser (the independent
+oracle) on random super-blocks (the package cannot quantise to them); the packed int4 linear over Q4_K against a
+float32 linear over the oracle's weight; and tiny llama GGUFs laid out like a Q4_K_M file (Q4_K projections, some
+Q6_K) and holding every other packed type, whose conversion gives the oracle's weights, fixtures for end-to-end tests
+of the packed path."""
 
 from unittest import mock
 
@@ -17,48 +18,63 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastspec.kernels import cpu_library
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
-from fastspec.models.gguf_kquants import DEQUANTISED, read_q4_k, read_q6_k
+from fastspec.models.gguf_blocks import read_blocks
+from fastspec.models.gguf_kquants import DEQUANTISED, READERS, read_q4_k, read_q6_k
 from fastspec.models.packed_layers import BlockLinear, Int4Linear
 
 HEADS, KV_HEADS = 4, 2
+SCALES = {  # GGML type -> (first byte, count) of a block's f16 scales, the range drawn for them (|w| stays ~2 or less)
+    "Q2_K": ((80, 2), (1e-3, 2e-2)), "Q3_K": ((108, 1), (1e-3, 1e-2)), "Q4_K": ((0, 2), (1e-4, 2e-3)),
+    "Q5_K": ((0, 2), (1e-4, 1e-3)), "Q6_K": ((208, 1), (1e-5, 1e-4)), "IQ4_XS": ((0, 1), (1e-5, 3e-4)),
+    "IQ4_NL": ((0, 1), (1e-3, 1e-2)), "Q5_0": ((0, 1), (1e-3, 2e-2)), "Q5_1": ((0, 2), (1e-3, 1e-2)),
+}
+VALUES = {"Q2_K": (0, 3), "Q3_K": (-4, 3), "Q5_K": (0, 31), "Q6_K": (-32, 31), "IQ4_XS": (-127, 113),
+          "IQ4_NL": (-127, 113)}  # the int8 values each 8-bit type is read as
 
 
-def random_q4_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # uint8 [n, k / 256 * 144]
-    """Random Q4_K rows: random scale, min and nibble bytes; d and dmin finite positive f16 (|w| up to ~1.9)."""
-    raw = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
-    raw[..., 0:4] = rng.uniform(1e-4, 2e-3, (n, k // 256, 2)).astype(np.float16).view(np.uint8)  # d, dmin
+def random_rows(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # uint8 [n, bytes per row]
+    """Random rows of GGML type `kind`: random bytes, with finite positive f16 scales (SCALES)."""
+    per_block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    (first, count), (low, high) = SCALES[kind]
+    raw = rng.integers(0, 256, (n, k // per_block, size), dtype=np.uint8)
+    raw[..., first:first + 2 * count] = rng.uniform(low, high, (n, k // per_block, count)).astype(np.float16).view(
+        np.uint8)
     return raw.reshape(n, -1)
 
 
-def random_q6_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:  # uint8 [n, k / 256 * 210]
-    """Random Q6_K rows: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, then f16 d (|w| <= 0.4)."""
-    raw = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    raw[..., 208:210] = rng.uniform(1e-5, 1e-4, (n, k // 256, 1)).astype(np.float16).view(np.uint8)
-    return raw.reshape(n, -1)
+def read_any(raw: np.ndarray, kind: str):  # the Blocks of raw rows of any type stored as blocks
+    return READERS[kind](raw) if kind in READERS else read_blocks(raw, kind)
 
 
 def oracle(raw: np.ndarray, kind: str) -> torch.Tensor:  # float32 [N, K]
     return torch.from_numpy(np.array(dequantize(raw, gguf.GGMLQuantizationType[kind]), dtype=np.float32))
 
 
-# ---- Q4_K as Blocks ----
+# ---- the K-quants and IQ4_XS as Blocks ----
 
 @pytest.mark.parametrize("n, k", [(16, 256), (24, 512), (8, 1024)])
 def test_q4_k_dequantises_as_gguf_does(n, k):
-    raw = random_q4_k(n, k, np.random.default_rng(n + k))
+    raw = random_rows("Q4_K", n, k, np.random.default_rng(n + k))
     blocks = read_q4_k(raw)
     assert blocks.bits == 4 and blocks.q.shape == (n, k) and blocks.scale.shape == blocks.offset.shape == (n, k // 32)
     assert blocks.q.dtype == torch.uint8 and 0 <= int(blocks.q.min()) and int(blocks.q.max()) <= 15
     assert torch.equal(blocks.dequantise(), oracle(raw, "Q4_K"))  # the same float32 arithmetic: bit for bit
 
 
+@pytest.mark.parametrize("kind, group", [("Q2_K", 16), ("Q3_K", 16), ("Q5_K", 32), ("Q6_K", 16), ("IQ4_XS", 32),
+                                         ("IQ4_NL", 32)])
 @pytest.mark.parametrize("n, k", [(16, 256), (8, 768)])
-def test_q6_k_dequantises_as_gguf_does(n, k):
-    raw = random_q6_k(n, k, np.random.default_rng(n + k))
-    blocks = read_q6_k(raw)
-    assert blocks.bits == 8 and blocks.group == 16 and blocks.q.dtype == torch.int8 and blocks.q.shape == (n, k)
-    assert -32 <= int(blocks.q.min()) and int(blocks.q.max()) <= 31 and not blocks.offset.any()
-    assert torch.equal(blocks.dequantise(), oracle(raw, "Q6_K"))  # the same float32 arithmetic: bit for bit
+def test_8bit_types_dequantise_as_gguf_does(kind, group, n, k):
+    """Every value of its type's range is met (random bytes: the test sees each bit of the layout), and the
+    dequantised weight is the oracle's bit for bit (the same float32 arithmetic). (IQ4_NL is a 32-value block
+    format; the package cannot quantise to it either.)"""
+    raw = random_rows(kind, n, k, np.random.default_rng(n + k))
+    blocks = read_any(raw, kind)
+    assert blocks.bits == 8 and blocks.group == group and blocks.q.dtype == torch.int8 and blocks.q.shape == (n, k)
+    low, high = VALUES[kind]
+    assert int(blocks.q.min()) == low and int(blocks.q.max()) == high
+    assert blocks.offset.any() == (kind in ("Q2_K", "Q5_K"))  # a min per sub-block, or none
+    assert torch.equal(blocks.dequantise(), oracle(raw, kind))
 
 
 def test_q6_k_blocks_are_stored_and_looked_up_exactly():
@@ -67,7 +83,7 @@ def test_q6_k_blocks_are_stored_and_looked_up_exactly():
     from fastspec.models.gguf_blocks import blocks_from_state, blocks_state
     from fastspec.models.packed_layers import BlockEmbedding
 
-    raw = random_q6_k(40, 256, np.random.default_rng(3))
+    raw = random_rows("Q6_K", 40, 256, np.random.default_rng(3))
     back = blocks_from_state(blocks_state("w", read_q6_k(raw)).__getitem__, "w")
     assert back.bits == 8 and back.group == 16 and torch.equal(back.dequantise(), oracle(raw, "Q6_K"))
     ids = torch.tensor([[3, 0, 39], [7, 7, 1]])
@@ -78,7 +94,7 @@ def test_int4_linear_over_q4_k_equals_a_linear_over_the_oracle():
     """float32 activations: exact to float32 rounding (the kernel's zero = offset + 8 * scale is one rounding);
     bfloat16 (the fast kernel): within bfloat16's rounding of the activations and scales (~4e-3 relative here;
     2e-2 allowed)."""
-    raw = random_q4_k(48, 512, np.random.default_rng(3))  # N % 16: torch's int4 packing needs it
+    raw = random_rows("Q4_K", 48, 512, np.random.default_rng(3))  # N % 16: torch's int4 packing needs it
     weight = oracle(raw, "Q4_K")
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
     expected = F.linear(x, weight)
@@ -89,7 +105,7 @@ def test_int4_linear_over_q4_k_equals_a_linear_over_the_oracle():
 
 def test_rows_move_with_their_scales():
     """A row permutation and llama.cpp's rope row order undone on the blocks equal the same on the oracle."""
-    raw = random_q4_k(32, 256, np.random.default_rng(4))
+    raw = random_rows("Q4_K", 32, 256, np.random.default_rng(4))
     blocks, weight = read_q4_k(raw), oracle(raw, "Q4_K")
     perm = torch.randperm(32, generator=torch.Generator().manual_seed(5))
     assert torch.equal(blocks.map_rows(lambda t: t[perm]).dequantise(), weight[perm])
@@ -113,7 +129,7 @@ def test_the_dequantised_types_are_ones_the_converter_can_dequantise():
         assert oracle(np.zeros((2, 256 // values * size), dtype=np.uint8), kind).shape == (2, 256)
 
 
-# ---- a tiny llama laid out like a Q4_K_M file ----
+# ---- tiny llamas laid out like a Q4_K_M file, and with every other packed type ----
 
 def q4_k_m_type(name: str, array: np.ndarray) -> str | None:
     """The GGML type of each tensor: norms stay F32 (None), output and layer 0's attn_v / ffn_down are Q6_K (llama.cpp's
@@ -121,6 +137,17 @@ def q4_k_m_type(name: str, array: np.ndarray) -> str | None:
     if array.ndim != 2:
         return None
     return "Q6_K" if name in ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight") else "Q4_K"
+
+
+EVERY_TYPE = {  # layer 0 holds a type per projection; layer 1 is laid out as a Q5_K_M file (Q6_K for attn_v / down)
+    "token_embd": "Q3_K", "output": "Q5_1", "blk.0.attn_q": "Q2_K", "blk.0.attn_k": "Q3_K", "blk.0.attn_v": "Q5_K",
+    "blk.0.attn_output": "IQ4_XS", "blk.0.ffn_gate": "Q5_0", "blk.0.ffn_up": "Q5_1", "blk.0.ffn_down": "IQ4_NL",
+    "blk.1.attn_v": "Q6_K", "blk.1.ffn_down": "Q6_K"}
+
+
+def every_type(name: str, array: np.ndarray) -> str | None:
+    """The GGML type of each tensor in the EVERY_TYPE layout: norms stay F32 (None), any other matrix is Q5_K."""
+    return None if array.ndim != 2 else EVERY_TYPE.get(name.removesuffix(".weight"), "Q5_K")
 
 
 def k_quant_llama() -> LlamaForCausalLM:
@@ -132,49 +159,48 @@ def k_quant_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def write_k_quant_gguf(path, seed: int = 0):
-    """test_gguf's writer with every matrix replaced by random raw K-quant rows of its shape (q4_k_m_type), the float
-    model only giving names, shapes and metadata; norms stay the model's F32 weights."""
+def write_k_quant_gguf(path, seed: int = 0, types=q4_k_m_type):
+    """test_gguf's writer with every matrix replaced by random raw rows of its shape and of the type `types` names
+    (q4_k_m_type, every_type), the float model only giving names, shapes and metadata; norms stay its F32 weights."""
     rng = np.random.default_rng(seed)
-    random_rows = {"Q4_K": random_q4_k, "Q6_K": random_q6_k}
 
     class KQuantWriter(gguf.GGUFWriter):
         def add_tensor(self, name, tensor, *args, **kwargs):
-            kind = q4_k_m_type(name, tensor)
+            kind = types(name, tensor)
             if kind is None:
                 return super().add_tensor(name, tensor, *args, **kwargs)
-            raw = random_rows[kind](*tensor.shape, rng)  # [N, K] -> uint8 [N, bytes per row]
+            raw = random_rows(kind, *tensor.shape, rng)  # [N, K] -> uint8 [N, bytes per row]
             return super().add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
 
     with mock.patch.object(gguf, "GGUFWriter", KQuantWriter):
         return write_gguf(path, k_quant_llama())
 
 
-def test_a_q4_k_m_gguf_converts_to_the_oracles_weights(tmp_path):
-    """Every projection of the converted model is the oracle's dequantised tensor (q / k with the rope row order
-    undone), and every Q4_K one, read as Blocks, dequantises to the same; the converted model runs."""
-    path = write_k_quant_gguf(tmp_path / "tiny-q4_k_m.gguf")
+@pytest.mark.parametrize("types, kinds", [(q4_k_m_type, {"Q4_K", "Q6_K"}), (every_type, {*READERS, "Q5_0", "Q5_1",
+                                                                                 "IQ4_NL"} - {"Q4_K"})])
+def test_a_k_quant_gguf_converts_to_the_oracles_weights(tmp_path, types, kinds):
+    """Every matrix of the converted model is the oracle's dequantised tensor (q / k with the rope row order undone),
+    and its stored blocks, as read, dequantise to the same; the converted model runs."""
+    path = write_k_quant_gguf(tmp_path / "tiny.gguf", types=types)
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    assert {t.tensor_type.name for t in tensors.values()} == {"F32", "Q4_K", "Q6_K"}
-    assert tensors["blk.0.attn_v.weight"].tensor_type.name == "Q6_K"
-    assert tensors["blk.1.attn_v.weight"].tensor_type.name == "Q4_K"
-    converted = load_file(convert_gguf(path, tmp_path / "hf") / "model.safetensors")
+    assert {t.tensor_type.name for t in tensors.values()} == {"F32", *kinds}
+    hf_dir = convert_gguf(path, tmp_path / "hf")
+    converted = load_file(hf_dir / "model.safetensors")
+    stored = load_file(hf_dir / "gguf_blocks" / "blocks.safetensors")
     rope_heads = {"self_attn.q_proj": HEADS, "self_attn.k_proj": KV_HEADS}
-    projections = {hf: name for hf, name in LAYER_NAMES.items() if hf.endswith("_proj")}  # HF -> GGUF name
-    for layer in (0, 1):
-        for hf_name, gguf_name in projections.items():
-            t, heads = tensors[f"blk.{layer}.{gguf_name}.weight"], rope_heads.get(hf_name)
-            kind = t.tensor_type.name
-            expected = oracle(t.data, kind)
-            if heads is not None:
-                expected = unpermute_rope_rows(expected, heads)
-            assert torch.equal(converted[f"model.layers.{layer}.{hf_name}.weight"], expected), t.name
-            if kind == "Q4_K":
-                blocks = read_q4_k(t.data)
-                if heads is not None:
-                    blocks = blocks.map_rows(lambda x, h=heads: unpermute_rope_rows(x, h))
-                assert torch.equal(blocks.dequantise(), expected), t.name
-    assert torch.equal(converted["lm_head.weight"], oracle(tensors["output.weight"].data, "Q6_K"))
+    names = {f"model.layers.{i}.{hf}.weight": f"blk.{i}.{name}.weight"  # HF -> GGUF name
+             for i in (0, 1) for hf, name in LAYER_NAMES.items() if hf.endswith("_proj")}
+    names |= {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight"}
+    for hf_name, gguf_name in names.items():
+        t, heads = tensors[gguf_name], rope_heads.get(hf_name.split(".", 3)[-1].removesuffix(".weight"))
+        kind = t.tensor_type.name
+        expected = oracle(t.data, kind) if heads is None else unpermute_rope_rows(oracle(t.data, kind), heads)
+        assert torch.equal(converted[hf_name], expected), t.name
+        blocks = read_any(t.data, kind)
+        if heads is not None:
+            blocks = blocks.map_rows(lambda x, h=heads: unpermute_rope_rows(x, h))
+        assert torch.equal(blocks.dequantise(), expected), t.name
+        assert torch.equal(stored[f"{hf_name}.scale"], blocks.scale), t.name  # what --quantization gguf reads
     with torch.no_grad():  # the random blocks make a model whose logits stay finite
         logits = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()(torch.arange(12)[None]).logits
     assert torch.isfinite(logits).all()
@@ -214,6 +240,47 @@ def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
     assert all(isinstance(m, Int4Linear | BlockLinear) for m in packed)
     assert isinstance(model.model.embed_tokens, BlockEmbedding)
     assert isinstance(model.lm_head, CastLinear if activation == torch.float32 else RefinedHead)
+    x = torch.randint(0, len(TOKENS), (40,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for m in (model, reference):
+        with torch.inference_mode():
+            hidden = m(x, torch.arange(len(x)), PackedCausalAttention(torch.zeros(len(x), dtype=torch.long))).final
+            logits.append(m.compute_logits(hidden))
+    if activation == torch.float32:
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    else:
+        assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("activation", [torch.float32, torch.bfloat16, pytest.param(
+    torch.int16, marks=pytest.mark.skipif(not cpu_library.available(), reason="no C compiler"))])
+def test_every_other_type_runs_on_its_blocks(tmp_path, caplog, activation):
+    """--quantization gguf on a file of Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices: with
+    fastspec's kernels (int16) every projection runs packed as 8-bit blocks (exact: each value is an int8), the
+    embedding and the head's rescoring table stay blocks, and nothing is dequantised; torch's int4 kernel takes none of
+    them (one note naming the types). float32 activations give the converted model's logits to float32 rounding;
+    int16 / bfloat16 ones its greedy tokens, teacher-forced, nearly always."""
+    from fastspec.models.causal_lm import CausalLM as Target
+    from fastspec.models.gguf_packed import load_packed_target
+    from fastspec.models.layers import fuse_projections
+    from fastspec.models.loader import load_target, read_config
+    from fastspec.models.packed_layers import BlockEmbedding, CastLinear
+    from fastspec.train.data import PackedCausalAttention
+
+    model_dir = convert_gguf(write_k_quant_gguf(tmp_path / "tiny.gguf", types=every_type), tmp_path / "hf")
+    reference = fuse_projections(load_target(model_dir, torch.float32))
+    with torch.device("meta"):
+        skeleton = Target(read_config(model_dir))
+    model = load_packed_target(skeleton, model_dir, torch.float32, activation=activation)
+    projections = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert isinstance(model.model.embed_tokens, BlockEmbedding)
+    if activation == torch.int16:
+        assert all(isinstance(m, BlockLinear) and m.packed.dtype == torch.int8 for m in projections)
+        assert model.lm_head.table.q.dtype == torch.int8 and "no packed kernel" not in caplog.text
+    else:
+        assert all(isinstance(m, CastLinear) for m in projections)
+        assert "IQ4_NL / IQ4_XS / Q2_K / Q3_K / Q5_0 / Q5_1 / Q5_K / Q6_K tensors have no packed kernel" in caplog.text
     x = torch.randint(0, len(TOKENS), (40,), generator=torch.Generator().manual_seed(0))
     logits = []
     for m in (model, reference):

@@ -22,12 +22,11 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import BLOCKS_FILE, FORMATS, blocks_state, read_blocks
-from fastspec.models.gguf_kquants import read_q4_k, read_q6_k
+from fastspec.models.gguf_kquants import READERS
 
-CONVERTER_VERSION = 3  # bump when the output layout changes, so cached conversions are redone
+CONVERTER_VERSION = 4  # bump when the output layout changes, so cached conversions are redone
 SOURCE_MARKER = "fastspec_source.json"
-K_QUANT_READERS = {"Q4_K": read_q4_k, "Q6_K": read_q6_k}
-BLOCK_KINDS = (*FORMATS, *K_QUANT_READERS)  # GGUF types also stored as blocks
+BLOCK_KINDS = (*FORMATS, *READERS)  # GGUF types also stored as blocks
 
 _LAYER_NAMES = {  # GGUF tensor name inside blk.N -> HF name inside model.layers.N
     "attn_norm.weight": "input_layernorm.weight",
@@ -159,7 +158,7 @@ def _read_tensors(reader, path: Path, dtype: torch.dtype) -> tuple[dict, dict, d
         tensors[name] = (weight if heads is None else unpermute_rope_rows(weight, heads)).to(dtype).contiguous()
         kinds[name] = t.tensor_type.name
         if kinds[name] in BLOCK_KINDS and t.data.ndim == 2:
-            b = K_QUANT_READERS.get(kinds[name], lambda data: read_blocks(data, kinds[name]))(t.data)
+            b = READERS.get(kinds[name], lambda data: read_blocks(data, kinds[name]))(t.data)
             b = b if heads is None else b.map_rows(lambda x: unpermute_rope_rows(x, heads))
             blocks.update(blocks_state(name, b))
     return tensors, blocks, kinds

@@ -2,11 +2,16 @@
 them packed (torch's int4 CPU kernel): the pieces a GGUF model kept packed is built from.
 
 A weight [N, K] is stored row by row in blocks of 32 values, each block with its own scale (ggml's layout):
-  Q4_0  f16 d, 16 bytes of nibbles      w = d * (q - 8)
-  Q4_1  f16 d, f16 m, 16 bytes          w = d * q + m
-  Q8_0  f16 d, 32 int8                  w = d * q
-A Q4 block's element j sits in the low nibble of byte j and element j + 16 in its high nibble. Every format is
-read as w = q * scale + offset per block (offset: -8 d, m or 0), which is what the packed kernels take.
+  Q4_0    f16 d, 16 bytes of nibbles                        w = d * (q - 8)
+  Q4_1    f16 d, f16 m, 16 bytes                            w = d * q + m
+  Q5_0    f16 d, 4 bytes of fifth bits, 16 bytes            w = d * (q - 16)
+  Q5_1    f16 d, f16 m, 4 bytes of fifth bits, 16 bytes     w = d * q + m
+  Q8_0    f16 d, 32 int8                                    w = d * q
+  IQ4_NL  f16 d, 16 bytes of nibbles                        w = d * IQ4_VALUES[q]
+A block's element j sits in the low nibble of byte j and element j + 16 in its high nibble; a Q5 block's fifth bits
+are a little-endian uint32 whose bit j tops element j. Every format is read as w = q * scale + offset per block, q
+4-bit (Q4_0 / Q4_1: offset -8 d or m) or an int8 (Q5_0: q - 16; Q5_1: offset m; Q8_0; IQ4_NL: the level itself), which
+is what the packed kernels take, exactly.
 Also how blocks are stored beside a converted model (`blocks_state`, `blocks_from_state`). Does not own: reading
 the GGUF file (fastspec.models.gguf), the modules that run on blocks (packed_layers) nor which module each weight
 becomes (gguf_packed).
@@ -22,15 +27,17 @@ import torch.nn.functional as F
 
 BLOCK = 32
 BLOCKS_FILE = "gguf_blocks/blocks.safetensors"  # a subdirectory: not one of the model's *.safetensors
-FORMATS = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1)}  # bytes per block, f16 values before the quants
+FORMATS = {  # bytes per block, f16 values before the quants
+    "Q4_0": (18, 1), "Q4_1": (20, 2), "Q5_0": (22, 1), "Q5_1": (24, 2), "Q8_0": (34, 1), "IQ4_NL": (18, 1)}
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # IQ4_NL / IQ4_XS's levels
 
 
 @dataclass(frozen=True)
 class Blocks:
     """One quantised weight [N, K]: w[n, k] = q[n, k] * scale[n, k // g] + offset[n, k // g], g = `group` (32; 16
-    for Q6_K's sub-blocks)."""
+    for the sub-blocks of Q2_K, Q3_K and Q6_K)."""
 
-    q: torch.Tensor  # [N, K]  Q4: uint8 0..15, Q8 / Q6_K: int8 (a byte per value)
+    q: torch.Tensor  # [N, K]  4-bit (Q4_0 / Q4_1 / Q4_K): uint8 0..15; 8-bit (every other type): int8
     scale: torch.Tensor  # float32 [N, K/g]
     offset: torch.Tensor  # float32 [N, K/g]
     bits: int  # 4 or 8
@@ -68,14 +75,31 @@ def read_blocks(data: np.ndarray, kind: str) -> Blocks:
     n = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(n, -1, size)  # [N, K/32, bytes]
     f16 = blocks[..., : 2 * halves].copy().view(np.float16).astype(np.float32)  # [N, K/32, halves]
-    scale = torch.from_numpy(f16[..., 0].copy())
+    scale, body = torch.from_numpy(f16[..., 0].copy()), blocks[..., 2 * halves:]
+    zero = torch.zeros_like(scale)
     if kind == "Q8_0":
-        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))
-        return Blocks(q.reshape(n, -1), scale, torch.zeros_like(scale), 8)
-    packed = torch.from_numpy(blocks[..., 2 * halves:].copy())  # uint8 [N, K/32, 16]
-    q = torch.cat([packed & 15, packed >> 4], -1).reshape(n, -1)  # low nibbles are elements 0..15
+        return Blocks(torch.from_numpy(body.copy().view(np.int8)).reshape(n, -1), scale, zero, 8)
+    if kind in ("Q5_0", "Q5_1"):
+        fifth = body[..., :4].copy().view("<u4")  # [N, K/32, 1]
+        body = body[..., 4:]
+    q = np.concatenate([body & 15, body >> 4], -1)  # uint8 [N, K/32, 32]: low nibbles are elements 0..15
+    if kind == "IQ4_NL":
+        return Blocks(_int8(np.array(IQ4_VALUES, dtype=np.int8)[q], n), scale, zero, 8)
+    if kind == "Q5_0":
+        return Blocks(_int8(_top(q, fifth).astype(np.int8) - 16, n), scale, zero, 8)
+    if kind == "Q5_1":
+        return Blocks(_int8(_top(q, fifth).astype(np.int8), n), scale, torch.from_numpy(f16[..., 1].copy()), 8)
     offset = torch.from_numpy(f16[..., 1].copy()) if kind == "Q4_1" else -8 * scale
-    return Blocks(q, scale, offset, 4)
+    return Blocks(torch.from_numpy(q).reshape(n, -1), scale, offset, 4)
+
+
+def _top(nibbles: np.ndarray, fifth: np.ndarray) -> np.ndarray:
+    """Q5's values 0..31: nibbles [N, K/32, 32] topped by bit j of `fifth` [N, K/32, 1] (uint32) for element j."""
+    return nibbles | (((fifth >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+
+
+def _int8(q: np.ndarray, n: int) -> torch.Tensor:  # int8 [N, K/g, g] -> [N, K]
+    return torch.from_numpy(np.ascontiguousarray(q, dtype=np.int8)).reshape(n, -1)
 
 
 def quantise_rows(rows, n: int, chunk: int = 4096, group: int = BLOCK) -> Blocks:

@@ -2,12 +2,12 @@
 float copy of a packed weight is ever read.
 
 Each fused projection (QKV, o, gate_up, down) becomes a packed linear over the file's blocks: fastspec's own kernels
-(BlockLinear, int16 activations) take every block format (Q4_0 / Q4_1 / Q4_K as 4-bit, Q8_0 / Q6_K and mixes of
-widths as 8-bit), torch's int4 kernel (Int4Linear, bfloat16 / float32 activations) only all-4-bit ones; an embedding
-of a block format stays as its blocks (BlockEmbedding, exact); the lm_head is a fast approximate GEMM whose best
-tokens are rescored exactly from the same table (RefinedHead); every other weight (an F16 or Q5 projection, or one
-torch's kernel cannot take) is read dequantised and kept in the fast float dtype (CastLinear), with one note naming
-the types. Norms load as converted.
+(BlockLinear, int16 activations) take every block format (Q4_0 / Q4_1 / Q4_K as 4-bit; Q5, Q8_0, the other K-quants,
+IQ4 and mixes of widths as 8-bit), torch's int4 kernel (Int4Linear, bfloat16 / float32 activations) only all-4-bit
+ones; an embedding of a block format stays as its blocks (BlockEmbedding, exact); the lm_head is a fast approximate
+GEMM whose best tokens are rescored exactly from the same table (RefinedHead); every other weight (an F16 or codebook
+projection, or one torch's kernel cannot take) is read dequantised and kept in the fast float dtype (CastLinear), with
+one note naming the types. Norms load as converted.
 The first packed load also stores the packed weights beside the blocks, per torch version (PackedCache; torch's int4
 layout is its own): later starts read them as they are.
 The converted float32 model is the reference twin: with float32 activations the packed model computes the same
