@@ -31,8 +31,8 @@ from fastspec.models.gguf_blocks import IQ4_VALUES, Blocks
 SUPER_BLOCK = 256  # values per K-quant super-block
 BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}  # per super-block
 
-# GGML types the packed path keeps as their converted (dequantised) weights: codebook (lattice) and ternary types,
-# whose values are not a scale times a small integer per value.
+# GGML types the packed path keeps as their converted (dequantised) weights: the codebook types, whose values come
+# from lattice grids with signs, and the ternary TQ types (int8 values with a scale per 256; not read here yet).
 DEQUANTISED = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0")
 
 
