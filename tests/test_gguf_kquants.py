@@ -4,6 +4,7 @@ float32 linear over the oracle's weight; and tiny llama GGUFs laid out like a Q4
 Q6_K) and holding every other packed type, whose conversion gives the oracle's weights, fixtures for end-to-end tests
 of the packed path."""
 
+import json
 from unittest import mock
 
 import gguf
@@ -291,3 +292,32 @@ def test_every_other_type_runs_on_its_blocks(tmp_path, caplog, activation):
         torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
     else:
         assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="no C compiler")
+@pytest.mark.parametrize("algorithm", ["NGRAM", "EAGLE3"])
+def test_speculation_on_every_other_type_is_lossless(tmp_path, algorithm):
+    """A verify runs the 8-bit kernel over several rows, a plain step over one: each output row depends on its own
+    activations only, so speculation on the EVERY_TYPE file, every round speculating, gives plain greedy's tokens.
+    EAGLE3 drafts with a random head of the target's shape (acceptance does not matter here)."""
+    import fastspec
+    from fastspec.models.heads import write_random_head
+    from fastspec.sampling import SamplingParams
+
+    path = write_k_quant_gguf(tmp_path / "tiny.gguf", types=every_type)
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42, 43, 40, 41]]  # repeats: NGRAM has drafts
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    plain = fastspec.LLM(str(path), speculative_algorithm="NONE", quantization="gguf", max_total_tokens=512)
+    expected = [o.output_ids for o in plain.generate(prompts, params)]
+    draft = {}
+    if algorithm == "EAGLE3":
+        head = write_random_head(tmp_path / "head", 256, len(TOKENS), "eagle3")
+        config = json.loads((head / "config.json").read_text())
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 0, 1]  # the target has 2 layers
+        (head / "config.json").write_text(json.dumps(config))
+        draft["draft_model"] = str(head)
+    llm = fastspec.LLM(str(path), speculative_algorithm=algorithm, quantization="gguf", max_total_tokens=512,
+                       tuned=False, **draft)
+    llm.engine.policy = None  # every round speculates
+    outputs = llm.generate(prompts, params)
+    assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
