@@ -1,6 +1,7 @@
-"""The int16 x 4- / 8-bit CPU GEMMs (fastspec.kernels.cpu_q4, BlockLinear): the C kernels against their torch twin,
-the twin against the exact product over the `gguf` package's dequantised weights (within the activations' int16
-rounding), each instruction-set path of the C source built explicitly, and the module in a model."""
+"""The int16 x 4- / 5- / 6- / 8-bit CPU GEMMs (fastspec.kernels.cpu_q4, BlockLinear): the C kernels against their
+torch twin, the twin against the exact product over the `gguf` package's dequantised weights (within the
+activations' int16 rounding), the layouts against the values they hold, each instruction-set path of the C source
+built explicitly, and the module in a model."""
 
 import ctypes
 import platform
@@ -16,7 +17,7 @@ from test_gguf_kquants import random_rows
 
 from fastspec.kernels import cpu_library, cpu_q4
 from fastspec.models.gguf_blocks import Blocks, as_8bit_16, merge_rows, read_blocks
-from fastspec.models.gguf_kquants import read_q6_k
+from fastspec.models.gguf_kquants import READERS, read_q6_k
 from fastspec.models.packed_layers import BlockLinear, fast_activation, int4_linear
 
 needs_library = pytest.mark.skipif(not cpu_library.available(), reason="no C compiler for the CPU kernels")
@@ -27,6 +28,18 @@ def q4_blocks(kind: str, n: int, k: int, seed: int = 0):
     data = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
     raw = quantize(data, gguf.GGMLQuantizationType[kind])
     return read_blocks(raw, kind), raw
+
+
+def blocks_of(bits: int, n: int, k: int, seed: int = 0) -> Blocks:
+    """A weight the `bits`-bit kernel takes: 4 a Q4_1 one; 5 / 6 random values of that width with random scales and
+    offsets per 16; 8 a Q4_1 one as int8 values per 16 (as_8bit_16)."""
+    if bits in (5, 6):
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=gen)
+        return Blocks(q, torch.rand(n, k // 16, generator=gen) * 0.01, torch.randn(n, k // 16, generator=gen) * 0.01,
+                      bits)
+    blocks = q4_blocks("Q4_1", n, k, seed)[0]
+    return blocks if bits == 4 else as_8bit_16(blocks)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
@@ -73,15 +86,50 @@ def test_the_8bit_twin_is_the_exact_product_within_the_activations_rounding():
     torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bits", [5, 6])
+def test_the_plane_layout_holds_the_values_and_the_twin_their_product(bits):
+    """A 5- / 6-bit weight packed (low nibbles, then bit planes) unpacks to its values, scales and offsets (as
+    float16), and the twin is the exact product over them within the activations' int16 rounding (4e-4 here)."""
+    blocks = blocks_of(bits, 48, 256, seed=bits)
+    packed, scales = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
+    assert cpu_q4.bits(packed) == bits and packed.shape == (3, 8, 256 + 64 * (bits - 4))
+    q, scale, offset = cpu_q4.unpack(packed, scales)
+    assert torch.equal(q, blocks.q.float()) and torch.equal(scale, blocks.scale.half().float())
+    assert torch.equal(offset, blocks.offset.half().float())
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    exact = x @ Blocks(blocks.q, scale, offset, bits).dequantise().T
+    torch.testing.assert_close(cpu_q4.matmul_twin(x, packed, scales), exact, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind, bits", [("Q5_0", 5), ("Q5_1", 5), ("Q5_K", 5), ("Q3_K", 5), ("Q2_K", 5), ("Q6_K", 6),
+                                        ("Q8_0", 8), ("IQ4_XS", 8)])
+def test_narrow_takes_the_fewest_bits_and_keeps_the_weight(kind, bits):
+    """Each 8-bit GGUF type as the fewest bits its values need (a signed group lifted by 2^(bits-1), its zero offset
+    lowered by as much times its scale: exact), the dequantised weight unchanged bit for bit."""
+    raw = random_rows(kind, 16, 256, np.random.default_rng(0))
+    blocks = as_8bit_16(READERS[kind](raw) if kind in READERS else read_blocks(raw, kind))
+    q, scale, offset, width = cpu_q4.narrow(blocks.q, blocks.scale, blocks.offset)
+    assert width == bits and q.dtype == (torch.int8 if bits == 8 else torch.uint8)
+    assert torch.equal(Blocks(q, scale, offset, width).dequantise(), blocks.dequantise())
+
+
+def test_a_q4_k_group_beside_q6_k_ones_keeps_its_offset():
+    """A fused QKV of Q4_K and Q6_K rows needs 6 bits; the Q4_K groups (no negative values) are not lifted."""
+    rng = np.random.default_rng(1)
+    mixed = merge_rows([READERS[kind](random_rows(kind, 16, 256, rng)) for kind in ("Q4_K", "Q6_K")])
+    q, scale, offset, width = cpu_q4.narrow(mixed.q, mixed.scale, mixed.offset)
+    assert width == 6 and torch.equal(offset[:16], mixed.offset[:16])
+    assert torch.equal(Blocks(q, scale, offset, width).dequantise()[:16], mixed.dequantise()[:16])
+
+
 @needs_library
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
 def test_the_kernel_is_its_twin(rows, bits):
-    """Every row count (the kernels unroll up to 8 rows a pass), tiles split between threads or not, both widths:
+    """Every row count (the kernels unroll up to 8 rows a pass), tiles split between threads or not, every width:
     the twin's numbers to float32 rounding (the integer sums are exact; the per-group float sums run in another
     order)."""
-    blocks, _ = q4_blocks("Q4_1", 96, 576, seed=rows)
-    blocks = blocks if bits == 4 else as_8bit_16(blocks)
+    blocks = blocks_of(bits, 96, 576, seed=rows)
     packed = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3)) * 3
     torch.testing.assert_close(cpu_q4.matmul(x, *packed), cpu_q4.matmul_twin(x, *packed), atol=1e-4, rtol=1e-5)
@@ -95,7 +143,7 @@ def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
                    check=True, capture_output=True)
     subprocess.run(["cc", "-shared", f"{library}.o", "-o", str(library), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(library))
-    for name in ("q4_gemm", "q8_gemm"):
+    for name in ("q4_gemm", "q8_gemm", "qp_gemm"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = cpu_library.SIGNATURES[name]
     return lib
 
@@ -104,17 +152,16 @@ def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
 @pytest.mark.skipif(platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text(),
                     reason="an x86-64 CPU with AVX2 runs both lower paths")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # the AVX2 path, the portable C one
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_each_instruction_set_path_is_the_twin(tmp_path, march, bits):
     lib = build_path(tmp_path, march)
-    blocks, _ = q4_blocks("Q4_0", 48, 96, seed=4)
-    blocks = blocks if bits == 4 else as_8bit_16(blocks)
+    blocks = blocks_of(bits, 48, 96, seed=4)
     packed, scales = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
-    gemm = lib.q4_gemm if bits == 4 else lib.q8_gemm
+    gemm, extra = {4: (lib.q4_gemm, ()), 8: (lib.q8_gemm, ())}.get(bits, (lib.qp_gemm, (bits,)))
     for rows in (1, 5, 11):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         y = torch.empty(rows, 48)
-        assert gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr()) == 0
+        assert gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr(), *extra) == 0
         torch.testing.assert_close(y, cpu_q4.matmul_twin(x, packed, scales), atol=1e-4, rtol=1e-5)
 
 

@@ -190,7 +190,7 @@ def test_a_compiler_without_openmp_builds_them_single_threaded_and_none_runs_the
 
 
 def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatch):
-    """Every projection a BlockLinear (4-bit, one 8-bit, two over inputs in another order: GPTQ desc_act's
+    """Every projection a BlockLinear (4-bit, one 6-bit, one 8-bit, two over inputs in another order: GPTQ desc_act's
     PermutedLinear): the stack runs as one C call (cpu_fused.decoder_stack), which gives, bit for bit, the logits and
     the captured residual streams of the same kernels called layer by layer (fused_layers' loop), over a prefill of
     two requests and a decode step of both."""
@@ -207,10 +207,13 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
 
     model = fuse_projections(load_target(tiny_dirs["llama"][0], torch.float32))
     quantise_target(model, "int4", torch.int16, True)
-    mlp = model.model.layers[1].mlp  # one linear as 8-bit blocks: the stack takes both widths
-    q, scale, offset = cpu_q4.unpack(mlp.down_proj.packed, mlp.down_proj.scales)
-    mlp.down_proj = BlockLinear.from_blocks(as_8bit_16(Blocks(q.to(torch.uint8), scale, offset, 4)))
-    assert mlp.down_proj.packed.dtype == torch.int8
+    for i, bits in ((0, 6), (1, 8)):  # layer 0's down in 6 bits, layer 1's in 8: the stack takes every width
+        mlp = model.model.layers[i].mlp
+        q, scale, offset = cpu_q4.unpack(mlp.down_proj.packed, mlp.down_proj.scales)
+        wide = as_8bit_16(Blocks(q.to(torch.uint8), scale, offset, 4))
+        mlp.down_proj = BlockLinear(*cpu_q4.pack(wide.q.to(torch.uint8) if bits == 6 else wide.q, wide.scale,
+                                                 wide.offset, bits))
+        assert cpu_q4.bits(mlp.down_proj.packed) == bits
     gen = torch.Generator().manual_seed(4)
     for layer in model.model.layers[2:]:  # the same weights over their inputs reordered, as desc_act stores them
         layer.mlp.gate_up_proj = PermutedLinear(torch.randperm(64, generator=gen), layer.mlp.gate_up_proj)

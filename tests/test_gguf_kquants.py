@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from test_gguf import LAYER_NAMES, TOKENS, write_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fastspec.kernels import cpu_library
+from fastspec.kernels import cpu_library, cpu_q4
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
 from fastspec.models.gguf_blocks import read_blocks
 from fastspec.models.gguf_kquants import DEQUANTISED, READERS, read_q4_k, read_q6_k
@@ -28,6 +28,7 @@ SCALES = {  # GGML type -> (first byte, count) of a block's f16 scales, the rang
     "Q2_K": ((80, 2), (1e-3, 2e-2)), "Q3_K": ((108, 1), (1e-3, 1e-2)), "Q4_K": ((0, 2), (1e-4, 2e-3)),
     "Q5_K": ((0, 2), (1e-4, 1e-3)), "Q6_K": ((208, 1), (1e-5, 1e-4)), "IQ4_XS": ((0, 1), (1e-5, 3e-4)),
     "IQ4_NL": ((0, 1), (1e-3, 1e-2)), "Q5_0": ((0, 1), (1e-3, 2e-2)), "Q5_1": ((0, 2), (1e-3, 1e-2)),
+    "Q8_0": ((0, 1), (1e-4, 1e-3)),
 }
 VALUES = {"Q2_K": (0, 3), "Q3_K": (-4, 3), "Q5_K": (0, 31), "Q6_K": (-32, 31), "IQ4_XS": (-127, 113),
           "IQ4_NL": (-127, 113)}  # the int8 values each 8-bit type is read as
@@ -231,7 +232,7 @@ def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
     layers = model.model.layers
     mixed = (layers[0].self_attn.qkv_proj, layers[0].mlp.down_proj)  # a Q6_K part beside Q4_K ones, or Q6_K alone
     if activation == torch.int16:
-        assert all(isinstance(m, BlockLinear) and m.packed.dtype == torch.int8 for m in mixed)
+        assert all(isinstance(m, BlockLinear) and cpu_q4.bits(m.packed) == 6 for m in mixed)  # Q6_K's -32..31 lifted
         assert model.lm_head.table.q.dtype == torch.int8 and "no packed kernel" not in caplog.text
     else:
         assert all(isinstance(m, CastLinear) for m in mixed)
@@ -257,7 +258,7 @@ def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
     torch.int16, marks=pytest.mark.skipif(not cpu_library.available(), reason="no C compiler"))])
 def test_every_other_type_runs_on_its_blocks(tmp_path, caplog, activation):
     """--quantization gguf on a file of Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices: with
-    fastspec's kernels (int16) every projection runs packed as 8-bit blocks (exact: each value is an int8), the
+    fastspec's kernels (int16) every projection runs packed in 5, 6 or 8 bits (exact: each value fits), the
     embedding and the head's rescoring table stay blocks, and nothing is dequantised; torch's int4 kernel takes none of
     them (one note naming the types). float32 activations give the converted model's logits to float32 rounding;
     int16 / bfloat16 ones its greedy tokens, teacher-forced, nearly always."""
@@ -276,8 +277,10 @@ def test_every_other_type_runs_on_its_blocks(tmp_path, caplog, activation):
     projections = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     assert isinstance(model.model.embed_tokens, BlockEmbedding)
-    if activation == torch.int16:
-        assert all(isinstance(m, BlockLinear) and m.packed.dtype == torch.int8 for m in projections)
+    if activation == torch.int16:  # each in the fewest bits its values take (cpu_q4.narrow)
+        widths = [cpu_q4.bits(m.packed) if isinstance(m, BlockLinear) else None for m in projections]
+        assert widths == [5, 8, 5, 8,   # layer 0: Q2_K / Q3_K / Q5_K, IQ4_XS, Q5_0 / Q5_1, IQ4_NL
+                          6, 5, 5, 6]   # layer 1: Q5_K / Q6_K, Q5_K, Q5_K, Q6_K
         assert model.lm_head.table.q.dtype == torch.int8 and "no packed kernel" not in caplog.text
     else:
         assert all(isinstance(m, CastLinear) for m in projections)

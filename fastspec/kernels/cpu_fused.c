@@ -202,6 +202,8 @@ void top_k(const float *x, int64_t M, int64_t V, int64_t stride, int64_t k, int6
 
 int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y);
 int q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const uint16_t *sm, int64_t N, float *y);
+int qp_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
+            int64_t bits);
 
 /* y = x @ w.T for linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a decoder_stack layer row (see below); where the
  * row names an input order (a GPTQ desc_act weight), x's columns are gathered into `scratch` [M, K] in it first */
@@ -215,15 +217,16 @@ static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int6
         x = scratch;
     }
     if (row[10 + j] == 4) return q4_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y);
-    return q8_gemm(x, M, K, (const int8_t *)row[2 * j], scales, N, y);
+    if (row[10 + j] == 8) return q8_gemm(x, M, K, (const int8_t *)row[2 * j], scales, N, y);
+    return qp_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y, row[10 + j]);
 }
 
 /* A Llama-family layer stack on 4- / 8-bit weights (cpu_q4.c) in one call: per layer the four GEMMs and the four
  * kernels above, in the order fastspec.models.fused_cpu.fused_layers runs them (its Python loop is this function's
  * twin, bit for bit). All float32.
  * layers int64 [L, 18]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
- * norm's weight and the next layer's input norm's weight (0 after the last layer), the four linears' bit widths (4
- * or 8: which of cpu_q4.c's kernels runs each), then the addresses of their input orders (int64 [K], 0: in order); k, v: the KV pool's [L, num_slots, Hkv, D] caches
+ * norm's weight and the next layer's input norm's weight (0 after the last layer), the four linears' bit widths (4,
+ * 5, 6 or 8: which of cpu_q4.c's kernels runs each), then the addresses of their input orders (int64 [K], 0: in order); k, v: the KV pool's [L, num_slots, Hkv, D] caches
  * (layer i's at i * layer_stride floats). x [T, H]: the residual stream entering layer 0, replaced by the last
  * layer's output; h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured`
  * [n, T, H] receiving the stream entering it, or -1. The rest as rope_write and attend take them.

@@ -1,9 +1,10 @@
-"""The 4- and 8-bit CPU GEMMs on int16 activations (cpu_q4.c): y = x @ w.T for w = q * scale + offset per group (32
-values of a 4-bit weight, 16 of an 8-bit one), x rounded to int16 per group of 32 (scale max |x| / 32767); exact
-integer dot products, one float multiply-add per group. Not exact, but closer to it than bfloat16 activations (an
-int8 rounding, llama.cpp's Q8 scheme, moved the embedded model's greedy choice at ~6 % of positions), and measured
-against torch's int4 kernel by packed_layers.fast_activation. `pack` lays a weight out for them, `matmul` runs them
-(the torch twin where the C library is not built, and for the tests). Knows nothing about models.
+"""The 4-, 5-, 6- and 8-bit CPU GEMMs on int16 activations (cpu_q4.c): y = x @ w.T for w = q * scale + offset per
+group (32 values of a 4-bit weight, 16 of the others), x rounded to int16 per group of 32 (scale max |x| / 32767);
+exact integer dot products, one float multiply-add per group. Not exact, but closer to it than bfloat16 activations
+(an int8 rounding, llama.cpp's Q8 scheme, moved the embedded model's greedy choice at ~6 % of positions), and
+measured against torch's int4 kernel by packed_layers.fast_activation. `pack` lays a weight out for them (`narrow`
+picks the fewest bits an 8-bit weight fits), `matmul` runs them (the torch twin where the C library is not built,
+and for the tests). Knows nothing about models.
 """
 
 from __future__ import annotations
@@ -13,17 +14,50 @@ import torch
 from fastspec.kernels import cpu_library
 
 GROUP, TILE = 32, 16  # activation values per rounding scale, output rows per tile (N % 16 == 0, K % 32 == 0)
-WEIGHT_GROUP = {4: 32, 8: 16}  # weight values per scale and offset, by bit width
+WEIGHT_GROUP = {4: 32, 5: 16, 6: 16, 8: 16}  # weight values per scale and offset, by bit width
+UNIT_BYTES = {256: 4, 320: 5, 384: 6}  # a uint8 layout's bytes per tile and group of 32 -> its bit width
 HALF_MAX = 65504.0  # the largest float16: scales and offsets are stored as float16
 
 
-def pack(q: torch.Tensor,       # [N, K]  4-bit: uint8 0..15; 8-bit: int8
+def bits(packed: torch.Tensor) -> int:
+    """The bit width of a weight `pack` laid out."""
+    return 8 if packed.dtype == torch.int8 else UNIT_BYTES[packed.shape[-1]]
+
+
+def in_features(packed: torch.Tensor) -> int:
+    return packed.shape[1] * (16 if packed.dtype == torch.int8 else GROUP)
+
+
+def narrow(q: torch.Tensor,       # int8 [N, K]
+           scale: torch.Tensor,   # float32 [N, K/16]
+           offset: torch.Tensor,  # float32 [N, K/16]
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """An 8-bit weight with a scale and an offset per 16 as the fewest bits of `pack` it fits exactly: (q, scale,
+    offset, bits), with bits 5 or 6 where every group fits (q then uint8; a group with negative values shifted up
+    by 2^(bits-1), its offset lowered by 2^(bits-1) * scale: exact where the offset was 0, as in every signed GGUF
+    type), else the weight as it is (8)."""
+    groups = q.view(q.shape[0], -1, 16).short()  # [N, K/16, 16]
+    low, high = groups.amin(-1), groups.amax(-1)
+    shifted = low < 0
+    for width in (5, 6):
+        half = 1 << (width - 1)
+        if bool(torch.where(shifted, (low >= -half) & (high < half), high < 2 * half).all()):
+            lift = shifted.short() * half  # [N, K/16]
+            narrowed = (groups + lift[..., None]).to(torch.uint8).view(q.shape)
+            return narrowed, scale, offset - lift.float() * scale, width
+    return q, scale, offset, 8
+
+
+def pack(q: torch.Tensor,       # [N, K]  4- / 5- / 6-bit: uint8 0..2^bits - 1; 8-bit: int8
          scale: torch.Tensor,   # float32 [N, K/g]  (g = WEIGHT_GROUP[bits])
          offset: torch.Tensor,  # float32 [N, K/g]
          bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed [N/16, K/g, 256] bytes, scales float16 [N/16, K/g, 2, 16]) in cpu_q4.c's layout. 4-bit: in a tile's
-    group, byte 64 v + 4 j + i holds row j's input 4 v + i in its low nibble and input 16 + 4 v + i in its high one;
-    8-bit: byte 64 v + 4 j + i holds row j's input 4 v + i (int8)."""
+    """(packed bytes, scales float16 [N/16, K/g, 2, 16]) in cpu_q4.c's layout. 4-bit: [N/16, K/32, 256]; in a
+    tile's group, byte 64 v + 4 j + i holds row j's input 4 v + i in its low nibble and input 16 + 4 v + i in its
+    high one. 5- / 6-bit: [N/16, K/32, 256 + 64 e] (e = bits - 4 high bits), the low 4 bits laid out so, then the
+    high bits of byte 64 v + 4 j + i's two values in byte 64 c + 4 j + i of the high part (c = v e // 4), at bits
+    t.. (input 16 + 4 v + i) and 4 + t.. (input 4 v + i), t = v e % 4. 8-bit: [N/16, K/16, 256]; byte 64 v + 4 j + i
+    holds row j's input 4 v + i (int8)."""
     n, k = q.shape
     g = WEIGHT_GROUP[bits]
     if n % TILE or k % GROUP or scale.shape != (n, k // g):
@@ -32,14 +66,32 @@ def pack(q: torch.Tensor,       # [N, K]  4-bit: uint8 0..15; 8-bit: int8
     if max(scale.abs().max().item(), offset.abs().max().item(), 0.0) > HALF_MAX:
         raise ValueError("scales beyond float16's range")
     groups = k // g
-    if bits == 4:
-        x = q.view(n // TILE, TILE, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [tile, g, v, j, i, half]
-        packed = (x[..., 0] | (x[..., 1] << 4)).reshape(n // TILE, groups, 256).contiguous()
+    if bits in (5, 6):
+        packed = _pack_wide(q, bits)
+    elif bits == 4:
+        packed = _pack_nibbles(q)
     else:
         packed = q.view(n // TILE, TILE, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // TILE, groups, 256)
         packed = packed.contiguous()
     scales = torch.stack([scale, offset]).view(2, n // TILE, TILE, groups).permute(1, 3, 0, 2).half().contiguous()
     return packed, scales
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:  # uint8 [N, K] 0..15 -> [N/16, K/32, 256]
+    n, k = q.shape
+    x = q.view(n // TILE, TILE, k // GROUP, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [tile, g, v, j, i, half]
+    return (x[..., 0] | (x[..., 1] << 4)).reshape(n // TILE, k // GROUP, 256).contiguous()
+
+
+def _pack_wide(q: torch.Tensor, width: int) -> torch.Tensor:  # uint8 [N, K] -> [N/16, K/32, 256 + 64 e]
+    n, k = q.shape
+    e = width - 4
+    high = (q >> 4).view(n // TILE, TILE, k // GROUP, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)  # [tile, g, v, j, i, half]
+    part = torch.zeros(n // TILE, k // GROUP, e, TILE, 4, dtype=torch.uint8)  # [tile, g, c, j, i]
+    for v in range(4):
+        c, t = divmod(v * e, 4)
+        part[:, :, c] |= (high[:, :, v, ..., 1] << t) | (high[:, :, v, ..., 0] << (4 + t))
+    return torch.cat([_pack_nibbles(q & 15), part.view(n // TILE, k // GROUP, 64 * e)], -1).contiguous()
 
 
 def matmul(x: torch.Tensor,       # float32 [M, K]
@@ -51,16 +103,29 @@ def matmul(x: torch.Tensor,       # float32 [M, K]
         return matmul_twin(x, packed, scales)
     x = x.contiguous()
     y = x.new_empty(x.shape[0], packed.shape[0] * TILE)
-    kernel = lib.q4_gemm if packed.dtype == torch.uint8 else lib.q8_gemm
+    width = bits(packed)
+    kernel, extra = {4: (lib.q4_gemm, ()), 8: (lib.q8_gemm, ())}.get(width, (lib.qp_gemm, (width,)))
     if cpu_library.call(kernel, x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(),
-                        y.shape[1], y.data_ptr()):
-        raise MemoryError("the int16 x 4-bit kernel's scratch memory")
+                        y.shape[1], y.data_ptr(), *extra):
+        raise MemoryError(f"the int16 x {width}-bit kernel's scratch memory")
     return y
 
 
 def unpack(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`pack`'s inverse: (q [N, K] as float32, scale [N, K/g], offset [N, K/g])."""
     tiles, groups = packed.shape[:2]
+    width = bits(packed)
+    if width in (5, 6):
+        e = width - 4
+        q = unpack(packed[..., :256], scales[:, ::2])[0].to(torch.uint8).view(tiles, TILE, groups, 2, 4, 4)
+        part = packed[..., 256:].view(tiles, groups, e, TILE, 4)  # [tile, g, c, j, i]
+        for v in range(4):
+            c, t = divmod(v * e, 4)
+            bits_v = (part[:, :, c] >> t).permute(0, 2, 1, 3)  # [tile, j, g, i]
+            q[:, :, :, 1, v] |= (bits_v & ((1 << e) - 1)) << 4  # input 16 + 4 v + i
+            q[:, :, :, 0, v] |= ((bits_v >> 4) & ((1 << e) - 1)) << 4  # input 4 v + i
+        scale, offset = scales.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE, -1)
+        return q.view(tiles * TILE, -1).float(), scale, offset
     if packed.dtype == torch.uint8:
         low, high = (packed & 15).view(tiles, groups, 4, TILE, 4), (packed >> 4).view(tiles, groups, 4, TILE, 4)
         q = torch.stack([low, high], 2).permute(0, 4, 1, 2, 3, 5)  # [tile, j, g, half, v, i]

@@ -126,7 +126,7 @@ def _stack_table(model) -> torch.Tensor | None:
                 break
             rows.append([t.data_ptr() for m in linears for t in (m.packed, m.scales)]
                         + [0 if n is None else n.weight.data_ptr() for n in norms]
-                        + [4 if m.packed.dtype == torch.uint8 else 8 for m in linears]
+                        + [cpu_q4.bits(m.packed) for m in linears]
                         + [0 if p is None else p.data_ptr() for p in perms])
         else:
             _TABLES[model] = torch.tensor(rows, dtype=torch.int64)

@@ -80,16 +80,14 @@ class BlockLinear(nn.Module):
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        group = cpu_q4.WEIGHT_GROUP[4 if packed.dtype == torch.uint8 else 8]
-        self.out_features, self.in_features = packed.shape[0] * cpu_q4.TILE, packed.shape[1] * group
-        self.register_buffer("packed", packed)  # [N/16, K/g, 256]  uint8 (4-bit, g = 32) or int8 (8-bit, g = 16)
-        self.register_buffer("scales", scales)  # float16 [N/16, K/g, 2, 16]
+        self.out_features, self.in_features = packed.shape[0] * cpu_q4.TILE, cpu_q4.in_features(packed)
+        self.register_buffer("packed", packed)  # uint8 [N/16, K/32, 256 | 320 | 384] (4 / 5 / 6-bit); int8 (8-bit)
+        self.register_buffer("scales", scales)  # float16 [N/16, K/g, 2, 16]  (g: 32 for 4-bit, else 16)
         self.register_buffer("bias", bias)
 
     @property
     def gemm_kernel(self) -> str:
-        bits = 4 if self.packed.dtype == torch.uint8 else 8
-        return f"fastspec CPU block kernel, {bits}-bit weights, int16 activations"
+        return f"fastspec CPU block kernel, {cpu_q4.bits(self.packed)}-bit weights, int16 activations"
 
     @classmethod
     def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None) -> BlockLinear:
@@ -97,10 +95,12 @@ class BlockLinear(nn.Module):
 
     @staticmethod
     def pack(blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        """4-bit blocks of 32 as they are; 8-bit ones (or others) as 8-bit values with a scale per 16."""
-        if blocks.bits != 4 or blocks.group != 32:
-            blocks = as_8bit_16(blocks)
-        return cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, blocks.bits)
+        """4-bit blocks of 32 as they are; others as values with a scale per 16, in the fewest bits (5, 6 or 8) they
+        fit exactly (cpu_q4.narrow: Q5 types, Q6_K, Q2_K / Q3_K and mixes with Q4_K take 5 or 6)."""
+        if blocks.bits == 4 and blocks.group == 32:
+            return cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, 4)
+        wide = as_8bit_16(blocks)
+        return cpu_q4.pack(*cpu_q4.narrow(wide.q, wide.scale, wide.offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features).float()
