@@ -115,7 +115,7 @@ def decoder_stack(layers: torch.Tensor,           # int64 [L, 18]  each layer's 
                   cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,  # as rope_write takes them
                   plan: TorchAttnPlan, scale: float,
                   capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """A layer stack on 4- / 8-bit weights (cpu_q4) in one C call: (the last layer's output, {layer id: the residual
+    """A layer stack on 4- to 8-bit weights (cpu_q4) in one C call: (the last layer's output, {layer id: the residual
     stream entering it} for the `capture` ids in 1..L-1). Its twin is the Python loop of
     fastspec.models.fused_cpu.fused_layers over the same kernels; only called where the library is built."""
     lib = cpu_library.library()

@@ -1,4 +1,5 @@
-/* fastspec's 4- and 8-bit CPU GEMMs with int16 activations (the 8-bit one further down, before the driver).
+/* fastspec's 4-, 5-, 6- and 8-bit CPU GEMMs with int16 activations (the 8-bit and the 5- / 6-bit ones further down,
+ * before the driver).
  * The 4-bit one: y = x @ w.T for a weight stored as 4-bit values with a scale and an offset per group of 32
  * (w = q * scale + offset: GGUF's Q4_0 / Q4_1 / Q4_K read as blocks), x rounded to int16 per group of 32 on the fly
  * (x ~= x16 * max |x| / 32767: within 2^-16 of the group's largest value, finer than bfloat16 for all but its

@@ -16,7 +16,8 @@ Each row is stored in super-blocks of 256 values, with a scale (and a min) per s
   IQ4_XS 136 bytes: f16 d, 2 + 4 bytes of 6-bit scales, 128 bytes of nibbles indexing IQ4_VALUES
                                                    w = d * (sc[j] - 32) * IQ4_VALUES[q],         j per 32 values
 Each is Blocks' w = q * scale + offset with scale = d * sc[j] and offset = -dmin * m[j] (or 0): Q4_K as 4-bit
-Blocks, the others as 8-bit ones (int8 values), which fastspec's 8-bit kernel takes; torch's int4 kernel does not.
+Blocks, the others as 8-bit ones (int8 values), which fastspec's kernels take in 5, 6 or 8 bits (cpu_q4.narrow);
+torch's int4 kernel does not.
 The float32 arithmetic is the gguf package's, so every `dequantise()` equals gguf.quants.dequantize bit for bit.
 Q8_K (f32 d per 256 values, int8 values) is ggml's activation format for K-quant dot products, not a stored weight.
 """

@@ -3,7 +3,7 @@ float copy of a packed weight is ever read.
 
 Each fused projection (QKV, o, gate_up, down) becomes a packed linear over the file's blocks: fastspec's own kernels
 (BlockLinear, int16 activations) take every block format (Q4_0 / Q4_1 / Q4_K as 4-bit; Q5, Q8_0, the other K-quants,
-IQ4 and mixes of widths as 8-bit), torch's int4 kernel (Int4Linear, bfloat16 / float32 activations) only all-4-bit
+IQ4 and mixes of widths in 5, 6 or 8 bits), torch's int4 kernel (Int4Linear, bfloat16 / float32 activations) only all-4-bit
 ones; an embedding of a block format stays as its blocks (BlockEmbedding, exact); the lm_head is a fast approximate
 GEMM whose best tokens are rescored exactly from the same table (RefinedHead); every other weight (an F16 or codebook
 projection, or one torch's kernel cannot take) is read dequantised and kept in the fast float dtype (CastLinear), with

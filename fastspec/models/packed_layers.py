@@ -1,5 +1,5 @@
 """The modules a model kept on its quantised blocks runs: Int4Linear (torch's int4 CPU matmul), BlockLinear
-(fastspec's int16 x 4- / 8-bit CPU kernels), BlockEmbedding (rows dequantised on lookup), RefinedHead (an lm_head
+(fastspec's int16 x 4- to 8-bit CPU kernels), BlockEmbedding (rows dequantised on lookup), RefinedHead (an lm_head
 whose best tokens are rescored exactly), CastLinear (a float weight kept in the fast float dtype), and the
 per-machine choice of the 4-bit kernel's activations (`fast_activation`). Math only: which weight becomes which
 module is gguf_packed's.
@@ -71,7 +71,7 @@ class Int4Linear(nn.Module):
 
 
 class BlockLinear(nn.Module):
-    """y = x @ w.T for a 4- or 8-bit weight kept as its blocks (a scale and an offset per 32 or 16 values) in
+    """y = x @ w.T for a 4-, 5-, 6- or 8-bit weight kept as its blocks (a scale and an offset per 32 or 16 values) in
     fastspec's own layout, run by the C kernels of fastspec.kernels.cpu_q4: x is rounded to int16 per group of 32
     inside them, scales and offsets are kept as float16. The fast path where it beats torch's kernel (fast_activation
     measures both); never the exact reference."""
@@ -121,7 +121,7 @@ def int4_linear(blocks: Blocks, activation: torch.dtype, bias: torch.Tensor | No
 
 @torch.library.custom_op("fastspec::block_matmul", mutates_args=())
 def block_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """fastspec's int16 x 4- / 8-bit CPU matmul as an opaque op for torch.compile: x [M, K] float32 -> [M, N]."""
+    """fastspec's int16 x 4- to 8-bit CPU matmul as an opaque op for torch.compile: x [M, K] float32 -> [M, N]."""
     return cpu_q4.matmul(x, packed, scales)
 
 
