@@ -137,11 +137,13 @@ def test_the_kernel_is_its_twin(rows, bits):
 
 
 def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
-    """cpu_q4.c alone, built for `march` (an instruction-set level below this CPU's own)."""
-    source, library = cpu_library.SOURCES[1], tmp_path / f"q4-{march}.so"
-    subprocess.run(["cc", "-O3", f"-march={march}", "-ffast-math", "-fPIC", "-c", str(source), "-o", f"{library}.o"],
-                   check=True, capture_output=True)
-    subprocess.run(["cc", "-shared", f"{library}.o", "-o", str(library), "-lm"], check=True, capture_output=True)
+    """cpu_q4.c and cpu_q8.c alone, built for `march` (an instruction-set level below this CPU's own)."""
+    library = tmp_path / f"q4-{march}.so"
+    objects = [f"{library}.{i}.o" for i in range(2)]
+    for source, obj in zip(cpu_library.SOURCES[1:], objects):
+        subprocess.run(["cc", "-O3", f"-march={march}", "-ffast-math", "-fPIC", "-c", str(source), "-o", obj],
+                       check=True, capture_output=True)
+    subprocess.run(["cc", "-shared", *objects, "-o", str(library), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(library))
     for name in ("q4_gemm", "q8_gemm", "qp_gemm"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = cpu_library.SIGNATURES[name]

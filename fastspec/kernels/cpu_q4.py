@@ -1,10 +1,10 @@
-"""The 4-, 5-, 6- and 8-bit CPU GEMMs on int16 activations (cpu_q4.c): y = x @ w.T for w = q * scale + offset per
-group (32 values of a 4-bit weight, 16 of the others), x rounded to int16 per group of 32 (scale max |x| / 32767);
-exact integer dot products, one float multiply-add per group. Not exact, but closer to it than bfloat16 activations
-(an int8 rounding, llama.cpp's Q8 scheme, moved the embedded model's greedy choice at ~6 % of positions), and
-measured against torch's int4 kernel by packed_layers.fast_activation. `pack` lays a weight out for them (`narrow`
-picks the fewest bits an 8-bit weight fits), `matmul` runs them (the torch twin where the C library is not built,
-and for the tests). Knows nothing about models.
+"""The 4-, 5-, 6- and 8-bit CPU GEMMs on int16 activations (cpu_q4.c, cpu_q8.c): y = x @ w.T for
+w = q * scale + offset per group (32 values of a 4-bit weight, 16 of the others), x rounded to int16 per group of 32
+(scale max |x| / 32767); exact integer dot products, one float multiply-add per group. Not exact, but closer to it
+than bfloat16 activations (an int8 rounding, llama.cpp's Q8 scheme, moved the embedded model's greedy choice at ~6 %
+of positions), and measured against torch's int4 kernel by packed_layers.fast_activation. `pack` lays a weight out
+for them (`narrow` picks the fewest bits an 8-bit weight fits), `matmul` runs them (the torch twin where the C
+library is not built, and for the tests). Knows nothing about models.
 """
 
 from __future__ import annotations
