@@ -208,6 +208,36 @@ def test_a_k_quant_gguf_converts_to_the_oracles_weights(tmp_path, types, kinds):
     assert torch.isfinite(logits).all()
 
 
+def packed_and_reference(model_dir, activation: torch.dtype):
+    """(the converted GGUF at `model_dir` packed with `activation`, the converted model in float32, fused)."""
+    from fastspec.models.causal_lm import CausalLM as Target
+    from fastspec.models.gguf_packed import load_packed_target
+    from fastspec.models.layers import fuse_projections
+    from fastspec.models.loader import load_target, read_config
+
+    reference = fuse_projections(load_target(model_dir, torch.float32))
+    with torch.device("meta"):
+        skeleton = Target(read_config(model_dir))
+    return load_packed_target(skeleton, model_dir, torch.float32, activation=activation), reference
+
+
+def assert_close_to_reference(model, reference, activation: torch.dtype):
+    """float32 activations: the reference's logits to float32 rounding over 40 random tokens; the fast kernels: its
+    greedy tokens, teacher-forced, at 90 % of positions or more."""
+    from fastspec.train.data import PackedCausalAttention
+
+    x = torch.randint(0, len(TOKENS), (40,), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for m in (model, reference):
+        with torch.inference_mode():
+            hidden = m(x, torch.arange(len(x)), PackedCausalAttention(torch.zeros(len(x), dtype=torch.long))).final
+            logits.append(m.compute_logits(hidden))
+    if activation == torch.float32:
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+    else:
+        assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
+
+
 @pytest.mark.parametrize("activation", [torch.float32, torch.bfloat16, pytest.param(
     torch.int16, marks=pytest.mark.skipif(not cpu_library.available(), reason="no C compiler"))])
 def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
@@ -217,18 +247,10 @@ def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
     head rescores from the Q6_K table's blocks. float32 activations give the converted model's logits to float32
     rounding; bfloat16 or int16 ones (the fast kernels) its greedy tokens, teacher-forced, nearly always (the
     lm_head's best tokens rescored exactly)."""
-    from fastspec.models.causal_lm import CausalLM as Target
-    from fastspec.models.gguf_packed import load_packed_target
-    from fastspec.models.layers import fuse_projections
-    from fastspec.models.loader import load_target, read_config
     from fastspec.models.packed_layers import BlockEmbedding, CastLinear, RefinedHead
-    from fastspec.train.data import PackedCausalAttention
 
     model_dir = convert_gguf(write_k_quant_gguf(tmp_path / "tiny-q4_k_m.gguf"), tmp_path / "hf")
-    reference = fuse_projections(load_target(model_dir, torch.float32))
-    with torch.device("meta"):
-        skeleton = Target(read_config(model_dir))
-    model = load_packed_target(skeleton, model_dir, torch.float32, activation=activation)
+    model, reference = packed_and_reference(model_dir, activation)
     layers = model.model.layers
     mixed = (layers[0].self_attn.qkv_proj, layers[0].mlp.down_proj)  # a Q6_K part beside Q4_K ones, or Q6_K alone
     if activation == torch.int16:
@@ -242,16 +264,7 @@ def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
     assert all(isinstance(m, Int4Linear | BlockLinear) for m in packed)
     assert isinstance(model.model.embed_tokens, BlockEmbedding)
     assert isinstance(model.lm_head, CastLinear if activation == torch.float32 else RefinedHead)
-    x = torch.randint(0, len(TOKENS), (40,), generator=torch.Generator().manual_seed(0))
-    logits = []
-    for m in (model, reference):
-        with torch.inference_mode():
-            hidden = m(x, torch.arange(len(x)), PackedCausalAttention(torch.zeros(len(x), dtype=torch.long))).final
-            logits.append(m.compute_logits(hidden))
-    if activation == torch.float32:
-        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
-    else:
-        assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
+    assert_close_to_reference(model, reference, activation)
 
 
 @pytest.mark.parametrize("activation", [torch.float32, torch.bfloat16, pytest.param(
@@ -262,18 +275,10 @@ def test_every_other_type_runs_on_its_blocks(tmp_path, caplog, activation):
     embedding and the head's rescoring table stay blocks, and nothing is dequantised; torch's int4 kernel takes none of
     them (one note naming the types). float32 activations give the converted model's logits to float32 rounding;
     int16 / bfloat16 ones its greedy tokens, teacher-forced, nearly always."""
-    from fastspec.models.causal_lm import CausalLM as Target
-    from fastspec.models.gguf_packed import load_packed_target
-    from fastspec.models.layers import fuse_projections
-    from fastspec.models.loader import load_target, read_config
     from fastspec.models.packed_layers import BlockEmbedding, CastLinear
-    from fastspec.train.data import PackedCausalAttention
 
     model_dir = convert_gguf(write_k_quant_gguf(tmp_path / "tiny.gguf", types=every_type), tmp_path / "hf")
-    reference = fuse_projections(load_target(model_dir, torch.float32))
-    with torch.device("meta"):
-        skeleton = Target(read_config(model_dir))
-    model = load_packed_target(skeleton, model_dir, torch.float32, activation=activation)
+    model, reference = packed_and_reference(model_dir, activation)
     projections = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     assert isinstance(model.model.embed_tokens, BlockEmbedding)
@@ -285,16 +290,7 @@ def test_every_other_type_runs_on_its_blocks(tmp_path, caplog, activation):
     else:
         assert all(isinstance(m, CastLinear) for m in projections)
         assert "IQ4_NL / IQ4_XS / Q2_K / Q3_K / Q5_0 / Q5_1 / Q5_K / Q6_K tensors have no packed kernel" in caplog.text
-    x = torch.randint(0, len(TOKENS), (40,), generator=torch.Generator().manual_seed(0))
-    logits = []
-    for m in (model, reference):
-        with torch.inference_mode():
-            hidden = m(x, torch.arange(len(x)), PackedCausalAttention(torch.zeros(len(x), dtype=torch.long))).final
-            logits.append(m.compute_logits(hidden))
-    if activation == torch.float32:
-        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
-    else:
-        assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
+    assert_close_to_reference(model, reference, activation)
 
 
 @pytest.mark.skipif(not cpu_library.available(), reason="no C compiler")
