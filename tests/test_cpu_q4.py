@@ -145,7 +145,7 @@ def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
                        check=True, capture_output=True)
     subprocess.run(["cc", "-shared", *objects, "-o", str(library), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(library))
-    for name in ("q4_gemm", "q8_gemm", "qp_gemm"):
+    for name in ("q4_gemm", "ql_gemm", "q8_gemm", "qp_gemm"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = cpu_library.SIGNATURES[name]
     return lib
 
@@ -165,6 +165,40 @@ def test_each_instruction_set_path_is_the_twin(tmp_path, march, bits):
         y = torch.empty(rows, 48)
         assert gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr(), *extra) == 0
         torch.testing.assert_close(y, cpu_q4.matmul_twin(x, packed, scales), atol=1e-4, rtol=1e-5)
+
+
+def iq4_weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(packed, scales, levels) of random IQ4_NL rows as BlockLinear packs them: 4-bit indices into 16 levels."""
+    blocks = read_blocks(random_rows("IQ4_NL", n, k, np.random.default_rng(seed)), "IQ4_NL")
+    packed = BlockLinear.pack(blocks)
+    assert len(packed) == 3 and cpu_q4.bits(packed[0]) == 4
+    return packed
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_indexed_levels_are_the_weight_and_the_kernel_is_its_twin(rows):
+    """IQ4_NL's 16 int8 levels, indexed by nibbles: unpacked, the weight itself; the kernel (where built) its twin."""
+    packed = iq4_weight(48, 256, seed=rows)
+    blocks = read_blocks(random_rows("IQ4_NL", 48, 256, np.random.default_rng(rows)), "IQ4_NL")
+    q, scale, offset = cpu_q4.unpack(*packed)
+    assert torch.equal(q, blocks.q.float()) and not offset.any()
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    torch.testing.assert_close(cpu_q4.matmul(x, *packed), cpu_q4.matmul_twin(x, *packed), atol=1e-4, rtol=1e-5)
+
+
+@needs_library
+@pytest.mark.skipif(platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text(),
+                    reason="an x86-64 CPU with AVX2 runs both lower paths")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_each_instruction_set_path_indexes_levels_as_the_twin(tmp_path, march):
+    lib = build_path(tmp_path, march)
+    packed, scales, levels = iq4_weight(48, 96, seed=4)
+    for rows in (1, 5, 11):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        y = torch.empty(rows, 48)
+        assert lib.ql_gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr(),
+                           levels.data_ptr()) == 0
+        torch.testing.assert_close(y, cpu_q4.matmul_twin(x, packed, scales, levels), atol=1e-4, rtol=1e-5)
 
 
 def test_pack_refuses_what_the_kernel_cannot_take():

@@ -271,7 +271,7 @@ def test_a_q4_k_m_model_runs_on_its_blocks(tmp_path, caplog, activation):
     torch.int16, marks=pytest.mark.skipif(not cpu_library.available(), reason="no C compiler"))])
 def test_every_other_type_runs_on_its_blocks(tmp_path, caplog, activation):
     """--quantization gguf on a file of Q2_K, Q3_K, Q5_0, Q5_1, Q5_K, Q6_K, IQ4_NL and IQ4_XS matrices: with
-    fastspec's kernels (int16) every projection runs packed in 5, 6 or 8 bits (exact: each value fits), the
+    fastspec's kernels (int16) every projection runs packed in 4 (IQ4's levels indexed), 5 or 6 bits (exact), the
     embedding and the head's rescoring table stay blocks, and nothing is dequantised; torch's int4 kernel takes none of
     them (one note naming the types). float32 activations give the converted model's logits to float32 rounding;
     int16 / bfloat16 ones its greedy tokens, teacher-forced, nearly always."""
@@ -282,10 +282,14 @@ def test_every_other_type_runs_on_its_blocks(tmp_path, caplog, activation):
     projections = [m for layer in model.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     assert isinstance(model.model.embed_tokens, BlockEmbedding)
-    if activation == torch.int16:  # each in the fewest bits its values take (cpu_q4.narrow)
+    if activation == torch.int16:  # each in the fewest bits its values take (IQ4: 4-bit indices into 16 levels)
         widths = [cpu_q4.bits(m.packed) if isinstance(m, BlockLinear) else None for m in projections]
-        assert widths == [5, 8, 5, 8,   # layer 0: Q2_K / Q3_K / Q5_K, IQ4_XS, Q5_0 / Q5_1, IQ4_NL
+        assert widths == [5, 4, 5, 4,   # layer 0: Q2_K / Q3_K / Q5_K, IQ4_XS, Q5_0 / Q5_1, IQ4_NL
                           6, 5, 5, 6]   # layer 1: Q5_K / Q6_K, Q5_K, Q5_K, Q6_K
+        assert [m.levels is not None for m in projections] == [False, True, False, True] + [False] * 4
+        again = packed_and_reference(model_dir, activation)[0].model.layers[0]  # its packed form read from the cache
+        assert torch.equal(again.mlp.down_proj.levels, projections[3].levels)
+        assert torch.equal(again.mlp.down_proj.packed, projections[3].packed)
         assert model.lm_head.table.q.dtype == torch.int8 and "no packed kernel" not in caplog.text
     else:
         assert all(isinstance(m, CastLinear) for m in projections)

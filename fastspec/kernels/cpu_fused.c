@@ -201,6 +201,8 @@ void top_k(const float *x, int64_t M, int64_t V, int64_t stride, int64_t k, int6
 }
 
 int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y);
+int ql_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
+            const int8_t *levels);
 int q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const uint16_t *sm, int64_t N, float *y);
 int qp_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
             int64_t bits);
@@ -216,6 +218,8 @@ static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int6
             for (int64_t c = 0; c < K; c++) scratch[m * K + c] = x[m * K + perm[c]];
         x = scratch;
     }
+    const int8_t *levels = (const int8_t *)row[18 + j];
+    if (row[10 + j] == 4 && levels) return ql_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y, levels);
     if (row[10 + j] == 4) return q4_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y);
     if (row[10 + j] == 8) return q8_gemm(x, M, K, (const int8_t *)row[2 * j], scales, N, y);
     return qp_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y, row[10 + j]);
@@ -224,9 +228,10 @@ static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int6
 /* A Llama-family layer stack on 4- / 8-bit weights (cpu_q4.c) in one call: per layer the four GEMMs and the four
  * kernels above, in the order fastspec.models.fused_cpu.fused_layers runs them (its Python loop is this function's
  * twin, bit for bit). All float32.
- * layers int64 [L, 18]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
+ * layers int64 [L, 22]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
  * norm's weight and the next layer's input norm's weight (0 after the last layer), the four linears' bit widths (4,
- * 5, 6 or 8: which of cpu_q4.c's kernels runs each), then the addresses of their input orders (int64 [K], 0: in order); k, v: the KV pool's [L, num_slots, Hkv, D] caches
+ * 5, 6 or 8: which of cpu_q4.c's kernels runs each), the addresses of their input orders (int64 [K], 0: in order),
+ * then of their 4-bit levels (int8 [16], 0: none); k, v: the KV pool's [L, num_slots, Hkv, D] caches
  * (layer i's at i * layer_stride floats). x [T, H]: the residual stream entering layer 0, replaced by the last
  * layer's output; h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured`
  * [n, T, H] receiving the stream entering it, or -1. The rest as rope_write and attend take them.
@@ -246,7 +251,7 @@ int decoder_stack(int64_t L, const int64_t *layers, float *k, float *v, int64_t 
     int status = (h && qkv && q && o && gate_up && act && y && scratch) ? 0 : -1;
     if (status == 0) memcpy(h, h0, T * H * sizeof(float));
     for (int64_t i = 0; i < L && status == 0; i++) {
-        const int64_t *w = layers + 18 * i;
+        const int64_t *w = layers + 22 * i;
         float *k_cache = k + i * layer_stride, *v_cache = v + i * layer_stride;
         status |= layer_gemm(w, 0, h, T, H, width, qkv, scratch);
         rope_write(qkv, 0, T, Hq, Hkv, D, cos, sin, slots, k_cache, v_cache, q);

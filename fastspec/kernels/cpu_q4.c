@@ -13,6 +13,8 @@
  * (4v+1, 4v+3) (16 + those for the high nibbles), so one multiply-add of 16-bit pairs (VNNI vpdpwssd, AVX2 vpmaddwd)
  * takes two inputs of 16 rows at once and a tile's sums never need a horizontal add; the activations are rounded
  * into that pair order. Scales and offsets: float16 [N/16, K/32, 2, 16].
+ * With `levels` (16 int8 values: IQ4_NL / IQ4_XS's) each nibble is the index of a level, looked up with a byte
+ * shuffle and sign-extended before the same products.
  * Paths: AVX-512 VNNI, AVX2, portable C; -march=native picks one at build time. */
 #include "cpu_q4.h"
 
@@ -43,17 +45,29 @@ static void round_rows(const float *x, int64_t M, int64_t K, int16_t *x16, float
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 /* One tile (16 output rows) against `mb` activation rows; y rows are `ldy` apart. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *w, const uint16_t *sm, int64_t G,
-                                                       const int16_t *x16, const float *xs, const float *xsum,
-                                                       int64_t K, float *y, int64_t ldy, const int mb) {
+                                                       const int8_t *levels, const int16_t *x16, const float *xs,
+                                                       const float *xsum, int64_t K, float *y, int64_t ldy,
+                                                       const int mb) {
     __m512 acc[Q4_ROWS];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     const __m512i nibble = _mm512_set1_epi8(15), word = _mm512_set1_epi16(255);
+    const __m512i table = levels ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels))
+                                 : _mm512_setzero_si512();
     for (int64_t g = 0; g < G; g++) {
         prefetch_group(w, sm, g + Q4_AHEAD);
         __m512i q[16]; /* q[2u], q[2u + 1]: the pairs of nibble vector u (u < 4 low nibbles, u >= 4 high ones) */
         for (int v = 0; v < 4; v++) {
             __m512i b = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * v));
             __m512i lo = _mm512_and_si512(b, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+            if (levels) { /* each nibble is the index of an int8 level: looked up, then sign-extended */
+                lo = _mm512_shuffle_epi8(table, lo);
+                hi = _mm512_shuffle_epi8(table, hi);
+                q[2 * v] = _mm512_srai_epi16(_mm512_slli_epi16(lo, 8), 8);
+                q[2 * v + 1] = _mm512_srai_epi16(lo, 8);
+                q[8 + 2 * v] = _mm512_srai_epi16(_mm512_slli_epi16(hi, 8), 8);
+                q[8 + 2 * v + 1] = _mm512_srai_epi16(hi, 8);
+                continue;
+            }
             q[2 * v] = _mm512_and_si512(lo, word);
             q[2 * v + 1] = _mm512_srli_epi16(lo, 8);
             q[8 + 2 * v] = _mm512_and_si512(hi, word);
@@ -71,11 +85,14 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
 }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void tile(const uint8_t *w, const uint16_t *sm, int64_t G,
-                                                       const int16_t *x16, const float *xs, const float *xsum,
-                                                       int64_t K, float *y, int64_t ldy, const int mb) {
+                                                       const int8_t *levels, const int16_t *x16, const float *xs,
+                                                       const float *xsum, int64_t K, float *y, int64_t ldy,
+                                                       const int mb) {
     __m256 acc[Q4_ROWS][2];
     for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(15), word = _mm256_set1_epi16(255);
+    const __m256i table = levels ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)levels))
+                                 : _mm256_setzero_si256();
     for (int64_t g = 0; g < G; g++) {
         prefetch_group(w, sm, g + Q4_AHEAD);
         for (int h = 0; h < 2; h++) {
@@ -83,6 +100,15 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
             for (int v = 0; v < 4; v++) {
                 __m256i b = _mm256_loadu_si256((const __m256i *)(w + g * 256 + 64 * v + 32 * h));
                 __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+                if (levels) {
+                    lo = _mm256_shuffle_epi8(table, lo);
+                    hi = _mm256_shuffle_epi8(table, hi);
+                    q[2 * v] = _mm256_srai_epi16(_mm256_slli_epi16(lo, 8), 8);
+                    q[2 * v + 1] = _mm256_srai_epi16(lo, 8);
+                    q[8 + 2 * v] = _mm256_srai_epi16(_mm256_slli_epi16(hi, 8), 8);
+                    q[8 + 2 * v + 1] = _mm256_srai_epi16(hi, 8);
+                    continue;
+                }
                 q[2 * v] = _mm256_and_si256(lo, word);
                 q[2 * v + 1] = _mm256_srli_epi16(lo, 8);
                 q[8 + 2 * v] = _mm256_and_si256(hi, word);
@@ -103,8 +129,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
     }
 }
 #else
-static inline void tile(const uint8_t *w, const uint16_t *sm, int64_t G, const int16_t *x16, const float *xs,
-                        const float *xsum, int64_t K, float *y, int64_t ldy, const int mb) {
+static inline void tile(const uint8_t *w, const uint16_t *sm, int64_t G, const int8_t *levels, const int16_t *x16,
+                        const float *xs, const float *xsum, int64_t K, float *y, int64_t ldy, const int mb) {
     for (int m = 0; m < mb; m++) {
         float acc[Q4_TILE] = {0};
         for (int64_t g = 0; g < G; g++) {
@@ -116,7 +142,8 @@ static inline void tile(const uint8_t *w, const uint16_t *sm, int64_t G, const i
                 for (int p = 0; p < Q4_GROUP; p++) {
                     int k = PAIR_ORDER[p], v = (k % 16) / 4, i = k % 4;
                     uint8_t b = w[g * 256 + 64 * v + 4 * j + i];
-                    s += (k < 16 ? b & 15 : b >> 4) * a[p];
+                    int nib = k < 16 ? b & 15 : b >> 4;
+                    s += (levels ? levels[nib] : nib) * a[p];
                 }
                 acc[j] += (float)s * (half_to_float(sm[g * 32 + j]) * xs[r]) +
                           half_to_float(sm[g * 32 + 16 + j]) * xsum[r];
@@ -135,7 +162,7 @@ static __thread size_t scratch_size;
  * K/16, 256], scales [N/16, K/16, 2, 16]). N % 16 == 0,
  * K % 32 == 0. Returns 0, or -1 when scratch memory cannot be had. */
 static int gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
-                int bits) {
+                int bits, const int8_t *levels) {
     int64_t G = K / Q4_GROUP;
     size_t need = (size_t)(M * K) * sizeof(int16_t) + 4 * sizeof(float) * (size_t)(M * G); /* K % 32: aligned */
     if (need > scratch_size) {
@@ -161,7 +188,8 @@ static int gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const ui
             int mb = M - m0 < Q4_ROWS ? (int)(M - m0) : Q4_ROWS;
             if (bits == 4) {
                 const float *u = xsum + m0 * G;
-#define TILE4(rows) tile(wt, st, G, a, s, u, K, yt, N, rows)
+#define TILE4(rows) (levels ? tile(wt, st, G, levels, a, s, u, K, yt, N, rows)                                     \
+                            : tile(wt, st, G, NULL, a, s, u, K, yt, N, rows))
                 RUN_ROWS(TILE4)
             } else if (bits != 8) {
                 wide_tiles(wt, st, G, bits - 4, a, s, xsum16 + m0 * 2 * G, K, yt, N, mb);
@@ -174,15 +202,21 @@ static int gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const ui
 }
 
 int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y) {
-    return gemm(x, M, K, w, sm, N, y, 4);
+    return gemm(x, M, K, w, sm, N, y, 4, NULL);
+}
+
+/* 4-bit indices into 16 int8 `levels` (IQ4_NL / IQ4_XS's), the 4-bit layout and scales */
+int ql_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
+            const int8_t *levels) {
+    return gemm(x, M, K, w, sm, N, y, 4, levels);
 }
 
 int q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const uint16_t *sm, int64_t N, float *y) {
-    return gemm(x, M, K, (const uint8_t *)w, sm, N, y, 8);
+    return gemm(x, M, K, (const uint8_t *)w, sm, N, y, 8, NULL);
 }
 
 /* bits 5 or 6: cpu_q8.c's wide kernel */
 int qp_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
             int64_t bits) {
-    return gemm(x, M, K, w, sm, N, y, (int)bits);
+    return gemm(x, M, K, w, sm, N, y, (int)bits, NULL);
 }

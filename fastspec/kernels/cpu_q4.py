@@ -28,6 +28,15 @@ def in_features(packed: torch.Tensor) -> int:
     return packed.shape[1] * (16 if packed.dtype == torch.int8 else GROUP)
 
 
+def as_levels(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # int8 [N, K]
+    """A weight whose int8 values take at most 16 distinct levels (IQ4_NL / IQ4_XS's) as (uint8 indices [N, K], the
+    levels int8 [16], padded with the last): `pack`'s 4-bit layout with `levels`; else None."""
+    levels = torch.unique(q)
+    if len(levels) > 16:
+        return None
+    return torch.searchsorted(levels, q).to(torch.uint8), torch.cat([levels, levels[-1:].expand(16 - len(levels))])
+
+
 def narrow(q: torch.Tensor,       # int8 [N, K]
            scale: torch.Tensor,   # float32 [N, K/16]
            offset: torch.Tensor,  # float32 [N, K/16]
@@ -95,24 +104,32 @@ def _pack_wide(q: torch.Tensor, width: int) -> torch.Tensor:  # uint8 [N, K] -> 
 
 
 def matmul(x: torch.Tensor,       # float32 [M, K]
-           packed: torch.Tensor,  # [N/16, K/g, 256]  uint8: 4-bit, int8: 8-bit
+           packed: torch.Tensor,  # `pack`'s layout of any width
            scales: torch.Tensor,  # float16 [N/16, K/g, 2, 16]
+           levels: torch.Tensor | None = None,  # int8 [16]: a 4-bit weight's nibbles index these (as_levels)
            ) -> torch.Tensor:     # float32 [M, N]
     lib = cpu_library.library()
     if lib is None:
-        return matmul_twin(x, packed, scales)
+        return matmul_twin(x, packed, scales, levels)
     x = x.contiguous()
     y = x.new_empty(x.shape[0], packed.shape[0] * TILE)
     width = bits(packed)
     kernel, extra = {4: (lib.q4_gemm, ()), 8: (lib.q8_gemm, ())}.get(width, (lib.qp_gemm, (width,)))
+    if levels is not None:
+        kernel, extra = lib.ql_gemm, (levels.data_ptr(),)
     if cpu_library.call(kernel, x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(),
                         y.shape[1], y.data_ptr(), *extra):
         raise MemoryError(f"the int16 x {width}-bit kernel's scratch memory")
     return y
 
 
-def unpack(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`pack`'s inverse: (q [N, K] as float32, scale [N, K/g], offset [N, K/g])."""
+def unpack(packed: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack`'s inverse: (q [N, K] as float32 (with `levels`: the levels its nibbles index), scale [N, K/g], offset
+    [N, K/g])."""
+    if levels is not None:
+        q, scale, offset = unpack(packed, scales)
+        return levels.float()[q.long()], scale, offset
     tiles, groups = packed.shape[:2]
     width = bits(packed)
     if width in (5, 6):
@@ -135,11 +152,12 @@ def unpack(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     return q.reshape(tiles * TILE, -1).float(), scale, offset
 
 
-def matmul_twin(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def matmul_twin(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """The kernels' math in torch: x rounded per group of 32 to int16 (round half to even, as lrintf), exact integer
     dot products per weight group (in float64: exact below 2^53), then scale * x_scale * dot + offset * sum(x)."""
     m, k = x.shape
-    q, scale, offset = unpack(packed, scales)  # [N, K], [N, G] each
+    q, scale, offset = unpack(packed, scales, levels)  # [N, K], [N, G] each
     g = k // scale.shape[1]  # weight values per group
     xg = x.float().view(m, k // GROUP, GROUP)
     amax = xg.abs().amax(-1)  # [M, K/32]

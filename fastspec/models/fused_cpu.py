@@ -63,7 +63,7 @@ def _gemm(linear, h: torch.Tensor) -> torch.Tensor:
     if type(linear) is Int4Linear and linear.bias is None and h.dtype == linear.activation:
         return INT4_MM(h, linear.packed, BLOCK, linear.scale_zero)
     if type(linear) is BlockLinear and linear.bias is None and h.dtype == torch.float32:
-        return cpu_q4.matmul(h, linear.packed, linear.scales)
+        return cpu_q4.matmul(h, linear.packed, linear.scales, linear.levels)
     return linear(h)
 
 
@@ -107,11 +107,11 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (it
 
 
 def _stack_table(model) -> torch.Tensor | None:
-    """int64 [L, 18]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four BlockLinears'
-    packed weights and scales, its post-attention norm, the next layer's input norm), its linears' bit widths and
-    their input orders (a PermutedLinear's; 0: none), or None where a layer is not that (another kernel, a bias,
-    norms with different eps, KV not at the layer's own index). Built once per model: a loaded model's tensors do not
-    move."""
+    """int64 [L, 22]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four BlockLinears'
+    packed weights and scales, its post-attention norm, the next layer's input norm), its linears' bit widths, their
+    input orders (a PermutedLinear's; 0: none) and 4-bit levels (0: none), or None where a layer is not that (another
+    kernel, a bias, norms with different eps, KV not at the layer's own index). Built once per model: a loaded model's
+    tensors do not move."""
     if model not in _TABLES:
         layers, rows = model.model.layers, []
         for i, layer in enumerate(layers):
@@ -127,7 +127,8 @@ def _stack_table(model) -> torch.Tensor | None:
             rows.append([t.data_ptr() for m in linears for t in (m.packed, m.scales)]
                         + [0 if n is None else n.weight.data_ptr() for n in norms]
                         + [cpu_q4.bits(m.packed) for m in linears]
-                        + [0 if p is None else p.data_ptr() for p in perms])
+                        + [0 if p is None else p.data_ptr() for p in perms]
+                        + [0 if m.levels is None else m.levels.data_ptr() for m in linears])
         else:
             _TABLES[model] = torch.tensor(rows, dtype=torch.int64)
     return _TABLES[model]

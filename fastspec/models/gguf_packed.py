@@ -2,12 +2,12 @@
 float copy of a packed weight is ever read.
 
 Each fused projection (QKV, o, gate_up, down) becomes a packed linear over the file's blocks: fastspec's own kernels
-(BlockLinear, int16 activations) take every block format (Q4_0 / Q4_1 / Q4_K as 4-bit; Q5, Q8_0, the other K-quants,
-IQ4 and mixes of widths in 5, 6 or 8 bits), torch's int4 kernel (Int4Linear, bfloat16 / float32 activations) only all-4-bit
-ones; an embedding of a block format stays as its blocks (BlockEmbedding, exact); the lm_head is a fast approximate
-GEMM whose best tokens are rescored exactly from the same table (RefinedHead); every other weight (an F16 or codebook
-projection, or one torch's kernel cannot take) is read dequantised and kept in the fast float dtype (CastLinear), with
-one note naming the types. Norms load as converted.
+(BlockLinear, int16 activations) take every block format (Q4_0 / Q4_1 / Q4_K as 4-bit, IQ4 as 4-bit indices into
+its levels; Q5, Q8_0, the other K-quants and mixes of widths in 5, 6 or 8 bits), torch's int4 kernel (Int4Linear,
+bfloat16 / float32 activations) only all-4-bit ones; an embedding of a block format stays as its blocks
+(BlockEmbedding, exact); the lm_head is a fast approximate GEMM whose best tokens are rescored exactly from the same
+table (RefinedHead); every other weight (an F16 or codebook projection, or one torch's kernel cannot take) is read
+dequantised and kept in the fast float dtype (CastLinear), with one note naming the types. Norms load as converted.
 The first packed load also stores the packed weights beside the blocks, per torch version (PackedCache; torch's int4
 layout is its own): later starts read them as they are.
 The converted float32 model is the reference twin: with float32 activations the packed model computes the same
@@ -105,8 +105,10 @@ class PackedCache:
         ours = activation == torch.int16
         keys = [f"{name}.blocks_packed", f"{name}.blocks_scales"] if ours else [f"{name}.packed", f"{name}.scale_zero"]
         if all(k in self.names for k in keys):
+            keys += [f"{name}.blocks_levels"] if f"{name}.blocks_levels" in self.names else []
             tensors = [self.stored.get_tensor(k) for k in keys]
         else:
+            keys += [f"{name}.blocks_levels"] if ours else []  # (a BlockLinear's third tensor, where it has one)
             tensors = (BlockLinear if ours else Int4Linear).pack(blocks())
             self.new.update(zip(keys, tensors))
         return BlockLinear(*tensors) if ours else Int4Linear(*tensors, activation)

@@ -78,36 +78,44 @@ class BlockLinear(nn.Module):
 
     activation = torch.int16  # what x is rounded to (the module itself takes and returns float32, any float dtype)
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = packed.shape[0] * cpu_q4.TILE, cpu_q4.in_features(packed)
         self.register_buffer("packed", packed)  # uint8 [N/16, K/32, 256 | 320 | 384] (4 / 5 / 6-bit); int8 (8-bit)
         self.register_buffer("scales", scales)  # float16 [N/16, K/g, 2, 16]  (g: 32 for 4-bit, else 16)
+        self.register_buffer("levels", levels)  # int8 [16]: the values a 4-bit weight's nibbles index, or None
         self.register_buffer("bias", bias)
 
     @property
     def gemm_kernel(self) -> str:
-        return f"fastspec CPU block kernel, {cpu_q4.bits(self.packed)}-bit weights, int16 activations"
+        indexed = "" if self.levels is None else " indexing 16 levels"
+        return f"fastspec CPU block kernel, {cpu_q4.bits(self.packed)}-bit weights{indexed}, int16 activations"
 
     @classmethod
     def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None) -> BlockLinear:
-        return cls(*cls.pack(blocks), bias)
+        return cls(*cls.pack(blocks), bias=bias)
 
     @staticmethod
-    def pack(blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        """4-bit blocks of 32 as they are; others as values with a scale per 16, in the fewest bits (5, 6 or 8) they
-        fit exactly (cpu_q4.narrow: Q5 types, Q6_K, Q2_K / Q3_K and mixes with Q4_K take 5 or 6)."""
+    def pack(blocks: Blocks) -> tuple[torch.Tensor, ...]:
+        """(packed, scales[, levels]): 4-bit blocks of 32 as they are; 8-bit ones of 32 with at most 16 distinct
+        values (IQ4_NL / IQ4_XS) as 4-bit indices into them (cpu_q4.as_levels); others as values with a scale per 16,
+        in the fewest bits (5, 6 or 8) they fit exactly (cpu_q4.narrow: Q5 types, Q6_K, Q2_K / Q3_K and mixes with
+        Q4_K take 5 or 6)."""
         if blocks.bits == 4 and blocks.group == 32:
             return cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, 4)
+        indexed = cpu_q4.as_levels(blocks.q) if blocks.group == 32 else None
+        if indexed is not None:
+            return *cpu_q4.pack(indexed[0], blocks.scale, blocks.offset, 4), indexed[1]
         wide = as_8bit_16(blocks)
         return cpu_q4.pack(*cpu_q4.narrow(wide.q, wide.scale, wide.offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features).float()
         if torch.compiler.is_compiling():
-            y = block_matmul(flat, self.packed, self.scales)
+            y = block_matmul(flat, self.packed, self.scales, self.levels)
         else:
-            y = cpu_q4.matmul(flat, self.packed, self.scales)
+            y = cpu_q4.matmul(flat, self.packed, self.scales, self.levels)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -120,13 +128,14 @@ def int4_linear(blocks: Blocks, activation: torch.dtype, bias: torch.Tensor | No
 
 
 @torch.library.custom_op("fastspec::block_matmul", mutates_args=())
-def block_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def block_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
+                 levels: torch.Tensor | None = None) -> torch.Tensor:
     """fastspec's int16 x 4- to 8-bit CPU matmul as an opaque op for torch.compile: x [M, K] float32 -> [M, N]."""
-    return cpu_q4.matmul(x, packed, scales)
+    return cpu_q4.matmul(x, packed, scales, levels)
 
 
 @block_matmul.register_fake
-def _(x, packed, scales):
+def _(x, packed, scales, levels=None):
     return x.new_empty(x.shape[0], packed.shape[0] * cpu_q4.TILE)
 
 
