@@ -31,10 +31,15 @@ def in_features(packed: torch.Tensor) -> int:
 def as_levels(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # int8 [N, K]
     """A weight whose int8 values take at most 16 distinct levels (IQ4_NL / IQ4_XS's) as (uint8 indices [N, K], the
     levels int8 [16], padded with the last): `pack`'s 4-bit layout with `levels`; else None."""
-    levels = torch.unique(q)
+    chunks = q.split(1024)  # 1024 rows at a time: the int64 indices of a whole large weight would be 8 bytes a value
+    counts = sum(torch.bincount(rows.flatten().long() + 128, minlength=256) for rows in chunks)
+    levels = (counts.nonzero().flatten() - 128).to(torch.int8)  # sorted
     if len(levels) > 16:
         return None
-    return torch.searchsorted(levels, q).to(torch.uint8), torch.cat([levels, levels[-1:].expand(16 - len(levels))])
+    index = torch.zeros(256, dtype=torch.uint8)
+    index[levels.long() + 128] = torch.arange(len(levels), dtype=torch.uint8)
+    indices = torch.cat([index[rows.long() + 128] for rows in chunks])
+    return indices, torch.cat([levels, levels[-1:].expand(16 - len(levels))])
 
 
 def narrow(q: torch.Tensor,       # int8 [N, K]
