@@ -166,6 +166,25 @@ def test_profile_step_is_the_difference_of_two_runs_per_step(monkeypatch):
         assert p.gemm_kernels == {"target": {"F.linear float32": 2}} | draft
 
 
+def test_profile_step_takes_each_lengths_fastest_run(monkeypatch):
+    """A stall in one short run (a busy machine) would make the difference negative: each length's fastest of its
+    three runs is used."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import torch
+
+    from fastspec.benchmark import profile
+
+    walls = iter([2.0, 1.1, 0.3, 1.2, 0.35, 1.15])  # short, long, short, long, ...: the first short run stalled
+    monkeypatch.setattr(profile, "_generate", lambda *args: None)
+    monkeypatch.setattr(profile, "_recorded", lambda llm, prompt, bs, tokens: (next(walls), 0.1, Counter(), 10, 0))
+    worker = SimpleNamespace(model=torch.nn.Linear(2, 2), draft_model=None)
+    engine = SimpleNamespace(spec=SimpleNamespace(enabled=False), config=SimpleNamespace(device="cpu"), worker=worker)
+    p = profile.profile_step(SimpleNamespace(engine=engine), [1, 2, 3], bs=1, steps=16)
+    assert p.ms_per_step == pytest.approx((1.1 - 0.3) / 16 * 1e3, abs=1e-3)
+
+
 def test_bench_profile_refuses_a_url():
     result = CliRunner().invoke(app, ["bench", "--profile", "--url", "http://127.0.0.1:9"])
     assert result.exit_code != 0 and "--profile" in result.stderr and "Traceback" not in result.output

@@ -55,15 +55,18 @@ class StepProfile:
         return asdict(self)
 
 
-def profile_step(llm, prompt: list[int], bs: int, steps: int = 16) -> StepProfile:
-    """A plain decode step (an LLM without speculation) or a speculative round at batch size `bs`, from two profiled
-    generations `steps` tokens apart (after a warm-up that prepares every graph they use)."""
+def profile_step(llm, prompt: list[int], bs: int, steps: int = 16, repeats: int = 3) -> StepProfile:
+    """A plain decode step (an LLM without speculation) or a speculative round at batch size `bs`, from profiled
+    generations `steps` tokens apart (after a warm-up that prepares every graph they use), each length the fastest of
+    `repeats` alternating runs: one run each let a busy machine's stall in the short one make the difference
+    negative."""
     speculative = llm.engine.spec.enabled
     name = "speculative round" if speculative else "plain step"
     short, long = 4, 4 + steps
     _generate(llm, prompt, bs, long)  # warm-up: graphs prepared, caches filled
+    runs = [[_recorded(llm, prompt, bs, n) for n in (short, long)] for _ in range(repeats)]
     (wall_a, busy_a, cats_a, n_a, rounds_a), (wall_b, busy_b, cats_b, n_b, rounds_b) = (
-        _recorded(llm, prompt, bs, short), _recorded(llm, prompt, bs, long))
+        min((r[i] for r in runs), key=lambda run: run[0]) for i in (0, 1))
     per = (rounds_b - rounds_a) / bs if speculative else steps
     if per <= 0:
         raise FastspecError(f"--profile: no speculative rounds ran at batch size {bs} (the schedule decodes plainly)")
