@@ -145,8 +145,7 @@ def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
                        check=True, capture_output=True)
     subprocess.run(["cc", "-shared", *objects, "-o", str(library), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(library))
-    for name in ("q4_gemm", "ql_gemm", "q8_gemm", "qp_gemm"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = cpu_library.SIGNATURES[name]
+    lib.block_gemm.argtypes, lib.block_gemm.restype = cpu_library.SIGNATURES["block_gemm"]
     return lib
 
 
@@ -159,11 +158,11 @@ def test_each_instruction_set_path_is_the_twin(tmp_path, march, bits):
     lib = build_path(tmp_path, march)
     blocks = blocks_of(bits, 48, 96, seed=4)
     packed, scales = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
-    gemm, extra = {4: (lib.q4_gemm, ()), 8: (lib.q8_gemm, ())}.get(bits, (lib.qp_gemm, (bits,)))
     for rows in (1, 5, 11):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         y = torch.empty(rows, 48)
-        assert gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr(), *extra) == 0
+        assert lib.block_gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr(), bits,
+                              None) == 0
         torch.testing.assert_close(y, cpu_q4.matmul_twin(x, packed, scales), atol=1e-4, rtol=1e-5)
 
 
@@ -196,8 +195,8 @@ def test_each_instruction_set_path_indexes_levels_as_the_twin(tmp_path, march):
     for rows in (1, 5, 11):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         y = torch.empty(rows, 48)
-        assert lib.ql_gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr(),
-                           levels.data_ptr()) == 0
+        assert lib.block_gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr(), 4,
+                              levels.data_ptr()) == 0
         torch.testing.assert_close(y, cpu_q4.matmul_twin(x, packed, scales, levels), atol=1e-4, rtol=1e-5)
 
 

@@ -200,12 +200,8 @@ void top_k(const float *x, int64_t M, int64_t V, int64_t stride, int64_t k, int6
     }
 }
 
-int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y);
-int ql_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
-            const int8_t *levels);
-int q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const uint16_t *sm, int64_t N, float *y);
-int qp_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
-            int64_t bits);
+int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
+               int64_t bits, const int8_t *levels);
 
 /* y = x @ w.T for linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a decoder_stack layer row (see below); where the
  * row names an input order (a GPTQ desc_act weight), x's columns are gathered into `scratch` [M, K] in it first */
@@ -218,11 +214,7 @@ static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int6
             for (int64_t c = 0; c < K; c++) scratch[m * K + c] = x[m * K + perm[c]];
         x = scratch;
     }
-    const int8_t *levels = (const int8_t *)row[18 + j];
-    if (row[10 + j] == 4 && levels) return ql_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y, levels);
-    if (row[10 + j] == 4) return q4_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y);
-    if (row[10 + j] == 8) return q8_gemm(x, M, K, (const int8_t *)row[2 * j], scales, N, y);
-    return qp_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y, row[10 + j]);
+    return block_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y, row[10 + j], (const int8_t *)row[18 + j]);
 }
 
 /* A Llama-family layer stack on 4- / 8-bit weights (cpu_q4.c) in one call: per layer the four GEMMs and the four

@@ -34,10 +34,7 @@ SIGNATURES = {  # name -> (argument types, result type)
     "rope_write": ((_P, _C, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P), None),
     "attend": ((_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _C), None),
     "top_k": ((_P, _I, _I, _I, _I, _P), None),
-    "q4_gemm": ((_P, _I, _I, _P, _P, _I, _P), _C),
-    "ql_gemm": ((_P, _I, _I, _P, _P, _I, _P, _P), _C),
-    "q8_gemm": ((_P, _I, _I, _P, _P, _I, _P), _C),
-    "qp_gemm": ((_P, _I, _I, _P, _P, _I, _P, _I), _C),
+    "block_gemm": ((_P, _I, _I, _P, _P, _I, _P, _I, _P), _C),
     "decoder_stack": ((_I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _I, _I, _F, _P,
                        _P), _C),
 }

@@ -159,10 +159,11 @@ static __thread size_t scratch_size;
 
 /* y [M, N] float32 = x [M, K] float32 @ w.T for a weight packed as cpu_q4.pack lays out `bits` (4: [N/16, K/32,
  * 256] bytes, scales [N/16, K/32, 2, 16]; 5 / 6: [N/16, K/32, 320 / 384], scales [N/16, K/16, 2, 16]; 8: [N/16,
- * K/16, 256], scales [N/16, K/16, 2, 16]). N % 16 == 0,
- * K % 32 == 0. Returns 0, or -1 when scratch memory cannot be had. */
-static int gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
-                int bits, const int8_t *levels) {
+ * K/16, 256] int8, scales [N/16, K/16, 2, 16]); `levels`: NULL, or for a 4-bit weight the 16 int8 values its
+ * nibbles index (IQ4_NL / IQ4_XS's). N % 16 == 0, K % 32 == 0. Returns 0, or -1 when scratch memory cannot be had.
+ * The one entry point: cpu_q4.matmul and cpu_fused.c's layer stack both call it. */
+int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
+               int64_t bits, const int8_t *levels) {
     int64_t G = K / Q4_GROUP;
     size_t need = (size_t)(M * K) * sizeof(int16_t) + 4 * sizeof(float) * (size_t)(M * G); /* K % 32: aligned */
     if (need > scratch_size) {
@@ -199,24 +200,4 @@ static int gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const ui
         }
     }
     return 0;
-}
-
-int q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y) {
-    return gemm(x, M, K, w, sm, N, y, 4, NULL);
-}
-
-/* 4-bit indices into 16 int8 `levels` (IQ4_NL / IQ4_XS's), the 4-bit layout and scales */
-int ql_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
-            const int8_t *levels) {
-    return gemm(x, M, K, w, sm, N, y, 4, levels);
-}
-
-int q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *w, const uint16_t *sm, int64_t N, float *y) {
-    return gemm(x, M, K, (const uint8_t *)w, sm, N, y, 8, NULL);
-}
-
-/* bits 5 or 6: cpu_q8.c's wide kernel */
-int qp_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
-            int64_t bits) {
-    return gemm(x, M, K, w, sm, N, y, (int)bits, NULL);
 }

@@ -119,11 +119,8 @@ def matmul(x: torch.Tensor,       # float32 [M, K]
     x = x.contiguous()
     y = x.new_empty(x.shape[0], packed.shape[0] * TILE)
     width = bits(packed)
-    kernel, extra = {4: (lib.q4_gemm, ()), 8: (lib.q8_gemm, ())}.get(width, (lib.qp_gemm, (width,)))
-    if levels is not None:
-        kernel, extra = lib.ql_gemm, (levels.data_ptr(),)
-    if cpu_library.call(kernel, x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(),
-                        y.shape[1], y.data_ptr(), *extra):
+    if cpu_library.call(lib.block_gemm, x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(),
+                        y.shape[1], y.data_ptr(), width, None if levels is None else levels.data_ptr()):
         raise MemoryError(f"the int16 x {width}-bit kernel's scratch memory")
     return y
 
