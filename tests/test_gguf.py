@@ -9,108 +9,18 @@ import json
 import os
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import pre_tokenizers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from gguf_writers import TOKENS, tiny_llama, write_gguf
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 from fastspec.errors import FastspecError
 from fastspec.models import embedded
 from fastspec.models import gguf as gguf_mod
 from fastspec.models.embedded import EmbeddedModel, cache_root, embedded_model_dir, models_root
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["Ġ t", "h e", "Ġt he", "1 2", "l l"]
-TOKENS = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe", "12", "ll", "<custom>"]
-TYPES = [3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS) - 1) + [4]  # control, normal, user-defined
-TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
-
-
-# ---- a tiny llama written the llama.cpp way ----
-
-def tiny_llama(tied: bool, seed: int = 0) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=len(TOKENS), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # large random weights (and norms != 1) so any mix-up changes the logits
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    return model
-
-
-def llamacpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:  # w: [n_head * d, in], HF row order
-    """HF rotates rows (j, j + d/2) together; llama.cpp wants them adjacent: GGUF row 2j+s = HF row j + s*d/2."""
-    d = w.shape[0] // n_head
-    order = [h * d + i // 2 + (i % 2) * (d // 2) for h in range(n_head) for i in range(d)]
-    return w[order]
-
-
-def gguf_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
-    cfg, out = model.config, {}
-    for name, p in model.state_dict().items():
-        w = p.detach().clone()
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        if name.endswith("q_proj.weight"):
-            w = llamacpp_permute(w, cfg.num_attention_heads)
-        if name.endswith("k_proj.weight"):
-            w = llamacpp_permute(w, cfg.num_key_value_heads)
-        if name.startswith("model.layers."):
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            key = f"blk.{layer}.{LAYER_NAMES[rest.removesuffix('.weight')]}.weight"
-        else:
-            key = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                   "lm_head.weight": "output.weight"}[name]
-        out[key] = w.numpy().astype(np.float32)
-    return out
-
-
-def write_gguf(path, model, arch="llama", qtype=gguf.GGMLQuantizationType.F32, add_bos=True, add_eos=False):
-    cfg = model.config
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_vocab_size(len(TOKENS))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(TOKENS)
-    w.add_token_types(TYPES)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(add_bos)
-    w.add_add_eos_token(add_eos)
-    w.add_chat_template(TEMPLATE)
-    for name, array in gguf_tensors(model).items():
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
 
 # ---- rope layout: the oracle for unpermute_rope_rows ----
 
@@ -217,8 +127,8 @@ def test_truncated_gguf_is_rejected(tmp_path_factory, fraction):
 
 
 def test_other_architecture_is_rejected(tmp_path):
-    with pytest.raises(FastspecError, match="architecture 'qwen2'"):
-        convert_gguf(write_gguf(tmp_path / "q.gguf", tiny_llama(True), arch="qwen2"), tmp_path / "hf")
+    with pytest.raises(FastspecError, match="architecture 'gemma' is not supported .supported: llama, qwen2, qwen3"):
+        convert_gguf(write_gguf(tmp_path / "g.gguf", tiny_llama(True), arch="gemma"), tmp_path / "hf")
 
 
 def test_failed_conversion_keeps_previous_directory(tmp_path, monkeypatch):

@@ -179,7 +179,8 @@ def test_the_packed_layout_is_cached_per_torch_version(embedded_dir, tmp_path, m
     assert cached == []
     x = torch.tensor([1, 2, 3, 4])
     first = load_target(model_dir, torch.float32, quantization="gguf")
-    assert [p.name for p in (model_dir / "gguf_blocks").glob("int4-*")] == [f"int4-cpu-torch-{torch.__version__}.safetensors"]
+    cached = [p.name for p in (model_dir / "gguf_blocks").glob("int4-*")]
+    assert cached == [f"int4-cpu-torch-{torch.__version__}.safetensors"]
     again = load_target(model_dir, torch.float32, quantization="gguf")
     with torch.inference_mode():
         assert torch.equal(first.model.embed_tokens(x), again.model.embed_tokens(x))

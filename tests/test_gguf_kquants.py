@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize
 from safetensors.torch import load_file
-from test_gguf import LAYER_NAMES, TOKENS, write_gguf
+from gguf_writers import LAYER_NAMES, TOKENS, write_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastspec.kernels import cpu_library, cpu_q4

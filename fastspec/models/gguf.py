@@ -1,13 +1,15 @@
-"""GGUF -> Hugging Face directory conversion for llama-architecture models.
+"""GGUF -> Hugging Face directory conversion for the llama, qwen2 and qwen3 architectures.
 
 Owns: reading GGUF metadata and tensors (dequantized through `gguf.quants`), undoing llama.cpp's rope row
-permutation of q/k, rebuilding the GPT-2 byte-level BPE tokenizer, and writing the directory atomically. Beside the
+permutation of a llama's q/k, Llama 3's rope frequency factors as its rope scaling, and writing the directory
+atomically (the tokenizer: gguf_tokenizer). Beside the
 float weights it stores every tensor of a block format in its own blocks (BLOCKS_FILE: what --quantization gguf
 runs, see gguf_packed) and each tensor's GGUF type.
 Does not own: which GGUF to convert or where to cache it (embedded.py), nor loading the result (loader.py).
 """
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -18,13 +20,15 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import BLOCKS_FILE, FORMATS, blocks_state, read_blocks
 from fastspec.models.gguf_kquants import READERS
+from fastspec.models.gguf_tokenizer import adds_bos, build_tokenizer, special_id
+from fastspec.models.layers import rope_inv_freq
+from fastspec.models.model_config import RopeScaling
 
-CONVERTER_VERSION = 4  # bump when the output layout changes, so cached conversions are redone
+CONVERTER_VERSION = 5  # bump when the output layout changes, so cached conversions are redone
 SOURCE_MARKER = "fastspec_source.json"
 BLOCK_KINDS = (*FORMATS, *READERS)  # GGUF types also stored as blocks
 
@@ -39,27 +43,32 @@ _LAYER_NAMES = {  # GGUF tensor name inside blk.N -> HF name inside model.layers
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_QWEN2_BIASES = {f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}
+_QWEN3_NORMS = {f"attn_{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in "qk"}
+ARCHITECTURES = {  # general.architecture -> (HF class, model_type, its blk.N tensors beyond llama's)
+    "llama": ("LlamaForCausalLM", "llama", {}),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", _QWEN2_BIASES),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", _QWEN3_NORMS),
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (gguf.TokenType)
+ROPE_FACTORS = "rope_freqs.weight"  # Llama 3's per-frequency divisors: read into the config's rope scaling
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Convert a llama GGUF into a HF model directory at `out_dir` (replaced atomically); returns out_dir."""
+    """Convert a llama / qwen2 / qwen3 GGUF into a HF model directory at `out_dir` (replaced atomically); returns
+    out_dir."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_reader(gguf_path)
     arch = _meta(reader, "general.architecture")
-    if arch != "llama":
-        raise FastspecError(f"{gguf_path}: GGUF architecture '{arch}' is not supported (only 'llama')")
-    tensors, blocks, kinds = _read_tensors(reader, gguf_path, dtype)
-    config = _model_config(reader, tensors, dtype)
+    if arch not in ARCHITECTURES:
+        raise FastspecError(f"{gguf_path}: GGUF architecture '{arch}' is not supported "
+                            f"(supported: {', '.join(ARCHITECTURES)})")
+    tensors, blocks, kinds = _read_tensors(reader, gguf_path, dtype, arch)
+    config = _model_config(reader, tensors, dtype, arch)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
@@ -119,10 +128,9 @@ def _meta(reader, key: str, default=KeyError):
     return field.contents()
 
 
-def _special_id(reader, key: str) -> int | None:
-    """Id of the bos / eos / pad / unk token, or None when the GGUF does not name one."""
-    long_name = {"pad": "padding", "unk": "unknown"}.get(key, key)
-    return _meta(reader, f"tokenizer.ggml.{long_name}_token_id", None)
+def _reader_meta(reader):
+    """`meta(key, default)` over one reader: what gguf_tokenizer reads keys through."""
+    return lambda key, default=KeyError: _meta(reader, key, default)
 
 
 def _f32(value: float) -> float:
@@ -130,30 +138,32 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, arch: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    if name == "rope_freqs.weight":
-        raise FastspecError("GGUF uses llama3 rope frequency scaling (rope_freqs), which is not supported")
-    raise FastspecError(f"GGUF tensor '{name}' is not part of a llama model")
+    parts, extra = name.split(".", 2), ARCHITECTURES[arch][2]
+    if parts[0] == "blk" and len(parts) == 3 and (parts[2] in _LAYER_NAMES or parts[2] in extra):
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES.get(parts[2]) or extra[parts[2]]}"
+    raise FastspecError(f"GGUF tensor '{name}' is not part of a {arch} model")
 
 
-def _read_tensors(reader, path: Path, dtype: torch.dtype) -> tuple[dict, dict, dict]:
+def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[dict, dict, dict]:
     """(HF name -> dequantised tensor in `dtype`, the block-format tensors' stored blocks (blocks_state), HF name ->
-    GGUF type name); q / k rows in HF's rope order in both forms."""
-    n_head = _meta(reader, "llama.attention.head_count")
-    n_kv_head = _meta(reader, "llama.attention.head_count_kv", n_head)
+    GGUF type name); q / k rows in HF's rope order in both forms (llama.cpp pairs a llama's rows for its rope;
+    qwen2 / qwen3 rotate halves, as HF does, and keep HF's order)."""
+    n_head = _meta(reader, f"{arch}.attention.head_count")
+    n_kv_head = _meta(reader, f"{arch}.attention.head_count_kv", n_head)
     tensors, blocks, kinds = {}, {}, {}
     for t in reader.tensors:
-        name = _hf_name(t.name)
+        if t.name == ROPE_FACTORS:
+            continue
+        name = _hf_name(t.name, arch)
         try:
             array = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise FastspecError(f"{path}: tensor type {t.tensor_type.name} cannot be dequantized") from None
         heads = n_head if name.endswith("q_proj.weight") else n_kv_head if name.endswith("k_proj.weight") else None
+        heads = heads if arch == "llama" else None
         weight = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: F32 data is a read-only mmap
         tensors[name] = (weight if heads is None else unpermute_rope_rows(weight, heads)).to(dtype).contiguous()
         kinds[name] = t.tensor_type.name
@@ -166,35 +176,75 @@ def _read_tensors(reader, path: Path, dtype: torch.dtype) -> tuple[dict, dict, d
 
 # ---- config ----
 
-def _model_config(reader, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+def _model_config(reader, tensors: dict[str, torch.Tensor], dtype: torch.dtype, arch: str) -> dict:
     def m(key: str, default=KeyError):
-        return _meta(reader, f"llama.{key}", default)
+        return _meta(reader, f"{arch}.{key}", default)
 
     hidden, n_head = m("embedding_length"), m("attention.head_count")
     head_dim = m("attention.key_length", hidden // n_head)
     if m("rope.dimension_count", head_dim) != head_dim:
         raise FastspecError("GGUF uses partial rotary embeddings (rope.dimension_count != head_dim)")
+    theta = _f32(m("rope.freq_base", 10000.0))
+    hf_class, model_type, _ = ARCHITECTURES[arch]
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "architectures": [hf_class], "model_type": model_type, "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": m("feed_forward_length"),
         "num_hidden_layers": m("block_count"), "num_attention_heads": n_head,
         "num_key_value_heads": m("attention.head_count_kv", n_head), "head_dim": head_dim,
         "rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(m("rope.freq_base", 10000.0)),
+        "rope_theta": theta, "rope_scaling": _rope_scaling(reader, m, head_dim, theta),
         "max_position_embeddings": m("context_length"),
         "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
         "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "attention_bias": False, "mlp_bias": False,
+        "attention_bias": arch == "qwen2", "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    scaling = m("rope.scaling.type", "none")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": _f32(m("rope.scaling.factor"))}
-    elif scaling != "none":
-        raise FastspecError(f"GGUF rope scaling '{scaling}' is not supported")
     for key in ("bos", "eos", "pad"):
-        config[f"{key}_token_id"] = _special_id(reader, key)
+        config[f"{key}_token_id"] = special_id(_reader_meta(reader), key)
     return config
+
+
+def _rope_scaling(reader, m, head_dim: int, theta: float) -> dict | None:
+    """HF's rope_scaling for the GGUF: linear or YaRN as its metadata says, Llama 3's from its rope_freqs."""
+    factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
+    if factors is not None:
+        return llama3_scaling(torch.from_numpy(np.array(factors.data, dtype=np.float32)).flatten(), head_dim, theta)
+    kind = m("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _f32(m("rope.scaling.factor"))}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": _f32(m("rope.scaling.factor")),
+                "original_max_position_embeddings": m("rope.scaling.original_context_length")}
+    raise FastspecError(f"GGUF rope scaling '{kind}' is not supported (supported: linear, yarn, llama3)")
+
+
+def llama3_scaling(factors: torch.Tensor, head_dim: int, theta: float) -> dict | None:  # factors [head_dim / 2]
+    """Llama 3's rope scaling from llama.cpp's divisors of each inverse frequency. `factor` is the largest divisor;
+    between the kept and the fully slowed frequencies 1 / divisor = (1 - s) / factor + s with s linear in
+    1 / wavelength, so two or more divisors strictly between 1 and `factor` give the blend's edges (as fractions of an
+    original length of 8192: only their ratios matter), fewer keep Llama 3's 1 / 4. None when nothing is slowed;
+    refused unless the result reproduces every divisor."""
+    factor = float(factors.max())
+    if factor <= 1 + 1e-6:
+        return None
+    wavelen = 2 * math.pi / rope_inv_freq(head_dim, theta, None).double()
+    middle = (factors > 1 + 1e-5) & (factors < factor * (1 - 1e-5))
+    low, high = 1.0, 4.0
+    if int(middle.sum()) >= 2:
+        s = (1 / factors[middle].double() - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit((1 / wavelen[middle]).numpy(), s.numpy(), 1)  # s = 8192 / (w span) - low / span
+        span = 8192 / slope
+        low = round(float(-intercept * span), 6)
+        high = round(low + float(span), 6)
+    scaling = RopeScaling("llama3", _f32(factor), low, high, 8192)
+    rebuilt = rope_inv_freq(head_dim, theta, None) / rope_inv_freq(head_dim, theta, scaling)
+    if not torch.allclose(rebuilt, factors, rtol=1e-4, atol=0):
+        raise FastspecError(f"GGUF {ROPE_FACTORS} is not Llama 3's rope scaling (no factor, low / high frequency "
+                            "factors reproduce it)")
+    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": 8192}
 
 
 def _generation_config(reader, config: dict) -> dict:
@@ -204,69 +254,18 @@ def _generation_config(reader, config: dict) -> dict:
     return {"bos_token_id": config["bos_token_id"], "eos_token_id": stop, "pad_token_id": config["pad_token_id"]}
 
 
-# ---- tokenizer ----
-
-def _pre_tokenizer(pre: str):
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in ("default", "gpt2"):
-        return byte_level
-    if pre == "smollm":  # digits split one by one, then the GPT-2 regex
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre == "llama-bpe":
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    raise FastspecError(f"GGUF tokenizer pre-tokenizer '{pre}' is not supported "
-                        "(supported: default, gpt2, smollm, llama-bpe)")
-
-
-def _build_tokenizer(reader) -> Tokenizer:
-    model = _meta(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise FastspecError(f"GGUF tokenizer model '{model}' is not supported (only gpt2 byte-level BPE)")
-    tokens = _meta(reader, "tokenizer.ggml.tokens")
-    types = _meta(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
-    pre = _meta(reader, "tokenizer.ggml.pre", "default")
-    bpe = models.BPE(vocab={tok: i for i, tok in enumerate(tokens)}, merges=merges,
-                     ignore_merges=pre == "llama-bpe")
-    tokenizer = Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_tokens([AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
-                          for i in range(len(tokens)) if types[i] in (_CONTROL, _USER_DEFINED)])
-    tokenizer.post_processor = _post_processor(reader, tokens)
-    return tokenizer
-
-
-def _post_processor(reader, tokens: list[str]):
-    """Prepend bos / append eos when the GGUF asks for it (e.g. "<s> $A" for add_bos_token)."""
-    edges = {}
-    for key in ("bos", "eos"):
-        token_id = _special_id(reader, key)
-        if _meta(reader, f"tokenizer.ggml.add_{key}_token", False) and token_id is not None:
-            edges[key] = (tokens[token_id], token_id)
-    if not edges:
-        return processors.ByteLevel(trim_offsets=False)
-    bos, eos = ([edges[k][0]] if k in edges else [] for k in ("bos", "eos"))
-    single = bos + ["$A"] + eos
-    pair = single + [f"{t}:1" for t in bos] + ["$B:1"] + [f"{t}:1" for t in eos]
-    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
-                                         special_tokens=list(set(edges.values())))
-
-
 def _write_tokenizer(reader, out_dir: Path) -> None:
-    _build_tokenizer(reader).save(str(out_dir / "tokenizer.json"))
-    tokens = _meta(reader, "tokenizer.ggml.tokens")
+    meta = _reader_meta(reader)
+    build_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
+    tokens = meta("tokenizer.ggml.tokens")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "add_bos_token": bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
-              "add_eos_token": bool(_meta(reader, "tokenizer.ggml.add_eos_token", False)),
-              "model_max_length": _meta(reader, "llama.context_length")}
+              "add_bos_token": adds_bos(meta), "add_eos_token": bool(meta("tokenizer.ggml.add_eos_token", False)),
+              "model_max_length": meta(f"{meta('general.architecture')}.context_length")}
     for key in ("bos", "eos", "pad", "unk"):
-        token_id = _special_id(reader, key)
+        token_id = special_id(meta, key)
         if token_id is not None:
             config[f"{key}_token"] = tokens[token_id]
-    template = _meta(reader, "tokenizer.chat_template", None)
+    template = meta("tokenizer.chat_template", None)
     if template is not None:
         config["chat_template"] = template
     _write_json(out_dir / "tokenizer_config.json", config)

@@ -74,6 +74,13 @@ class StoredWeights:
     def get_blocks(self, name: str):
         return blocks_from_state(self.blocks.get_tensor, name)
 
+    def bias(self, parts: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        """The biases of the weights `parts` stacked (Qwen2's q / k / v), or None when they have none."""
+        names = [p.removesuffix("weight") + "bias" for p in parts]
+        if not any(n in self.kinds for n in names):
+            return None
+        return torch.cat([self.get_float(n, dtype) for n in names])
+
     def get_float(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight `name` dequantised (from its blocks where stored) in `dtype`; notes its GGUF type unless it
         is a float type."""
@@ -99,9 +106,9 @@ class PackedCache:
             self.stored = None
         self.new: dict[str, torch.Tensor] = {}
 
-    def linear(self, name: str, blocks, activation: torch.dtype) -> nn.Module:
+    def linear(self, name: str, blocks, activation: torch.dtype, bias: torch.Tensor | None = None) -> nn.Module:
         """The packed linear `name` for `activation` (packed_layers.int4_linear): from the cache, else packed from
-        `blocks()` (its Blocks: 4-bit, or with int16 activations any width)."""
+        `blocks()` (its Blocks: 4-bit, or with int16 activations any width); `bias` as given (not cached)."""
         ours = activation == torch.int16
         keys = [f"{name}.blocks_packed", f"{name}.blocks_scales"] if ours else [f"{name}.packed", f"{name}.scale_zero"]
         if all(k in self.names for k in keys):
@@ -111,7 +118,7 @@ class PackedCache:
             keys += [f"{name}.blocks_levels"] if ours else []  # (a BlockLinear's third tensor, where it has one)
             tensors = (BlockLinear if ours else Int4Linear).pack(blocks())
             self.new.update(zip(keys, tensors))
-        return BlockLinear(*tensors) if ours else Int4Linear(*tensors, activation)
+        return BlockLinear(*tensors, bias=bias) if ours else Int4Linear(*tensors, activation, bias)
 
     def save(self) -> None:
         if not self.new:
@@ -139,13 +146,15 @@ def load_packed_target(model: CausalLM, model_dir: Path, dtype: torch.dtype, dev
         model.rope = RotaryEmbedding(config)
     for i, layer in enumerate(model.model.layers):
         linears = {name: _projection(weights, cache, f"model.layers.{i}.{name}",
-                                     [f"model.layers.{i}.{p}.weight" for p in parts], activation).to(device)
+                                     [f"model.layers.{i}.{p}.weight" for p in parts], activation, dtype).to(device)
                    for name, parts in PROJECTIONS.items()}
         layer.self_attn.fuse(linears["self_attn.qkv_proj"])
         layer.mlp.fuse(linears["mlp.gate_up_proj"])
         layer.self_attn.o_proj, layer.mlp.down_proj = linears["self_attn.o_proj"], linears["mlp.down_proj"]
-        for name, norm in (("input_layernorm", layer.input_layernorm),
-                           ("post_attention_layernorm", layer.post_attention_layernorm)):
+        norms = {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm}
+        if layer.self_attn.q_norm is not None:  # Qwen3's per-head norms of q and k
+            norms |= {"self_attn.q_norm": layer.self_attn.q_norm, "self_attn.k_norm": layer.self_attn.k_norm}
+        for name, norm in norms.items():
             norm.weight = _parameter(weights.get_float(f"model.layers.{i}.{name}.weight"), dtype, device)
     model.model.norm.weight = _parameter(weights.get_float("model.norm.weight"), dtype, device)
     model.model.embed_tokens = _table(weights, "model.embed_tokens.weight", dtype).to(device)
@@ -161,16 +170,16 @@ def load_packed_target(model: CausalLM, model_dir: Path, dtype: torch.dtype, dev
     return model.eval().requires_grad_(False)
 
 
-def _projection(weights: StoredWeights, cache: PackedCache, name: str, parts: list[str], activation: torch.dtype
-                ) -> nn.Module:
+def _projection(weights: StoredWeights, cache: PackedCache, name: str, parts: list[str], activation: torch.dtype,
+                dtype: torch.dtype = torch.float32) -> nn.Module:
     """The linear `name` stacking `parts` by rows: packed when every part is 4-bit blocks, or is stored as blocks at
     all where fastspec's kernels run (int16 activations: 8-bit ones too, as BlockLinear's 8-bit layout), else their
-    dequantised floats."""
-    bits = [weights.bits(n) for n in parts]
+    dequantised floats; their biases, where they have them, in the residual `dtype`."""
+    bits, bias = [weights.bits(n) for n in parts], weights.bias(parts, dtype)
     if all(b == 4 for b in bits) or (activation == torch.int16 and all(bits)):
-        return cache.linear(name, lambda: merge_rows([weights.get_blocks(n) for n in parts]), activation)
+        return cache.linear(name, lambda: merge_rows([weights.get_blocks(n) for n in parts]), activation, bias)
     floats = [weights.get_float(n, float_dtype(activation)) for n in parts]
-    return CastLinear(floats[0] if len(floats) == 1 else torch.cat(floats))
+    return CastLinear(floats[0] if len(floats) == 1 else torch.cat(floats), bias)
 
 
 def _table(weights: StoredWeights, name: str, dtype: torch.dtype) -> nn.Module:
