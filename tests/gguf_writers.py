@@ -157,3 +157,17 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def load_converted(out):
+    """transformers' model of a converted GGUF directory in float32: the conversion writes no float copy of a block
+    matrix, so fastspec's loader dequantises those (read_state_dict) and the rest is read as stored."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastspec.models.loader import read_state_dict
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32).eval()
+    state = {name: t.float() for name, t in read_state_dict(out).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"} and (not missing or model.config.tie_word_embeddings)
+    return model

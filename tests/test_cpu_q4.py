@@ -17,7 +17,7 @@ from test_gguf_kquants import random_rows
 
 from fastspec.kernels import cpu_library, cpu_q4
 from fastspec.models.gguf_blocks import Blocks, as_8bit_16, merge_rows, read_blocks
-from fastspec.models.gguf_kquants import READERS, read_q6_k
+from fastspec.models.gguf_kquants import READERS, read, read_q6_k
 from fastspec.models.packed_layers import BlockLinear, fast_activation, int4_linear
 
 needs_library = pytest.mark.skipif(not cpu_library.available(), reason="no C compiler for the CPU kernels")
@@ -107,7 +107,7 @@ def test_narrow_takes_the_fewest_bits_and_keeps_the_weight(kind, bits):
     """Each 8-bit GGUF type as the fewest bits its values need (a signed group lifted by 2^(bits-1), its zero offset
     lowered by as much times its scale: exact), the dequantised weight unchanged bit for bit."""
     raw = random_rows(kind, 16, 256, np.random.default_rng(0))
-    blocks = as_8bit_16(READERS[kind](raw) if kind in READERS else read_blocks(raw, kind))
+    blocks = as_8bit_16(read(raw, kind))
     q, scale, offset, width = cpu_q4.narrow(blocks.q, blocks.scale, blocks.offset)
     assert width == bits and q.dtype == (torch.int8 if bits == 8 else torch.uint8)
     assert torch.equal(Blocks(q, scale, offset, width).dequantise(), blocks.dequantise())

@@ -6,7 +6,8 @@ import time
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from gguf_writers import load_converted
+from transformers import AutoTokenizer
 
 from fastspec.models.embedded import embedded_model_dir, models_root
 
@@ -42,7 +43,7 @@ def test_embedded_tokenizer(smollm_dir):
 
 def test_embedded_model_answers_paris(smollm_dir):
     tok = AutoTokenizer.from_pretrained(smollm_dir)
-    model = LlamaForCausalLM.from_pretrained(smollm_dir).eval()
+    model = load_converted(smollm_dir)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize
 from safetensors.torch import load_file
-from gguf_writers import LAYER_NAMES, TOKENS, write_gguf
+from gguf_writers import LAYER_NAMES, TOKENS, load_converted, write_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastspec.kernels import cpu_library, cpu_q4
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
-from fastspec.models.gguf_blocks import read_blocks
-from fastspec.models.gguf_kquants import DEQUANTISED, READERS, read_q4_k, read_q6_k
+from fastspec.models.loader import read_state_dict
+from fastspec.models.gguf_kquants import DEQUANTISED, READERS, read, read_q4_k, read_q6_k
 from fastspec.models.packed_layers import BlockLinear, Int4Linear
 
 HEADS, KV_HEADS = 4, 2
@@ -42,10 +42,6 @@ def random_rows(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarr
     raw[..., first:first + 2 * count] = rng.uniform(low, high, (n, k // per_block, count)).astype(np.float16).view(
         np.uint8)
     return raw.reshape(n, -1)
-
-
-def read_any(raw: np.ndarray, kind: str):  # the Blocks of raw rows of any type stored as blocks
-    return READERS[kind](raw) if kind in READERS else read_blocks(raw, kind)
 
 
 def oracle(raw: np.ndarray, kind: str) -> torch.Tensor:  # float32 [N, K]
@@ -71,7 +67,7 @@ def test_8bit_types_dequantise_as_gguf_does(kind, group, n, k):
     dequantised weight is the oracle's bit for bit (the same float32 arithmetic). (IQ4_NL is a 32-value block
     format; the package cannot quantise to it either.)"""
     raw = random_rows(kind, n, k, np.random.default_rng(n + k))
-    blocks = read_any(raw, kind)
+    blocks = read(raw, kind)
     assert blocks.bits == 8 and blocks.group == group and blocks.q.dtype == torch.int8 and blocks.q.shape == (n, k)
     low, high = VALUES[kind]
     assert int(blocks.q.min()) == low and int(blocks.q.max()) == high
@@ -182,12 +178,14 @@ def write_k_quant_gguf(path, seed: int = 0, types=q4_k_m_type):
                                                                                  "IQ4_NL"} - {"Q4_K"})])
 def test_a_k_quant_gguf_converts_to_the_oracles_weights(tmp_path, types, kinds):
     """Every matrix of the converted model is the oracle's dequantised tensor (q / k with the rope row order undone),
-    and its stored blocks, as read, dequantise to the same; the converted model runs."""
+    and its stored blocks, as read, dequantise to the same (the conversion writes floats for the norms only); the
+    converted model runs."""
     path = write_k_quant_gguf(tmp_path / "tiny.gguf", types=types)
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     assert {t.tensor_type.name for t in tensors.values()} == {"F32", *kinds}
     hf_dir = convert_gguf(path, tmp_path / "hf")
-    converted = load_file(hf_dir / "model.safetensors")
+    converted = read_state_dict(hf_dir)  # the block matrices dequantised by the loader: no float copy is written
+    assert set(load_file(hf_dir / "model.safetensors")) == {n for n in converted if "norm" in n}
     stored = load_file(hf_dir / "gguf_blocks" / "blocks.safetensors")
     rope_heads = {"self_attn.q_proj": HEADS, "self_attn.k_proj": KV_HEADS}
     names = {f"model.layers.{i}.{hf}.weight": f"blk.{i}.{name}.weight"  # HF -> GGUF name
@@ -198,13 +196,13 @@ def test_a_k_quant_gguf_converts_to_the_oracles_weights(tmp_path, types, kinds):
         kind = t.tensor_type.name
         expected = oracle(t.data, kind) if heads is None else unpermute_rope_rows(oracle(t.data, kind), heads)
         assert torch.equal(converted[hf_name], expected), t.name
-        blocks = read_any(t.data, kind)
+        blocks = read(t.data, kind)
         if heads is not None:
             blocks = blocks.map_rows(lambda x, h=heads: unpermute_rope_rows(x, h))
         assert torch.equal(blocks.dequantise(), expected), t.name
         assert torch.equal(stored[f"{hf_name}.scale"], blocks.scale), t.name  # what --quantization gguf reads
     with torch.no_grad():  # the random blocks make a model whose logits stay finite
-        logits = LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()(torch.arange(12)[None]).logits
+        logits = load_converted(tmp_path / "hf")(torch.arange(12)[None]).logits
     assert torch.isfinite(logits).all()
 
 

@@ -22,8 +22,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from fastspec.errors import FastspecError
-from fastspec.models.gguf_blocks import BLOCKS_FILE, FORMATS, blocks_state, read_blocks
-from fastspec.models.gguf_kquants import READERS
+from fastspec.models.gguf_blocks import BLOCKS_FILE, FORMATS, blocks_state
+from fastspec.models.gguf_kquants import READERS, read
 from fastspec.models.gguf_tokenizer import adds_bos, build_tokenizer, special_id
 from fastspec.models.layers import rope_inv_freq
 from fastspec.models.model_config import RopeScaling
@@ -68,7 +68,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
         raise FastspecError(f"{gguf_path}: GGUF architecture '{arch}' is not supported "
                             f"(supported: {', '.join(ARCHITECTURES)})")
     tensors, blocks, kinds = _read_tensors(reader, gguf_path, dtype, arch)
-    config = _model_config(reader, tensors, dtype, arch)
+    config = _model_config(reader, dtype, arch)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
@@ -148,35 +148,35 @@ def _hf_name(name: str, arch: str) -> str:
 
 
 def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[dict, dict, dict]:
-    """(HF name -> dequantised tensor in `dtype`, the block-format tensors' stored blocks (blocks_state), HF name ->
-    GGUF type name); q / k rows in HF's rope order in both forms (llama.cpp pairs a llama's rows for its rope;
-    qwen2 / qwen3 rotate halves, as HF does, and keep HF's order)."""
+    """(HF name -> dequantised tensor in `dtype` for every tensor not of a block format, the block-format tensors'
+    blocks (blocks_state: loaders dequantise them, gguf_blocks.stored_floats), HF name -> GGUF type name); q / k rows
+    in HF's rope order (llama.cpp pairs a llama's rows for its rope; qwen2 / qwen3 rotate halves, as HF does)."""
     n_head = _meta(reader, f"{arch}.attention.head_count")
     n_kv_head = _meta(reader, f"{arch}.attention.head_count_kv", n_head)
     tensors, blocks, kinds = {}, {}, {}
     for t in reader.tensors:
         if t.name == ROPE_FACTORS:
             continue
-        name = _hf_name(t.name, arch)
+        name, kinds[name] = _hf_name(t.name, arch), t.tensor_type.name
+        heads = n_head if name.endswith("q_proj.weight") else n_kv_head if name.endswith("k_proj.weight") else None
+        heads = heads if arch == "llama" else None
+        if kinds[name] in BLOCK_KINDS and t.data.ndim == 2:
+            b = read(t.data, kinds[name])
+            b = b if heads is None else b.map_rows(lambda x: unpermute_rope_rows(x, heads))
+            blocks.update(blocks_state(name, b))
+            continue
         try:
             array = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise FastspecError(f"{path}: tensor type {t.tensor_type.name} cannot be dequantized") from None
-        heads = n_head if name.endswith("q_proj.weight") else n_kv_head if name.endswith("k_proj.weight") else None
-        heads = heads if arch == "llama" else None
         weight = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: F32 data is a read-only mmap
         tensors[name] = (weight if heads is None else unpermute_rope_rows(weight, heads)).to(dtype).contiguous()
-        kinds[name] = t.tensor_type.name
-        if kinds[name] in BLOCK_KINDS and t.data.ndim == 2:
-            b = READERS.get(kinds[name], lambda data: read_blocks(data, kinds[name]))(t.data)
-            b = b if heads is None else b.map_rows(lambda x: unpermute_rope_rows(x, heads))
-            blocks.update(blocks_state(name, b))
     return tensors, blocks, kinds
 
 
 # ---- config ----
 
-def _model_config(reader, tensors: dict[str, torch.Tensor], dtype: torch.dtype, arch: str) -> dict:
+def _model_config(reader, dtype: torch.dtype, arch: str) -> dict:
     def m(key: str, default=KeyError):
         return _meta(reader, f"{arch}.{key}", default)
 
@@ -186,6 +186,7 @@ def _model_config(reader, tensors: dict[str, torch.Tensor], dtype: torch.dtype, 
         raise FastspecError("GGUF uses partial rotary embeddings (rope.dimension_count != head_dim)")
     theta = _f32(m("rope.freq_base", 10000.0))
     hf_class, model_type, _ = ARCHITECTURES[arch]
+    shapes = {t.name: t.shape for t in reader.tensors}  # GGUF order: [columns, rows]
     config = {
         "architectures": [hf_class], "model_type": model_type, "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": m("feed_forward_length"),
@@ -194,8 +195,8 @@ def _model_config(reader, tensors: dict[str, torch.Tensor], dtype: torch.dtype, 
         "rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon")),
         "rope_theta": theta, "rope_scaling": _rope_scaling(reader, m, head_dim, theta),
         "max_position_embeddings": m("context_length"),
-        "vocab_size": tensors["model.embed_tokens.weight"].shape[0],
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "vocab_size": int(shapes["token_embd.weight"][-1]),
+        "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": arch == "qwen2", "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }

@@ -20,6 +20,7 @@ becomes (gguf_packed).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -140,6 +141,20 @@ def blocks_from_state(get, name: str) -> Blocks:
     if q.dtype == torch.uint8:
         return Blocks(torch.stack([q & 15, q >> 4], -1).flatten(1), get(f"{name}.scale"), get(f"{name}.offset"), 4)
     return Blocks(q, get(f"{name}.scale"), get(f"{name}.offset"), 8)
+
+
+def stored_floats(model_dir, keep=None) -> dict[str, torch.Tensor]:
+    """A converted GGUF directory's weights kept only as blocks (BLOCKS_FILE), dequantised to float32 (those whose
+    name `keep(name)` accepts); {} for any other directory. The conversion writes no float copy of them."""
+    from safetensors import safe_open
+
+    path = Path(model_dir) / BLOCKS_FILE
+    if not path.is_file():
+        return {}
+    with safe_open(str(path), "pt") as stored:
+        names = sorted({key.rsplit(".", 1)[0] for key in stored.keys()})
+        return {name: blocks_from_state(stored.get_tensor, name).dequantise(torch.float32) for name in names
+                if keep is None or keep(name)}
 
 
 def merge_rows(parts: list[Blocks]) -> Blocks:

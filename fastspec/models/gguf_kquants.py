@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fastspec.models.gguf_blocks import IQ4_VALUES, Blocks
+from fastspec.models.gguf_blocks import IQ4_VALUES, Blocks, read_blocks
 
 SUPER_BLOCK = 256  # values per K-quant super-block
 BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}  # per super-block
@@ -112,6 +112,11 @@ def read_iq4_xs(data: np.ndarray) -> Blocks:
 
 READERS = {"Q2_K": read_q2_k, "Q3_K": read_q3_k, "Q4_K": read_q4_k, "Q5_K": read_q5_k, "Q6_K": read_q6_k,
            "IQ4_XS": read_iq4_xs}
+
+
+def read(data: np.ndarray, kind: str) -> Blocks:
+    """The Blocks of raw GGUF rows of any type stored as blocks: a K-quant or IQ4_XS here, the others gguf_blocks'."""
+    return READERS[kind](data) if kind in READERS else read_blocks(data, kind)
 
 
 def unpack_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

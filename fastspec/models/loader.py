@@ -20,6 +20,7 @@ from fastspec.models.causal_lm import CausalLM, eagle3_capture_layers
 from fastspec.models.draft_formats import from_speculators, is_speculators
 from fastspec.models.dummy import default_dtype, fill_random
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
+from fastspec.models.gguf_blocks import stored_floats
 from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
 from fastspec.models.moe import Router, stack_experts
 from fastspec.models.quant_config import QuantScheme
@@ -42,11 +43,11 @@ def read_config(model_dir: Path) -> ModelConfig:
 
 def read_state_dict(model_dir: Path, keep=None) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory (or those whose name `keep(name)` accepts: safetensors files then
-    read only those), on CPU, in their stored dtype."""
+    read only those), on CPU, in their stored dtype (a converted GGUF's block matrices: dequantised, float32)."""
     files = _weight_files(model_dir)
     if not files:
         raise FastspecError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights")
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = stored_floats(model_dir, keep)
     for f in files:
         state.update(_read_weight_file(f, keep))
     return state
