@@ -49,6 +49,27 @@ def test_add_rms_norm_and_silu_mul_are_their_twins(twin, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_norms_norm_q_and_k_heads_and_leave_v(twin, dtype):
+    """Qwen3's q / k norms: each q head by RMSNorm with q's weight, each k head with k's, v untouched, in place; and
+    the same as the model's RMSNorm module over [T, heads, D]."""
+    from fastspec.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(2)
+    qkv = (torch.randn(3, (HQ + 2 * HKV) * D, generator=g) * 3).to(dtype)
+    qw, kw = torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5
+    fused, expected = qkv.clone(), qkv.clone()
+    assert cpu_fused.head_norms(fused, qw, kw, HQ, HKV, 1e-6).data_ptr() == fused.data_ptr()
+    twin(cpu_fused.head_norms, expected, qw, kw, HQ, HKV, 1e-6)
+    close(fused, expected, dtype)
+    assert torch.equal(fused[:, (HQ + HKV) * D:], qkv[:, (HQ + HKV) * D:])
+    if dtype == torch.float32:
+        norm = RMSNorm(D, 1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(qw)
+            close(fused[:, :HQ * D], norm(qkv[:, :HQ * D].view(3, HQ, D)).flatten(1), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype):
     from fastspec.models.layers import RotaryEmbedding
 
@@ -189,15 +210,17 @@ def test_a_compiler_without_openmp_builds_them_single_threaded_and_none_runs_the
     assert not list((tmp_path / "b").glob("kernels/*.so"))
 
 
-def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatch, family):
     """Every projection a BlockLinear (4-bit, one 6-bit, one 8-bit, two over inputs in another order: GPTQ desc_act's
-    PermutedLinear): the stack runs as one C call (cpu_fused.decoder_stack), which gives, bit for bit, the logits and
-    the captured residual streams of the same kernels called layer by layer (fused_layers' loop), over a prefill of
-    two requests and a decode step of both."""
+    PermutedLinear; Qwen2's QKV with its bias, Qwen3's q / k head norms): the stack runs as one C call
+    (cpu_fused.decoder_stack), which gives, bit for bit, the logits and the captured residual streams of the same
+    kernels called layer by layer (fused_layers' loop), over a prefill of two requests and a decode step of both;
+    and, to float32 rounding, those of the model's own layers over the same packed linears."""
     from conftest import PoolRunner
 
     from fastspec.kernels import cpu_q4
-    from fastspec.models import fused_cpu
+    from fastspec.models import causal_lm, fused_cpu
     from fastspec.models.gguf_blocks import Blocks, as_8bit_16
     from fastspec.models.layers import fuse_projections
     from fastspec.models.loader import load_target
@@ -205,7 +228,7 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
     from fastspec.models.quant_layers import PermutedLinear
     from fastspec.models.quantise import quantise_target
 
-    model = fuse_projections(load_target(tiny_dirs["llama"][0], torch.float32))
+    model = fuse_projections(load_target(tiny_dirs[family][0], torch.float32))
     quantise_target(model, "int4", torch.int16, True)
     for i, bits in ((0, 6), (1, 8)):  # layer 0's down in 6 bits, layer 1's in 8: the stack takes every width
         mlp = model.model.layers[i].mlp
@@ -233,6 +256,9 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
     for a, b in zip(one_call, run()):
         assert torch.equal(a, b)
     assert len(calls) == 2  # the loop ran the second time
+    monkeypatch.setattr(causal_lm, "fused_activation", lambda *a: None)  # the layers' own forward
+    for a, b in zip(one_call, run()):  # (int16 roundings of slightly different activations: see above)
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)
 
 
 def test_top_k_is_the_set_torch_topk_picks():

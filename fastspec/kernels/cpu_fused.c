@@ -88,6 +88,28 @@ void silu_mul(const void *gate_up, int act, int64_t T, int64_t I, void *out, int
     free(g);
 }
 
+/* RMSNorm of each head of q and of k (Qwen3's q_norm / k_norm) in qkv [T, (Hq + 2 Hkv) * D] (in `act`), in place:
+ * q's heads scaled by qw [D], k's by kw [D], as add_rms_norm scales a row. */
+void head_norms(void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *qw, const float *kw,
+                float eps) {
+    int64_t width = (Hq + 2 * Hkv) * D;
+    float *row = (float *)malloc((Hq + Hkv) * D * sizeof(float));
+    for (int64_t t = 0; t < T; t++) {
+        char *src = (char *)qkv + t * width * (act ? 2 : 4);
+        load_row(src, act, (Hq + Hkv) * D, row);
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float *x = row + h * D, ss = 0.f;
+            const float *w = h < Hq ? qw : kw;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t d = 0; d < D; d++) ss += x[d] * x[d];
+            float r = 1.f / sqrtf(ss / (float)D + eps);
+            for (int64_t d = 0; d < D; d++) x[d] = w[d] * (x[d] * r);
+        }
+        store_row(row, (Hq + Hkv) * D, src, act);
+    }
+    free(row);
+}
+
 /* Rotate-half rope on q and k of qkv [T, (Hq + 2 Hkv) * D] (in `act`), K and V written to the cache rows `slots`
  * (k_cache, v_cache float32 [num_slots, Hkv, D]), the rotated q to q_out float32 [T, Hq, D].
  * cos, sin float32 [T, D]: sin's first half negated, so rotated[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d]. */
@@ -220,10 +242,11 @@ static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int6
 /* A Llama-family layer stack on 4- / 8-bit weights (cpu_q4.c) in one call: per layer the four GEMMs and the four
  * kernels above, in the order fastspec.models.fused_cpu.fused_layers runs them (its Python loop is this function's
  * twin, bit for bit). All float32.
- * layers int64 [L, 22]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
+ * layers int64 [L, 25]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
  * norm's weight and the next layer's input norm's weight (0 after the last layer), the four linears' bit widths (4,
  * 5, 6 or 8: which of cpu_q4.c's kernels runs each), the addresses of their input orders (int64 [K], 0: in order),
- * then of their 4-bit levels (int8 [16], 0: none); k, v: the KV pool's [L, num_slots, Hkv, D] caches
+ * of their 4-bit levels (int8 [16], 0: none), of qkv's bias (float32 [width], 0: none: Qwen2's) and of the q and k
+ * head norms' weights (float32 [D] each, 0: none: Qwen3's); k, v: the KV pool's [L, num_slots, Hkv, D] caches
  * (layer i's at i * layer_stride floats). x [T, H]: the residual stream entering layer 0, replaced by the last
  * layer's output; h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured`
  * [n, T, H] receiving the stream entering it, or -1. The rest as rope_write and attend take them.
@@ -243,9 +266,13 @@ int decoder_stack(int64_t L, const int64_t *layers, float *k, float *v, int64_t 
     int status = (h && qkv && q && o && gate_up && act && y && scratch) ? 0 : -1;
     if (status == 0) memcpy(h, h0, T * H * sizeof(float));
     for (int64_t i = 0; i < L && status == 0; i++) {
-        const int64_t *w = layers + 22 * i;
+        const int64_t *w = layers + 25 * i;
         float *k_cache = k + i * layer_stride, *v_cache = v + i * layer_stride;
         status |= layer_gemm(w, 0, h, T, H, width, qkv, scratch);
+        if (w[22])
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t c = 0; c < width; c++) qkv[t * width + c] += ((const float *)w[22])[c];
+        if (w[23]) head_norms(qkv, 0, T, Hq, Hkv, D, (const float *)w[23], (const float *)w[24], eps);
         rope_write(qkv, 0, T, Hq, Hkv, D, cos, sin, slots, k_cache, v_cache, q);
         attend(q, k_cache, v_cache, T, Hq, Hkv, D, out_index, kv_slots, mask, max_qo, max_kv, scale, o, 0);
         status |= layer_gemm(w, 1, o, T, Hq * D, H, y, scratch);

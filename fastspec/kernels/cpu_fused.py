@@ -57,6 +57,24 @@ def silu_mul(gate_up: torch.Tensor,  # [T, 2I]  [gate | up], float32 or bf16
     return out
 
 
+def head_norms(qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]  float32 or bf16, normed in place
+               q_weight: torch.Tensor, k_weight: torch.Tensor,  # float32 [D] each
+               num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
+    """RMSNorm of each q and k head (Qwen3's q_norm / k_norm) in qkv, in place; returns qkv."""
+    T, d = qkv.shape[0], q_weight.shape[0]
+    lib = cpu_library.library()
+    if lib is None:
+        heads = qkv.view(T, -1, d)[:, :num_heads + num_kv_heads]
+        x = heads.float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        weight = torch.cat([q_weight.expand(num_heads, d), k_weight.expand(num_kv_heads, d)])
+        heads.copy_(weight * normed)
+        return qkv
+    cpu_library.call(lib.head_norms, qkv.data_ptr(), ACT[qkv.dtype], T, num_heads, num_kv_heads, d,
+                     q_weight.data_ptr(), k_weight.data_ptr(), eps)
+    return qkv
+
+
 def rope_write(qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]  float32 or bf16
                cos: torch.Tensor, sin: torch.Tensor,  # float32 [T, 1, D]  (sin's first half negated)
                slots: torch.Tensor,  # int64 [T]  KV slots of the T tokens
@@ -107,7 +125,7 @@ def top_k(x: torch.Tensor,  # float32 [M, V]  (rows may be a slice of wider ones
     return out
 
 
-def decoder_stack(layers: torch.Tensor,           # int64 [L, 22]  each layer's weights, widths, ... (cpu_fused.c)
+def decoder_stack(layers: torch.Tensor,           # int64 [L, 25]  each layer's weights, widths, ... (cpu_fused.c)
                   k: torch.Tensor, v: torch.Tensor,  # float32 [L, num_slots, Hkv, D]  the KV pool
                   x: torch.Tensor,                # float32 [T, H]  the residual stream entering layer 0
                   h: torch.Tensor,                # float32 [T, H]  layer 0's normed input

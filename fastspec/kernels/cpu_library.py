@@ -32,6 +32,7 @@ SIGNATURES = {  # name -> (argument types, result type)
     "add_rms_norm": ((_P, _P, _C, _P, _F, _I, _I, _P, _P, _C), None),
     "silu_mul": ((_P, _C, _I, _I, _P, _C), None),
     "rope_write": ((_P, _C, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P), None),
+    "head_norms": ((_P, _C, _I, _I, _I, _I, _P, _P, _F), None),
     "attend": ((_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _C), None),
     "top_k": ((_P, _I, _I, _I, _I, _P), None),
     "block_gemm": ((_P, _I, _I, _P, _P, _I, _P, _I, _P), _C),

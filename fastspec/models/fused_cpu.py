@@ -27,15 +27,16 @@ INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
     """The dtype the fused stack feeds its GEMMs (an Int4Linear's activation; float32 for a BlockLinear, which rounds
     its input itself), or None where it does not apply: compiled code;
-    not a packed float32 Llama-family stack on CPU (q / k norms, partial rope, offset norms excluded); attention
+    not a packed float32 Llama-family stack on CPU (partial rope, offset norms excluded); attention
     that is not a float32 KV pool read through a dense plan; no C compiler (the twins are the layers' own ops)."""
     layers = model.model.layers
     if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     first = layers[0]
     if not (model.between_attention and type(first) is DecoderLayer and type(first.input_layernorm) is RMSNorm
-            and type(first.post_attention_layernorm) is RMSNorm and first.self_attn.q_norm is None
-            and first.self_attn.qkv_proj is not None and first.mlp.gate_up_proj is not None
+            and type(first.post_attention_layernorm) is RMSNorm
+            and type(first.self_attn.q_norm) in (type(None), RMSNorm) and first.self_attn.qkv_proj is not None
+            and first.mlp.gate_up_proj is not None
             and model.rope.rotary_dim == first.self_attn.head_dim):
         return None
     packed = [m for m in first.modules() if isinstance(m, Int4Linear | BlockLinear)]
@@ -90,7 +91,10 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
     for i, layer in enumerate(layers):
         a, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
         k_cache, v_cache = pool.k[a.layer_id], pool.v[a.layer_id]
-        q = cpu_fused.rope_write(_gemm(a.qkv_proj, h), cos, sin, slots, k_cache, v_cache, a.num_heads)
+        qkv = _gemm(a.qkv_proj, h)
+        if a.q_norm is not None:
+            qkv = cpu_fused.head_norms(qkv, a.q_norm.weight, a.k_norm.weight, a.num_heads, a.num_kv_heads, a.q_norm.eps)
+        q = cpu_fused.rope_write(qkv, cos, sin, slots, k_cache, v_cache, a.num_heads)
         o = cpu_fused.attend(plan, q, k_cache, v_cache, a.scale, act)
         x, h = cpu_fused.add_rms_norm(x, _gemm(a.o_proj, o), norm.weight, norm.eps, act)
         y = _gemm(mlp.down_proj, cpu_fused.silu_mul(_gemm(mlp.gate_up_proj, h), act))
@@ -107,10 +111,11 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (it
 
 
 def _stack_table(model) -> torch.Tensor | None:
-    """int64 [L, 22]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four BlockLinears'
+    """int64 [L, 25]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four BlockLinears'
     packed weights and scales, its post-attention norm, the next layer's input norm), its linears' bit widths, their
-    input orders (a PermutedLinear's; 0: none) and 4-bit levels (0: none), or None where a layer is not that (another
-    kernel, a bias, norms with different eps, KV not at the layer's own index). Built once per model: a loaded model's
+    input orders (a PermutedLinear's; 0: none), 4-bit levels (0: none), QKV's bias and the q / k head norms' weights
+    (0: none), or None where a layer is not that (another kernel, a bias beside another GEMM than QKV, norms with
+    different eps, KV not at the layer's own index). Built once per model: a loaded model's
     tensors do not move."""
     if model not in _TABLES:
         layers, rows = model.model.layers, []
@@ -120,15 +125,21 @@ def _stack_table(model) -> torch.Tensor | None:
             perms = [m.perm if type(m) is PermutedLinear else None for m in linears]
             linears = [m.inner if type(m) is PermutedLinear else m for m in linears]
             norms = (layer.post_attention_layernorm, layers[i + 1].input_layernorm if i + 1 < len(layers) else None)
-            if (any(type(m) is not BlockLinear or m.bias is not None for m in linears) or a.layer_id != i
-                    or any(n is not None and n.eps != layers[0].input_layernorm.eps for n in norms)):
+            heads = (a.q_norm, a.k_norm)  # Qwen3's, or None
+            bias = linears[0].bias
+            if (any(type(m) is not BlockLinear for m in linears) or any(m.bias is not None for m in linears[1:])
+                    or (bias is not None and bias.dtype != torch.float32)
+                    or a.layer_id != i
+                    or any(n is not None and n.eps != layers[0].input_layernorm.eps for n in norms + heads)):
                 _TABLES[model] = None
                 break
             rows.append([t.data_ptr() for m in linears for t in (m.packed, m.scales)]
                         + [0 if n is None else n.weight.data_ptr() for n in norms]
                         + [cpu_q4.bits(m.packed) for m in linears]
                         + [0 if p is None else p.data_ptr() for p in perms]
-                        + [0 if m.levels is None else m.levels.data_ptr() for m in linears])
+                        + [0 if m.levels is None else m.levels.data_ptr() for m in linears]
+                        + [0 if bias is None else bias.data_ptr()]
+                        + [0 if n is None else n.weight.data_ptr() for n in heads])
         else:
             _TABLES[model] = torch.tensor(rows, dtype=torch.int64)
     return _TABLES[model]
