@@ -1,7 +1,9 @@
 """GGUF architectures at real sizes on CPU: random-weight files shaped like Qwen2.5-0.5B (qwen2), Qwen3-0.6B (qwen3)
 and Llama-3.2-1B (llama, with its rope_freqs), requantised by llama.cpp into a common mix, each run by fastspec on its
 own blocks (`--quantization gguf`) and by llama.cpp on the same file: plain greedy decoding at batch 1 from the same
-prompt ids, alternating in one process. Also fastspec's one-time conversion of each file (seconds, MB written).
+prompt ids, alternating in one process. Also fastspec's first load of each file (its one-time conversion included)
+and what an EAGLE-3 round costs on it against a plain step (a random head of a real head's shape, every round
+speculating): the tau from which speculation pays on this CPU.
 
     .venv/bin/python bench/gguf_archs.py [--models qwen2.5-0.5b,qwen3-0.6b,llama-3.2-1b] [--type Q4_K_M]
         [--max-new-tokens 64] [--trials 2] [--out PATH]
@@ -131,6 +133,32 @@ def rates(path: Path, prompts: list[list[int]], new: int, trials: int) -> dict:
             **{f"{k}_tok_s": round(statistics.median(v), 1) for k, v in runs.items()}}
 
 
+def round_cost(path: Path, s: dict, prompts: list[list[int]], new: int, head_dir: Path) -> dict:
+    """What an EAGLE-3 round costs against a plain step on this file: a random head shaped like a real one for the
+    target (its attention and MLP sizes, a 32000-token draft vocabulary), every round speculating; the ms per round
+    over the ms per plain token is the tau from which speculation pays (acceptance itself is noise here)."""
+    import fastspec
+    from fastspec.models.heads import write_random_head
+    from fastspec.sampling import SamplingParams
+
+    head = write_random_head(head_dir, s["hidden"], s["vocab"], "eagle3", draft_vocab=32000, heads=s["heads"],
+                             kv_heads=s["kv"], head_dim=s["head_dim"], inter=s["ffn"])
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    times = {}
+    for algorithm in ("NONE", "EAGLE3"):
+        llm = fastspec.LLM(str(path), speculative_algorithm=algorithm, quantization="gguf", tuned=False,
+                           **({"draft_model": str(head)} if algorithm == "EAGLE3" else {}))
+        llm.engine.policy = None  # every round speculates
+        llm.generate(prompts[:1], params)
+        start = time.perf_counter()
+        outs = [llm.generate([ids], params)[0] for ids in prompts]
+        units = sum(o.metrics.verify_rounds if algorithm == "EAGLE3" else len(o.output_ids) for o in outs)
+        times[algorithm] = 1000 * (time.perf_counter() - start) / units
+        spec = llm.planned_spec
+    return {"tree": f"{spec.num_steps}/{spec.topk}/{spec.num_draft_tokens}", "plain_ms": round(times["NONE"], 2),
+            "round_ms": round(times["EAGLE3"], 2), "pays_from_tau": round(times["EAGLE3"] / times["NONE"], 2)}
+
+
 def main() -> None:
     import llama_cpp
 
@@ -156,12 +184,15 @@ def main() -> None:
             row = {"model": name, "arch": s["arch"], "type": args.type, "MB": round(path.stat().st_size / 1e6, 1),
                    "matrices": matrix_types(path), **rates(path, prompts, args.max_new_tokens, args.trials)}
             row["vs_llama_cpp"] = round(row["fastspec_tok_s"] / row["llama.cpp_tok_s"], 2)
+            row |= round_cost(path, s, prompts, args.max_new_tokens, Path(tmp) / f"{name}-head")
             rows.append(row)
             path.unlink()
     for row in rows:  # after llama.cpp's own logging
         print(f"{row['model']:13s} {row['arch']:6s} {row['type']} {row['MB']:7.1f} MB  fastspec "
               f"{row['fastspec_tok_s']:6.1f}  llama.cpp {row['llama.cpp_tok_s']:6.1f} tok/s  "
               f"{row['vs_llama_cpp']:4.2f}x  (first load, conversion included, {row['load_s']} s)  {row['matrices']}")
+        print(f"{'':13s} EAGLE-3 {row['tree']}: a round {row['round_ms']} ms, a plain token {row['plain_ms']} ms: "
+              f"speculation pays from tau {row['pays_from_tau']}")
     Path(args.out).parent.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps({"activation": str(fast_activation()), "torch": torch.__version__,
                                           "llama_cpp": llama_cpp.__version__, "command": " ".join(sys.argv),

@@ -3,9 +3,9 @@ their projections fused, quantised and packed for the device.
 
 With quantization "gguf" a GGUF target runs on its own blocks (fastspec.models.gguf_packed); with a quantised
 checkpoint's method, on its stored linears (fastspec.models.quant_loader); with fp8 / int8 / int4, its projections
-are rounded at load (fastspec.models.quantise). On CPU the draft's linears run on fastspec's 8-bit block kernels
-where the target runs on them (else in the fast float dtype), and in float32 the linears are prepacked for the row
-counts of the rounds (fastspec.kernels.cpu_linear). A quantised STANDALONE draft keeps its stored form, bound to the
+are rounded at load (fastspec.models.quantise). On CPU the draft's linears run on fastspec's block kernels, rounded
+to 4 bits, where the target runs on them (else in the fast float dtype), and in float32 the linears are prepacked for
+the row counts of the rounds (fastspec.kernels.cpu_linear). A quantised STANDALONE draft keeps its stored form, bound to the
 device's kernels as the target's are, unless --quantization is none. Reads no config: every check ran in
 resolve_sources.
 """
