@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from fastspec.models.mtp_loader import check_mtp_fits, drafts_with_mtp, mtp_draf
 from fastspec.models.quant_config import QuantScheme
 from fastspec.models.quant_loader import checkpoint_scheme
 from fastspec.spec_config import check_spec_flags
+
+log = logging.getLogger(__name__)
 
 DRAFTED = ("EAGLE", "EAGLE3", "STANDALONE")  # the algorithms with a draft model
 
@@ -115,7 +118,10 @@ def _converted_gguf(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = models_root() / "gguf" / f"{path.stem}-{key}"
-    return out if is_current_conversion(out, path) else convert_gguf(path, out)
+    if is_current_conversion(out, path):
+        return out
+    log.warning("%s: converting it into %s (once: later starts read that)", path.name, out)
+    return convert_gguf(path, out)
 
 
 def resolve_draft_dir(spec: str, revision: str | None, target: ModelConfig, algorithm: str) -> Path:
