@@ -30,14 +30,17 @@ def q4_blocks(kind: str, n: int, k: int, seed: int = 0):
     return read_blocks(raw, kind), raw
 
 
-def blocks_of(bits: int, n: int, k: int, seed: int = 0) -> Blocks:
+WIDTHS = [(4, 32), (5, 16), (5, 32), (6, 16), (6, 32), (8, 16)]  # (bits, values per scale) the kernels take
+
+
+def blocks_of(bits: int, n: int, k: int, seed: int = 0, group: int = 16) -> Blocks:
     """A weight the `bits`-bit kernel takes: 4 a Q4_1 one; 5 / 6 random values of that width with random scales and
-    offsets per 16; 8 a Q4_1 one as int8 values per 16 (as_8bit_16)."""
+    offsets per `group`; 8 a Q4_1 one as int8 values per 16 (as_8bit_16)."""
     if bits in (5, 6):
         gen = torch.Generator().manual_seed(seed)
         q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=gen)
-        return Blocks(q, torch.rand(n, k // 16, generator=gen) * 0.01, torch.randn(n, k // 16, generator=gen) * 0.01,
-                      bits)
+        return Blocks(q, torch.rand(n, k // group, generator=gen) * 0.01,
+                      torch.randn(n, k // group, generator=gen) * 0.01, bits)
     blocks = q4_blocks("Q4_1", n, k, seed)[0]
     return blocks if bits == 4 else as_8bit_16(blocks)
 
@@ -86,13 +89,15 @@ def test_the_8bit_twin_is_the_exact_product_within_the_activations_rounding():
     torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bits", [5, 6])
-def test_the_plane_layout_holds_the_values_and_the_twin_their_product(bits):
-    """A 5- / 6-bit weight packed (low nibbles, then bit planes) unpacks to its values, scales and offsets (as
-    float16), and the twin is the exact product over them within the activations' int16 rounding (4e-4 here)."""
-    blocks = blocks_of(bits, 48, 256, seed=bits)
+@pytest.mark.parametrize("bits, group", [w for w in WIDTHS if w[0] in (5, 6)])
+def test_the_plane_layout_holds_the_values_and_the_twin_their_product(bits, group):
+    """A 5- / 6-bit weight packed (low nibbles, then bit planes) with scales per 16 or 32 unpacks to its values,
+    scales and offsets (as float16), and the twin is the exact product over them within the activations' int16
+    rounding (4e-4 here)."""
+    blocks = blocks_of(bits, 48, 256, seed=bits, group=group)
     packed, scales = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
     assert cpu_q4.bits(packed) == bits and packed.shape == (3, 8, 256 + 64 * (bits - 4))
+    assert cpu_q4.weight_group(packed, scales) == group
     q, scale, offset = cpu_q4.unpack(packed, scales)
     assert torch.equal(q, blocks.q.float()) and torch.equal(scale, blocks.scale.half().float())
     assert torch.equal(offset, blocks.offset.half().float())
@@ -103,14 +108,20 @@ def test_the_plane_layout_holds_the_values_and_the_twin_their_product(bits):
 
 @pytest.mark.parametrize("kind, bits", [("Q5_0", 5), ("Q5_1", 5), ("Q5_K", 5), ("Q3_K", 5), ("Q2_K", 5), ("Q6_K", 6),
                                         ("Q8_0", 8), ("IQ4_XS", 8)])
-def test_narrow_takes_the_fewest_bits_and_keeps_the_weight(kind, bits):
-    """Each 8-bit GGUF type as the fewest bits its values need (a signed group lifted by 2^(bits-1), its zero offset
-    lowered by as much times its scale: exact), the dequantised weight unchanged bit for bit."""
+@pytest.mark.parametrize("per_16", [True, False])
+def test_narrow_takes_the_fewest_bits_and_keeps_the_weight(kind, bits, per_16):
+    """Each 8-bit GGUF type, with its own scale groups or as groups of 16, as the fewest bits its values need (a
+    signed group lifted by 2^(bits-1), its zero offset lowered by as much times its scale: exact), the dequantised
+    weight unchanged bit for bit; BlockLinear packs the 5-bit types of 32 (Q5_0 / Q5_1 / Q5_K) with their scales
+    per 32."""
     raw = random_rows(kind, 16, 256, np.random.default_rng(0))
-    blocks = as_8bit_16(read(raw, kind))
+    blocks = as_8bit_16(read(raw, kind)) if per_16 else read(raw, kind)
     q, scale, offset, width = cpu_q4.narrow(blocks.q, blocks.scale, blocks.offset)
     assert width == bits and q.dtype == (torch.int8 if bits == 8 else torch.uint8)
     assert torch.equal(Blocks(q, scale, offset, width).dequantise(), blocks.dequantise())
+    if not per_16 and kind.startswith("Q5"):
+        packed, scales = BlockLinear.pack(blocks)
+        assert cpu_q4.bits(packed) == 5 and cpu_q4.weight_group(packed, scales) == 32
 
 
 def test_a_q4_k_group_beside_q6_k_ones_keeps_its_offset():
@@ -123,13 +134,13 @@ def test_a_q4_k_group_beside_q6_k_ones_keeps_its_offset():
 
 
 @needs_library
-@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("bits, group", WIDTHS)
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
-def test_the_kernel_is_its_twin(rows, bits):
-    """Every row count (the kernels unroll up to 8 rows a pass), tiles split between threads or not, every width:
-    the twin's numbers to float32 rounding (the integer sums are exact; the per-group float sums run in another
-    order)."""
-    blocks = blocks_of(bits, 96, 576, seed=rows)
+def test_the_kernel_is_its_twin(rows, bits, group):
+    """Every row count (the kernels unroll up to 8 rows a pass), tiles split between threads or not, every width and
+    scale group: the twin's numbers to float32 rounding (the integer sums are exact; the per-group float sums run in
+    another order)."""
+    blocks = blocks_of(bits, 96, 576, seed=rows, group=group)
     packed = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(3)) * 3
     torch.testing.assert_close(cpu_q4.matmul(x, *packed), cpu_q4.matmul_twin(x, *packed), atol=1e-4, rtol=1e-5)
@@ -153,16 +164,16 @@ def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
 @pytest.mark.skipif(platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text(),
                     reason="an x86-64 CPU with AVX2 runs both lower paths")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # the AVX2 path, the portable C one
-@pytest.mark.parametrize("bits", [4, 5, 6, 8])
-def test_each_instruction_set_path_is_the_twin(tmp_path, march, bits):
+@pytest.mark.parametrize("bits, group", WIDTHS)
+def test_each_instruction_set_path_is_the_twin(tmp_path, march, bits, group):
     lib = build_path(tmp_path, march)
-    blocks = blocks_of(bits, 48, 96, seed=4)
+    blocks = blocks_of(bits, 48, 96, seed=4, group=group)
     packed, scales = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
     for rows in (1, 5, 11):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         y = torch.empty(rows, 48)
         assert lib.block_gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr(), bits,
-                              None) == 0
+                              group, None) == 0
         torch.testing.assert_close(y, cpu_q4.matmul_twin(x, packed, scales), atol=1e-4, rtol=1e-5)
 
 
@@ -195,7 +206,7 @@ def test_each_instruction_set_path_indexes_levels_as_the_twin(tmp_path, march):
     for rows in (1, 5, 11):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         y = torch.empty(rows, 48)
-        assert lib.block_gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr(), 4,
+        assert lib.block_gemm(x.data_ptr(), rows, 96, packed.data_ptr(), scales.data_ptr(), 48, y.data_ptr(), 4, 32,
                               levels.data_ptr()) == 0
         torch.testing.assert_close(y, cpu_q4.matmul_twin(x, packed, scales, levels), atol=1e-4, rtol=1e-5)
 

@@ -102,7 +102,7 @@ def test_pack_linears_rounds_each_linear_to_4_bits_or_casts_it():
     w, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
     x = torch.randn(3, 64, generator=g)
     expected = model(x)
-    pack_linears(model, torch.float32)
+    pack_linears(model, torch.float32, 4)
     assert [type(m) for m in model] == [BlockLinear, torch.nn.ReLU, CastLinear]  # 24 rows: not a multiple of 16
     assert cpu_q4.bits(model[0].packed) == 4 and torch.equal(model[0].bias, bias)
     q, scale, offset = cpu_q4.unpack(model[0].packed, model[0].scales)

@@ -223,7 +223,7 @@ void top_k(const float *x, int64_t M, int64_t V, int64_t stride, int64_t k, int6
 }
 
 int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
-               int64_t bits, const int8_t *levels);
+               int64_t bits, int64_t group, const int8_t *levels);
 
 /* y = x @ w.T for linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a decoder_stack layer row (see below); where the
  * row names an input order (a GPTQ desc_act weight), x's columns are gathered into `scratch` [M, K] in it first */
@@ -236,17 +236,19 @@ static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int6
             for (int64_t c = 0; c < K; c++) scratch[m * K + c] = x[m * K + perm[c]];
         x = scratch;
     }
-    return block_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y, row[10 + j], (const int8_t *)row[18 + j]);
+    return block_gemm(x, M, K, (const uint8_t *)row[2 * j], scales, N, y, row[10 + j], row[25 + j],
+                      (const int8_t *)row[18 + j]);
 }
 
 /* A Llama-family layer stack on 4- / 8-bit weights (cpu_q4.c) in one call: per layer the four GEMMs and the four
  * kernels above, in the order fastspec.models.fused_cpu.fused_layers runs them (its Python loop is this function's
  * twin, bit for bit). All float32.
- * layers int64 [L, 25]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
+ * layers int64 [L, 29]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
  * norm's weight and the next layer's input norm's weight (0 after the last layer), the four linears' bit widths (4,
  * 5, 6 or 8: which of cpu_q4.c's kernels runs each), the addresses of their input orders (int64 [K], 0: in order),
  * of their 4-bit levels (int8 [16], 0: none), of qkv's bias (float32 [width], 0: none: Qwen2's) and of the q and k
- * head norms' weights (float32 [D] each, 0: none: Qwen3's); k, v: the KV pool's [L, num_slots, Hkv, D] caches
+ * head norms' weights (float32 [D] each, 0: none: Qwen3's), then the four linears' weight groups (values per scale:
+ * 16 or 32); k, v: the KV pool's [L, num_slots, Hkv, D] caches
  * (layer i's at i * layer_stride floats). x [T, H]: the residual stream entering layer 0, replaced by the last
  * layer's output; h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured`
  * [n, T, H] receiving the stream entering it, or -1. The rest as rope_write and attend take them.
@@ -266,7 +268,7 @@ int decoder_stack(int64_t L, const int64_t *layers, float *k, float *v, int64_t 
     int status = (h && qkv && q && o && gate_up && act && y && scratch) ? 0 : -1;
     if (status == 0) memcpy(h, h0, T * H * sizeof(float));
     for (int64_t i = 0; i < L && status == 0; i++) {
-        const int64_t *w = layers + 25 * i;
+        const int64_t *w = layers + 29 * i;
         float *k_cache = k + i * layer_stride, *v_cache = v + i * layer_stride;
         status |= layer_gemm(w, 0, h, T, H, width, qkv, scratch);
         if (w[22])

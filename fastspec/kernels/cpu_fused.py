@@ -125,7 +125,7 @@ def top_k(x: torch.Tensor,  # float32 [M, V]  (rows may be a slice of wider ones
     return out
 
 
-def decoder_stack(layers: torch.Tensor,           # int64 [L, 25]  each layer's weights, widths, ... (cpu_fused.c)
+def decoder_stack(layers: torch.Tensor,           # int64 [L, 29]  each layer's weights, widths, ... (cpu_fused.c)
                   k: torch.Tensor, v: torch.Tensor,  # float32 [L, num_slots, Hkv, D]  the KV pool
                   x: torch.Tensor,                # float32 [T, H]  the residual stream entering layer 0
                   h: torch.Tensor,                # float32 [T, H]  layer 0's normed input

@@ -157,13 +157,13 @@ static inline void tile(const uint8_t *w, const uint16_t *sm, int64_t G, const i
 static __thread char *scratch; /* x16, xs, xsum of the calling thread, grown as needed */
 static __thread size_t scratch_size;
 
-/* y [M, N] float32 = x [M, K] float32 @ w.T for a weight packed as cpu_q4.pack lays out `bits` (4: [N/16, K/32,
- * 256] bytes, scales [N/16, K/32, 2, 16]; 5 / 6: [N/16, K/32, 320 / 384], scales [N/16, K/16, 2, 16]; 8: [N/16,
- * K/16, 256] int8, scales [N/16, K/16, 2, 16]); `levels`: NULL, or for a 4-bit weight the 16 int8 values its
- * nibbles index (IQ4_NL / IQ4_XS's). N % 16 == 0, K % 32 == 0. Returns 0, or -1 when scratch memory cannot be had.
- * The one entry point: cpu_q4.matmul and cpu_fused.c's layer stack both call it. */
+/* y [M, N] float32 = x [M, K] float32 @ w.T for a weight packed as cpu_q4.pack lays out `bits` with a scale and an
+ * offset per `group` values (4: [N/16, K/32, 256] bytes, group 32; 5 / 6: [N/16, K/32, 320 / 384], group 16 or 32;
+ * 8: [N/16, K/16, 256] int8, group 16; scales [N/16, K/group, 2, 16]); `levels`: NULL, or for a 4-bit weight the
+ * 16 int8 values its nibbles index (IQ4_NL / IQ4_XS's). N % 16 == 0, K % 32 == 0. Returns 0, or -1 when scratch
+ * memory cannot be had. The one entry point: cpu_q4.matmul and cpu_fused.c's layer stack both call it. */
 int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
-               int64_t bits, const int8_t *levels) {
+               int64_t bits, int64_t group, const int8_t *levels) {
     int64_t G = K / Q4_GROUP;
     size_t need = (size_t)(M * K) * sizeof(int16_t) + 4 * sizeof(float) * (size_t)(M * G); /* K % 32: aligned */
     if (need > scratch_size) {
@@ -177,7 +177,7 @@ int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uin
     round_rows(x, M, K, x16, xs, xsum, xsum16);
     int64_t wg = bits == 8 ? 2 * G : G;                      /* weight groups (tile units) per row */
     int64_t unit = bits == 8 || bits == 4 ? 256 : 256 + 64 * (bits - 4); /* bytes of a tile unit */
-    int64_t sg = bits == 4 ? G : 2 * G;                      /* scale groups per row */
+    int64_t sg = K / group;                                  /* scale groups per row */
 #pragma omp parallel for schedule(static) if (M * N * K >= Q4_PARALLEL_WORK)
     for (int64_t t = 0; t < N / Q4_TILE; t++) {
         const uint8_t *wt = w + t * wg * unit;
@@ -193,7 +193,7 @@ int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uin
                             : tile(wt, st, G, NULL, a, s, u, K, yt, N, rows))
                 RUN_ROWS(TILE4)
             } else if (bits != 8) {
-                wide_tiles(wt, st, G, bits - 4, a, s, xsum16 + m0 * 2 * G, K, yt, N, mb);
+                wide_tiles(wt, st, G, bits - 4, group == 32, a, s, xsum + m0 * G, xsum16 + m0 * 2 * G, K, yt, N, mb);
             } else {
                 q8_tiles((const int8_t *)wt, st, wg, a, s, xsum16 + m0 * 2 * G, K, yt, N, mb);
             }

@@ -1,10 +1,11 @@
 """The 4-, 5-, 6- and 8-bit CPU GEMMs on int16 activations (cpu_q4.c, cpu_q8.c): y = x @ w.T for
-w = q * scale + offset per group (32 values of a 4-bit weight, 16 of the others), x rounded to int16 per group of 32
-(scale max |x| / 32767); exact integer dot products, one float multiply-add per group. Not exact, but closer to it
-than bfloat16 activations (an int8 rounding, llama.cpp's Q8 scheme, moved the embedded model's greedy choice at ~6 %
-of positions), and measured against torch's int4 kernel by packed_layers.fast_activation. `pack` lays a weight out
-for them (`narrow` picks the fewest bits an 8-bit weight fits), `matmul` runs them (the torch twin where the C
-library is not built, and for the tests). Knows nothing about models.
+w = q * scale + offset per group (32 values of a 4-bit weight, 16 or 32 of a 5- / 6-bit one, 16 of an 8-bit one),
+x rounded to int16 per group of 32 (scale max |x| / 32767); exact integer dot products, one float multiply-add per
+group. Not exact, but closer to it than bfloat16 activations (an int8 rounding, llama.cpp's Q8 scheme, moved the
+embedded model's greedy choice at ~6 % of positions), and measured against torch's int4 kernel by
+packed_layers.fast_activation. `pack` lays a weight out for them (`narrow` picks the fewest bits an 8-bit weight
+fits), `matmul` runs them (the torch twin where the C library is not built, and for the tests). Knows nothing about
+models.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from fastspec.kernels import cpu_library
 
 GROUP, TILE = 32, 16  # activation values per rounding scale, output rows per tile (N % 16 == 0, K % 32 == 0)
-WEIGHT_GROUP = {4: 32, 5: 16, 6: 16, 8: 16}  # weight values per scale and offset, by bit width
+WEIGHT_GROUPS = {4: (32,), 5: (16, 32), 6: (16, 32), 8: (16,)}  # weight values per scale and offset, by bit width
 UNIT_BYTES = {256: 4, 320: 5, 384: 6}  # a uint8 layout's bytes per tile and group of 32 -> its bit width
 HALF_MAX = 65504.0  # the largest float16: scales and offsets are stored as float16
 
@@ -26,6 +27,11 @@ def bits(packed: torch.Tensor) -> int:
 
 def in_features(packed: torch.Tensor) -> int:
     return packed.shape[1] * (16 if packed.dtype == torch.int8 else GROUP)
+
+
+def weight_group(packed: torch.Tensor, scales: torch.Tensor) -> int:
+    """Weight values per scale and offset of a weight `pack` laid out (scales [N/16, K/g, 2, 16])."""
+    return in_features(packed) // scales.shape[1]
 
 
 def as_levels(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # int8 [N, K]
@@ -43,14 +49,14 @@ def as_levels(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:  # i
 
 
 def narrow(q: torch.Tensor,       # int8 [N, K]
-           scale: torch.Tensor,   # float32 [N, K/16]
-           offset: torch.Tensor,  # float32 [N, K/16]
+           scale: torch.Tensor,   # float32 [N, K/g]  (g: 16 or 32)
+           offset: torch.Tensor,  # float32 [N, K/g]
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """An 8-bit weight with a scale and an offset per 16 as the fewest bits of `pack` it fits exactly: (q, scale,
-    offset, bits), with bits 5 or 6 where every group fits (q then uint8; a group with negative values shifted up
-    by 2^(bits-1), its offset lowered by 2^(bits-1) * scale: exact where the offset was 0, as in every signed GGUF
-    type), else the weight as it is (8)."""
-    groups = q.view(q.shape[0], -1, 16).short()  # [N, K/16, 16]
+    """An 8-bit weight with a scale and an offset per g values as the fewest bits of `pack` it fits exactly: (q,
+    scale, offset, bits), with bits 5 or 6 where every group fits (q then uint8; a group with negative values shifted
+    up by 2^(bits-1), its offset lowered by 2^(bits-1) * scale: exact where the offset was 0, as in every signed GGUF
+    type), else the weight as it is (8; `pack` takes that per 16 only)."""
+    groups = q.view(q.shape[0], scale.shape[1], -1).short()  # [N, K/g, g]
     low, high = groups.amin(-1), groups.amax(-1)
     shifted = low < 0
     for width in (5, 6):
@@ -63,7 +69,7 @@ def narrow(q: torch.Tensor,       # int8 [N, K]
 
 
 def pack(q: torch.Tensor,       # [N, K]  4- / 5- / 6-bit: uint8 0..2^bits - 1; 8-bit: int8
-         scale: torch.Tensor,   # float32 [N, K/g]  (g = WEIGHT_GROUP[bits])
+         scale: torch.Tensor,   # float32 [N, K/g]  (g in WEIGHT_GROUPS[bits])
          offset: torch.Tensor,  # float32 [N, K/g]
          bits: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed bytes, scales float16 [N/16, K/g, 2, 16]) in cpu_q4.c's layout. 4-bit: [N/16, K/32, 256]; in a
@@ -73,10 +79,11 @@ def pack(q: torch.Tensor,       # [N, K]  4- / 5- / 6-bit: uint8 0..2^bits - 1; 
     t.. (input 16 + 4 v + i) and 4 + t.. (input 4 v + i), t = v e % 4. 8-bit: [N/16, K/16, 256]; byte 64 v + 4 j + i
     holds row j's input 4 v + i (int8)."""
     n, k = q.shape
-    g = WEIGHT_GROUP[bits]
-    if n % TILE or k % GROUP or scale.shape != (n, k // g):
-        raise ValueError(f"the {bits}-bit x int16 kernel takes N % 16 == 0 and K % 32 == 0 with a scale per {g} "
-                         f"values, got [{n}, {k}] with scales {list(scale.shape)}")
+    g = k // max(scale.shape[-1], 1)
+    if n % TILE or k % GROUP or scale.shape != (n, k // g) or g not in WEIGHT_GROUPS[bits]:
+        raise ValueError(f"the {bits}-bit x int16 kernel takes N % 16 == 0 and K % 32 == 0 with a scale per "
+                         f"{' or '.join(map(str, WEIGHT_GROUPS[bits]))} values, got [{n}, {k}] with scales "
+                         f"{list(scale.shape)}")
     if max(scale.abs().max().item(), offset.abs().max().item(), 0.0) > HALF_MAX:
         raise ValueError("scales beyond float16's range")
     groups = k // g
@@ -120,7 +127,8 @@ def matmul(x: torch.Tensor,       # float32 [M, K]
     y = x.new_empty(x.shape[0], packed.shape[0] * TILE)
     width = bits(packed)
     if cpu_library.call(lib.block_gemm, x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), scales.data_ptr(),
-                        y.shape[1], y.data_ptr(), width, None if levels is None else levels.data_ptr()):
+                        y.shape[1], y.data_ptr(), width, weight_group(packed, scales),
+                        None if levels is None else levels.data_ptr()):
         raise MemoryError(f"the int16 x {width}-bit kernel's scratch memory")
     return y
 
@@ -136,7 +144,8 @@ def unpack(packed: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor | No
     width = bits(packed)
     if width in (5, 6):
         e = width - 4
-        q = unpack(packed[..., :256], scales[:, ::2])[0].to(torch.uint8).view(tiles, TILE, groups, 2, 4, 4)
+        per32 = scales if scales.shape[1] == groups else scales[:, ::2]  # (only the nibbles are read from it)
+        q = unpack(packed[..., :256], per32)[0].to(torch.uint8).view(tiles, TILE, groups, 2, 4, 4)
         part = packed[..., 256:].view(tiles, groups, e, TILE, 4)  # [tile, g, c, j, i]
         for v in range(4):
             c, t = divmod(v * e, 4)

@@ -95,15 +95,16 @@ static inline void tile8(const int8_t *w, const uint16_t *sm, int64_t G16, const
  * low nibbles and whose bits 0.. (shifted up by 4) top the high ones: one select each (three ops per nibble vector
  * in all). Scales and offsets: float16 [N/16, K/16, 2, 16]; pair vectors 0..7 (inputs 0..15) take the first group's,
  * 8..15 the second's. */
-static inline void prefetch_wide(const uint8_t *w, const uint16_t *sm, int64_t stride, int64_t g) {
+static inline void prefetch_wide(const uint8_t *w, const uint16_t *sm, int64_t stride, int per32, int64_t g) {
     for (int64_t c = 0; c < stride; c += 64) __builtin_prefetch(w + g * stride + c);
-    __builtin_prefetch(sm + g * 64);
-    __builtin_prefetch(sm + g * 64 + 32);
+    __builtin_prefetch(sm + g * (per32 ? 32 : 64));
+    if (!per32) __builtin_prefetch(sm + g * 64 + 32);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, const uint16_t *sm, int64_t G,
-                                                            const int e, const int16_t *x16, const float *xs,
+                                                            const int e, const int per32, const int16_t *x16,
+                                                            const float *xs, const float *xsum,
                                                             const float *xsum16, int64_t K, float *y, int64_t ldy,
                                                             const int mb) {
     const int64_t stride = 256 + 64 * e;
@@ -112,7 +113,7 @@ static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, co
     const __m512i nibble = _mm512_set1_epi8(15), word = _mm512_set1_epi16(255);
     const __m512i top = _mm512_set1_epi8((char)(((1 << e) - 1) * 0x11));
     for (int64_t g = 0; g < G; g++) {
-        prefetch_wide(w, sm, stride, g + Q4_AHEAD);
+        prefetch_wide(w, sm, stride, per32, g + Q4_AHEAD);
         const uint8_t *wg = w + g * stride;
         __m512i q[16];
         for (int v = 0; v < 4; v++) {
@@ -126,6 +127,14 @@ static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, co
             q[2 * v + 1] = _mm512_srli_epi16(lo, 8);
             q[8 + 2 * v] = _mm512_and_si512(hi, word);
             q[8 + 2 * v + 1] = _mm512_srli_epi16(hi, 8);
+        }
+        if (per32) { /* one scale and offset per group of 32: the 4-bit kernel's sums */
+            __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + g * 32)));
+            __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + g * 32 + 16)));
+            for (int m = 0; m < mb; m++)
+                acc[m] = group_sum(acc[m], q, (const int32_t *)(x16 + m * K + g * Q4_GROUP), 16, s, o,
+                                   xs[m * G + g], xsum[m * G + g]);
+            continue;
         }
         const uint16_t *sg = sm + g * 64;
         __m512 s0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sg));
@@ -144,7 +153,8 @@ static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, co
 }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, const uint16_t *sm, int64_t G,
-                                                            const int e, const int16_t *x16, const float *xs,
+                                                            const int e, const int per32, const int16_t *x16,
+                                                            const float *xs, const float *xsum,
                                                             const float *xsum16, int64_t K, float *y, int64_t ldy,
                                                             const int mb) {
     const int64_t stride = 256 + 64 * e;
@@ -153,7 +163,7 @@ static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, co
     const __m256i nibble = _mm256_set1_epi8(15), word = _mm256_set1_epi16(255);
     const __m256i top = _mm256_set1_epi8((char)(((1 << e) - 1) * 0x11));
     for (int64_t g = 0; g < G; g++) {
-        prefetch_wide(w, sm, stride, g + Q4_AHEAD);
+        prefetch_wide(w, sm, stride, per32, g + Q4_AHEAD);
         const uint8_t *wg = w + g * stride;
         for (int half = 0; half < 2; half++) {
             __m256i q[16];
@@ -168,6 +178,14 @@ static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, co
                 q[2 * v + 1] = _mm256_srli_epi16(lo, 8);
                 q[8 + 2 * v] = _mm256_and_si256(hi, word);
                 q[8 + 2 * v + 1] = _mm256_srli_epi16(hi, 8);
+            }
+            if (per32) {
+                __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 8 * half)));
+                __m256 o = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 16 + 8 * half)));
+                for (int m = 0; m < mb; m++)
+                    acc[m][half] = group_sum(acc[m][half], q, (const int32_t *)(x16 + m * K + g * Q4_GROUP), 16, s,
+                                             o, xs[m * G + g], xsum[m * G + g]);
+                continue;
             }
             const uint16_t *sg = sm + g * 64 + 8 * half;
             __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
@@ -189,8 +207,9 @@ static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, co
     }
 }
 #else
-static inline void tile_wide(const uint8_t *w, const uint16_t *sm, int64_t G, const int e, const int16_t *x16,
-                             const float *xs, const float *xsum16, int64_t K, float *y, int64_t ldy, const int mb) {
+static inline void tile_wide(const uint8_t *w, const uint16_t *sm, int64_t G, const int e, const int per32,
+                             const int16_t *x16, const float *xs, const float *xsum, const float *xsum16, int64_t K,
+                             float *y, int64_t ldy, const int mb) {
     const int64_t stride = 256 + 64 * e;
     for (int m = 0; m < mb; m++) {
         float acc[Q4_TILE] = {0};
@@ -206,6 +225,11 @@ static inline void tile_wide(const uint8_t *w, const uint16_t *sm, int64_t G, co
                     int value = k < 16 ? (b & 15) | (((h >> 4) & ((1 << e) - 1)) << 4)
                                        : (b >> 4) | ((h & ((1 << e) - 1)) << 4);
                     s[k >= 16] += value * a[p];
+                }
+                if (per32) {
+                    acc[j] += (float)(s[0] + s[1]) * (half_to_float(sm[g * 32 + j]) * xs[m * G + g]) +
+                              half_to_float(sm[g * 32 + 16 + j]) * xsum[m * G + g];
+                    continue;
                 }
                 const uint16_t *sg = sm + g * 64;
                 for (int half = 0; half < 2; half++)
@@ -224,9 +248,10 @@ void q8_tiles(const int8_t *w, const uint16_t *sm, int64_t G16, const int16_t *x
     RUN_ROWS(TILE8)
 }
 
-void wide_tiles(const uint8_t *w, const uint16_t *sm, int64_t G, int e, const int16_t *x16, const float *xs,
-                const float *xsum16, int64_t K, float *y, int64_t ldy, int mb) {
-#define TILE_WIDE(rows) (e == 1 ? tile_wide(w, sm, G, 1, x16, xs, xsum16, K, y, ldy, rows)                            \
-                                : tile_wide(w, sm, G, 2, x16, xs, xsum16, K, y, ldy, rows))
+void wide_tiles(const uint8_t *w, const uint16_t *sm, int64_t G, int e, int per32, const int16_t *x16,
+                const float *xs, const float *xsum, const float *xsum16, int64_t K, float *y, int64_t ldy, int mb) {
+#define WIDE(E, P, rows) tile_wide(w, sm, G, E, P, x16, xs, xsum, xsum16, K, y, ldy, rows)
+#define TILE_WIDE(rows) (e == 1 ? (per32 ? WIDE(1, 1, rows) : WIDE(1, 0, rows))                                      \
+                                : (per32 ? WIDE(2, 1, rows) : WIDE(2, 0, rows)))
     RUN_ROWS(TILE_WIDE)
 }

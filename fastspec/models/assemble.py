@@ -3,11 +3,11 @@ their projections fused, quantised and packed for the device.
 
 With quantization "gguf" a GGUF target runs on its own blocks (fastspec.models.gguf_packed); with a quantised
 checkpoint's method, on its stored linears (fastspec.models.quant_loader); with fp8 / int8 / int4, its projections
-are rounded at load (fastspec.models.quantise). On CPU the draft's linears run on fastspec's block kernels, rounded
-to 4 bits, where the target runs on them (else in the fast float dtype), and in float32 the linears are prepacked for
-the row counts of the rounds (fastspec.kernels.cpu_linear). A quantised STANDALONE draft keeps its stored form, bound to the
-device's kernels as the target's are, unless --quantization is none. Reads no config: every check ran in
-resolve_sources.
+are rounded at load (fastspec.models.quantise). On CPU the draft's linears run on fastspec's block kernels (an
+EAGLE head's rounded to 4 bits, other drafts' to 8) where the target runs on them (else in the fast float dtype),
+and in float32 the linears are prepacked for the row counts of the rounds (fastspec.kernels.cpu_linear). A quantised
+STANDALONE draft keeps its stored form, bound to the device's kernels as the target's are, unless --quantization is
+none. Reads no config: every check ran in resolve_sources.
 """
 
 from __future__ import annotations
@@ -65,7 +65,11 @@ def load_models(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -
         if cpu and config.quantization is not None:  # on fastspec's kernels where the target is, else the float dtype
             from fastspec.models.packed_layers import cast_linears, float_dtype, pack_linears
 
-            (pack_linears if act == torch.int16 else cast_linears)(draft, float_dtype(act))
+            if act == torch.int16:  # an EAGLE head in 4 bits (half the bytes, the same acceptance), others in 8
+                mtp = drafts_with_mtp(spec.algorithm, sources.draft_config)
+                pack_linears(draft, float_dtype(act), 4 if spec.algorithm in ("EAGLE", "EAGLE3") and not mtp else 8)
+            else:
+                cast_linears(draft, float_dtype(act))
     pack_round_rows(models.target, models.draft, spec, config)
     if config.device == "cpu":
         trim_host_heap()  # what loading freed goes back to the OS

@@ -111,12 +111,12 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (it
 
 
 def _stack_table(model) -> torch.Tensor | None:
-    """int64 [L, 25]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four BlockLinears'
+    """int64 [L, 29]: the addresses cpu_fused.decoder_stack reads each layer's weights from (its four BlockLinears'
     packed weights and scales, its post-attention norm, the next layer's input norm), its linears' bit widths, their
     input orders (a PermutedLinear's; 0: none), 4-bit levels (0: none), QKV's bias and the q / k head norms' weights
-    (0: none), or None where a layer is not that (another kernel, a bias beside another GEMM than QKV, norms with
-    different eps, KV not at the layer's own index). Built once per model: a loaded model's
-    tensors do not move."""
+    (0: none) and the linears' weight groups (values per scale), or None where a layer is not that (another kernel,
+    a bias beside another GEMM than QKV, norms with different eps, KV not at the layer's own index). Built once per
+    model: a loaded model's tensors do not move."""
     if model not in _TABLES:
         layers, rows = model.model.layers, []
         for i, layer in enumerate(layers):
@@ -139,7 +139,8 @@ def _stack_table(model) -> torch.Tensor | None:
                         + [0 if p is None else p.data_ptr() for p in perms]
                         + [0 if m.levels is None else m.levels.data_ptr() for m in linears]
                         + [0 if bias is None else bias.data_ptr()]
-                        + [0 if n is None else n.weight.data_ptr() for n in heads])
+                        + [0 if n is None else n.weight.data_ptr() for n in heads]
+                        + [cpu_q4.weight_group(m.packed, m.scales) for m in linears])
         else:
             _TABLES[model] = torch.tensor(rows, dtype=torch.int64)
     return _TABLES[model]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastspec.kernels import cpu_fused, cpu_library, cpu_q4
-from fastspec.models.gguf_blocks import BLOCK, Blocks, as_8bit_16, quantise_rows
+from fastspec.models.gguf_blocks import BLOCK, Blocks, as_8bit_16, quantise_rows, round_8bit
 
 ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows
 TENSOR_LINEARS = ("kv_b_proj",)  # linears whose weight a model reads as a tensor (MLA absorbs it into q and o)
@@ -83,7 +83,7 @@ class BlockLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = packed.shape[0] * cpu_q4.TILE, cpu_q4.in_features(packed)
         self.register_buffer("packed", packed)  # uint8 [N/16, K/32, 256 | 320 | 384] (4 / 5 / 6-bit); int8 (8-bit)
-        self.register_buffer("scales", scales)  # float16 [N/16, K/g, 2, 16]  (g: 32 for 4-bit, else 16)
+        self.register_buffer("scales", scales)  # float16 [N/16, K/g, 2, 16]  (g: 32; 16 or 32 at 5 / 6 bits; 16 at 8)
         self.register_buffer("levels", levels)  # int8 [16]: the values a 4-bit weight's nibbles index, or None
         self.register_buffer("bias", bias)
 
@@ -99,14 +99,18 @@ class BlockLinear(nn.Module):
     @staticmethod
     def pack(blocks: Blocks) -> tuple[torch.Tensor, ...]:
         """(packed, scales[, levels]): 4-bit blocks of 32 as they are; 8-bit ones of 32 with at most 16 distinct
-        values (IQ4_NL / IQ4_XS) as 4-bit indices into them (cpu_q4.as_levels); others as values with a scale per 16,
-        in the fewest bits (5, 6 or 8) they fit exactly (cpu_q4.narrow: Q5 types, Q6_K, Q2_K / Q3_K and mixes with
-        Q4_K take 5 or 6)."""
+        values (IQ4_NL / IQ4_XS) as 4-bit indices into them (cpu_q4.as_levels), those that fit 5 or 6 bits (Q5_0 /
+        Q5_1 / Q5_K) in them with their scales per 32; others as values with a scale per 16, in the fewest bits (5, 6
+        or 8) they fit exactly (cpu_q4.narrow: Q6_K, Q2_K / Q3_K and mixes with Q4_K take 5 or 6)."""
         if blocks.bits == 4 and blocks.group == 32:
             return cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, 4)
         indexed = cpu_q4.as_levels(blocks.q) if blocks.group == 32 else None
         if indexed is not None:
             return *cpu_q4.pack(indexed[0], blocks.scale, blocks.offset, 4), indexed[1]
+        if blocks.group == 32:
+            narrowed = cpu_q4.narrow(blocks.q, blocks.scale, blocks.offset)
+            if narrowed[3] < 8:
+                return cpu_q4.pack(*narrowed)
         wide = as_8bit_16(blocks)
         return cpu_q4.pack(*cpu_q4.narrow(wide.q, wide.scale, wide.offset))
 
@@ -222,16 +226,17 @@ def cast_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return _replace_linears(model, lambda weight, bias: CastLinear(weight.to(dtype), bias))
 
 
-def pack_linears(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Every nn.Linear of `model` (in place) as a BlockLinear over its weight rounded to 4 bits per 32 values as Q4_1
-    rounds (gguf_blocks.quantise_rows: a draft head beside a target on fastspec's kernels, which only proposes tokens:
-    the output stays exact, and 4 bits read half the bytes of 8 for about the same acceptance), or as a CastLinear in
-    `dtype` where the kernel cannot take its shape."""
+def pack_linears(model: nn.Module, dtype: torch.dtype, bits: int = 8) -> nn.Module:
+    """Every nn.Linear of `model` (in place) as a BlockLinear over its weight rounded to `bits`: 4 per 32 values as
+    Q4_1 rounds (gguf_blocks.quantise_rows), 8 per 16 (round_8bit); a draft beside a target on fastspec's kernels,
+    which only proposes tokens: the output stays exact. Or as a CastLinear in `dtype` where the kernel cannot take
+    its shape."""
     def block(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         n, k = weight.shape
         if n % cpu_q4.TILE or k % cpu_q4.GROUP:
             return CastLinear(weight.to(dtype), bias)
-        return BlockLinear.from_blocks(quantise_rows(lambda ids: weight[ids], n), bias)
+        rounded = quantise_rows(lambda ids: weight[ids], n) if bits == 4 else round_8bit(weight)
+        return BlockLinear.from_blocks(rounded, bias)
     return _replace_linears(model, block)
 
 
