@@ -27,9 +27,9 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf_greedy(embedded_dir, llm):
-    from transformers import LlamaForCausalLM
+    from gguf_writers import load_converted  # (the conversion keeps the block matrices as blocks only)
 
-    hf = LlamaForCausalLM.from_pretrained(str(embedded_dir), dtype=torch.float32).eval()
+    hf = load_converted(embedded_dir)
     out = {}
     for q in QUESTIONS:
         ids = llm.encode(q, chat=True)

@@ -11,7 +11,7 @@ import gguf
 import pytest
 import torch
 from gguf_writers import SPM_TOKENS, TOKENS, bpe_vocab, spm_vocab, tiny_model, write_gguf
-from test_gguf_kquants import assert_close_to_reference, packed_and_reference
+from test_gguf_kquants import assert_close_to_reference, assert_speculation_is_lossless, packed_and_reference
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import fastspec
@@ -97,26 +97,10 @@ def test_a_quantised_qwen_file_runs_on_its_blocks(tmp_path, arch, activation):
 @pytest.mark.skipif(not cpu_library.available(), reason="no C compiler")
 @pytest.mark.parametrize("arch, algorithm", [("qwen2", "EAGLE3"), ("qwen3", "NGRAM")])
 def test_speculation_on_a_quantised_qwen_file_is_lossless(tmp_path, arch, algorithm):
-    """Every round speculating, on the Q8_0 file run packed: plain greedy's tokens."""
-    from fastspec.models.heads import write_random_head
-
+    """Every round speculating, on a Q8_0 file run packed: plain greedy's tokens."""
     path = write_gguf(tmp_path / "m.gguf", tiny_model(arch, hidden_size=128, intermediate_size=256),
                       qtype=gguf.GGMLQuantizationType.Q8_0)
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    plain = fastspec.LLM(str(path), speculative_algorithm="NONE", quantization="gguf", max_total_tokens=512)
-    expected = [o.output_ids for o in plain.generate(PROMPTS, params)]
-    draft = {}
-    if algorithm == "EAGLE3":
-        head = write_random_head(tmp_path / "head", 128, len(TOKENS), "eagle3")
-        config = json.loads((head / "config.json").read_text())
-        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 0, 1]  # the target has 2 layers
-        (head / "config.json").write_text(json.dumps(config))
-        draft["draft_model"] = str(head)
-    llm = fastspec.LLM(str(path), speculative_algorithm=algorithm, quantization="gguf", max_total_tokens=512,
-                       tuned=False, **draft)
-    llm.engine.policy = None  # every round speculates
-    outputs = llm.generate(PROMPTS, params)
-    assert [o.output_ids for o in outputs] == expected and all(o.metrics.verify_rounds > 0 for o in outputs)
+    assert_speculation_is_lossless(path, algorithm, 128, tmp_path / "head", new=12)
 
 
 # ---- rope scaling ----

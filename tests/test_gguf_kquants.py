@@ -301,18 +301,24 @@ def test_speculation_on_every_other_type_is_lossless(tmp_path, algorithm):
     """A verify runs the 8-bit kernel over several rows, a plain step over one: each output row depends on its own
     activations only, so speculation on the EVERY_TYPE file, every round speculating, gives plain greedy's tokens.
     EAGLE3 drafts with a random head of the target's shape (acceptance does not matter here)."""
+    path = write_k_quant_gguf(tmp_path / "tiny.gguf", types=every_type)
+    assert_speculation_is_lossless(path, algorithm, 256, tmp_path / "head")
+
+
+def assert_speculation_is_lossless(path, algorithm: str, hidden: int, head_dir, new: int = 16) -> None:
+    """On the 2-layer GGUF at `path` run packed, `algorithm` with every round speculating (EAGLE3: a random head of
+    width `hidden`) gives plain greedy's tokens, over prompts that repeat (NGRAM has drafts)."""
     import fastspec
     from fastspec.models.heads import write_random_head
     from fastspec.sampling import SamplingParams
 
-    path = write_k_quant_gguf(tmp_path / "tiny.gguf", types=every_type)
-    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42, 43, 40, 41]]  # repeats: NGRAM has drafts
-    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42, 43, 40, 41]]
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     plain = fastspec.LLM(str(path), speculative_algorithm="NONE", quantization="gguf", max_total_tokens=512)
     expected = [o.output_ids for o in plain.generate(prompts, params)]
     draft = {}
     if algorithm == "EAGLE3":
-        head = write_random_head(tmp_path / "head", 256, len(TOKENS), "eagle3")
+        head = write_random_head(head_dir, hidden, len(TOKENS), "eagle3")
         config = json.loads((head / "config.json").read_text())
         config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 0, 1]  # the target has 2 layers
         (head / "config.json").write_text(json.dumps(config))

@@ -1,10 +1,10 @@
 """GGUF -> Hugging Face directory conversion for the llama, qwen2 and qwen3 architectures.
 
-Owns: reading GGUF metadata and tensors (dequantized through `gguf.quants`), undoing llama.cpp's rope row
-permutation of a llama's q/k, Llama 3's rope frequency factors as its rope scaling, and writing the directory
-atomically (the tokenizer: gguf_tokenizer). Beside the
-float weights it stores every tensor of a block format in its own blocks (BLOCKS_FILE: what --quantization gguf
-runs, see gguf_packed) and each tensor's GGUF type.
+Owns: reading GGUF metadata and tensors, undoing llama.cpp's rope row permutation of a llama's q/k, Llama 3's rope
+frequency factors as its rope scaling, and writing the directory atomically (the tokenizer: gguf_tokenizer): every
+tensor of a block format as its blocks only (BLOCKS_FILE: what --quantization gguf runs, see gguf_packed; a float
+load dequantises them, gguf_blocks.stored_floats), the others dequantised (through `gguf.quants`) in
+model.safetensors, and each tensor's GGUF type.
 Does not own: which GGUF to convert or where to cache it (embedded.py), nor loading the result (loader.py).
 """
 
@@ -157,7 +157,8 @@ def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[di
     for t in reader.tensors:
         if t.name == ROPE_FACTORS:
             continue
-        name, kinds[name] = _hf_name(t.name, arch), t.tensor_type.name
+        name = _hf_name(t.name, arch)
+        kinds[name] = t.tensor_type.name
         heads = n_head if name.endswith("q_proj.weight") else n_kv_head if name.endswith("k_proj.weight") else None
         heads = heads if arch == "llama" else None
         if kinds[name] in BLOCK_KINDS and t.data.ndim == 2:
