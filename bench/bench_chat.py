@@ -113,13 +113,14 @@ class Transformers:
 
     def __init__(self):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from fastspec.models.embedded import embedded_model_dir
+        from fastspec.models.reference import transformers_model
 
         directory = embedded_model_dir()
         self.torch, self.tok = torch, AutoTokenizer.from_pretrained(directory)
-        self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        self.model = transformers_model(directory)
         self._generate([{"role": "user", "content": "Hi"}], 8)  # warm-up, as the chat warms up
 
     def _generate(self, messages: list[dict], n: int) -> tuple[str, int, float]:

@@ -44,10 +44,10 @@ def time_transformers(hf, prompt_ids, new_tokens, **generate_options):
 
 
 def bench_dtype(dtype: str, new_tokens: int, trials: int) -> dict:
-    from transformers import LlamaForCausalLM
+    from fastspec.models.reference import transformers_model
 
     llm = fastspec.LLM(dtype=dtype, quantization=None, max_total_tokens=4096, speculative_algorithm="NONE")
-    hf = LlamaForCausalLM.from_pretrained(str(llm.engine.model_dir), dtype=parse_dtype(dtype)).eval()
+    hf = transformers_model(llm.engine.model_dir, parse_dtype(dtype))
     prompts = [llm.encode(p, chat=True) for p in PROMPTS]
     time_fastspec(llm, prompts[0], 4), time_transformers(hf, prompts[0], 4)  # warm-up
     rates = {"fastspec": [], "transformers": []}

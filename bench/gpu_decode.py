@@ -155,8 +155,9 @@ def part_transformers(setup: Setup, out: dict, save) -> None:
         with torch.device(a.device):
             hf = transformers.LlamaForCausalLM(config).to(dtype).eval()
     else:
-        hf = transformers.LlamaForCausalLM.from_pretrained(str(resolve_model_dir(MODEL)), dtype=dtype)
-        hf = hf.to(a.device, dtype).eval()
+        from fastspec.models.reference import transformers_model
+
+        hf = transformers_model(resolve_model_dir(MODEL), dtype).to(a.device)
     out["version"] = transformers.__version__
     for name, options in (("static", {"cache_implementation": "static"}), ("eager", {})):
         time_transformers(hf, setup.prompts[0], a.max_new_tokens, **options)  # warm-up (static: compiles here)

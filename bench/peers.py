@@ -160,9 +160,9 @@ def fastspec_peer(spec: str, kwargs: dict) -> Peer:
 
 
 def transformers_peers(model_dir: Path, tokenizer: Tokenizer) -> list[Peer]:
-    from transformers import LlamaForCausalLM
+    from fastspec.models.reference import transformers_model
 
-    hf = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = transformers_model(model_dir)
 
     def runner(**extra) -> Callable[[Prompt, int], Output]:
         def run(prompt: Prompt, new_tokens: int) -> Output:

@@ -66,10 +66,10 @@ def agreement(model_dir: Path, quantization: str, new: int) -> tuple[int, int]:
 
 def main() -> None:
     from quant_writers import write_quantised
-    from transformers import LlamaForCausalLM
 
     import fastspec
     from fastspec.models.packed_layers import fast_activation
+    from fastspec.models.reference import transformers_model
     from fastspec.models.sources import resolve_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "quantised_formats.json"))
     args = parser.parse_args()
     source = resolve_model_dir("smollm2-135m-instruct")
-    hf = LlamaForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+    hf = transformers_model(source)
     root = Path(tempfile.mkdtemp(prefix="fastspec-quantised-"))
     rows = []
     float_rate = tok_s(fastspec.LLM(str(source), speculative_algorithm="NONE", quantization=None), args.max_new_tokens,

@@ -7,14 +7,7 @@ import gguf
 import numpy as np
 import torch
 from tokenizers import pre_tokenizers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "1 2", "l l"]
@@ -158,16 +151,3 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
     w.close()
     return path
 
-
-def load_converted(out):
-    """transformers' model of a converted GGUF directory in float32: the conversion writes no float copy of a block
-    matrix, so fastspec's loader dequantises those (read_state_dict) and the rest is read as stored."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fastspec.models.loader import read_state_dict
-
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32).eval()
-    state = {name: t.float() for name, t in read_state_dict(out).items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"} and (not missing or model.config.tie_word_embeddings)
-    return model

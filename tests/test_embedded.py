@@ -6,10 +6,10 @@ import time
 
 import pytest
 import torch
-from gguf_writers import load_converted
 from transformers import AutoTokenizer
 
 from fastspec.models.embedded import embedded_model_dir, models_root
+from fastspec.models.reference import transformers_model
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_embedded_tokenizer(smollm_dir):
 
 def test_embedded_model_answers_paris(smollm_dir):
     tok = AutoTokenizer.from_pretrained(smollm_dir)
-    model = load_converted(smollm_dir)
+    model = transformers_model(smollm_dir)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():

@@ -27,9 +27,11 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf_greedy(embedded_dir, llm):
-    from gguf_writers import load_converted  # (the conversion keeps the block matrices as blocks only)
+    from fastspec.models.reference import (
+        transformers_model,  # (a converted GGUF keeps blocks as blocks only)
+    )
 
-    hf = load_converted(embedded_dir)
+    hf = transformers_model(embedded_dir)
     out = {}
     for q in QUESTIONS:
         ids = llm.encode(q, chat=True)
@@ -144,7 +146,6 @@ def test_the_shipped_eagle3_head_is_the_default_and_is_trained(hf_greedy):
     """`fastspec.LLM()` on the embedded model speculates with the head in fastspec/heads: lossless, and it
     accepts drafts."""
     from fastspec.models.embedded import DEFAULT_MODEL, embedded_head
-
     from fastspec.tune.replay import record, replay_tau
 
     llm = fastspec.LLM(quantization=None, max_total_tokens=4096, tuned=False)

@@ -11,9 +11,9 @@ import os
 import gguf
 import pytest
 import torch
+from gguf_writers import TOKENS, tiny_llama, write_gguf
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from gguf_writers import TOKENS, load_converted, tiny_llama, write_gguf
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from fastspec.errors import FastspecError
@@ -21,6 +21,7 @@ from fastspec.models import embedded
 from fastspec.models import gguf as gguf_mod
 from fastspec.models.embedded import EmbeddedModel, cache_root, embedded_model_dir, models_root
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
+from fastspec.models.reference import transformers_model
 
 # ---- rope layout: the oracle for unpermute_rope_rows ----
 
@@ -81,7 +82,7 @@ def test_tiny_gguf_round_trip_logits(tmp_path, tied):
 def test_tiny_gguf_quantized_weights_dequantize_in_place(tmp_path, qtype):
     model = tiny_llama(tied=False)
     out = convert_gguf(write_gguf(tmp_path / "q.gguf", model, qtype=qtype), tmp_path / "hf", dtype=torch.float16)
-    loaded = load_converted(out)
+    loaded = transformers_model(out)
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
     for name, p in model.state_dict().items():  # Q8_0: error <= half a step of max|block| / 127
         torch.testing.assert_close(loaded.state_dict()[name], p, atol=0.3 * 4 / 127, rtol=0.01)

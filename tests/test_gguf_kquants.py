@@ -13,15 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize
+from gguf_writers import LAYER_NAMES, TOKENS, write_gguf
 from safetensors.torch import load_file
-from gguf_writers import LAYER_NAMES, TOKENS, load_converted, write_gguf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastspec.kernels import cpu_library, cpu_q4
 from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
-from fastspec.models.loader import read_state_dict
 from fastspec.models.gguf_kquants import DEQUANTISED, READERS, read, read_q4_k, read_q6_k
+from fastspec.models.loader import read_state_dict
 from fastspec.models.packed_layers import BlockLinear, Int4Linear
+from fastspec.models.reference import transformers_model
 
 HEADS, KV_HEADS = 4, 2
 SCALES = {  # GGML type -> (first byte, count) of a block's f16 scales, the range drawn for them (|w| stays ~2 or less)
@@ -202,7 +203,7 @@ def test_a_k_quant_gguf_converts_to_the_oracles_weights(tmp_path, types, kinds):
         assert torch.equal(blocks.dequantise(), expected), t.name
         assert torch.equal(stored[f"{hf_name}.scale"], blocks.scale), t.name  # what --quantization gguf reads
     with torch.no_grad():  # the random blocks make a model whose logits stay finite
-        logits = load_converted(tmp_path / "hf")(torch.arange(12)[None]).logits
+        logits = transformers_model(tmp_path / "hf")(torch.arange(12)[None]).logits
     assert torch.isfinite(logits).all()
 
 
