@@ -17,18 +17,13 @@ trials x 4 prompts. Writes bench/results/gguf_archs.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from gguf_types import matrix_types, requantise
-from peers import load_llama_cpp, probe_llama_cpp
+from gguf_types import matrix_types, rates, requantise, write_results
 
 SHAPES = {  # the published configs' sizes; vocabularies padded as the published embeddings are
     "qwen2.5-0.5b": dict(arch="qwen2", hidden=896, layers=24, heads=14, kv=2, head_dim=64, ffn=4864, vocab=151936,
@@ -102,37 +97,6 @@ def write_random_f16(path: Path, s: dict, seed: int = 0) -> Path:
     return path
 
 
-def rates(path: Path, prompts: list[list[int]], new: int, trials: int) -> dict:
-    """fastspec's conversion and both engines' tok/s on the GGUF at `path`, alternating prompt by prompt."""
-    import fastspec
-    from fastspec.sampling import SamplingParams
-
-    start = time.perf_counter()
-    llm = fastspec.LLM(str(path), speculative_algorithm="NONE", quantization="gguf")
-    load_s = time.perf_counter() - start
-    llama = load_llama_cpp(path, extra_bufts=probe_llama_cpp(path, True) is None)  # its AMX buffers may crash
-    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
-
-    def ours(ids: list[int]) -> int:
-        return len(llm.generate([ids], params)[0].output_ids)
-
-    def theirs(ids: list[int]) -> int:
-        llama.reset()  # no prompt-prefix reuse: every engine pays its prefill
-        for count, _ in enumerate(llama.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0), 1):
-            if count == new:
-                return count
-
-    ours(prompts[0]), theirs(prompts[0])  # warm-up
-    runs = {"fastspec": [], "llama.cpp": []}
-    for _ in range(trials):
-        for ids in prompts:
-            for name, run in (("fastspec", ours), ("llama.cpp", theirs)):
-                start = time.perf_counter()
-                runs[name].append(run(ids) / (time.perf_counter() - start))
-    return {"load_s": round(load_s, 1),
-            **{f"{k}_tok_s": round(statistics.median(v), 1) for k, v in runs.items()}}
-
-
 def round_cost(path: Path, s: dict, prompts: list[list[int]], new: int, head_dir: Path) -> dict:
     """What an EAGLE-3 round costs against a plain step on this file: a random head shaped like a real one for the
     target (its attention and MLP sizes, a 32000-token draft vocabulary), every round speculating; the ms per round
@@ -160,9 +124,7 @@ def round_cost(path: Path, s: dict, prompts: list[list[int]], new: int, head_dir
 
 
 def main() -> None:
-    import llama_cpp
 
-    from fastspec.models.packed_layers import fast_activation
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(SHAPES))
@@ -182,21 +144,18 @@ def main() -> None:
             rng = np.random.default_rng(1)
             prompts = [rng.integers(300, s["vocab"], 32).tolist() for _ in range(4)]
             row = {"model": name, "arch": s["arch"], "type": args.type, "MB": round(path.stat().st_size / 1e6, 1),
-                   "matrices": matrix_types(path), **rates(path, prompts, args.max_new_tokens, args.trials)}
-            row["vs_llama_cpp"] = round(row["fastspec_tok_s"] / row["llama.cpp_tok_s"], 2)
+                   "matrices": matrix_types(path), **rates(path, args.max_new_tokens, args.trials, prompts)}
+            row["vs_llama_cpp"] = round(row["fastspec_tok_s"] / row["llama_cpp_tok_s"], 2)
             row |= round_cost(path, s, prompts, args.max_new_tokens, Path(tmp) / f"{name}-head")
             rows.append(row)
             path.unlink()
     for row in rows:  # after llama.cpp's own logging
         print(f"{row['model']:13s} {row['arch']:6s} {row['type']} {row['MB']:7.1f} MB  fastspec "
-              f"{row['fastspec_tok_s']:6.1f}  llama.cpp {row['llama.cpp_tok_s']:6.1f} tok/s  "
+              f"{row['fastspec_tok_s']:6.1f}  llama.cpp {row['llama_cpp_tok_s']:6.1f} tok/s  "
               f"{row['vs_llama_cpp']:4.2f}x  (first load, conversion included, {row['load_s']} s)  {row['matrices']}")
         print(f"{'':13s} EAGLE-3 {row['tree']}: a round {row['round_ms']} ms, a plain token {row['plain_ms']} ms: "
               f"speculation pays from tau {row['pays_from_tau']}")
-    Path(args.out).parent.mkdir(exist_ok=True)
-    Path(args.out).write_text(json.dumps({"activation": str(fast_activation()), "torch": torch.__version__,
-                                          "llama_cpp": llama_cpp.__version__, "command": " ".join(sys.argv),
-                                          "rows": rows}, indent=1) + "\n")
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch
 from peers import load_llama_cpp, probe_llama_cpp
 from quantised_formats import DECODE, agreement
 
+
 def requantise(source: Path, out: Path, kind: str) -> Path:
     """`source` requantised by llama.cpp to the mix `kind` (a LLAMA_FTYPE_MOSTLY_* name: Q4_K_M, IQ4_XS, ...)."""
     import llama_cpp
@@ -47,42 +48,53 @@ def matrix_types(path: Path) -> dict[str, int]:
     return dict(collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2))
 
 
-def rates(path: Path, new: int, trials: int) -> tuple[float, float]:
-    """(fastspec tok/s, llama.cpp tok/s) on the GGUF at `path`, alternating prompt by prompt."""
+def rates(path: Path, new: int, trials: int, prompts: list[list[int]] | None = None) -> dict:
+    """fastspec's first load (its conversion included) and both engines' median tok/s on the GGUF at `path`,
+    alternating prompt by prompt, from the same prompt ids: `prompts`, else DECODE in fastspec's chat template."""
     import fastspec
     from fastspec.sampling import SamplingParams
 
+    start = time.perf_counter()
     llm = fastspec.LLM(str(path), speculative_algorithm="NONE", quantization="gguf")
+    load_s = time.perf_counter() - start
     llama = load_llama_cpp(path, extra_bufts=probe_llama_cpp(path, True) is None)  # its AMX buffers may crash
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    prompts = prompts or [llm.encode(p, chat=True) for p in DECODE]
 
-    def fast(prompt: str) -> tuple[list[int], int]:
-        out = llm.generate([prompt], params, chat=True)[0]
-        return out.prompt_ids, len(out.output_ids)
+    def ours(ids: list[int]) -> int:
+        return len(llm.generate([ids], params)[0].output_ids)
 
-    def peer(ids: list[int]) -> int:
+    def theirs(ids: list[int]) -> int:
         llama.reset()  # no prompt-prefix reuse: every engine pays its prefill
         for count, _ in enumerate(llama.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0), 1):
             if count == new:
                 return count
 
-    prompts = {p: fast(p)[0] for p in DECODE}  # warm-up, and the prompt ids both engines decode from
-    peer(prompts[DECODE[0]])
-    ours, theirs = [], []
+    ours(prompts[0]), theirs(prompts[0])  # warm-up
+    runs = {"fastspec": [], "llama_cpp": []}
     for _ in range(trials):
-        for prompt, ids in prompts.items():
-            start = time.perf_counter()
-            ours.append(fast(prompt)[1] / (time.perf_counter() - start))
-            start = time.perf_counter()
-            theirs.append(peer(ids) / (time.perf_counter() - start))
-    return statistics.median(ours), statistics.median(theirs)
+        for ids in prompts:
+            for name, run in (("fastspec", ours), ("llama_cpp", theirs)):
+                start = time.perf_counter()
+                runs[name].append(run(ids) / (time.perf_counter() - start))
+    return {"load_s": round(load_s, 1), **{f"{k}_tok_s": round(statistics.median(v), 1) for k, v in runs.items()}}
+
+
+def write_results(out: str, rows: list[dict]) -> None:
+    """The rows, with the kernels' activation and the versions, as JSON at `out`."""
+    import llama_cpp
+
+    from fastspec.models.packed_layers import fast_activation
+
+    Path(out).parent.mkdir(exist_ok=True)
+    Path(out).write_text(json.dumps({"activation": str(fast_activation()), "torch": torch.__version__,
+                                     "llama_cpp": llama_cpp.__version__, "command": " ".join(sys.argv),
+                                     "rows": rows}, indent=1) + "\n")
 
 
 def main() -> None:
-    import llama_cpp
 
     from fastspec.models.embedded import DEFAULT_MODEL, find_embedded_gguf
-    from fastspec.models.packed_layers import fast_activation
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default="Q4_1,Q4_K_M,Q5_K_M,Q3_K_M,Q6_K,IQ4_XS")
@@ -95,21 +107,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fastspec-gguf-types-") as tmp:
         for kind in args.types.split(","):
             path = original if kind == "Q4_1" else requantise(original, Path(tmp) / f"{kind}.gguf", kind)
-            ours, theirs = rates(path, args.max_new_tokens, args.trials)
-            same, total = agreement(path, "gguf", args.max_new_tokens)
             row = {"file": kind, "matrices": matrix_types(path), "MB": round(path.stat().st_size / 1e6, 1),
-                   "fastspec_tok_s": round(ours, 1), "llama_cpp_tok_s": round(theirs, 1),
-                   "vs_llama_cpp": round(ours / theirs, 2), "agree": same, "positions": total,
-                   "agreement": round(same / total, 4)}
+                   **rates(path, args.max_new_tokens, args.trials)}
+            same, total = agreement(path, "gguf", args.max_new_tokens)
+            row |= {"vs_llama_cpp": round(row["fastspec_tok_s"] / row["llama_cpp_tok_s"], 2), "agree": same,
+                    "positions": total, "agreement": round(same / total, 4)}
             rows.append(row)
     for row in rows:  # after llama.cpp's own logging
         print(f"{row['file']:8s} {row['MB']:6.1f} MB  fastspec {row['fastspec_tok_s']:6.1f}  llama.cpp "
               f"{row['llama_cpp_tok_s']:6.1f} tok/s  {row['vs_llama_cpp']:4.2f}x  agreement "
               f"{row['agree']}/{row['positions']}  {row['matrices']}")
-    Path(args.out).parent.mkdir(exist_ok=True)
-    Path(args.out).write_text(json.dumps({"activation": str(fast_activation()), "torch": torch.__version__,
-                                          "llama_cpp": llama_cpp.__version__, "command": " ".join(sys.argv),
-                                          "rows": rows}, indent=1) + "\n")
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":
