@@ -110,3 +110,61 @@ def test_pack_linears_rounds_each_linear_to_4_bits_or_casts_it():
     step = ((w.unflatten(-1, (-1, 32)).amax(-1) - w.unflatten(-1, (-1, 32)).amin(-1)) / 15).repeat_interleave(32, -1)
     assert torch.all((rounded - w).abs() <= step / 2 + 1e-4)  # (+ the float16 rounding of scales and offsets)
     torch.testing.assert_close(model(x), expected, atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_a_packed_eagle3_head_runs_fused_and_gives_its_layers_states(tmp_path, monkeypatch, norm_before_residual):
+    """An EAGLE-3 head on 4-bit BlockLinears (as beside a packed target): an extend over target features after a
+    committed prefix, then a draft step over its own carry, through a paged KV pool, give the same carry, normed
+    state and KV on cpu_fused's kernels as through Eagle3Layer's modules, and the fused path is what ran."""
+    import dataclasses
+
+    from fastspec.attention import AttentionContext
+    from fastspec.attention.paged import PagedAttnBackend, paged_block_plan
+    from fastspec.kernels import cpu_fused
+    from fastspec.memory.kv_pool import KVPool
+    from fastspec.models import eagle, fused_cpu
+    from fastspec.models.heads import write_random_head
+    from fastspec.models.layers import fuse_projections
+    from fastspec.models.loader import read_config
+    from fastspec.models.packed_layers import BlockLinear, pack_linears
+
+    if not cpu_fused.available():
+        pytest.skip("no C compiler for the fused CPU kernels")
+    config = dataclasses.replace(read_config(write_random_head(tmp_path, 64, 97, "eagle3")),
+                                 norm_before_residual=norm_before_residual)
+    torch.manual_seed(0)
+    head = pack_linears(fuse_projections(eagle.LlamaForCausalLMEagle3(config)), torch.float32, 4)
+    for norm in (head.midlayer.input_layernorm, head.midlayer.hidden_norm, head.norm):
+        norm.weight.data.uniform_(0.5, 1.5)
+    assert type(head.midlayer.self_attn.qkv_proj) is BlockLinear
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randn(1, 5, 2, 16, generator=g)  # [layers, slots, Hkv, D]: a committed prefix of 5 tokens
+    features, carry_ids = torch.randn(3, 3 * 64, generator=g), torch.tensor([7, 8])
+    calls = []
+    monkeypatch.setattr(eagle, "eagle3_midlayer", lambda *a: calls.append(1) or fused_cpu.eagle3_midlayer(*a))
+
+    def run():
+        pool, table = KVPool(1, 2, 16, 16), torch.arange(16, dtype=torch.int32)[None]
+        pool.k[:, :5], pool.v[:, :5] = prefix, -prefix
+        rows, outs = torch.zeros(1, dtype=torch.long), []
+        extend = paged_block_plan(table, rows, torch.tensor([5]), torch.tensor([[5, 6, 7]]),
+                                  torch.ones(3, 3, dtype=torch.bool).tril()[None])
+        with torch.inference_mode():
+            outs.append(head(torch.tensor([3, 1, 4]), torch.arange(5, 8), features,
+                             AttentionContext(PagedAttnBackend(), extend, pool)))
+            # two draft rows (topk 2) after the extend, each seeing the prefix, the extend and itself
+            step = paged_block_plan(table, torch.zeros(2, dtype=torch.long), torch.tensor([8, 8]),
+                                    torch.tensor([[9], [10]]), torch.ones(2, 1, 1, dtype=torch.bool))
+            outs.append(head(carry_ids, torch.tensor([8, 8]), outs[0].carry[-1:].expand(2, -1),
+                             AttentionContext(PagedAttnBackend(), step, pool)))
+        return [t for out in outs for t in out] + [pool.k[0, :11], pool.v[0, :11]]
+
+    fused = run()
+    assert len(calls) == 2
+    monkeypatch.setattr(eagle, "eagle3_fused", lambda *a: False)
+    # a BlockLinear rounds its float32 input to int16 levels (2^-16 of a group's largest value): the two paths' float32
+    # roundings can move a value across a level, which moves an output by ~1e-4
+    for a, b in zip(fused, run()):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    assert len(calls) == 2

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fastspec.models.fused_cpu import eagle3_fused, eagle3_midlayer
 from fastspec.models.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from fastspec.models.model_config import ModelConfig
 
@@ -123,7 +124,11 @@ class LlamaForCausalLMEagle3(nn.Module):
         hidden = hidden.to(self.norm.weight.dtype)
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden if self.input_norm is None else self.input_norm(hidden))
-        s = self.midlayer(positions, self.embed_tokens(input_ids), hidden, self.rope, attn)
+        embeds = self.embed_tokens(input_ids)
+        if eagle3_fused(self.midlayer, self.rope, embeds, hidden, attn):  # a packed head on CPU: the fused kernels
+            s, normed = eagle3_midlayer(self.midlayer, self.rope, self.norm, positions, embeds, hidden, attn)
+            return DraftHidden(normed, s)
+        s = self.midlayer(positions, embeds, hidden, self.rope, attn)
         return DraftHidden(self.norm(s), s)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 (fastspec.kernels.cpu_fused): per layer the four GEMMs and four calls (norm, rope + KV write, attention, SiLU-and-mul)
 instead of ~80 torch ops, and the whole stack as one C call where every GEMM is fastspec's own (BlockLinear). The
 same math as DecoderLayer's enter / attend / hand_over / leave, to float32 rounding (sums in another order);
-CausalLM runs it where `fused_activation` says it applies, else the layers.
+CausalLM runs it where `fused_activation` says it applies, else the layers. An EAGLE-3 head's midlayer likewise
+(`eagle3_midlayer`, where `eagle3_fused` says so).
 Does not plan attention (the AttentionContext's plan is read as the torch backend's dense one) nor compile.
 """
 
@@ -40,13 +41,18 @@ def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
             and model.rope.rotary_dim == first.self_attn.head_dim):
         return None
     packed = [m for m in first.modules() if isinstance(m, Int4Linear | BlockLinear)]
-    if not packed:
-        return None
-    if not isinstance(attn, AttentionContext) or attn.pool.k.dtype != torch.float32 or attn.pool.v is None:
-        return None
-    if dense_plan(attn) is None or not cpu_fused.available():
+    if not packed or not _fused_attention(attn):
         return None
     return torch.float32 if isinstance(packed[0], BlockLinear) else packed[0].activation
+
+
+def _fused_attention(attn) -> bool:
+    """Whether cpu_fused's rope_write / attend can serve `attn`: a float32 KV pool read through a dense plan, and
+    the C library built."""
+    pool = attn.pool if isinstance(attn, AttentionContext) else None
+    if pool is None or pool.k.dtype != torch.float32 or pool.v is None or not pool.k.is_contiguous():
+        return False
+    return dense_plan(attn) is not None and cpu_fused.available()
 
 
 def dense_plan(attn) -> TorchAttnPlan | None:
@@ -105,6 +111,41 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
         if i + 1 in capture:
             states[i + 1] = x
     raise AssertionError("unreachable: a model has at least one layer")
+
+
+def eagle3_fused(layer, rope, embeds: torch.Tensor, hidden: torch.Tensor, attn) -> bool:
+    """Whether eagle3_midlayer applies to an EAGLE-3 midlayer: float32 inputs on CPU, eager, its four linears
+    fastspec's BlockLinears, plain RMSNorms, full rope, and attention cpu_fused serves."""
+    a, mlp = layer.self_attn, layer.mlp
+    if (torch.compiler.is_compiling() or hidden.device.type != "cpu"
+            or not hidden.dtype == embeds.dtype == torch.float32):
+        return False
+    linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
+    return (all(type(m) is BlockLinear for m in linears) and all(type(n) is RMSNorm for n in norms)
+            and a.q_norm is None and rope.rotary_dim == a.head_dim and _fused_attention(attn))
+
+
+def eagle3_midlayer(layer, rope, final_norm: RMSNorm, positions: torch.Tensor,
+                    embeds: torch.Tensor,  # float32 [T, H]  the draft tokens' embeddings
+                    hidden: torch.Tensor,  # float32 [T, H]  the fc'd target features or the previous step's carry
+                    attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eagle3Layer's forward and the head's final norm on the fused kernels: (carry [T, H], normed [T, H]), the
+    same math as Eagle3Layer to float32 rounding (the C kernels sum in another order)."""
+    a, mlp, f32 = layer.self_attn, layer.mlp, torch.float32
+    k_cache, v_cache = attn.pool.k[a.layer_id], attn.pool.v[a.layer_id]
+    cos, sin = rope.cos_sin(positions, f32)
+    embeds, hidden = embeds.contiguous(), hidden.contiguous()  # the kernels read rows H floats apart
+    _, e = cpu_fused.add_rms_norm(embeds, None, layer.input_layernorm.weight, layer.input_layernorm.eps, f32)
+    _, hn = cpu_fused.add_rms_norm(hidden, None, layer.hidden_norm.weight, layer.hidden_norm.eps, f32)
+    qkv = _gemm(a.qkv_proj, torch.cat([e, hn], -1))  # [T, 2H] in
+    q = cpu_fused.rope_write(qkv, cos, sin, attn.plan.out_cache_loc, k_cache, v_cache, a.num_heads)
+    o = cpu_fused.attend(dense_plan(attn), q, k_cache, v_cache, a.scale, f32)
+    post = layer.post_attention_layernorm
+    h, normed = cpu_fused.add_rms_norm(hn if layer.norm_before_residual else hidden, _gemm(a.o_proj, o),
+                                       post.weight, post.eps, f32)
+    y = _gemm(mlp.down_proj, cpu_fused.silu_mul(_gemm(mlp.gate_up_proj, normed), f32))
+    return cpu_fused.add_rms_norm(h, y, final_norm.weight, final_norm.eps, f32)
 
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its decoder_stack table, or None)
