@@ -30,15 +30,17 @@ def q4_blocks(kind: str, n: int, k: int, seed: int = 0):
     return read_blocks(raw, kind), raw
 
 
-WIDTHS = [(4, 32), (5, 16), (5, 32), (6, 16), (6, 32), (8, 16)]  # (bits, values per scale) the kernels take
+WIDTHS = [(4, 32), (5, 16), (5, 32), (6, 16), (6, 32), (8, 16), (8, 32)]  # (bits, values per scale) the kernels take
 
 
 def blocks_of(bits: int, n: int, k: int, seed: int = 0, group: int = 16) -> Blocks:
     """A weight the `bits`-bit kernel takes: 4 a Q4_1 one; 5 / 6 random values of that width with random scales and
-    offsets per `group`; 8 a Q4_1 one as int8 values per 16 (as_8bit_16)."""
-    if bits in (5, 6):
+    offsets per `group`; 8 per 16 a Q4_1 one as int8 values per 16 (as_8bit_16), per 32 random int8 values (the full
+    range) with random scales and offsets."""
+    if bits in (5, 6) or (bits, group) == (8, 32):
         gen = torch.Generator().manual_seed(seed)
-        q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=gen)
+        low, high = (-128, 128) if bits == 8 else (0, 1 << bits)
+        q = torch.randint(low, high, (n, k), dtype=torch.int8 if bits == 8 else torch.uint8, generator=gen)
         return Blocks(q, torch.rand(n, k // group, generator=gen) * 0.01,
                       torch.randn(n, k // group, generator=gen) * 0.01, bits)
     blocks = q4_blocks("Q4_1", n, k, seed)[0]
@@ -89,14 +91,15 @@ def test_the_8bit_twin_is_the_exact_product_within_the_activations_rounding():
     torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bits, group", [w for w in WIDTHS if w[0] in (5, 6)])
+@pytest.mark.parametrize("bits, group", [w for w in WIDTHS if w[0] in (5, 6) or w == (8, 32)])
 def test_the_plane_layout_holds_the_values_and_the_twin_their_product(bits, group):
-    """A 5- / 6-bit weight packed (low nibbles, then bit planes) with scales per 16 or 32 unpacks to its values,
-    scales and offsets (as float16), and the twin is the exact product over them within the activations' int16
-    rounding (4e-4 here)."""
+    """A 5- / 6-bit weight packed (low nibbles, then bit planes) with scales per 16 or 32, and an 8-bit one with
+    scales per 32 (its bytes laid out per 16 inputs as ever), unpacks to its values, scales and offsets (as
+    float16), and the twin is the exact product over them within the activations' int16 rounding (4e-4 here)."""
     blocks = blocks_of(bits, 48, 256, seed=bits, group=group)
     packed, scales = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
-    assert cpu_q4.bits(packed) == bits and packed.shape == (3, 8, 256 + 64 * (bits - 4))
+    assert cpu_q4.bits(packed) == bits
+    assert packed.shape == ((3, 16, 256) if bits == 8 else (3, 8, 256 + 64 * (bits - 4)))
     assert cpu_q4.weight_group(packed, scales) == group
     q, scale, offset = cpu_q4.unpack(packed, scales)
     assert torch.equal(q, blocks.q.float()) and torch.equal(scale, blocks.scale.half().float())
@@ -113,15 +116,15 @@ def test_narrow_takes_the_fewest_bits_and_keeps_the_weight(kind, bits, per_16):
     """Each 8-bit GGUF type, with its own scale groups or as groups of 16, as the fewest bits its values need (a
     signed group lifted by 2^(bits-1), its zero offset lowered by as much times its scale: exact), the dequantised
     weight unchanged bit for bit; BlockLinear packs the 5-bit types of 32 (Q5_0 / Q5_1 / Q5_K) with their scales
-    per 32."""
+    per 32, and Q8_0 as 8 bits per 32."""
     raw = random_rows(kind, 16, 256, np.random.default_rng(0))
     blocks = as_8bit_16(read(raw, kind)) if per_16 else read(raw, kind)
     q, scale, offset, width = cpu_q4.narrow(blocks.q, blocks.scale, blocks.offset)
     assert width == bits and q.dtype == (torch.int8 if bits == 8 else torch.uint8)
     assert torch.equal(Blocks(q, scale, offset, width).dequantise(), blocks.dequantise())
-    if not per_16 and kind.startswith("Q5"):
+    if not per_16 and (kind.startswith("Q5") or kind == "Q8_0"):
         packed, scales = BlockLinear.pack(blocks)
-        assert cpu_q4.bits(packed) == 5 and cpu_q4.weight_group(packed, scales) == 32
+        assert cpu_q4.bits(packed) == bits and cpu_q4.weight_group(packed, scales) == 32
 
 
 def test_a_q4_k_group_beside_q6_k_ones_keeps_its_offset():

@@ -166,27 +166,31 @@ def test_the_packed_model_holds_its_blocks_once(embedded_dir):
 
 
 def test_the_packed_layout_is_cached_per_torch_version(embedded_dir, tmp_path, monkeypatch):
-    """The first packed load stores torch's packed int4 layout beside the blocks; the next one reads it and computes
-    the same weights; a damaged cache is packed again and replaced; a cache it cannot write to is left as it is (the
-    model still loads)."""
+    """The first packed load stores the packed layouts beside the blocks (replacing a cache of an older layout); the
+    next one reads it and computes the same weights; a damaged cache is packed again and replaced; a cache it cannot
+    write to is left as it is (the model still loads)."""
     import shutil
 
+    from fastspec.models.gguf_packed import PACKED_LAYOUT
     from fastspec.models.loader import load_target
 
     model_dir = tmp_path / "model"
     shutil.copytree(embedded_dir, model_dir, ignore=shutil.ignore_patterns("int4-*"))
     cached = list((model_dir / "gguf_blocks").glob("int4-cpu-torch-*.safetensors"))
     assert cached == []
+    older = model_dir / "gguf_blocks" / f"int4-cpu-torch-{torch.__version__}.safetensors"  # the first layout's name
+    older.write_bytes(b"stale")
     x = torch.tensor([1, 2, 3, 4])
     first = load_target(model_dir, torch.float32, quantization="gguf")
     cached = [p.name for p in (model_dir / "gguf_blocks").glob("int4-*")]
-    assert cached == [f"int4-cpu-torch-{torch.__version__}.safetensors"]
+    name = f"int4-cpu-torch-{torch.__version__}-layout{PACKED_LAYOUT}.safetensors"
+    assert cached == [name]
     again = load_target(model_dir, torch.float32, quantization="gguf")
     with torch.inference_mode():
         assert torch.equal(first.model.embed_tokens(x), again.model.embed_tokens(x))
         qkv = first.model.layers[3].self_attn.qkv_proj
         assert torch.equal(qkv.packed, again.model.layers[3].self_attn.qkv_proj.packed)
-    cache = model_dir / "gguf_blocks" / f"int4-cpu-torch-{torch.__version__}.safetensors"
+    cache = model_dir / "gguf_blocks" / name
     damaged = tmp_path / "damaged"  # a new file moved over it: the loaded models still map the old one
     damaged.write_bytes(cache.read_bytes()[:1000])
     damaged.replace(cache)

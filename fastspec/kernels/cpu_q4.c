@@ -159,8 +159,8 @@ static __thread size_t scratch_size;
 
 /* y [M, N] float32 = x [M, K] float32 @ w.T for a weight packed as cpu_q4.pack lays out `bits` with a scale and an
  * offset per `group` values (4: [N/16, K/32, 256] bytes, group 32; 5 / 6: [N/16, K/32, 320 / 384], group 16 or 32;
- * 8: [N/16, K/16, 256] int8, group 16; scales [N/16, K/group, 2, 16]); `levels`: NULL, or for a 4-bit weight the
- * 16 int8 values its nibbles index (IQ4_NL / IQ4_XS's). N % 16 == 0, K % 32 == 0. Returns 0, or -1 when scratch
+ * 8: [N/16, K/16, 256] int8, group 16 or 32; scales [N/16, K/group, 2, 16]); `levels`: NULL, or for a 4-bit weight
+ * the 16 int8 values its nibbles index (IQ4_NL / IQ4_XS's). N % 16 == 0, K % 32 == 0. Returns 0, or -1 when scratch
  * memory cannot be had. The one entry point: cpu_q4.matmul and cpu_fused.c's layer stack both call it. */
 int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
                int64_t bits, int64_t group, const int8_t *levels) {
@@ -195,7 +195,8 @@ int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uin
             } else if (bits != 8) {
                 wide_tiles(wt, st, G, bits - 4, group == 32, a, s, xsum + m0 * G, xsum16 + m0 * 2 * G, K, yt, N, mb);
             } else {
-                q8_tiles((const int8_t *)wt, st, wg, a, s, xsum16 + m0 * 2 * G, K, yt, N, mb);
+                q8_tiles((const int8_t *)wt, st, wg, group == 32, a, s, xsum + m0 * G, xsum16 + m0 * 2 * G, K, yt,
+                         N, mb);
             }
         }
     }

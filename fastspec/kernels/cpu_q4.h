@@ -85,10 +85,10 @@ static inline __attribute__((always_inline)) __m256 group_sum(__m256 acc, const 
     }
 
 /* One tile of 16 output rows against `mb` (1..8) activation rows, y rows `ldy` apart, for each weight width: 8 bits
- * (G16 groups of 16; xsum16: the activations' sums per 16) and 5 / 6 bits (e = bits - 4 high bits; G groups of 32;
- * per32: a scale and an offset per 32 values, summed against xsum, the activations' sums per 32; else per 16). */
-void q8_tiles(const int8_t *w, const uint16_t *sm, int64_t G16, const int16_t *x16, const float *xs,
-              const float *xsum16, int64_t K, float *y, int64_t ldy, int mb);
+ * (G16 groups of 16) and 5 / 6 bits (e = bits - 4 high bits; G groups of 32); per32: a scale and an offset per 32
+ * values, summed against xsum, the activations' sums per 32; else per 16, against xsum16, their sums per 16. */
+void q8_tiles(const int8_t *w, const uint16_t *sm, int64_t G16, int per32, const int16_t *x16, const float *xs,
+              const float *xsum, const float *xsum16, int64_t K, float *y, int64_t ldy, int mb);
 void wide_tiles(const uint8_t *w, const uint16_t *sm, int64_t G, int e, int per32, const int16_t *x16,
                 const float *xs, const float *xsum, const float *xsum16, int64_t K, float *y, int64_t ldy, int mb);
 #endif

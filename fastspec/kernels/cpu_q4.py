@@ -1,5 +1,5 @@
 """The 4-, 5-, 6- and 8-bit CPU GEMMs on int16 activations (cpu_q4.c, cpu_q8.c): y = x @ w.T for
-w = q * scale + offset per group (32 values of a 4-bit weight, 16 or 32 of a 5- / 6-bit one, 16 of an 8-bit one),
+w = q * scale + offset per group (32 values of a 4-bit weight, 16 or 32 of a 5-, 6- or 8-bit one),
 x rounded to int16 per group of 32 (scale max |x| / 32767); exact integer dot products, one float multiply-add per
 group. Not exact, but closer to it than bfloat16 activations (an int8 rounding, llama.cpp's Q8 scheme, moved the
 embedded model's greedy choice at ~6 % of positions), and measured against torch's int4 kernel by
@@ -15,7 +15,7 @@ import torch
 from fastspec.kernels import cpu_library
 
 GROUP, TILE = 32, 16  # activation values per rounding scale, output rows per tile (N % 16 == 0, K % 32 == 0)
-WEIGHT_GROUPS = {4: (32,), 5: (16, 32), 6: (16, 32), 8: (16,)}  # weight values per scale and offset, by bit width
+WEIGHT_GROUPS = {4: (32,), 5: (16, 32), 6: (16, 32), 8: (16, 32)}  # weight values per scale and offset, by bit width
 UNIT_BYTES = {256: 4, 320: 5, 384: 6}  # a uint8 layout's bytes per tile and group of 32 -> its bit width
 HALF_MAX = 65504.0  # the largest float16: scales and offsets are stored as float16
 
@@ -55,7 +55,7 @@ def narrow(q: torch.Tensor,       # int8 [N, K]
     """An 8-bit weight with a scale and an offset per g values as the fewest bits of `pack` it fits exactly: (q,
     scale, offset, bits), with bits 5 or 6 where every group fits (q then uint8; a group with negative values shifted
     up by 2^(bits-1), its offset lowered by 2^(bits-1) * scale: exact where the offset was 0, as in every signed GGUF
-    type), else the weight as it is (8; `pack` takes that per 16 only)."""
+    type), else the weight as it is (8)."""
     groups = q.view(q.shape[0], scale.shape[1], -1).short()  # [N, K/g, g]
     low, high = groups.amin(-1), groups.amax(-1)
     shifted = low < 0
@@ -91,8 +91,8 @@ def pack(q: torch.Tensor,       # [N, K]  4- / 5- / 6-bit: uint8 0..2^bits - 1; 
         packed = _pack_wide(q, bits)
     elif bits == 4:
         packed = _pack_nibbles(q)
-    else:
-        packed = q.view(n // TILE, TILE, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // TILE, groups, 256)
+    else:  # groups of 16 inputs whatever the scales' group
+        packed = q.view(n // TILE, TILE, k // 16, 4, 4).permute(0, 2, 3, 1, 4).reshape(n // TILE, k // 16, 256)
         packed = packed.contiguous()
     scales = torch.stack([scale, offset]).view(2, n // TILE, TILE, groups).permute(1, 3, 0, 2).half().contiguous()
     return packed, scales
@@ -159,7 +159,7 @@ def unpack(packed: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor | No
         q = torch.stack([low, high], 2).permute(0, 4, 1, 2, 3, 5)  # [tile, j, g, half, v, i]
     else:
         q = packed.view(tiles, groups, 4, TILE, 4).permute(0, 3, 1, 2, 4)  # [tile, j, g, v, i]
-    scale, offset = scales.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE, groups)  # each [N, G]
+    scale, offset = scales.float().permute(2, 0, 3, 1).reshape(2, tiles * TILE, -1)  # each [N, K/g]
     return q.reshape(tiles * TILE, -1).float(), scale, offset
 
 

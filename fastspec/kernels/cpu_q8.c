@@ -7,14 +7,40 @@
  * above (int16 per group of 32; the offset term takes the sum of x over each group of 16). Layout (cpu_q4.pack): a
  * tile of 16 rows by one group of 16 inputs is 256 bytes, four 64-byte vectors; vector v holds, for row j
  * (bytes 4j..4j+3), inputs 4v..4v+3; sign-extending the low / high byte of each 16-bit half gives the pairs
- * (4v, 4v+2) / (4v+1, 4v+3), the 4-bit kernel's pair order. Scales and offsets: float16 [N/16, K/16, 2, 16]. */
+ * (4v, 4v+2) / (4v+1, 4v+3), the 4-bit kernel's pair order. Scales and offsets: float16 [N/16, K/16, 2, 16], or
+ * with per32 [N/16, K/32, 2, 16] (GGUF's Q8_0 as it is: two groups of 16 share one, summed against xsum, the
+ * activations' sums per 32). */
+/* a unit's weights (`stride` bytes) and scales and offsets (per 32 values: 32 halves; per 16: 64) `g` units on */
+static inline void prefetch_wide(const uint8_t *w, const uint16_t *sm, int64_t stride, int per32, int64_t g) {
+    for (int64_t c = 0; c < stride; c += 64) __builtin_prefetch(w + g * stride + c);
+    __builtin_prefetch(sm + g * (per32 ? 32 : 64));
+    if (!per32) __builtin_prefetch(sm + g * 64 + 32);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 static inline __attribute__((always_inline)) void tile8(const int8_t *w, const uint16_t *sm, int64_t G16,
-                                                        const int16_t *x16, const float *xs, const float *xsum,
-                                                        int64_t K, float *y, int64_t ldy, const int mb) {
+                                                        const int per32, const int16_t *x16, const float *xs,
+                                                        const float *xsum32, const float *xsum, int64_t K, float *y,
+                                                        int64_t ldy, const int mb) {
     __m512 acc[Q4_ROWS];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G16; g++) {
+    for (int64_t g = 0; per32 && g < G16; g += 2) { /* two groups of 16: one activation group of 32 */
+        prefetch_wide((const uint8_t *)w, sm, 512, 1, g / 2 + Q4_AHEAD / 2);
+        __m512i q[16];
+        for (int v = 0; v < 8; v++) {
+            __m512i b = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * v));
+            q[2 * v] = _mm512_srai_epi16(_mm512_slli_epi16(b, 8), 8);
+            q[2 * v + 1] = _mm512_srai_epi16(b, 8);
+        }
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + g * 16)));
+        __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sm + g * 16 + 16)));
+        for (int m = 0; m < mb; m++) {
+            const int32_t *a = (const int32_t *)(x16 + m * K + (g / 2) * Q4_GROUP);
+            acc[m] = group_sum(acc[m], q, a, 16, scale, offset, xs[m * (K / Q4_GROUP) + g / 2],
+                               xsum32[m * (K / Q4_GROUP) + g / 2]);
+        }
+    }
+    for (int64_t g = 0; !per32 && g < G16; g++) {
         prefetch_group((const uint8_t *)w, sm, g + Q4_AHEAD);
         __m512i q[8];
         for (int v = 0; v < 4; v++) {
@@ -36,11 +62,30 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *w, const u
 #endif
 #if !(defined(__AVX512VNNI__) && defined(__AVX512F__)) && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 static inline __attribute__((always_inline)) void tile8(const int8_t *w, const uint16_t *sm, int64_t G16,
-                                                        const int16_t *x16, const float *xs, const float *xsum,
-                                                        int64_t K, float *y, int64_t ldy, const int mb) {
+                                                        const int per32, const int16_t *x16, const float *xs,
+                                                        const float *xsum32, const float *xsum, int64_t K, float *y,
+                                                        int64_t ldy, const int mb) {
     __m256 acc[Q4_ROWS][2];
     for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G16; g++) {
+    for (int64_t g = 0; per32 && g < G16; g += 2) { /* two groups of 16: one activation group of 32 */
+        prefetch_wide((const uint8_t *)w, sm, 512, 1, g / 2 + Q4_AHEAD / 2);
+        for (int h = 0; h < 2; h++) {
+            __m256i q[16];
+            for (int v = 0; v < 8; v++) {
+                __m256i b = _mm256_loadu_si256((const __m256i *)(w + g * 256 + 64 * v + 32 * h));
+                q[2 * v] = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
+                q[2 * v + 1] = _mm256_srai_epi16(b, 8);
+            }
+            __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 16 + 8 * h)));
+            __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 16 + 16 + 8 * h)));
+            for (int m = 0; m < mb; m++) {
+                const int32_t *a = (const int32_t *)(x16 + m * K + (g / 2) * Q4_GROUP);
+                acc[m][h] = group_sum(acc[m][h], q, a, 16, scale, offset, xs[m * (K / Q4_GROUP) + g / 2],
+                                      xsum32[m * (K / Q4_GROUP) + g / 2]);
+            }
+        }
+    }
+    for (int64_t g = 0; !per32 && g < G16; g++) {
         prefetch_group((const uint8_t *)w, sm, g + Q4_AHEAD);
         for (int h = 0; h < 2; h++) {
             __m256i q[8];
@@ -64,11 +109,24 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *w, const u
     }
 }
 #elif !(defined(__AVX512VNNI__) && defined(__AVX512F__))
-static inline void tile8(const int8_t *w, const uint16_t *sm, int64_t G16, const int16_t *x16, const float *xs,
-                         const float *xsum, int64_t K, float *y, int64_t ldy, const int mb) {
+static inline void tile8(const int8_t *w, const uint16_t *sm, int64_t G16, const int per32, const int16_t *x16,
+                         const float *xs, const float *xsum32, const float *xsum, int64_t K, float *y, int64_t ldy,
+                         const int mb) {
     for (int m = 0; m < mb; m++) {
         float acc[Q4_TILE] = {0};
-        for (int64_t g = 0; g < G16; g++) {
+        for (int64_t g = 0; per32 && g < G16; g += 2) {
+            const int16_t *a = x16 + m * K + (g / 2) * Q4_GROUP; /* a[p]: input PAIR_ORDER[p] of the 32 */
+            for (int j = 0; j < Q4_TILE; j++) {
+                int32_t s = 0;
+                for (int p = 0; p < Q4_GROUP; p++) {
+                    int k = PAIR_ORDER[p];
+                    s += w[(g + k / 16) * 256 + 64 * ((k % 16) / 4) + 4 * j + k % 4] * a[p];
+                }
+                acc[j] += (float)s * (half_to_float(sm[g * 16 + j]) * xs[m * (K / Q4_GROUP) + g / 2]) +
+                          half_to_float(sm[g * 16 + 16 + j]) * xsum32[m * (K / Q4_GROUP) + g / 2];
+            }
+        }
+        for (int64_t g = 0; !per32 && g < G16; g++) {
             const int16_t *a = x16 + m * K + (g / 2) * Q4_GROUP + (g & 1) * 16; /* a[p]: input PAIR_ORDER[p] */
             for (int j = 0; j < Q4_TILE; j++) {
                 int32_t s = 0;
@@ -95,11 +153,6 @@ static inline void tile8(const int8_t *w, const uint16_t *sm, int64_t G16, const
  * low nibbles and whose bits 0.. (shifted up by 4) top the high ones: one select each (three ops per nibble vector
  * in all). Scales and offsets: float16 [N/16, K/16, 2, 16]; pair vectors 0..7 (inputs 0..15) take the first group's,
  * 8..15 the second's. */
-static inline void prefetch_wide(const uint8_t *w, const uint16_t *sm, int64_t stride, int per32, int64_t g) {
-    for (int64_t c = 0; c < stride; c += 64) __builtin_prefetch(w + g * stride + c);
-    __builtin_prefetch(sm + g * (per32 ? 32 : 64));
-    if (!per32) __builtin_prefetch(sm + g * 64 + 32);
-}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, const uint16_t *sm, int64_t G,
@@ -242,9 +295,10 @@ static inline void tile_wide(const uint8_t *w, const uint16_t *sm, int64_t G, co
 }
 #endif
 
-void q8_tiles(const int8_t *w, const uint16_t *sm, int64_t G16, const int16_t *x16, const float *xs,
-              const float *xsum16, int64_t K, float *y, int64_t ldy, int mb) {
-#define TILE8(rows) tile8(w, sm, G16, x16, xs, xsum16, K, y, ldy, rows)
+void q8_tiles(const int8_t *w, const uint16_t *sm, int64_t G16, int per32, const int16_t *x16, const float *xs,
+              const float *xsum, const float *xsum16, int64_t K, float *y, int64_t ldy, int mb) {
+#define PER(P, rows) tile8(w, sm, G16, P, x16, xs, xsum, xsum16, K, y, ldy, rows)
+#define TILE8(rows) (per32 ? PER(1, rows) : PER(0, rows))
     RUN_ROWS(TILE8)
 }
 

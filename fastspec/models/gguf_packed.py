@@ -91,13 +91,17 @@ class StoredWeights:
         return self.floats.get_tensor(name).to(dtype)
 
 
+PACKED_LAYOUT = 2  # raised whenever BlockLinear.pack lays a weight out otherwise: older caches are packed again
+
+
 class PackedCache:
-    """The packed weights of one converted model for this torch version (torch's int4 layout is its own; the int16
-    kernels' is fastspec's): read when stored, else collected while packing and written once at the end (atomically;
-    a read-only cache is left as it is)."""
+    """The packed weights of one converted model for this torch version and PACKED_LAYOUT (torch's int4 layout is its
+    own; the int16 kernels' is fastspec's): read when stored, else collected while packing and written once at the
+    end (atomically, replacing this torch's caches of other layouts; a read-only cache is left as it is)."""
 
     def __init__(self, model_dir: Path):
-        self.path = model_dir / Path(BLOCKS_FILE).parent / f"int4-cpu-torch-{torch.__version__}.safetensors"
+        self.prefix = f"int4-cpu-torch-{torch.__version__}"
+        self.path = model_dir / Path(BLOCKS_FILE).parent / f"{self.prefix}-layout{PACKED_LAYOUT}.safetensors"
         self.stored, self.names = None, set()
         try:
             self.stored = safe_open(str(self.path), "pt")
@@ -131,6 +135,10 @@ class PackedCache:
             save_file(kept | self.new, tmp)
             os.chmod(tmp, 0o644)
             os.replace(tmp, self.path)
+            stale = [f"{self.prefix}.safetensors", *(f"{self.prefix}-layout{n}.safetensors" for n in
+                                                     range(2, PACKED_LAYOUT))]
+            for name in stale:
+                (self.path.parent / name).unlink(missing_ok=True)
         except OSError:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)

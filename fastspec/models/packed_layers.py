@@ -99,18 +99,17 @@ class BlockLinear(nn.Module):
     @staticmethod
     def pack(blocks: Blocks) -> tuple[torch.Tensor, ...]:
         """(packed, scales[, levels]): 4-bit blocks of 32 as they are; 8-bit ones of 32 with at most 16 distinct
-        values (IQ4_NL / IQ4_XS) as 4-bit indices into them (cpu_q4.as_levels), those that fit 5 or 6 bits (Q5_0 /
-        Q5_1 / Q5_K) in them with their scales per 32; others as values with a scale per 16, in the fewest bits (5, 6
-        or 8) they fit exactly (cpu_q4.narrow: Q6_K, Q2_K / Q3_K and mixes with Q4_K take 5 or 6)."""
+        values (IQ4_NL / IQ4_XS) as 4-bit indices into them (cpu_q4.as_levels), others of 32 in the fewest bits (5,
+        6 or 8) they fit exactly with their scales per 32 (cpu_q4.narrow: Q5_0 / Q5_1 / Q5_K take 5, Q8_0 8); blocks
+        of 16 as values with a scale per 16, in the fewest bits they fit (Q6_K, Q2_K / Q3_K and mixes with Q4_K take 5
+        or 6)."""
         if blocks.bits == 4 and blocks.group == 32:
             return cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, 4)
         indexed = cpu_q4.as_levels(blocks.q) if blocks.group == 32 else None
         if indexed is not None:
             return *cpu_q4.pack(indexed[0], blocks.scale, blocks.offset, 4), indexed[1]
         if blocks.group == 32:
-            narrowed = cpu_q4.narrow(blocks.q, blocks.scale, blocks.offset)
-            if narrowed[3] < 8:
-                return cpu_q4.pack(*narrowed)
+            return cpu_q4.pack(*cpu_q4.narrow(blocks.q, blocks.scale, blocks.offset))
         wide = as_8bit_16(blocks)
         return cpu_q4.pack(*cpu_q4.narrow(wide.q, wide.scale, wide.offset))
 
