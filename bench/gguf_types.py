@@ -3,7 +3,7 @@ fastspec on its own blocks (`--quantization gguf`, this machine's fastest kernel
 plain greedy decoding at batch 1, alternating in one process; and fastspec's teacher-forced top-1 agreement with the
 same file dequantised exactly (`--quantization none`).
 
-    .venv/bin/python bench/gguf_types.py [--types Q4_1,Q4_K_M,Q5_K_M,Q3_K_M,Q6_K,IQ4_XS] [--max-new-tokens 64]
+    .venv/bin/python bench/gguf_types.py [--types Q4_1,Q4_K_M,Q5_K_M,Q3_K_M,Q6_K,Q8_0,IQ4_XS] [--max-new-tokens 64]
         [--trials 2] [--out PATH]
 
 Needs llama-cpp-python: its quantiser makes each file from the Q4_1 original (requantised, so the mixes' layouts and
@@ -97,7 +97,7 @@ def main() -> None:
     from fastspec.models.embedded import DEFAULT_MODEL, find_embedded_gguf
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--types", default="Q4_1,Q4_K_M,Q5_K_M,Q3_K_M,Q6_K,IQ4_XS")
+    parser.add_argument("--types", default="Q4_1,Q4_K_M,Q5_K_M,Q3_K_M,Q6_K,Q8_0,IQ4_XS")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gguf_types.json"))

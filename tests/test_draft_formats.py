@@ -115,7 +115,8 @@ def as_speculators(head, out, architecture="Eagle3DraftModel", **extra):
 
 def head_logits(target_dir, head_dir, algorithm="EAGLE3") -> torch.Tensor:
     """The head's draft logits [T, Vd] over fixed tokens and target features (one causal forward, no KV pool)."""
-    from fastspec.models.loader import load_draft, load_target, read_draft_config
+    from fastspec.models.draft_loader import load_draft, read_draft_config
+    from fastspec.models.loader import load_target
     from fastspec.train.data import PackedCausalAttention
 
     target = load_target(target_dir, torch.float32)

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 import fastspec
 from fastspec.cli import app
 from fastspec.errors import FastspecError
-from fastspec.models.loader import load_draft, load_target
+from fastspec.models.draft_loader import load_draft
+from fastspec.models.loader import load_target
 from fastspec.sampling import SamplingParams
 
 NEW = 6

@@ -130,7 +130,8 @@ def test_bad_speculative_configs(tiny_dirs, draft_dirs, kwargs, message):
 
 
 def test_draft_that_does_not_fit_the_target(tiny_dirs, draft_dirs):
-    from fastspec.models.loader import check_draft_fits, read_config
+    from fastspec.models.draft_loader import check_draft_fits
+    from fastspec.models.loader import read_config
 
     head = read_config(draft_dirs["llama"]["eagle"])
     target = read_config(tiny_dirs["llama"][0])

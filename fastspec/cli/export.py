@@ -26,7 +26,8 @@ def export_draft(
 
     from fastspec.errors import FastspecError
     from fastspec.models.draft_formats import from_speculators, is_speculators, to_speculators
-    from fastspec.models.loader import draft_key, read_draft_config, read_state_dict, weight_names
+    from fastspec.models.draft_loader import draft_key, read_draft_config
+    from fastspec.models.loader import read_state_dict, weight_names
     from fastspec.models.sources import resolve_model_dir
 
     if format not in FORMATS:

@@ -33,7 +33,6 @@ from fastspec.engine.slots import BatchSlots
 from fastspec.engine.spec_rounds import SpecRounds
 from fastspec.engine.target import Target
 from fastspec.errors import FastspecError
-from fastspec.graphs import StaticInput
 from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
 from fastspec.models.assemble import load_models, pack_round_rows
 from fastspec.models.mla import mla_softmax_scale
@@ -42,7 +41,7 @@ from fastspec.spec_config import SpecConfig, SpecParams
 from fastspec.speculative.backlog import DraftBacklog
 from fastspec.speculative.drafter import Drafter, build_drafters
 from fastspec.speculative.future import FutureMaps
-from fastspec.speculative.packing import prefix_specs
+from fastspec.speculative.packing import verify_specs
 from fastspec.speculative.policy import SpecPolicy, record_round
 from fastspec.speculative.steps import target_forward
 from fastspec.utils.metrics import PhaseTimes
@@ -295,14 +294,3 @@ class Worker:
             self._release_after.remove(r)
             self.release(r)
 
-
-def verify_specs(n: int, hybrid: bool, pad_row: int, tree: bool = False) -> list[StaticInput]:
-    """The verify graph's static inputs for trees of n tokens. A hybrid target's verify also takes each request's
-    state row (padded rows: the dummy row 0); `tree`: the retrieve lists its greedy acceptance walks (padded rows:
-    a lone root)."""
-    links = [StaticInput("retrieve_index", (n,), torch.int64),
-             StaticInput("retrieve_next_token", (n,), torch.int64, pad_value=-1),
-             StaticInput("retrieve_next_sibling", (n,), torch.int64, pad_value=-1)] if tree else []
-    return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
-            StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
-            *prefix_specs(pad_row), *([StaticInput("state_rows", (), torch.int64)] if hybrid else []), *links]

@@ -21,9 +21,10 @@ from torch import nn
 from fastspec.config import EngineConfig
 from fastspec.kernels.cpu_linear import can_prepack, prepack_linears, trim_host_heap
 from fastspec.models.causal_lm import CausalLM, eagle3_capture_layers
+from fastspec.models.draft_loader import load_draft
 from fastspec.models.eagle import StandaloneDraft
 from fastspec.models.layers import fuse_projections
-from fastspec.models.loader import load_draft, load_target
+from fastspec.models.loader import load_target
 from fastspec.models.mtp_loader import drafts_with_mtp, load_mtp
 from fastspec.models.quant_layers import bind_linears
 from fastspec.models.quantise import ONLINE, quantise_target

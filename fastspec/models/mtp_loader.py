@@ -16,10 +16,10 @@ from fastspec.models.causal_lm import CausalLM
 from fastspec.models.deepseek import DeepseekMTP, MTPStack
 from fastspec.models.loader import (
     _keep_routers_float32,
-    _load_into,
-    _skip_init,
+    load_into,
     read_config,
     read_state_dict,
+    skip_init,
     weight_names,
 )
 from fastspec.models.model_config import ModelConfig
@@ -75,15 +75,15 @@ def _built(make, state: dict, skip: tuple[str, ...], dtype, device, scheme: Quan
     """The module `make()` builds, its weights from `state`: a float one built on `device` in `dtype`; a quantised
     one's stored linears kept (`keep`) on a skeleton on the meta device, or all dequantised into `state`."""
     if scheme is None:
-        with _skip_init(), torch.device(device):
+        with skip_init(), torch.device(device):
             module = _keep_routers_float32(make().to(dtype))
-        _load_into(module, stack_experts(state), skip, source)
+        load_into(module, stack_experts(state), skip, source)
         return module
-    with _skip_init(), torch.device("meta"):  # the target's borrowed modules stay as they are
+    with skip_init(), torch.device("meta"):  # the target's borrowed modules stay as they are
         module = make()
     state, forms, experts = split_quantised(state, scheme, module, dtype, keep, source, strict=False)
     skip += build_quantised(module, state, forms, experts, dtype, device, source)
-    _load_into(_keep_routers_float32(module), stack_experts(state), skip, source)
+    load_into(_keep_routers_float32(module), stack_experts(state), skip, source)
     return module
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from fastspec.errors import FastspecError
 from fastspec.models import hub
+from fastspec.models.draft_loader import check_draft_fits, read_draft_config
 from fastspec.models.hub import check_model_spec
-from fastspec.models.loader import check_draft_fits, check_target, read_config, read_draft_config
+from fastspec.models.loader import check_target, read_config
 from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
 from fastspec.models.mtp_loader import check_mtp_fits, drafts_with_mtp, mtp_draft
 from fastspec.models.quant_config import QuantScheme

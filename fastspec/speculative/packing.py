@@ -1,4 +1,5 @@
-"""Host-side packing of a round's ragged batch into the dense dicts the static step functions take.
+"""Host-side packing of a round's ragged batch into the dense dicts the static step functions take, and the static
+inputs those functions declare (prefix_specs, verify_specs).
 
 Pads every request to the same number of new rows (E for draft extend, N for verify); the committed KV is named
 by table row and length, never gathered here. Padded rows write to dummy slot 0.
@@ -57,3 +58,15 @@ def pack_verify(batch: DecodeBatch, tree: DraftTree, new_slots: torch.Tensor) ->
             "new_slots": new_slots, "tree_mask": tree.tree_mask,
             "rows": batch.rows, "prefix_lens": batch.seq_lens, "retrieve_index": tree.retrieve_index,
             "retrieve_next_token": tree.retrieve_next_token, "retrieve_next_sibling": tree.retrieve_next_sibling}
+
+
+def verify_specs(n: int, hybrid: bool, pad_row: int, tree: bool = False) -> list[StaticInput]:
+    """The verify graph's static inputs for trees of n tokens. A hybrid target's verify also takes each request's
+    state row (padded rows: the dummy row 0); `tree`: the retrieve lists its greedy acceptance walks (padded rows:
+    a lone root)."""
+    links = [StaticInput("retrieve_index", (n,), torch.int64),
+             StaticInput("retrieve_next_token", (n,), torch.int64, pad_value=-1),
+             StaticInput("retrieve_next_sibling", (n,), torch.int64, pad_value=-1)] if tree else []
+    return [StaticInput("input_ids", (), torch.int64, n), StaticInput("positions", (), torch.int64, n),
+            StaticInput("new_slots", (n,), torch.int64), StaticInput("tree_mask", (n, n), torch.bool),
+            *prefix_specs(pad_row), *([StaticInput("state_rows", (), torch.int64)] if hybrid else []), *links]
