@@ -22,6 +22,7 @@ from starlette.routing import Route
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve import protocol as api
+from fastspec.serve import responses
 from fastspec.serve.api_error import APIError
 from fastspec.serve.prometheus import CONTENT_TYPE
 from fastspec.serve.protocol import ParsedRequest
@@ -96,7 +97,7 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
         rids = _submit_choices(service, prompt_ids, parsed.choice_params(params), loop, events, keep_special)
     except APIError as e:
         return _error(e)
-    reply = _Reply(service, parsed, model_name, api.new_id(chat), len(prompt_ids), rids, events, tool_text.parser)
+    reply = _Reply(service, parsed, model_name, responses.new_id(chat), len(prompt_ids), rids, events, tool_text.parser)
     if parsed.stream:
         return StreamingResponse(reply.stream(), media_type="text/event-stream")
     return await reply.collect(request)
@@ -187,7 +188,7 @@ class _Reply:
         if not self.parsed.logprobs or entries is None:
             return None
         text = lambda t: self.service.llm.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
-        return api.logprobs_object(self.parsed.chat, list(entries), text)
+        return responses.logprobs_object(self.parsed.chat, list(entries), text)
 
     def _finish(self, index: int, event: Event) -> None:
         self.open.discard(index)
@@ -213,32 +214,34 @@ class _Reply:
         stream = self.streams[index]
         content, deltas = stream.feed(full, event.finish_reason is not None)
         if content or deltas or logprobs:
-            yield api.chunk(self.id, chat, self.model, content or None, None, logprobs, index=index, tool_calls=deltas)
+            yield responses.chunk(self.id, chat, self.model, content or None, None, logprobs, index=index,
+                                  tool_calls=deltas)
         if event.finish_reason is not None:
             reason = "tool_calls" if stream.called and event.finish_reason == "stop" else event.finish_reason
-            yield api.chunk(self.id, chat, self.model, None, reason, index=index)
+            yield responses.chunk(self.id, chat, self.model, None, reason, index=index)
 
     async def stream(self):
         chat, failed = self.parsed.chat, False
         try:
             if chat:
                 for index in sorted(self.open):
-                    yield api.sse(api.chunk(self.id, chat, self.model, None, None, role=True, index=index))
+                    yield responses.sse(responses.chunk(self.id, chat, self.model, None, None, role=True, index=index))
             while self.open:
                 index, event = await self.events.get()
                 if event.error:  # the engine ended every open request already
                     self.open.clear()
                     failed = True
-                    yield api.sse(APIError(event.error, 500, kind="server_error").body())
+                    yield responses.sse(APIError(event.error, 500, kind="server_error").body())
                     break
                 for piece in self._stream_event(index, event):
-                    yield api.sse(piece)
+                    yield responses.sse(piece)
                 if event.finish_reason is not None:
                     self._finish(index, event)
             if self.parsed.include_usage and not failed:
                 tokens, metrics = self._totals()
-                yield api.sse(api.usage_chunk(self.id, chat, self.model, self.prompt_tokens, tokens, metrics))
-            yield api.sse("[DONE]")
+                yield responses.sse(responses.usage_chunk(self.id, chat, self.model, self.prompt_tokens, tokens,
+                                                          metrics))
+            yield responses.sse("[DONE]")
         finally:  # the client went away (the task is cancelled) or the stream ended
             for index in self.open:
                 self.service.abort(self.engine_rids[index])
@@ -262,11 +265,11 @@ class _Reply:
         choices = []
         for i in sorted(self.texts):
             content, calls = self._split(self.texts[i])
-            choices.append(api.Choice(content, self.finals[i].finish_reason, self._logprobs(tuple(logprobs[i])),
-                                      tuple(calls)))
+            choices.append(responses.Choice(content, self.finals[i].finish_reason,
+                                            self._logprobs(tuple(logprobs[i])), tuple(calls)))
         tokens, metrics = self._totals()
-        return JSONResponse(api.response(self.id, self.parsed.chat, self.model, choices, self.prompt_tokens, tokens,
-                                         metrics))
+        return JSONResponse(responses.response(self.id, self.parsed.chat, self.model, choices, self.prompt_tokens,
+                                               tokens, metrics))
 
     async def _next_or_disconnect(self, request: Request) -> Event | None:
         get = asyncio.ensure_future(self.events.get())

@@ -1,5 +1,5 @@
-"""The OpenAI HTTP API as values: request bodies checked and turned into (prompt, SamplingParams, options), and
-the response / stream-chunk / error objects built from what the engine produced.
+"""The OpenAI HTTP API's requests as values: bodies checked and turned into (prompt, SamplingParams, options) (the
+response and stream-chunk objects: fastspec.serve.responses).
 
 Owns: which fields each endpoint takes (an unknown one is a 400, as OpenAI answers), their types and ranges,
 OpenAI's defaults (temperature 1, completions max_tokens 16), the error object. Does not own: running
@@ -10,15 +10,12 @@ repetition_penalty, ignore_eos, regex, ebnf.
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from dataclasses import dataclass, replace
 
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve.api_error import APIError
 from fastspec.serve.tools import Tools, parse_tools
-from fastspec.utils.metrics import SpecMetrics
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
           "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs", "response_format",
@@ -212,93 +209,3 @@ def _response_format(body: dict) -> str | None:
         schema = fmt["json_schema"].get("schema", {"type": "object"})
         return schema if isinstance(schema, str) else json.dumps(schema)
     raise APIError("response_format must be text, json_object or json_schema {schema}", param="response_format")
-
-
-# ---- responses ----------------------------------------------------------------------------------------------
-
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def meta_info(metrics: SpecMetrics) -> dict:
-    """The speculative figures, in an extra field OpenAI clients ignore (SGLang reports these in meta_info)."""
-    return {"spec_verify_ct": metrics.verify_rounds, "spec_accepted_tokens": metrics.accepted_tokens,
-            "spec_accept_length": round(metrics.tau, 4)}
-
-
-def finish_reason(reason: str | None) -> str | None:
-    return None if reason is None else ("length" if reason == "length" else "stop")
-
-
-def logprobs_object(chat: bool, entries: list, token_text) -> dict | None:
-    """OpenAI's logprobs for TokenLogprob entries: chat {"content": [...]}, completions parallel lists."""
-    if entries is None:
-        return None
-    if chat:
-        def item(token: int, logprob: float) -> dict:
-            text = token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-        return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
-                            for e in entries]}
-    return {"tokens": [token_text(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries]}
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One finished choice of a response."""
-
-    text: str | None
-    reason: str
-    logprobs: dict | None
-    tool_calls: tuple = ()  # fastspec.serve.tools.ToolCall: the reason is then "tool_calls"
-
-
-def response(rid: str, chat: bool, model: str, choices: list[Choice], prompt_tokens: int, completion_tokens: int,
-             metrics: SpecMetrics) -> dict:
-    """`completion_tokens`: all choices' together; `metrics`: their speculative figures summed."""
-    out = []
-    for index, c in enumerate(choices):
-        reason = "tool_calls" if c.tool_calls and c.reason == "stop" else finish_reason(c.reason)
-        choice = {"index": index, "finish_reason": reason, "logprobs": c.logprobs}
-        message = {"role": "assistant", "content": c.text}
-        if c.tool_calls:
-            message["tool_calls"] = [call.as_dict() for call in c.tool_calls]
-        choice |= {"message": message} if chat else {"text": c.text}
-        out.append(choice)
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": out, "usage": usage(prompt_tokens, completion_tokens),
-            "meta_info": meta_info(metrics)}
-
-
-def chunk(rid: str, chat: bool, model: str, text: str | None, reason: str | None, logprobs: dict | None = None,
-          role: bool = False, index: int = 0, tool_calls: tuple = ()) -> dict:
-    """A stream chunk of choice `index`: a text delta, tool-call deltas (fastspec.serve.tools.ArgumentsDelta), or
-    its end."""
-    choice = {"index": index, "finish_reason": reason if reason == "tool_calls" else finish_reason(reason),
-              "logprobs": logprobs}
-    if chat:
-        delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-        if tool_calls:
-            delta["tool_calls"] = [call.as_dict() for call in tool_calls]
-        choice["delta"] = delta
-    else:
-        choice["text"] = text or ""
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice]}
-
-
-def usage_chunk(rid: str, chat: bool, model: str, prompt_tokens: int, completion_tokens: int,
-                metrics: SpecMetrics) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [], "usage": usage(prompt_tokens, completion_tokens),
-            "meta_info": meta_info(metrics)}
-
-
-def sse(obj: dict | str) -> bytes:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
