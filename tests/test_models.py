@@ -116,3 +116,31 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_dirs):
     model = load_target(tmp_path, torch.float32)
     logits = model.compute_logits(PoolRunner(model).extend([0], [PROMPTS[1]]).final)
     torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[1]), atol=2e-5, rtol=1e-4)
+
+
+def test_a_sliding_window_caps_the_context_at_its_width(tmp_path):
+    """fastspec attends to the whole context, which is what a sliding window of W keys sees while a context is at
+    most W long: a windowed Mistral serves W tokens by default, greedy as transformers' own (window applied) within
+    them, and a longer max_context_len is a one-line error before any weight loads. Qwen2's switched-off window
+    (use_sliding_window false) caps nothing."""
+    import fastspec
+    from fastspec.sampling import SamplingParams
+
+    model = make_hf_model("mistral", sliding_window=24)
+    model.save_pretrained(tmp_path / "m")
+    llm = fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="NONE")
+    assert llm.engine.worker.max_context_len == 24
+    prompt = PROMPTS[2]  # 18 tokens, 6 more: the whole window
+    ids = list(prompt)
+    for _ in range(6):
+        ids.append(int(hf_logits(model, ids)[-1].argmax()))
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert out.output_ids == ids[len(prompt):]
+    with pytest.raises(FastspecError, match="exceeds the context length 24"):
+        llm.generate([prompt], SamplingParams(max_new_tokens=7, ignore_eos=True))
+    with pytest.raises(FastspecError, match="sliding attention window of 24 tokens"):
+        fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="NONE", max_context_len=64)
+    qwen = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 512}
+    assert ModelConfig.from_hf(qwen | {"sliding_window": 64, "use_sliding_window": False}).context_limit == 512
+    assert ModelConfig.from_hf(qwen | {"sliding_window": 64, "use_sliding_window": True}).context_limit == 64

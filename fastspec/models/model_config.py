@@ -68,6 +68,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None
     max_position_embeddings: int
     tie_word_embeddings: bool
+    sliding_window: int | None = None  # each query sees its last W keys (Mistral v0.1): contexts capped at W
     attention_bias: bool = False  # q/k/v projection bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     mlp_bias: bool = False
@@ -90,6 +91,12 @@ class ModelConfig:
     use_aux_hidden_state: bool = True              # residual stream entering layer id + 1 is captured)
     norm_before_residual: bool = False  # EAGLE-3: the midlayer's residual is hidden_norm(fc output), not the output
     fc_norm: bool = False  # EAGLE-3: an RMSNorm over the three target features before fc (`norm_before_fc`)
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context served exactly: max_position_embeddings, or a sliding window's width where that is
+        shorter (fastspec attends to the whole context; within W tokens that is what the window sees)."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     @property
     def is_draft(self) -> bool:
@@ -133,6 +140,7 @@ class ModelConfig:
                              hf.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                sliding_window=_sliding_window(hf),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3NextForCausalLM"),
@@ -183,6 +191,15 @@ def _architecture(hf: dict, source: str) -> str:
         known = ", ".join(TARGET_ARCHITECTURES + DRAFT_ARCHITECTURES)
         raise FastspecError(f"{source}: unsupported architecture {arch or '(none)'!r}; supported: {known}")
     return arch
+
+
+def _sliding_window(hf: dict) -> int | None:
+    """The attention window, where the config uses one (Qwen2 / Qwen3 configs carry a `sliding_window` they switch
+    off with use_sliding_window false)."""
+    window = hf.get("sliding_window")
+    if window is None or hf.get("use_sliding_window") is False:
+        return None
+    return int(window)
 
 
 def _int_tuple(value) -> tuple[int, ...]:
