@@ -1,5 +1,6 @@
 """Tiny random Hugging Face models written to GGUF the way llama.cpp lays them out: llama (q / k rows paired for
-its rope), qwen2 (q / k / v biases) and qwen3 (q / k norms, a head_dim that is not hidden / heads), with a byte-level
+its rope), qwen2 (q / k / v biases), qwen3 (q / k norms, a head_dim that is not hidden / heads) and phi3 (fused QKV
+and gate_up, as Phi-3's checkpoints and llama.cpp keep them; a sliding window), with a byte-level
 BPE vocabulary (any llama.cpp pre-tokenizer name) or a SentencePiece one, and Llama 3's rope factors or YaRN's keys.
 transformers' own GGUF loader reads these files back as the same model (test_gguf_archs), which checks the layout."""
 
@@ -7,7 +8,16 @@ import gguf
 import numpy as np
 import torch
 from tokenizers import pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "1 2", "l l"]
@@ -17,9 +27,11 @@ TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] 
 LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # (phi3's fused up: gate rows first)
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, {}), "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-            "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32})}
+            "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
+            "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": None, "bos_token_id": 0, "eos_token_id": 0})}
 
 
 def tiny_model(arch: str = "llama", tied: bool = True, seed: int = 0, **config):
@@ -113,10 +125,11 @@ def spm_vocab(add_space_prefix: bool | None = None, add_bos: bool | None = None)
 
 
 def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_bos=True, add_eos=False, vocab=None,
-               rope_factors=None, yarn=None):
+               rope_factors=None, yarn=None, extra_tensors=None):
     """`model` as a GGUF of general.architecture `arch` (its own by default) with `vocab` (a bpe_vocab / spm_vocab
     writer; bpe_vocab("smollm") by default), matrices in `qtype`; rope_factors: a rope_freqs tensor [head_dim / 2];
-    yarn: (factor, original context length)."""
+    yarn: (factor, original context length); the model config's sliding_window, where set; extra_tensors: name ->
+    float32 array, written as they are."""
     cfg = model.config
     w = gguf.GGUFWriter(path, arch or cfg.model_type)
     w.add_block_count(cfg.num_hidden_layers)
@@ -132,6 +145,8 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(head_dim)
+    if getattr(cfg, "sliding_window", None):
+        w.add_sliding_window(cfg.sliding_window)
     if yarn is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(yarn[0])
@@ -145,6 +160,8 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
             w.add_tensor(name, array)
     if rope_factors is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_factors, dtype=np.float32))
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, np.asarray(array, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,5 +1,5 @@
-"""GGUF files beyond a llama with a GPT-2 vocabulary: qwen2 and qwen3 models, Llama 3's rope factors, YaRN, and the
-tokenizers llama.cpp names (Qwen2's and Llama 3's pre-tokenizers, SentencePiece vocabularies).
+"""GGUF files beyond a llama with a GPT-2 vocabulary: qwen2, qwen3 and phi3 models, Llama 3's rope factors, YaRN, and
+the tokenizers llama.cpp names (Qwen2's and Llama 3's pre-tokenizers, SentencePiece vocabularies).
 
 Oracles: the tiny random model each file was written from (its logits and greedy tokens), transformers' own GGUF
 loader (that the files are laid out as llama.cpp lays them out, and the tokenizer it rebuilds from the same metadata),
@@ -17,11 +17,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 import fastspec
 from fastspec.errors import FastspecError
 from fastspec.kernels import cpu_library
-from fastspec.models.gguf import convert_gguf, llama3_scaling
+from fastspec.models.gguf import convert_gguf
+from fastspec.models.gguf_rope import llama3_scaling
 from fastspec.models.layers import rope_inv_freq
 from fastspec.sampling import SamplingParams
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "phi3"]
 PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42, 43, 40, 41, 42]]
 
 
@@ -76,13 +77,14 @@ def test_fastspec_runs_a_qwen_file_as_transformers_runs_its_model(tmp_path, arch
     assert [o.output_ids for o in outputs] == [hf_greedy(model, p, 8) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("activation", [torch.float32, pytest.param(
     torch.int16, marks=pytest.mark.skipif(not cpu_library.available(), reason="no C compiler"))])
-def test_a_quantised_qwen_file_runs_on_its_blocks(tmp_path, arch, activation):
-    """Q8_0 matrices under --quantization gguf: every projection packed, with its biases (qwen2) or beside the q / k
-    norms (qwen3); float32 activations give the converted model's logits to float32 rounding, int16 ones (fastspec's
-    8-bit kernel) its greedy tokens, teacher-forced, nearly always."""
+def test_a_quantised_file_runs_on_its_blocks(tmp_path, arch, activation):
+    """Q8_0 matrices under --quantization gguf: every projection packed, with its biases (qwen2), beside the q / k
+    norms (qwen3) or split from phi3's fused QKV / gate_up blocks and stacked again; float32 activations give the
+    converted model's logits to float32 rounding, int16 ones (fastspec's 8-bit kernel) its greedy tokens,
+    teacher-forced, nearly always."""
     from fastspec.models.packed_layers import BlockLinear, CastLinear
 
     model = tiny_model(arch, hidden_size=128, intermediate_size=256)
@@ -95,12 +97,39 @@ def test_a_quantised_qwen_file_runs_on_its_blocks(tmp_path, arch, activation):
 
 
 @pytest.mark.skipif(not cpu_library.available(), reason="no C compiler")
-@pytest.mark.parametrize("arch, algorithm", [("qwen2", "EAGLE3"), ("qwen3", "NGRAM")])
+@pytest.mark.parametrize("arch, algorithm", [("qwen2", "EAGLE3"), ("qwen3", "NGRAM"), ("phi3", "EAGLE3")])
 def test_speculation_on_a_quantised_qwen_file_is_lossless(tmp_path, arch, algorithm):
     """Every round speculating, on a Q8_0 file run packed: plain greedy's tokens."""
     path = write_gguf(tmp_path / "m.gguf", tiny_model(arch, hidden_size=128, intermediate_size=256),
                       qtype=gguf.GGMLQuantizationType.Q8_0)
     assert_speculation_is_lossless(path, algorithm, 128, tmp_path / "head", new=12)
+
+
+# ---- phi3 ----
+
+def test_a_phi3_file_converts_to_a_llama_with_its_logits_and_window(tmp_path):
+    """Phi-3's fused QKV and gate_up rows (gate first) split into a Llama's projections: transformers' Llama on the
+    converted directory gives the Phi-3 model's logits and fastspec its greedy tokens; the file's sliding window is
+    the config's and caps the context (ModelConfig.context_limit)."""
+    model = tiny_model("phi3", tied=False, sliding_window=64)
+    path = write_gguf(tmp_path / "m.gguf", model)
+    out = convert_gguf(path, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["sliding_window"] == 64
+    loaded = LlamaForCausalLM.from_pretrained(out).eval()
+    for prompt in PROMPTS:
+        torch.testing.assert_close(logits(loaded, prompt), logits(model, prompt), atol=1e-5, rtol=1e-5)
+    llm = fastspec.LLM(str(path), speculative_algorithm="NONE", quantization="none")
+    assert llm.engine.worker.max_context_len == 64
+    outputs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [o.output_ids for o in outputs] == [hf_greedy(model, p, 8) for p in PROMPTS]
+
+
+def test_phi3_longrope_is_refused_in_one_line(tmp_path):
+    model = tiny_model("phi3", tied=False)
+    factors = {name: [1.0] * 8 for name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    with pytest.raises(FastspecError, match="LongRoPE .*is not supported"):
+        convert_gguf(write_gguf(tmp_path / "m.gguf", model, extra_tensors=factors), tmp_path / "hf")
 
 
 # ---- rope scaling ----

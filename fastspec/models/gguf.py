@@ -1,19 +1,20 @@
-"""GGUF -> Hugging Face directory conversion for the llama, qwen2 and qwen3 architectures.
+"""GGUF -> Hugging Face directory conversion for the llama, qwen2, qwen3 and phi3 architectures (phi3 as a Llama:
+its fused QKV and gate_up rows split).
 
-Owns: reading GGUF metadata and tensors, undoing llama.cpp's rope row permutation of a llama's q/k, Llama 3's rope
-frequency factors as its rope scaling, and writing the directory atomically (the tokenizer: gguf_tokenizer): every
-tensor of a block format as its blocks only (BLOCKS_FILE: what --quantization gguf runs, see gguf_packed; a float
-load dequantises them, gguf_blocks.stored_floats), the others dequantised (through `gguf.quants`) in
-model.safetensors, and each tensor's GGUF type.
-Does not own: which GGUF to convert or where to cache it (embedded.py), nor loading the result (loader.py).
+Owns: reading GGUF metadata and tensors, undoing llama.cpp's rope row permutation of a llama's q/k, and writing the
+directory atomically (the tokenizer: gguf_tokenizer): every tensor of a block format as its blocks only (BLOCKS_FILE:
+what --quantization gguf runs, see gguf_packed; a float load dequantises them, gguf_blocks.stored_floats), the others
+dequantised (through `gguf.quants`) in model.safetensors, and each tensor's GGUF type.
+Does not own: the rope scaling a file describes (gguf_rope), which GGUF to convert or where to cache it
+(embedded.py), nor loading the result (loader.py).
 """
 
 import json
-import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import gguf
 import numpy as np
@@ -24,11 +25,10 @@ from safetensors.torch import save_file
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import BLOCKS_FILE, FORMATS, blocks_state
 from fastspec.models.gguf_kquants import READERS, read
+from fastspec.models.gguf_rope import LONGROPE, ROPE_FACTORS, f32, rope_scaling
 from fastspec.models.gguf_tokenizer import adds_bos, build_tokenizer, special_id
-from fastspec.models.layers import rope_inv_freq
-from fastspec.models.model_config import RopeScaling
 
-CONVERTER_VERSION = 5  # bump when the output layout changes, so cached conversions are redone
+CONVERTER_VERSION = 6  # bump when the output layout changes, so cached conversions are redone
 SOURCE_MARKER = "fastspec_source.json"
 BLOCK_KINDS = (*FORMATS, *READERS)  # GGUF types also stored as blocks
 
@@ -45,21 +45,36 @@ _LAYER_NAMES = {  # GGUF tensor name inside blk.N -> HF name inside model.layers
 }
 _QWEN2_BIASES = {f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}
 _QWEN3_NORMS = {f"attn_{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in "qk"}
-ARCHITECTURES = {  # general.architecture -> (HF class, model_type, its blk.N tensors beyond llama's)
-    "llama": ("LlamaForCausalLM", "llama", {}),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", _QWEN2_BIASES),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", _QWEN3_NORMS),
+_PHI3_FUSED = {  # blk.N tensor -> the HF weights its rows stack, and their row counts (rows, heads, kv heads)
+    "attn_qkv.weight": (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                        lambda rows, h, kv: [n * rows // (h + 2 * kv) for n in (h, kv, kv)]),
+    "ffn_up.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), lambda rows, h, kv: [rows // 2] * 2),
+}
+
+
+class Arch(NamedTuple):
+    hf_class: str
+    model_type: str
+    extra: dict  # its blk.N tensors beyond llama's -> HF names
+    fused: dict  # its blk.N tensors that stack several HF weights by rows (_PHI3_FUSED's form)
+    paired_rope_rows: bool  # llama.cpp pairs q / k rows for its rope (a llama); the others rotate halves, as HF
+
+
+ARCHITECTURES = {  # general.architecture -> how it converts
+    "llama": Arch("LlamaForCausalLM", "llama", {}, {}, True),
+    "qwen2": Arch("Qwen2ForCausalLM", "qwen2", _QWEN2_BIASES, {}, False),
+    "qwen3": Arch("Qwen3ForCausalLM", "qwen3", _QWEN3_NORMS, {}, False),
+    "phi3": Arch("LlamaForCausalLM", "llama", {}, _PHI3_FUSED, False),
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-ROPE_FACTORS = "rope_freqs.weight"  # Llama 3's per-frequency divisors: read into the config's rope scaling
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Convert a llama / qwen2 / qwen3 GGUF into a HF model directory at `out_dir` (replaced atomically); returns
+    """Convert a llama / qwen2 / qwen3 / phi3 GGUF into a HF model directory at `out_dir` (replaced atomically); returns
     out_dir."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_reader(gguf_path)
@@ -133,15 +148,10 @@ def _reader_meta(reader):
     return lambda key, default=KeyError: _meta(reader, key, default)
 
 
-def _f32(value: float) -> float:
-    """GGUF stores floats as float32; keep the short decimal (1e-05, not 9.999999747378752e-06)."""
-    return float(str(np.float32(value)))
-
-
 def _hf_name(name: str, arch: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    parts, extra = name.split(".", 2), ARCHITECTURES[arch][2]
+    parts, extra = name.split(".", 2), ARCHITECTURES[arch].extra
     if parts[0] == "blk" and len(parts) == 3 and (parts[2] in _LAYER_NAMES or parts[2] in extra):
         return f"model.layers.{parts[1]}.{_LAYER_NAMES.get(parts[2]) or extra[parts[2]]}"
     raise FastspecError(f"GGUF tensor '{name}' is not part of a {arch} model")
@@ -150,28 +160,43 @@ def _hf_name(name: str, arch: str) -> str:
 def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[dict, dict, dict]:
     """(HF name -> dequantised tensor in `dtype` for every tensor not of a block format, the block-format tensors'
     blocks (blocks_state: loaders dequantise them, gguf_blocks.stored_floats), HF name -> GGUF type name); q / k rows
-    in HF's rope order (llama.cpp pairs a llama's rows for its rope; qwen2 / qwen3 rotate halves, as HF does)."""
+    in HF's rope order (llama.cpp pairs a llama's rows for its rope; the others rotate halves, as HF does), a fused
+    tensor's rows split into the weights it stacks."""
     n_head = _meta(reader, f"{arch}.attention.head_count")
     n_kv_head = _meta(reader, f"{arch}.attention.head_count_kv", n_head)
+    spec = ARCHITECTURES[arch]
     tensors, blocks, kinds = {}, {}, {}
     for t in reader.tensors:
         if t.name == ROPE_FACTORS:
             continue
-        name = _hf_name(t.name, arch)
-        kinds[name] = t.tensor_type.name
-        heads = n_head if name.endswith("q_proj.weight") else n_kv_head if name.endswith("k_proj.weight") else None
-        heads = heads if arch == "llama" else None
-        if kinds[name] in BLOCK_KINDS and t.data.ndim == 2:
-            b = read(t.data, kinds[name])
-            b = b if heads is None else b.map_rows(lambda x: unpermute_rope_rows(x, heads))
-            blocks.update(blocks_state(name, b))
+        if t.name in LONGROPE:
+            raise FastspecError(f"{path}: LongRoPE ({t.name}: Phi-3 128k, Phi-3.5, Phi-4-mini) is not supported")
+        layer, _, part = t.name.removeprefix("blk.").partition(".")
+        if t.name.startswith("blk.") and part in spec.fused:
+            names, sizes = spec.fused[part]
+            edges = np.cumsum([0, *sizes(int(t.shape[-1]), n_head, n_kv_head)])
+            pieces = [(f"model.layers.{layer}.{n}", lambda x, a=a, b=b: x[a:b].contiguous())
+                      for n, a, b in zip(names, edges[:-1], edges[1:])]
+        else:
+            name = _hf_name(t.name, arch)
+            heads = n_head if name.endswith("q_proj.weight") else n_kv_head if name.endswith("k_proj.weight") else None
+            rows = (lambda x, h=heads: unpermute_rope_rows(x, h)) if heads and spec.paired_rope_rows else None
+            pieces = [(name, rows)]
+        kind = t.tensor_type.name
+        if kind in BLOCK_KINDS and t.data.ndim == 2:
+            b = read(t.data, kind)
+            for name, rows in pieces:
+                blocks.update(blocks_state(name, b if rows is None else b.map_rows(rows)))
+                kinds[name] = kind
             continue
         try:
             array = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
-            raise FastspecError(f"{path}: tensor type {t.tensor_type.name} cannot be dequantized") from None
+            raise FastspecError(f"{path}: tensor type {kind} cannot be dequantized") from None
         weight = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: F32 data is a read-only mmap
-        tensors[name] = (weight if heads is None else unpermute_rope_rows(weight, heads)).to(dtype).contiguous()
+        for name, rows in pieces:
+            tensors[name] = (weight if rows is None else rows(weight)).to(dtype).contiguous()
+            kinds[name] = kind
     return tensors, blocks, kinds
 
 
@@ -185,68 +210,33 @@ def _model_config(reader, dtype: torch.dtype, arch: str) -> dict:
     head_dim = m("attention.key_length", hidden // n_head)
     if m("rope.dimension_count", head_dim) != head_dim:
         raise FastspecError("GGUF uses partial rotary embeddings (rope.dimension_count != head_dim)")
-    theta = _f32(m("rope.freq_base", 10000.0))
-    hf_class, model_type, _ = ARCHITECTURES[arch]
+    theta = f32(m("rope.freq_base", 10000.0))
+    hf_class, model_type = ARCHITECTURES[arch][:2]
     shapes = {t.name: t.shape for t in reader.tensors}  # GGUF order: [columns, rows]
     config = {
         "architectures": [hf_class], "model_type": model_type, "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": m("feed_forward_length"),
         "num_hidden_layers": m("block_count"), "num_attention_heads": n_head,
         "num_key_value_heads": m("attention.head_count_kv", n_head), "head_dim": head_dim,
-        "rms_norm_eps": _f32(m("attention.layer_norm_rms_epsilon")),
-        "rope_theta": theta, "rope_scaling": _rope_scaling(reader, m, head_dim, theta),
+        "rms_norm_eps": f32(m("attention.layer_norm_rms_epsilon")),
+        "rope_theta": theta, "rope_scaling": rope_scaling(m, _rope_factors(reader), head_dim, theta),
         "max_position_embeddings": m("context_length"),
         "vocab_size": int(shapes["token_embd.weight"][-1]),
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": arch == "qwen2", "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    window = m("attention.sliding_window", None)
+    if window:  # (Phi-3 mini 4k's 2047): the context is capped at it, see ModelConfig.context_limit
+        config["sliding_window"] = int(window)
     for key in ("bos", "eos", "pad"):
         config[f"{key}_token_id"] = special_id(_reader_meta(reader), key)
     return config
 
 
-def _rope_scaling(reader, m, head_dim: int, theta: float) -> dict | None:
-    """HF's rope_scaling for the GGUF: linear or YaRN as its metadata says, Llama 3's from its rope_freqs."""
+def _rope_factors(reader) -> torch.Tensor | None:
     factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
-    if factors is not None:
-        return llama3_scaling(torch.from_numpy(np.array(factors.data, dtype=np.float32)).flatten(), head_dim, theta)
-    kind = m("rope.scaling.type", "none")
-    if kind == "none":
-        return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": _f32(m("rope.scaling.factor"))}
-    if kind == "yarn":
-        return {"rope_type": "yarn", "factor": _f32(m("rope.scaling.factor")),
-                "original_max_position_embeddings": m("rope.scaling.original_context_length")}
-    raise FastspecError(f"GGUF rope scaling '{kind}' is not supported (supported: linear, yarn, llama3)")
-
-
-def llama3_scaling(factors: torch.Tensor, head_dim: int, theta: float) -> dict | None:  # factors [head_dim / 2]
-    """Llama 3's rope scaling from llama.cpp's divisors of each inverse frequency. `factor` is the largest divisor;
-    between the kept and the fully slowed frequencies 1 / divisor = (1 - s) / factor + s with s linear in
-    1 / wavelength, so two or more divisors strictly between 1 and `factor` give the blend's edges (as fractions of an
-    original length of 8192: only their ratios matter), fewer keep Llama 3's 1 / 4. None when nothing is slowed;
-    refused unless the result reproduces every divisor."""
-    factor = float(factors.max())
-    if factor <= 1 + 1e-6:
-        return None
-    wavelen = 2 * math.pi / rope_inv_freq(head_dim, theta, None).double()
-    middle = (factors > 1 + 1e-5) & (factors < factor * (1 - 1e-5))
-    low, high = 1.0, 4.0
-    if int(middle.sum()) >= 2:
-        s = (1 / factors[middle].double() - 1 / factor) / (1 - 1 / factor)
-        slope, intercept = np.polyfit((1 / wavelen[middle]).numpy(), s.numpy(), 1)  # s = 8192 / (w span) - low / span
-        span = 8192 / slope
-        low = round(float(-intercept * span), 6)
-        high = round(low + float(span), 6)
-    scaling = RopeScaling("llama3", _f32(factor), low, high, 8192)
-    rebuilt = rope_inv_freq(head_dim, theta, None) / rope_inv_freq(head_dim, theta, scaling)
-    if not torch.allclose(rebuilt, factors, rtol=1e-4, atol=0):
-        raise FastspecError(f"GGUF {ROPE_FACTORS} is not Llama 3's rope scaling (no factor, low / high frequency "
-                            "factors reproduce it)")
-    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": low, "high_freq_factor": high,
-            "original_max_position_embeddings": 8192}
+    return None if factors is None else torch.from_numpy(np.array(factors.data, dtype=np.float32)).flatten()
 
 
 def _generation_config(reader, config: dict) -> dict:
