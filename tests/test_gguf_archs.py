@@ -105,6 +105,17 @@ def test_speculation_on_a_quantised_qwen_file_is_lossless(tmp_path, arch, algori
     assert_speculation_is_lossless(path, algorithm, 128, tmp_path / "head", new=12)
 
 
+def test_weight_names_list_the_block_matrices_a_load_reads(tmp_path):
+    """A converted file keeps its block-typed matrices as blocks only: weight_names (read from headers) still lists
+    every tensor read_state_dict gives."""
+    from fastspec.models.loader import read_state_dict, weight_names
+
+    out = convert_gguf(write_gguf(tmp_path / "m.gguf", tiny_model("qwen2", hidden_size=128, intermediate_size=256),
+                                  qtype=gguf.GGMLQuantizationType.Q8_0), tmp_path / "hf")
+    names = weight_names(out)
+    assert sorted(names) == sorted(read_state_dict(out)) and "model.layers.0.mlp.down_proj.weight" in names
+
+
 # ---- phi3 ----
 
 def test_a_phi3_file_converts_to_a_llama_with_its_logits_and_window(tmp_path):

@@ -23,6 +23,10 @@ def available() -> bool:
     return cpu_library.available()
 
 
+def _rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:  # the twins' RMS normalisation over the last dim
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -35,8 +39,7 @@ def add_rms_norm(x: torch.Tensor,         # float32 [T, H]  the residual stream
     lib = cpu_library.library()
     if lib is None:
         x = x if y is None else x + y
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return x, (weight * normed).to(out_dtype)
+        return x, (weight * _rms_normed(x, eps)).to(out_dtype)
     T, H = x.shape
     x_out, normed = (x if y is None else torch.empty_like(x)), x.new_empty(T, H, dtype=out_dtype)
     cpu_library.call(lib.add_rms_norm, x.data_ptr(), _ptr(y), ACT[y.dtype] if y is not None else 0, weight.data_ptr(),
@@ -65,10 +68,8 @@ def head_norms(qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]  float32 or bf16, nor
     lib = cpu_library.library()
     if lib is None:
         heads = qkv.view(T, -1, d)[:, :num_heads + num_kv_heads]
-        x = heads.float()
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         weight = torch.cat([q_weight.expand(num_heads, d), k_weight.expand(num_kv_heads, d)])
-        heads.copy_(weight * normed)
+        heads.copy_(weight * _rms_normed(heads.float(), eps))
         return qkv
     cpu_library.call(lib.head_norms, qkv.data_ptr(), ACT[qkv.dtype], T, num_heads, num_kv_heads, d,
                      q_weight.data_ptr(), k_weight.data_ptr(), eps)

@@ -54,7 +54,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
     const __m512i table = levels ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)levels))
                                  : _mm512_setzero_si512();
     for (int64_t g = 0; g < G; g++) {
-        prefetch_group(w, sm, g + Q4_AHEAD);
+        prefetch_unit(w, sm, 256, 32, g + Q4_AHEAD);
         __m512i q[16]; /* q[2u], q[2u + 1]: the pairs of nibble vector u (u < 4 low nibbles, u >= 4 high ones) */
         for (int v = 0; v < 4; v++) {
             __m512i b = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * v));
@@ -94,7 +94,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
     const __m256i table = levels ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)levels))
                                  : _mm256_setzero_si256();
     for (int64_t g = 0; g < G; g++) {
-        prefetch_group(w, sm, g + Q4_AHEAD);
+        prefetch_unit(w, sm, 256, 32, g + Q4_AHEAD);
         for (int h = 0; h < 2; h++) {
             __m256i q[16];
             for (int v = 0; v < 4; v++) {
@@ -134,7 +134,7 @@ static inline void tile(const uint8_t *w, const uint16_t *sm, int64_t G, const i
     for (int m = 0; m < mb; m++) {
         float acc[Q4_TILE] = {0};
         for (int64_t g = 0; g < G; g++) {
-            prefetch_group(w, sm, g + Q4_AHEAD);
+            prefetch_unit(w, sm, 256, 32, g + Q4_AHEAD);
             const int16_t *a = x16 + m * K + g * Q4_GROUP; /* a[p] is input PAIR_ORDER[p] */
             int64_t r = m * (K / Q4_GROUP) + g;
             for (int j = 0; j < Q4_TILE; j++) {

@@ -20,9 +20,10 @@
 #define Q4_AHEAD 16
 #define Q4_PARALLEL_WORK 65536 /* multiply-adds below which the GEMM runs on the calling thread */
 
-static inline void prefetch_group(const uint8_t *w, const uint16_t *sm, int64_t g) {
-    for (int c = 0; c < 256; c += 64) __builtin_prefetch(w + g * 256 + c);
-    __builtin_prefetch(sm + g * 32);
+/* the tile unit `g` units on: its weights (`stride` bytes) and its scales and offsets (`halves` float16 values) */
+static inline void prefetch_unit(const uint8_t *w, const uint16_t *sm, int64_t stride, int64_t halves, int64_t g) {
+    for (int64_t c = 0; c < stride; c += 64) __builtin_prefetch(w + g * stride + c);
+    for (int64_t c = 0; c < halves; c += 32) __builtin_prefetch(sm + g * halves + c);
 }
 
 /* the input each of a group's 32 rounded activations is, in the kernels' pair order (cpu_q4.c's top comment) */

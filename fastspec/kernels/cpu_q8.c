@@ -10,13 +10,6 @@
  * (4v, 4v+2) / (4v+1, 4v+3), the 4-bit kernel's pair order. Scales and offsets: float16 [N/16, K/16, 2, 16], or
  * with per32 [N/16, K/32, 2, 16] (GGUF's Q8_0 as it is: two groups of 16 share one, summed against xsum, the
  * activations' sums per 32). */
-/* a unit's weights (`stride` bytes) and scales and offsets (per 32 values: 32 halves; per 16: 64) `g` units on */
-static inline void prefetch_wide(const uint8_t *w, const uint16_t *sm, int64_t stride, int per32, int64_t g) {
-    for (int64_t c = 0; c < stride; c += 64) __builtin_prefetch(w + g * stride + c);
-    __builtin_prefetch(sm + g * (per32 ? 32 : 64));
-    if (!per32) __builtin_prefetch(sm + g * 64 + 32);
-}
-
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 static inline __attribute__((always_inline)) void tile8(const int8_t *w, const uint16_t *sm, int64_t G16,
                                                         const int per32, const int16_t *x16, const float *xs,
@@ -25,7 +18,7 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *w, const u
     __m512 acc[Q4_ROWS];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; per32 && g < G16; g += 2) { /* two groups of 16: one activation group of 32 */
-        prefetch_wide((const uint8_t *)w, sm, 512, 1, g / 2 + Q4_AHEAD / 2);
+        prefetch_unit((const uint8_t *)w, sm, 512, 32, g / 2 + Q4_AHEAD / 2);
         __m512i q[16];
         for (int v = 0; v < 8; v++) {
             __m512i b = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * v));
@@ -41,7 +34,7 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *w, const u
         }
     }
     for (int64_t g = 0; !per32 && g < G16; g++) {
-        prefetch_group((const uint8_t *)w, sm, g + Q4_AHEAD);
+        prefetch_unit((const uint8_t *)w, sm, 256, 32, g + Q4_AHEAD);
         __m512i q[8];
         for (int v = 0; v < 4; v++) {
             __m512i b = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * v));
@@ -68,7 +61,7 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *w, const u
     __m256 acc[Q4_ROWS][2];
     for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; per32 && g < G16; g += 2) { /* two groups of 16: one activation group of 32 */
-        prefetch_wide((const uint8_t *)w, sm, 512, 1, g / 2 + Q4_AHEAD / 2);
+        prefetch_unit((const uint8_t *)w, sm, 512, 32, g / 2 + Q4_AHEAD / 2);
         for (int h = 0; h < 2; h++) {
             __m256i q[16];
             for (int v = 0; v < 8; v++) {
@@ -86,7 +79,7 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *w, const u
         }
     }
     for (int64_t g = 0; !per32 && g < G16; g++) {
-        prefetch_group((const uint8_t *)w, sm, g + Q4_AHEAD);
+        prefetch_unit((const uint8_t *)w, sm, 256, 32, g + Q4_AHEAD);
         for (int h = 0; h < 2; h++) {
             __m256i q[8];
             for (int v = 0; v < 4; v++) {
@@ -166,7 +159,7 @@ static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, co
     const __m512i nibble = _mm512_set1_epi8(15), word = _mm512_set1_epi16(255);
     const __m512i top = _mm512_set1_epi8((char)(((1 << e) - 1) * 0x11));
     for (int64_t g = 0; g < G; g++) {
-        prefetch_wide(w, sm, stride, per32, g + Q4_AHEAD);
+        prefetch_unit(w, sm, stride, per32 ? 32 : 64, g + Q4_AHEAD);
         const uint8_t *wg = w + g * stride;
         __m512i q[16];
         for (int v = 0; v < 4; v++) {
@@ -216,7 +209,7 @@ static inline __attribute__((always_inline)) void tile_wide(const uint8_t *w, co
     const __m256i nibble = _mm256_set1_epi8(15), word = _mm256_set1_epi16(255);
     const __m256i top = _mm256_set1_epi8((char)(((1 << e) - 1) * 0x11));
     for (int64_t g = 0; g < G; g++) {
-        prefetch_wide(w, sm, stride, per32, g + Q4_AHEAD);
+        prefetch_unit(w, sm, stride, per32 ? 32 : 64, g + Q4_AHEAD);
         const uint8_t *wg = w + g * stride;
         for (int half = 0; half < 2; half++) {
             __m256i q[16];

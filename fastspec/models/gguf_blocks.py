@@ -152,9 +152,24 @@ def stored_floats(model_dir, keep=None) -> dict[str, torch.Tensor]:
     if not path.is_file():
         return {}
     with safe_open(str(path), "pt") as stored:
-        names = sorted({key.rsplit(".", 1)[0] for key in stored.keys()})
-        return {name: blocks_from_state(stored.get_tensor, name).dequantise(torch.float32) for name in names
-                if keep is None or keep(name)}
+        return {name: blocks_from_state(stored.get_tensor, name).dequantise(torch.float32)
+                for name in _block_names(stored.keys()) if keep is None or keep(name)}
+
+
+def stored_names(model_dir) -> list[str]:
+    """The names of the weights a converted GGUF directory keeps only as blocks, without reading them ([] for any
+    other directory)."""
+    from safetensors import safe_open
+
+    path = Path(model_dir) / BLOCKS_FILE
+    if not path.is_file():
+        return []
+    with safe_open(str(path), "pt") as stored:
+        return _block_names(stored.keys())
+
+
+def _block_names(keys) -> list[str]:
+    return sorted({key.rsplit(".", 1)[0] for key in keys})  # "<name>.q" / ".scale" / ".offset" -> "<name>"
 
 
 def merge_rows(parts: list[Blocks]) -> Blocks:

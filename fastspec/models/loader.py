@@ -19,7 +19,7 @@ from fastspec.errors import FastspecError, first_line
 from fastspec.models.causal_lm import CausalLM
 from fastspec.models.draft_formats import from_speculators, is_speculators
 from fastspec.models.dummy import default_dtype, fill_random
-from fastspec.models.gguf_blocks import stored_floats
+from fastspec.models.gguf_blocks import stored_floats, stored_names
 from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import Router, stack_experts
 from fastspec.models.quant_config import QuantScheme
@@ -54,7 +54,7 @@ def read_state_dict(model_dir: Path, keep=None) -> dict[str, torch.Tensor]:
 
 def weight_names(model_dir: Path) -> list[str]:
     """The names of a checkpoint's tensors without reading them where the format allows (a safetensors index or
-    headers); .bin files are read (weights_only, memory-mapped)."""
+    headers; a converted GGUF's block matrices included); .bin files are read (weights_only, memory-mapped)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         return list(json.loads(index.read_text()).get("weight_map", {}))
@@ -65,6 +65,7 @@ def weight_names(model_dir: Path) -> list[str]:
         for f in sorted(model_dir.glob("*.safetensors")):
             with safe_open(str(f), "pt") as handle:
                 names += list(handle.keys())
+        names += stored_names(model_dir)
     except Exception:  # safetensors has no common error class: let the full read name the damage
         names = []
     return names or list(read_state_dict(model_dir))
