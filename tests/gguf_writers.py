@@ -27,8 +27,8 @@ TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] 
 LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # (phi3's fused up: gate rows first)
+               "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+FUSED_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # phi3's (its fused up: gate first)
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, {}), "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
             "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": None, "bos_token_id": 0, "eos_token_id": 0})}
@@ -75,7 +75,7 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
         if name.startswith("model.layers."):
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
-            key = f"blk.{layer}.{LAYER_NAMES[module]}.{kind}"
+            key = f"blk.{layer}.{(LAYER_NAMES | FUSED_NAMES)[module]}.{kind}"
         else:
             key = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                    "lm_head.weight": "output.weight"}[name]

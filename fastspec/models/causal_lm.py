@@ -17,7 +17,7 @@ from torch import nn
 
 from fastspec.models.bamba import BambaDecoderLayer
 from fastspec.models.deepseek import DeepseekDecoderLayer
-from fastspec.models.fused_cpu import fused_activation, fused_layers
+from fastspec.models.fused_cpu import final_norm, fused_activation, fused_layers
 from fastspec.models.layers import DecoderLayer, RotaryEmbedding, make_norm
 from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import is_moe_layer
@@ -86,7 +86,7 @@ class CausalLM(nn.Module):
                 x = layer(positions, x, self.rope, attn)
         states[len(self.model.layers)] = x
         aux = torch.cat([states[i] for i in self.capture_layers], dim=-1) if self.capture_layers else None
-        return TargetHidden(self.model.norm(x), aux)
+        return TargetHidden(self.model.norm(x) if act is None else final_norm(self.model.norm, x), aux)
 
     def _layers_between_attention(self, x, positions, attn) -> tuple[torch.Tensor, dict]:
         """The DecoderLayer stack, cos / sin computed once: layer 0's norm + QKV, then per layer rope + KV write +

@@ -113,6 +113,14 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
     raise AssertionError("unreachable: a model has at least one layer")
 
 
+def final_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """A fused stack's final norm over its output x [T, H]: a plain float32 RMSNorm as one cpu_fused call (five
+    torch ops otherwise), any other norm as it is."""
+    if type(norm) is RMSNorm and norm.weight.dtype == x.dtype == torch.float32 and cpu_fused.available():
+        return cpu_fused.add_rms_norm(x.contiguous(), None, norm.weight, norm.eps, torch.float32)[1]
+    return norm(x)
+
+
 def eagle3_fused(layer, rope, embeds: torch.Tensor, hidden: torch.Tensor, attn) -> bool:
     """Whether eagle3_midlayer applies to an EAGLE-3 midlayer: float32 inputs on CPU, eager, its four linears
     fastspec's BlockLinears, plain RMSNorms, full rope, and attention cpu_fused serves."""
