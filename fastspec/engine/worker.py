@@ -58,12 +58,7 @@ class Worker:
             load_format=config.load_format)
         self.model_dir, self.eos_ids = sources.model_dir, sources.eos_ids
         self.config = config = dataclasses.replace(config, quantization=sources.quantization)
-        self.max_context_len = config.max_context_len or sources.config.context_limit
-        window = sources.config.sliding_window
-        if window and self.max_context_len > window:
-            raise FastspecError(f"max_context_len {self.max_context_len} exceeds the model's sliding attention "
-                                f"window of {window} tokens, which fastspec does not implement (it attends to the "
-                                "whole context, the same within the window)")
+        self.max_context_len = sources.config.context_len(config.max_context_len)
         self.times = PhaseTimes()  # benchmarks set sync_cuda for a phase split on a GPU (a sync per phase costs)
         models = load_models(sources, spec, config)
         self.model, self.feature = models.target, models.feature

@@ -134,7 +134,7 @@ def eagle3_fused(layer, rope, embeds: torch.Tensor, hidden: torch.Tensor, attn) 
             and a.q_norm is None and rope.rotary_dim == a.head_dim and _fused_attention(attn))
 
 
-def eagle3_midlayer(layer, rope, final_norm: RMSNorm, positions: torch.Tensor,
+def eagle3_midlayer(layer, rope, head_norm: RMSNorm, positions: torch.Tensor,
                     embeds: torch.Tensor,  # float32 [T, H]  the draft tokens' embeddings
                     hidden: torch.Tensor,  # float32 [T, H]  the fc'd target features or the previous step's carry
                     attn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +153,7 @@ def eagle3_midlayer(layer, rope, final_norm: RMSNorm, positions: torch.Tensor,
     h, normed = cpu_fused.add_rms_norm(hn if layer.norm_before_residual else hidden, _gemm(a.o_proj, o),
                                        post.weight, post.eps, f32)
     y = _gemm(mlp.down_proj, cpu_fused.silu_mul(_gemm(mlp.gate_up_proj, normed), f32))
-    return cpu_fused.add_rms_norm(h, y, final_norm.weight, final_norm.eps, f32)
+    return cpu_fused.add_rms_norm(h, y, head_norm.weight, head_norm.eps, f32)
 
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its decoder_stack table, or None)

@@ -211,10 +211,10 @@ def _model_config(reader, dtype: torch.dtype, arch: str) -> dict:
     if m("rope.dimension_count", head_dim) != head_dim:
         raise FastspecError("GGUF uses partial rotary embeddings (rope.dimension_count != head_dim)")
     theta = f32(m("rope.freq_base", 10000.0))
-    hf_class, model_type = ARCHITECTURES[arch][:2]
+    spec = ARCHITECTURES[arch]
     shapes = {t.name: t.shape for t in reader.tensors}  # GGUF order: [columns, rows]
     config = {
-        "architectures": [hf_class], "model_type": model_type, "hidden_act": "silu",
+        "architectures": [spec.hf_class], "model_type": spec.model_type, "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": m("feed_forward_length"),
         "num_hidden_layers": m("block_count"), "num_attention_heads": n_head,
         "num_key_value_heads": m("attention.head_count_kv", n_head), "head_dim": head_dim,

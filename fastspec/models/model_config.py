@@ -98,6 +98,15 @@ class ModelConfig:
         shorter (fastspec attends to the whole context; within W tokens that is what the window sees)."""
         return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
+    def context_len(self, requested: int | None) -> int:
+        """The context an engine serves: `requested` (None: context_limit); past a sliding window, a one-line error."""
+        length = requested or self.context_limit
+        if self.sliding_window and length > self.sliding_window:
+            raise FastspecError(f"max_context_len {length} exceeds the model's sliding attention window of "
+                                f"{self.sliding_window} tokens, which fastspec does not implement (it attends to the "
+                                "whole context, the same within the window)")
+        return length
+
     @property
     def is_draft(self) -> bool:
         return self.architecture in DRAFT_ARCHITECTURES
