@@ -83,7 +83,7 @@ class BlockLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = packed.shape[0] * cpu_q4.TILE, cpu_q4.in_features(packed)
         self.register_buffer("packed", packed)  # uint8 [N/16, K/32, 256 | 320 | 384] (4 / 5 / 6-bit); int8 (8-bit)
-        self.register_buffer("scales", scales)  # float16 [N/16, K/g, 2, 16]  (g: 32; 16 or 32 at 5 / 6 bits; 16 at 8)
+        self.register_buffer("scales", scales)  # float16 [N/16, K/g, 2, 16]  (g: 32 at 4 bits, else 16 or 32)
         self.register_buffer("levels", levels)  # int8 [16]: the values a 4-bit weight's nibbles index, or None
         self.register_buffer("bias", bias)
 
