@@ -93,47 +93,57 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     assert torch.tensor([1e-38]).div(1e3).item() != 0.0
 
 
-def plans():
+def plans(long: bool = False):
     """Dense plans of every shape the engine hands attention: a decode (no mask), a prefill of two requests of
-    different lengths after a cached prefix (causal, padded), and a paged tree verify's dense twin."""
-    table = torch.arange(1, 2 * 32 + 1, dtype=torch.int32).view(2, 32)
+    different lengths after a cached prefix (causal, padded), and a paged tree verify's dense twin. `long`: contexts
+    of several of the kernel's key chunks (a prefill past its token slab; a tree straddling a chunk's end)."""
+    width = 320 if long else 32
+    table = torch.arange(1, 2 * width + 1, dtype=torch.int32).view(2, width)
     rows = torch.tensor([0, 1])
     torch_backend = TorchAttnBackend()
-    decode = torch_backend.plan(decode_metadata(table, rows, torch.tensor([7, 12])))
-    prefill = torch_backend.plan(extend_metadata(table, rows, torch.tensor([2, 0]), torch.tensor([3, 5])))
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    paged = paged_block_plan(table, rows, torch.tensor([4, 9]), table[rows, 20:24].long(), tree.expand(2, 4, 4))
-    return {"decode": (decode, 2), "prefill": (prefill, 8), "tree verify": (PagedAttnBackend().dense(paged), 8)}
+    decode = torch_backend.plan(decode_metadata(table, rows, torch.tensor([300, 129] if long else [7, 12])))
+    prefill = torch_backend.plan(extend_metadata(table, rows, torch.tensor([200, 0] if long else [2, 0]),
+                                                 torch.tensor([40, 60] if long else [3, 5])))
+    paged = paged_block_plan(table, rows, torch.tensor([126, 260] if long else [4, 9]),
+                             table[rows, width - 12:width - 8].long(), TREE.expand(2, 4, 4))
+    return {"decode": (decode, 2), "prefill": (prefill, 100 if long else 8),
+            "tree verify": (PagedAttnBackend().dense(paged), 8)}
+
+
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # node 3 skips node 1
 
 
 @pytest.mark.parametrize("name", ["decode", "prefill", "tree verify"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attend_is_the_torch_backends_attention(twin, name, dtype):
-    plan, tokens = plans()[name]
+@pytest.mark.parametrize("dtype, long, dim", [(torch.float32, False, D), (torch.bfloat16, False, D),
+                                              (torch.float32, True, 64), (torch.float32, True, 72)])
+def test_attend_is_the_torch_backends_attention(twin, name, dtype, long, dim):
+    """Head dims 16 / 64 / 72: the kernel's 16- and 64-column paths and a tail of 8 columns."""
+    plan, tokens = plans(long)[name]
     g = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(tokens, HQ, D, generator=g), torch.randn(70, HKV, D, generator=g), torch.randn(70, HKV, D,
-                                                                                                       generator=g)
-    close(cpu_fused.attend(plan, q, k, v, D ** -0.5, dtype), twin(cpu_fused.attend, plan, q, k, v, D ** -0.5, dtype),
-          dtype)
+    slots = plan.kv_slots.max().item() + 1
+    q, k, v = (torch.randn(n, h, dim, generator=g) for n, h in ((tokens, HQ), (slots, HKV), (slots, HKV)))
+    close(cpu_fused.attend(plan, q, k, v, dim ** -0.5, dtype),
+          twin(cpu_fused.attend, plan, q, k, v, dim ** -0.5, dtype), dtype)
 
 
-def test_attend_is_batch_invariant():
+@pytest.mark.parametrize("prefix", [[4, 9], [126, 260]])
+def test_attend_is_batch_invariant(prefix):
     """Each token of a tree verify gets, bit for bit, what a decode step of that token alone over the keys it sees
     (its prefix, then its tree ancestors and itself) gets: speculation then stays lossless on the packed target
-    (the verify's logits are a plain step's, whatever the padding and the tree around a token)."""
-    table = torch.arange(1, 2 * 32 + 1, dtype=torch.int32).view(2, 32)
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-    prefix, tree_slots = [4, 9], table[:, 20:24].long()
+    (the verify's logits are a plain step's, whatever the padding and the tree around a token). With a prefix of
+    126 the tree straddles the kernel's first key chunk's end, and node 3 does not see node 1."""
+    table = torch.arange(1, 2 * 320 + 1, dtype=torch.int32).view(2, 320)
+    tree_slots = table[:, 300:304].long()
     plan = PagedAttnBackend().dense(paged_block_plan(table, torch.tensor([0, 1]), torch.tensor(prefix), tree_slots,
-                                                     tree.expand(2, 4, 4)))
+                                                     TREE.expand(2, 4, 4)))
     g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(n, HQ if n == 8 else HKV, D, generator=g) for n in (8, 70, 70))
-    verified = cpu_fused.attend(plan, q, k, v, D ** -0.5, torch.float32)
+    q, k, v = (torch.randn(n, HQ if n == 8 else HKV, 64, generator=g) for n in (8, 650, 650))
+    verified = cpu_fused.attend(plan, q, k, v, 0.125, torch.float32)
     for t in range(8):
         b, i = divmod(t, 4)
-        seen = torch.cat([table[b, :prefix[b]].long(), tree_slots[b][tree[i]]]).to(torch.int32)
+        seen = torch.cat([table[b, :prefix[b]].long(), tree_slots[b][TREE[i]]]).to(torch.int32)
         alone = TorchAttnBackend().plan(decode_metadata(seen[None], torch.tensor([0]), torch.tensor([len(seen)])))
-        assert torch.equal(verified[t], cpu_fused.attend(alone, q[t:t + 1], k, v, D ** -0.5, torch.float32)[0]), t
+        assert torch.equal(verified[t], cpu_fused.attend(alone, q[t:t + 1], k, v, 0.125, torch.float32)[0]), t
 
 
 @pytest.mark.parametrize("activation, layout", [(torch.float32, "q4_k_m_type"), (torch.int16, "q4_k_m_type"),
