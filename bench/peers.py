@@ -146,8 +146,9 @@ def _literal(value: str):
 
 
 def fastspec_peer(spec: str, kwargs: dict) -> Peer:
-    """`kwargs`: fastspec.LLM options, from parse_fastspec (parsed early, so a typo fails before any loading)."""
-    llm = fastspec.LLM(model=MODEL, **kwargs)
+    """`kwargs`: fastspec.LLM options, from parse_fastspec (parsed early, so a typo fails before any loading). The
+    prefix cache is off unless asked for: every engine pays every prefill (llama.cpp is reset before each run)."""
+    llm = fastspec.LLM(model=MODEL, **{"radix_cache": False, **kwargs})
 
     def run(prompt: Prompt, new_tokens: int) -> Output:
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -187,7 +188,7 @@ def llama_cpp_peer(gguf: Path) -> tuple[Peer | None, list[str]]:
     except Exception as e:  # ImportError, or a built library that fails to load
         return None, [f"llama-cpp-python unavailable: {type(e).__name__}: {e}"]
     notes = [f"llama.cpp {llama_cpp.__version__} runs the Q4_1 GGUF weights (not float32), n_threads=2, "
-             "n_ctx=2048, greedy; its tokens are not compared with transformers greedy, its text is shown"]
+             "n_ctx=4096, greedy; its tokens are not compared with transformers greedy, its text is shown"]
     extra_bufts = True
     failure = probe_llama_cpp(gguf, extra_bufts)
     if failure:
@@ -222,7 +223,7 @@ def load_llama_cpp(gguf: Path, extra_bufts: bool):
 
     api.llama_model_default_params = params
     try:
-        return Llama(model_path=str(gguf), n_ctx=2048, n_threads=2, n_threads_batch=2, verbose=False)
+        return Llama(model_path=str(gguf), n_ctx=4096, n_threads=2, n_threads_batch=2, verbose=False)
     finally:
         api.llama_model_default_params = defaults
 
