@@ -150,6 +150,19 @@ def test_the_kernel_is_its_twin(rows, bits, group):
     assert torch.equal(cpu_q4.matmul(torch.zeros(rows, 576), *packed), torch.zeros(rows, 96))
 
 
+@needs_library
+@pytest.mark.parametrize("bits, group", WIDTHS)
+def test_a_row_gets_what_it_gets_alone_on_either_side_of_a_row_block(bits, group):
+    """Rows go through every tile 256 at a time (their int16 copy stays in cache); each row's product is still, bit
+    for bit, the one it gets alone (a 300-token prefill's rows are its decode steps' ones)."""
+    blocks = blocks_of(bits, 48, 256, seed=5, group=group)
+    packed = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(6))
+    y = cpu_q4.matmul(x, *packed)
+    for r in (0, 255, 256, 299):
+        assert torch.equal(y[r], cpu_q4.matmul(x[r:r + 1], *packed)[0]), r
+
+
 def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
     """cpu_q4.c and cpu_q8.c alone, built for `march` (an instruction-set level below this CPU's own)."""
     library = tmp_path / f"q4-{march}.so"

@@ -178,25 +178,29 @@ int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uin
     int64_t wg = bits == 8 ? 2 * G : G;                      /* weight groups (tile units) per row */
     int64_t unit = bits == 8 || bits == 4 ? 256 : 256 + 64 * (bits - 4); /* bytes of a tile unit */
     int64_t sg = K / group;                                  /* scale groups per row */
-#pragma omp parallel for schedule(static) if (M * N * K >= Q4_PARALLEL_WORK)
-    for (int64_t t = 0; t < N / Q4_TILE; t++) {
-        const uint8_t *wt = w + t * wg * unit;
-        const uint16_t *st = sm + t * sg * 32;
-        for (int64_t m0 = 0; m0 < M; m0 += Q4_ROWS) {
-            const int16_t *a = x16 + m0 * K;
-            const float *s = xs + m0 * G;
-            float *yt = y + m0 * N + t * Q4_TILE;
-            int mb = M - m0 < Q4_ROWS ? (int)(M - m0) : Q4_ROWS;
-            if (bits == 4) {
-                const float *u = xsum + m0 * G;
+    for (int64_t r0 = 0; r0 < M; r0 += Q4_ROW_BLOCK) { /* rows a block at a time: their int16 copy stays in cache */
+        int64_t r1 = M - r0 < Q4_ROW_BLOCK ? M : r0 + Q4_ROW_BLOCK;
+#pragma omp parallel for schedule(static) if ((r1 - r0) * N * K >= Q4_PARALLEL_WORK)
+        for (int64_t t = 0; t < N / Q4_TILE; t++) {
+            const uint8_t *wt = w + t * wg * unit;
+            const uint16_t *st = sm + t * sg * 32;
+            for (int64_t m0 = r0; m0 < r1; m0 += Q4_ROWS) {
+                const int16_t *a = x16 + m0 * K;
+                const float *s = xs + m0 * G;
+                float *yt = y + m0 * N + t * Q4_TILE;
+                int mb = r1 - m0 < Q4_ROWS ? (int)(r1 - m0) : Q4_ROWS;
+                if (bits == 4) {
+                    const float *u = xsum + m0 * G;
 #define TILE4(rows) (levels ? tile(wt, st, G, levels, a, s, u, K, yt, N, rows)                                     \
                             : tile(wt, st, G, NULL, a, s, u, K, yt, N, rows))
-                RUN_ROWS(TILE4)
-            } else if (bits != 8) {
-                wide_tiles(wt, st, G, bits - 4, group == 32, a, s, xsum + m0 * G, xsum16 + m0 * 2 * G, K, yt, N, mb);
-            } else {
-                q8_tiles((const int8_t *)wt, st, wg, group == 32, a, s, xsum + m0 * G, xsum16 + m0 * 2 * G, K, yt,
-                         N, mb);
+                    RUN_ROWS(TILE4)
+                } else if (bits != 8) {
+                    wide_tiles(wt, st, G, bits - 4, group == 32, a, s, xsum + m0 * G, xsum16 + m0 * 2 * G, K, yt, N,
+                               mb);
+                } else {
+                    q8_tiles((const int8_t *)wt, st, wg, group == 32, a, s, xsum + m0 * G, xsum16 + m0 * 2 * G, K, yt,
+                             N, mb);
+                }
             }
         }
     }

@@ -15,6 +15,7 @@
 #define Q4_GROUP 32
 #define Q4_TILE 16
 #define Q4_ROWS 8 /* activation rows that share one unpacking of a tile's weights */
+#define Q4_ROW_BLOCK 256 /* activation rows that go through every tile before the next rows (a multiple of Q4_ROWS) */
 /* groups ahead whose weights are prefetched (the next tile's once a tile ends; a prefetch never faults): a decode
  * step reads every weight once, from memory, and the hardware prefetcher alone left the kernel at ~15 GB/s */
 #define Q4_AHEAD 16
