@@ -4,8 +4,8 @@ activations' int16 rounding), the layouts against the values they hold, each ins
 built explicitly, and the module in a model."""
 
 import ctypes
+import functools
 import platform
-import subprocess
 from pathlib import Path
 
 import gguf
@@ -163,17 +163,13 @@ def test_a_row_gets_what_it_gets_alone_on_either_side_of_a_row_block(bits, group
         assert torch.equal(y[r], cpu_q4.matmul(x[r:r + 1], *packed)[0]), r
 
 
-def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
-    """cpu_q4.c and cpu_q8.c alone, built for `march` (an instruction-set level below this CPU's own)."""
-    library = tmp_path / f"q4-{march}.so"
-    objects = [f"{library}.{i}.o" for i in range(2)]
-    for source, obj in zip(cpu_library.SOURCES[1:], objects):
-        subprocess.run(["cc", "-O3", f"-march={march}", "-ffast-math", "-fPIC", "-c", str(source), "-o", obj],
-                       check=True, capture_output=True)
-    subprocess.run(["cc", "-shared", *objects, "-o", str(library), "-lm"], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(library))
-    lib.block_gemm.argtypes, lib.block_gemm.restype = cpu_library.SIGNATURES["block_gemm"]
-    return lib
+@pytest.fixture(scope="module")
+def build_path(tmp_path_factory):
+    """build_path(march): the kernels built for `march` (an instruction-set level below this CPU's own), once."""
+    @functools.cache
+    def build(march: str) -> ctypes.CDLL:
+        return cpu_library.build_for(march, tmp_path_factory.mktemp(march) / "kernels.so")
+    return build
 
 
 @needs_library
@@ -181,8 +177,8 @@ def build_path(tmp_path: Path, march: str) -> ctypes.CDLL:
                     reason="an x86-64 CPU with AVX2 runs both lower paths")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])  # the AVX2 path, the portable C one
 @pytest.mark.parametrize("bits, group", WIDTHS)
-def test_each_instruction_set_path_is_the_twin(tmp_path, march, bits, group):
-    lib = build_path(tmp_path, march)
+def test_each_instruction_set_path_is_the_twin(build_path, march, bits, group):
+    lib = build_path(march)
     blocks = blocks_of(bits, 48, 96, seed=4, group=group)
     packed, scales = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, bits)
     for rows in (1, 5, 11):
@@ -216,8 +212,8 @@ def test_indexed_levels_are_the_weight_and_the_kernel_is_its_twin(rows):
 @pytest.mark.skipif(platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text(),
                     reason="an x86-64 CPU with AVX2 runs both lower paths")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
-def test_each_instruction_set_path_indexes_levels_as_the_twin(tmp_path, march):
-    lib = build_path(tmp_path, march)
+def test_each_instruction_set_path_indexes_levels_as_the_twin(build_path, march):
+    lib = build_path(march)
     packed, scales, levels = iq4_weight(48, 96, seed=4)
     for rows in (1, 5, 11):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))

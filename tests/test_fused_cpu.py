@@ -2,8 +2,10 @@
 layer stack (fastspec.models.fused_cpu) against its layers. Skipped where no C compiler builds them."""
 
 import os
+import platform
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,22 @@ from fastspec.memory.kv_pool import KVPool
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler for the fused CPU kernels")
 HQ, HKV, D = 6, 2, 16
+
+
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    """The kernels built for x86-64-v3 (AVX2: 8-float vectors where this CPU's own build may take 16), or a skip."""
+    if platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("an x86-64 CPU with AVX2 runs the AVX2 build")
+    return cpu_library.build_for("x86-64-v3", tmp_path_factory.mktemp("avx2") / "cpu_fused.so")
+
+
+@pytest.fixture(params=["native", "avx2"])
+def build(request, monkeypatch):
+    """Each attention test on this CPU's own build and on the AVX2 one."""
+    if request.param == "avx2":
+        monkeypatch.setattr(cpu_library, "library", lambda: request.getfixturevalue("avx2_library"))
+    return request.param
 
 
 @pytest.fixture
@@ -116,7 +134,7 @@ TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dt
 @pytest.mark.parametrize("name", ["decode", "prefill", "tree verify"])
 @pytest.mark.parametrize("dtype, long, dim", [(torch.float32, False, D), (torch.bfloat16, False, D),
                                               (torch.float32, True, 64), (torch.float32, True, 72)])
-def test_attend_is_the_torch_backends_attention(twin, name, dtype, long, dim):
+def test_attend_is_the_torch_backends_attention(build, twin, name, dtype, long, dim):
     """Head dims 16 / 64 / 72: the kernel's 16- and 64-column paths and a tail of 8 columns."""
     plan, tokens = plans(long)[name]
     g = torch.Generator().manual_seed(2)
@@ -127,7 +145,7 @@ def test_attend_is_the_torch_backends_attention(twin, name, dtype, long, dim):
 
 
 @pytest.mark.parametrize("prefix", [[4, 9], [126, 260]])
-def test_attend_is_batch_invariant(prefix):
+def test_attend_is_batch_invariant(build, prefix):
     """Each token of a tree verify gets, bit for bit, what a decode step of that token alone over the keys it sees
     (its prefix, then its tree ancestors and itself) gets: speculation then stays lossless on the packed target
     (the verify's logits are a plain step's, whatever the padding and the tree around a token). With a prefix of

@@ -59,12 +59,23 @@ def library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.info("fused CPU kernels unavailable (%s); running their torch twins", str(e).splitlines()[0])
         return None
+    return _typed(lib)
+
+
+def build_for(march: str, path: Path) -> ctypes.CDLL:
+    """The library built for another instruction-set level (`-march=march`, e.g. x86-64-v3: AVX2) at `path`: how the
+    tests reach the paths this CPU's own build does not take."""
+    _build(path, tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS))
+    return _typed(ctypes.CDLL(str(path)))
+
+
+def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, (argtypes, restype) in SIGNATURES.items():
         getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
     return lib
 
 
-def _build(path: Path) -> None:
+def _build(path: Path, flags: tuple[str, ...] = FLAGS) -> None:
     """Compile into a temporary file beside `path`, then rename it in place (a reader never sees half a library)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".so")
@@ -77,7 +88,7 @@ def _build(path: Path) -> None:
             # flush-to-zero for the whole process (every subnormal float in torch would become 0)
             try:
                 for source, obj in zip(SOURCES, objects):
-                    subprocess.run([cc, *FLAGS, *threads, "-c", str(source), "-o", obj], check=True,
+                    subprocess.run([cc, *flags, *threads, "-c", str(source), "-o", obj], check=True,
                                    capture_output=True, timeout=120)
                 subprocess.run([cc, "-shared", *threads, *objects, "-o", tmp, "-lm"], check=True,
                                capture_output=True, timeout=120)
