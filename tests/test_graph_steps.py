@@ -96,7 +96,7 @@ class EveryOther:
     def __init__(self):
         self.n = 0
 
-    def speculate(self, bs):
+    def speculate(self, bs, context=0):
         self.n += 1
         return self.n % 2 == 0
 

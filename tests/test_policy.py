@@ -45,6 +45,28 @@ def test_probes_of_a_losing_mode_back_off_and_restart_when_the_lead_changes():
     assert [n for n in range(62, 111) if not chose[n]] == [66, 74, 90, 106]
 
 
+def test_rates_are_kept_per_context_length_and_a_new_length_starts_from_the_nearest():
+    """Speculation pays over short contexts and not over long ones (a verify attends every draft token to the whole
+    context): the policy speculates at 300 tokens and decodes plainly at 3000, each length measured apart; a length
+    seen for the first time next to a measured one (1500, next to 3000's bucket) starts from its rates, without
+    warm-up rounds of its own."""
+    policy = SpecPolicy(probe_every=50, warmup_rounds=2, alpha=1.0)
+
+    def run(context: int, rounds: int) -> list[bool]:
+        chose = []
+        for _ in range(rounds):
+            chose.append(policy.speculate(1, context))
+            fast = chose[-1] == (context < 1000)
+            policy.record(1, chose[-1], 1.0, 0.1 if fast else 0.3, context)
+        return chose
+
+    assert run(300, 10) == [True] * 2 + [False] + [True] * 7  # warm-up, a plain probe, then speculation leads
+    assert run(3000, 10) == [True] * 2 + [False] * 8  # its own warm-up: 3000's bucket is not next to 300's
+    assert policy.rates(1, 300) == (10.0, 1 / 0.3) and policy.rates(1, 3000) == (1 / 0.3, 10.0)
+    assert run(1500, 3) == [False] * 3  # from 3000's rates (bucket 11 is next to 12): plain from its first round
+    assert policy.rates(1, 100) == policy.rates(1, 511) != policy.rates(1, 512)  # buckets: powers of two from 256
+
+
 def test_policy_keeps_speculating_when_it_pays():
     policy = SpecPolicy(probe_every=8)
     choices = []
@@ -59,7 +81,7 @@ class Alternating:
     def __init__(self, seed):
         self.rng = random.Random(seed)
 
-    def speculate(self, bs):
+    def speculate(self, bs, context=0):
         return self.rng.random() < 0.5
 
     def record(self, *args):
@@ -86,7 +108,7 @@ class PlainFor:
     def __init__(self, n: int):
         self.n, self.rounds = n, 0
 
-    def speculate(self, bs):
+    def speculate(self, bs, context=0):
         self.rounds += 1
         return self.rounds > self.n
 

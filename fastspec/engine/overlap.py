@@ -24,7 +24,7 @@ from fastspec.engine.spec_rounds import SpecRounds
 from fastspec.sampling.controls import active as controls_active
 from fastspec.spec_config import SpecParams
 from fastspec.speculative.future import PendingRound
-from fastspec.speculative.policy import SpecPolicy, record_round
+from fastspec.speculative.policy import SpecPolicy, mean_length, record_round
 from fastspec.utils.metrics import PhaseTimes
 
 
@@ -86,7 +86,7 @@ class OverlapSchedule:
             live = [b for b, r in enumerate(p.reqs) if r.done is None]  # the others finished in the round before
             out = self.rounds.finish(p)
             if self.policy is not None:  # a round's time: from the later of its launch and the last finish
-                record_round(self.policy, True, out.tokens, max(p.started, self._finished_at))
+                record_round(self.policy, True, out.tokens, max(p.started, self._finished_at), mean_length(p.reqs))
             self._finished_at = time.perf_counter()
             # KV the round launched since took counts as free: the engine plans from the KV free before it
             later = self.pending.reserved if self.pending is not None else 0

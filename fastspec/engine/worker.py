@@ -42,7 +42,7 @@ from fastspec.speculative.backlog import DraftBacklog
 from fastspec.speculative.drafter import Drafter, build_drafters
 from fastspec.speculative.future import FutureMaps
 from fastspec.speculative.packing import verify_specs
-from fastspec.speculative.policy import SpecPolicy, record_round
+from fastspec.speculative.policy import SpecPolicy, mean_length, record_round
 from fastspec.speculative.steps import target_forward
 from fastspec.utils.metrics import PhaseTimes
 
@@ -245,17 +245,19 @@ class Worker:
     def _round_params(self, reqs: list[Request]) -> SpecParams | None:
         """The next round's tree shape, or None for a plain round (no drafter, or the policy says it does not pay)."""
         params = self.spec.params_for(len(reqs)) if self.drafter is not None else None
-        return params if params is not None and (self.policy is None or self.policy.speculate(len(reqs))) else None
+        if params is None or self.policy is None:
+            return params
+        return params if self.policy.speculate(len(reqs), mean_length(reqs)) else None
 
     def _decode(self, reqs: list[Request], params: SpecParams | None) -> RoundOutput:
         """One decode round, launched and finished: speculative with `params`, else plain."""
         with self.times("round" if params is not None else "plain_round"):  # "round" = speculative rounds only
             if params is not None:  # the draft first runs over what prefill and plain rounds left it (each token
                 self.backlog.catch_up(self.drafter, reqs, self.config.device)  # once: not this round's rate)
-            start = time.perf_counter()
+            start, context = time.perf_counter(), mean_length(reqs)
             out = self.spec_rounds.run(reqs, params) if params is not None else self.plain_rounds(reqs)
             if self.policy is not None:
-                record_round(self.policy, params is not None, out.tokens, start)
+                record_round(self.policy, params is not None, out.tokens, start, context)
             if params is None:
                 self._bound_backlog(reqs)
         return out
