@@ -1,6 +1,7 @@
 """fastspec's CPU kernels in C (cpu_fused.c: a decoder layer's work between its GEMMs, and a whole layer stack;
-cpu_q4.c and cpu_q8.c: the 4- to 8-bit GEMMs on int16 activations) as one library: built on first use with the
-system C compiler (`cc -O3 -march=native -ffast-math -fopenmp`, a second or two; without OpenMP, single-threaded)
+cpu_attention.c: attention over a dense plan; cpu_q4.c and cpu_q8.c: the 4- to 8-bit GEMMs on int16 activations) as
+one library: built on first use with the system C compiler (`cc -O3 -march=native -ffast-math -fopenmp`, a second or
+two; without OpenMP, single-threaded)
 into the cache (`cache_root()/kernels`, keyed by the sources, the flags and the CPU) and loaded through ctypes.
 Without a compiler, or with FASTSPEC_FUSED_CPU=0, `library()` is None and the callers run their torch twins. Knows
 nothing about what the kernels compute.
@@ -23,8 +24,8 @@ import torch
 from fastspec.utils.cache import cache_root
 
 log = logging.getLogger(__name__)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_fused.c", "cpu_q4.c", "cpu_q8.c"))
-HEADERS = (Path(__file__).with_name("cpu_q4.h"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_fused.c", "cpu_attention.c", "cpu_q4.c", "cpu_q8.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_q4.h", "cpu_rows.h"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 THREADS = (("-fopenmp",), ("-fopenmp-simd",))  # OpenMP threads, else (a compiler without it) the calling thread
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int

@@ -1,0 +1,207 @@
+/* fastspec's CPU attention over a dense padded plan (cpu_fused.attend and the layer stack in cpu_fused.c call it;
+ * cpu_fused.py holds its torch twin): float32, each token's keys in chunks whose softmaxes merge in order, split
+ * between torch's OpenMP threads once there is enough work. Built with -ffast-math (vectorised expf): nothing relies
+ * on infinities or NaN. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_rows.h"
+
+/* query rows x heads x keys below which attention runs on the calling thread (a decode step of 9 heads splits from
+ * 57 keys on: waking the other threads costs less than that much work) */
+#define PARALLEL_WORK 512
+#define MASKED (-1e30f) /* below every score: finite, since the library is built with -ffast-math (vector expf) */
+
+/* A token's keys split into chunks of CHUNK (by their place in its own list of seen keys, so a chunk holds the same
+ * keys whatever else is in the batch): each chunk's softmax is taken apart and the chunks merged in order, as a
+ * flash-decoding split, so a long context's keys split between threads even for one decode token. */
+#define CHUNK 128
+#define SLAB 64 /* tokens whose chunk partials are held at once (a long prefill runs in slabs) */
+
+/* The KV slots token t sees (its columns where the mask allows, in column order) into seen; returns how many. */
+static int64_t seen_keys(int64_t t, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask,
+                         int64_t max_qo, int64_t max_kv, int64_t *seen) {
+    int64_t b = out_index[t] / max_qo, i = out_index[t] % max_qo, n = 0;
+    const uint8_t *allowed = mask ? mask + (b * max_qo + i) * max_kv : NULL;
+    for (int64_t j = 0; j < max_kv; j++)
+        if (!allowed || allowed[j]) seen[n++] = kv_slots[b * max_kv + j];
+    return n;
+}
+
+/* Attention's vectors: LANES floats, as wide as the CPU's registers hold 16 accumulators and a query (AVX-512: 16
+ * floats, else 8: AVX2's 16 registers; wider ones spill), loaded from any float address. */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
+#define LOAD(p) (*(const vec *)(p))
+
+/* r[j] = the sum of x[j]'s lanes, for LANES vectors at once: each level adds lane halves of two vectors. E.g. with 8
+ * lanes, level 1 puts x0's lanes 0-3 + 4-7 in lanes 0-3 and x1's in lanes 4-7; after the last level lane j holds the
+ * sum of x[j]. */
+static inline vec sum_lanes(const vec *x) {
+#if LANES == 16
+    vec y[8], z[4], w[2];
+    for (int i = 0; i < 8; i++)
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    for (int i = 0; i < 4; i++)
+        z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                                       27) +
+               __builtin_shufflevector(y[2 * i], y[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                                       31);
+    for (int i = 0; i < 2; i++)
+        w[i] = __builtin_shufflevector(z[2 * i], z[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                                       29) +
+               __builtin_shufflevector(z[2 * i], z[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                                       31);
+    return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+    vec y[4], z[2];
+    for (int i = 0; i < 4; i++)
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        z[i] = __builtin_shufflevector(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+}
+
+#define AHEAD 16 /* keys ahead whose K / V rows are fetched early: a token's slots may be scattered over the pool */
+
+static inline void prefetch_row(const float *row, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d);
+}
+
+/* One chunk of one token for the `group` query heads q [group, D] of KV head g: its n <= CHUNK keys' (slots) scores,
+ * their top score top[h], sum[h] = sum of exp(score - top) and part[h] [D] = sum of exp(score - top) v; heads h
+ * `stride` floats apart in part, top and sum. scores: scratch [group, CHUNK]. Scores go LANES keys at a time (an
+ * accumulator in a register each, summed across lanes together: sum_lanes), the weighted sum of V 4 vectors of
+ * columns at a time; either way every key's K and V rows are read from cache once per head. */
+static void attend_chunk(const float *q, int64_t group, int64_t D, const float *k_cache, const float *v_cache,
+                         int64_t Hkv, int64_t g, const int64_t *slots, int64_t n, float scale, float *scores,
+                         float *part, float *top, float *sum, int64_t stride) {
+    const float *rows[CHUNK];
+    int64_t padded = (n + LANES - 1) / LANES * LANES, body = D / LANES * LANES, block = 4 * LANES;
+    for (int64_t a = 0; a < padded; a++) /* past n: the last key again, its scores dropped below */
+        rows[a] = k_cache + (slots[a < n ? a : n - 1] * Hkv + g) * D;
+    for (int64_t a0 = 0; a0 < padded; a0 += LANES) {
+        for (int64_t a = a0 + AHEAD; a < a0 + LANES + AHEAD && a < n; a++) prefetch_row(rows[a], D);
+        for (int64_t h = 0; h < group; h++) {
+            const float *qh = q + h * D;
+            vec acc[LANES] = {{0}};
+            for (int64_t d = 0; d < body; d += LANES) {
+                vec x = LOAD(qh + d);
+                for (int j = 0; j < LANES; j++) acc[j] += x * LOAD(rows[a0 + j] + d);
+            }
+            vec dots = sum_lanes(acc);
+            for (int64_t d = body; d < D; d++) /* a head dim that is not a multiple of LANES: the last columns */
+                for (int j = 0; j < LANES; j++) dots[j] += qh[d] * rows[a0 + j][d];
+            *(vec *)(scores + h * CHUNK + a0) = dots * scale;
+        }
+    }
+    for (int64_t a = 0; a < n; a++) rows[a] = v_cache + (slots[a] * Hkv + g) * D;
+    for (int64_t a = 0; a < n && a < AHEAD; a++) prefetch_row(rows[a], D);
+    for (int64_t h = 0; h < group; h++) {
+        float *p = scores + h * CHUNK, best = MASKED, *o = part + h * stride * D;
+        for (int64_t a = 0; a < n; a++) best = p[a] > best ? p[a] : best;
+#pragma omp simd
+        for (int64_t a = 0; a < n; a++) p[a] = expf(p[a] - best);
+        for (int64_t a = n; a < padded; a++) p[a] = 0.f;
+        vec lanes = {0};
+        for (int64_t a = 0; a < padded; a += LANES) lanes += LOAD(p + a);
+        float s = 0.f;
+        for (int l = 0; l < LANES; l++) s += lanes[l];
+        top[h * stride] = best, sum[h * stride] = s;
+        int64_t d = 0;
+        for (; d + block <= D; d += block) {
+            vec o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+            for (int64_t a = 0; a < n; a++) {
+                const float *v = rows[a] + d;
+                if (h == 0 && d == 0 && a + AHEAD < n) prefetch_row(rows[a + AHEAD], D);
+                o0 += p[a] * LOAD(v), o1 += p[a] * LOAD(v + LANES);
+                o2 += p[a] * LOAD(v + 2 * LANES), o3 += p[a] * LOAD(v + 3 * LANES);
+            }
+            *(vec *)(o + d) = o0, *(vec *)(o + d + LANES) = o1;
+            *(vec *)(o + d + 2 * LANES) = o2, *(vec *)(o + d + 3 * LANES) = o3;
+        }
+        for (; d + LANES <= D; d += LANES) {
+            vec o0 = {0};
+            for (int64_t a = 0; a < n; a++) o0 += p[a] * LOAD(rows[a] + d);
+            *(vec *)(o + d) = o0;
+        }
+        for (; d < D; d++) {
+            float o0 = 0.f;
+            for (int64_t a = 0; a < n; a++) o0 += p[a] * rows[a][d];
+            o[d] = o0;
+        }
+    }
+}
+
+/* Attention of a dense padded plan (fastspec.attention.torch_backend.TorchAttnPlan): token t is query row
+ * out_index[t] = b * max_qo + i; it sees key column j of request b (KV slot kv_slots[b, j]) where
+ * mask[b, i, j] (mask NULL: every column). q float32 [T, Hq, D]; caches float32 [num_slots, Hkv, D];
+ * out [T, Hq, D] in `out_act`. Query head h reads KV head h / (Hq / Hkv).
+ * Batch-invariant: a token's output depends only on the keys it sees, in column order, not on the padding, the
+ * masked columns or the other tokens, so a tree verify computes bit for bit what a decode step of the same token
+ * would (the seen keys are gathered into a list first; its chunks and every sum over them run in a fixed order).
+ * Work items are (KV head, chunk, token), tokens innermost: a verify's tokens share their prefix's chunks, which
+ * are still in cache for the next token. */
+void attend(const float *q, const float *k_cache, const float *v_cache, int64_t T, int64_t Hq, int64_t Hkv,
+            int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
+            int64_t max_kv, float scale, void *out, int out_act) {
+    int64_t group = Hq / Hkv, chunks = max_kv > 0 ? (max_kv + CHUNK - 1) / CHUNK : 1, width = max_kv > 0 ? max_kv : 1;
+    int64_t slab = T < SLAB ? T : SLAB;
+    float *o_all = (float *)malloc(T * Hq * D * sizeof(float));
+    float *part = (float *)malloc(slab * Hq * chunks * (D + 2) * sizeof(float));
+    float *top = part + slab * Hq * chunks * D, *sum = top + slab * Hq * chunks; /* [slab, Hq, chunks] */
+    int64_t *seen = (int64_t *)malloc(slab * (width + 1) * sizeof(int64_t)), *count = seen + slab * width;
+    for (int64_t t0 = 0; t0 < T; t0 += slab) {
+        int64_t tokens = T - t0 < slab ? T - t0 : slab;
+        /* split between torch's OpenMP threads once there is enough work to pay for waking them */
+#pragma omp parallel if (tokens * Hq * max_kv >= PARALLEL_WORK)
+        {
+            float *scores = (float *)malloc(group * CHUNK * sizeof(float));
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < tokens; u++)
+                count[u] = seen_keys(t0 + u, out_index, kv_slots, mask, max_qo, max_kv, seen + u * width);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < Hkv * chunks * tokens; item++) {
+                int64_t g = item / (chunks * tokens), c = item / tokens % chunks, u = item % tokens;
+                int64_t lo = c * CHUNK, n = count[u] - lo < CHUNK ? count[u] - lo : CHUNK;
+                if (n <= 0) continue;
+                int64_t head = (u * Hq + g * group) * chunks + c; /* (u, g's first head, c) in [slab, Hq, chunks] */
+                attend_chunk(q + ((t0 + u) * Hq + g * group) * D, group, D, k_cache, v_cache, Hkv, g,
+                             seen + u * width + lo, n, scale, scores, part + head * D, top + head, sum + head,
+                             chunks);
+            }
+#pragma omp for schedule(static)
+            for (int64_t uh = 0; uh < tokens * Hq; uh++) { /* merge the chunks in order: a fixed sum per token */
+                int64_t used = (count[uh / Hq] + CHUNK - 1) / CHUNK;
+                float m = MASKED, total = 0.f, *o = o_all + (t0 * Hq + uh) * D;
+                const float *tp = top + uh * chunks, *sp = sum + uh * chunks, *pp = part + uh * chunks * D;
+                for (int64_t c = 0; c < used; c++) m = tp[c] > m ? tp[c] : m;
+                memset(o, 0, D * sizeof(float));
+                for (int64_t c = 0; c < used; c++) {
+                    float w = expf(tp[c] - m);
+                    total += w * sp[c];
+                    for (int64_t d = 0; d < D; d++) o[d] += w * pp[c * D + d];
+                }
+                float inv = used ? 1.f / total : 0.f; /* total >= 1 (the top chunk's exp(0) x its sum >= 1) */
+                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+            }
+            free(scores);
+        }
+    }
+    for (int64_t t = 0; t < T; t++) store_row(o_all + t * Hq * D, Hq * D, (char *)out + t * Hq * D * (out_act ? 2 : 4),
+                                              out_act);
+    free(o_all), free(part), free(seen);
+}
