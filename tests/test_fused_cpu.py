@@ -164,6 +164,20 @@ def test_attend_is_batch_invariant(build, prefix):
         assert torch.equal(verified[t], cpu_fused.attend(alone, q[t:t + 1], k, v, 0.125, torch.float32)[0]), t
 
 
+def test_a_prefill_token_is_its_decode_step(build):
+    """Tokens of a prefill that see the same keys in a chunk go through it together (their K / V loads shared): each
+    still gets, bit for bit, what a decode step of it alone gets (a prefill of 9 tokens after 300 cached ones, tiles
+    of 4 and a lone last token, every chunk but the diagonal one shared)."""
+    table = torch.arange(1, 321, dtype=torch.int32)[None]
+    plan = TorchAttnBackend().plan(extend_metadata(table, torch.tensor([0]), torch.tensor([300]), torch.tensor([9])))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, HQ if n == 9 else HKV, 64, generator=g) for n in (9, 330, 330))
+    prefilled = cpu_fused.attend(plan, q, k, v, 0.125, torch.float32)
+    for t in range(9):
+        alone = TorchAttnBackend().plan(decode_metadata(table[:, :301 + t], torch.tensor([0]), torch.tensor([301 + t])))
+        assert torch.equal(prefilled[t], cpu_fused.attend(alone, q[t:t + 1], k, v, 0.125, torch.float32)[0]), t
+
+
 @pytest.mark.parametrize("activation, layout", [(torch.float32, "q4_k_m_type"), (torch.int16, "q4_k_m_type"),
                                                 (torch.int16, "every_type")])
 def test_a_packed_stack_runs_fused_and_gives_its_layers_logits(tmp_path, monkeypatch, activation, layout):

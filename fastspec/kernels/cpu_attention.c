@@ -81,69 +81,106 @@ static inline void prefetch_row(const float *row, int64_t D) {
     for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d);
 }
 
-/* One chunk of one token for the `group` query heads q [group, D] of KV head g: its n <= CHUNK keys' (slots) scores,
- * their top score top[h], sum[h] = sum of exp(score - top) and part[h] [D] = sum of exp(score - top) v; heads h
- * `stride` floats apart in part, top and sum. scores: scratch [group, CHUNK]. Scores go LANES keys at a time (an
+#define TILE 4 /* tokens that share a chunk's K and V loads when they see the same keys in it (a prefill, a verify) */
+
+/* One chunk for R <= TILE tokens that see the same n <= CHUNK keys (slots) in it, each with the `group` query heads
+ * qs[r] [group, D] of KV head g: per token r and head h, the keys' scores, their top score, the sum of exp(score -
+ * top) and the weighted sum of V, into top / sum [heads[r] + h * stride] and part [(heads[r] + h * stride) * D].
+ * scores: scratch [R * group, CHUNK]. Scores go LANES (token, key) pairs at a time (RP tokens x KP keys, an
  * accumulator in a register each, summed across lanes together: sum_lanes), the weighted sum of V 4 vectors of
- * columns at a time; either way every key's K and V rows are read from cache once per head. */
-static void attend_chunk(const float *q, int64_t group, int64_t D, const float *k_cache, const float *v_cache,
-                         int64_t Hkv, int64_t g, const int64_t *slots, int64_t n, float scale, float *scores,
-                         float *part, float *top, float *sum, int64_t stride) {
+ * columns at a time for every token. Each (token, head, key) product and each sum runs in the same order whatever R
+ * is, so a token computes bit for bit what it computes alone. */
+static inline __attribute__((always_inline)) void chunk_tile(
+    const float *const *qs, const int R, int64_t group, int64_t D, const float *k_cache, const float *v_cache,
+    int64_t Hkv, int64_t g, const int64_t *slots, int64_t n, float scale, float *scores, float *part, float *top,
+    float *sum, const int64_t *heads, int64_t stride) {
+    const int RP = R == 3 ? 4 : R, KP = LANES / RP; /* a pass: RP tokens (the last again past R) x KP keys */
     const float *rows[CHUNK];
     int64_t padded = (n + LANES - 1) / LANES * LANES, body = D / LANES * LANES, block = 4 * LANES;
     for (int64_t a = 0; a < padded; a++) /* past n: the last key again, its scores dropped below */
         rows[a] = k_cache + (slots[a < n ? a : n - 1] * Hkv + g) * D;
-    for (int64_t a0 = 0; a0 < padded; a0 += LANES) {
-        for (int64_t a = a0 + AHEAD; a < a0 + LANES + AHEAD && a < n; a++) prefetch_row(rows[a], D);
-        for (int64_t h = 0; h < group; h++) {
-            const float *qh = q + h * D;
-            vec acc[LANES] = {{0}};
-            for (int64_t d = 0; d < body; d += LANES) {
-                vec x = LOAD(qh + d);
-                for (int j = 0; j < LANES; j++) acc[j] += x * LOAD(rows[a0 + j] + d);
-            }
+    for (int64_t h = 0; h < group; h++) {
+        const float *qh[TILE];
+        for (int r = 0; r < RP; r++) qh[r] = qs[r < R ? r : R - 1] + h * D;
+        for (int64_t a0 = 0; a0 < padded; a0 += KP) {
+            if (h == 0)
+                for (int64_t a = a0 + AHEAD; a < a0 + KP + AHEAD && a < n; a++) prefetch_row(rows[a], D);
+            vec acc[LANES] = {{0}}; /* [r * KP + j]: token r, key a0 + j */
+            for (int64_t d = 0; d < body; d += LANES)
+                for (int r = 0; r < RP; r++) {
+                    vec x = LOAD(qh[r] + d);
+                    for (int j = 0; j < KP; j++) acc[r * KP + j] += x * LOAD(rows[a0 + j] + d);
+                }
             vec dots = sum_lanes(acc);
             for (int64_t d = body; d < D; d++) /* a head dim that is not a multiple of LANES: the last columns */
-                for (int j = 0; j < LANES; j++) dots[j] += qh[d] * rows[a0 + j][d];
-            *(vec *)(scores + h * CHUNK + a0) = dots * scale;
+                for (int r = 0; r < RP; r++)
+                    for (int j = 0; j < KP; j++) dots[r * KP + j] += qh[r][d] * rows[a0 + j][d];
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < KP; j++) scores[(r * group + h) * CHUNK + a0 + j] = dots[r * KP + j] * scale;
         }
     }
     for (int64_t a = 0; a < n; a++) rows[a] = v_cache + (slots[a] * Hkv + g) * D;
     for (int64_t a = 0; a < n && a < AHEAD; a++) prefetch_row(rows[a], D);
     for (int64_t h = 0; h < group; h++) {
-        float *p = scores + h * CHUNK, best = MASKED, *o = part + h * stride * D;
-        for (int64_t a = 0; a < n; a++) best = p[a] > best ? p[a] : best;
+        const float *p[TILE];
+        float *o[TILE];
+        for (int r = 0; r < R; r++) {
+            float *pr = scores + (r * group + h) * CHUNK, best = MASKED;
+            for (int64_t a = 0; a < n; a++) best = pr[a] > best ? pr[a] : best;
 #pragma omp simd
-        for (int64_t a = 0; a < n; a++) p[a] = expf(p[a] - best);
-        for (int64_t a = n; a < padded; a++) p[a] = 0.f;
-        vec lanes = {0};
-        for (int64_t a = 0; a < padded; a += LANES) lanes += LOAD(p + a);
-        float s = 0.f;
-        for (int l = 0; l < LANES; l++) s += lanes[l];
-        top[h * stride] = best, sum[h * stride] = s;
+            for (int64_t a = 0; a < n; a++) pr[a] = expf(pr[a] - best);
+            for (int64_t a = n; a < padded; a++) pr[a] = 0.f;
+            vec lanes = {0};
+            for (int64_t a = 0; a < padded; a += LANES) lanes += LOAD(pr + a);
+            float s = 0.f;
+            for (int l = 0; l < LANES; l++) s += lanes[l];
+            int64_t at = heads[r] + h * stride;
+            top[at] = best, sum[at] = s, p[r] = pr, o[r] = part + at * D;
+        }
         int64_t d = 0;
         for (; d + block <= D; d += block) {
-            vec o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+            vec acc[TILE][4];
+            for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (vec){0};
             for (int64_t a = 0; a < n; a++) {
                 const float *v = rows[a] + d;
                 if (h == 0 && d == 0 && a + AHEAD < n) prefetch_row(rows[a + AHEAD], D);
-                o0 += p[a] * LOAD(v), o1 += p[a] * LOAD(v + LANES);
-                o2 += p[a] * LOAD(v + 2 * LANES), o3 += p[a] * LOAD(v + 3 * LANES);
+                vec v0 = LOAD(v), v1 = LOAD(v + LANES), v2 = LOAD(v + 2 * LANES), v3 = LOAD(v + 3 * LANES);
+                for (int r = 0; r < R; r++) {
+                    float w = p[r][a];
+                    acc[r][0] += w * v0, acc[r][1] += w * v1, acc[r][2] += w * v2, acc[r][3] += w * v3;
+                }
             }
-            *(vec *)(o + d) = o0, *(vec *)(o + d + LANES) = o1;
-            *(vec *)(o + d + 2 * LANES) = o2, *(vec *)(o + d + 3 * LANES) = o3;
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < 4; i++) *(vec *)(o[r] + d + i * LANES) = acc[r][i];
         }
-        for (; d + LANES <= D; d += LANES) {
-            vec o0 = {0};
-            for (int64_t a = 0; a < n; a++) o0 += p[a] * LOAD(rows[a] + d);
-            *(vec *)(o + d) = o0;
-        }
-        for (; d < D; d++) {
-            float o0 = 0.f;
-            for (int64_t a = 0; a < n; a++) o0 += p[a] * rows[a][d];
-            o[d] = o0;
-        }
+        for (; d + LANES <= D; d += LANES)
+            for (int r = 0; r < R; r++) {
+                vec acc = {0};
+                for (int64_t a = 0; a < n; a++) acc += p[r][a] * LOAD(rows[a] + d);
+                *(vec *)(o[r] + d) = acc;
+            }
+        for (; d < D; d++)
+            for (int r = 0; r < R; r++) {
+                float acc = 0.f;
+                for (int64_t a = 0; a < n; a++) acc += p[r][a] * rows[a][d];
+                o[r][d] = acc;
+            }
     }
+}
+
+/* chunk_tile for R known at compile time (its registers: R tokens' accumulators) */
+static void attend_chunk(const float *const *qs, int R, int64_t group, int64_t D, const float *k_cache,
+                         const float *v_cache, int64_t Hkv, int64_t g, const int64_t *slots, int64_t n, float scale,
+                         float *scores, float *part, float *top, float *sum, const int64_t *heads, int64_t stride) {
+#define TILE_OF(r) chunk_tile(qs, r, group, D, k_cache, v_cache, Hkv, g, slots, n, scale, scores, part, top, sum, \
+                              heads, stride)
+    switch (R) {
+    case 1: TILE_OF(1); break;
+    case 2: TILE_OF(2); break;
+    case 3: TILE_OF(3); break;
+    default: TILE_OF(4); break;
+    }
+#undef TILE_OF
 }
 
 /* Attention of a dense padded plan (fastspec.attention.torch_backend.TorchAttnPlan): token t is query row
@@ -153,8 +190,8 @@ static void attend_chunk(const float *q, int64_t group, int64_t D, const float *
  * Batch-invariant: a token's output depends only on the keys it sees, in column order, not on the padding, the
  * masked columns or the other tokens, so a tree verify computes bit for bit what a decode step of the same token
  * would (the seen keys are gathered into a list first; its chunks and every sum over them run in a fixed order).
- * Work items are (KV head, chunk, token), tokens innermost: a verify's tokens share their prefix's chunks, which
- * are still in cache for the next token. */
+ * Work items are (KV head, chunk, TILE consecutive tokens): tokens that see the same keys in the chunk (a prefill's
+ * full chunks, a verify's prefix) go through it together, sharing each K / V load (chunk_tile). */
 void attend(const float *q, const float *k_cache, const float *v_cache, int64_t T, int64_t Hq, int64_t Hkv,
             int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
             int64_t max_kv, float scale, void *out, int out_act) {
@@ -169,19 +206,30 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
         /* split between torch's OpenMP threads once there is enough work to pay for waking them */
 #pragma omp parallel if (tokens * Hq * max_kv >= PARALLEL_WORK)
         {
-            float *scores = (float *)malloc(group * CHUNK * sizeof(float));
+            float *scores = (float *)malloc(TILE * group * CHUNK * sizeof(float));
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < tokens; u++)
                 count[u] = seen_keys(t0 + u, out_index, kv_slots, mask, max_qo, max_kv, seen + u * width);
+            int64_t tiles = (tokens + TILE - 1) / TILE;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < Hkv * chunks * tokens; item++) {
-                int64_t g = item / (chunks * tokens), c = item / tokens % chunks, u = item % tokens;
-                int64_t lo = c * CHUNK, n = count[u] - lo < CHUNK ? count[u] - lo : CHUNK;
-                if (n <= 0) continue;
-                int64_t head = (u * Hq + g * group) * chunks + c; /* (u, g's first head, c) in [slab, Hq, chunks] */
-                attend_chunk(q + ((t0 + u) * Hq + g * group) * D, group, D, k_cache, v_cache, Hkv, g,
-                             seen + u * width + lo, n, scale, scores, part + head * D, top + head, sum + head,
-                             chunks);
+            for (int64_t item = 0; item < Hkv * chunks * tiles; item++) {
+                int64_t g = item / (chunks * tiles), c = item / tiles % chunks, u1 = item % tiles * TILE + TILE;
+                int64_t lo = c * CHUNK, heads[TILE];
+                const float *qs[TILE];
+                int R = 0;
+                for (int64_t u = u1 - TILE; u <= u1 && u <= tokens; u++) { /* runs of tokens seeing the same keys */
+                    const int64_t *mine = seen + u * width + lo, *first = seen + (u - R) * width + lo;
+                    int64_t n = u < u1 && u < tokens ? count[u] - lo : 0, n_first = R ? count[u - R] - lo : 0;
+                    n = n < CHUNK ? n : CHUNK, n_first = n_first < CHUNK ? n_first : CHUNK;
+                    if (R && (n != n_first || memcmp(mine, first, n * sizeof(int64_t)))) { /* the run ends here */
+                        attend_chunk(qs, R, group, D, k_cache, v_cache, Hkv, g, first, n_first, scale, scores, part,
+                                     top, sum, heads, chunks);
+                        R = 0;
+                    }
+                    if (n <= 0) continue;
+                    qs[R] = q + ((t0 + u) * Hq + g * group) * D;
+                    heads[R++] = (u * Hq + g * group) * chunks + c; /* (u, g's first head, c) in [slab, Hq, chunks] */
+                }
             }
 #pragma omp for schedule(static)
             for (int64_t uh = 0; uh < tokens * Hq; uh++) { /* merge the chunks in order: a fixed sum per token */
