@@ -99,12 +99,11 @@ static inline __attribute__((always_inline)) void chunk_tile(
     int64_t padded = (n + LANES - 1) / LANES * LANES, body = D / LANES * LANES, block = 4 * LANES;
     for (int64_t a = 0; a < padded; a++) /* past n: the last key again, its scores dropped below */
         rows[a] = k_cache + (slots[a < n ? a : n - 1] * Hkv + g) * D;
-    for (int64_t h = 0; h < group; h++) {
-        const float *qh[TILE];
-        for (int r = 0; r < RP; r++) qh[r] = qs[r < R ? r : R - 1] + h * D;
-        for (int64_t a0 = 0; a0 < padded; a0 += KP) {
-            if (h == 0)
-                for (int64_t a = a0 + AHEAD; a < a0 + KP + AHEAD && a < n; a++) prefetch_row(rows[a], D);
+    for (int64_t a0 = 0; a0 < padded; a0 += KP) {
+        for (int64_t a = a0 + AHEAD; a < a0 + KP + AHEAD && a < n; a++) prefetch_row(rows[a], D);
+        for (int64_t h = 0; h < group; h++) {
+            const float *qh[TILE];
+            for (int r = 0; r < RP; r++) qh[r] = qs[r < R ? r : R - 1] + h * D;
             vec acc[LANES] = {{0}}; /* [r * KP + j]: token r, key a0 + j */
             for (int64_t d = 0; d < body; d += LANES)
                 for (int r = 0; r < RP; r++) {
