@@ -111,6 +111,9 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     assert torch.tensor([1e-38]).div(1e3).item() != 0.0
 
 
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # node 3 skips node 1
+
+
 def plans(long: bool = False):
     """Dense plans of every shape the engine hands attention: a decode (no mask), a prefill of two requests of
     different lengths after a cached prefix (causal, padded), and a paged tree verify's dense twin. `long`: contexts
@@ -126,9 +129,6 @@ def plans(long: bool = False):
                              table[rows, width - 12:width - 8].long(), TREE.expand(2, 4, 4))
     return {"decode": (decode, 2), "prefill": (prefill, 100 if long else 8),
             "tree verify": (PagedAttnBackend().dense(paged), 8)}
-
-
-TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # node 3 skips node 1
 
 
 @pytest.mark.parametrize("name", ["decode", "prefill", "tree verify"])
