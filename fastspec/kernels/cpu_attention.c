@@ -213,19 +213,21 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < Hkv * chunks * tiles; item++) {
                 int64_t g = item / (chunks * tiles), c = item / tiles % chunks, u1 = item % tiles * TILE + TILE;
-                int64_t lo = c * CHUNK, heads[TILE];
+                int64_t lo = c * CHUNK, heads[TILE], run_n = 0;
                 const float *qs[TILE];
+                const int64_t *run = NULL; /* the keys in this chunk of the run of tokens gathered so far */
                 int R = 0;
                 for (int64_t u = u1 - TILE; u <= u1 && u <= tokens; u++) { /* runs of tokens seeing the same keys */
-                    const int64_t *mine = seen + u * width + lo, *first = seen + (u - R) * width + lo;
-                    int64_t n = u < u1 && u < tokens ? count[u] - lo : 0, n_first = R ? count[u - R] - lo : 0;
-                    n = n < CHUNK ? n : CHUNK, n_first = n_first < CHUNK ? n_first : CHUNK;
-                    if (R && (n != n_first || memcmp(mine, first, n * sizeof(int64_t)))) { /* the run ends here */
-                        attend_chunk(qs, R, group, D, k_cache, v_cache, Hkv, g, first, n_first, scale, scores, part,
-                                     top, sum, heads, chunks);
+                    const int64_t *mine = seen + u * width + lo;
+                    int64_t n = u < u1 && u < tokens ? count[u] - lo : 0; /* past the tile: 0, the last run ends */
+                    n = n < CHUNK ? n : CHUNK;
+                    if (R && (n != run_n || memcmp(mine, run, n * sizeof(int64_t)))) { /* the run ends here */
+                        attend_chunk(qs, R, group, D, k_cache, v_cache, Hkv, g, run, run_n, scale, scores, part, top,
+                                     sum, heads, chunks);
                         R = 0;
                     }
                     if (n <= 0) continue;
+                    if (R == 0) run = mine, run_n = n;
                     qs[R] = q + ((t0 + u) * Hq + g * group) * D;
                     heads[R++] = (u * Hq + g * group) * chunks + c; /* (u, g's first head, c) in [slab, Hq, chunks] */
                 }
