@@ -163,6 +163,32 @@ def test_a_row_gets_what_it_gets_alone_on_either_side_of_a_row_block(bits, group
         assert torch.equal(y[r], cpu_q4.matmul(x[r:r + 1], *packed)[0]), r
 
 
+@pytest.fixture
+def amx():
+    """The AMX kernel turned on (skipped without AMX tiles), back to its default after the test."""
+    lib = cpu_library.library()
+    if not lib.amx_q4_enable(1):
+        pytest.skip("no AMX tiles on this CPU (or the kernel refused them)")
+    yield lib
+    lib.amx_q4_enable(1)
+
+
+@needs_library
+@pytest.mark.parametrize("rows", [16, 40, 64, 300])
+def test_amx_tiles_give_the_vnni_kernel_bit_for_bit(amx, rows):
+    """From 16 rows the 4-bit product runs on AMX tiles (int16 activations as two exact bfloat16 halves, the same
+    float epilogue): the same numbers as the VNNI kernel, so a row's output still does not depend on the row count
+    (test_the_kernel_is_its_twin's 20 rows hold the twin against it)."""
+    blocks = blocks_of(4, 96, 1536, seed=rows)
+    packed = cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, 4)
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows)) * 5
+    x[rows // 2, :64] = 0  # a group of zeros, a row of others with one huge value
+    x[-1, 100] = 1e4
+    on = cpu_q4.matmul(x, *packed)
+    amx.amx_q4_enable(0)
+    assert torch.equal(on, cpu_q4.matmul(x, *packed))
+
+
 @pytest.fixture(scope="module")
 def build_path(tmp_path_factory):
     """build_path(march): the kernels built for `march` (an instruction-set level below this CPU's own), once."""

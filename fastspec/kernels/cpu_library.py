@@ -23,7 +23,8 @@ import torch
 from fastspec.utils.cache import cache_root
 
 log = logging.getLogger(__name__)
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_fused.c", "cpu_attention.c", "cpu_q4.c", "cpu_q8.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_fused.c", "cpu_attention.c", "cpu_q4.c", "cpu_q8.c", "cpu_amx.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_q4.h", "cpu_rows.h"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 THREADS = (("-fopenmp",), ("-fopenmp-simd",))  # OpenMP threads, else (a compiler without it) the calling thread
@@ -36,6 +37,7 @@ SIGNATURES = {  # name -> (argument types, result type)
     "attend": ((_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _C), None),
     "top_k": ((_P, _I, _I, _I, _I, _P), None),
     "block_gemm": ((_P, _I, _I, _P, _P, _I, _P, _I, _I, _P), _C),
+    "amx_q4_enable": ((_C,), _C),
     "decoder_stack": ((_I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _I, _I, _F, _P,
                        _P), _C),
 }

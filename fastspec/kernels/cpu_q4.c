@@ -25,20 +25,30 @@ static void round_rows(const float *x, int64_t M, int64_t K, int16_t *x16, float
 #pragma omp parallel for schedule(static) if (M * K >= Q4_PARALLEL_WORK)
     for (int64_t r = 0; r < groups; r++) {
         const float *v = x + r * Q4_GROUP;
-        float amax = 0.f, sum = 0.f, half = 0.f;
-        for (int i = 0; i < Q4_GROUP; i++) {
-            float a = fabsf(v[i]);
-            amax = a > amax ? a : amax;
-            sum += v[i];
-        }
-        for (int i = 0; i < Q4_GROUP / 2; i++) half += v[i];
+#if defined(__AVX512F__)
+        __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        float half = _mm512_reduce_add_ps(a), rest = _mm512_reduce_add_ps(b);
+        float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        __m512 scaled[2] = {_mm512_mul_ps(a, _mm512_set1_ps(inv)), _mm512_mul_ps(b, _mm512_set1_ps(inv))};
+        for (int h = 0; h < 2; h++) /* each run of 4 in pair order (inputs 0, 2, 1, 3), rounded to nearest even */
+            _mm256_storeu_si256((__m256i *)(x16 + r * Q4_GROUP + 16 * h),
+                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_permute_ps(scaled[h], 0xD8))));
+        xs[r] = amax / 32767.f;
+        xsum[r] = half + rest;
+        xsum16[2 * r] = half;
+        xsum16[2 * r + 1] = rest;
+#else
+        float amax = 0.f, half = 0.f, rest = 0.f;
+        for (int i = 0; i < Q4_GROUP; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+        for (int i = 0; i < Q4_GROUP / 2; i++) half += v[i], rest += v[Q4_GROUP / 2 + i];
         float inv = amax > 0.f ? 32767.f / amax : 0.f;
         for (int i = 0; i < Q4_GROUP; i++) x16[r * Q4_GROUP + i] = (int16_t)lrintf(v[PAIR_ORDER[i]] * inv);
         xs[r] = amax / 32767.f;
-        xsum[r] = sum;
+        xsum[r] = half + rest;
         xsum16[2 * r] = half;
-        xsum16[2 * r + 1] = 0.f;
-        for (int i = Q4_GROUP / 2; i < Q4_GROUP; i++) xsum16[2 * r + 1] += v[i];
+        xsum16[2 * r + 1] = rest;
+#endif
     }
 }
 
@@ -165,14 +175,17 @@ static __thread size_t scratch_size;
 int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
                int64_t bits, int64_t group, const int8_t *levels) {
     int64_t G = K / Q4_GROUP;
-    size_t need = (size_t)(M * K) * sizeof(int16_t) + 4 * sizeof(float) * (size_t)(M * G); /* K % 32: aligned */
+    /* amx_q4_rows' tiles first (64-byte aligned: a tile row is one cache line), then the rounded rows */
+    int64_t split = 4 * (M < Q4_ROW_BLOCK ? (M + 15) / 16 * 16 : Q4_ROW_BLOCK) * K;
+    size_t need = (size_t)split + (size_t)(M * K) * sizeof(int16_t) + 4 * sizeof(float) * (size_t)(M * G);
     if (need > scratch_size) {
-        char *grown = (char *)realloc(scratch, need);
-        if (!grown) return -1;
-        scratch = grown;
-        scratch_size = need;
+        free(scratch);
+        need = (need + 63) / 64 * 64;
+        scratch = (char *)aligned_alloc(64, need);
+        scratch_size = scratch ? need : 0;
+        if (!scratch) return -1;
     }
-    int16_t *x16 = (int16_t *)scratch;
+    int16_t *x16 = (int16_t *)(scratch + split);
     float *xs = (float *)(x16 + M * K), *xsum = xs + M * G, *xsum16 = xsum + M * G;
     round_rows(x, M, K, x16, xs, xsum, xsum16);
     int64_t wg = bits == 8 ? 2 * G : G;                      /* weight groups (tile units) per row */
@@ -180,6 +193,14 @@ int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uin
     int64_t sg = K / group;                                  /* scale groups per row */
     for (int64_t r0 = 0; r0 < M; r0 += Q4_ROW_BLOCK) { /* rows a block at a time: their int16 copy stays in cache */
         int64_t r1 = M - r0 < Q4_ROW_BLOCK ? M : r0 + Q4_ROW_BLOCK;
+        if (bits == 4 && !levels) { /* many rows: on AMX tiles where there are some, the same numbers */
+            int done = amx_q4_rows(x16 + r0 * K, xs + r0 * G, xsum + r0 * G, r1 - r0, K, w, sm, N, y + r0 * N,
+                                   (uint8_t *)scratch);
+            if (done) {
+                if (done < 0) return -1;
+                continue;
+            }
+        }
 #pragma omp parallel for schedule(static) if ((r1 - r0) * N * K >= Q4_PARALLEL_WORK)
         for (int64_t t = 0; t < N / Q4_TILE; t++) {
             const uint8_t *wt = w + t * wg * unit;

@@ -91,6 +91,12 @@ static inline __attribute__((always_inline)) __m256 group_sum(__m256 acc, const 
  * values, summed against xsum, the activations' sums per 32; else per 16, against xsum16, their sums per 16. */
 void q8_tiles(const int8_t *w, const uint16_t *sm, int64_t G16, int per32, const int16_t *x16, const float *xs,
               const float *xsum, const float *xsum16, int64_t K, float *y, int64_t ldy, int mb);
+/* cpu_amx.c: the 4-bit product of M >= AMX_MIN_ROWS rows on AMX tiles (`split`: 4 * (M rounded up to 16) * K bytes
+ * of scratch): 1 when done, 0 when not taken (no AMX, turned off, too few rows), -1 without memory */
+#define AMX_MIN_ROWS 16
+int amx_q4_rows(const int16_t *x16, const float *xs, const float *xsum, int64_t M, int64_t K, const uint8_t *w,
+                const uint16_t *sm, int64_t N, float *y, uint8_t *split);
+int amx_q4_enable(int want);
 void wide_tiles(const uint8_t *w, const uint16_t *sm, int64_t G, int e, int per32, const int16_t *x16,
                 const float *xs, const float *xsum, const float *xsum16, int64_t K, float *y, int64_t ldy, int mb);
 #endif
