@@ -1,5 +1,6 @@
 """The fused CPU attention kernel (fastspec.kernels.cpu_fused.attend) at the embedded model's head shapes: one layer's
-decode attention and one layer's tree verify, over context lengths from a short chat turn to a long one.
+decode attention, one layer's tree verify and one layer's prefill of as many tokens, over context lengths from a
+short chat turn to a long one.
 
 Each trial runs all `--layers` layers, each over KV caches of its own (the pool's layers, so the keys stream from
 memory as in a real step rather than staying in cache), and reports microseconds per layer (median of trials),
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fastspec.attention import TorchAttnBackend, decode_metadata
+from fastspec.attention import TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.attention.paged import PagedAttnBackend, paged_block_plan
 from fastspec.kernels import cpu_fused
 
@@ -30,13 +31,16 @@ TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dt
 
 
 def plans(keys: int, slots: torch.Tensor) -> dict:
-    """A decode of one token seeing `keys` keys, and a 4-token tree verify after `keys` - 1 committed ones."""
+    """A decode of one token seeing `keys` keys, a 4-token tree verify after `keys` - 1 committed ones, and a prompt of
+    `keys` tokens prefilled at once (causal)."""
     table = slots[None].to(torch.int32)
     decode = TorchAttnBackend().plan(decode_metadata(table, torch.tensor([0]), torch.tensor([keys])))
+    zero = torch.tensor([0])
+    prefill = TorchAttnBackend().plan(extend_metadata(table, zero, zero, torch.tensor([keys])))
     prefix = keys - 1
     verify = PagedAttnBackend().dense(paged_block_plan(table, torch.tensor([0]), torch.tensor([prefix]),
                                                        slots[None, prefix:prefix + 4], TREE[None]))
-    return {"decode": (decode, 1), "verify": (verify, 4)}
+    return {"decode": (decode, 1), "verify": (verify, 4), "prefill": (prefill, keys)}
 
 
 def time_layers(fn, layers: int, trials: int) -> float:
@@ -74,7 +78,7 @@ def main() -> None:
             fused = time_layers(lambda i: cpu_fused.attend(plan, q, k[i], v[i], d ** -0.5, torch.float32),
                                 args.layers, args.trials)
             sdpa = time_layers(lambda i: TorchAttnBackend().run(plan, q, k[i], v[i], d ** -0.5), args.layers,
-                               args.trials)
+                               args.trials if tokens < 64 else 1)
             rows.append(dict(keys=keys, step=name, tokens=tokens, fused_us=round(fused, 1), sdpa_us=round(sdpa, 1)))
             print(f"{keys:6d} keys  {name:7s} ({tokens} tok)  fused {fused:8.1f} us/layer   torch SDPA {sdpa:8.1f}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
