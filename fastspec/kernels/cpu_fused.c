@@ -97,13 +97,23 @@ void rope_write(const void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, in
 }
 
 /* The indices of the k largest values of each row of x [M, V] (rows `stride` floats apart) into out int64 [M, k], in
- * no particular order (a min-heap of k per row, one pass; a tie goes to the lower index; a NaN is never taken). */
+ * no particular order (a min-heap of k per row, one pass; a tie goes to the lower index; a NaN is never taken). Once
+ * the heap is full, runs of 16 values none of which beats its smallest are passed over at once. */
 void top_k(const float *x, int64_t M, int64_t V, int64_t stride, int64_t k, int64_t *out) {
 #pragma omp parallel for schedule(static) if (M > 1 && M * V >= 65536)
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * stride;
         int64_t *heap = out + m * k, n = 0; /* heap[0]: the smallest kept value's index */
         for (int64_t j = 0; j < V; j++) {
+            if (n == k && j % 16 == 0 && j + 16 <= V) { /* (a NaN may read as larger here: it is then looked at) */
+                float floor = row[heap[0]];
+                int larger = 0;
+                for (int i = 0; i < 16; i++) larger |= row[j + i] > floor;
+                if (!larger) {
+                    j += 15;
+                    continue;
+                }
+            }
             float v = row[j];
             if (is_nan(v)) continue;
             if (n < k) { /* sift up */
@@ -130,6 +140,46 @@ void top_k(const float *x, int64_t M, int64_t V, int64_t stride, int64_t k, int6
         for (int64_t j = 0; n < k; j++) /* fewer than k numbers (NaNs): the first indices not taken */
             if (is_nan(row[j])) heap[n++] = j;
     }
+}
+
+/* The index of each row's largest value into out int64 [M] (rows `stride` floats apart): the first of equal ones,
+ * and, as torch's argmax, the first NaN where a row has one. */
+void argmax_rows(const float *x, int64_t M, int64_t V, int64_t stride, int64_t *out) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * stride;
+        const uint32_t *bits = (const uint32_t *)row;
+        uint32_t worst = 0; /* the largest magnitude's bits: above an infinity's only for a NaN */
+        for (int64_t j = 0; j < V; j++) worst = (bits[j] & 0x7fffffffu) > worst ? bits[j] & 0x7fffffffu : worst;
+        int64_t at = 0;
+        if (worst > 0x7f800000u) {
+            while (!is_nan(row[at])) at++;
+        } else {
+            float best = row[0];
+            for (int64_t j = 1; j < V; j++) best = row[j] > best ? row[j] : best;
+            while (row[at] != best) at++;
+        }
+        out[m] = at;
+    }
+}
+
+/* out [M, k] = each row of x [M, H] dotted with the k table rows ids [M, k] names, each row dequantised as w = q *
+ * scale + offset per group of g values (q int8 [V, H], scale / offset float32 [V, H / g]): a vocabulary table's
+ * exact logits for a few tokens. */
+void rescore(const int8_t *q, const float *scale, const float *offset, int64_t H, int64_t g, const int64_t *ids,
+             int64_t M, int64_t k, const float *x, float *out) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < k; i++) {
+            int64_t id = ids[m * k + i];
+            const int8_t *row = q + id * H;
+            const float *xs = x + m * H;
+            float acc = 0.f;
+            for (int64_t c = 0; c < H / g; c++) {
+                float sc = scale[id * (H / g) + c], off = offset[id * (H / g) + c], part = 0.f;
+                for (int64_t e = c * g; e < (c + 1) * g; e++) part += ((float)row[e] * sc + off) * xs[e];
+                acc += part;
+            }
+            out[m * k + i] = acc;
+        }
 }
 
 int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,

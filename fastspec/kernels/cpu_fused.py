@@ -126,6 +126,38 @@ def top_k(x: torch.Tensor,  # float32 [M, V]  (rows may be a slice of wider ones
     return out
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [..., V] -> int64 [...]
+    """x.argmax(-1) (the first of equal values; the first NaN where there is one), over float32 CPU rows in one C
+    pass (torch's takes ~80 us over a 49k vocabulary on CPU); anything else, or inside a compiled graph, torch's."""
+    lib = cpu_library.library()
+    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1
+            or x.shape[-1] == 0 or torch.compiler.is_compiling()):
+        return x.argmax(-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    cpu_library.call(lib.argmax_rows, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
+
+
+def rescore(q: torch.Tensor,  # int8 [V, H]  a table's values
+            scale: torch.Tensor, offset: torch.Tensor,  # float32 [V, H / g] each
+            ids: torch.Tensor,  # int64 [M, k]
+            x: torch.Tensor,  # float32 [M, H]
+            ) -> torch.Tensor | None:  # float32 [M, k]
+    """x's dot products with the table rows `ids` names, each dequantised (q * scale + offset per group of g); None
+    where the C kernels cannot take these tensors."""
+    lib = cpu_library.library()
+    tensors = (q, scale, offset, ids, x)
+    if lib is None or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors) or (
+            q.dtype, scale.dtype, offset.dtype, ids.dtype, x.dtype) != (
+            torch.int8, torch.float32, torch.float32, torch.int64, torch.float32):
+        return None
+    out = x.new_empty(ids.shape)
+    cpu_library.call(lib.rescore, q.data_ptr(), scale.data_ptr(), offset.data_ptr(), q.shape[1],
+                     q.shape[1] // scale.shape[1], ids.data_ptr(), ids.shape[0], ids.shape[1], x.data_ptr(),
+                     out.data_ptr())
+    return out
+
+
 def decoder_stack(layers: torch.Tensor,           # int64 [L, 29]  each layer's weights, widths, ... (cpu_fused.c)
                   k: torch.Tensor, v: torch.Tensor,  # float32 [L, num_slots, Hkv, D]  the KV pool
                   x: torch.Tensor,                # float32 [T, H]  the residual stream entering layer 0

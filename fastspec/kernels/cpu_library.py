@@ -36,6 +36,8 @@ SIGNATURES = {  # name -> (argument types, result type)
     "head_norms": ((_P, _C, _I, _I, _I, _I, _P, _P, _F), None),
     "attend": ((_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _C), None),
     "top_k": ((_P, _I, _I, _I, _I, _P), None),
+    "argmax_rows": ((_P, _I, _I, _I, _P), None),
+    "rescore": ((_P, _P, _P, _I, _I, _P, _I, _I, _P, _P), None),
     "block_gemm": ((_P, _I, _I, _P, _P, _I, _P, _I, _I, _P), _C),
     "amx_q4_enable": ((_C,), _C),
     "decoder_stack": ((_I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _I, _I, _F, _P,

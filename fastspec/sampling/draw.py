@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastspec.kernels import top_k_renorm_prob, top_p_renorm_prob
+from fastspec.kernels import cpu_fused, top_k_renorm_prob, top_p_renorm_prob
 from fastspec.sampling.params import SamplingParams
 from fastspec.utils.transfer import to_device
 
@@ -68,7 +68,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 def sample(logits: torch.Tensor, sampling: SamplingTensors, generators: list[torch.Generator | None]) -> torch.Tensor:
     """logits [bs, V] float32 -> next tokens int64 [bs]."""
     if sampling.all_greedy:
-        return logits.argmax(-1)
+        return cpu_fused.argmax(logits)
     probs = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
     return sample_from_probs(probs, draw_uniforms(generators, 1, logits.device)[:, 0])
 

@@ -23,6 +23,7 @@ from fastspec.kernels import (
     TreeMaskMode,
     ancestor_mask,
     build_tree_kernel_efficient,
+    cpu_fused,
     fast_topk,
     full_tree_mask,
     reconstruct_indices_from_tree_mask,
@@ -204,7 +205,8 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor,  # logits [bs*N,
                   in_graph: bool = False) -> VerifyResult:
     """Accept the longest path whose tokens equal the target's argmax; bonus = argmax after it. `in_graph`:
     inside a round function, the torch twin (fused into the captured graph)."""
-    return verify_predicted(tree, target_logits.argmax(-1).view(tree.batch_size, tree.num_draft_tokens), in_graph)
+    predict = target_logits.argmax(-1) if in_graph else cpu_fused.argmax(target_logits)
+    return verify_predicted(tree, predict.view(tree.batch_size, tree.num_draft_tokens), in_graph)
 
 
 def verify_predicted(tree: DraftTree, target_predict: torch.Tensor,  # int64 [bs, N]
