@@ -109,6 +109,22 @@ def test_decode_batch_matches_oracle():
     torch.testing.assert_close(got.double(), oracle(q, k_cache, v_cache, 0.125, specs), atol=1e-5, rtol=1e-5)
 
 
+def test_one_query_plans_are_the_general_plans():
+    """Decode and draft-decode plans (one query row per request) take a shorter path: the same plan as the general
+    one builds for the same rows, masks of ragged lengths included."""
+    table = patterned_table(width=40)
+    metas = [decode_metadata(table, torch.tensor([1]), torch.tensor([7])),
+             decode_metadata(table, torch.tensor([0, 2, 1]), torch.tensor([5, 31, 9])),
+             draft_decode_metadata(table, torch.tensor([0, 2]), torch.tensor([6, 11]), 2, 3, 1)]
+    for meta in metas:
+        fast = TorchAttnBackend().plan(meta)
+        general = TorchAttnBackend().plan(dataclasses.replace(meta, mode=AttnMode.EXTEND))
+        for name in ("q_index", "kv_slots", "mask", "out_index", "out_cache_loc"):
+            a, b = getattr(fast, name), getattr(general, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+        assert fast.uniform_qo == general.uniform_qo
+
+
 def test_single_decode_plans_without_mask():
     meta = decode_metadata(patterned_table(), torch.tensor([1]), torch.tensor([7]))
     plan = TorchAttnBackend().plan(meta)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fastspec.attention.metadata import AttnMetadata
+from fastspec.attention.metadata import AttnMetadata, AttnMode
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class TorchAttnBackend:
     """Gather K/V by slot into [bs, Hkv, max_kv, D] and run one masked SDPA over the whole batch."""
 
     def plan(self, meta: AttnMetadata) -> TorchAttnPlan:
+        if meta.mode in (AttnMode.DECODE, AttnMode.DRAFT_DECODE):
+            return _one_query_plan(meta)
         qo_lens = meta.qo_lens.to(torch.int64)
         kv_lens = meta.kv_lens.to(torch.int64)
         device = qo_lens.device
@@ -64,6 +66,26 @@ class TorchAttnBackend:
         if plan.uniform_qo:
             return out.reshape(*q.shape[:-1], v_cache.shape[-1])
         return out.flatten(0, 1).index_select(0, plan.out_index)
+
+
+def _one_query_plan(meta: AttnMetadata) -> TorchAttnPlan:
+    """plan(meta) for one query row per request (a decode, a draft step: causal, no custom mask), in a third of its
+    ops: each row sees its first kv_len columns."""
+    kv_lens = meta.kv_lens.to(torch.int64)
+    device, bs = kv_lens.device, kv_lens.numel()
+    kj = torch.arange(int(kv_lens.max()) if bs else 0, device=device)
+    valid_kv = kj[None, :] < kv_lens[:, None]  # [bs, max_kv]
+    kv_pos = torch.where(valid_kv, meta.kv_indptr[:-1, None].to(torch.int64) + kj[None, :], 0)
+    allowed = valid_kv | (~valid_kv.any(-1, keepdim=True) & (kj == 0))  # (a row with no key attends to column 0)
+    rows = torch.arange(bs, device=device)
+    return TorchAttnPlan(
+        q_index=rows[:, None],
+        kv_slots=torch.where(valid_kv, meta.kv_indices.to(torch.int64)[kv_pos], 0),
+        mask=None if bool(allowed.all()) else allowed[:, None, None, :],
+        out_index=rows,
+        out_cache_loc=meta.out_cache_loc.to(torch.int64),
+        uniform_qo=True,
+    )
 
 
 def attend_padded(plan: TorchAttnPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
