@@ -1,14 +1,15 @@
-/* The 4-bit GEMM of cpu_q4.c on AMX tiles, for blocks of many activation rows (a prefill), bit for bit what the
- * AVX-512 VNNI kernel computes. The integer part of a group's product, sum_k q[n, k] x16[m, k], is exact in either:
- * here x16 = 256 hi + lo is split into a signed high byte and an unsigned low one, and the tile unit sums q . hi
- * (TDPBSUD) and q . lo (TDPBUUD) over the group's 32 inputs for 16 rows by 16 outputs, so 256 (q . hi) + q . lo is
- * the same int32 the VNNI kernel sums. The float epilogue per group is the VNNI kernel's own expression in the same
- * order (acc + dot * (scale * xs), then + offset * xsum), so a row's output does not depend on which kernel took
- * it, nor on the other rows: block_gemm picks this one by row count alone.
- * Tiles: 0 / 1 the high / low products (16 x 16 int32), 2 / 3 the rows' high / low bytes (16 rows x 32 bytes, the
- * pair order of x16), 4 the weights (8 rows of 16 outputs x 4 inputs: the nibble vectors unpacked to bytes, each
- * 4-input run put in the pair order). Needs the kernel's permission to use the tile data (arch_prctl), asked once;
- * without AMX (or refused) amx_q4_rows returns 0 and the VNNI kernel runs. */
+/* The 4-bit GEMM of cpu_q4.c on AMX tiles, for 16 activation rows or more (a prefill chunk), bit for bit what the
+ * AVX-512 VNNI kernel computes. The integer part of a group's product, sum_k q[n, k] x16[m, k], is exact in both:
+ * here each int16 activation x16 = 256 hi + lo is two bfloat16 values that hold it exactly (256 hi: a signed byte
+ * times 256; lo: 0..255), the nibbles are bfloat16 values 0..15, and the tile unit's fp32 sums (TDPBF16PS, over the
+ * group's 32 inputs for 16 rows by 16 outputs) stay integers below 2^24 (|x16| <= 32767, q <= 15, 32 terms): the
+ * same number the VNNI kernel sums in int32. The float epilogue per group is the VNNI kernel's own expression in the
+ * same order (acc + dot * (scale * xs), then + offset * xsum), so a row's output depends neither on which kernel
+ * took it nor on the other rows: block_gemm picks this one by row count alone.
+ * Layouts: split_rows puts each 16 rows x 32 inputs of the activations' high and low parts in a tile's 1 KB each
+ * (x16's pair order kept); unpack_tile turns a weight tile's nibbles into the VNNI kernel's pair vectors as bfloat16
+ * (16 tile rows a group, output j's two inputs in 32-bit lane j). Needs the kernel's permission to use the tile data
+ * (arch_prctl), asked once; without AMX (or refused) amx_q4_rows returns 0 and the VNNI kernel runs. */
 #include "cpu_q4.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -16,7 +17,8 @@
 #include <unistd.h>
 
 #define AMX_ROWS 16
-#define AMX_BLOCK 64 /* rows whose tiles (64 K bf16 pairs: 147 KB at K = 576) stay in L2 for every weight tile */
+#define AMX_BLOCK 64 /* rows whose activation tiles (4 bytes a value: 147 KB at K = 576) stay in L2 while every
+                        * weight tile passes them (256 rows ran 1.2-1.3x slower) */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -43,7 +45,9 @@ static void configure_tiles(void) { /* every tile 16 rows of 64 bytes */
 }
 
 /* bfloat16 bits of a float that bfloat16 holds exactly (an integer below 2^8 in magnitude, times a power of two) */
-static inline __m256i exact_bf16(__m512 f) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16)); }
+static inline __m256i exact_bf16(__m512 f) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(f), 16));
+}
 
 /* x16 [M, K] -> tiles [M / 16, K / 32, 2, 16, 32] bfloat16: for each 16 rows and group of 32 inputs, 256 (x16 >> 8)
  * then x16 & 255 (exact; x16's order kept), each a tile's 1024 contiguous bytes; rows from M to `padded` zero */
@@ -56,12 +60,13 @@ static void split_rows(const int16_t *x16, int64_t M, int64_t padded, int64_t K,
             uint16_t *hi = tiles + ((m / AMX_ROWS * G + g) * 2 * AMX_ROWS + m % AMX_ROWS) * Q4_GROUP;
             uint16_t *lo = hi + AMX_ROWS * Q4_GROUP;
             for (int h = 0; h < 2; h++) {
-                __m512i v = m < M ? _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(x16 + m * K + g *
-                                                                                           Q4_GROUP + 16 * h)))
+                const int16_t *src = x16 + m * K + g * Q4_GROUP + 16 * h;
+                __m512i v = m < M ? _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)src))
                                   : _mm512_setzero_si512();
                 __m512 up = _mm512_cvtepi32_ps(_mm512_slli_epi32(_mm512_srai_epi32(v, 8), 8));
+                __m512 down = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
                 _mm256_storeu_si256((__m256i *)(hi + 16 * h), exact_bf16(up));
-                _mm256_storeu_si256((__m256i *)(lo + 16 * h), exact_bf16(_mm512_cvtepi32_ps(_mm512_and_si512(v, low))));
+                _mm256_storeu_si256((__m256i *)(lo + 16 * h), exact_bf16(down));
             }
         }
 }

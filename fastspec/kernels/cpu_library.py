@@ -1,9 +1,10 @@
 """fastspec's CPU kernels in C (cpu_fused.c: a decoder layer's work between its GEMMs, and a whole layer stack;
-cpu_attention.c: attention over a dense plan; cpu_q4.c and cpu_q8.c: the 4- to 8-bit GEMMs on int16 activations) as
-one library: built on first use with the system C compiler (`cc -O3 -march=native -ffast-math -fopenmp`, a second or
-two; without OpenMP, single-threaded) into the cache (`cache_root()/kernels`, keyed by the sources, the flags and the
-CPU) and loaded through ctypes. Without a compiler, or with FASTSPEC_FUSED_CPU=0, `library()` is None and the callers
-run their torch twins. Knows nothing about what the kernels compute.
+cpu_attention.c: attention over a dense plan; cpu_q4.c and cpu_q8.c: the 4- to 8-bit GEMMs on int16 activations;
+cpu_amx.c: the 4-bit one on AMX tiles) as one library: built on first use with the system C compiler (`cc -O3
+-march=native -ffast-math -fopenmp`, a second or two; without OpenMP, single-threaded) into the cache
+(`cache_root()/kernels`, keyed by the sources, the flags and the CPU) and loaded through ctypes. Without a compiler,
+or with FASTSPEC_FUSED_CPU=0, `library()` is None and the callers run their torch twins. Knows nothing about what the
+kernels compute.
 """
 
 from __future__ import annotations
