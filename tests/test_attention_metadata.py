@@ -36,6 +36,10 @@ def test_decode_metadata_by_hand():
     assert as_list(meta.kv_indptr) == [0, 3, 4]
     assert as_list(meta.kv_indices) == [10, 11, 12, 30]
     assert as_list(meta.out_cache_loc) == [12, 30]
+    assert meta.qo_indptr.dtype == meta.kv_indptr.dtype == meta.kv_indices.dtype == torch.int32
+    assert meta.out_cache_loc.dtype == torch.int64
+    with pytest.raises(ValueError, match="table columns"):
+        decode_metadata(patterned_table(), torch.tensor([0]), torch.tensor([patterned_table().shape[1] + 1]))
 
 
 @pytest.mark.parametrize("step, kv_indices, out", [

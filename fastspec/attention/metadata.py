@@ -136,15 +136,19 @@ def decode_metadata(req_to_token: torch.Tensor,  # int32 [max_requests, max_cont
                     rows: torch.Tensor,          # int64 [bs]
                     seq_lens: torch.Tensor,      # int64 [bs]  INCLUDING the token being decoded
                     ) -> AttnMetadata:
-    """One token per request: qo = 1, kv = seq_len; its K/V go to table[r, seq_len - 1]."""
+    """One token per request: qo = 1, kv = seq_len; its K/V go to table[r, seq_len - 1]. (Every request's keys start
+    at column 0: its table row's first seq_len columns, read as one [bs, max] block, in half _gather_table's ops.)"""
     _check_lens(seq_lens=seq_lens - 1)
-    ones = torch.ones_like(seq_lens)
+    _check_fits(req_to_token, seq_lens)
+    bs, rows = seq_lens.numel(), rows.to(torch.int64)
+    width = int(seq_lens.max()) if bs else 0
+    seen = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens[:, None]  # [bs, width]
     return AttnMetadata(
         mode=AttnMode.DECODE,
-        qo_indptr=_indptr(ones),
+        qo_indptr=torch.arange(bs + 1, dtype=torch.int32, device=seq_lens.device),
         kv_indptr=_indptr(seq_lens),
-        kv_indices=_gather_table(req_to_token, rows, torch.zeros_like(seq_lens), seq_lens).to(torch.int32),
-        out_cache_loc=_gather_table(req_to_token, rows, seq_lens - 1, ones),
+        kv_indices=req_to_token[rows, :width][seen].to(torch.int32),
+        out_cache_loc=req_to_token[rows, seq_lens - 1].to(torch.int64),
         custom_mask=None,
         causal=True,
     )

@@ -30,10 +30,19 @@ def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
     its input itself), or None where it does not apply: compiled code;
     not a packed float32 Llama-family stack on CPU (partial rope, offset norms excluded); attention
     that is not a float32 KV pool read through a dense plan; no C compiler (the twins are the layers' own ops)."""
-    layers = model.model.layers
     if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
-    first = layers[0]
+    if model not in _ACTIVATIONS:  # the model's part of the answer, once per model (as its stack table)
+        _ACTIVATIONS[model] = _stack_activation(model)
+    act = _ACTIVATIONS[model]
+    return act if act is not None and _fused_attention(attn) else None
+
+
+_ACTIVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _stack_activation(model)
+
+
+def _stack_activation(model) -> torch.dtype | None:
+    first = model.model.layers[0]
     if not (model.between_attention and type(first) is DecoderLayer and type(first.input_layernorm) is RMSNorm
             and type(first.post_attention_layernorm) is RMSNorm
             and type(first.self_attn.q_norm) in (type(None), RMSNorm) and first.self_attn.qkv_proj is not None
@@ -41,7 +50,7 @@ def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
             and model.rope.rotary_dim == first.self_attn.head_dim):
         return None
     packed = [m for m in first.modules() if isinstance(m, Int4Linear | BlockLinear)]
-    if not packed or not _fused_attention(attn):
+    if not packed:
         return None
     return torch.float32 if isinstance(packed[0], BlockLinear) else packed[0].activation
 
