@@ -185,8 +185,10 @@ def test_amx_tiles_give_the_vnni_kernel_bit_for_bit(amx, rows):
     x[rows // 2, :64] = 0  # a group of zeros, a row of others with one huge value
     x[-1, 100] = 1e4
     on = cpu_q4.matmul(x, *packed)
+    assert cpu_q4.amx() and "AMX tiles" in BlockLinear(*packed).gemm_kernel  # what bench --profile names
     amx.amx_q4_enable(0)
     assert torch.equal(on, cpu_q4.matmul(x, *packed))
+    assert "AMX" not in BlockLinear(*packed).gemm_kernel
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,12 @@
 
 static int amx_state; /* 0: not asked yet, 1: tiles granted and wanted, -1: refused or turned off */
 
+/* want 1: use the tiles where the kernel grants them; 0: do not; -1: leave it as it is. Returns whether they are
+ * used. */
 int amx_q4_enable(int want) {
-    if (!want) amx_state = -1;
-    else if (amx_state <= 0) amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 1;
+    if (want == 0) amx_state = -1;
+    else if (amx_state == 0 || (want == 1 && amx_state < 0))
+        amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 1;
     return amx_state > 0;
 }
 

@@ -133,6 +133,12 @@ def matmul(x: torch.Tensor,       # float32 [M, K]
     return y
 
 
+def amx() -> bool:
+    """Whether the 4-bit kernel takes 16 rows or more on AMX tiles here (cpu_amx.c: the same numbers as VNNI)."""
+    lib = cpu_library.library()
+    return lib is not None and bool(lib.amx_q4_enable(-1))
+
+
 def unpack(packed: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`pack`'s inverse: (q [N, K] as float32 (with `levels`: the levels its nibbles index), scale [N, K/g], offset

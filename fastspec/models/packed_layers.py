@@ -90,7 +90,9 @@ class BlockLinear(nn.Module):
     @property
     def gemm_kernel(self) -> str:
         indexed = "" if self.levels is None else " indexing 16 levels"
-        return f"fastspec CPU block kernel, {cpu_q4.bits(self.packed)}-bit weights{indexed}, int16 activations"
+        bits = cpu_q4.bits(self.packed)
+        tiles = ", AMX tiles from 16 rows" if bits == 4 and self.levels is None and cpu_q4.amx() else ""
+        return f"fastspec CPU block kernel, {bits}-bit weights{indexed}, int16 activations{tiles}"
 
     @classmethod
     def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None) -> BlockLinear:
