@@ -4,7 +4,7 @@ give the same numbers bit for bit.
 
     .venv/bin/python bench/bench_prefill_gemm.py [--rows 2000] [--trials 9]
 
-Random Q4_1-like weights (nibbles, scales and offsets) packed as cpu_q4.pack lays them out; the rows in one call, as
+Random Q4_1 weights (bench_packed.q4_1) packed as BlockLinear packs them; the rows in one call, as
 the layer stack makes it. Trials alternate between the kernels; medians. Without AMX (or where the kernel is refused
 the tiles) only the VNNI column is measured. Writes bench/results/prefill_gemm.json.
 """
@@ -17,18 +17,14 @@ import statistics
 import time
 from pathlib import Path
 
+import bench_packed
 import torch
 
 from fastspec.kernels import cpu_library, cpu_q4
+from fastspec.models.packed_layers import BlockLinear
 
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # name -> (N, K)
+SHAPES = dict(zip(("qkv", "o", "gate_up", "down"), bench_packed.SHAPES))  # name -> (N, K)
 RESULTS = Path(__file__).parent / "results" / "prefill_gemm.json"
-
-
-def packed_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
-    scale, offset = torch.rand(n, k // 32, generator=gen) * 0.01, torch.randn(n, k // 32, generator=gen) * 0.01
-    return cpu_q4.pack(q, scale, offset, 4)
 
 
 def main() -> None:
@@ -44,7 +40,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name, (n, k) in SHAPES.items():
-        weight, x = packed_weight(n, k, gen), torch.randn(args.rows, k, generator=gen)
+        weight, x = BlockLinear.pack(bench_packed.q4_1(n, k, gen)), torch.randn(args.rows, k, generator=gen)
         times, outputs = {kernel: [] for kernel in kernels}, {}
         for _ in range(args.trials):
             for kernel in kernels:

@@ -42,10 +42,8 @@ class TorchAttnBackend:
         qi = torch.arange(max_qo, device=device)          # [max_qo]
         kj = torch.arange(max_kv, device=device)          # [max_kv]
         valid_q = qi[None, :] < qo_lens[:, None]          # [bs, max_qo]
-        valid_kv = kj[None, :] < kv_lens[:, None]         # [bs, max_kv]
+        valid_kv, kv_slots = _key_columns(meta, kv_lens, kj)
         q_index = torch.where(valid_q, meta.qo_indptr[:-1, None].to(torch.int64) + qi[None, :], 0)
-        kv_pos = torch.where(valid_kv, meta.kv_indptr[:-1, None].to(torch.int64) + kj[None, :], 0)
-        kv_slots = torch.where(valid_kv, meta.kv_indices.to(torch.int64)[kv_pos], 0)
         token_req = torch.repeat_interleave(torch.arange(qo_lens.numel(), device=device), qo_lens)
         token_pos = torch.arange(token_req.numel(), device=device) - meta.qo_indptr.to(torch.int64)[token_req]
         return TorchAttnPlan(
@@ -74,18 +72,27 @@ def _one_query_plan(meta: AttnMetadata) -> TorchAttnPlan:
     kv_lens = meta.kv_lens.to(torch.int64)
     device, bs = kv_lens.device, kv_lens.numel()
     kj = torch.arange(int(kv_lens.max()) if bs else 0, device=device)
-    valid_kv = kj[None, :] < kv_lens[:, None]  # [bs, max_kv]
-    kv_pos = torch.where(valid_kv, meta.kv_indptr[:-1, None].to(torch.int64) + kj[None, :], 0)
+    valid_kv, kv_slots = _key_columns(meta, kv_lens, kj)
     allowed = valid_kv | (~valid_kv.any(-1, keepdim=True) & (kj == 0))  # (a row with no key attends to column 0)
     rows = torch.arange(bs, device=device)
     return TorchAttnPlan(
         q_index=rows[:, None],
-        kv_slots=torch.where(valid_kv, meta.kv_indices.to(torch.int64)[kv_pos], 0),
+        kv_slots=kv_slots,
         mask=None if bool(allowed.all()) else allowed[:, None, None, :],
         out_index=rows,
         out_cache_loc=meta.out_cache_loc.to(torch.int64),
         uniform_qo=True,
     )
+
+
+def _key_columns(meta: AttnMetadata, kv_lens: torch.Tensor,  # int64 [bs]
+                 kj: torch.Tensor,  # int64 [max_kv]  arange
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid_kv bool [bs, max_kv]: column j is one of request b's keys, kv_slots int64 [bs, max_kv]: its KV slot,
+    padding -> slot 0)."""
+    valid_kv = kj[None, :] < kv_lens[:, None]
+    kv_pos = torch.where(valid_kv, meta.kv_indptr[:-1, None].to(torch.int64) + kj[None, :], 0)
+    return valid_kv, torch.where(valid_kv, meta.kv_indices.to(torch.int64)[kv_pos], 0)
 
 
 def attend_padded(plan: TorchAttnPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

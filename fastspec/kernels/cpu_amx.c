@@ -77,15 +77,13 @@ static void split_rows(const int16_t *x16, int64_t M, int64_t padded, int64_t K,
 /* A tile's G groups of packed nibbles -> b [G, 16, 32] bfloat16: row p of group g is the VNNI kernel's pair vector
  * q[p] (output j's two inputs in 32-bit lane j, in x16's pair order), each value 0..15 as a bfloat16 */
 static void unpack_tile(const uint8_t *w, int64_t G, uint16_t *b) {
+    /* the bfloat16 bits of 0..15, twice over (the word permute reads an index's low 5 bits) */
+    static const uint16_t bf16_of[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                         0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+                                         0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                         0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
     const __m512i nibble = _mm512_set1_epi8(15), word = _mm512_set1_epi16(255);
-    uint16_t table[32];
-    for (int i = 0; i < 32; i++) {
-        float f = (float)(i & 15);
-        uint32_t u;
-        memcpy(&u, &f, 4);
-        table[i] = (uint16_t)(u >> 16);
-    }
-    const __m512i values = _mm512_loadu_si512((const void *)table);
+    const __m512i values = _mm512_loadu_si512((const void *)bf16_of);
     for (int64_t g = 0; g < G; g++)
         for (int v = 0; v < 4; v++) {
             __m512i x = _mm512_loadu_si512((const void *)(w + g * 256 + 64 * v));
@@ -98,14 +96,13 @@ static void unpack_tile(const uint8_t *w, int64_t G, uint16_t *b) {
         }
 }
 
-/* the float epilogue of one group for 16 rows: cpu_q4.h's group_sum, term for term */
+/* the float epilogue of one group for 16 rows: cpu_q4.h's group_float, as the VNNI kernel adds it */
 static inline __attribute__((always_inline)) void add_group(__m512 *acc, const float *c, __m512 scale,
                                                             __m512 offset, const float *xs, const float *xsum,
                                                             int64_t G, int mb) {
     for (int m = 0; m < AMX_ROWS; m++) {
         int64_t r = (m < mb ? m : 0) * G;
-        acc[m] = _mm512_fmadd_ps(_mm512_load_ps(c + 16 * m), _mm512_mul_ps(scale, _mm512_set1_ps(xs[r])), acc[m]);
-        acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r]), acc[m]);
+        acc[m] = group_float(acc[m], _mm512_load_ps(c + 16 * m), scale, offset, xs[r], xsum[r]);
     }
 }
 
@@ -147,8 +144,7 @@ static __thread size_t unpacked_size;
 
 int amx_q4_rows(const int16_t *x16, const float *xs, const float *xsum, int64_t M, int64_t K, const uint8_t *w,
                 const uint16_t *sm, int64_t N, float *y, uint8_t *split) {
-    if (amx_state == 0) amx_q4_enable(1);
-    if (amx_state < 0 || M < AMX_MIN_ROWS) return 0;
+    if (!amx_q4_enable(-1) || M < AMX_MIN_ROWS) return 0; /* (asks for the tiles on the first call) */
     int64_t G = K / Q4_GROUP, padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     uint16_t *a = (uint16_t *)split;
     split_rows(x16, M, padded, K, a);

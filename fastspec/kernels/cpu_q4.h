@@ -44,8 +44,16 @@ static inline float half_to_float(uint16_t h) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-/* acc + scale * xs * (the `n` weight pair vectors q dotted with the activation pairs a, 16 rows at once) +
- * offset * xsum: one weight group's share of 16 outputs for one activation row */
+/* acc + scale * xs * dot + offset * xsum, in that order: a weight group's float share of 16 outputs for one
+ * activation row, given its exact integer dot products (as floats); every 4-bit kernel's (cpu_amx.c's too) */
+static inline __attribute__((always_inline)) __m512 group_float(__m512 acc, __m512 dot, __m512 scale, __m512 offset,
+                                                                float xs, float xsum) {
+    acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xs)), acc);
+    return _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum), acc);
+}
+
+/* group_float of the `n` weight pair vectors q dotted with the activation pairs a (16 rows at once): one weight
+ * group's share of 16 outputs for one activation row */
 static inline __attribute__((always_inline)) __m512 group_sum(__m512 acc, const __m512i *q, const int32_t *a, int n,
                                                               __m512 scale, __m512 offset, float xs, float xsum) {
     __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
@@ -53,9 +61,7 @@ static inline __attribute__((always_inline)) __m512 group_sum(__m512 acc, const 
         s0 = _mm512_dpwssd_epi32(s0, q[p], _mm512_set1_epi32(a[p]));
         s1 = _mm512_dpwssd_epi32(s1, q[p + 1], _mm512_set1_epi32(a[p + 1]));
     }
-    __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-    acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(xs)), acc);
-    return _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum), acc);
+    return group_float(acc, _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, offset, xs, xsum);
 }
 
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
