@@ -203,7 +203,8 @@ class RefinedHead(nn.Module):
             exact = cpu_fused.rescore(self.table.q, self.table.scale, self.table.offset, top, flat.float())
         if exact is None:
             exact = torch.bmm(self.table(top).float(), flat.float()[:, :, None]).squeeze(-1)  # [M, refine]
-        return logits.scatter(-1, top, exact).view(*x.shape[:-1], logits.shape[-1])  # (no -1: M may be 0)
+        # in place: `logits` is this call's own (a copy of [M, V] costs more than the GEMM's epilogue)
+        return logits.contiguous().scatter_(-1, top, exact).view(*x.shape[:-1], logits.shape[-1])  # (M may be 0)
 
 
 class CastLinear(nn.Module):

@@ -15,7 +15,7 @@ import torch
 
 from fastspec.attention import AttentionContext
 from fastspec.attention.paged import PagedAttnBackend, PagedPlan, paged_block_plan
-from fastspec.kernels import fast_topk
+from fastspec.kernels import cpu_fused, fast_topk
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models.recurrent import tree_parents
 from fastspec.speculative.tree import DraftTree, build_tree, organize_draft_results, select_top_k, verify_predicted
@@ -153,7 +153,7 @@ def target_forward(model, pool, table, feature: str, x: dict, states=None, accep
         n = x["new_slots"].shape[1]
         tree = DraftTree(x["input_ids"].view(-1, n), x["positions"], x["tree_mask"], x["retrieve_index"],
                          x["retrieve_next_token"], x["retrieve_next_sibling"], n - 1, 0)
-        predict = out["logits"].argmax(-1)  # [bs*N]
+        predict = cpu_fused.argmax(out["logits"])  # [bs*N]  (torch's inside a compiled graph)
         result = verify_predicted(tree, predict.view(-1, n), in_graph=True)
         # an accepted child's token is the target's argmax after its parent: every emitted token is an argmax
         # (read here, not from the walk's scattered `predicts`: compiled at batch 4 by Inductor on torch 2.13 those

@@ -24,6 +24,7 @@ from fastspec.kernels import (
     ancestor_mask,
     build_tree_kernel_efficient,
     cpu_fused,
+    cpu_tree,
     fast_topk,
     full_tree_mask,
     reconstruct_indices_from_tree_mask,
@@ -128,13 +129,17 @@ def build_tree(verified_id: torch.Tensor,       # int64 [bs]  root tokens
     """Build the verify inputs of an EAGLE tree (no host sync). `in_graph`: inside a round function, always the
     torch twin (the compiler fuses it into the captured graph; sgl_kernel's op is for eager rounds)."""
     bs, n, device = verified_id.shape[0], num_draft_tokens, verified_id.device
+    tokens = torch.cat([verified_id.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
+    built = cpu_tree.eagle_tree(parent_list, top_scores_index, seq_lens, topk, n)  # eager CPU: one C call
+    if built is not None:
+        tree_mask, positions, retrieve_index, next_token, next_sibling = built
+        return DraftTree(tokens, positions, tree_mask, retrieve_index, next_token, next_sibling, num_steps, topk)
     tree_mask = torch.zeros(bs * n * n, dtype=torch.bool, device=device)
     positions = torch.empty(bs * n, dtype=torch.int64, device=device)
     retrieve = _retrieve_buffers(bs, n, device)
     build = tree_twins.build_tree_kernel_efficient if in_graph else build_tree_kernel_efficient
     build(parent_list, top_scores_index, seq_lens.to(torch.int64), tree_mask, positions,
           retrieve[0], retrieve[1], retrieve[2], topk, num_steps, n, TreeMaskMode.QLEN_ONLY)
-    tokens = torch.cat([verified_id.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
     return DraftTree(tokens, positions, tree_mask.view(bs, n, n), retrieve[0], retrieve[1], retrieve[2],
                      num_steps, topk)
 
@@ -212,6 +217,10 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor,  # logits [bs*N,
 def verify_predicted(tree: DraftTree, target_predict: torch.Tensor,  # int64 [bs, N]
                      in_graph: bool = False) -> VerifyResult:
     """verify_greedy given the target's next token after every node (`fastspec tune` replays known ones)."""
+    walked = cpu_tree.greedy_walk(tree.draft_tokens, tree.retrieve_index, tree.retrieve_next_token,
+                                  tree.retrieve_next_sibling, target_predict, tree.num_steps)  # eager CPU: one C call
+    if walked is not None:
+        return VerifyResult(*walked)
     predicts, accept_index, accept_num = _verify_buffers(tree)
     verify = verify_twins.verify_tree_greedy if in_graph else verify_tree_greedy
     verify(predicts, accept_index, accept_num, tree.draft_tokens, tree.retrieve_index, tree.retrieve_next_token,
