@@ -5,6 +5,7 @@ import os
 import platform
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
-from fastspec.attention.paged import PagedAttnBackend, paged_block_plan
+from fastspec.attention.paged import PagedAttnBackend, PagedPlan, paged_block_plan, twin_plan
 from fastspec.kernels import cpu_fused, cpu_library
 from fastspec.memory.kv_pool import KVPool
 
@@ -352,3 +353,22 @@ def test_rescore_dots_the_dequantised_table_rows():
         pytest.skip("no C compiler for the CPU kernels")
     rows = (q.float().view(50, 2, 32) * scale[..., None] + offset[..., None]).view(50, 64)
     torch.testing.assert_close(got, torch.einsum("mkh,mh->mk", rows[ids], x), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("self_visible", [True, False])
+def test_paged_dense_plan_is_the_twins(self_visible):
+    """The C dense plan of a paged plan equals attention.paged.twin_plan: prefix columns from a table row up to each
+    request's length (0 included), the block after them, the diagonal where self_visible; the table a column slice of
+    a wider one (its row stride is not its width)."""
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randint(0, 1000, (6, 40), generator=g, dtype=torch.int32)
+    for bs, q_rows, x in ((1, 1, 1), (3, 1, 2), (2, 4, 4), (4, 3, 5)):
+        prefix = PagedPlan(wide[:, :32], torch.randperm(6, generator=g)[:bs], torch.randint(0, 33, (bs,), generator=g),
+                           torch.randint(0, 1000, (bs, x), generator=g), torch.rand(bs, q_rows, x, generator=g) < 0.5,
+                           torch.zeros(bs * q_rows, dtype=torch.int64), self_visible)
+        for plan in (prefix, replace(prefix, prefix_lens=torch.zeros(bs, dtype=torch.int64))):
+            want = twin_plan(plan.table, plan.rows, plan.prefix_lens, plan.block_slots, plan.block_mask, self_visible)
+            got = cpu_fused.paged_dense_plan(plan)
+            for field in ("q_index", "kv_slots", "mask", "out_index", "out_cache_loc", "uniform_qo"):
+                a, b = getattr(got, field), getattr(want, field)
+                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field

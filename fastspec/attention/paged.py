@@ -52,12 +52,14 @@ class PagedAttnBackend:
     def __init__(self):
         self._last: tuple[PagedPlan | None, TorchAttnPlan | None] = (None, None)
 
-    def dense(self, plan: PagedPlan) -> TorchAttnPlan:
-        """The torch twin's dense plan of `plan`, built on its first use in a forward (eager, on the host)."""
+    def dense(self, plan: PagedPlan, build=None) -> TorchAttnPlan:
+        """The torch twin's dense plan of `plan`, built on its first use in a forward (eager, on the host) by
+        `build(plan)` where given (the fused CPU layers pass cpu_fused.paged_dense_plan: the same plan in one C call),
+        else by twin_plan."""
         last, dense = self._last
         if last is not plan:  # a new forward (plans are built per forward and never changed)
-            dense = twin_plan(plan.table, plan.rows, plan.prefix_lens, plan.block_slots, plan.block_mask,
-                              plan.self_visible)
+            dense = build(plan) if build is not None else twin_plan(
+                plan.table, plan.rows, plan.prefix_lens, plan.block_slots, plan.block_mask, plan.self_visible)
             self._last = (plan, dense)
         return dense
 

@@ -254,3 +254,24 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
                                               out_act);
     free(o_all), free(part), free(seen);
 }
+
+/* A paged plan as the dense padded one attend reads (attention/paged.py twin_plan, tested equal): kv_slots int64
+ * [bs, W + X] = request b's first prefix_lens[b] slots of its table row (slot 0 past them), then its block slots
+ * [bs, X]; mask bool [bs, Q, W + X] = the prefix columns below prefix_lens[b], then block_mask [bs, Q, X] (and the
+ * diagonal where self_visible). */
+void paged_dense_plan(const int32_t *table, int64_t table_stride, const int64_t *rows, const int64_t *prefix_lens,
+                      const int64_t *block_slots, const uint8_t *block_mask, int64_t bs, int64_t Q, int64_t X,
+                      int64_t W, int self_visible, int64_t *kv_slots, uint8_t *mask) {
+    for (int64_t b = 0; b < bs; b++) {
+        const int32_t *row = table + rows[b] * table_stride;
+        int64_t len = prefix_lens[b], *s = kv_slots + b * (W + X);
+        for (int64_t j = 0; j < W; j++) s[j] = j < len ? row[j] : 0;
+        memcpy(s + W, block_slots + b * X, (size_t)X * sizeof(int64_t));
+        for (int64_t i = 0; i < Q; i++) {
+            uint8_t *m = mask + (b * Q + i) * (W + X);
+            const uint8_t *block = block_mask + (b * Q + i) * X;
+            for (int64_t j = 0; j < W; j++) m[j] = j < len;
+            for (int64_t x = 0; x < X; x++) m[W + x] = block[x] || (self_visible && x == i);
+        }
+    }
+}

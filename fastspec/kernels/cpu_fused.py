@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fastspec.attention.paged import PagedPlan, twin_plan
 from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
 from fastspec.kernels import cpu_library
 
@@ -113,6 +114,29 @@ def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
     return out
 
 
+def paged_dense_plan(plan: PagedPlan) -> TorchAttnPlan:
+    """attention.paged.twin_plan(plan's fields) in one C call where the library takes them (int32 table, CPU), else
+    the twin itself: the dense padded plan the fused layers attend through, built once per forward."""
+    lib = cpu_library.library()
+    table, rows, prefix_lens = plan.table, plan.rows, plan.prefix_lens
+    if (lib is None or table.device.type != "cpu" or table.dtype != torch.int32 or table.stride(1) != 1
+            or (rows.dtype, prefix_lens.dtype, plan.block_slots.dtype, plan.block_mask.dtype)
+            != (torch.int64, torch.int64, torch.int64, torch.bool)):
+        return twin_plan(table, rows, prefix_lens, plan.block_slots, plan.block_mask, plan.self_visible)
+    bs, q_rows, x = plan.block_mask.shape
+    width = int(prefix_lens.max()) if bs else 0
+    kv_slots = torch.empty(bs, width + x, dtype=torch.int64)
+    mask = torch.empty(bs, 1, q_rows, width + x, dtype=torch.bool)
+    rows, prefix_lens = rows.contiguous(), prefix_lens.contiguous()
+    block_slots, block_mask = plan.block_slots.contiguous(), plan.block_mask.contiguous()
+    cpu_library.call(lib.paged_dense_plan, table.data_ptr(), table.stride(0), rows.data_ptr(), prefix_lens.data_ptr(),
+                     block_slots.data_ptr(), block_mask.data_ptr(), bs, q_rows, x, width, int(plan.self_visible),
+                     kv_slots.data_ptr(), mask.data_ptr())
+    index = torch.arange(bs * q_rows)
+    return TorchAttnPlan(q_index=index.view(bs, q_rows), kv_slots=kv_slots, mask=mask, out_index=index,
+                         out_cache_loc=index, uniform_qo=True)
+
+
 def top_k(x: torch.Tensor,  # float32 [M, V]  (rows may be a slice of wider ones)
           k: int) -> torch.Tensor:  # int64 [M, k]
     """The indices of each row's k largest values, in no particular order (torch.topk's set; a tie may pick
@@ -129,9 +153,11 @@ def top_k(x: torch.Tensor,  # float32 [M, V]  (rows may be a slice of wider ones
 def argmax(x: torch.Tensor) -> torch.Tensor:  # [..., V] -> int64 [...]
     """x.argmax(-1) (the first of equal values; the first NaN where there is one), over float32 CPU rows in one C
     pass (torch's takes ~80 us over a 49k vocabulary on CPU); anything else, or inside a compiled graph, torch's."""
+    if torch.compiler.is_compiling():  # first: dynamo cannot trace library()
+        return x.argmax(-1)
     lib = cpu_library.library()
     if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1
-            or x.shape[-1] == 0 or torch.compiler.is_compiling()):
+            or x.shape[-1] == 0):
         return x.argmax(-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     cpu_library.call(lib.argmax_rows, x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())

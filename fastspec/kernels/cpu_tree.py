@@ -13,11 +13,10 @@ from fastspec.kernels import cpu_library
 
 def _takes(*tensors: torch.Tensor):
     """The library, if these tensors can go to it: CPU int64, contiguous, outside a compiled graph."""
-    lib = cpu_library.library()
-    if lib is None or torch.compiler.is_compiling() or any(
+    if torch.compiler.is_compiling() or any(
             t.device.type != "cpu" or t.dtype != torch.int64 or not t.is_contiguous() for t in tensors):
         return None
-    return lib
+    return cpu_library.library()
 
 
 def eagle_tree(parent_list: torch.Tensor,  # int64 [bs, P]  the kept leaves' candidate ids per step (-1 first)

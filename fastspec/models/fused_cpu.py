@@ -69,7 +69,9 @@ def dense_plan(attn) -> TorchAttnPlan | None:
     if isinstance(attn.plan, TorchAttnPlan):
         return attn.plan
     if isinstance(attn.plan, PagedPlan) and isinstance(attn.backend, PagedAttnBackend):
-        return attn.backend.dense(attn.plan) if kernel_for(attn.plan.rows.device) == "torch" else None
+        if kernel_for(attn.plan.rows.device) == "torch":
+            return attn.backend.dense(attn.plan, cpu_fused.paged_dense_plan)
+        return None
     return None
 
 
