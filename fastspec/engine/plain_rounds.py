@@ -1,7 +1,8 @@
-"""Plain decode rounds: one token per request, through the target's captured decode graph (a one-node verify)
-where there is one. With an EAGLE-family drafter the round leaves the draft alone and puts the token and its
-target feature in the draft's backlog (fastspec.speculative.backlog): the draft catches up before it is next
-used, so a plain round costs what it costs without a draft."""
+"""Plain decode rounds: one token per request, through the target's decode step function (a one-node verify:
+captured, compiled, or eager on CPU) where there is one, else the target's forward over decode metadata. With an
+EAGLE-family drafter the round leaves the draft alone and puts the token and its target feature in the draft's
+backlog (fastspec.speculative.backlog): the draft catches up before it is next used, so a plain round costs what it
+costs without a draft."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from fastspec.utils.transfer import to_device
 class PlainRounds:
     def __init__(self, target: Target, slots: BatchSlots, producer: Producer, graphs: StepGraphs | None,
                  backlog: DraftBacklog | None):
-        """graphs: the decode graphs (None: eager); backlog: where an extending drafter's missed rows go, or None."""
+        """graphs: the decode step graphs (None: the forward over decode metadata); backlog: where an extending
+        drafter's missed rows go, or None."""
         self.target, self.slots, self.producer, self.graphs, self.backlog = target, slots, producer, graphs, backlog
 
     def __call__(self, reqs: list[Request]) -> RoundOutput:

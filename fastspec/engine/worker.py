@@ -107,8 +107,9 @@ class Worker:
             persist=())
             for p in drafters}  # read within the round (logits kept for logprobs are copied by the round)
         # plain decode rounds through the same function as a one-node verify: captured too (not for hybrid targets,
-        # whose plain rounds advance their recurrent states in place)
-        self.decode_graphs = None if hybrid or plan.mode == "eager" else StepGraphs(
+        # whose plain rounds advance their recurrent states in place); on CPU eagerly too (the fused layers' dense plan
+        # of its paged one is one C call: fewer host ops than a decode's metadata and its plan)
+        self.decode_graphs = None if hybrid or (plan.mode == "eager" and plan.device != "cpu") else StepGraphs(
             "decode", partial(target_forward, self.model, self.pool, self.table.table, self.feature),
             verify_specs(1, False, self.table.pad_row), plan, self.times, "decode", persist=())
         self.use_drafters(drafters)
