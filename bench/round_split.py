@@ -6,6 +6,8 @@ plain step of a NONE engine, over the same chat prompts.
 
 A round pays when (round ms) / tau < (plain step ms); the report says what tau that takes. Phases are timed by
 wrapping SpecRounds' methods (perf_counter around each call, no profiler), after one warm-up answer per engine.
+Also the target's layer stack (the one C call of cpu_fused.decoder_stack) per number of rows it ran: a plain step's
+1 row against a verify's N, i.e. what the verify's extra rows cost in the kernels alone, host time aside.
 Writes bench/results/round_split.json.
 """
 
@@ -21,6 +23,7 @@ from peers import DEFAULT_PROMPTS
 
 import fastspec
 from fastspec.engine import spec_rounds
+from fastspec.kernels import cpu_fused
 from fastspec.sampling import SamplingParams
 
 PHASES = {"_verify": "verify", "_extend": "extend", "launch": "round"}  # SpecRounds method -> label
@@ -55,6 +58,21 @@ def timed_phases(algorithm: str, params: SamplingParams) -> tuple[dict, float]:
     return {label: 1000 * seconds[label] / calls[label] for label in seconds}, tau
 
 
+def stack_timer() -> dict:
+    """Wrap cpu_fused.decoder_stack: {rows: [seconds, calls]} of every call from now on."""
+    times, inner = collections.defaultdict(lambda: [0.0, 0]), cpu_fused.decoder_stack
+
+    def timed(layers, k, v, x, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(layers, k, v, x, *args, **kwargs)
+        finally:
+            times[x.shape[0]][0] += time.perf_counter() - start
+            times[x.shape[0]][1] += 1
+    cpu_fused.decoder_stack = timed
+    return times
+
+
 def plain_step_ms(params: SamplingParams) -> float:
     llm = fastspec.LLM(speculative_algorithm="NONE")
     llm.generate(DEFAULT_PROMPTS[:1], params, chat=True)  # warm-up
@@ -71,15 +89,21 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "round_split.json"))
     args = parser.parse_args()
     params = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    stacks = stack_timer()
     phases, tau = timed_phases(args.algorithm, params)
     plain = plain_step_ms(params)
     for label in ("draft", "verify", "extend", "round"):
         print(f"{label:7s} {phases[label]:7.2f} ms")
     print(f"plain step (NONE, prefill included) {plain:.2f} ms per token; tau {tau:.2f}: "
           f"{phases['round'] / tau:.2f} ms per token speculating; pays from tau {phases['round'] / plain:.2f}")
+    stack_ms = {rows: 1000 * seconds / calls for rows, (seconds, calls) in sorted(stacks.items()) if calls >= 20}
+    if 1 in stack_ms:  # (prefills are rarer than 20 calls of one length)
+        print("target layer stack (C), ms by rows: " + ", ".join(
+            f"{rows}: {ms:.2f} ({ms / stack_ms[1]:.2f}x)" for rows, ms in stack_ms.items()))
     Path(args.out).parent.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps({"algorithm": args.algorithm, "phases_ms": phases, "tau": tau,
-                                          "plain_ms_per_token": plain}, indent=1) + "\n")
+                                          "plain_ms_per_token": plain, "stack_ms_by_rows": stack_ms},
+                                         indent=1) + "\n")
 
 
 if __name__ == "__main__":
