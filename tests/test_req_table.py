@@ -55,3 +55,14 @@ def test_req_table_write_matches_loop(data):
             expected[r, j] = next(it)
     table.write(_t(rows), _t(starts), _t(lens), _t(slots))
     assert torch.equal(table.table, expected)
+
+
+def test_write_next_is_write_with_one_position_each():
+    g = torch.Generator().manual_seed(4)
+    a, b = ReqToTokenTable(5, 9), ReqToTokenTable(5, 9)
+    a.table.random_(0, 50, generator=g)
+    b.table.copy_(a.table)
+    rows, cols, slots = _t([4, 0, 2]), _t([8, 0, 3]), torch.tensor([7, 900, 31], dtype=torch.int32)
+    a.write(rows, cols, _t([1, 1, 1]), slots)
+    b.write_next(rows, cols, slots)
+    assert torch.equal(a.table, b.table) and b.table[4, 8] == 7 and b.table[0, 0] == 900

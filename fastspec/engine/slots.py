@@ -45,7 +45,10 @@ class BatchSlots:
         slots = self.allocator.alloc_extend(prefix, seq_lens, self.last_loc(rows, prefix), host_lens)
         if slots is None:
             raise FastspecError("KV pool exhausted")  # unreachable: a round's headroom is checked before it runs
-        self.table.write(rows, prefix, seq_lens - prefix, slots)
+        if all(end - start == 1 for start, end in zip(*host_lens)):  # a decode step: one position each
+            self.table.write_next(rows, prefix, slots)
+        else:
+            self.table.write(rows, prefix, seq_lens - prefix, slots)
 
     def last_loc(self, rows: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor | None:
         """int64 [bs]: the slot of each row's position prefix-1 (-1 for an empty prefix); None at page size 1,

@@ -73,6 +73,14 @@ def sample(logits: torch.Tensor, sampling: SamplingTensors, generators: list[tor
     return sample_from_probs(probs, draw_uniforms(generators, 1, logits.device)[:, 0])
 
 
+def sample_for(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+               ) -> torch.Tensor:
+    """sample() under these requests' params; all greedy: the argmax alone, no sampling tensors built."""
+    if all(p.greedy for p in params):
+        return cpu_fused.argmax(logits)
+    return sample(logits, SamplingTensors.from_params(params, logits.device), generators)
+
+
 def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:
     if seed is None:
         return None
