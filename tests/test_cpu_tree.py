@@ -23,6 +23,14 @@ def _c_tree(topk, n, trees, seq_lens):
     return cpu_tree.eagle_tree(parent_list, selected, torch.tensor(seq_lens), topk, n)
 
 
+def _assert_c_tree_is_twins(topk, depth, n, trees, seq_lens):
+    qlen, positions, retrieve = build_batch(topk, depth, n, trees, seq_lens)
+    mask, c_positions, *c_retrieve = _c_tree(topk, n, trees, seq_lens)
+    assert torch.equal(mask, qlen.view(-1, n, n))
+    assert torch.equal(c_positions, positions)
+    assert torch.equal(torch.stack(c_retrieve), retrieve)
+
+
 def _twin_walk(candidates, retrieve, predict, num_steps):
     bs, n = candidates.shape
     predicts = torch.full((bs * n,), -7, dtype=torch.int32)
@@ -37,11 +45,7 @@ def _twin_walk(candidates, retrieve, predict, num_steps):
 @given(eagle_batches())
 def test_eagle_tree_equals_twin(batch):
     topk, depth, n, trees, seq_lens, _ = batch
-    qlen, positions, retrieve = build_batch(topk, depth, n, trees, seq_lens)
-    mask, c_positions, *c_retrieve = _c_tree(topk, n, trees, seq_lens)
-    assert torch.equal(mask, qlen.view(-1, n, n))
-    assert torch.equal(c_positions, positions)
-    assert torch.equal(torch.stack(c_retrieve), retrieve)
+    _assert_c_tree_is_twins(topk, depth, n, trees, seq_lens)
 
 
 @settings(max_examples=80, deadline=None)
@@ -56,12 +60,7 @@ def test_eagle_tree_with_orphans_equals_twin(topk, depth, seed):
     for _ in range(int(rng.integers(1, 4))):
         parent_list = rng.integers(-1, width, topk * (depth - 1) + 1).tolist()
         trees.append((parent_list, sorted(rng.choice(width + 4, n - 1, replace=False).tolist())))
-    seq_lens = rng.integers(0, 9, len(trees)).tolist()
-    qlen, positions, retrieve = build_batch(topk, depth, n, trees, seq_lens)
-    mask, c_positions, *c_retrieve = _c_tree(topk, n, trees, seq_lens)
-    assert torch.equal(mask, qlen.view(-1, n, n))
-    assert torch.equal(c_positions, positions)
-    assert torch.equal(torch.stack(c_retrieve), retrieve)
+    _assert_c_tree_is_twins(topk, depth, n, trees, rng.integers(0, 9, len(trees)).tolist())
 
 
 @settings(max_examples=80, deadline=None)
