@@ -16,7 +16,7 @@ from fastspec.memory.state_checkpoints import save_crossed
 from fastspec.memory.state_pool import StatePool
 from fastspec.sampling.controls import active as controls_active
 from fastspec.sampling.controls import apply_controls
-from fastspec.sampling.draw import sample_for
+from fastspec.sampling.draw import sample
 from fastspec.sampling.grammar import mask_logits, verify_paths
 from fastspec.sampling.logprobs import TokenLogprob, token_logprobs
 from fastspec.speculative.tree import DraftTree
@@ -63,7 +63,7 @@ class Producer:
         return logits
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        return sample_for(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
 
     def commit(self, reqs: list[Request], fed: list[int], tokens: list[list[int]]) -> list[list[int]]:
         """Plain rounds and prefill: `fed[b]` tokens entered the KV, `tokens[b]` were produced."""

@@ -68,10 +68,9 @@ def dense_plan(attn) -> TorchAttnPlan | None:
     """The attention plan as the torch backend's dense padded one, or None (another backend's)."""
     if isinstance(attn.plan, TorchAttnPlan):
         return attn.plan
-    if isinstance(attn.plan, PagedPlan) and isinstance(attn.backend, PagedAttnBackend):
-        if kernel_for(attn.plan.rows.device) == "torch":
-            return attn.backend.dense(attn.plan, cpu_fused.paged_dense_plan)
-        return None
+    if (isinstance(attn.plan, PagedPlan) and isinstance(attn.backend, PagedAttnBackend)
+            and kernel_for(attn.plan.rows.device) == "torch"):
+        return attn.backend.dense(attn.plan, cpu_fused.paged_dense_plan)
     return None
 
 

@@ -24,7 +24,6 @@ class SamplingTensors:
     temperature: torch.Tensor  # float32 [bs]
     top_k: torch.Tensor  # int64 [bs]
     top_p: torch.Tensor  # float32 [bs]
-    all_greedy: bool
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device="cpu") -> SamplingTensors:
@@ -34,7 +33,6 @@ class SamplingTensors:
             temperature=to_device(temperature, device, torch.float32),
             top_k=to_device(top_k, device),
             top_p=to_device([p.top_p for p in params], device, torch.float32),
-            all_greedy=all(p.greedy for p in params),
         )
 
 
@@ -65,20 +63,15 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
-def sample(logits: torch.Tensor, sampling: SamplingTensors, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits [bs, V] float32 -> next tokens int64 [bs]."""
-    if sampling.all_greedy:
-        return cpu_fused.argmax(logits)
-    probs = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    return sample_from_probs(probs, draw_uniforms(generators, 1, logits.device)[:, 0])
-
-
-def sample_for(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-               ) -> torch.Tensor:
-    """sample() under these requests' params; all greedy: the argmax alone, no sampling tensors built."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           ) -> torch.Tensor:
+    """logits [bs, V] float32 -> next tokens int64 [bs] under each request's params; all greedy: the argmax alone,
+    no sampling tensors built."""
     if all(p.greedy for p in params):
         return cpu_fused.argmax(logits)
-    return sample(logits, SamplingTensors.from_params(params, logits.device), generators)
+    sampling = SamplingTensors.from_params(params, logits.device)
+    probs = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return sample_from_probs(probs, draw_uniforms(generators, 1, logits.device)[:, 0])
 
 
 def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:

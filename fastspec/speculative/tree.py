@@ -126,8 +126,9 @@ def build_tree(verified_id: torch.Tensor,       # int64 [bs]  root tokens
                draft_tokens: torch.Tensor,      # int64 [bs, N-1]
                seq_lens: torch.Tensor,          # int64 [bs]  committed lengths
                topk: int, num_steps: int, num_draft_tokens: int, in_graph: bool = False) -> DraftTree:
-    """Build the verify inputs of an EAGLE tree (no host sync). `in_graph`: inside a round function, always the
-    torch twin (the compiler fuses it into the captured graph; sgl_kernel's op is for eager rounds)."""
+    """Build the verify inputs of an EAGLE tree (no host sync): eagerly on CPU one C call (cpu_tree), else, with
+    `in_graph` (inside a round function), always the torch twin (the compiler fuses it into the captured graph;
+    sgl_kernel's op is for eager rounds)."""
     bs, n, device = verified_id.shape[0], num_draft_tokens, verified_id.device
     tokens = torch.cat([verified_id.to(torch.int64)[:, None], draft_tokens.to(torch.int64)], 1)
     built = cpu_tree.eagle_tree(parent_list, top_scores_index, seq_lens, topk, n)  # eager CPU: one C call
@@ -210,13 +211,14 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor,  # logits [bs*N,
                   in_graph: bool = False) -> VerifyResult:
     """Accept the longest path whose tokens equal the target's argmax; bonus = argmax after it. `in_graph`:
     inside a round function, the torch twin (fused into the captured graph)."""
-    predict = target_logits.argmax(-1) if in_graph else cpu_fused.argmax(target_logits)
+    predict = cpu_fused.argmax(target_logits)  # (torch's inside a compiled graph)
     return verify_predicted(tree, predict.view(tree.batch_size, tree.num_draft_tokens), in_graph)
 
 
 def verify_predicted(tree: DraftTree, target_predict: torch.Tensor,  # int64 [bs, N]
                      in_graph: bool = False) -> VerifyResult:
-    """verify_greedy given the target's next token after every node (`fastspec tune` replays known ones)."""
+    """verify_greedy given the target's next token after every node (`fastspec tune` replays known ones): eagerly
+    on CPU one C call (cpu_tree), else as verify_greedy's `in_graph` says."""
     walked = cpu_tree.greedy_walk(tree.draft_tokens, tree.retrieve_index, tree.retrieve_next_token,
                                   tree.retrieve_next_sibling, target_predict, tree.num_steps)  # eager CPU: one C call
     if walked is not None:
