@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
+# the KV pools' storage: auto is the model's --dtype; SGLang's short names as aliases
+KV_CACHE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                   "float16": "float16", "fp16": "float16"}
 # "none" is read as None; fp8 / int8 / int4 round a float checkpoint at load (or name an fp8 checkpoint's own); the
 # others name a quantised checkpoint's method (models.quant_config)
 QUANTIZATIONS = ("auto", None, "gguf", "fp8", "int8", "int4", "awq", "gptq", "compressed-tensors", "fbgemm_fp8")
@@ -72,6 +75,7 @@ class EngineConfig:
     # gguf: a GGUF model on its own blocks; fp8 / int8 / int4: a float checkpoint's projections rounded at load
     quantization: str | None = "auto"
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # the KV pools' storage (auto: dtype); attention computes in dtype either way
     device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
     page_size: int = 1
     max_total_tokens: int | None = None  # static KV pool size in tokens; None: up to kv_mem_fraction (CPU: grows)
@@ -106,6 +110,13 @@ class EngineConfig:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise FastspecError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         check_dtype(self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fp8 = " (fp8 KV caches are not supported)" if self.kv_cache_dtype.startswith("fp8") else ""
+            raise FastspecError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                                f"{self.kv_cache_dtype!r}{fp8}")
+        if self.attention_backend == "flashinfer" and KV_CACHE_DTYPES[self.kv_cache_dtype] not in (None, self.dtype):
+            raise FastspecError(f"--attention-backend flashinfer reads the KV cache in the model's --dtype "
+                                f"{self.dtype}; --kv-cache-dtype {self.kv_cache_dtype} needs --attention-backend torch")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise FastspecError(f"page size must be a power of two >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -127,6 +138,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pools' dtype: --kv-cache-dtype, or the model's for auto."""
+        return parse_dtype(KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype)
 
     @property
     def graph_mode(self) -> str:

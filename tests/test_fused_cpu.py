@@ -48,8 +48,9 @@ def twin(monkeypatch):
 
 
 def close(actual, expected, dtype):
-    """float32: to float32 rounding (sums in another order); bfloat16: within one bfloat16 step of each other."""
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
+    """float32: to float32 rounding (sums in another order); bfloat16 / float16: within one step of each other."""
+    tol = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2 ** -7),
+           torch.float16: dict(atol=1e-3, rtol=2 ** -10)}[dtype]
     assert actual.dtype == expected.dtype == dtype
     torch.testing.assert_close(actual.float(), expected.float(), **tol)
 
@@ -88,8 +89,10 @@ def test_head_norms_norm_q_and_k_heads_and_leave_v(twin, dtype):
             close(fused[:, :HQ * D], norm(qkv[:, :HQ * D].view(3, HQ, D)).flatten(1), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype):
+@pytest.mark.parametrize("dtype, kv", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                       (torch.float32, torch.bfloat16), (torch.float32, torch.float16)])
+def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype, kv):
+    """kv: the cache's dtype, which K and V are rounded to as they are written."""
     from fastspec.models.layers import RotaryEmbedding
 
     g = torch.Generator().manual_seed(1)
@@ -97,12 +100,13 @@ def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype)
     rope = RotaryEmbedding(SimpleNamespace(head_dim=D, partial_rotary_factor=1.0, rope_theta=1e4, rope_scaling=None))
     cos, sin = rope.cos_sin(torch.tensor([0, 5, 6, 40]), torch.float32)
     slots = torch.tensor([3, 9, 1, 7])
-    caches = [[torch.zeros(12, HKV, D), torch.zeros(12, HKV, D)] for _ in range(2)]
+    caches = [[torch.zeros(12, HKV, D, dtype=kv), torch.zeros(12, HKV, D, dtype=kv)] for _ in range(2)]
     q = cpu_fused.rope_write(qkv, cos, sin, slots, *caches[0], HQ)
     expected = twin(cpu_fused.rope_write, qkv, cos, sin, slots, *caches[1], HQ)
     close(q, expected, torch.float32)
+    assert torch.equal(caches[0][1], caches[1][1])  # V as it came, rounded the same way
     for fused, reference in zip(*caches):
-        close(fused, reference, torch.float32)
+        close(fused, reference, kv)
         assert fused[[0, 2, 4, 5, 6, 8, 10, 11]].abs().sum() == 0
 
 
@@ -133,20 +137,27 @@ def plans(long: bool = False):
 
 
 @pytest.mark.parametrize("name", ["decode", "prefill", "tree verify"])
-@pytest.mark.parametrize("dtype, long, dim", [(torch.float32, False, D), (torch.bfloat16, False, D),
-                                              (torch.float32, True, 64), (torch.float32, True, 72)])
-def test_attend_is_the_torch_backends_attention(build, twin, name, dtype, long, dim):
-    """Head dims 16 / 64 / 72: the kernel's 16- and 64-column paths and a tail of 8 columns."""
+@pytest.mark.parametrize("dtype, long, dim, kv", [(torch.float32, False, D, torch.float32),
+                                                  (torch.bfloat16, False, D, torch.float32),
+                                                  (torch.float32, True, 64, torch.float32),
+                                                  (torch.float32, True, 72, torch.float32),
+                                                  (torch.float32, True, 72, torch.bfloat16),
+                                                  (torch.bfloat16, False, 64, torch.float16)])
+def test_attend_is_the_torch_backends_attention(build, twin, name, dtype, long, dim, kv):
+    """Head dims 16 / 64 / 72: the kernel's 16- and 64-column paths and a tail of 8 columns; a float32, bfloat16 or
+    float16 KV cache (both sides read the same stored values, so float32 rounding of the output still holds)."""
     plan, tokens = plans(long)[name]
     g = torch.Generator().manual_seed(2)
     slots = plan.kv_slots.max().item() + 1
     q, k, v = (torch.randn(n, h, dim, generator=g) for n, h in ((tokens, HQ), (slots, HKV), (slots, HKV)))
+    k, v = k.to(kv), v.to(kv)
     close(cpu_fused.attend(plan, q, k, v, dim ** -0.5, dtype),
           twin(cpu_fused.attend, plan, q, k, v, dim ** -0.5, dtype), dtype)
 
 
-@pytest.mark.parametrize("prefix", [[4, 9], [126, 260]])
-def test_attend_is_batch_invariant(build, prefix):
+@pytest.mark.parametrize("prefix, kv", [([4, 9], torch.float32), ([126, 260], torch.float32),
+                                        ([126, 260], torch.bfloat16)])
+def test_attend_is_batch_invariant(build, prefix, kv):
     """Each token of a tree verify gets, bit for bit, what a decode step of that token alone over the keys it sees
     (its prefix, then its tree ancestors and itself) gets: speculation then stays lossless on the packed target
     (the verify's logits are a plain step's, whatever the padding and the tree around a token). With a prefix of
@@ -157,6 +168,7 @@ def test_attend_is_batch_invariant(build, prefix):
                                                      TREE.expand(2, 4, 4)))
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(n, HQ if n == 8 else HKV, 64, generator=g) for n in (8, 650, 650))
+    k, v = k.to(kv), v.to(kv)
     verified = cpu_fused.attend(plan, q, k, v, 0.125, torch.float32)
     for t in range(8):
         b, i = divmod(t, 4)
@@ -253,13 +265,15 @@ def test_a_compiler_without_openmp_builds_them_single_threaded_and_none_runs_the
     assert not list((tmp_path / "b").glob("kernels/*.so"))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatch, family):
+@pytest.mark.parametrize("family, kv", [("llama", torch.float32), ("qwen2", torch.float32), ("qwen3", torch.float32),
+                                        ("llama", torch.bfloat16), ("qwen3", torch.float16)])
+def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatch, family, kv):
     """Every projection a BlockLinear (4-bit, one 6-bit, one 8-bit, two over inputs in another order: GPTQ desc_act's
     PermutedLinear; Qwen2's QKV with its bias, Qwen3's q / k head norms): the stack runs as one C call
     (cpu_fused.decoder_stack), which gives, bit for bit, the logits and the captured residual streams of the same
     kernels called layer by layer (fused_layers' loop), over a prefill of two requests and a decode step of both;
-    and, to float32 rounding, those of the model's own layers over the same packed linears."""
+    and, to float32 rounding, those of the model's own layers over the same packed linears. kv: the KV pool's dtype
+    (a bfloat16 / float16 pool: K and V rounded as they are written, the same way on each path)."""
     from conftest import PoolRunner
 
     from fastspec.kernels import cpu_q4
@@ -288,7 +302,7 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
     monkeypatch.setattr(cpu_fused, "decoder_stack", lambda *a, f=cpu_fused.decoder_stack: calls.append(1) or f(*a))
 
     def run() -> list[torch.Tensor]:
-        runner = PoolRunner(model)
+        runner = PoolRunner(model, kv_dtype=kv)
         first = runner.extend([0, 0], [[5, 9, 13, 2, 40], [7, 7, 8]])
         second = runner.extend([5, 3], [[11], [12]])
         return [t for out in (first, second) for t in (model.compute_logits(out.final), out.aux)]

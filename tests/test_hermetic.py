@@ -89,6 +89,7 @@ def test_bad_generate_input_is_the_same_one_line_whatever_the_cache(extra, messa
 BAD_OTHER = [
     (["bench", "--batch-sizes", "0"], "must be >= 1"),
     (["bench", "--dtype", "fp8"], "unknown dtype"),
+    (["bench", "--kv-cache-dtype", "int8"], "--kv-cache-dtype must be one of"),
     (["chat", "--page-size", "0"], "page size"),
     (["tune", "--batch-sizes", "1,x"], "comma-separated integers"),
     (["tune", "--emit", "vllm"], "--emit supports sglang"),

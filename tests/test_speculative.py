@@ -190,6 +190,25 @@ def test_chunked_prefill_is_lossless(tiny_dirs, draft_dirs, algorithm, draft, ch
         assert [o.metrics for o in outputs] == [o.metrics for o in unchunked]
 
 
+@pytest.mark.parametrize("family, algorithm, draft, quantization, kv", [
+    ("llama", "EAGLE3", "eagle3", None, "bfloat16"), ("qwen2", "STANDALONE", "self", "int4", "float16"),
+    ("qwen3", "EAGLE", "eagle", "int4", "bf16"), ("llama", "NGRAM", None, None, "fp16")])
+def test_a_half_precision_kv_cache_is_lossless(tiny_dirs, draft_dirs, family, algorithm, draft, quantization, kv):
+    """--kv-cache-dtype: K and V (target's and draft's) stored rounded to 16 bits; speculative output still equals
+    target-only output over the same cache dtype, on the float layers and on packed ones (the fused C kernels)."""
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    steps, topk, n = (None, None, 6) if algorithm == "NGRAM" else (3, 2, 5)
+    extra = dict(quantization=quantization, kv_cache_dtype=kv)
+    plain = fastspec.LLM(str(tiny_dirs[family][0]), max_total_tokens=4096, **extra)
+    expected = [o.output_ids for o in plain.engine.generate(PROMPTS, [params] * len(PROMPTS))]
+    llm = spec_llm(tiny_dirs, draft_dirs, family, algorithm, draft, steps, topk, n, 16, **extra)
+    outputs = llm.engine.generate(PROMPTS, [params] * len(PROMPTS))
+    assert [o.output_ids for o in outputs] == expected
+    half = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}.get(kv, torch.float16)
+    assert {p.k.dtype for p in llm.engine.worker.memory.pools} == {half}
+    assert all_slots_free(llm.engine)
+
+
 @pytest.mark.parametrize("algorithm, draft, page_size, pool", [("NONE", None, 1, 96), ("STANDALONE", "self", 16, 224),
                                                                ("EAGLE3", "eagle3", 1, 128), ("NGRAM", None, 4, 128)])
 def test_overload_preempts_and_recomputes_losslessly(tiny_dirs, draft_dirs, algorithm, draft, page_size, pool):

@@ -22,7 +22,7 @@ from fastspec.models.embedded import DEFAULT_MODEL
 SPEC = "Speculative decoding"
 GRAPHS = "Graphs and kernels"
 NGRAM = "NGRAM"
-ENGINE_FLAGS = ("model", "load_format", "quantization", "dtype", "device", "page_size", "graphs", "cuda_graph_max_bs", "cuda_graph_bs", "attention_backend",
+ENGINE_FLAGS = ("model", "load_format", "quantization", "dtype", "kv_cache_dtype", "device", "page_size", "graphs", "cuda_graph_max_bs", "cuda_graph_bs", "attention_backend",
                 "max_total_tokens", "max_running_requests", "chunked_prefill_size", "speculative_fallback",
                 "overlap_schedule", "radix_cache", "mamba_track_interval")
 
@@ -34,6 +34,7 @@ class ModelOptions:
     load_format: Annotated[str, typer.Option(help="auto | dummy (random weights built on the device from config.json alone, none read: for benchmarks).")] = "auto"
     quantization: Annotated[str, typer.Option(help="How the weights are stored and multiplied. auto: a quantised checkpoint's own method (from its quantization_config), gguf for a GGUF model (the embedded one included) on CPU, else none. Checkpoint methods: fp8 (per tensor, channel or 128x128 block; also fbgemm_fp8), compressed-tensors (fp8, int4, int8), awq (int4, GEMM layout), gptq (int4 / int8, desc_act too). fp8 / int8 / int4 on a float checkpoint: its decoder layers' linears (MoE experts included) rounded at load (fp8 and int8 per output channel, int4 per group of 32). gguf: a GGUF model on its own blocks. none: every weight dequantised to --dtype (the exact reference). Kernels: on CPU fastspec's block kernels (activations rounded to int16 per 32; fp8 weights re-rounded to 8 bits per 16) or torch's int4 one, whichever is measured faster, with an lm_head whose best tokens are rescored exactly; on CUDA fp8 runs W8A8 as SGLang and vLLM run it (a stored input_scale is not used): per-channel fp8 through torch._scaled_mm with activations rounded to fp8 per token at run time, block fp8 with activations rounded per token and block of inputs through sgl-kernel's block GEMM where installed, else fastspec's Triton one; 4-bit groups through torch's tinygemm, other blocks through fastspec's Triton GEMM over the stored bytes")] = "auto"
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32"
+    kv_cache_dtype: Annotated[str, typer.Option(help="How the KV cache is stored: auto (= --dtype) | bfloat16 (bf16) | float16 (fp16) | float32. Half the bytes of a float32 cache: twice the tokens in the same memory, half the bytes attention reads per token; keys and values are rounded to it as they are written, and attention computes in --dtype.")] = "auto"
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N] (auto: cuda when torch sees a GPU).")] = "auto"
     page_size: Annotated[int, typer.Option(help="KV page size in tokens.")] = 1
     max_total_tokens: Annotated[Optional[int], typer.Option(help="KV pool size in tokens, allocated at start (default: a fraction of free memory; on CPU that is only the limit: the pool starts small and grows as needed).")] = None
@@ -107,7 +108,7 @@ class ModelOptions:
         overlap = "off" if self.disable_overlap_schedule else self.overlap_schedule
         buckets = tuple(parse_buckets(self.cuda_graph_bs)) if self.cuda_graph_bs else None
         return dict(model=self.model, load_format=self.load_format, quantization=self.quantization, dtype=self.dtype,
-                    device=self.device,
+                    kv_cache_dtype=self.kv_cache_dtype, device=self.device,
                     page_size=self.page_size,
                     graphs=graphs,
                     cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_bs=buckets,

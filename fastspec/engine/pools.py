@@ -73,17 +73,18 @@ def build_memory(c: ModelConfig, draft_shape: tuple | None, cfg: EngineConfig, s
     # a hybrid target's states first: a KV pool sized from free memory then sizes from what they left
     states = _state_pool(c, cfg, spec)
     layers, heads, dim, separate_v = c.kv_layout
-    per_token = KVPool.bytes_per_token(layers, heads, dim, cfg.torch_dtype, separate_v)
+    kv_dtype = cfg.kv_torch_dtype
+    per_token = KVPool.bytes_per_token(layers, heads, dim, kv_dtype, separate_v)
     if draft_shape is not None:  # the draft pool has the same slots, so it costs per token as well
-        per_token += KVPool.bytes_per_token(*draft_shape[:3], cfg.torch_dtype, draft_shape[3])
+        per_token += KVPool.bytes_per_token(*draft_shape[:3], kv_dtype, draft_shape[3])
     ceiling = KVPool.capacity_for(per_token, max_tokens=cfg.max_total_tokens,
                                   mem_fraction=None if cfg.max_total_tokens else cfg.kv_mem_fraction,
                                   device=cfg.device, page_size=cfg.page_size)
     grows = cfg.max_total_tokens is None and torch.device(cfg.device).type == "cpu"
     capacity = min(ceiling, -(-INITIAL_KV_TOKENS // cfg.page_size) * cfg.page_size) if grows else ceiling
-    pool = KVPool(layers, heads, dim, capacity, cfg.page_size, cfg.torch_dtype, cfg.device, separate_v)
-    draft_pool = None if draft_shape is None else KVPool(*draft_shape[:3], capacity, cfg.page_size,
-                                                         cfg.torch_dtype, cfg.device, draft_shape[3])
+    pool = KVPool(layers, heads, dim, capacity, cfg.page_size, kv_dtype, cfg.device, separate_v)
+    draft_pool = None if draft_shape is None else KVPool(*draft_shape[:3], capacity, cfg.page_size, kv_dtype,
+                                                         cfg.device, draft_shape[3])
     allocator = make_allocator(pool.capacity, cfg.page_size, cfg.device)
     # a round's draft scratch or verify rows past the context, twice: under the overlap schedule a request that
     # finished runs one more round before the host knows

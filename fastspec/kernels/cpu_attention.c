@@ -1,7 +1,7 @@
 /* fastspec's CPU attention over a dense padded plan (cpu_fused.attend and the layer stack in cpu_fused.c call it;
- * cpu_fused.py holds its torch twin): float32, each token's keys in chunks whose softmaxes merge in order, split
- * between torch's OpenMP threads once there is enough work. Built with -ffast-math (vectorised expf): nothing relies
- * on infinities or NaN. */
+ * cpu_fused.py holds its torch twin): float32 math over a float32, bfloat16 or float16 KV cache, each token's keys
+ * in chunks whose softmaxes merge in order, split between torch's OpenMP threads once there is enough work. Built
+ * with -ffast-math (vectorised expf): nothing relies on infinities or NaN. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -38,7 +38,29 @@ static int64_t seen_keys(int64_t t, const int64_t *out_index, const int64_t *kv_
 #define LANES 8
 #endif
 typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef uint16_t halves __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef uint32_t words __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef _Float16 f16s __attribute__((vector_size(LANES * 2), aligned(2)));
 #define LOAD(p) (*(const vec *)(p))
+
+/* LANES values of a KV row (dtype code kv, as cpu_rows.h: 0 float32, 1 bfloat16, 2 float16) from element d on, as
+ * floats: a bfloat16 is a float's top half, a float16 widens exactly. kv is a constant where it is inlined. */
+static inline __attribute__((always_inline)) vec load_kv(const char *row, int64_t d, int kv) {
+    if (kv == 1) {
+        words w = __builtin_convertvector(*(const halves *)((const uint16_t *)row + d), words) << 16;
+        vec f;
+        memcpy(&f, &w, sizeof f);
+        return f;
+    }
+    if (kv == 2) return __builtin_convertvector(*(const f16s *)((const _Float16 *)row + d), vec);
+    return LOAD((const float *)row + d);
+}
+
+/* element d of a KV row as a float */
+static inline __attribute__((always_inline)) float kv_at(const char *row, int64_t d, int kv) {
+    return kv == 1 ? bf16_to_f32(((const uint16_t *)row)[d]) : kv == 2 ? (float)((const _Float16 *)row)[d]
+                                                                       : ((const float *)row)[d];
+}
 
 /* r[j] = the sum of x[j]'s lanes, for LANES vectors at once: each level adds lane halves of two vectors. E.g. with 8
  * lanes, level 1 puts x0's lanes 0-3 + 4-7 in lanes 0-3 and x1's in lanes 4-7; after the last level lane j holds the
@@ -77,8 +99,8 @@ static inline vec sum_lanes(const vec *x) {
 
 #define AHEAD 16 /* keys ahead whose K / V rows are fetched early: a token's slots may be scattered over the pool */
 
-static inline void prefetch_row(const float *row, int64_t D) {
-    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(row + d);
+static inline void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
 }
 
 #define TILE 4 /* tokens that share a chunk's K and V loads when they see the same keys in it (a prefill, a verify) */
@@ -91,16 +113,17 @@ static inline void prefetch_row(const float *row, int64_t D) {
  * columns at a time for every token. Each (token, head, key) product and each sum runs in the same order whatever R
  * is, so a token computes bit for bit what it computes alone. */
 static inline __attribute__((always_inline)) void chunk_tile(
-    const float *const *qs, const int R, int64_t group, int64_t D, const float *k_cache, const float *v_cache,
-    int64_t Hkv, int64_t g, const int64_t *slots, int64_t n, float scale, float *scores, float *part, float *top,
-    float *sum, const int64_t *heads, int64_t stride) {
+    const float *const *qs, const int R, int64_t group, int64_t D, const char *k_cache, const char *v_cache,
+    const int kv, int64_t Hkv, int64_t g, const int64_t *slots, int64_t n, float scale, float *scores, float *part,
+    float *top, float *sum, const int64_t *heads, int64_t stride) {
     const int RP = R == 3 ? 4 : R, KP = LANES / RP; /* a pass: RP tokens (the last again past R) x KP keys */
-    const float *rows[CHUNK];
+    const char *rows[CHUNK];
     int64_t padded = (n + LANES - 1) / LANES * LANES, body = D / LANES * LANES, block = 4 * LANES;
+    int64_t bytes = D * (kv ? 2 : 4); /* a row's */
     for (int64_t a = 0; a < padded; a++) /* past n: the last key again, its scores dropped below */
-        rows[a] = k_cache + (slots[a < n ? a : n - 1] * Hkv + g) * D;
+        rows[a] = k_cache + (slots[a < n ? a : n - 1] * Hkv + g) * bytes;
     for (int64_t a0 = 0; a0 < padded; a0 += KP) {
-        for (int64_t a = a0 + AHEAD; a < a0 + KP + AHEAD && a < n; a++) prefetch_row(rows[a], D);
+        for (int64_t a = a0 + AHEAD; a < a0 + KP + AHEAD && a < n; a++) prefetch_row(rows[a], bytes);
         for (int64_t h = 0; h < group; h++) {
             const float *qh[TILE];
             for (int r = 0; r < RP; r++) qh[r] = qs[r < R ? r : R - 1] + h * D;
@@ -108,18 +131,18 @@ static inline __attribute__((always_inline)) void chunk_tile(
             for (int64_t d = 0; d < body; d += LANES)
                 for (int r = 0; r < RP; r++) {
                     vec x = LOAD(qh[r] + d);
-                    for (int j = 0; j < KP; j++) acc[r * KP + j] += x * LOAD(rows[a0 + j] + d);
+                    for (int j = 0; j < KP; j++) acc[r * KP + j] += x * load_kv(rows[a0 + j], d, kv);
                 }
             vec dots = sum_lanes(acc);
             for (int64_t d = body; d < D; d++) /* a head dim that is not a multiple of LANES: the last columns */
                 for (int r = 0; r < RP; r++)
-                    for (int j = 0; j < KP; j++) dots[r * KP + j] += qh[r][d] * rows[a0 + j][d];
+                    for (int j = 0; j < KP; j++) dots[r * KP + j] += qh[r][d] * kv_at(rows[a0 + j], d, kv);
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < KP; j++) scores[(r * group + h) * CHUNK + a0 + j] = dots[r * KP + j] * scale;
         }
     }
-    for (int64_t a = 0; a < n; a++) rows[a] = v_cache + (slots[a] * Hkv + g) * D;
-    for (int64_t a = 0; a < n && a < AHEAD; a++) prefetch_row(rows[a], D);
+    for (int64_t a = 0; a < n; a++) rows[a] = v_cache + (slots[a] * Hkv + g) * bytes;
+    for (int64_t a = 0; a < n && a < AHEAD; a++) prefetch_row(rows[a], bytes);
     for (int64_t h = 0; h < group; h++) {
         const float *p[TILE];
         float *o[TILE];
@@ -141,9 +164,10 @@ static inline __attribute__((always_inline)) void chunk_tile(
             vec acc[TILE][4];
             for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (vec){0};
             for (int64_t a = 0; a < n; a++) {
-                const float *v = rows[a] + d;
-                if (h == 0 && d == 0 && a + AHEAD < n) prefetch_row(rows[a + AHEAD], D);
-                vec v0 = LOAD(v), v1 = LOAD(v + LANES), v2 = LOAD(v + 2 * LANES), v3 = LOAD(v + 3 * LANES);
+                const char *v = rows[a];
+                if (h == 0 && d == 0 && a + AHEAD < n) prefetch_row(rows[a + AHEAD], bytes);
+                vec v0 = load_kv(v, d, kv), v1 = load_kv(v, d + LANES, kv), v2 = load_kv(v, d + 2 * LANES, kv),
+                    v3 = load_kv(v, d + 3 * LANES, kv);
                 for (int r = 0; r < R; r++) {
                     float w = p[r][a];
                     acc[r][0] += w * v0, acc[r][1] += w * v1, acc[r][2] += w * v2, acc[r][3] += w * v3;
@@ -155,43 +179,53 @@ static inline __attribute__((always_inline)) void chunk_tile(
         for (; d + LANES <= D; d += LANES)
             for (int r = 0; r < R; r++) {
                 vec acc = {0};
-                for (int64_t a = 0; a < n; a++) acc += p[r][a] * LOAD(rows[a] + d);
+                for (int64_t a = 0; a < n; a++) acc += p[r][a] * load_kv(rows[a], d, kv);
                 *(vec *)(o[r] + d) = acc;
             }
         for (; d < D; d++)
             for (int r = 0; r < R; r++) {
                 float acc = 0.f;
-                for (int64_t a = 0; a < n; a++) acc += p[r][a] * rows[a][d];
+                for (int64_t a = 0; a < n; a++) acc += p[r][a] * kv_at(rows[a], d, kv);
                 o[r][d] = acc;
             }
     }
 }
 
-/* chunk_tile for R known at compile time (its registers: R tokens' accumulators) */
-static void attend_chunk(const float *const *qs, int R, int64_t group, int64_t D, const float *k_cache,
-                         const float *v_cache, int64_t Hkv, int64_t g, const int64_t *slots, int64_t n, float scale,
-                         float *scores, float *part, float *top, float *sum, const int64_t *heads, int64_t stride) {
-#define TILE_OF(r) chunk_tile(qs, r, group, D, k_cache, v_cache, Hkv, g, slots, n, scale, scores, part, top, sum, \
-                              heads, stride)
-    switch (R) {
-    case 1: TILE_OF(1); break;
-    case 2: TILE_OF(2); break;
-    case 3: TILE_OF(3); break;
-    default: TILE_OF(4); break;
+/* chunk_tile for R and the KV dtype code kv known at compile time (its registers: R tokens' accumulators) */
+static void attend_chunk(const float *const *qs, int R, int64_t group, int64_t D, const char *k_cache,
+                         const char *v_cache, int kv, int64_t Hkv, int64_t g, const int64_t *slots, int64_t n,
+                         float scale, float *scores, float *part, float *top, float *sum, const int64_t *heads,
+                         int64_t stride) {
+#define TILE_OF(r, c) chunk_tile(qs, r, group, D, k_cache, v_cache, c, Hkv, g, slots, n, scale, scores, part, top, \
+                                 sum, heads, stride)
+#define TILES_OF(c)              \
+    switch (R) {                 \
+    case 1: TILE_OF(1, c); break; \
+    case 2: TILE_OF(2, c); break; \
+    case 3: TILE_OF(3, c); break; \
+    default: TILE_OF(4, c); break; \
     }
+    if (kv == 1) {
+        TILES_OF(1)
+    } else if (kv == 2) {
+        TILES_OF(2)
+    } else {
+        TILES_OF(0)
+    }
+#undef TILES_OF
 #undef TILE_OF
 }
 
 /* Attention of a dense padded plan (fastspec.attention.torch_backend.TorchAttnPlan): token t is query row
  * out_index[t] = b * max_qo + i; it sees key column j of request b (KV slot kv_slots[b, j]) where
- * mask[b, i, j] (mask NULL: every column). q float32 [T, Hq, D]; caches float32 [num_slots, Hkv, D];
+ * mask[b, i, j] (mask NULL: every column). q float32 [T, Hq, D]; caches [num_slots, Hkv, D] in dtype code kv;
  * out [T, Hq, D] in `out_act`. Query head h reads KV head h / (Hq / Hkv).
  * Batch-invariant: a token's output depends only on the keys it sees, in column order, not on the padding, the
  * masked columns or the other tokens, so a tree verify computes bit for bit what a decode step of the same token
  * would (the seen keys are gathered into a list first; its chunks and every sum over them run in a fixed order).
  * Work items are (KV head, chunk, TILE consecutive tokens): tokens that see the same keys in the chunk (a prefill's
  * full chunks, a verify's prefix) go through it together, sharing each K / V load (chunk_tile). */
-void attend(const float *q, const float *k_cache, const float *v_cache, int64_t T, int64_t Hq, int64_t Hkv,
+void attend(const float *q, const void *k_cache, const void *v_cache, int kv, int64_t T, int64_t Hq, int64_t Hkv,
             int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
             int64_t max_kv, float scale, void *out, int out_act) {
     int64_t group = Hq / Hkv, chunks = max_kv > 0 ? (max_kv + CHUNK - 1) / CHUNK : 1, width = max_kv > 0 ? max_kv : 1;
@@ -222,8 +256,8 @@ void attend(const float *q, const float *k_cache, const float *v_cache, int64_t 
                     int64_t n = u < u1 && u < tokens ? count[u] - lo : 0; /* past the tile: 0, the last run ends */
                     n = n < CHUNK ? n : CHUNK;
                     if (R && (n != run_n || memcmp(mine, run, n * sizeof(int64_t)))) { /* the run ends here */
-                        attend_chunk(qs, R, group, D, k_cache, v_cache, Hkv, g, run, run_n, scale, scores, part, top,
-                                     sum, heads, chunks);
+                        attend_chunk(qs, R, group, D, (const char *)k_cache, (const char *)v_cache, kv, Hkv, g, run,
+                                     run_n, scale, scores, part, top, sum, heads, chunks);
                         R = 0;
                     }
                     if (n <= 0) continue;

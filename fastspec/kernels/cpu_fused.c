@@ -77,21 +77,23 @@ void head_norms(void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, int64_t 
 }
 
 /* Rotate-half rope on q and k of qkv [T, (Hq + 2 Hkv) * D] (in `act`), K and V written to the cache rows `slots`
- * (k_cache, v_cache float32 [num_slots, Hkv, D]), the rotated q to q_out float32 [T, Hq, D].
- * cos, sin float32 [T, D]: sin's first half negated, so rotated[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d]. */
+ * (k_cache, v_cache [num_slots, Hkv, D] in dtype code `kv`, as cpu_rows.h rounds), the rotated q to q_out float32
+ * [T, Hq, D]. cos, sin float32 [T, D]: sin's first half negated, so rotated[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d].
+ */
 void rope_write(const void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
-                const float *sin, const int64_t *slots, float *k_cache, float *v_cache, float *q_out) {
-    int64_t width = (Hq + 2 * Hkv) * D, half = D / 2;
-    float *row = (float *)malloc(width * sizeof(float));
+                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv, float *q_out) {
+    int64_t width = (Hq + 2 * Hkv) * D, half = D / 2, size = kv ? 2 : 4;
+    float *row = (float *)malloc((width + Hkv * D) * sizeof(float)), *k = row + width;
     for (int64_t t = 0; t < T; t++) {
         load_row((const char *)qkv + t * width * (act ? 2 : 4), act, width, row);
         const float *c = cos + t * D, *s = sin + t * D;
         for (int64_t h = 0; h < Hq + Hkv; h++) {
             const float *x = row + h * D;
-            float *dst = h < Hq ? q_out + (t * Hq + h) * D : k_cache + (slots[t] * Hkv + h - Hq) * D;
+            float *dst = h < Hq ? q_out + (t * Hq + h) * D : k + (h - Hq) * D;
             for (int64_t d = 0; d < D; d++) dst[d] = x[d] * c[d] + x[(d + half) % D] * s[d];
         }
-        memcpy(v_cache + slots[t] * Hkv * D, row + (Hq + Hkv) * D, Hkv * D * sizeof(float));
+        store_row(k, Hkv * D, (char *)k_cache + slots[t] * Hkv * D * size, kv);
+        store_row(row + (Hq + Hkv) * D, Hkv * D, (char *)v_cache + slots[t] * Hkv * D * size, kv);
     }
     free(row);
 }
@@ -184,7 +186,7 @@ void rescore(const int8_t *q, const float *scale, const float *offset, int64_t H
 
 int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
                int64_t bits, int64_t group, const int8_t *levels);
-void attend(const float *q, const float *k_cache, const float *v_cache, int64_t T, int64_t Hq, int64_t Hkv,
+void attend(const float *q, const void *k_cache, const void *v_cache, int kv, int64_t T, int64_t Hq, int64_t Hkv,
             int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
             int64_t max_kv, float scale, void *out, int out_act); /* cpu_attention.c */
 
@@ -205,23 +207,23 @@ static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int6
 
 /* A Llama-family layer stack on 4- / 8-bit weights (cpu_q4.c) in one call: per layer the four GEMMs, the kernels
  * above and attend (cpu_attention.c), in the order fastspec.models.fused_cpu.fused_layers runs them (its Python loop
- * is this function's twin, bit for bit). All float32.
+ * is this function's twin, bit for bit). All float32 but the KV caches.
  * layers int64 [L, 29]: addresses of qkv's packed weight and scales, o's, gate_up's, down's, the post-attention
  * norm's weight and the next layer's input norm's weight (0 after the last layer), the four linears' bit widths (4,
  * 5, 6 or 8: which of cpu_q4.c's kernels runs each), the addresses of their input orders (int64 [K], 0: in order),
  * of their 4-bit levels (int8 [16], 0: none), of qkv's bias (float32 [width], 0: none: Qwen2's) and of the q and k
  * head norms' weights (float32 [D] each, 0: none: Qwen3's), then the four linears' weight groups (values per scale:
- * 16 or 32); k, v: the KV pool's [L, num_slots, Hkv, D] caches
- * (layer i's at i * layer_stride floats). x [T, H]: the residual stream entering layer 0, replaced by the last
+ * 16 or 32); k, v: the KV pool's [L, num_slots, Hkv, D] caches in dtype code kv
+ * (layer i's at i * layer_stride elements). x [T, H]: the residual stream entering layer 0, replaced by the last
  * layer's output; h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured`
  * [n, T, H] receiving the stream entering it, or -1. The rest as rope_write and attend take them.
  * Returns 0, or -1 where memory could not be had. */
-int decoder_stack(int64_t L, const int64_t *layers, float *k, float *v, int64_t layer_stride, float *x,
+int decoder_stack(int64_t L, const int64_t *layers, void *k, void *v, int kv, int64_t layer_stride, float *x,
                   const float *h0, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, float eps,
                   const float *cos, const float *sin, const int64_t *slots, const int64_t *out_index,
                   const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo, int64_t max_kv, float scale,
                   const int64_t *capture_at, float *captured) {
-    int64_t width = (Hq + 2 * Hkv) * D;
+    int64_t width = (Hq + 2 * Hkv) * D, layer_bytes = layer_stride * (kv ? 2 : 4);
     float *h = (float *)malloc(T * H * sizeof(float)), *qkv = (float *)malloc(T * width * sizeof(float));
     float *q = (float *)malloc(T * Hq * D * sizeof(float)), *o = (float *)malloc(T * Hq * D * sizeof(float));
     float *gate_up = (float *)malloc(T * 2 * I * sizeof(float)), *act = (float *)malloc(T * I * sizeof(float));
@@ -232,14 +234,14 @@ int decoder_stack(int64_t L, const int64_t *layers, float *k, float *v, int64_t 
     if (status == 0) memcpy(h, h0, T * H * sizeof(float));
     for (int64_t i = 0; i < L && status == 0; i++) {
         const int64_t *w = layers + 29 * i;
-        float *k_cache = k + i * layer_stride, *v_cache = v + i * layer_stride;
+        char *k_cache = (char *)k + i * layer_bytes, *v_cache = (char *)v + i * layer_bytes;
         status |= layer_gemm(w, 0, h, T, H, width, qkv, scratch);
         if (w[22])
             for (int64_t t = 0; t < T; t++)
                 for (int64_t c = 0; c < width; c++) qkv[t * width + c] += ((const float *)w[22])[c];
         if (w[23]) head_norms(qkv, 0, T, Hq, Hkv, D, (const float *)w[23], (const float *)w[24], eps);
-        rope_write(qkv, 0, T, Hq, Hkv, D, cos, sin, slots, k_cache, v_cache, q);
-        attend(q, k_cache, v_cache, T, Hq, Hkv, D, out_index, kv_slots, mask, max_qo, max_kv, scale, o, 0);
+        rope_write(qkv, 0, T, Hq, Hkv, D, cos, sin, slots, k_cache, v_cache, kv, q);
+        attend(q, k_cache, v_cache, kv, T, Hq, Hkv, D, out_index, kv_slots, mask, max_qo, max_kv, scale, o, 0);
         status |= layer_gemm(w, 1, o, T, Hq * D, H, y, scratch);
         add_rms_norm(x, y, 0, (const float *)w[8], eps, T, H, x, h, 0);
         status |= layer_gemm(w, 2, h, T, H, 2 * I, gate_up, scratch);

@@ -17,7 +17,8 @@ from fastspec.attention.paged import PagedPlan, twin_plan
 from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
 from fastspec.kernels import cpu_library
 
-ACT = {torch.float32: 0, torch.bfloat16: 1}  # the C code's `act` codes
+ACT = {torch.float32: 0, torch.bfloat16: 1}  # the C code's `act` codes (cpu_rows.h) of the activations it takes
+KV = {**ACT, torch.float16: 2}  # ... and of the KV caches it reads and writes
 
 
 def available() -> bool:
@@ -80,25 +81,26 @@ def head_norms(qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]  float32 or bf16, nor
 def rope_write(qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]  float32 or bf16
                cos: torch.Tensor, sin: torch.Tensor,  # float32 [T, 1, D]  (sin's first half negated)
                slots: torch.Tensor,  # int64 [T]  KV slots of the T tokens
-               k_cache: torch.Tensor, v_cache: torch.Tensor,  # float32 [num_slots, Hkv, D]  one layer's
+               k_cache: torch.Tensor, v_cache: torch.Tensor,  # [num_slots, Hkv, D]  one layer's, a KV dtype
                num_heads: int) -> torch.Tensor:  # q float32 [T, Hq, D], rotated
-    """Rope on q and k, then K and V written to the cache at `slots`; returns q."""
+    """Rope on q and k, then K and V written to the cache at `slots` (rounded to its dtype); returns q."""
     T, (hkv, d) = qkv.shape[0], k_cache.shape[1:]
     lib = cpu_library.library()
     if lib is None:
         q, k, v = qkv.float().view(T, -1, d).split([num_heads, hkv, hkv], 1)
         q, k = (z * cos + z.roll(d // 2, -1) * sin for z in (q, k))
-        k_cache.index_copy_(0, slots, k)
-        v_cache.index_copy_(0, slots, v)
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
         return q
     q = qkv.new_empty(T, num_heads, d, dtype=torch.float32)
     cpu_library.call(lib.rope_write, qkv.data_ptr(), ACT[qkv.dtype], T, num_heads, hkv, d, cos.data_ptr(),
-                     sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr())
+                     sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV[k_cache.dtype],
+                     q.data_ptr())
     return q
 
 
 def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
-           k_cache: torch.Tensor, v_cache: torch.Tensor,  # float32 [num_slots, Hkv, D]  one layer's
+           k_cache: torch.Tensor, v_cache: torch.Tensor,  # [num_slots, Hkv, D]  one layer's, a KV dtype
            scale: float, out_dtype: torch.dtype) -> torch.Tensor:  # [T, Hq * D]
     """The torch backend's attention (TorchAttnBackend.run) over its dense plan, output in out_dtype."""
     T, hq, d = q.shape
@@ -108,9 +110,9 @@ def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
     max_qo = plan.q_index.shape[1]
     mask = None if plan.mask is None else plan.mask.contiguous()
     out = q.new_empty(T, hq * d, dtype=out_dtype)
-    cpu_library.call(lib.attend, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), T, hq, k_cache.shape[1], d,
-                     plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), max_qo, plan.kv_slots.shape[1],
-                     scale, out.data_ptr(), ACT[out_dtype])
+    cpu_library.call(lib.attend, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV[k_cache.dtype], T, hq,
+                     k_cache.shape[1], d, plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), max_qo,
+                     plan.kv_slots.shape[1], scale, out.data_ptr(), ACT[out_dtype])
     return out
 
 
@@ -185,7 +187,7 @@ def rescore(q: torch.Tensor,  # int8 [V, H]  a table's values
 
 
 def decoder_stack(layers: torch.Tensor,           # int64 [L, 29]  each layer's weights, widths, ... (cpu_fused.c)
-                  k: torch.Tensor, v: torch.Tensor,  # float32 [L, num_slots, Hkv, D]  the KV pool
+                  k: torch.Tensor, v: torch.Tensor,  # [L, num_slots, Hkv, D]  the KV pool, a KV dtype
                   x: torch.Tensor,                # float32 [T, H]  the residual stream entering layer 0
                   h: torch.Tensor,                # float32 [T, H]  layer 0's normed input
                   num_heads: int, intermediate: int, eps: float,
@@ -204,7 +206,7 @@ def decoder_stack(layers: torch.Tensor,           # int64 [L, 29]  each layer's 
     out = x.clone(memory_format=torch.contiguous_format)
     mask = None if plan.mask is None else plan.mask.contiguous()
     status = cpu_library.call(
-        lib.decoder_stack, L, layers.data_ptr(), k.data_ptr(), v.data_ptr(), k[0].numel(), out.data_ptr(),
+        lib.decoder_stack, L, layers.data_ptr(), k.data_ptr(), v.data_ptr(), KV[k.dtype], k[0].numel(), out.data_ptr(),
         h.data_ptr(), T, x.shape[1], num_heads, hkv, d, intermediate, eps, cos.data_ptr(), sin.data_ptr(),
         slots.data_ptr(), plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), plan.q_index.shape[1],
         plan.kv_slots.shape[1], scale, capture_at.data_ptr(), captured.data_ptr())

@@ -56,10 +56,10 @@ def _stack_activation(model) -> torch.dtype | None:
 
 
 def _fused_attention(attn) -> bool:
-    """Whether cpu_fused's rope_write / attend can serve `attn`: a float32 KV pool read through a dense plan, and
-    the C library built."""
+    """Whether cpu_fused's rope_write / attend can serve `attn`: a KV pool in a dtype they take read through a dense
+    plan, and the C library built."""
     pool = attn.pool if isinstance(attn, AttentionContext) else None
-    if pool is None or pool.k.dtype != torch.float32 or pool.v is None or not pool.k.is_contiguous():
+    if pool is None or pool.k.dtype not in cpu_fused.KV or pool.v is None or not pool.k.is_contiguous():
         return False
     return dense_plan(attn) is not None and cpu_fused.available()
 
