@@ -105,6 +105,21 @@ def test_kernel_matches_oracle_and_twin(name, dtype):
             torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("name", ["tree_page16", "mla_latent"])
+def test_a_float16_cache_under_float32_queries(name):
+    """--kv-cache-dtype float16 on a float32 model: the kernel widens the stored keys and values; its output is
+    float32, the oracle's over the same stored values to float32 rounding."""
+    args, scale = case(**CASES[name], dtype=torch.float16)
+    args[0] = args[0].float()
+    want = oracle(*[a.cpu() for a in args], scale)
+    for splits in (0, 2):
+        got = triton_paged_attention(*args, scale, splits=splits).cpu()
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    torch.testing.assert_close(paged_attention_twin(*args, scale).cpu().double(), want, atol=TOL[torch.float32],
+                               rtol=TOL[torch.float32])
+
+
 def test_rows_that_see_only_the_block_and_one_key():
     """Zero prefix everywhere and a block mask allowing one key per row: each output is exactly that key's V."""
     args, scale = case(prefix_lens=[0, 0], q_rows=3, block="tree", page=1, hq=2, hkv=1, d=8, dv=8,
