@@ -8,6 +8,9 @@
 #include <string.h>
 
 #include "cpu_rows.h"
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 /* query rows x heads x keys below which attention runs on the calling thread (a decode step of 9 heads splits from
  * 57 keys on: waking the other threads costs less than that much work) */
@@ -46,13 +49,28 @@ typedef _Float16 f16s __attribute__((vector_size(LANES * 2), aligned(2)));
 /* LANES values of a KV row (dtype code kv, as cpu_rows.h: 0 float32, 1 bfloat16, 2 float16) from element d on, as
  * floats: a bfloat16 is a float's top half, a float16 widens exactly. kv is a constant where it is inlined. */
 static inline __attribute__((always_inline)) vec load_kv(const char *row, int64_t d, int kv) {
-    if (kv == 1) {
-        words w = __builtin_convertvector(*(const halves *)((const uint16_t *)row + d), words) << 16;
+    const void *at = (const uint16_t *)row + d;
+    if (kv == 1) { /* widen to 32 bits, shift into the top half (the intrinsics: GCC's generic vectors do worse) */
+#if LANES == 16
+        return (vec)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(at)), 16));
+#elif defined(__AVX2__)
+        return (vec)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(at)), 16));
+#else
+        words w = __builtin_convertvector(*(const halves *)at, words) << 16;
         vec f;
         memcpy(&f, &w, sizeof f);
         return f;
+#endif
     }
-    if (kv == 2) return __builtin_convertvector(*(const f16s *)((const _Float16 *)row + d), vec);
+    if (kv == 2) { /* the CPU's half -> float conversion (GCC widens vectors of _Float16 lane by lane) */
+#if LANES == 16
+        return (vec)_mm512_cvtph_ps(_mm256_loadu_si256(at));
+#elif defined(__F16C__)
+        return (vec)_mm256_cvtph_ps(_mm_loadu_si128(at));
+#else
+        return __builtin_convertvector(*(const f16s *)at, vec);
+#endif
+    }
     return LOAD((const float *)row + d);
 }
 
