@@ -6,7 +6,8 @@ the exact reference (the same GGUF dequantised to float32): teacher-forced top-1
 The reference decodes twelve prompts greedily (none of them used by the tests); then both models score every
 prefix of prompt + answer in one causal forward, and a position agrees when their argmax is the same token. Also
 reported with the lm_head swapped for alternatives, to show where the disagreements come from: the exact float32
-head, a bfloat16 head, and the 4-bit head without its exact rescoring.
+head, a bfloat16 head, and the 4-bit head without its exact rescoring; and through a bfloat16 / float16 KV cache
+(--kv-cache-dtype).
 Writes bench/results/packed_agreement.json.
 """
 
@@ -28,10 +29,10 @@ PROMPTS = [
 ]
 
 
-def teacher_forced_logits(model, prompt: list[int], answer: list[int], pool: bool = False
+def teacher_forced_logits(model, prompt: list[int], answer: list[int], pool: torch.dtype | None = None
                           ) -> torch.Tensor:  # [len(answer), V]
-    """One causal forward over prompt + answer; `pool`: through a KV pool and the torch backend's plan, as the
-    engine runs a prefill (a packed model then runs its fused CPU kernels), else without a KV cache."""
+    """One causal forward over prompt + answer; `pool`: through a KV pool of that dtype and the torch backend's plan,
+    as the engine runs a prefill (a packed model then runs its fused CPU kernels), else without a KV cache."""
     from fastspec.attention import AttentionContext, TorchAttnBackend, extend_metadata
     from fastspec.memory.kv_pool import KVPool
     from fastspec.train.data import PackedCausalAttention
@@ -40,7 +41,7 @@ def teacher_forced_logits(model, prompt: list[int], answer: list[int], pool: boo
     attn = PackedCausalAttention(torch.zeros(len(x), dtype=torch.long))
     if pool:
         c = model.config
-        kv = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, len(x))
+        kv = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, len(x), dtype=pool)
         table = torch.arange(1, len(x) + 1, dtype=torch.int32)[None]
         meta = extend_metadata(table, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                                torch.tensor([len(x)]))
@@ -76,15 +77,16 @@ def main() -> None:
     if isinstance(packed.lm_head, RefinedHead):
         heads["4-bit lm_head, not rescored"] = packed.lm_head.approx
     results = []
-    runs = [(name, head, False) for name, head in heads.items()]
-    runs.append(("as run, fused CPU kernels", heads["as run"], True))  # through a KV pool, as the engine runs it
+    runs = [(name, head, None) for name, head in heads.items()]
+    runs.append(("as run, fused CPU kernels", heads["as run"], torch.float32))  # through a KV pool, as the engine
+    runs += [(f"as run, fused, {dtype} KV", heads["as run"], getattr(torch, dtype)) for dtype in ("bfloat16", "float16")]
     for name, head, pool in runs:
         packed.lm_head = head
         same = sum(int((teacher_forced_logits(packed, p, a, pool).argmax(-1) == e).sum())
                    for (p, a), e in zip(sequences, expected))
         total = sum(len(a) for _, a in sequences)
         results.append({"lm_head": name, "agree": same, "positions": total, "agreement": round(same / total, 4)})
-        print(f"{name:28s} {same:4d} / {total} = {same / total:.2%}", flush=True)
+        print(f"{name:32s} {same:4d} / {total} = {same / total:.2%}", flush=True)
     Path(args.out).parent.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps({"activation": str(fast_activation()), "torch": torch.__version__,
                                           "prompts": len(PROMPTS), "results": results}, indent=1) + "\n")
