@@ -121,6 +121,72 @@ static inline void prefetch_row(const char *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
 }
 
+/* Rows of weights that share each load of a V row (weighted_v): as many as the registers hold with their 4 vectors of
+ * accumulators each (AVX-512's 32: 6 rows; else 2) */
+#if LANES == 16
+#define VROWS 6
+#else
+#define VROWS 2
+#endif
+
+/* o[j][0, D) = the sum over keys a < n of p[j][a] x V row a, for MB rows j at once: one load of a V row serves them
+ * all, and their 4 x MB accumulators are independent chains. Each row's sum over the keys runs in key order whatever
+ * else is batched with it. prefetch: the bytes of a V row to fetch AHEAD keys on (0: none). */
+static inline __attribute__((always_inline)) void weighted_v_rows(const int MB, const float *const *p, float *const *o,
+                                                                  const char *const *rows, int64_t n, int64_t D,
+                                                                  const int kv, int64_t prefetch) {
+    const int64_t block = 4 * LANES;
+    int64_t d = 0;
+    for (; d + block <= D; d += block) {
+        vec acc[VROWS][4];
+        for (int j = 0; j < MB; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = (vec){0};
+        for (int64_t a = 0; a < n; a++) {
+            const char *v = rows[a];
+            if (prefetch && d == 0 && a + AHEAD < n) prefetch_row(rows[a + AHEAD], prefetch);
+            vec v0 = load_kv(v, d, kv), v1 = load_kv(v, d + LANES, kv), v2 = load_kv(v, d + 2 * LANES, kv),
+                v3 = load_kv(v, d + 3 * LANES, kv);
+            for (int j = 0; j < MB; j++) {
+                float w = p[j][a];
+                acc[j][0] += w * v0, acc[j][1] += w * v1, acc[j][2] += w * v2, acc[j][3] += w * v3;
+            }
+        }
+        for (int j = 0; j < MB; j++)
+            for (int i = 0; i < 4; i++) *(vec *)(o[j] + d + i * LANES) = acc[j][i];
+    }
+    for (; d + LANES <= D; d += LANES)
+        for (int j = 0; j < MB; j++) {
+            vec acc = {0};
+            for (int64_t a = 0; a < n; a++) acc += p[j][a] * load_kv(rows[a], d, kv);
+            *(vec *)(o[j] + d) = acc;
+        }
+    for (; d < D; d++)
+        for (int j = 0; j < MB; j++) {
+            float acc = 0.f;
+            for (int64_t a = 0; a < n; a++) acc += p[j][a] * kv_at(rows[a], d, kv);
+            o[j][d] = acc;
+        }
+}
+
+/* weighted_v_rows for MB (<= VROWS) and kv known at compile time */
+static void weighted_v(int MB, const float *const *p, float *const *o, const char *const *rows, int64_t n, int64_t D,
+                       int kv, int64_t prefetch) {
+#define ROWS_OF(mb)                                                                                                   \
+    (kv == 1   ? weighted_v_rows(mb, p, o, rows, n, D, 1, prefetch)                                                     \
+     : kv == 2 ? weighted_v_rows(mb, p, o, rows, n, D, 2, prefetch)                                                     \
+               : weighted_v_rows(mb, p, o, rows, n, D, 0, prefetch))
+    switch (MB) {
+    case 1: ROWS_OF(1); break;
+#if VROWS > 2
+    case 3: ROWS_OF(3); break;
+    case 4: ROWS_OF(4); break;
+    case 5: ROWS_OF(5); break;
+    case 6: ROWS_OF(6); break;
+#endif
+    default: ROWS_OF(2); break;
+    }
+#undef ROWS_OF
+}
+
 #define TILE 4 /* tokens that share a chunk's K and V loads when they see the same keys in it (a prefill, a verify) */
 
 /* One chunk for R <= TILE tokens that see the same n <= CHUNK keys (slots) in it, each with the `group` query heads
@@ -136,7 +202,7 @@ static inline __attribute__((always_inline)) void chunk_tile(
     float *top, float *sum, const int64_t *heads, int64_t stride) {
     const int RP = R == 3 ? 4 : R, KP = LANES / RP; /* a pass: RP tokens (the last again past R) x KP keys */
     const char *rows[CHUNK];
-    int64_t padded = (n + LANES - 1) / LANES * LANES, body = D / LANES * LANES, block = 4 * LANES;
+    int64_t padded = (n + LANES - 1) / LANES * LANES, body = D / LANES * LANES;
     int64_t bytes = D * (kv ? 2 : 4); /* a row's */
     for (int64_t a = 0; a < padded; a++) /* past n: the last key again, its scores dropped below */
         rows[a] = k_cache + (slots[a < n ? a : n - 1] * Hkv + g) * bytes;
@@ -161,10 +227,13 @@ static inline __attribute__((always_inline)) void chunk_tile(
     }
     for (int64_t a = 0; a < n; a++) rows[a] = v_cache + (slots[a] * Hkv + g) * bytes;
     for (int64_t a = 0; a < n && a < AHEAD; a++) prefetch_row(rows[a], bytes);
-    for (int64_t h = 0; h < group; h++) {
-        const float *p[TILE];
-        float *o[TILE];
-        for (int r = 0; r < R; r++) {
+    const int64_t M = R * group; /* (head, token) rows of weights: m = h * R + r */
+    for (int64_t m0 = 0; m0 < M; m0 += VROWS) {
+        const float *p[VROWS];
+        float *o[VROWS];
+        int mb = M - m0 < VROWS ? (int)(M - m0) : VROWS;
+        for (int j = 0; j < mb; j++) {
+            int64_t h = (m0 + j) / R, r = (m0 + j) % R;
             float *pr = scores + (r * group + h) * CHUNK, best = MASKED;
             for (int64_t a = 0; a < n; a++) best = pr[a] > best ? pr[a] : best;
 #pragma omp simd
@@ -175,37 +244,9 @@ static inline __attribute__((always_inline)) void chunk_tile(
             float s = 0.f;
             for (int l = 0; l < LANES; l++) s += lanes[l];
             int64_t at = heads[r] + h * stride;
-            top[at] = best, sum[at] = s, p[r] = pr, o[r] = part + at * D;
+            top[at] = best, sum[at] = s, p[j] = pr, o[j] = part + at * D;
         }
-        int64_t d = 0;
-        for (; d + block <= D; d += block) {
-            vec acc[TILE][4];
-            for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (vec){0};
-            for (int64_t a = 0; a < n; a++) {
-                const char *v = rows[a];
-                if (h == 0 && d == 0 && a + AHEAD < n) prefetch_row(rows[a + AHEAD], bytes);
-                vec v0 = load_kv(v, d, kv), v1 = load_kv(v, d + LANES, kv), v2 = load_kv(v, d + 2 * LANES, kv),
-                    v3 = load_kv(v, d + 3 * LANES, kv);
-                for (int r = 0; r < R; r++) {
-                    float w = p[r][a];
-                    acc[r][0] += w * v0, acc[r][1] += w * v1, acc[r][2] += w * v2, acc[r][3] += w * v3;
-                }
-            }
-            for (int r = 0; r < R; r++)
-                for (int i = 0; i < 4; i++) *(vec *)(o[r] + d + i * LANES) = acc[r][i];
-        }
-        for (; d + LANES <= D; d += LANES)
-            for (int r = 0; r < R; r++) {
-                vec acc = {0};
-                for (int64_t a = 0; a < n; a++) acc += p[r][a] * load_kv(rows[a], d, kv);
-                *(vec *)(o[r] + d) = acc;
-            }
-        for (; d < D; d++)
-            for (int r = 0; r < R; r++) {
-                float acc = 0.f;
-                for (int64_t a = 0; a < n; a++) acc += p[r][a] * kv_at(rows[a], d, kv);
-                o[r][d] = acc;
-            }
+        weighted_v(mb, p, o, rows, n, D, kv, m0 == 0 ? bytes : 0);
     }
 }
 
@@ -264,7 +305,9 @@ void attend(const float *q, const void *k_cache, const void *v_cache, int kv, in
             int64_t tiles = (tokens + TILE - 1) / TILE;
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < Hkv * chunks * tiles; item++) {
-                int64_t g = item / (chunks * tiles), c = item / tiles % chunks, u1 = item % tiles * TILE + TILE;
+                /* KV heads vary fastest: the items running at once read the same slots' rows, whose heads lie side
+                 * by side in the cache ([num_slots, Hkv, D]), so each slot's lines come from memory once */
+                int64_t g = item % Hkv, c = item / Hkv / tiles, u1 = item / Hkv % tiles * TILE + TILE;
                 int64_t lo = c * CHUNK, heads[TILE], run_n = 0;
                 const float *qs[TILE];
                 const int64_t *run = NULL; /* the keys in this chunk of the run of tokens gathered so far */
