@@ -144,3 +144,27 @@ def test_a_sliding_window_caps_the_context_at_its_width(tmp_path):
             "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 512}
     assert ModelConfig.from_hf(qwen | {"sliding_window": 64, "use_sliding_window": False}).context_limit == 512
     assert ModelConfig.from_hf(qwen | {"sliding_window": 64, "use_sliding_window": True}).context_limit == 64
+
+
+@pytest.mark.parametrize("head_dim, partial, scaling", [(64, 1.0, None), (80, 1.0, None), (128, 0.5, None),
+                                                        (64, 1.0, "yarn")])
+def test_rope_table_is_the_computed_cos_sin_bit_for_bit(head_dim, partial, scaling):
+    """Eagerly on CPU cos / sin come from a table of every position so far: the same values as computing them for
+    the positions asked (any batch, any order, past the table's end, as bfloat16), and computed past its cap."""
+    from types import SimpleNamespace
+
+    from fastspec.models import layers
+    from fastspec.models.model_config import RopeScaling
+
+    yarn = RopeScaling("yarn", 4.0, original_max_position_embeddings=256, mscale=1.0, mscale_all_dim=0.5)
+    rope = layers.RotaryEmbedding(SimpleNamespace(head_dim=head_dim, partial_rotary_factor=partial,
+                                                  rope_theta=1e4, rope_scaling=yarn if scaling else None))
+    g = torch.Generator().manual_seed(0)
+    for n, top in ((1, 10), (3, 900), (5000, 1000), (2, 3000), (0, 1), (7, 70000)):
+        positions = torch.randint(0, top, (n,), generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            for got, want in zip(rope.cos_sin(positions, dtype), rope._computed(positions, dtype)):
+                assert got.dtype == dtype and torch.equal(got, want)
+    assert rope._table[0].shape[0] == 1 << 17  # 70000 positions: the next power of two
+    far = torch.tensor([5, layers.TABLE_POSITIONS + 3])
+    assert all(torch.equal(a, b) for a, b in zip(rope.cos_sin(far, torch.float32), rope._computed(far, torch.float32)))

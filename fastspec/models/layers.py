@@ -90,9 +90,13 @@ def rope_attention_factor(scaling: RopeScaling | None) -> float:
     return yarn_mscale(scaling.factor)
 
 
+TABLE_POSITIONS = 1 << 17  # the most positions RotaryEmbedding's cos / sin table holds (rotary dim 128: 128 MB)
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE; cos/sin computed from the positions (cheap, exact, no position cap): once per forward by a
-    model that hands them to every layer (`cos_sin`, then `rotate`), or per call (`forward`)."""
+    """Rotate-half RoPE; cos/sin computed from the positions (exact, no position cap): once per forward by a model
+    that hands them to every layer (`cos_sin`, then `rotate`), or per call (`forward`). Eagerly on CPU they are read
+    from a table of every position so far, computed by the same ops (two gathers instead of eight ops a forward)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -101,13 +105,34 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.rotary_dim, config.rope_theta, config.rope_scaling).to(
             torch.get_default_device())
         self.attention_factor = rope_attention_factor(config.rope_scaling)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # float32 cos, sin [positions, 1, rotary_dim]
 
     def _apply(self, fn, recurse=True):
         self.inv_freq = self.inv_freq.to(fn(self.inv_freq).device)  # follows .to(device) / .cuda(), not dtypes
+        self._table = None
         return super()._apply(fn, recurse)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos [T, 1, rotary_dim] and sin with its first half negated (`_rotate`), in `dtype`."""
+        if positions.device.type == "cpu" and self.inv_freq.device.type == "cpu" and not torch.compiler.is_compiling():
+            cos, sin = self._from_table(positions)
+            return cos.to(dtype), sin.to(dtype)
+        return self._computed(positions, dtype)
+
+    def _from_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos_sin gathered from the table, which grows (to a power of two past the positions seen, at most
+        TABLE_POSITIONS) past its end; beyond that, computed. The values are _computed's bit for bit: each element is
+        the same float product and the same cos / sin (tested)."""
+        try:
+            return self._table[0].index_select(0, positions), self._table[1].index_select(0, positions)
+        except (TypeError, IndexError, RuntimeError):  # no table yet (None), or a position past its end
+            needed = int(positions.max()) + 1 if positions.numel() else 1
+            if needed > TABLE_POSITIONS:
+                return self._computed(positions, torch.float32)
+            self._table = self._computed(torch.arange(max(1024, 1 << (needed - 1).bit_length())), torch.float32)
+            return self._table[0].index_select(0, positions), self._table[1].index_select(0, positions)
+
+    def _computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None, None] * self.inv_freq[None, None, :]  # [T, 1, D/2]
         cos, sin = freqs.cos().repeat(1, 1, 2), torch.cat([-freqs.sin(), freqs.sin()], -1)
         if self.attention_factor != 1.0:
