@@ -26,7 +26,7 @@ from fastspec.utils.cache import cache_root
 log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_fused.c", "cpu_attention.c", "cpu_q4.c", "cpu_q8.c", "cpu_amx.c", "cpu_tree.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_q4.h", "cpu_rows.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_q4.h", "cpu_rows.h", "cpu_vec.h"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 THREADS = (("-fopenmp",), ("-fopenmp-simd",))  # OpenMP threads, else (a compiler without it) the calling thread
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
