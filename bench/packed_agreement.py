@@ -7,7 +7,7 @@ The reference decodes twelve prompts greedily (none of them used by the tests); 
 prefix of prompt + answer in one causal forward, and a position agrees when their argmax is the same token. Also
 reported with the lm_head swapped for alternatives, to show where the disagreements come from: the exact float32
 head, a bfloat16 head, and the 4-bit head without its exact rescoring; and through a bfloat16 / float16 KV cache
-(--kv-cache-dtype).
+(--kv-cache-dtype), and a float8 e4m3 / e5m2 one.
 Writes bench/results/packed_agreement.json.
 """
 
@@ -79,14 +79,15 @@ def main() -> None:
     results = []
     runs = [(name, head, None) for name, head in heads.items()]
     runs.append(("as run, fused CPU kernels", heads["as run"], torch.float32))  # through a KV pool, as the engine
-    runs += [(f"as run, fused, {dtype} KV", heads["as run"], getattr(torch, dtype)) for dtype in ("bfloat16", "float16")]
+    runs += [(f"as run, fused, {dtype} KV", heads["as run"], getattr(torch, dtype))
+             for dtype in ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")]
     for name, head, pool in runs:
         packed.lm_head = head
         same = sum(int((teacher_forced_logits(packed, p, a, pool).argmax(-1) == e).sum())
                    for (p, a), e in zip(sequences, expected))
         total = sum(len(a) for _, a in sequences)
         results.append({"lm_head": name, "agree": same, "positions": total, "agreement": round(same / total, 4)})
-        print(f"{name:32s} {same:4d} / {total} = {same / total:.2%}", flush=True)
+        print(f"{name:37s} {same:4d} / {total} = {same / total:.2%}", flush=True)
     Path(args.out).parent.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps({"activation": str(fast_activation()), "torch": torch.__version__,
                                           "prompts": len(PROMPTS), "results": results}, indent=1) + "\n")

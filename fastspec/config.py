@@ -16,9 +16,10 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
-# the KV pools' storage: auto is the model's --dtype; SGLang's short names as aliases
+# the KV pools' storage (torch dtype names): auto is the model's --dtype; SGLang's and vLLM's names as aliases
 KV_CACHE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-                   "float16": "float16", "fp16": "float16"}
+                   "float16": "float16", "fp16": "float16", "fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2"}
 # "none" is read as None; fp8 / int8 / int4 round a float checkpoint at load (or name an fp8 checkpoint's own); the
 # others name a quantised checkpoint's method (models.quant_config)
 QUANTIZATIONS = ("auto", None, "gguf", "fp8", "int8", "int4", "awq", "gptq", "compressed-tensors", "fbgemm_fp8")
@@ -111,12 +112,12 @@ class EngineConfig:
             raise FastspecError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         check_dtype(self.dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            fp8 = " (fp8 KV caches are not supported)" if self.kv_cache_dtype.startswith("fp8") else ""
             raise FastspecError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
-                                f"{self.kv_cache_dtype!r}{fp8}")
-        if self.attention_backend == "flashinfer" and KV_CACHE_DTYPES[self.kv_cache_dtype] not in (None, self.dtype):
-            raise FastspecError(f"--attention-backend flashinfer reads the KV cache in the model's --dtype "
-                                f"{self.dtype}; --kv-cache-dtype {self.kv_cache_dtype} needs --attention-backend torch")
+                                f"{self.kv_cache_dtype!r}")
+        kv = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        if self.attention_backend == "flashinfer" and kv not in (None, self.dtype) and not kv.startswith("float8"):
+            raise FastspecError(f"--attention-backend flashinfer reads a KV cache in the model's --dtype {self.dtype} "
+                                f"or in fp8; --kv-cache-dtype {self.kv_cache_dtype} needs --attention-backend torch")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise FastspecError(f"page size must be a power of two >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -142,7 +143,9 @@ class EngineConfig:
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """The KV pools' dtype: --kv-cache-dtype, or the model's for auto."""
-        return parse_dtype(KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype)
+        import torch
+
+        return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype)
 
     @property
     def graph_mode(self) -> str:

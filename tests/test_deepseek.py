@@ -148,17 +148,18 @@ def test_greedy_speculative_equals_target_only(ds, family, algorithm, draft, ste
     llm.engine.check_kv()
 
 
-def test_a_bfloat16_latent_pool_is_lossless(ds):
-    """--kv-cache-dtype bfloat16 on an MLA target: the latent pool (and the MTP draft's) stored in bfloat16; NEXTN's
+@pytest.mark.parametrize("kv, stored", [("bfloat16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)])
+def test_a_smaller_latent_pool_is_lossless(ds, kv, stored):
+    """--kv-cache-dtype on an MLA target: the latent pool (and the MTP draft's) stored in 16 or 8 bits; NEXTN's
     output equals plain decoding's over the same pool dtype."""
     directory = str(ds["deepseek_v3"][0])
-    plain = fastspec.LLM(directory, max_total_tokens=2048, kv_cache_dtype="bfloat16")
+    plain = fastspec.LLM(directory, max_total_tokens=2048, kv_cache_dtype=kv)
     expected = [o.output_ids for o in plain.engine.generate(PROMPTS[:4], [GREEDY] * 4)]
     llm = fastspec.LLM(directory, speculative_algorithm="NEXTN", num_steps=3, topk=2, num_draft_tokens=5,
-                       max_total_tokens=2048, kv_cache_dtype="bfloat16")
+                       max_total_tokens=2048, kv_cache_dtype=kv)
     outputs = llm.engine.generate(PROMPTS[:4], [GREEDY] * 4)
     assert [o.output_ids for o in outputs] == expected
-    assert llm.engine.worker.memory.pools[0].k.dtype == torch.bfloat16
+    assert llm.engine.worker.memory.pools[0].k.dtype == stored
     assert all_slots_free(llm.engine)
 
 

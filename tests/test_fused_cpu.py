@@ -15,7 +15,7 @@ import torch
 from fastspec.attention import AttentionContext, TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.attention.paged import PagedAttnBackend, PagedPlan, paged_block_plan, twin_plan
 from fastspec.kernels import cpu_fused, cpu_library
-from fastspec.memory.kv_pool import KVPool
+from fastspec.memory.kv_pool import KVPool, as_cache
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler for the fused CPU kernels")
 HQ, HKV, D = 6, 2, 16
@@ -48,9 +48,10 @@ def twin(monkeypatch):
 
 
 def close(actual, expected, dtype):
-    """float32: to float32 rounding (sums in another order); bfloat16 / float16: within one step of each other."""
+    """float32: to float32 rounding (sums in another order); 16 / 8 bits: within one step of each other."""
     tol = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=2 ** -7),
-           torch.float16: dict(atol=1e-3, rtol=2 ** -10)}[dtype]
+           torch.float16: dict(atol=1e-3, rtol=2 ** -10), torch.float8_e4m3fn: dict(atol=2 ** -9, rtol=2 ** -3),
+           torch.float8_e5m2: dict(atol=2 ** -16, rtol=2 ** -2)}[dtype]
     assert actual.dtype == expected.dtype == dtype
     torch.testing.assert_close(actual.float(), expected.float(), **tol)
 
@@ -90,7 +91,8 @@ def test_head_norms_norm_q_and_k_heads_and_leave_v(twin, dtype):
 
 
 @pytest.mark.parametrize("dtype, kv", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                       (torch.float32, torch.bfloat16), (torch.float32, torch.float16)])
+                                       (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                                       (torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2)])
 def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype, kv):
     """kv: the cache's dtype, which K and V are rounded to as they are written."""
     from fastspec.models.layers import RotaryEmbedding
@@ -104,10 +106,10 @@ def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype,
     q = cpu_fused.rope_write(qkv, cos, sin, slots, *caches[0], HQ)
     expected = twin(cpu_fused.rope_write, qkv, cos, sin, slots, *caches[1], HQ)
     close(q, expected, torch.float32)
-    assert torch.equal(caches[0][1], caches[1][1])  # V as it came, rounded the same way
+    assert torch.equal(caches[0][1].view(torch.uint8), caches[1][1].view(torch.uint8))  # V rounded the same way
     for fused, reference in zip(*caches):
         close(fused, reference, kv)
-        assert fused[[0, 2, 4, 5, 6, 8, 10, 11]].abs().sum() == 0
+        assert fused[[0, 2, 4, 5, 6, 8, 10, 11]].float().abs().sum() == 0
 
 
 def test_loading_the_kernels_keeps_subnormal_floats():
@@ -142,21 +144,23 @@ def plans(long: bool = False):
                                                   (torch.float32, True, 64, torch.float32),
                                                   (torch.float32, True, 72, torch.float32),
                                                   (torch.float32, True, 72, torch.bfloat16),
-                                                  (torch.bfloat16, False, 64, torch.float16)])
+                                                  (torch.bfloat16, False, 64, torch.float16),
+                                                  (torch.float32, True, 64, torch.float8_e4m3fn),
+                                                  (torch.float32, False, 72, torch.float8_e5m2)])
 def test_attend_is_the_torch_backends_attention(build, twin, name, dtype, long, dim, kv):
-    """Head dims 16 / 64 / 72: the kernel's 16- and 64-column paths and a tail of 8 columns; a float32, bfloat16 or
-    float16 KV cache (both sides read the same stored values, so float32 rounding of the output still holds)."""
+    """Head dims 16 / 64 / 72: the kernel's 16- and 64-column paths and a tail of 8 columns; a float32, bfloat16,
+    float16 or float8 KV cache (both sides read the same stored values, so float32 rounding of the output holds)."""
     plan, tokens = plans(long)[name]
     g = torch.Generator().manual_seed(2)
     slots = plan.kv_slots.max().item() + 1
     q, k, v = (torch.randn(n, h, dim, generator=g) for n, h in ((tokens, HQ), (slots, HKV), (slots, HKV)))
-    k, v = k.to(kv), v.to(kv)
+    k, v = as_cache(k, kv), as_cache(v, kv)
     close(cpu_fused.attend(plan, q, k, v, dim ** -0.5, dtype),
           twin(cpu_fused.attend, plan, q, k, v, dim ** -0.5, dtype), dtype)
 
 
 @pytest.mark.parametrize("prefix, kv", [([4, 9], torch.float32), ([126, 260], torch.float32),
-                                        ([126, 260], torch.bfloat16)])
+                                        ([126, 260], torch.bfloat16), ([126, 260], torch.float8_e4m3fn)])
 def test_attend_is_batch_invariant(build, prefix, kv):
     """Each token of a tree verify gets, bit for bit, what a decode step of that token alone over the keys it sees
     (its prefix, then its tree ancestors and itself) gets: speculation then stays lossless on the packed target
@@ -168,7 +172,7 @@ def test_attend_is_batch_invariant(build, prefix, kv):
                                                      TREE.expand(2, 4, 4)))
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(n, HQ if n == 8 else HKV, 64, generator=g) for n in (8, 650, 650))
-    k, v = k.to(kv), v.to(kv)
+    k, v = as_cache(k, kv), as_cache(v, kv)
     verified = cpu_fused.attend(plan, q, k, v, 0.125, torch.float32)
     for t in range(8):
         b, i = divmod(t, 4)
@@ -266,14 +270,15 @@ def test_a_compiler_without_openmp_builds_them_single_threaded_and_none_runs_the
 
 
 @pytest.mark.parametrize("family, kv", [("llama", torch.float32), ("qwen2", torch.float32), ("qwen3", torch.float32),
-                                        ("llama", torch.bfloat16), ("qwen3", torch.float16)])
+                                        ("llama", torch.bfloat16), ("qwen3", torch.float16),
+                                        ("qwen2", torch.float8_e4m3fn)])
 def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatch, family, kv):
     """Every projection a BlockLinear (4-bit, one 6-bit, one 8-bit, two over inputs in another order: GPTQ desc_act's
     PermutedLinear; Qwen2's QKV with its bias, Qwen3's q / k head norms): the stack runs as one C call
     (cpu_fused.decoder_stack), which gives, bit for bit, the logits and the captured residual streams of the same
     kernels called layer by layer (fused_layers' loop), over a prefill of two requests and a decode step of both;
     and, to float32 rounding, those of the model's own layers over the same packed linears. kv: the KV pool's dtype
-    (a bfloat16 / float16 pool: K and V rounded as they are written, the same way on each path)."""
+    (a 16- or 8-bit pool: K and V rounded as they are written, the same way on each path)."""
     from conftest import PoolRunner
 
     from fastspec.kernels import cpu_q4

@@ -89,7 +89,7 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
     (["--input-ids", "1,999999"], "input token ids must be in"),
     (["--prompt", "hi", "--max-new-tokens", "99999"], "exceeds the context length"),
     (["--prompt", "hi", "--dtype", "int8"], "unknown dtype"),
-    (["--prompt", "hi", "--kv-cache-dtype", "fp8_e4m3"], "fp8 KV caches are not supported"),
+    (["--prompt", "hi", "--kv-cache-dtype", "fp4_e2m1"], "--kv-cache-dtype must be one of"),
     (["--prompt", "hi", "--kv-cache-dtype", "bf16", "--attention-backend", "flashinfer"],
      "--kv-cache-dtype bf16 needs --attention-backend torch"),
     (["--prompt", "hi", "--graphs", "cuda", "--device", "cpu"], "--graphs cuda needs a CUDA device, got --device cpu"),

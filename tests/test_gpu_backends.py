@@ -261,6 +261,10 @@ def test_make_backend_and_constructor_errors(fake_flashinfer, monkeypatch):
         make_backend("triton")
     with pytest.raises(FastspecError, match="float16 or bfloat16"):
         FlashInferAttnBackend(8, 2, 16, torch.float32, "cpu", workspace_bytes=64)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(FastspecError, match="MLA attention reads the latent cache in"):  # before any CUDA call
+        make_backend("flashinfer", num_qo_heads=8, num_kv_heads=1, head_dim=80, dtype=torch.bfloat16, device="cuda",
+                     kv_lora_rank=64, sm_scale=0.1, kv_dtype=torch.float8_e4m3fn)
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ImportError
     with pytest.raises(FastspecError, match="flashinfer is not importable"):
         fake_backend()
@@ -273,19 +277,23 @@ def test_make_backend_and_constructor_errors(fake_flashinfer, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)])  # tensor-core decode and plain decode
 @pytest.mark.parametrize("name", MODES)
-def test_flashinfer_matches_torch_backend(name, heads):
+@pytest.mark.parametrize("kv", [torch.bfloat16, torch.float8_e4m3fn])
+def test_flashinfer_matches_torch_backend(name, heads, kv):
+    """kv: the cache's dtype (an fp8 cache as --kv-cache-dtype fp8_e4m3 stores it; the reference reads the same
+    stored values)."""
     pytest.importorskip("flashinfer")
     hq, hkv = heads
     _, k, v, metas = scenario("cuda")
     gen = torch.Generator(device="cuda").manual_seed(3)
-    k = torch.randn(k.shape[0], hkv, 64, device="cuda", generator=gen).to(torch.bfloat16)
-    v = torch.randn(k.shape[0], hkv, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(k.shape[0], hkv, 64, device="cuda", generator=gen).to(kv)
+    v = torch.randn(k.shape[0], hkv, 64, device="cuda", generator=gen).to(kv)
     meta = metas[name]
     backend = make_backend("flashinfer", num_qo_heads=hq, num_kv_heads=hkv, head_dim=64, dtype=torch.bfloat16,
-                           device="cuda")
+                           kv_dtype=kv, device="cuda")
     q = torch.randn(meta.num_tokens, hq, 64, device="cuda", generator=gen).to(torch.bfloat16)
     out = backend.run(backend.plan(meta), q, k, v, 0.125)
-    torch.testing.assert_close(out.float(), reference(meta, q, k, v, 0.125), atol=2e-2, rtol=2e-2)
+    wide = (k.to(torch.bfloat16), v.to(torch.bfloat16))
+    torch.testing.assert_close(out.float(), reference(meta, q, *wide, 0.125), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

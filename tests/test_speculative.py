@@ -192,10 +192,12 @@ def test_chunked_prefill_is_lossless(tiny_dirs, draft_dirs, algorithm, draft, ch
 
 @pytest.mark.parametrize("family, algorithm, draft, quantization, kv", [
     ("llama", "EAGLE3", "eagle3", None, "bfloat16"), ("qwen2", "STANDALONE", "self", "int4", "float16"),
-    ("qwen3", "EAGLE", "eagle", "int4", "bf16"), ("llama", "NGRAM", None, None, "fp16")])
-def test_a_half_precision_kv_cache_is_lossless(tiny_dirs, draft_dirs, family, algorithm, draft, quantization, kv):
-    """--kv-cache-dtype: K and V (target's and draft's) stored rounded to 16 bits; speculative output still equals
-    target-only output over the same cache dtype, on the float layers and on packed ones (the fused C kernels)."""
+    ("qwen3", "EAGLE", "eagle", "int4", "bf16"), ("llama", "NGRAM", None, None, "fp16"),
+    ("llama", "EAGLE3", "eagle3", "int4", "fp8_e4m3"), ("qwen2", "STANDALONE", "self", None, "fp8_e5m2")])
+def test_a_smaller_kv_cache_is_lossless(tiny_dirs, draft_dirs, family, algorithm, draft, quantization, kv):
+    """--kv-cache-dtype: K and V (target's and draft's) stored rounded to 16 or 8 bits; speculative output still
+    equals target-only output over the same cache dtype, on the float layers and on packed ones (the fused C
+    kernels)."""
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     steps, topk, n = (None, None, 6) if algorithm == "NGRAM" else (3, 2, 5)
     extra = dict(quantization=quantization, kv_cache_dtype=kv)
@@ -204,8 +206,9 @@ def test_a_half_precision_kv_cache_is_lossless(tiny_dirs, draft_dirs, family, al
     llm = spec_llm(tiny_dirs, draft_dirs, family, algorithm, draft, steps, topk, n, 16, **extra)
     outputs = llm.engine.generate(PROMPTS, [params] * len(PROMPTS))
     assert [o.output_ids for o in outputs] == expected
-    half = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}.get(kv, torch.float16)
-    assert {p.k.dtype for p in llm.engine.worker.memory.pools} == {half}
+    stored = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}.get(kv, torch.float16)
+    assert {p.k.dtype for p in llm.engine.worker.memory.pools} == {stored}
     assert all_slots_free(llm.engine)
 
 

@@ -105,12 +105,15 @@ def test_kernel_matches_oracle_and_twin(name, dtype):
             torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("name", ["tree_page16", "mla_latent"])
-def test_a_float16_cache_under_float32_queries(name):
-    """--kv-cache-dtype float16 on a float32 model: the kernel widens the stored keys and values; its output is
-    float32, the oracle's over the same stored values to float32 rounding."""
-    args, scale = case(**CASES[name], dtype=torch.float16)
-    args[0] = args[0].float()
+@pytest.mark.parametrize("name, kv", [("tree_page16", torch.float16), ("mla_latent", torch.float16),
+                                      ("tree_page16", torch.float8_e4m3fn), ("decode_mha", torch.float8_e5m2)])
+def test_a_smaller_cache_under_float32_queries(name, kv):
+    """--kv-cache-dtype float16 / fp8 on a float32 model: the kernel widens the stored keys and values; its output
+    is float32, the oracle's over the same stored values to float32 rounding."""
+    args, scale = case(**CASES[name], dtype=torch.float32)
+    latent = CASES[name].get("latent", False)
+    args[1] = args[1].to(kv)
+    args[2] = args[1][..., :args[2].shape[-1]] if latent else args[2].to(kv)
     want = oracle(*[a.cpu() for a in args], scale)
     for splits in (0, 2):
         got = triton_paged_attention(*args, scale, splits=splits).cpu()

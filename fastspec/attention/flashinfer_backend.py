@@ -137,7 +137,8 @@ def make_backend(name: str, *, num_qo_heads: int | None = None, num_kv_heads: in
                  head_dim: int | None = None, dtype: torch.dtype | None = None, device="cpu",
                  kv_lora_rank: int | None = None, **kwargs):
     """"torch" -> TorchAttnBackend (any device); "flashinfer" -> FlashInferAttnBackend (CUDA only), or with
-    `kv_lora_rank` (an MLA latent pool of width head_dim = kv_lora_rank + rope dim) FlashInferMLABackend."""
+    `kv_lora_rank` (an MLA latent pool of width head_dim = kv_lora_rank + rope dim) FlashInferMLABackend. `kv_dtype`
+    (in kwargs): the cache's dtype where it is not `dtype` (fp8)."""
     if name == "torch":
         return TorchAttnBackend()
     if name != "flashinfer":
@@ -149,6 +150,9 @@ def make_backend(name: str, *, num_qo_heads: int | None = None, num_kv_heads: in
     if kv_lora_rank is not None:
         from fastspec.attention.flashinfer_mla import FlashInferMLABackend
 
+        if kwargs.get("kv_dtype", dtype) != dtype:
+            raise FastspecError(f"flashinfer's MLA attention reads the latent cache in {dtype}, not "
+                                f"{kwargs['kv_dtype']}; use --attention-backend torch for another --kv-cache-dtype")
         return FlashInferMLABackend(num_qo_heads, kv_lora_rank, head_dim - kv_lora_rank, dtype, device,
                                     kwargs["sm_scale"])
     return FlashInferAttnBackend(num_qo_heads, num_kv_heads, head_dim, dtype, device, **kwargs)

@@ -89,7 +89,7 @@ class Worker:
         _, heads, dim, _ = c.kv_layout
         mla = {} if c.mla is None else dict(kv_lora_rank=c.mla.kv_lora_rank, sm_scale=mla_softmax_scale(c))
         return make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=heads, head_dim=dim,
-                            dtype=cfg.torch_dtype, device=cfg.device, **mla)
+                            dtype=cfg.torch_dtype, kv_dtype=cfg.kv_torch_dtype, device=cfg.device, **mla)
 
     def _drafters(self, plan: GraphPlan) -> dict[SpecParams, Drafter]:
         """SpecParams -> drafter: one per tree shape (several with a batch-size schedule)."""

@@ -46,7 +46,7 @@ static inline __attribute__((always_inline)) void chunk_tile(
     const int RP = R == 3 ? 4 : R, KP = LANES / RP; /* a pass: RP tokens (the last again past R) x KP keys */
     const char *rows[CHUNK];
     int64_t padded = (n + LANES - 1) / LANES * LANES, body = D / LANES * LANES;
-    int64_t bytes = D * (kv ? 2 : 4); /* a row's */
+    int64_t bytes = D * code_size(kv); /* a row's */
     for (int64_t a = 0; a < padded; a++) /* past n: the last key again, its scores dropped below */
         rows[a] = k_cache + (slots[a < n ? a : n - 1] * Hkv + g) * bytes;
     for (int64_t a0 = 0; a0 < padded; a0 += KP) {
@@ -111,6 +111,10 @@ static void attend_chunk(const float *const *qs, int R, int64_t group, int64_t D
         TILES_OF(1)
     } else if (kv == 2) {
         TILES_OF(2)
+    } else if (kv == 3) {
+        TILES_OF(3)
+    } else if (kv == 4) {
+        TILES_OF(4)
     } else {
         TILES_OF(0)
     }

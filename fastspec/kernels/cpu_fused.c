@@ -82,7 +82,7 @@ void head_norms(void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, int64_t 
  */
 void rope_write(const void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
                 const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv, float *q_out) {
-    int64_t width = (Hq + 2 * Hkv) * D, half = D / 2, size = kv ? 2 : 4;
+    int64_t width = (Hq + 2 * Hkv) * D, half = D / 2, size = code_size(kv);
     float *row = (float *)malloc((width + Hkv * D) * sizeof(float)), *k = row + width;
     for (int64_t t = 0; t < T; t++) {
         load_row((const char *)qkv + t * width * (act ? 2 : 4), act, width, row);
@@ -223,7 +223,7 @@ int decoder_stack(int64_t L, const int64_t *layers, void *k, void *v, int kv, in
                   const float *cos, const float *sin, const int64_t *slots, const int64_t *out_index,
                   const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo, int64_t max_kv, float scale,
                   const int64_t *capture_at, float *captured) {
-    int64_t width = (Hq + 2 * Hkv) * D, layer_bytes = layer_stride * (kv ? 2 : 4);
+    int64_t width = (Hq + 2 * Hkv) * D, layer_bytes = layer_stride * code_size(kv);
     float *h = (float *)malloc(T * H * sizeof(float)), *qkv = (float *)malloc(T * width * sizeof(float));
     float *q = (float *)malloc(T * Hq * D * sizeof(float)), *o = (float *)malloc(T * Hq * D * sizeof(float));
     float *gate_up = (float *)malloc(T * 2 * I * sizeof(float)), *act = (float *)malloc(T * I * sizeof(float));

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from fastspec.attention.paged import PagedPlan, twin_plan
 from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
 from fastspec.kernels import cpu_library
+from fastspec.memory.kv_pool import store_rows
 
 ACT = {torch.float32: 0, torch.bfloat16: 1}  # the C code's `act` codes (cpu_rows.h) of the activations it takes
-KV = {**ACT, torch.float16: 2}  # ... and of the KV caches it reads and writes
+KV = {**ACT, torch.float16: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}  # ... and of the KV caches
 
 
 def available() -> bool:
@@ -89,8 +90,8 @@ def rope_write(qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]  float32 or bf16
     if lib is None:
         q, k, v = qkv.float().view(T, -1, d).split([num_heads, hkv, hkv], 1)
         q, k = (z * cos + z.roll(d // 2, -1) * sin for z in (q, k))
-        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+        store_rows(k_cache, slots, k)
+        store_rows(v_cache, slots, v)
         return q
     q = qkv.new_empty(T, num_heads, d, dtype=torch.float32)
     cpu_library.call(lib.rope_write, qkv.data_ptr(), ACT[qkv.dtype], T, num_heads, hkv, d, cos.data_ptr(),

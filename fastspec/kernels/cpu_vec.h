@@ -21,11 +21,31 @@ typedef float vec __attribute__((vector_size(LANES * 4), aligned(4)));
 typedef uint16_t halves __attribute__((vector_size(LANES * 2), aligned(2)));
 typedef uint32_t words __attribute__((vector_size(LANES * 4), aligned(4)));
 typedef _Float16 f16s __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef uint8_t bytes8 __attribute__((vector_size(LANES), aligned(1)));
 #define LOAD(p) (*(const vec *)(p))
 
-/* LANES values of a KV row (dtype code kv, as cpu_rows.h: 0 float32, 1 bfloat16, 2 float16) from element d on, as
- * floats: a bfloat16 is a float's top half, a float16 widens exactly. kv is a constant where it is inlined. */
+/* LANES float16 bit patterns as floats: the CPU's conversion (GCC widens vectors of _Float16 lane by lane) */
+static inline __attribute__((always_inline)) vec widen_halves(halves h) {
+#if LANES == 16
+    return (vec)_mm512_cvtph_ps((__m256i)h);
+#elif defined(__F16C__)
+    return (vec)_mm256_cvtph_ps((__m128i)h);
+#else
+    f16s x;
+    memcpy(&x, &h, sizeof x);
+    return __builtin_convertvector(x, vec);
+#endif
+}
+
+/* LANES values of a KV row (dtype code kv, as cpu_rows.h: 0 float32, 1 bfloat16, 2 float16, 3 / 4 float8 e4m3fn /
+ * e5m2) from element d on, as floats: a bfloat16 is a float's top half, a float16 widens exactly, a float8 through
+ * the float16 it places its bits in (cpu_rows.h). kv is a constant where it is inlined. */
 static inline __attribute__((always_inline)) vec load_kv(const char *row, int64_t d, int kv) {
+    if (kv >= 3) {
+        halves h = __builtin_convertvector(*(const bytes8 *)((const uint8_t *)row + d), halves);
+        if (kv == 4) return widen_halves(h << 8);
+        return widen_halves(((h & 0x80) << 8) | ((h & 0x7f) << 7)) * 256.f;
+    }
     const void *at = (const uint16_t *)row + d;
     if (kv == 1) { /* widen to 32 bits, shift into the top half (the intrinsics: GCC's generic vectors do worse) */
 #if LANES == 16
@@ -39,22 +59,16 @@ static inline __attribute__((always_inline)) vec load_kv(const char *row, int64_
         return f;
 #endif
     }
-    if (kv == 2) { /* the CPU's half -> float conversion (GCC widens vectors of _Float16 lane by lane) */
-#if LANES == 16
-        return (vec)_mm512_cvtph_ps(_mm256_loadu_si256(at));
-#elif defined(__F16C__)
-        return (vec)_mm256_cvtph_ps(_mm_loadu_si128(at));
-#else
-        return __builtin_convertvector(*(const f16s *)at, vec);
-#endif
-    }
+    if (kv == 2) return widen_halves(*(const halves *)at);
     return LOAD((const float *)row + d);
 }
 
 /* element d of a KV row as a float */
 static inline __attribute__((always_inline)) float kv_at(const char *row, int64_t d, int kv) {
-    return kv == 1 ? bf16_to_f32(((const uint16_t *)row)[d]) : kv == 2 ? (float)((const _Float16 *)row)[d]
-                                                                       : ((const float *)row)[d];
+    return kv == 1 ? bf16_to_f32(((const uint16_t *)row)[d])
+           : kv == 2 ? (float)((const _Float16 *)row)[d]
+           : kv >= 3 ? fp8_to_f32(((const uint8_t *)row)[d], kv == 4)
+                     : ((const float *)row)[d];
 }
 
 /* r[j] = the sum of x[j]'s lanes, for LANES vectors at once: each level adds lane halves of two vectors. E.g. with 8
@@ -150,6 +164,8 @@ static void weighted_v(int MB, const float *const *p, float *const *o, const cha
 #define ROWS_OF(mb)                                                                                                   \
     (kv == 1   ? weighted_v_rows(mb, p, o, rows, n, D, 1, prefetch)                                                     \
      : kv == 2 ? weighted_v_rows(mb, p, o, rows, n, D, 2, prefetch)                                                     \
+     : kv == 3 ? weighted_v_rows(mb, p, o, rows, n, D, 3, prefetch)                                                     \
+     : kv == 4 ? weighted_v_rows(mb, p, o, rows, n, D, 4, prefetch)                                                     \
                : weighted_v_rows(mb, p, o, rows, n, D, 0, prefetch))
     switch (MB) {
     case 1: ROWS_OF(1); break;

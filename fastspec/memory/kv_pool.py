@@ -14,6 +14,24 @@ import torch
 from fastspec.errors import FastspecError
 
 MEMINFO_PATH = "/proc/meminfo"
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # a float8 cache's largest finite values
+
+
+def as_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to a cache dtype; into float8 saturated at its largest finite value first (a cast would give NaN
+    for e4m3fn or inf for e5m2 past it, and torch's casts do not agree on which)."""
+    if dtype in FP8_MAX:
+        x = x.clamp(-FP8_MAX[dtype], FP8_MAX[dtype])
+    return x.to(dtype)
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """cache[slots] = x rounded to the cache's dtype, in place (a float8 cache through its bytes: torch has no float8
+    index_copy_ on CPU)."""
+    x = as_cache(x, cache.dtype)
+    if cache.dtype in FP8_MAX:
+        cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+    cache.index_copy_(0, slots, x)
 
 
 def _extended(kv: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -83,13 +101,13 @@ class KVPool:
             # call (a compiled verify then cost ~25x eager on a 65k-slot pool); index_put_ on the base tensor
             # itself is reinplaced into a scatter of the T rows
             index = (torch.full_like(slots, layer), slots)
-            self.k.index_put_(index, k.to(self.k.dtype))
+            self.k.index_put_(index, as_cache(k, self.k.dtype))
             if self.v is not None:
-                self.v.index_put_(index, v.to(self.v.dtype))
+                self.v.index_put_(index, as_cache(v, self.v.dtype))
             return
-        self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
+        store_rows(self.k[layer], slots, k)
         if self.v is not None:
-            self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+            store_rows(self.v[layer], slots, v)
 
     def move(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy K and V of slots src[i] to slots dst[i], all layers. The right side is gathered into a new
