@@ -49,8 +49,16 @@ static inline __attribute__((always_inline)) void chunk_tile(
     int64_t bytes = D * code_size(kv); /* a row's */
     for (int64_t a = 0; a < padded; a++) /* past n: the last key again, its scores dropped below */
         rows[a] = k_cache + (slots[a < n ? a : n - 1] * Hkv + g) * bytes;
+    /* float8 keys are widened to float32 once a pass for all the heads (16-bit ones widen cheaper as they load) */
+    const int kk = kv >= 3 ? 0 : kv; /* the keys' code as the scores read them */
+    float wide[kv >= 3 ? LANES * D : 1];
     for (int64_t a0 = 0; a0 < padded; a0 += KP) {
         for (int64_t a = a0 + AHEAD; a < a0 + KP + AHEAD && a < n; a++) prefetch_row(rows[a], bytes);
+        const char *keys[LANES];
+        for (int j = 0; j < KP; j++) {
+            if (kv >= 3) widen_row(rows[a0 + j], D, kv, wide + j * D);
+            keys[j] = kv >= 3 ? (const char *)(wide + j * D) : rows[a0 + j];
+        }
         for (int64_t h = 0; h < group; h++) {
             const float *qh[TILE];
             for (int r = 0; r < RP; r++) qh[r] = qs[r < R ? r : R - 1] + h * D;
@@ -58,12 +66,12 @@ static inline __attribute__((always_inline)) void chunk_tile(
             for (int64_t d = 0; d < body; d += LANES)
                 for (int r = 0; r < RP; r++) {
                     vec x = LOAD(qh[r] + d);
-                    for (int j = 0; j < KP; j++) acc[r * KP + j] += x * load_kv(rows[a0 + j], d, kv);
+                    for (int j = 0; j < KP; j++) acc[r * KP + j] += x * load_kv(keys[j], d, kk);
                 }
             vec dots = sum_lanes(acc);
             for (int64_t d = body; d < D; d++) /* a head dim that is not a multiple of LANES: the last columns */
                 for (int r = 0; r < RP; r++)
-                    for (int j = 0; j < KP; j++) dots[r * KP + j] += qh[r][d] * kv_at(rows[a0 + j], d, kv);
+                    for (int j = 0; j < KP; j++) dots[r * KP + j] += qh[r][d] * kv_at(keys[j], d, kk);
             for (int r = 0; r < R; r++)
                 for (int j = 0; j < KP; j++) scores[(r * group + h) * CHUNK + a0 + j] = dots[r * KP + j] * scale;
         }

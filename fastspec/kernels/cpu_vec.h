@@ -42,9 +42,17 @@ static inline __attribute__((always_inline)) vec widen_halves(halves h) {
  * the float16 it places its bits in (cpu_rows.h). kv is a constant where it is inlined. */
 static inline __attribute__((always_inline)) vec load_kv(const char *row, int64_t d, int kv) {
     if (kv >= 3) {
+#if LANES == 16
+        __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const void *)((const uint8_t *)row + d)));
+        if (kv == 4) return (vec)_mm512_cvtph_ps(_mm256_slli_epi16(h, 8));
+        h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                            _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7f)), 7));
+        return (vec)_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+#else
         halves h = __builtin_convertvector(*(const bytes8 *)((const uint8_t *)row + d), halves);
         if (kv == 4) return widen_halves(h << 8);
         return widen_halves(((h & 0x80) << 8) | ((h & 0x7f) << 7)) * 256.f;
+#endif
     }
     const void *at = (const uint16_t *)row + d;
     if (kv == 1) { /* widen to 32 bits, shift into the top half (the intrinsics: GCC's generic vectors do worse) */
@@ -69,6 +77,13 @@ static inline __attribute__((always_inline)) float kv_at(const char *row, int64_
            : kv == 2 ? (float)((const _Float16 *)row)[d]
            : kv >= 3 ? fp8_to_f32(((const uint8_t *)row)[d], kv == 4)
                      : ((const float *)row)[d];
+}
+
+/* A KV row's D values as floats into out (load_kv's, then kv_at's past the last whole vector) */
+static inline __attribute__((always_inline)) void widen_row(const char *row, int64_t D, int kv, float *out) {
+    int64_t d = 0;
+    for (; d + LANES <= D; d += LANES) *(vec *)(out + d) = load_kv(row, d, kv);
+    for (; d < D; d++) out[d] = kv_at(row, d, kv);
 }
 
 /* r[j] = the sum of x[j]'s lanes, for LANES vectors at once: each level adds lane halves of two vectors. E.g. with 8
