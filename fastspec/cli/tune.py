@@ -60,7 +60,7 @@ def tune(
         sources = resolve_sources(options.model, algorithm, draft, revision=options.revision,
                                   draft_revision=options.speculative_draft_model_revision,
                                   quantization=options.quantization, device=device, load_format=options.load_format)
-        path, _ = tuned_location(sources, options.dtype, device)
+        path, _ = tuned_location(sources, options.dtype, options.kv_cache_dtype, device)
         if not path.exists():
             raise FastspecError(f"no tuned file at {path}: run fastspec tune first")
         print(sglang_flags(tuned_file.read_tuned(path)["tiers"], algorithm, sources.draft_dir))
@@ -73,7 +73,7 @@ def tune(
                                          radix_cache=False, max_running_requests=max(max(sizes), 2))
     llm = LLM(**kwargs, on_prepare=prepare_progress())
     model_dir, draft_dir = llm.sources.model_dir, llm.sources.draft_dir
-    path, weights = tuned_location(llm.sources, options.dtype, device)
+    path, weights = tuned_location(llm.sources, options.dtype, options.kv_cache_dtype, device)
     console = Console(stderr=True)
     ids = [llm.encode(t, chat=True) for t in texts[:num_prompts]]
     with console.status("tuning") as status:
@@ -87,11 +87,11 @@ def tune(
         print(sglang_flags(result.tiers(), algorithm, draft_dir))
 
 
-def tuned_location(sources, dtype: str | None, device: str) -> tuple[Path, str]:
+def tuned_location(sources, dtype: str | None, kv_cache_dtype: str, device: str) -> tuple[Path, str]:
     """(where the tuned file of these sources on `device` lives, its weights label)."""
     from fastspec.speculative import tuned as tuned_file
 
-    weights = tuned_file.weights_label(dtype, sources.quantization)
+    weights = tuned_file.weights_label(dtype, sources.quantization, kv_cache_dtype)
     return tuned_file.tuned_path(sources.model_dir, sources.draft_dir, weights, device), weights
 
 
