@@ -2,7 +2,8 @@
 `generate` (its built-in torch.compile on CUDA) and under fastspec plain / EAGLE-3 (ratios in one run, greedy
 tokens compared), start-up to the first token, kernels per decode step, and an 8B-class figure: a
 Llama-3.1-8B-shaped target with random weights built on the device (`load_format="dummy"`) against the
-memory-bandwidth limit, plus one EAGLE-3 round at SGLang's shape with a random head.
+memory-bandwidth limit, plus one EAGLE-3 round at SGLang's shape with a random head (fp8 / int4 weights: parts
+8b_fp8 / 8b_int4); 8b_long_kv: its decode after a 4096-token prompt over a bf16 and an fp8 KV cache.
 
     python bench/gpu_decode.py [--parts startup,transformers,fastspec,kernels,8b] [--max-new-tokens 256]
         [--batch-sizes 1,16] [--trials 1] [--output bench/results/gpu_decode.json]
@@ -44,7 +45,9 @@ from fastspec.models.sources import resolve_model_dir
 from fastspec.sampling import SamplingParams
 from fastspec.utils.metrics import SpecMetrics
 
-PARTS = ("startup", "transformers", "fastspec", "kernels", "8b", "8b_fp8", "8b_int4")  # run in this order: start-up first, while cold
+# run in this order: start-up first, while cold
+PARTS = ("startup", "transformers", "fastspec", "kernels", "8b", "8b_fp8", "8b_int4", "8b_long_kv")
+LONG_PROMPT = 4096  # 8b_long_kv: prompt tokens before the timed decode (--small: 512)
 EAGLE_SHAPES = {"eagle3 5/4/8": (5, 4, 8), "eagle3 chain 3/1/4": (3, 1, 4)}  # (num_steps, topk, num_draft_tokens)
 SGLANG_8B_SHAPE = (5, 8, 32)  # SGLang docs' EAGLE-3 launch example for Llama-3.1-8B-Instruct
 SMOLLM2_SHAPE = dict(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -306,10 +309,39 @@ def part_8b(setup: Setup, out: dict, save, quantization: str | None = None) -> N
     release()
 
 
+def part_8b_long_kv(setup: Setup, out: dict, save) -> None:
+    """The 8B-shaped target (dummy weights, batch 1) decoding after a long prompt, over a KV cache in the model's
+    dtype and in fp8 e4m3 (--kv-cache-dtype): ms/token of each, the cache's bytes read a step beside them."""
+    a = setup.args
+    shape = LLAMA31_TINY if a.small else LLAMA31_8B
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", **shape, **LLAMA31_ROPE, rms_norm_eps=1e-5,
+                  max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16",
+                  initializer_range=0.02)
+    target = write_config(Path(tempfile.mkdtemp(prefix="llama31-8b-long-")) / "target", config)
+    length = 512 if a.small else LONG_PROMPT
+    prompt = [[1] + [100 + (7 * j) % 1900 for j in range(length - 1)]]
+    new = min(a.max_new_tokens, 64)
+    for kv in ("auto", "fp8_e4m3"):
+        llm = fastspec.LLM(target, speculative_algorithm="NONE", load_format="dummy", dtype=a.dtype, device=a.device,
+                           graphs=a.graphs, tuned=False, max_running_requests=1, cuda_graph_bs=(1,),
+                           max_total_tokens=length + 2 * new, max_context_len=length + 2 * new, quantization="none",
+                           kv_cache_dtype=kv, radix_cache=False)
+        pool = llm.engine.worker.memory.pools[0]
+        run(llm, prompt, 4)  # warm-up
+        first, timed = run(llm, prompt, 1), run(llm, prompt, new)  # the prefill alone, then with the decode
+        decode_ms = (timed.seconds - first.seconds) / (new - 1) * 1000
+        out[kv] = {"prompt_tokens": length, "decode_ms_per_token": round(decode_ms, 3),
+                   "kv_mb_read_per_token": round(2 * pool.k[:, :length].numel() * pool.k.element_size() / 1e6, 1)}
+        save()
+        del llm, pool
+        release()
+    out["fp8 / auto decode speed"] = _ratio(out["auto"]["decode_ms_per_token"], out["fp8_e4m3"]["decode_ms_per_token"])
+
+
 PART_FUNCTIONS = {"startup": part_startup, "transformers": part_transformers, "fastspec": part_fastspec,
                   "kernels": part_kernels, "8b": part_8b,
                   "8b_fp8": lambda *a: part_8b(*a, quantization="fp8"),
-                  "8b_int4": lambda *a: part_8b(*a, quantization="int4")}
+                  "8b_int4": lambda *a: part_8b(*a, quantization="int4"), "8b_long_kv": part_8b_long_kv}
 
 
 def copy_bandwidth(device: str, gib: float = 2.0, repeats: int = 5) -> float | None:
@@ -359,6 +391,7 @@ def summary(parts: dict) -> dict[str, float | bool | None]:
         rows |= {f"{label} plain ms/token": get(part, "plain", "ms_per_token"),
                  f"{label} fraction of bandwidth limit": get(part, "plain", "fraction_of_limit"),
                  f"{label} EAGLE-3 round ms": get(part, "eagle3_round", "ms_per_round")}
+    rows["8B after 4k tokens: fp8 KV / bf16 KV decode speed"] = get("8b_long_kv", "fp8 / auto decode speed")
     return {k: v for k, v in rows.items() if v is not None}
 
 
