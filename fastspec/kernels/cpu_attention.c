@@ -1,7 +1,7 @@
 /* fastspec's CPU attention over a dense padded plan (cpu_fused.attend and the layer stack in cpu_fused.c call it;
- * cpu_fused.py holds its torch twin): float32 math over a float32, bfloat16 or float16 KV cache, each token's keys
- * in chunks whose softmaxes merge in order, split between torch's OpenMP threads once there is enough work. Built
- * with -ffast-math (vectorised expf): nothing relies on infinities or NaN. */
+ * cpu_fused.py holds its torch twin): float32 math over a float32, bfloat16, float16 or float8 KV cache, each
+ * token's keys in chunks whose softmaxes merge in order, split between torch's OpenMP threads once there is enough
+ * work. Built with -ffast-math (vectorised expf): nothing relies on infinities or NaN. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
