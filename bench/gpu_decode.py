@@ -135,6 +135,13 @@ def write_config(directory: Path, config: dict) -> str:
     return str(directory)
 
 
+def llama31_config(shape: dict) -> dict:
+    """A Llama-3.1 config.json of `shape` (LLAMA31_8B, or --small's LLAMA31_TINY): llama3 rope scaling, untied, bf16."""
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", **shape, **LLAMA31_ROPE, rms_norm_eps=1e-5,
+                max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16",
+                initializer_range=0.02)
+
+
 # ---- parts: each fills `out` and calls `save()` after every measurement ---------------------------------------
 
 def part_startup(setup: Setup, out: dict, save) -> None:
@@ -263,9 +270,7 @@ def part_8b(setup: Setup, out: dict, save, quantization: str | None = None) -> N
     `quantization` fp8 / int4: its projections rounded at load (the bytes a step streams are the packed ones)."""
     a = setup.args
     shape = LLAMA31_TINY if a.small else LLAMA31_8B
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", **shape, **LLAMA31_ROPE, rms_norm_eps=1e-5,
-                  max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16",
-                  initializer_range=0.02)
+    config = llama31_config(shape)
     root = Path(tempfile.mkdtemp(prefix="llama31-8b-shape-"))
     target = write_config(root / "target", config)
     out |= {"config": {k: shape[k] for k in shape if k != "eos_token_id"}, "bandwidth_gb_s": copy_bandwidth(a.device)}
@@ -313,10 +318,7 @@ def part_8b_long_kv(setup: Setup, out: dict, save) -> None:
     """The 8B-shaped target (dummy weights, batch 1) decoding after a long prompt, over a KV cache in the model's
     dtype and in fp8 e4m3 (--kv-cache-dtype): ms/token of each, the cache's bytes read a step beside them."""
     a = setup.args
-    shape = LLAMA31_TINY if a.small else LLAMA31_8B
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", **shape, **LLAMA31_ROPE, rms_norm_eps=1e-5,
-                  max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16",
-                  initializer_range=0.02)
+    config = llama31_config(LLAMA31_TINY if a.small else LLAMA31_8B)
     target = write_config(Path(tempfile.mkdtemp(prefix="llama31-8b-long-")) / "target", config)
     length = 512 if a.small else LONG_PROMPT
     prompt = [[1] + [100 + (7 * j) % 1900 for j in range(length - 1)]]
