@@ -7,7 +7,8 @@ The reference decodes twelve prompts greedily (none of them used by the tests); 
 prefix of prompt + answer in one causal forward, and a position agrees when their argmax is the same token. Also
 reported with the lm_head swapped for alternatives, to show where the disagreements come from: the exact float32
 head, a bfloat16 head, and the 4-bit head without its exact rescoring; and through a bfloat16 / float16 KV cache
-(--kv-cache-dtype), and a float8 e4m3 / e5m2 one.
+(--kv-cache-dtype), and a float8 e4m3 / e5m2 one; and an e4m3 one with per-layer KV scales (as a checkpoint's
+k_scale / v_scale) calibrated here on the first half of the answers: each layer's largest |K| and |V| / 448.
 Writes bench/results/packed_agreement.json.
 """
 
@@ -29,10 +30,11 @@ PROMPTS = [
 ]
 
 
-def teacher_forced_logits(model, prompt: list[int], answer: list[int], pool: torch.dtype | None = None
-                          ) -> torch.Tensor:  # [len(answer), V]
-    """One causal forward over prompt + answer; `pool`: through a KV pool of that dtype and the torch backend's plan,
-    as the engine runs a prefill (a packed model then runs its fused CPU kernels), else without a KV cache."""
+def teacher_forced_logits(model, prompt: list[int], answer: list[int], pool: torch.dtype | None = None,
+                          scales=None, into: list | None = None) -> torch.Tensor:  # [len(answer), V]
+    """One causal forward over prompt + answer; `pool`: through a KV pool of that dtype (with KV `scales`) and the
+    torch backend's plan, as the engine runs a prefill (a packed model then runs its fused CPU kernels), else without
+    a KV cache. `into`: the pool is appended to it."""
     from fastspec.attention import AttentionContext, TorchAttnBackend, extend_metadata
     from fastspec.memory.kv_pool import KVPool
     from fastspec.train.data import PackedCausalAttention
@@ -41,7 +43,9 @@ def teacher_forced_logits(model, prompt: list[int], answer: list[int], pool: tor
     attn = PackedCausalAttention(torch.zeros(len(x), dtype=torch.long))
     if pool:
         c = model.config
-        kv = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, len(x), dtype=pool)
+        kv = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, len(x), dtype=pool, scales=scales)
+        if into is not None:
+            into.append(kv)
         table = torch.arange(1, len(x) + 1, dtype=torch.int32)[None]
         meta = extend_metadata(table, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                                torch.tensor([len(x)]))
@@ -49,6 +53,16 @@ def teacher_forced_logits(model, prompt: list[int], answer: list[int], pool: tor
     with torch.inference_mode():
         hidden = model(x, torch.arange(len(x)), attn).final
         return model.compute_logits(hidden)[len(prompt) - 1:-1]
+
+
+def calibrated_scales(model, sequences) -> tuple[tuple[float, float], ...]:
+    """Per layer (largest |K| / 448, largest |V| / 448) over `sequences` through a float32 cache."""
+    pools = []
+    for p, a in sequences:
+        teacher_forced_logits(model, p, a, torch.float32, into=pools)
+    k = torch.stack([kv.k.abs().amax((1, 2, 3)) for kv in pools]).amax(0)  # [L]
+    v = torch.stack([kv.v.abs().amax((1, 2, 3)) for kv in pools]).amax(0)
+    return tuple(zip((k / 448).tolist(), (v / 448).tolist()))
 
 
 def main() -> None:
@@ -77,13 +91,15 @@ def main() -> None:
     if isinstance(packed.lm_head, RefinedHead):
         heads["4-bit lm_head, not rescored"] = packed.lm_head.approx
     results = []
-    runs = [(name, head, None) for name, head in heads.items()]
-    runs.append(("as run, fused CPU kernels", heads["as run"], torch.float32))  # through a KV pool, as the engine
-    runs += [(f"as run, fused, {dtype} KV", heads["as run"], getattr(torch, dtype))
+    runs = [(name, head, None, None) for name, head in heads.items()]
+    runs.append(("as run, fused CPU kernels", heads["as run"], torch.float32, None))  # through a KV pool, as the engine
+    runs += [(f"as run, fused, {dtype} KV", heads["as run"], getattr(torch, dtype), None)
              for dtype in ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")]
-    for name, head, pool in runs:
+    scales = calibrated_scales(packed, sequences[:len(sequences) // 2])
+    runs.append(("as run, fused, float8_e4m3fn KV, scaled", heads["as run"], torch.float8_e4m3fn, scales))
+    for name, head, pool, kv_scales in runs:
         packed.lm_head = head
-        same = sum(int((teacher_forced_logits(packed, p, a, pool).argmax(-1) == e).sum())
+        same = sum(int((teacher_forced_logits(packed, p, a, pool, kv_scales).argmax(-1) == e).sum())
                    for (p, a), e in zip(sequences, expected))
         total = sum(len(a) for _, a in sequences)
         results.append({"lm_head": name, "agree": same, "positions": total, "agreement": round(same / total, 4)})

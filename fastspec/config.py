@@ -22,7 +22,8 @@ KV_CACHE_DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "
                    "fp8_e5m2": "float8_e5m2"}
 # "none" is read as None; fp8 / int8 / int4 round a float checkpoint at load (or name an fp8 checkpoint's own); the
 # others name a quantised checkpoint's method (models.quant_config)
-QUANTIZATIONS = ("auto", None, "gguf", "fp8", "int8", "int4", "awq", "gptq", "compressed-tensors", "fbgemm_fp8")
+QUANTIZATIONS = ("auto", None, "gguf", "fp8", "int8", "int4", "awq", "gptq", "compressed-tensors", "fbgemm_fp8",
+                 "modelopt")
 
 
 def resolve_device(device: str) -> str:

@@ -109,12 +109,12 @@ class PoolRunner:
     """Runs a fastspec model over a static paged KV pool: prefill chunks and one-token decode steps."""
 
     def __init__(self, model, page_size: int = 1, capacity: int = 1024, max_requests: int = 8, max_len: int = 256,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, kv_scales=None):
         c = model.config
         self.model, self.page_size = model, page_size
         dtype = kv_dtype or next(model.parameters()).dtype
         layers, heads, dim, separate_v = c.kv_layout
-        self.pool = KVPool(layers, heads, dim, capacity, page_size, dtype, separate_v=separate_v)
+        self.pool = KVPool(layers, heads, dim, capacity, page_size, dtype, separate_v=separate_v, scales=kv_scales)
         self.allocator = make_allocator(self.pool.capacity, page_size)
         self.table = ReqToTokenTable(max_requests, max_len)
         self.backend = TorchAttnBackend()

@@ -32,6 +32,9 @@ CONFIGS = {
         "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}}},
         "ignore": ["lm_head"]},
     "fbgemm_fp8": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0},
+    # ModelOpt keeps its settings in hf_quant_config.json, not in config.json
+    "modelopt": {"producer": {"name": "modelopt", "version": "0.29.0"},
+                 "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}},
 }
 
 
@@ -98,9 +101,12 @@ def quantise(w: torch.Tensor, method: str, gen: torch.Generator) -> tuple[dict[s
         full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
         q = (w / full).to(FP8)
         return {"weight": q, "weight_scale_inv": scale}, q.float() * full
-    scale = (w.abs().amax() / 448).reshape(1) if method == "ct_fp8" else w.abs().amax(1, keepdim=True) / 448
+    per_tensor = method in ("ct_fp8", "modelopt")  # ModelOpt's scales are 0-d tensors
+    scale = (w.abs().amax() / 448).reshape(1) if per_tensor else w.abs().amax(1, keepdim=True) / 448
     q = (w / scale.reshape(-1, 1)).to(FP8)
-    extra = {"input_scale": torch.tensor([0.05])} if method == "ct_fp8" else {}
+    extra = {"input_scale": torch.tensor([0.05])} if per_tensor else {}
+    if method == "modelopt":
+        scale, extra = scale.reshape(()), {"input_scale": torch.tensor(0.05)}
     return {"weight": q, "weight_scale": scale} | extra, q.float() * scale.reshape(-1, 1)
 
 
@@ -151,6 +157,27 @@ def quantise_dir(directory: Path, method: str, seed: int = 0) -> Path:
             f.unlink()
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     save_file(floats, dequantised_dir / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps(config | {"quantization_config": CONFIGS[method]}))
+    if method == "modelopt":
+        (directory / "hf_quant_config.json").write_text(json.dumps(CONFIGS[method]))
+    else:
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps(config | {"quantization_config": CONFIGS[method]}))
     return dequantised_dir
+
+
+KV_SCALE_NAMES = {  # how each tool names layer i's KV scales
+    "compressed-tensors": ("model.layers.{}.self_attn.k_scale", "model.layers.{}.self_attn.v_scale"),
+    "modelopt": ("model.layers.{}.self_attn.k_proj.k_scale", "model.layers.{}.self_attn.v_proj.v_scale"),
+}
+
+
+def add_kv_scales(directory: Path, scales: list[tuple[float, float]], style: str) -> None:
+    """Layer i's (k_scale, v_scale) = scales[i] written into the checkpoint's model.safetensors as `style` names
+    them (0-d float32 tensors, as both tools store them)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(directory / "model.safetensors")
+    for i, pair in enumerate(scales):
+        for name, value in zip(KV_SCALE_NAMES[style], pair):
+            state[name.format(i)] = torch.tensor(float(value))
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})

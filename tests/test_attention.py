@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from attention_oracle import (causal_mask, full_tree_mask, oracle, patterned_tab
 from fastspec.attention import (AttentionContext, AttnMode, TorchAttnBackend, decode_metadata, draft_decode_metadata,
                                 draft_extend_metadata, extend_metadata, verify_metadata)
 from fastspec.attention.torch_backend import attend_padded
+from fastspec.memory.kv_pool import KVPool, as_cache
 
 HEADS = [(4, 4), (6, 2), (9, 3), (4, 1)]  # (Hq, Hkv)
 
@@ -164,6 +166,9 @@ class StandInPool:
         self.v = torch.randn(num_layers, num_slots, hkv, d, generator=gen)
         self.writes: list[tuple[int, list[int]]] = []
 
+    def scale(self, layer):
+        return 1.0, 1.0
+
     def write(self, layer, slots, k, v):
         self.writes.append((layer, slots.tolist()))
         self.k[layer, slots] = k
@@ -187,6 +192,34 @@ def test_context_writes_then_attends():
     torch.testing.assert_close(pool.k[2], before[2])
     specs = [(table[r, : p + e].tolist(), causal_mask(e, p + e)) for r, p, e in zip(rows.tolist(), pre, ext)]
     torch.testing.assert_close(got.double(), oracle(q, pool.k[1], pool.v[1], 0.25, specs), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_pool_with_kv_scales_stores_k_over_its_scale_and_attends_over_it_times_the_scale(kv):
+    """A checkpoint's fp8 KV scales (fastspec.models.kv_scales): K is stored rounded from K / k_scale, V from
+    V / v_scale, and attention is the oracle's over the stored values times their scales. Keys ~250x past e4m3's
+    largest value fit once divided by k_scale 200 (saturated without it); other layers keep their own scales."""
+    gen = torch.Generator().manual_seed(8)
+    table, num_slots = random_table(gen, num_rows=4, width=32)
+    scales = ((1.0, 1.0), (200.0, 0.01), (3.0, 7.0))
+    pool = KVPool(3, 2, 16, num_slots, dtype=kv, scales=scales)
+    rows, pre, ext = torch.tensor([3, 1]), [5, 0], [2, 4]
+    meta = extend_metadata(table, rows, torch.tensor(pre), torch.tensor(ext))
+    ctx = AttentionContext.build(TorchAttnBackend(), meta, pool)
+    q = torch.randn(6, 6, 16, generator=gen) / 3000
+    k, v = torch.randn(6, 2, 16, generator=gen) * 2e4, torch.randn(6, 2, 16, generator=gen) / 100
+    for layer, (k_scale, v_scale) in enumerate(scales):  # every layer's K / V stays in its own scale
+        ctx.attend(layer, q, k * k_scale / 200, v * v_scale / 0.01, scale=0.25)
+    got = ctx.attend(1, q, k, v, scale=0.25)
+    slots = meta.out_cache_loc
+    assert torch.equal(pool.k[1, slots].view(torch.uint8), as_cache(k * (1 / 200), kv).view(torch.uint8))
+    assert torch.equal(pool.v[1, slots].view(torch.uint8), as_cache(v * (1 / 0.01), kv).view(torch.uint8))
+    assert pool.k[1, slots].float().abs().max() < 448  # not saturated
+    stored_k, stored_v = pool.k[1].double() * 200, pool.v[1].double() * 0.01
+    specs = [(table[r, : p + e].tolist(), causal_mask(e, p + e)) for r, p, e in zip(rows.tolist(), pre, ext)]
+    expected = oracle(q, stored_k, stored_v, 0.25, specs)
+    torch.testing.assert_close(got.double(), expected, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(pool.k[2, slots].double() * 3, (k * 3 / 200).double(), atol=0, rtol=2 ** -2)
 
 
 def test_non_causal_without_mask_attends_everywhere():

@@ -90,11 +90,16 @@ def test_head_norms_norm_q_and_k_heads_and_leave_v(twin, dtype):
             close(fused[:, :HQ * D], norm(qkv[:, :HQ * D].view(3, HQ, D)).flatten(1), dtype)
 
 
-@pytest.mark.parametrize("dtype, kv", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                       (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
-                                       (torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2)])
-def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype, kv):
-    """kv: the cache's dtype, which K and V are rounded to as they are written."""
+@pytest.mark.parametrize("dtype, kv, mul", [(torch.float32, torch.float32, (1.0, 1.0)),
+                                            (torch.bfloat16, torch.float32, (1.0, 1.0)),
+                                            (torch.float32, torch.bfloat16, (1.0, 1.0)),
+                                            (torch.float32, torch.float16, (1.0, 1.0)),
+                                            (torch.float32, torch.float8_e4m3fn, (1.0, 1.0)),
+                                            (torch.bfloat16, torch.float8_e5m2, (1.0, 1.0)),
+                                            (torch.float32, torch.float8_e4m3fn, (1 / 0.003, 1 / 7.0))])
+def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype, kv, mul):
+    """kv: the cache's dtype, which K and V are rounded to as they are written; mul: what they are multiplied by
+    first (1 / a checkpoint's KV scales)."""
     from fastspec.models.layers import RotaryEmbedding
 
     g = torch.Generator().manual_seed(1)
@@ -103,10 +108,12 @@ def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype,
     cos, sin = rope.cos_sin(torch.tensor([0, 5, 6, 40]), torch.float32)
     slots = torch.tensor([3, 9, 1, 7])
     caches = [[torch.zeros(12, HKV, D, dtype=kv), torch.zeros(12, HKV, D, dtype=kv)] for _ in range(2)]
-    q = cpu_fused.rope_write(qkv, cos, sin, slots, *caches[0], HQ)
-    expected = twin(cpu_fused.rope_write, qkv, cos, sin, slots, *caches[1], HQ)
+    q = cpu_fused.rope_write(qkv, cos, sin, slots, *caches[0], HQ, mul)
+    expected = twin(cpu_fused.rope_write, qkv, cos, sin, slots, *caches[1], HQ, mul)
     close(q, expected, torch.float32)
     assert torch.equal(caches[0][1].view(torch.uint8), caches[1][1].view(torch.uint8))  # V rounded the same way
+    v = qkv[:, (HQ + HKV) * D:].float().view(4, HKV, D)
+    assert torch.equal(caches[0][1][slots].view(torch.uint8), as_cache(v * mul[1], kv).view(torch.uint8))
     for fused, reference in zip(*caches):
         close(fused, reference, kv)
         assert fused[[0, 2, 4, 5, 6, 8, 10, 11]].float().abs().sum() == 0
@@ -139,24 +146,26 @@ def plans(long: bool = False):
 
 
 @pytest.mark.parametrize("name", ["decode", "prefill", "tree verify"])
-@pytest.mark.parametrize("dtype, long, dim, kv", [(torch.float32, False, D, torch.float32),
-                                                  (torch.bfloat16, False, D, torch.float32),
-                                                  (torch.float32, True, 64, torch.float32),
-                                                  (torch.float32, True, 72, torch.float32),
-                                                  (torch.float32, True, 72, torch.bfloat16),
-                                                  (torch.bfloat16, False, 64, torch.float16),
-                                                  (torch.float32, True, 64, torch.float8_e4m3fn),
-                                                  (torch.float32, False, 72, torch.float8_e5m2)])
-def test_attend_is_the_torch_backends_attention(build, twin, name, dtype, long, dim, kv):
+@pytest.mark.parametrize("dtype, long, dim, kv, out_mul", [(torch.float32, False, D, torch.float32, 1.0),
+                                                           (torch.bfloat16, False, D, torch.float32, 1.0),
+                                                           (torch.float32, True, 64, torch.float32, 1.0),
+                                                           (torch.float32, True, 72, torch.float32, 1.0),
+                                                           (torch.float32, True, 72, torch.bfloat16, 1.0),
+                                                           (torch.bfloat16, False, 64, torch.float16, 1.0),
+                                                           (torch.float32, True, 64, torch.float8_e4m3fn, 1.0),
+                                                           (torch.float32, False, 72, torch.float8_e5m2, 1.0),
+                                                           (torch.float32, False, 64, torch.float8_e4m3fn, 0.03)])
+def test_attend_is_the_torch_backends_attention(build, twin, name, dtype, long, dim, kv, out_mul):
     """Head dims 16 / 64 / 72: the kernel's 16- and 64-column paths and a tail of 8 columns; a float32, bfloat16,
-    float16 or float8 KV cache (both sides read the same stored values, so float32 rounding of the output holds)."""
+    float16 or float8 KV cache (both sides read the same stored values, so float32 rounding of the output holds);
+    out_mul: an fp8 cache's V scale."""
     plan, tokens = plans(long)[name]
     g = torch.Generator().manual_seed(2)
     slots = plan.kv_slots.max().item() + 1
     q, k, v = (torch.randn(n, h, dim, generator=g) for n, h in ((tokens, HQ), (slots, HKV), (slots, HKV)))
     k, v = as_cache(k, kv), as_cache(v, kv)
-    close(cpu_fused.attend(plan, q, k, v, dim ** -0.5, dtype),
-          twin(cpu_fused.attend, plan, q, k, v, dim ** -0.5, dtype), dtype)
+    close(cpu_fused.attend(plan, q, k, v, dim ** -0.5, dtype, out_mul),
+          twin(cpu_fused.attend, plan, q, k, v, dim ** -0.5, dtype, out_mul), dtype)
 
 
 @pytest.mark.parametrize("prefix, kv", [([4, 9], torch.float32), ([126, 260], torch.float32),
@@ -269,16 +278,18 @@ def test_a_compiler_without_openmp_builds_them_single_threaded_and_none_runs_the
     assert not list((tmp_path / "b").glob("kernels/*.so"))
 
 
-@pytest.mark.parametrize("family, kv", [("llama", torch.float32), ("qwen2", torch.float32), ("qwen3", torch.float32),
-                                        ("llama", torch.bfloat16), ("qwen3", torch.float16),
-                                        ("qwen2", torch.float8_e4m3fn)])
-def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatch, family, kv):
+@pytest.mark.parametrize("family, kv, scaled", [("llama", torch.float32, False), ("qwen2", torch.float32, False),
+                                                ("qwen3", torch.float32, False), ("llama", torch.bfloat16, False),
+                                                ("qwen3", torch.float16, False), ("qwen2", torch.float8_e4m3fn, False),
+                                                ("llama", torch.float8_e4m3fn, True)])
+def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatch, family, kv, scaled):
     """Every projection a BlockLinear (4-bit, one 6-bit, one 8-bit, two over inputs in another order: GPTQ desc_act's
     PermutedLinear; Qwen2's QKV with its bias, Qwen3's q / k head norms): the stack runs as one C call
     (cpu_fused.decoder_stack), which gives, bit for bit, the logits and the captured residual streams of the same
     kernels called layer by layer (fused_layers' loop), over a prefill of two requests and a decode step of both;
     and, to float32 rounding, those of the model's own layers over the same packed linears. kv: the KV pool's dtype
-    (a 16- or 8-bit pool: K and V rounded as they are written, the same way on each path)."""
+    (a 16- or 8-bit pool: K and V rounded as they are written, the same way on each path); `scaled`: with a
+    checkpoint's KV scales, different in each layer."""
     from conftest import PoolRunner
 
     from fastspec.kernels import cpu_q4
@@ -307,7 +318,8 @@ def test_the_one_call_stack_is_its_python_loop_bit_for_bit(tiny_dirs, monkeypatc
     monkeypatch.setattr(cpu_fused, "decoder_stack", lambda *a, f=cpu_fused.decoder_stack: calls.append(1) or f(*a))
 
     def run() -> list[torch.Tensor]:
-        runner = PoolRunner(model, kv_dtype=kv)
+        scales = tuple((0.05 * (i + 1), 0.3 / (i + 1)) for i in range(model.config.num_layers)) if scaled else None
+        runner = PoolRunner(model, kv_dtype=kv, kv_scales=scales)
         first = runner.extend([0, 0], [[5, 9, 13, 2, 40], [7, 7, 8]])
         second = runner.extend([5, 3], [[11], [12]])
         return [t for out in (first, second) for t in (model.compute_logits(out.final), out.aux)]

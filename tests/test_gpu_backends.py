@@ -16,6 +16,7 @@ import torch
 from fake_flashinfer import FakeDecodeWrapper, FakePrefillWrapper
 
 from fastspec.attention import (
+    AttentionContext,
     TorchAttnBackend,
     decode_metadata,
     draft_decode_metadata,
@@ -294,6 +295,29 @@ def test_flashinfer_matches_torch_backend(name, heads, kv):
     out = backend.run(backend.plan(meta), q, k, v, 0.125)
     wide = (k.to(torch.bfloat16), v.to(torch.bfloat16))
     torch.testing.assert_close(out.float(), reference(meta, q, *wide, 0.125), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["extend", "decode", "verify"])
+def test_flashinfer_over_a_pool_with_kv_scales_is_the_torch_backend(name):
+    """An fp8 pool with a checkpoint's KV scales (K stored / k_scale: flashinfer reads it with k_scale x its planned
+    softmax scale through q_scale; V's scale on its output), through AttentionContext as the model calls it."""
+    pytest.importorskip("flashinfer")
+    from fastspec.memory.kv_pool import KVPool
+
+    meta = scenario("cuda")[3][name]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(meta.num_tokens, h, 64, device="cuda", generator=gen).to(torch.bfloat16) * m
+               for h, m in ((8, 1 / 300), (2, 300.0), (2, 0.01)))
+    keys = torch.randn(128, 2, 64, device="cuda", generator=gen) * 300  # every slot of the table holds a key
+    values = torch.randn(128, 2, 64, device="cuda", generator=gen) / 100
+    outs = []
+    for backend in (make_backend("flashinfer", num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                                 kv_dtype=torch.float8_e4m3fn, device="cuda"), TorchAttnBackend()):
+        pool = KVPool(2, 2, 64, 4 * 32, dtype=torch.float8_e4m3fn, device="cuda", scales=((1.0, 1.0), (4.0, 0.001)))
+        pool.write(1, torch.arange(1, 4 * 32 + 1, device="cuda"), keys, values)
+        outs.append(AttentionContext.build(backend, meta, pool).attend(1, q, k, v, 0.125).float())
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2 * outs[1].abs().max().item(), rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ from fastspec.models.quant_weights import Fp8Weight, IntWeight, unpack_int32
 from fastspec.sampling import SamplingParams
 from quant_writers import AWQ_ORDER, awq_pack, write_quantised
 
-METHODS = ["awq", "gptq", "gptq8", "ct_int4", "fp8_block", "ct_fp8", "fbgemm_fp8"]
+METHODS = ["awq", "gptq", "gptq8", "ct_int4", "fp8_block", "ct_fp8", "fbgemm_fp8", "modelopt"]
 # every method on Llama; the other families (qkv bias, q / k norms and another head_dim, MLA + MoE experts, gated
 # delta net layers + MoE, Mamba2 mixers) with a few
 CASES = [(m, "llama") for m in METHODS] + [
@@ -128,7 +128,8 @@ def test_packed_kernels_are_close_to_the_exact_model(quantised, method, family):
     exact model's greedy choice kept at >= 90 % of teacher-forced positions."""
     model_dir, oracle = quantised(method, family)
     llm = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=512)
-    assert llm.engine.worker.config.quantization == read_scheme(json.loads((model_dir / "config.json").read_text())).method
+    assert llm.engine.worker.config.quantization == read_scheme(json.loads((model_dir / "config.json").read_text()),
+                                                                model_dir).method
     model = llm.engine.worker.model
     assert not any(isinstance(m, QuantLinear) for m in model.modules())  # every linear bound to a CPU kernel
     ids = torch.randint(3, 97, (64,), generator=torch.Generator().manual_seed(2))

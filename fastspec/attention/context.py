@@ -22,6 +22,8 @@ class KVPoolLike(Protocol):
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None: ...
 
+    def scale(self, layer: int) -> tuple[float, float]: ...  # (k_scale, v_scale): K is stored as K / k_scale
+
 
 class AttentionBackend(Protocol):
     """An attention backend (the torch reference, flashinfer, flashinfer MLA): `plan` on the host, once per forward;
@@ -55,7 +57,9 @@ class AttentionContext:
                v: torch.Tensor,  # [T, Hkv, D]
                scale: float) -> torch.Tensor:  # [T, Hq, D]
         self.pool.write(layer, self.plan.out_cache_loc, k, v)
-        return self.backend.run(self.plan, q, self.pool.k[layer], self.pool.v[layer], scale)
+        k_scale, v_scale = self.pool.scale(layer)  # q . K = k_scale (q . K stored); p V = v_scale (p V stored)
+        o = self.backend.run(self.plan, q, self.pool.k[layer], self.pool.v[layer], scale * k_scale)
+        return o if v_scale == 1 else o * v_scale
 
     def attend_latent(self, layer: int,
                       q: torch.Tensor,       # [T, Hq, C+R]  absorbed q_nope | q_rope

@@ -63,8 +63,9 @@ class WorkerMemory:
 
 
 def build_memory(c: ModelConfig, draft_shape: tuple | None, cfg: EngineConfig, spec: SpecConfig,
-                 max_context_len: int) -> WorkerMemory:
+                 max_context_len: int, kv_scales: tuple | None = None) -> WorkerMemory:
     """draft_shape: the draft pool's (layers, heads, head dim, separate V), or None without a draft model.
+    kv_scales: the target's checkpoint KV scales (fastspec.models.kv_scales), for its fp8 pool.
 
     The ceiling is --max-total-tokens, else kv_mem_fraction of the memory available now (target and draft pools
     together). With --max-total-tokens, or on CUDA (captured graphs hold the pools' addresses), the pools are
@@ -82,7 +83,7 @@ def build_memory(c: ModelConfig, draft_shape: tuple | None, cfg: EngineConfig, s
                                   device=cfg.device, page_size=cfg.page_size)
     grows = cfg.max_total_tokens is None and torch.device(cfg.device).type == "cpu"
     capacity = min(ceiling, -(-INITIAL_KV_TOKENS // cfg.page_size) * cfg.page_size) if grows else ceiling
-    pool = KVPool(layers, heads, dim, capacity, cfg.page_size, kv_dtype, cfg.device, separate_v)
+    pool = KVPool(layers, heads, dim, capacity, cfg.page_size, kv_dtype, cfg.device, separate_v, kv_scales)
     draft_pool = None if draft_shape is None else KVPool(*draft_shape[:3], capacity, cfg.page_size, kv_dtype,
                                                          cfg.device, draft_shape[3])
     allocator = make_allocator(pool.capacity, cfg.page_size, cfg.device)

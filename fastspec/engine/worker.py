@@ -62,7 +62,8 @@ class Worker:
         self.times = PhaseTimes()  # benchmarks set sync_cuda for a phase split on a GPU (a sync per phase costs)
         models = load_models(sources, spec, config)
         self.model, self.feature = models.target, models.feature
-        m = build_memory(self.model.config, models.draft_kv_shape, config, spec, self.max_context_len)
+        m = build_memory(self.model.config, models.draft_kv_shape, config, spec, self.max_context_len,
+                         models.kv_scales)
         self.memory = m
         self.pool, self.draft_pool, self.allocator, self.table = m.pool, m.draft_pool, m.allocator, m.table
         self.states, self.cache = m.states, m.cache

@@ -133,7 +133,7 @@ static void attend_chunk(const float *const *qs, int R, int64_t group, int64_t D
 /* Attention of a dense padded plan (fastspec.attention.torch_backend.TorchAttnPlan): token t is query row
  * out_index[t] = b * max_qo + i; it sees key column j of request b (KV slot kv_slots[b, j]) where
  * mask[b, i, j] (mask NULL: every column). q float32 [T, Hq, D]; caches [num_slots, Hkv, D] in dtype code kv;
- * out [T, Hq, D] in `out_act`. Query head h reads KV head h / (Hq / Hkv).
+ * out [T, Hq, D] in `out_act`, times out_mul (a cache's V scale, else 1). Query head h reads KV head h / (Hq / Hkv).
  * Batch-invariant: a token's output depends only on the keys it sees, in column order, not on the padding, the
  * masked columns or the other tokens, so a tree verify computes bit for bit what a decode step of the same token
  * would (the seen keys are gathered into a list first; its chunks and every sum over them run in a fixed order).
@@ -141,7 +141,7 @@ static void attend_chunk(const float *const *qs, int R, int64_t group, int64_t D
  * full chunks, a verify's prefix) go through it together, sharing each K / V load (chunk_tile). */
 void attend(const float *q, const void *k_cache, const void *v_cache, int kv, int64_t T, int64_t Hq, int64_t Hkv,
             int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
-            int64_t max_kv, float scale, void *out, int out_act) {
+            int64_t max_kv, float scale, float out_mul, void *out, int out_act) {
     int64_t group = Hq / Hkv, chunks = max_kv > 0 ? (max_kv + CHUNK - 1) / CHUNK : 1, width = max_kv > 0 ? max_kv : 1;
     int64_t slab = T < SLAB ? T : SLAB;
     float *o_all = (float *)malloc(T * Hq * D * sizeof(float));
@@ -196,6 +196,8 @@ void attend(const float *q, const void *k_cache, const void *v_cache, int kv, in
                 }
                 float inv = used ? 1.f / total : 0.f; /* total >= 1 (the top chunk's exp(0) x its sum >= 1) */
                 for (int64_t d = 0; d < D; d++) o[d] *= inv;
+                if (out_mul != 1.f)
+                    for (int64_t d = 0; d < D; d++) o[d] *= out_mul;
             }
             free(scores);
         }

@@ -79,11 +79,14 @@ void head_norms(void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, int64_t 
 /* Rotate-half rope on q and k of qkv [T, (Hq + 2 Hkv) * D] (in `act`), K and V written to the cache rows `slots`
  * (k_cache, v_cache [num_slots, Hkv, D] in dtype code `kv`, as cpu_rows.h rounds), the rotated q to q_out float32
  * [T, Hq, D]. cos, sin float32 [T, D]: sin's first half negated, so rotated[d] = x[d] cos[d] + x[(d + D/2) % D] sin[d].
+ * kv_mul: NULL, or float32 [2]: K and V are multiplied by kv_mul[0] / kv_mul[1] before they are rounded (1 / the
+ * checkpoint's k_scale / v_scale of an fp8 cache; fastspec.memory.kv_pool).
  */
 void rope_write(const void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *cos,
-                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv, float *q_out) {
+                const float *sin, const int64_t *slots, void *k_cache, void *v_cache, int kv, const float *kv_mul,
+                float *q_out) {
     int64_t width = (Hq + 2 * Hkv) * D, half = D / 2, size = code_size(kv);
-    float *row = (float *)malloc((width + Hkv * D) * sizeof(float)), *k = row + width;
+    float *row = (float *)malloc((width + Hkv * D) * sizeof(float)), *k = row + width, *v = row + (Hq + Hkv) * D;
     for (int64_t t = 0; t < T; t++) {
         load_row((const char *)qkv + t * width * (act ? 2 : 4), act, width, row);
         const float *c = cos + t * D, *s = sin + t * D;
@@ -92,8 +95,10 @@ void rope_write(const void *qkv, int act, int64_t T, int64_t Hq, int64_t Hkv, in
             float *dst = h < Hq ? q_out + (t * Hq + h) * D : k + (h - Hq) * D;
             for (int64_t d = 0; d < D; d++) dst[d] = x[d] * c[d] + x[(d + half) % D] * s[d];
         }
+        if (kv_mul)
+            for (int64_t e = 0; e < Hkv * D; e++) k[e] *= kv_mul[0], v[e] *= kv_mul[1];
         store_row(k, Hkv * D, (char *)k_cache + slots[t] * Hkv * D * size, kv);
-        store_row(row + (Hq + Hkv) * D, Hkv * D, (char *)v_cache + slots[t] * Hkv * D * size, kv);
+        store_row(v, Hkv * D, (char *)v_cache + slots[t] * Hkv * D * size, kv);
     }
     free(row);
 }
@@ -188,7 +193,7 @@ int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uin
                int64_t bits, int64_t group, const int8_t *levels);
 void attend(const float *q, const void *k_cache, const void *v_cache, int kv, int64_t T, int64_t Hq, int64_t Hkv,
             int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
-            int64_t max_kv, float scale, void *out, int out_act); /* cpu_attention.c */
+            int64_t max_kv, float scale, float out_mul, void *out, int out_act); /* cpu_attention.c */
 
 /* y = x @ w.T for linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a decoder_stack layer row (see below); where the
  * row names an input order (a GPTQ desc_act weight), x's columns are gathered into `scratch` [M, K] in it first */
@@ -216,13 +221,15 @@ static int layer_gemm(const int64_t *row, int j, const float *x, int64_t M, int6
  * 16 or 32); k, v: the KV pool's [L, num_slots, Hkv, D] caches in dtype code kv
  * (layer i's at i * layer_stride elements). x [T, H]: the residual stream entering layer 0, replaced by the last
  * layer's output; h [T, H]: layer 0's normed input. capture_at int64 [L]: for layer i > 0, the row of `captured`
- * [n, T, H] receiving the stream entering it, or -1. The rest as rope_write and attend take them.
+ * [n, T, H] receiving the stream entering it, or -1. kv_scales: NULL, or float32 [L, 4] for a cache with a
+ * checkpoint's KV scales: per layer attend's scale and rope_write's kv_mul[2] and attend's out_mul (in place of
+ * `scale`, none and 1). The rest as rope_write and attend take them.
  * Returns 0, or -1 where memory could not be had. */
 int decoder_stack(int64_t L, const int64_t *layers, void *k, void *v, int kv, int64_t layer_stride, float *x,
                   const float *h0, int64_t T, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, float eps,
                   const float *cos, const float *sin, const int64_t *slots, const int64_t *out_index,
                   const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo, int64_t max_kv, float scale,
-                  const int64_t *capture_at, float *captured) {
+                  const float *kv_scales, const int64_t *capture_at, float *captured) {
     int64_t width = (Hq + 2 * Hkv) * D, layer_bytes = layer_stride * code_size(kv);
     float *h = (float *)malloc(T * H * sizeof(float)), *qkv = (float *)malloc(T * width * sizeof(float));
     float *q = (float *)malloc(T * Hq * D * sizeof(float)), *o = (float *)malloc(T * Hq * D * sizeof(float));
@@ -240,8 +247,10 @@ int decoder_stack(int64_t L, const int64_t *layers, void *k, void *v, int kv, in
             for (int64_t t = 0; t < T; t++)
                 for (int64_t c = 0; c < width; c++) qkv[t * width + c] += ((const float *)w[22])[c];
         if (w[23]) head_norms(qkv, 0, T, Hq, Hkv, D, (const float *)w[23], (const float *)w[24], eps);
-        rope_write(qkv, 0, T, Hq, Hkv, D, cos, sin, slots, k_cache, v_cache, kv, q);
-        attend(q, k_cache, v_cache, kv, T, Hq, Hkv, D, out_index, kv_slots, mask, max_qo, max_kv, scale, o, 0);
+        const float *ks = kv_scales ? kv_scales + 4 * i : NULL; /* (attend's scale, K's and V's muls, out_mul) */
+        rope_write(qkv, 0, T, Hq, Hkv, D, cos, sin, slots, k_cache, v_cache, kv, ks ? ks + 1 : NULL, q);
+        attend(q, k_cache, v_cache, kv, T, Hq, Hkv, D, out_index, kv_slots, mask, max_qo, max_kv, ks ? ks[0] : scale,
+               ks ? ks[3] : 1.f, o, 0);
         status |= layer_gemm(w, 1, o, T, Hq * D, H, y, scratch);
         add_rms_norm(x, y, 0, (const float *)w[8], eps, T, H, x, h, 0);
         status |= layer_gemm(w, 2, h, T, H, 2 * I, gate_up, scratch);

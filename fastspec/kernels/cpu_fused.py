@@ -83,37 +83,42 @@ def rope_write(qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]  float32 or bf16
                cos: torch.Tensor, sin: torch.Tensor,  # float32 [T, 1, D]  (sin's first half negated)
                slots: torch.Tensor,  # int64 [T]  KV slots of the T tokens
                k_cache: torch.Tensor, v_cache: torch.Tensor,  # [num_slots, Hkv, D]  one layer's, a KV dtype
-               num_heads: int) -> torch.Tensor:  # q float32 [T, Hq, D], rotated
-    """Rope on q and k, then K and V written to the cache at `slots` (rounded to its dtype); returns q."""
+               num_heads: int,
+               kv_mul: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:  # q float32 [T, Hq, D], rotated
+    """Rope on q and k, then K and V written to the cache at `slots` (times kv_mul: 1 / an fp8 cache's scales, then
+    rounded to its dtype); returns q."""
     T, (hkv, d) = qkv.shape[0], k_cache.shape[1:]
     lib = cpu_library.library()
     if lib is None:
         q, k, v = qkv.float().view(T, -1, d).split([num_heads, hkv, hkv], 1)
         q, k = (z * cos + z.roll(d // 2, -1) * sin for z in (q, k))
-        store_rows(k_cache, slots, k)
-        store_rows(v_cache, slots, v)
+        store_rows(k_cache, slots, k if kv_mul[0] == 1 else k * kv_mul[0])
+        store_rows(v_cache, slots, v if kv_mul[1] == 1 else v * kv_mul[1])
         return q
     q = qkv.new_empty(T, num_heads, d, dtype=torch.float32)
+    mul = None if kv_mul == (1.0, 1.0) else torch.tensor(kv_mul, dtype=torch.float32)
     cpu_library.call(lib.rope_write, qkv.data_ptr(), ACT[qkv.dtype], T, num_heads, hkv, d, cos.data_ptr(),
                      sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV[k_cache.dtype],
-                     q.data_ptr())
+                     _ptr(mul), q.data_ptr())
     return q
 
 
 def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
            k_cache: torch.Tensor, v_cache: torch.Tensor,  # [num_slots, Hkv, D]  one layer's, a KV dtype
-           scale: float, out_dtype: torch.dtype) -> torch.Tensor:  # [T, Hq * D]
-    """The torch backend's attention (TorchAttnBackend.run) over its dense plan, output in out_dtype."""
+           scale: float, out_dtype: torch.dtype, out_mul: float = 1.0) -> torch.Tensor:  # [T, Hq * D]
+    """The torch backend's attention (TorchAttnBackend.run) over its dense plan, times out_mul (an fp8 cache's V
+    scale), output in out_dtype."""
     T, hq, d = q.shape
     lib = cpu_library.library()
     if lib is None:
-        return TorchAttnBackend().run(plan, q, k_cache, v_cache, scale).reshape(T, hq * d).to(out_dtype)
+        o = TorchAttnBackend().run(plan, q, k_cache, v_cache, scale).reshape(T, hq * d)
+        return (o if out_mul == 1 else o * out_mul).to(out_dtype)
     max_qo = plan.q_index.shape[1]
     mask = None if plan.mask is None else plan.mask.contiguous()
     out = q.new_empty(T, hq * d, dtype=out_dtype)
     cpu_library.call(lib.attend, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV[k_cache.dtype], T, hq,
                      k_cache.shape[1], d, plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), max_qo,
-                     plan.kv_slots.shape[1], scale, out.data_ptr(), ACT[out_dtype])
+                     plan.kv_slots.shape[1], scale, out_mul, out.data_ptr(), ACT[out_dtype])
     return out
 
 
@@ -194,7 +199,9 @@ def decoder_stack(layers: torch.Tensor,           # int64 [L, 29]  each layer's 
                   num_heads: int, intermediate: int, eps: float,
                   cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,  # as rope_write takes them
                   plan: TorchAttnPlan, scale: float,
-                  capture: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                  capture: tuple[int, ...],
+                  kv_scales: torch.Tensor | None = None,  # float32 [L, 4]  a scaled fp8 cache's (cpu_fused.c)
+                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """A layer stack on 4- to 8-bit weights (cpu_q4) in one C call: (the last layer's output, {layer id: the residual
     stream entering it} for the `capture` ids in 1..L-1). Its twin is the Python loop of
     fastspec.models.fused_cpu.fused_layers over the same kernels; only called where the library is built."""
@@ -210,7 +217,7 @@ def decoder_stack(layers: torch.Tensor,           # int64 [L, 29]  each layer's 
         lib.decoder_stack, L, layers.data_ptr(), k.data_ptr(), v.data_ptr(), KV[k.dtype], k[0].numel(), out.data_ptr(),
         h.data_ptr(), T, x.shape[1], num_heads, hkv, d, intermediate, eps, cos.data_ptr(), sin.data_ptr(),
         slots.data_ptr(), plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), plan.q_index.shape[1],
-        plan.kv_slots.shape[1], scale, capture_at.data_ptr(), captured.data_ptr())
+        plan.kv_slots.shape[1], scale, _ptr(kv_scales), capture_at.data_ptr(), captured.data_ptr())
     if status:
         raise MemoryError("the fused layer stack's buffers")
     return out, dict(zip(ids, captured))

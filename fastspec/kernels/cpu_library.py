@@ -33,9 +33,9 @@ _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # name -> (argument types, result type)
     "add_rms_norm": ((_P, _P, _C, _P, _F, _I, _I, _P, _P, _C), None),
     "silu_mul": ((_P, _C, _I, _I, _P, _C), None),
-    "rope_write": ((_P, _C, _I, _I, _I, _I, _P, _P, _P, _P, _P, _C, _P), None),
+    "rope_write": ((_P, _C, _I, _I, _I, _I, _P, _P, _P, _P, _P, _C, _P, _P), None),
     "head_norms": ((_P, _C, _I, _I, _I, _I, _P, _P, _F), None),
-    "attend": ((_P, _P, _P, _C, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _P, _C), None),
+    "attend": ((_P, _P, _P, _C, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _F, _P, _C), None),
     "paged_dense_plan": ((_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _C, _P, _P), None),
     "top_k": ((_P, _I, _I, _I, _I, _P), None),
     "argmax_rows": ((_P, _I, _I, _I, _P), None),
@@ -45,7 +45,7 @@ SIGNATURES = {  # name -> (argument types, result type)
     "eagle_tree": ((_P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P), None),
     "greedy_walk": ((_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P), None),
     "decoder_stack": ((_I, _P, _P, _P, _C, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _I, _I, _F,
-                       _P, _P), _C),
+                       _P, _P, _P), _C),
 }
 
 

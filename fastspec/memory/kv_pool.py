@@ -67,12 +67,20 @@ class KVPool:
     Slot s of page p is p * page_size + s % page_size, so k[l].view(-1, page_size, H, D) is the paged view.
 
     A latent pool (`separate_v=False`, MLA) stores only k: per token one compressed-KV | rope-key vector, whose
-    leading dims serve as V; v is None."""
+    leading dims serve as V; v is None.
+
+    `scales` (an fp8 cache with a checkpoint's KV scales): per layer (k_scale, v_scale); K is stored as
+    K * (1 / k_scale) and V alike, so readers use k_scale x their softmax scale and multiply the output by
+    v_scale (AttentionContext.attend)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, page_size: int = 1,
-                 dtype=torch.float32, device="cpu", separate_v: bool = True):
+                 dtype=torch.float32, device="cpu", separate_v: bool = True,
+                 scales: tuple[tuple[float, float], ...] | None = None):
         if capacity < 1 or page_size < 1:
             raise ValueError(f"KVPool needs capacity >= 1 and page_size >= 1, got {capacity}, {page_size}")
+        if scales is not None and (len(scales) != num_layers or not separate_v):
+            raise ValueError(f"KV scales for {len(scales)} layers of a {num_layers}-layer K / V pool")
+        self.scales = scales
         self.page_size = page_size
         self.capacity = -(-capacity // page_size) * page_size  # round up to whole pages
         self.num_slots = self.capacity + page_size
@@ -92,10 +100,17 @@ class KVPool:
         self.k = _extended(self.k, self.num_slots)
         self.v = None if self.v is None else _extended(self.v, self.num_slots)
 
+    def scale(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of `layer`: (1, 1) but in a pool made with a checkpoint's scales."""
+        return (1.0, 1.0) if self.scales is None else self.scales[layer]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        """Store K/V of T tokens of one layer in place. Several padded rows may all name the dummy slot 0;
-        which of them lands there is unspecified, and nothing reads it as real data."""
+        """Store K/V of T tokens of one layer in place (divided by the layer's scales). Several padded rows may all
+        name the dummy slot 0; which of them lands there is unspecified, and nothing reads it as real data."""
         # slots: [T] int64; k, v: [T, num_kv_heads, head_dim]
+        if self.scales is not None:
+            k_scale, v_scale = self.scales[layer]
+            k, v = k * (1 / k_scale), v * (1 / v_scale)
         if torch.compiler.is_compiling():
             # an in-place write into a VIEW of a graph input makes Inductor rebuild the whole base tensor each
             # call (a compiled verify then cost ~25x eager on a 65k-slot pool); index_put_ on the base tensor

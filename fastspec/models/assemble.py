@@ -12,7 +12,7 @@ none. Reads no config: every check ran in resolve_sources.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from fastspec.kernels.cpu_linear import can_prepack, prepack_linears, trim_host_
 from fastspec.models.causal_lm import CausalLM, eagle3_capture_layers
 from fastspec.models.draft_loader import load_draft
 from fastspec.models.eagle import StandaloneDraft
+from fastspec.models.kv_scales import read_kv_scales
 from fastspec.models.layers import fuse_projections
 from fastspec.models.loader import load_target
 from fastspec.models.mtp_loader import drafts_with_mtp, load_mtp
@@ -39,6 +40,7 @@ class LoadedModels:
     target: CausalLM
     draft: nn.Module | None
     feature: str  # which target hidden state the draft is fed: "final" | "aux" | "none"
+    kv_scales: tuple[tuple[float, float], ...] | None = None  # the target's fp8 KV scales per KV layer (kv_scales)
 
     @property
     def draft_kv_shape(self) -> tuple[int, int, int, bool] | None:
@@ -49,6 +51,8 @@ class LoadedModels:
 def load_models(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -> LoadedModels:
     """The target and, for EAGLE / EAGLE3 / STANDALONE, the draft; fused, quantised and packed (module docstring)."""
     models = _load(sources, spec, config)
+    if config.kv_torch_dtype.itemsize == 1 and config.load_format != "dummy" and config.quantization != "gguf":
+        models = replace(models, kv_scales=read_kv_scales(sources.model_dir, sources.config))
     online = config.quantization in ONLINE and sources.scheme is None  # rounded here, not stored so
     for model in (models.target, models.draft):
         if isinstance(model, nn.Module):

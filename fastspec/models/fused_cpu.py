@@ -100,18 +100,22 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
     table = _stack_table(model) if cpu_fused.available() and not profiling else None
     if table is not None and pool.k.is_contiguous() and pool.v.is_contiguous():
         a = layers[0].self_attn
+        scales = None if pool.scales is None else torch.tensor(
+            [(s, *mul, out) for s, mul, out in (kv_scaled(pool, i, a.scale) for i in range(len(layers)))],
+            dtype=torch.float32)
         x, captured = cpu_fused.decoder_stack(table, pool.k, pool.v, x, h, a.num_heads,
                                               layers[0].mlp.down_proj.in_features, norm.eps, cos, sin, slots, plan,
-                                              a.scale, capture)
+                                              a.scale, capture, scales)
         return x, states | captured
     for i, layer in enumerate(layers):
         a, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
         k_cache, v_cache = pool.k[a.layer_id], pool.v[a.layer_id]
+        score_scale, kv_mul, out_mul = kv_scaled(pool, a.layer_id, a.scale)
         qkv = _gemm(a.qkv_proj, h)
         if a.q_norm is not None:
             qkv = cpu_fused.head_norms(qkv, a.q_norm.weight, a.k_norm.weight, a.num_heads, a.num_kv_heads, a.q_norm.eps)
-        q = cpu_fused.rope_write(qkv, cos, sin, slots, k_cache, v_cache, a.num_heads)
-        o = cpu_fused.attend(plan, q, k_cache, v_cache, a.scale, act)
+        q = cpu_fused.rope_write(qkv, cos, sin, slots, k_cache, v_cache, a.num_heads, kv_mul)
+        o = cpu_fused.attend(plan, q, k_cache, v_cache, score_scale, act, out_mul)
         x, h = cpu_fused.add_rms_norm(x, _gemm(a.o_proj, o), norm.weight, norm.eps, act)
         y = _gemm(mlp.down_proj, cpu_fused.silu_mul(_gemm(mlp.gate_up_proj, h), act))
         if i + 1 == len(layers):
@@ -121,6 +125,13 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
         if i + 1 in capture:
             states[i + 1] = x
     raise AssertionError("unreachable: a model has at least one layer")
+
+
+def kv_scaled(pool, layer: int, scale: float) -> tuple[float, tuple[float, float], float]:
+    """(attend's scale, rope_write's kv_mul, attend's out_mul) for `layer` of `pool`: its KV scales folded in as
+    AttentionContext.attend folds them (scale, (1, 1), 1 where it has none)."""
+    k_scale, v_scale = pool.scale(layer)
+    return scale * k_scale, (1 / k_scale, 1 / v_scale), v_scale
 
 
 def final_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -157,8 +168,9 @@ def eagle3_midlayer(layer, rope, head_norm: RMSNorm, positions: torch.Tensor,
     _, e = cpu_fused.add_rms_norm(embeds, None, layer.input_layernorm.weight, layer.input_layernorm.eps, f32)
     _, hn = cpu_fused.add_rms_norm(hidden, None, layer.hidden_norm.weight, layer.hidden_norm.eps, f32)
     qkv = _gemm(a.qkv_proj, torch.cat([e, hn], -1))  # [T, 2H] in
-    q = cpu_fused.rope_write(qkv, cos, sin, attn.plan.out_cache_loc, k_cache, v_cache, a.num_heads)
-    o = cpu_fused.attend(dense_plan(attn), q, k_cache, v_cache, a.scale, f32)
+    score_scale, kv_mul, out_mul = kv_scaled(attn.pool, a.layer_id, a.scale)
+    q = cpu_fused.rope_write(qkv, cos, sin, attn.plan.out_cache_loc, k_cache, v_cache, a.num_heads, kv_mul)
+    o = cpu_fused.attend(dense_plan(attn), q, k_cache, v_cache, score_scale, f32, out_mul)
     post = layer.post_attention_layernorm
     h, normed = cpu_fused.add_rms_norm(hn if layer.norm_before_residual else hidden, _gemm(a.o_proj, o),
                                        post.weight, post.eps, f32)

@@ -11,6 +11,10 @@ Methods read:
                       (llm-compressor's W4A16 / W8A16: `weight_packed` with a scale per group or channel)
   awq                 AutoAWQ's GEMM layout, 4 bits, zero points
   gptq                AutoGPTQ / GPTQModel, 4 or 8 bits, v1 (zeros stored minus one) or v2, desc_act (`g_idx`)
+  modelopt            NVIDIA ModelOpt's FP8 (`weight_scale` per tensor, static `input_scale`) and
+                      FP8_PER_CHANNEL_PER_TOKEN; declared in config.json or in its own hf_quant_config.json
+A checkpoint's fp8 KV cache scales (`kv_cache_scheme`, ModelOpt's `kv_cache_quant_algo`) are tensors read by
+fastspec.models.kv_scales where the KV cache is fp8.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 
 from fastspec.errors import FastspecError
 
-CHECKPOINT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "awq", "gptq")
+CHECKPOINT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "awq", "gptq", "modelopt")
 REFUSED = {  # methods seen in the wild fastspec has no kernels for, with what to use instead
     "bitsandbytes": "bitsandbytes' NF4 / int8 layouts",
     "hqq": "HQQ's layout", "eetq": "EETQ's layout", "exl2": "ExLlamaV2's layout", "aqlm": "AQLM codebooks",
@@ -30,7 +34,9 @@ REFUSED = {  # methods seen in the wild fastspec has no kernels for, with what t
     "higgs": "HIGGS codebooks", "vptq": "VPTQ codebooks", "spqr": "SpQR", "fp_quant": "FP-Quant's layout",
     "mxfp4": "MXFP4 blocks",
 }
-SUPPORTED = "fp8 (per tensor, channel or 128 x 128 block), compressed-tensors fp8 / int4 / int8, AWQ int4, GPTQ int4 / int8"
+SUPPORTED = ("fp8 (per tensor, channel or 128 x 128 block), compressed-tensors fp8 / int4 / int8, AWQ int4, "
+             "GPTQ int4 / int8, ModelOpt FP8 (per tensor or channel)")
+MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")  # ModelOpt's quant_algo values read
 
 
 @dataclass(frozen=True)
@@ -56,17 +62,12 @@ class QuantScheme:
 
 def read_scheme(hf: dict, model_dir: Path | None = None, source: str = "config.json") -> QuantScheme | None:
     """The checkpoint's QuantScheme, or None for a float one. GPTQ repos that keep their settings in
-    quantize_config.json beside config.json are read too."""
+    quantize_config.json beside config.json, and ModelOpt exports that keep theirs in hf_quant_config.json, are read
+    too."""
     quant = hf.get("quantization_config")
-    if quant is None and model_dir is not None and (model_dir / "quantize_config.json").is_file():
-        path = model_dir / "quantize_config.json"
-        try:
-            quant = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise FastspecError(f"{path}: cannot read ({e})") from None
-        source = str(path)
-        if isinstance(quant, dict):
-            quant.setdefault("quant_method", "gptq")
+    for name, method in (("quantize_config.json", "gptq"), ("hf_quant_config.json", "modelopt")):
+        if quant is None and model_dir is not None and (model_dir / name).is_file():
+            quant, source = _side_file(model_dir / name, method)
     if not quant:
         return None
     if not isinstance(quant, dict):
@@ -82,11 +83,35 @@ def read_scheme(hf: dict, model_dir: Path | None = None, source: str = "config.j
             return _awq(quant, source)
         if method == "gptq":
             return _gptq(quant, source)
+        if method == "modelopt":
+            return _modelopt(quant, source)
     except (KeyError, TypeError, ValueError) as e:
         raise FastspecError(f"{source}: malformed quantization_config ({type(e).__name__}: {e})") from None
     what = REFUSED.get(method.replace("-", "_"), None)
     raise FastspecError(f"{source}: quantisation method {method or '(none)'!r}"
                         + (f" ({what})" if what else "") + f" is not supported; supported: {SUPPORTED}")
+
+
+def _side_file(path: Path, method: str) -> tuple[dict, str]:
+    """A quantisation config kept beside config.json: (its settings with `quant_method` set, the path)."""
+    try:
+        quant = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise FastspecError(f"{path}: cannot read ({e})") from None
+    if isinstance(quant, dict) and method == "modelopt":  # {"producer": {...}, "quantization": {"quant_algo": ...}}
+        quant = quant.get("quantization", quant)
+    if isinstance(quant, dict):
+        quant = {"quant_method": method, **quant}
+    return quant, str(path)
+
+
+def _modelopt(quant: dict, source: str) -> QuantScheme | None:
+    algo = str(quant.get("quant_algo") or "").upper()
+    if not algo:
+        return None  # only the KV cache calibrated (kv_cache_quant_algo): float weights
+    if algo not in MODELOPT_FP8:
+        raise FastspecError(f"{source}: ModelOpt quant_algo {algo!r} is not supported; supported: {SUPPORTED}")
+    return QuantScheme("modelopt", "fp8", 8, fp8_activations=True)
 
 
 def _fp8(quant: dict, method: str, source: str) -> QuantScheme:

@@ -161,7 +161,7 @@ def resolve_quantization(quantization: str | None, model_dir: Path, scheme: Quan
             return None
         raise FastspecError(f"--quantization {quantization} contradicts {model_dir}'s own quantisation "
                             f"({scheme.label}); use auto, {scheme.method} or none (dequantised)")
-    if quantization in ("awq", "gptq", "compressed-tensors", "fbgemm_fp8"):
+    if quantization in ("awq", "gptq", "compressed-tensors", "fbgemm_fp8", "modelopt"):
         raise FastspecError(f"--quantization {quantization}: {model_dir} is a float checkpoint (no "
                             "quantization_config); fp8, int8 or int4 round one at load")
     if quantization != "auto":
