@@ -103,7 +103,7 @@ def main() -> None:
                    for (p, a), e in zip(sequences, expected))
         total = sum(len(a) for _, a in sequences)
         results.append({"lm_head": name, "agree": same, "positions": total, "agreement": round(same / total, 4)})
-        print(f"{name:37s} {same:4d} / {total} = {same / total:.2%}", flush=True)
+        print(f"{name:41s} {same:4d} / {total} = {same / total:.2%}", flush=True)
     Path(args.out).parent.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps({"activation": str(fast_activation()), "torch": torch.__version__,
                                           "prompts": len(PROMPTS), "results": results}, indent=1) + "\n")
