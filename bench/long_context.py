@@ -6,9 +6,10 @@ its Q4_1 GGUF), batch 1, greedy, at a few prompt lengths: what a chat user pasti
 
 The prompt is this project's own documentation (README.md, then docs/*.md) as one user message, cut to the length in
 tokens, chat-templated; llama.cpp is fed the same token ids. Prefill tok/s = prompt tokens / time to the first
-token; decode tok/s = the other new tokens / their time. Every engine pays every prefill (fastspec without its
+token; decode tok/s = the other new tokens / their time (fastspec's both from one streamed answer). Every engine pays every prefill (fastspec without its
 prefix cache, llama.cpp reset); trials alternate between engines; medians. Writes bench/results/long_context.json.
-llama.cpp runs through llama-cpp-python as bench/peers.py loads it (its crash probe included).
+llama.cpp runs through llama-cpp-python as bench/peers.py loads it (its crash probe included), its KV cache sized
+for the longest prompt and its new tokens (at least bench/peers.py's 4096).
 """
 
 from __future__ import annotations
@@ -44,17 +45,16 @@ def fastspec_timer(options: dict):
     llm = fastspec.LLM(model=MODEL, **{"radix_cache": False, **options})
 
     def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
-        times = []
-        for n in (1, new_tokens):
-            start = time.perf_counter()
-            llm.generate([ids], SamplingParams(max_new_tokens=n, ignore_eos=True))
-            times.append(time.perf_counter() - start)
-        return times[0], times[1] - times[0]  # (prefill + one token, the other new_tokens - 1)
+        start, first = time.perf_counter(), None
+        for deltas in llm.stream([ids], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)):
+            if first is None and any(d.new_ids for d in deltas):  # the prefill's token (its last chunk's)
+                first = time.perf_counter()
+        return first - start, time.perf_counter() - first  # (prefill + one token, the other new_tokens - 1)
     return run
 
 
-def llama_cpp_timer(gguf: Path):
-    model = load_llama_cpp(gguf, probe_llama_cpp(gguf, True) is None)
+def llama_cpp_timer(gguf: Path, n_ctx: int):
+    model = load_llama_cpp(gguf, probe_llama_cpp(gguf, True) is None, max(n_ctx, 4096))
 
     def run(ids: list[int], new_tokens: int) -> tuple[float, float]:
         model.reset()
@@ -82,7 +82,8 @@ def main() -> None:
     engines = {f"fastspec {spec}": fastspec_timer(parse_fastspec(spec)) for spec in args.fastspec or ["NONE"]}
     try:
         import llama_cpp  # noqa: F401
-        engines["llama.cpp"] = llama_cpp_timer(find_embedded_gguf(MODEL))
+        longest = max(int(x) for x in args.context.split(","))
+        engines["llama.cpp"] = llama_cpp_timer(find_embedded_gguf(MODEL), longest + args.new_tokens + 64)
     except ImportError:
         print("llama-cpp-python is not installed: fastspec alone")
     rows = []

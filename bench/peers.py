@@ -208,9 +208,10 @@ def llama_cpp_peer(gguf: Path) -> tuple[Peer | None, list[str]]:
     return Peer("llama.cpp (llama-cpp-python)", f"Q4_1 GGUF ({gguf.name})", False, run), notes
 
 
-def load_llama_cpp(gguf: Path, extra_bufts: bool):
+def load_llama_cpp(gguf: Path, extra_bufts: bool, n_ctx: int = 4096):
     """`extra_bufts=False` keeps weights in plain buffers (no repacking; here: no AMX), through the model
-    parameters `Llama` reads from `llama_model_default_params` (its constructor has no such option)."""
+    parameters `Llama` reads from `llama_model_default_params` (its constructor has no such option). `n_ctx`: the
+    tokens its KV cache holds."""
     import llama_cpp.llama_cpp as api
     from llama_cpp import Llama
 
@@ -223,7 +224,7 @@ def load_llama_cpp(gguf: Path, extra_bufts: bool):
 
     api.llama_model_default_params = params
     try:
-        return Llama(model_path=str(gguf), n_ctx=4096, n_threads=2, n_threads_batch=2, verbose=False)
+        return Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, verbose=False)
     finally:
         api.llama_model_default_params = defaults
 
