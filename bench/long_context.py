@@ -8,8 +8,9 @@ The prompt is this project's own documentation (README.md, then docs/*.md) as on
 tokens, chat-templated; llama.cpp is fed the same token ids. Prefill tok/s = prompt tokens / time to the first
 token; decode tok/s = the other new tokens / their time (fastspec's both from one streamed answer). Every engine
 pays every prefill (fastspec without its prefix cache, llama.cpp reset); trials alternate between engines; medians.
-Writes bench/results/long_context.json. llama.cpp runs through llama-cpp-python as bench/peers.py loads it (its crash probe included), its KV cache sized
-for the longest prompt and its new tokens (at least bench/peers.py's 4096).
+Writes bench/results/long_context.json. llama.cpp runs through llama-cpp-python as bench/peers.py loads it (its
+crash probe included), its KV cache sized for the longest prompt and its new tokens (at least bench/peers.py's
+4096).
 """
 
 from __future__ import annotations
