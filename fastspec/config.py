@@ -77,7 +77,7 @@ class EngineConfig:
     # gguf: a GGUF model on its own blocks; fp8 / int8 / int4: a float checkpoint's projections rounded at load
     quantization: str | None = "auto"
     dtype: str = "float32"
-    kv_cache_dtype: str = "auto"  # the KV pools' storage (auto: dtype); attention computes in dtype either way
+    kv_cache_dtype: str = "auto"  # the KV pools' storage (auto: kv_torch_dtype); attention computes in dtype
     device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
     page_size: int = 1
     max_total_tokens: int | None = None  # static KV pool size in tokens; None: up to kv_mem_fraction (CPU: grows)
@@ -143,9 +143,16 @@ class EngineConfig:
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
-        """The KV pools' dtype: --kv-cache-dtype, or the model's for auto."""
+        """The KV pools' dtype: --kv-cache-dtype; for auto the model's, but bfloat16 for quantised weights run on
+        CPU in float32 (fastspec's packed kernels: the embedded model's default; llama.cpp's cache is 16-bit too):
+        half the bytes attention reads per token, 1.14-1.32x decode at 500-6000 tokens of context on EPYC-512
+        (bench/README.md "KV cache dtype"), 702 of 703 tokens teacher-forced as over a float32 cache. Read once the
+        quantization is resolved (Worker)."""
         import torch
 
+        if self.kv_cache_dtype == "auto" and self.device == "cpu" and self.dtype == "float32" and (
+                self.quantization not in (None, "auto")):
+            return torch.bfloat16
         return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype)
 
     @property

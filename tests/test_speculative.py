@@ -212,6 +212,17 @@ def test_a_smaller_kv_cache_is_lossless(tiny_dirs, draft_dirs, family, algorithm
     assert all_slots_free(llm.engine)
 
 
+def test_auto_stores_a_packed_cpu_targets_kv_cache_in_bfloat16(tiny_dirs):
+    """--kv-cache-dtype auto: the model's --dtype, but bfloat16 for quantised weights run on the CPU in float32 (the
+    embedded model's case, as llama.cpp's cache is 16-bit); float weights and an explicit float32 keep float32."""
+    def stored(**kwargs) -> torch.dtype:
+        llm = fastspec.LLM(str(tiny_dirs["llama"][0]), max_total_tokens=512, **kwargs)
+        return llm.engine.worker.pool.k.dtype
+
+    assert stored(quantization="int4") == torch.bfloat16
+    assert stored() == stored(quantization="int4", kv_cache_dtype="float32") == torch.float32
+
+
 @pytest.mark.parametrize("algorithm, draft, page_size, pool", [("NONE", None, 1, 96), ("STANDALONE", "self", 16, 224),
                                                                ("EAGLE3", "eagle3", 1, 128), ("NGRAM", None, 4, 128)])
 def test_overload_preempts_and_recomputes_losslessly(tiny_dirs, draft_dirs, algorithm, draft, page_size, pool):
