@@ -63,6 +63,30 @@ def test_kv_scales_are_read_under_each_tools_names(tiny_dirs, tmp_path, style):
     assert read_kv_scales(d, read_config(d)) == as_stored(SCALES)
 
 
+def test_a_hybrid_models_scales_are_its_attention_layers_in_pool_order(tiny_dirs, tmp_path):
+    """Qwen3-Next's tiny model: layers 0-2 are gated delta nets (no KV cache), layer 3 full attention, the KV pool's
+    layer 0: its scales are that pool layer's, a decode runs over them, and a scale on a linear-attention layer is
+    one line."""
+    d = copy_of(tiny_dirs["qwen3_next"][0], tmp_path)
+    config = read_config(d)
+    assert config.hybrid.linear_layers == (0, 1, 2)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(d / "model.safetensors")
+    state |= {"model.layers.3.self_attn.k_scale": torch.tensor(0.5),
+              "model.layers.3.self_attn.v_scale": torch.tensor(4.0)}
+    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+    assert read_kv_scales(d, config) == ((0.5, 4.0),)
+    llm = fastspec.LLM(str(d), kv_cache_dtype="fp8_e4m3", max_total_tokens=512)
+    assert llm.engine.worker.pool.scales == ((0.5, 4.0),)
+    llm.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    state["model.layers.1.self_attn.k_scale"] = torch.tensor(0.5)
+    save_file(state, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(FastspecError, match=r"model\.layers\.1\.self_attn\.k_scale: layer 1 is a linear-attention "
+                                            r"layer, with no KV cache"):
+        read_kv_scales(d, config)
+
+
 def test_the_scales_go_to_the_targets_fp8_pool_only(modelopt_dir, draft_dirs):
     expected = as_stored(SCALES)
     fp8 = fastspec.LLM(str(modelopt_dir), kv_cache_dtype="fp8_e4m3", speculative_algorithm="EAGLE3",
