@@ -26,6 +26,17 @@ QUANTIZATIONS = ("auto", None, "gguf", "fp8", "int8", "int4", "awq", "gptq", "co
                  "modelopt")
 
 
+def kv_cache_dtype_name(kv_cache_dtype: str, dtype: str, device: str, quantization: str | None) -> str:
+    """The torch dtype name the KV pools store: --kv-cache-dtype; for auto the model's `dtype`, but bfloat16 for
+    quantised weights run on the CPU in float32 (fastspec's packed kernels: the embedded model's default;
+    llama.cpp's cache is 16-bit too): half the bytes attention reads per token, 1.14-1.32x decode at 500-6000 tokens
+    of context on EPYC-512 (bench/README.md "KV cache dtype"), 702 of 703 tokens teacher-forced as over a float32
+    cache. `quantization` as resolved (auto: not yet, the model's dtype)."""
+    if kv_cache_dtype == "auto" and device == "cpu" and dtype == "float32" and quantization not in (None, "auto"):
+        return "bfloat16"
+    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+
+
 def resolve_device(device: str) -> str:
     """`auto`: cuda when torch sees a GPU, else cpu; anything else as given (check_device judges it)."""
     if device == "auto":
@@ -142,18 +153,15 @@ class EngineConfig:
         return parse_dtype(self.dtype)
 
     @property
+    def kv_cache_torch_name(self) -> str:
+        """The KV pools' dtype name (kv_cache_dtype_name); read once the quantization is resolved (Worker)."""
+        return kv_cache_dtype_name(self.kv_cache_dtype, self.dtype, self.device, self.quantization)
+
+    @property
     def kv_torch_dtype(self) -> torch.dtype:
-        """The KV pools' dtype: --kv-cache-dtype; for auto the model's, but bfloat16 for quantised weights run on
-        CPU in float32 (fastspec's packed kernels: the embedded model's default; llama.cpp's cache is 16-bit too):
-        half the bytes attention reads per token, 1.14-1.32x decode at 500-6000 tokens of context on EPYC-512
-        (bench/README.md "KV cache dtype"), 702 of 703 tokens teacher-forced as over a float32 cache. Read once the
-        quantization is resolved (Worker)."""
         import torch
 
-        if self.kv_cache_dtype == "auto" and self.device == "cpu" and self.dtype == "float32" and (
-                self.quantization not in (None, "auto")):
-            return torch.bfloat16
-        return getattr(torch, KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype)
+        return getattr(torch, self.kv_cache_torch_name)
 
     @property
     def graph_mode(self) -> str:

@@ -77,7 +77,7 @@ class LLM:
                                   accept_threshold_acc=accept_threshold_acc, ngram=ngram, device=config.device)
         untuned = schedule is None and num_steps is None and topk is None and num_draft_tokens is None
         if tuned and untuned and spec.algorithm in ("EAGLE", "EAGLE3"):
-            weights = weights_label(config.dtype, config.quantization, config.kv_cache_dtype)
+            weights = weights_label(config.dtype, config.quantization, config.kv_cache_torch_name)
             found = find_schedule(sources.model_dir, sources.draft_dir, weights, config.device, say or _to_stderr)
             if found is not None:
                 schedule, all_off = found

@@ -226,7 +226,8 @@ def test_an_eagle2_head_on_a_packed_target_is_a_one_line_error(embedded_dir, tmp
 
 def test_a_tuned_file_is_keyed_by_the_quantization(embedded_dir, tmp_path, monkeypatch):
     """A schedule tuned on the dequantised model is not applied to the packed one (its rounds cost differently),
-    nor the other way round, nor one tuned over another KV cache dtype; each finds its own."""
+    nor the other way round, nor one tuned over another KV cache dtype (auto's included: a packed model's default
+    cache is bfloat16); each finds its own."""
     from pathlib import Path
 
     import fastspec
@@ -236,19 +237,21 @@ def test_a_tuned_file_is_keyed_by_the_quantization(embedded_dir, tmp_path, monke
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
     head = Path(fastspec.__file__).parent / "heads" / "smollm2-135m-instruct-eagle3"
     for weights, params in (("float32", [3, 2, 5]), (weights_label("float32", "gguf"), [2, 1, 3]),
-                            (weights_label("float32", "gguf", "fp8"), [1, 1, 2])):
+                            (weights_label("float32", "gguf", "float8_e4m3fn"), [1, 1, 2]),
+                            (weights_label("float32", "gguf", "bfloat16"), [2, 2, 3])):
         save_tuned(tuned_path(embedded_dir, head, weights, "cpu"), fingerprint(embedded_dir, head, weights, "cpu"),
                    [{"max_batch_size": 1, "params": params}, {"max_batch_size": 4, "params": None}])
     kwargs = dict(model=str(embedded_dir), speculative_algorithm="EAGLE3", draft_model=str(head), max_total_tokens=512)
     dequantised = fastspec.LLM(**kwargs, quantization="none")
     assert dequantised.planned_spec.schedule == ((1, SpecParams(3, 2, 5)), (4, None))
-    for quantization in ("gguf", "auto"):  # auto: packed, a GGUF model on CPU
+    for quantization in ("gguf", "auto"):  # auto: packed, a GGUF model on CPU (over a bfloat16 cache by default)
         packed = fastspec.LLM(**kwargs, quantization=quantization)
         assert packed.engine.config.quantization == "gguf"
-        assert packed.planned_spec.schedule == ((1, SpecParams(2, 1, 3)), (4, None))
+        assert packed.planned_spec.schedule == ((1, SpecParams(2, 2, 3)), (4, None))
     # a KV cache in another dtype than the model's has its own file (attention costs by the cache's bytes)
-    assert weights_label("float32", "gguf", "float32") == weights_label("float32", "gguf", "auto")
-    for kv, params in (("float32", SpecParams(2, 1, 3)), ("fp8_e4m3", SpecParams(1, 1, 2))):
+    assert weights_label("float32", "gguf", "float32") == weights_label("float32", "gguf")
+    for kv, params in (("float32", SpecParams(2, 1, 3)), ("fp8_e4m3", SpecParams(1, 1, 2)),
+                       ("bf16", SpecParams(2, 2, 3))):
         packed = fastspec.LLM(**kwargs, quantization="gguf", kv_cache_dtype=kv)
         assert packed.planned_spec.schedule == ((1, params), (4, None))
 

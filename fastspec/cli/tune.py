@@ -89,9 +89,11 @@ def tune(
 
 def tuned_location(sources, dtype: str | None, kv_cache_dtype: str, device: str) -> tuple[Path, str]:
     """(where the tuned file of these sources on `device` lives, its weights label)."""
+    from fastspec.config import kv_cache_dtype_name
     from fastspec.speculative import tuned as tuned_file
 
-    weights = tuned_file.weights_label(dtype, sources.quantization, kv_cache_dtype)
+    kv = kv_cache_dtype_name(kv_cache_dtype, dtype, device, sources.quantization)
+    weights = tuned_file.weights_label(dtype, sources.quantization, kv)
     return tuned_file.tuned_path(sources.model_dir, sources.draft_dir, weights, device), weights
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from fastspec.config import KV_CACHE_DTYPES
 from fastspec.errors import FastspecError
 from fastspec.spec_config import Schedule, SpecParams, check_tree
 from fastspec.utils import threads
@@ -26,12 +25,11 @@ from fastspec.utils.files import write_atomic
 VERSION = 1
 
 
-def weights_label(dtype: str, quantization: str | None, kv_cache_dtype: str = "auto") -> str:
+def weights_label(dtype: str, quantization: str | None, kv: str | None = None) -> str:
     """What a tuned file is keyed by besides the model: the dtype, the quantization when there is one (a packed
-    target's rounds cost differently from its dequantised twin's) and the KV cache's dtype when it is not the
-    model's (attention costs by the cache's bytes)."""
+    target's rounds cost differently from its dequantised twin's) and the KV cache's dtype (`kv`: its torch name, as
+    config.kv_cache_dtype_name resolves it) when it is not the model's (attention costs by the cache's bytes)."""
     label = dtype if quantization is None else f"{dtype}-{quantization}"
-    kv = KV_CACHE_DTYPES.get(kv_cache_dtype)
     return label if kv in (None, dtype) else f"{label}-kv-{kv}"
 
 
