@@ -55,6 +55,21 @@ def test_modelopt_settings_are_read_from_config_json_or_their_own_file(modelopt_
         read_scheme({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}})
 
 
+@pytest.mark.commands
+def test_an_unsupported_modelopt_export_is_one_line_before_loading(tiny_dirs, tmp_path):
+    from typer.testing import CliRunner
+
+    from fastspec.cli.main import app
+
+    d = copy_of(tiny_dirs["llama"][0], tmp_path)
+    (d / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
+                                                         "quantization": {"quant_algo": "NVFP4"}}))
+    with pytest.raises(FastspecError, match=r"hf_quant_config\.json: ModelOpt quant_algo 'NVFP4' is not supported"):
+        fastspec.LLM(str(d), max_total_tokens=512)
+    result = CliRunner().invoke(app, ["generate", "--model", str(d), "--prompt", "hi"])
+    assert result.exit_code == 2 and "NVFP4" in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.parametrize("style", ["modelopt", "compressed-tensors"])
 def test_kv_scales_are_read_under_each_tools_names(tiny_dirs, tmp_path, style):
     d = copy_of(tiny_dirs["llama"][0], tmp_path)
