@@ -100,12 +100,9 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
     table = _stack_table(model) if cpu_fused.available() and not profiling else None
     if table is not None and pool.k.is_contiguous() and pool.v.is_contiguous():
         a = layers[0].self_attn
-        scales = None if pool.scales is None else torch.tensor(
-            [(s, *mul, out) for s, mul, out in (kv_scaled(pool, i, a.scale) for i in range(len(layers)))],
-            dtype=torch.float32)
         x, captured = cpu_fused.decoder_stack(table, pool.k, pool.v, x, h, a.num_heads,
                                               layers[0].mlp.down_proj.in_features, norm.eps, cos, sin, slots, plan,
-                                              a.scale, capture, scales)
+                                              a.scale, capture, _stack_scales(pool, len(layers), a.scale))
         return x, states | captured
     for i, layer in enumerate(layers):
         a, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
@@ -125,6 +122,20 @@ def fused_layers(model, x: torch.Tensor, positions: torch.Tensor, attn, act: tor
         if i + 1 in capture:
             states[i + 1] = x
     raise AssertionError("unreachable: a model has at least one layer")
+
+
+_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool -> its decoder_stack kv_scales
+
+
+def _stack_scales(pool, num_layers: int, scale: float) -> torch.Tensor | None:
+    """decoder_stack's kv_scales (float32 [L, 4], cpu_fused.c) of a pool with KV scales, else None; built once per
+    pool (its scales and the model's softmax scale do not change)."""
+    if pool.scales is None:
+        return None
+    if pool not in _SCALES:
+        rows = [(s, *mul, out) for s, mul, out in (kv_scaled(pool, i, scale) for i in range(num_layers))]
+        _SCALES[pool] = torch.tensor(rows, dtype=torch.float32)
+    return _SCALES[pool]
 
 
 def kv_scaled(pool, layer: int, scale: float) -> tuple[float, tuple[float, float], float]:
