@@ -26,6 +26,10 @@ CONFIGS = {
     "ct_int4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                            "group_size": GROUP}, "input_activations": None}}, "ignore": ["lm_head"]},
+    "ct_w8a8": {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+                              "dynamic": True}}}, "ignore": ["lm_head"]},
     "fp8_block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
     "ct_fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"},
@@ -95,6 +99,14 @@ def quantise(w: torch.Tensor, method: str, gen: torch.Generator) -> tuple[dict[s
         q = torch.round(w / scale.repeat_interleave(GROUP, 1)).clamp(-8, 7)
         return ({"weight_packed": pack_to_int32(q.to(torch.int8), 4), "weight_scale": scale.to(torch.bfloat16),
                  "weight_shape": torch.tensor([n, k])}, q * scale.repeat_interleave(GROUP, 1))
+    if method == "ct_w8a8":  # compressed-tensors' own rounding and dequantiser
+        from compressed_tensors.quantization import QuantizationArgs
+        from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+
+        args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+        scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-4).to(torch.bfloat16)  # [N, 1]
+        q = quantize(w, scale.float(), torch.zeros(n, 1, dtype=torch.int8), args, dtype=torch.int8)
+        return {"weight": q, "weight_scale": scale}, dequantize(q, scale.float(), None, args)
     if method == "fp8_block":
         blocks = w.view(n // 32, 32, k // 32, 32)
         scale = (blocks.abs().amax((1, 3)) / 448).clamp_min(1e-6)  # [N/32, K/32]

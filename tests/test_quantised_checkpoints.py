@@ -1,7 +1,7 @@
-"""Quantised Hugging Face checkpoints (AWQ, GPTQ with desc_act and 8 bits, compressed-tensors int4 and fp8, block
-fp8, fbgemm fp8) and online fp8 / int8: read against hand-worked words in the published layouts, loaded against
-transformers over the exactly dequantised weights, run packed within a stated tolerance of that, lossless under
-speculation, and every bad input one line."""
+"""Quantised Hugging Face checkpoints (AWQ, GPTQ with desc_act and 8 bits, compressed-tensors int4, W8A8 int8 and
+fp8, block fp8, fbgemm fp8, ModelOpt fp8) and online fp8 / int8: read against hand-worked words in the published
+layouts, loaded against transformers over the exactly dequantised weights, run packed within a stated tolerance of
+that, lossless under speculation, and every bad input one line."""
 
 import json
 
@@ -21,12 +21,13 @@ from fastspec.models.quant_weights import Fp8Weight, IntWeight, unpack_int32
 from fastspec.sampling import SamplingParams
 from quant_writers import AWQ_ORDER, awq_pack, write_quantised
 
-METHODS = ["awq", "gptq", "gptq8", "ct_int4", "fp8_block", "ct_fp8", "fbgemm_fp8", "modelopt"]
+METHODS = ["awq", "gptq", "gptq8", "ct_int4", "ct_w8a8", "fp8_block", "ct_fp8", "fbgemm_fp8", "modelopt"]
 # every method on Llama; the other families (qkv bias, q / k norms and another head_dim, MLA + MoE experts, gated
 # delta net layers + MoE, Mamba2 mixers) with a few
 CASES = [(m, "llama") for m in METHODS] + [
     ("awq", "qwen2"), ("gptq", "qwen3"), ("ct_int4", "mistral"), ("fp8_block", "deepseek_v3"),
-    ("gptq8", "deepseek_v2"), ("ct_fp8", "qwen3_next"), ("fbgemm_fp8", "bamba"), ("awq", "qwen3_next")]
+    ("gptq8", "deepseek_v2"), ("ct_fp8", "qwen3_next"), ("fbgemm_fp8", "bamba"), ("awq", "qwen3_next"),
+    ("ct_w8a8", "qwen2")]
 PROMPTS = [[5, 9, 13, 3, 40], [7, 7, 8, 60, 61, 62, 7, 7]]
 
 
@@ -85,6 +86,24 @@ def test_a_gptq_word_holds_inputs_low_bits_first():
     """qweight row r holds inputs 8r..8r+7 of its column, input 8r+i in bits 4i..; 0x76543210 is inputs 0..7 = 0..7."""
     assert unpack_int32(torch.tensor([[0x76543210]], dtype=torch.int32), 4, 0).flatten().tolist() == list(range(8))
     assert unpack_int32(torch.tensor([[-1]], dtype=torch.int32), 8, 1).flatten().tolist() == [255] * 4
+
+
+@pytest.mark.parametrize("strategy, scale", [
+    ("tensor", torch.tensor([0.25])), ("channel", torch.tensor([[0.5], [2.0]])),
+    ("group", torch.tensor([[1.0, 3.0], [0.5, 0.25]]))])
+def test_an_int_quantized_weight_is_its_int8_values_times_their_scale(strategy, scale):
+    """compressed-tensors' int-quantized (W8A8 int8) stores the int8 values as they are: w = q * scale, a scale per
+    tensor, per output channel or per group of inputs (here 16)."""
+    from fastspec.models.quant_weights import decode_state
+
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "group_size": 16}
+    scheme = read_scheme({"quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                                  "config_groups": {"g": {"weights": weights}}}})
+    q = torch.arange(-32, 32, dtype=torch.int8).view(2, 32)
+    _, forms = decode_state({"a.weight": q, "a.weight_scale": scale, "a.input_scale": torch.tensor([0.1])},
+                            scheme, "t")
+    full = scale.repeat_interleave(16, 1) if strategy == "group" else scale.reshape(-1, 1).expand(2, 32)
+    assert torch.equal(forms["a"].dequantise(), q.float() * full)
 
 
 @pytest.mark.parametrize("method, family", CASES)
@@ -307,6 +326,11 @@ BAD_CONFIGS = [
     ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight block size \[128\] is not two positive integers"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group size 100 is not supported"),
     ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down.*": {"bits": 8}}}, r"per-module settings \(`dynamic`\)"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": False}}}}, "asymmetric compressed-tensors"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "int", "strategy": "channel"}, "input_activations": {"num_bits": 8, "type": "float"}}}},
+     "int8 weights with float 8-bit activations are not supported"),
     ({"quant_method": "compressed-tensors", "format": "sparse-24-bitmask", "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "float", "strategy": "channel"}}}}, "format 'sparse-24-bitmask' with float 8-bit"),
 ]
@@ -346,6 +370,20 @@ def test_quantised_tensors_that_do_not_match_are_one_line(quantised, tmp_path, d
     save_file(state, tmp_path / "m" / "model.safetensors")
     with pytest.raises(FastspecError, match=message):
         fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="NONE", max_total_tokens=512)
+
+
+def test_int8_weights_in_a_checkpoint_that_declares_none_are_one_line(quantised, tmp_path):
+    """A W8A8 checkpoint that lost its quantization_config: its int8 weights would load as floats without scales."""
+    import shutil
+
+    model_dir, _ = quantised("ct_w8a8")
+    shutil.copytree(model_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FastspecError, match=r"q_proj\.weight is stored in int8 but the checkpoint declares no "
+                                            "quantisation"):
+        load_target(tmp_path / "m", torch.float32)
 
 
 def test_quantization_flags_that_contradict_the_checkpoint_are_one_line(quantised, tiny_dirs):

@@ -121,7 +121,7 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str,
             if tuple(state[name].shape) != tuple(tensor.shape):
                 raise FastspecError(f"{source}: weight {name} has shape {tuple(state[name].shape)}, "
                                     f"expected {tuple(tensor.shape)}")
-            if state[name].dtype.itemsize == 1 and state[name].is_floating_point():  # its scale would be dropped
+            if state[name].dtype.itemsize == 1 and tensor.is_floating_point():  # fp8 / int8: its scale dropped
                 raise FastspecError(f"{source}: weight {name} is stored in {str(state[name].dtype)[6:]} but the "
                                     "checkpoint declares no quantisation for it (quantization_config)")
             tensor.copy_(state[name])

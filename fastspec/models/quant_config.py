@@ -7,8 +7,10 @@ Methods read:
                       per 128 x 128 block; without `weight_block_size`, vLLM's serialised fp8 (`weight_scale` per
                       tensor)
   fbgemm_fp8          e4m3 weights with a `weight_scale` per output channel
-  compressed-tensors  `float-quantized` fp8 (per tensor, channel or block) and `pack-quantized` int4 / int8
-                      (llm-compressor's W4A16 / W8A16: `weight_packed` with a scale per group or channel)
+  compressed-tensors  `float-quantized` fp8 (per tensor, channel or block), `pack-quantized` int4 / int8
+                      (llm-compressor's W4A16 / W8A16: `weight_packed` with a scale per group or channel) and
+                      `int-quantized` int8 (W8A8: an int8 `weight` with a scale per channel or tensor; run
+                      weight-only, its activations not rounded)
   awq                 AutoAWQ's GEMM layout, 4 bits, zero points
   gptq                AutoGPTQ / GPTQModel, 4 or 8 bits, v1 (zeros stored minus one) or v2, desc_act (`g_idx`)
   modelopt            NVIDIA ModelOpt's FP8 (`weight_scale` per tensor, static `input_scale`) and
@@ -34,8 +36,8 @@ REFUSED = {  # methods seen in the wild fastspec has no kernels for, with what t
     "higgs": "HIGGS codebooks", "vptq": "VPTQ codebooks", "spqr": "SpQR", "fp_quant": "FP-Quant's layout",
     "mxfp4": "MXFP4 blocks",
 }
-SUPPORTED = ("fp8 (per tensor, channel or 128 x 128 block), compressed-tensors fp8 / int4 / int8, AWQ int4, "
-             "GPTQ int4 / int8, ModelOpt FP8 (per tensor or channel)")
+SUPPORTED = ("fp8 (per tensor, channel or 128 x 128 block), compressed-tensors fp8 / int4 / int8 (W8A16, W8A8), "
+             "AWQ int4, GPTQ int4 / int8, ModelOpt FP8 (per tensor or channel)")
 MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")  # ModelOpt's quant_algo values read
 
 
@@ -197,5 +199,24 @@ def _compressed_tensors(quant: dict, source: str) -> QuantScheme:
                                 f"{weights.get('actorder')!r}) is not supported (group or channel)")
         group = _group(int(weights.get("group_size") or -1), source) if strategy == "group" else None
         return QuantScheme("compressed-tensors", "int", bits, group=group)
+    if kind == "int" and bits == 8 and fmt in ("int-quantized", "naive-quantized"):
+        return _int_quantized(weights, inputs, source)
     raise FastspecError(f"{source}: compressed-tensors format {fmt!r} with {kind} {bits}-bit weights is not "
                         f"supported; supported: {SUPPORTED}")
+
+
+def _int_quantized(weights: dict, inputs: dict | None, source: str) -> QuantScheme:
+    """llm-compressor's W8A8 int8: int8 weights (symmetric, a scale per channel, tensor or group) with activations
+    calibrated for int8. Run weight-only: the activations stay in float (exactly the dequantised model)."""
+    if not weights.get("symmetric", True):
+        raise FastspecError(f"{source}: asymmetric compressed-tensors int weights are not supported")
+    strategy = weights.get("strategy")
+    if strategy not in ("tensor", "channel", "group") or weights.get("actorder") not in (None, "weight", "static",
+                                                                                        False):
+        raise FastspecError(f"{source}: compressed-tensors int8 strategy {strategy!r} (actorder "
+                            f"{weights.get('actorder')!r}) is not supported (tensor, channel or group)")
+    if inputs and (inputs.get("type") != "int" or int(inputs.get("num_bits", 8)) != 8):
+        raise FastspecError(f"{source}: compressed-tensors int8 weights with {inputs.get('type')} "
+                            f"{inputs.get('num_bits')}-bit activations are not supported (W8A8 int8 or W8A16)")
+    group = _group(int(weights.get("group_size") or -1), source) if strategy == "group" else None
+    return QuantScheme("compressed-tensors", "int", 8, group=group)

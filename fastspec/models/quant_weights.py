@@ -17,6 +17,7 @@ pack them:
               the group of each input (desc_act: not in order)
   compressed-tensors pack-quantized: weight_packed int32 [N, K * bits / 32] along inputs, value + 2^(bits-1)
               stored (symmetric); weight_scale [N, K/g]
+  compressed-tensors int-quantized: weight int8 [N, K] as is; weight_scale [N, K/g], [N, 1] or one per tensor
 Does not build modules (quant_layers) nor read files (loader).
 """
 
@@ -112,7 +113,8 @@ def decode_state(state: dict[str, torch.Tensor], scheme: QuantScheme, source: st
         by_module.setdefault(key.rpartition(".")[0], []).append(key)
     names = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
     names += [k.removesuffix(".weight_packed") for k in state if k.endswith(".weight_packed")]
-    names += [k.removesuffix(".weight") for k, t in state.items() if k.endswith(".weight") and t.dtype == FP8]
+    names += [k.removesuffix(".weight") for k, t in state.items()
+              if k.endswith(".weight") and t.dtype in (FP8, torch.int8)]
     for name in names:
         tensors = {k.rpartition(".")[2]: floats.pop(k) for k in by_module[name] if not k.endswith(".bias")}
         forms[name] = _decode(name, tensors, scheme, source)
@@ -133,6 +135,10 @@ def _decode(name: str, t: dict[str, torch.Tensor], scheme: QuantScheme, source: 
         if scheme.method != "compressed-tensors" or scheme.kind != "int":
             raise FastspecError(f"{where}.weight_packed: a packed int weight in a {scheme.label} checkpoint")
         return _pack_quantized(t, scheme, where)
+    if t["weight"].dtype == torch.int8:
+        if scheme.method != "compressed-tensors" or scheme.kind != "int" or scheme.bits != 8:
+            raise FastspecError(f"{where}.weight: an int8 weight in a {scheme.label} checkpoint")
+        return _int_quantized(t, scheme, where)
     if scheme.kind != "fp8":
         raise FastspecError(f"{where}.weight: an fp8 weight in a {scheme.label} checkpoint")
     return _fp8(t, scheme, where)
@@ -234,6 +240,20 @@ def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
         return IntWeight(Blocks((u.to(torch.int16) - 128).to(torch.int8).contiguous(), s.contiguous(),
                                 torch.zeros_like(s), 8))
     return IntWeight(Blocks(u.contiguous(), s.contiguous(), (-8 * s).contiguous(), 4))
+
+
+def _int_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
+    weight, scale = t["weight"], _need(t, "weight_scale", where).float()
+    if "weight_zero_point" in t or "weight_g_idx" in t:
+        raise FastspecError(f"{where}: zero points or g_idx in a symmetric compressed-tensors checkpoint")
+    n, k = weight.shape
+    group = scheme.group or k
+    if k % group:
+        raise FastspecError(f"{where}.weight: {k} inputs are not a multiple of the group size {group}")
+    if scale.numel() == 1:  # one scale for the tensor
+        scale = scale.reshape(1, 1).expand(n, k // group)
+    _expect(scale, (n, k // group), "weight_scale", where)
+    return IntWeight(Blocks(weight.contiguous(), scale.contiguous(), torch.zeros(n, k // group), 8))
 
 
 def _fp8(t: dict, scheme: QuantScheme, where: str) -> Fp8Weight:
