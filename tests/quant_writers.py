@@ -39,6 +39,9 @@ CONFIGS = {
     # ModelOpt keeps its settings in hf_quant_config.json, not in config.json
     "modelopt": {"producer": {"name": "modelopt", "version": "0.29.0"},
                  "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}},
+    "modelopt_pb": {"producer": {"name": "modelopt", "version": "0.35.0"},
+                    "quantization": {"quant_algo": "FP8_PB_WO", "kv_cache_quant_algo": None,
+                                     "exclude_modules": ["lm_head"]}},
 }
 
 
@@ -113,6 +116,13 @@ def quantise(w: torch.Tensor, method: str, gen: torch.Generator) -> tuple[dict[s
         full = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
         q = (w / full).to(FP8)
         return {"weight": q, "weight_scale_inv": scale}, q.float() * full
+    if method == "modelopt_pb":  # 128 x 128 blocks, the last ones partial (the tiny models' widths are smaller)
+        rows, cols = -(-n // 128), -(-k // 128)
+        padded = torch.nn.functional.pad(w, (0, cols * 128 - k, 0, rows * 128 - n))
+        scale = (padded.view(rows, 128, cols, 128).abs().amax((1, 3)) / 448).clamp_min(1e-6)  # [N/128, K/128]
+        full = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        q = (w / full).to(FP8)
+        return {"weight": q, "weight_scale": scale}, q.float() * full
     per_tensor = method in ("ct_fp8", "modelopt")  # ModelOpt's scales are 0-d tensors
     scale = (w.abs().amax() / 448).reshape(1) if per_tensor else w.abs().amax(1, keepdim=True) / 448
     q = (w / scale.reshape(-1, 1)).to(FP8)
@@ -169,7 +179,7 @@ def quantise_dir(directory: Path, method: str, seed: int = 0) -> Path:
             f.unlink()
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     save_file(floats, dequantised_dir / "model.safetensors", metadata={"format": "pt"})
-    if method == "modelopt":
+    if method.startswith("modelopt"):
         (directory / "hf_quant_config.json").write_text(json.dumps(CONFIGS[method]))
     else:
         config = json.loads((directory / "config.json").read_text())

@@ -21,7 +21,8 @@ from fastspec.models.quant_weights import Fp8Weight, IntWeight, unpack_int32
 from fastspec.sampling import SamplingParams
 from quant_writers import AWQ_ORDER, awq_pack, write_quantised
 
-METHODS = ["awq", "gptq", "gptq8", "ct_int4", "ct_w8a8", "fp8_block", "ct_fp8", "fbgemm_fp8", "modelopt"]
+METHODS = ["awq", "gptq", "gptq8", "ct_int4", "ct_w8a8", "fp8_block", "ct_fp8", "fbgemm_fp8", "modelopt",
+           "modelopt_pb"]
 # every method on Llama; the other families (qkv bias, q / k norms and another head_dim, MLA + MoE experts, gated
 # delta net layers + MoE, Mamba2 mixers) with a few
 CASES = [(m, "llama") for m in METHODS] + [
@@ -370,6 +371,21 @@ def test_quantised_tensors_that_do_not_match_are_one_line(quantised, tmp_path, d
     save_file(state, tmp_path / "m" / "model.safetensors")
     with pytest.raises(FastspecError, match=message):
         fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="NONE", max_total_tokens=512)
+
+
+def test_a_modelopt_block_scale_that_does_not_tile_its_weight_is_one_line(quantised, tmp_path):
+    """FP8_PB_WO's block is 128 x 128: a scale per tensor (as FP8's) where a block table belongs is named."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, _ = quantised("modelopt_pb")
+    shutil.copytree(model_dir, tmp_path / "m")
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    state["model.layers.1.mlp.up_proj.weight_scale"] = torch.tensor(0.01)
+    save_file(state, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(FastspecError, match=r"layers\.1\.mlp\.up_proj\.weight_scale has shape \(\), expected \(1, 1\)"):
+        load_target(tmp_path / "m", torch.float32)
 
 
 def test_int8_weights_in_a_checkpoint_that_declares_none_are_one_line(quantised, tmp_path):

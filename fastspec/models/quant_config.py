@@ -13,8 +13,9 @@ Methods read:
                       weight-only, its activations not rounded)
   awq                 AutoAWQ's GEMM layout, 4 bits, zero points
   gptq                AutoGPTQ / GPTQModel, 4 or 8 bits, v1 (zeros stored minus one) or v2, desc_act (`g_idx`)
-  modelopt            NVIDIA ModelOpt's FP8 (`weight_scale` per tensor, static `input_scale`) and
-                      FP8_PER_CHANNEL_PER_TOKEN; declared in config.json or in its own hf_quant_config.json
+  modelopt            NVIDIA ModelOpt's FP8 (`weight_scale` per tensor, static `input_scale`),
+                      FP8_PER_CHANNEL_PER_TOKEN and FP8_PB_WO (a scale per 128 x 128 block, weight-only); declared in
+                      config.json or in its own hf_quant_config.json
 A checkpoint's fp8 KV cache scales (`kv_cache_scheme`, ModelOpt's `kv_cache_quant_algo`) are tensors read by
 fastspec.models.kv_scales where the KV cache is fp8.
 """
@@ -37,8 +38,9 @@ REFUSED = {  # methods seen in the wild fastspec has no kernels for, with what t
     "mxfp4": "MXFP4 blocks",
 }
 SUPPORTED = ("fp8 (per tensor, channel or 128 x 128 block), compressed-tensors fp8 / int4 / int8 (W8A16, W8A8), "
-             "AWQ int4, GPTQ int4 / int8, ModelOpt FP8 (per tensor or channel)")
-MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")  # ModelOpt's quant_algo values read
+             "AWQ int4, GPTQ int4 / int8, ModelOpt FP8 (per tensor, channel or 128 x 128 block)")
+MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO")  # ModelOpt's quant_algo values read
+MODELOPT_BLOCK = (128, 128)  # FP8_PB_WO's block (rows x input columns); its scale tensors' shapes are checked
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ def _modelopt(quant: dict, source: str) -> QuantScheme | None:
         return None  # only the KV cache calibrated (kv_cache_quant_algo): float weights
     if algo not in MODELOPT_FP8:
         raise FastspecError(f"{source}: ModelOpt quant_algo {algo!r} is not supported; supported: {SUPPORTED}")
+    if algo == "FP8_PB_WO":  # weight-only: calibrated without fp8 activations
+        return QuantScheme("modelopt", "fp8", 8, block=MODELOPT_BLOCK)
     return QuantScheme("modelopt", "fp8", 8, fp8_activations=True)
 
 
