@@ -1,7 +1,7 @@
-"""Quantised Hugging Face checkpoints (AWQ, GPTQ with desc_act and 8 bits, compressed-tensors int4, W8A8 int8 and
-fp8, block fp8, fbgemm fp8, ModelOpt fp8) and online fp8 / int8: read against hand-worked words in the published
-layouts, loaded against transformers over the exactly dequantised weights, run packed within a stated tolerance of
-that, lossless under speculation, and every bad input one line."""
+"""Quantised Hugging Face checkpoints (AWQ, GPTQ with desc_act and 8 bits, compressed-tensors int4 with and without
+zero points, W8A8 int8 and fp8, block fp8, fbgemm fp8, ModelOpt fp8) and online fp8 / int8: read against hand-worked
+words in the published layouts, loaded against transformers over the exactly dequantised weights, run packed within
+a stated tolerance of that, lossless under speculation, and every bad input one line."""
 
 import json
 
@@ -21,8 +21,8 @@ from fastspec.models.quant_weights import Fp8Weight, IntWeight, unpack_int32
 from fastspec.sampling import SamplingParams
 from quant_writers import AWQ_ORDER, awq_pack, write_quantised
 
-METHODS = ["awq", "gptq", "gptq8", "ct_int4", "ct_w8a8", "fp8_block", "ct_fp8", "fbgemm_fp8", "modelopt",
-           "modelopt_pb"]
+METHODS = ["awq", "gptq", "gptq8", "ct_int4", "ct_int4_asym", "ct_w8a8", "fp8_block", "ct_fp8", "fbgemm_fp8",
+           "modelopt", "modelopt_pb"]
 # every method on Llama; the other families (qkv bias, q / k norms and another head_dim, MLA + MoE experts, gated
 # delta net layers + MoE, Mamba2 mixers) with a few
 CASES = [(m, "llama") for m in METHODS] + [
@@ -92,19 +92,49 @@ def test_a_gptq_word_holds_inputs_low_bits_first():
 @pytest.mark.parametrize("strategy, scale", [
     ("tensor", torch.tensor([0.25])), ("channel", torch.tensor([[0.5], [2.0]])),
     ("group", torch.tensor([[1.0, 3.0], [0.5, 0.25]]))])
-def test_an_int_quantized_weight_is_its_int8_values_times_their_scale(strategy, scale):
-    """compressed-tensors' int-quantized (W8A8 int8) stores the int8 values as they are: w = q * scale, a scale per
-    tensor, per output channel or per group of inputs (here 16)."""
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_an_int_quantized_weight_is_its_int8_values_times_their_scale(strategy, scale, symmetric):
+    """compressed-tensors' int-quantized (W8A8 int8) stores the int8 values as they are: w = (q - zero) * scale, a
+    scale (and where asymmetric an int8 zero point) per tensor, per output channel or per group of inputs (here 16)."""
     from fastspec.models.quant_weights import decode_state
 
-    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "group_size": 16}
+    weights = {"num_bits": 8, "type": "int", "symmetric": symmetric, "strategy": strategy, "group_size": 16}
     scheme = read_scheme({"quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized",
                                                   "config_groups": {"g": {"weights": weights}}}})
     q = torch.arange(-32, 32, dtype=torch.int8).view(2, 32)
-    _, forms = decode_state({"a.weight": q, "a.weight_scale": scale, "a.input_scale": torch.tensor([0.1])},
-                            scheme, "t")
-    full = scale.repeat_interleave(16, 1) if strategy == "group" else scale.reshape(-1, 1).expand(2, 32)
-    assert torch.equal(forms["a"].dequantise(), q.float() * full)
+    zero = (torch.arange(scale.numel(), dtype=torch.int8) * 3 - 2).view(scale.shape)
+    stored = {"a.weight": q, "a.weight_scale": scale, "a.input_scale": torch.tensor([0.1])}
+    _, forms = decode_state(stored | ({} if symmetric else {"a.weight_zero_point": zero}), scheme, "t")
+
+    def full(x):  # [2, 32]: each weight's value of a per-tensor / channel / group table
+        return x.repeat_interleave(16, 1) if strategy == "group" else x.reshape(-1, 1).expand(2, 32)
+    expected = (q.float() - (0 if symmetric else full(zero).float())) * full(scale)
+    assert torch.equal(forms["a"].dequantise(), expected)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda s: s.pop("model.layers.0.mlp.up_proj.weight_zero_point"), r"up_proj\.weight_zero_point is missing"),
+    (lambda s: s.update({"model.layers.0.mlp.up_proj.weight_zero_point": torch.zeros(1, 3, dtype=torch.int32)}),
+     r"up_proj\.weight_zero_point has shape \(1, 3\), expected \(12, 2\)"),
+])
+def test_compressed_tensors_zero_points_that_do_not_match_are_one_line(quantised, tmp_path, damage, message):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, _ = quantised("ct_int4_asym")
+    shutil.copytree(model_dir, tmp_path / "m")
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    damage(state)
+    save_file(state, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(FastspecError, match=message):
+        load_target(tmp_path / "m", torch.float32)
+    config = json.loads((model_dir / "config.json").read_text())  # symmetric declared, zero points stored
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = True
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    shutil.copy(model_dir / "model.safetensors", tmp_path / "m" / "model.safetensors")
+    with pytest.raises(FastspecError, match=r"weight_zero_point: zero points in a symmetric"):
+        load_target(tmp_path / "m", torch.float32)
 
 
 @pytest.mark.parametrize("method, family", CASES)
@@ -327,8 +357,6 @@ BAD_CONFIGS = [
     ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight block size \[128\] is not two positive integers"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group size 100 is not supported"),
     ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down.*": {"bits": 8}}}, r"per-module settings \(`dynamic`\)"),
-    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": {
-        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": False}}}}, "asymmetric compressed-tensors"),
     ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "int", "strategy": "channel"}, "input_activations": {"num_bits": 8, "type": "float"}}}},
      "int8 weights with float 8-bit activations are not supported"),

@@ -8,9 +8,9 @@ Methods read:
                       tensor)
   fbgemm_fp8          e4m3 weights with a `weight_scale` per output channel
   compressed-tensors  `float-quantized` fp8 (per tensor, channel or block), `pack-quantized` int4 / int8
-                      (llm-compressor's W4A16 / W8A16: `weight_packed` with a scale per group or channel) and
-                      `int-quantized` int8 (W8A8: an int8 `weight` with a scale per channel or tensor; run
-                      weight-only, its activations not rounded)
+                      (llm-compressor's W4A16 / W8A16: `weight_packed`) and `int-quantized` int8 (W8A8: an int8
+                      `weight`; run weight-only, its activations not rounded), a scale (and where asymmetric a
+                      `weight_zero_point`) per group, channel or (int8) tensor
   awq                 AutoAWQ's GEMM layout, 4 bits, zero points
   gptq                AutoGPTQ / GPTQModel, 4 or 8 bits, v1 (zeros stored minus one) or v2, desc_act (`g_idx`)
   modelopt            NVIDIA ModelOpt's FP8 (`weight_scale` per tensor, static `input_scale`),
@@ -55,6 +55,7 @@ class QuantScheme:
     fp8_activations: bool = False  # the checkpoint was calibrated for fp8 activations (may run W8A8)
     desc_act: bool = False  # gptq: input channels reordered by `g_idx`
     gptq_v1: bool = True  # gptq: zero points stored minus one (AutoGPTQ's format)
+    zero_points: bool = False  # compressed-tensors int: asymmetric, a `weight_zero_point` beside each scale
 
     @property
     def label(self) -> str:
@@ -196,13 +197,12 @@ def _compressed_tensors(quant: dict, source: str) -> QuantScheme:
         if inputs:
             raise FastspecError(f"{source}: compressed-tensors int{bits} with quantised activations is not "
                                 "supported (weight-only W4A16 / W8A16)")
-        if not weights.get("symmetric", True):
-            raise FastspecError(f"{source}: asymmetric compressed-tensors int weights are not supported")
         if strategy not in ("group", "channel") or weights.get("actorder") not in (None, "weight", "static", False):
             raise FastspecError(f"{source}: compressed-tensors int strategy {strategy!r} (actorder "
                                 f"{weights.get('actorder')!r}) is not supported (group or channel)")
         group = _group(int(weights.get("group_size") or -1), source) if strategy == "group" else None
-        return QuantScheme("compressed-tensors", "int", bits, group=group)
+        return QuantScheme("compressed-tensors", "int", bits, group=group,
+                           zero_points=not weights.get("symmetric", True))
     if kind == "int" and bits == 8 and fmt in ("int-quantized", "naive-quantized"):
         return _int_quantized(weights, inputs, source)
     raise FastspecError(f"{source}: compressed-tensors format {fmt!r} with {kind} {bits}-bit weights is not "
@@ -210,10 +210,9 @@ def _compressed_tensors(quant: dict, source: str) -> QuantScheme:
 
 
 def _int_quantized(weights: dict, inputs: dict | None, source: str) -> QuantScheme:
-    """llm-compressor's W8A8 int8: int8 weights (symmetric, a scale per channel, tensor or group) with activations
-    calibrated for int8. Run weight-only: the activations stay in float (exactly the dequantised model)."""
-    if not weights.get("symmetric", True):
-        raise FastspecError(f"{source}: asymmetric compressed-tensors int weights are not supported")
+    """llm-compressor's W8A8 int8: int8 weights (a scale, and where asymmetric a zero point, per channel, tensor or
+    group) with activations calibrated for int8. Run weight-only: the activations stay in float (exactly the
+    dequantised model)."""
     strategy = weights.get("strategy")
     if strategy not in ("tensor", "channel", "group") or weights.get("actorder") not in (None, "weight", "static",
                                                                                         False):
@@ -223,4 +222,4 @@ def _int_quantized(weights: dict, inputs: dict | None, source: str) -> QuantSche
         raise FastspecError(f"{source}: compressed-tensors int8 weights with {inputs.get('type')} "
                             f"{inputs.get('num_bits')}-bit activations are not supported (W8A8 int8 or W8A16)")
     group = _group(int(weights.get("group_size") or -1), source) if strategy == "group" else None
-    return QuantScheme("compressed-tensors", "int", 8, group=group)
+    return QuantScheme("compressed-tensors", "int", 8, group=group, zero_points=not weights.get("symmetric", True))

@@ -16,8 +16,10 @@ pack them:
               [G, N * bits / 32] packed the same way along outputs, stored minus one in v1; scales [G, N]; g_idx [K]
               the group of each input (desc_act: not in order)
   compressed-tensors pack-quantized: weight_packed int32 [N, K * bits / 32] along inputs, value + 2^(bits-1)
-              stored (symmetric); weight_scale [N, K/g]
-  compressed-tensors int-quantized: weight int8 [N, K] as is; weight_scale [N, K/g], [N, 1] or one per tensor
+              stored; weight_scale [N, K/g]; asymmetric: weight_zero_point int32 [N * bits / 32, K/g] packed the
+              same way along outputs; w = (q - z) * s
+  compressed-tensors int-quantized: weight int8 [N, K] as is; weight_scale [N, K/g], [N, 1] or one per tensor;
+              asymmetric: weight_zero_point int8 of the scale's shape
 Does not build modules (quant_layers) nor read files (loader).
 """
 
@@ -222,10 +224,20 @@ def _gptq_order(g_idx: torch.Tensor | None, k: int, group: int, where: str) -> t
     return perm
 
 
+def _zero_points(t: dict, scheme: QuantScheme, where: str) -> torch.Tensor | None:
+    """The stored weight_zero_point (None where symmetric); one where the config does not say so is one line."""
+    if "weight_g_idx" in t:
+        raise FastspecError(f"{where}.weight_g_idx: a group order (actorder group) is not supported")
+    if scheme.zero_points:
+        return _need(t, "weight_zero_point", where)
+    if "weight_zero_point" in t:
+        raise FastspecError(f"{where}.weight_zero_point: zero points in a symmetric compressed-tensors checkpoint")
+    return None
+
+
 def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     packed, scale = _need(t, "weight_packed", where), _need(t, "weight_scale", where)
-    if "weight_zero_point" in t or "weight_g_idx" in t:
-        raise FastspecError(f"{where}: zero points or g_idx in a symmetric compressed-tensors checkpoint")
+    zero = _zero_points(t, scheme, where)
     bits = scheme.bits
     n, k = (int(v) for v in t["weight_shape"].tolist()) if "weight_shape" in t else (packed.shape[0],
                                                                                     packed.shape[1] * 32 // bits)
@@ -235,25 +247,32 @@ def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
         raise FastspecError(f"{where}.weight_packed: {k} inputs are not a multiple of the group size {group}")
     _expect(scale, (n, k // group), "weight_scale", where)
     u = unpack_int32(packed.to(torch.int32), bits, 1)[:, :k]  # value + 2^(bits-1)
-    s = scale.float()
-    if bits == 8:
+    s, mid = scale.float(), 1 << (bits - 1)
+    z = torch.full_like(s, mid)  # (the zero point + 2^(bits-1), as the values)
+    if zero is not None:
+        _expect(zero, (-(-n * bits // 32), k // group), "weight_zero_point", where)
+        z = unpack_int32(zero.to(torch.int32), bits, 0)[:n].float()
+    if bits == 8:  # int8 values: u - 128, the offset takes the 128 back
         return IntWeight(Blocks((u.to(torch.int16) - 128).to(torch.int8).contiguous(), s.contiguous(),
-                                torch.zeros_like(s), 8))
-    return IntWeight(Blocks(u.contiguous(), s.contiguous(), (-8 * s).contiguous(), 4))
+                                ((128 - z) * s).contiguous(), 8))
+    return IntWeight(Blocks(u.contiguous(), s.contiguous(), (-z * s).contiguous(), 4))
 
 
 def _int_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     weight, scale = t["weight"], _need(t, "weight_scale", where).float()
-    if "weight_zero_point" in t or "weight_g_idx" in t:
-        raise FastspecError(f"{where}: zero points or g_idx in a symmetric compressed-tensors checkpoint")
+    zero = _zero_points(t, scheme, where)
     n, k = weight.shape
     group = scheme.group or k
     if k % group:
         raise FastspecError(f"{where}.weight: {k} inputs are not a multiple of the group size {group}")
-    if scale.numel() == 1:  # one scale for the tensor
-        scale = scale.reshape(1, 1).expand(n, k // group)
-    _expect(scale, (n, k // group), "weight_scale", where)
-    return IntWeight(Blocks(weight.contiguous(), scale.contiguous(), torch.zeros(n, k // group), 8))
+
+    def per_group(x, key):  # a value per tensor spread over the groups, else exactly [N, K/g]
+        x = x.reshape(1, 1).expand(n, k // group) if x.numel() == 1 else x
+        _expect(x, (n, k // group), key, where)
+        return x.float().contiguous()
+    scale = per_group(scale, "weight_scale")
+    offset = torch.zeros(n, k // group) if zero is None else -per_group(zero, "weight_zero_point") * scale
+    return IntWeight(Blocks(weight.contiguous(), scale, offset.contiguous(), 8))
 
 
 def _fp8(t: dict, scheme: QuantScheme, where: str) -> Fp8Weight:
