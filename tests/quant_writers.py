@@ -28,7 +28,8 @@ CONFIGS = {
                                            "group_size": GROUP}, "input_activations": None}}, "ignore": ["lm_head"]},
     "ct_int4_asym": {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
-                                           "group_size": GROUP}, "input_activations": None}}, "ignore": ["lm_head"]},
+                                           "group_size": GROUP, "actorder": "group"}, "input_activations": None}},
+        "ignore": ["lm_head"]},
     "ct_w8a8": {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
         "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
@@ -105,17 +106,15 @@ def quantise(w: torch.Tensor, method: str, gen: torch.Generator) -> tuple[dict[s
         q = torch.round(w / scale.repeat_interleave(GROUP, 1)).clamp(-8, 7)
         return ({"weight_packed": pack_to_int32(q.to(torch.int8), 4), "weight_scale": scale.to(torch.bfloat16),
                  "weight_shape": torch.tensor([n, k])}, q * scale.repeat_interleave(GROUP, 1))
-    if method == "ct_int4_asym":  # compressed-tensors' own packer and dequantiser; signed values and zero points
-        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-        from compressed_tensors.quantization import QuantizationArgs
-        from compressed_tensors.quantization.lifecycle.forward import dequantize
+    if method == "ct_int4_asym":  # compressed-tensors' own packer; signed values and zero points, groups in act
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # order (weight_g_idx)
 
-        q, zero, scale = _asym(w, 4, torch.arange(k) // GROUP)  # unsigned 0..15
-        q, zero = (q - 8).to(torch.int8), (zero - 8).to(torch.int8)
-        args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=GROUP)
-        return ({"weight_packed": pack_to_int32(q, 4), "weight_scale": scale.to(torch.bfloat16),
-                 "weight_zero_point": pack_to_int32(zero, 4, packed_dim=0), "weight_shape": torch.tensor([n, k])},
-                dequantize(q, scale.to(torch.bfloat16).float(), zero, args))
+        g_idx = (torch.arange(k) // GROUP)[torch.argsort(torch.rand(k, generator=gen))]  # each input's group
+        q, zero, scale = _asym(w, 4, g_idx)  # unsigned 0..15
+        q, zero, scale = (q - 8).to(torch.int8), (zero - 8).to(torch.int8), scale.to(torch.bfloat16)
+        deq = (q.float() - zero.float()[:, g_idx]) * scale.float()[:, g_idx]
+        return ({"weight_packed": pack_to_int32(q, 4), "weight_scale": scale, "weight_g_idx": g_idx.to(torch.int32),
+                 "weight_zero_point": pack_to_int32(zero, 4, packed_dim=0), "weight_shape": torch.tensor([n, k])}, deq)
     if method == "ct_w8a8":  # compressed-tensors' own rounding and dequantiser
         from compressed_tensors.quantization import QuantizationArgs
         from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize

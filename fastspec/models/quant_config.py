@@ -53,7 +53,7 @@ class QuantScheme:
     group: int | None = None  # int: input values per scale (None: one per output channel)
     block: tuple[int, int] | None = None  # fp8: output rows x input columns per scale
     fp8_activations: bool = False  # the checkpoint was calibrated for fp8 activations (may run W8A8)
-    desc_act: bool = False  # gptq: input channels reordered by `g_idx`
+    desc_act: bool = False  # input channels reordered by `g_idx` (GPTQ) or `weight_g_idx` (actorder group)
     gptq_v1: bool = True  # gptq: zero points stored minus one (AutoGPTQ's format)
     zero_points: bool = False  # compressed-tensors int: asymmetric, a `weight_zero_point` beside each scale
 
@@ -197,29 +197,24 @@ def _compressed_tensors(quant: dict, source: str) -> QuantScheme:
         if inputs:
             raise FastspecError(f"{source}: compressed-tensors int{bits} with quantised activations is not "
                                 "supported (weight-only W4A16 / W8A16)")
-        if strategy not in ("group", "channel") or weights.get("actorder") not in (None, "weight", "static", False):
-            raise FastspecError(f"{source}: compressed-tensors int strategy {strategy!r} (actorder "
-                                f"{weights.get('actorder')!r}) is not supported (group or channel)")
-        group = _group(int(weights.get("group_size") or -1), source) if strategy == "group" else None
-        return QuantScheme("compressed-tensors", "int", bits, group=group,
-                           zero_points=not weights.get("symmetric", True))
+        return _ct_int(weights, bits, ("group", "channel"), source)
     if kind == "int" and bits == 8 and fmt in ("int-quantized", "naive-quantized"):
-        return _int_quantized(weights, inputs, source)
+        if inputs and (inputs.get("type") != "int" or int(inputs.get("num_bits", 8)) != 8):
+            raise FastspecError(f"{source}: compressed-tensors int8 weights with {inputs.get('type')} "
+                                f"{inputs.get('num_bits')}-bit activations are not supported (W8A8 int8 or W8A16)")
+        return _ct_int(weights, 8, ("tensor", "channel", "group"), source)
     raise FastspecError(f"{source}: compressed-tensors format {fmt!r} with {kind} {bits}-bit weights is not "
                         f"supported; supported: {SUPPORTED}")
 
 
-def _int_quantized(weights: dict, inputs: dict | None, source: str) -> QuantScheme:
-    """llm-compressor's W8A8 int8: int8 weights (a scale, and where asymmetric a zero point, per channel, tensor or
-    group) with activations calibrated for int8. Run weight-only: the activations stay in float (exactly the
-    dequantised model)."""
-    strategy = weights.get("strategy")
-    if strategy not in ("tensor", "channel", "group") or weights.get("actorder") not in (None, "weight", "static",
-                                                                                        False):
-        raise FastspecError(f"{source}: compressed-tensors int8 strategy {strategy!r} (actorder "
-                            f"{weights.get('actorder')!r}) is not supported (tensor, channel or group)")
-    if inputs and (inputs.get("type") != "int" or int(inputs.get("num_bits", 8)) != 8):
-        raise FastspecError(f"{source}: compressed-tensors int8 weights with {inputs.get('type')} "
-                            f"{inputs.get('num_bits')}-bit activations are not supported (W8A8 int8 or W8A16)")
+def _ct_int(weights: dict, bits: int, strategies: tuple[str, ...], source: str) -> QuantScheme:
+    """compressed-tensors int weights: a scale (and where asymmetric a zero point) per group, channel or tensor;
+    actorder `group` (alias `dynamic`) stores each input's group (`weight_g_idx`, as GPTQ's desc_act). W8A8 int8
+    (int-quantized) runs weight-only: its activations stay in float (exactly the dequantised model)."""
+    strategy, actorder = weights.get("strategy"), weights.get("actorder")
+    if strategy not in strategies or actorder not in (None, False, "weight", "static", "group", "dynamic"):
+        raise FastspecError(f"{source}: compressed-tensors int{bits} strategy {strategy!r} (actorder {actorder!r}) "
+                            f"is not supported ({', '.join(strategies)})")
     group = _group(int(weights.get("group_size") or -1), source) if strategy == "group" else None
-    return QuantScheme("compressed-tensors", "int", 8, group=group, zero_points=not weights.get("symmetric", True))
+    return QuantScheme("compressed-tensors", "int", bits, group=group, desc_act=actorder in ("group", "dynamic"),
+                       zero_points=not weights.get("symmetric", True))

@@ -1,7 +1,8 @@
 """A quantised checkpoint's tensors read into two exact forms, whatever the method that wrote them:
 
   IntWeight  4- / 8-bit integers as gguf_blocks.Blocks: w[n, k] = q * scale + offset per group of input columns
-             (offset = -zero * scale), over the input columns in `perm` order (GPTQ's desc_act; None: in order)
+             (offset = -zero * scale), over the input columns in `perm` order (GPTQ's desc_act, compressed-tensors'
+             actorder group; None: in order)
   Fp8Weight  e4m3 values [N, K] times a float32 scale per row and per `cols` input columns (per tensor and per
              channel: cols = K; a 128 x 128 block: its scale repeated on each of its 128 rows)
 
@@ -121,7 +122,7 @@ def decode_state(state: dict[str, torch.Tensor], scheme: QuantScheme, source: st
         tensors = {k.rpartition(".")[2]: floats.pop(k) for k in by_module[name] if not k.endswith(".bias")}
         forms[name] = _decode(name, tensors, scheme, source)
     stray = [k for k in floats if k.endswith((".qzeros", ".scales", ".g_idx", ".weight_scale", ".weight_scale_inv",
-                                              ".weight_zero_point"))]
+                                              ".weight_zero_point", ".weight_g_idx"))]
     if stray:
         raise FastspecError(f"{source}: {stray[0]} has no quantised weight beside it")
     return floats, forms
@@ -199,7 +200,7 @@ def _gptq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     if scheme.gptq_v1:
         z = z.remainder(1 << bits)  # v1 stores zero - 1 in `bits` bits (a zero of 0 wrapped around)
     s = scales.t().float()
-    perm = _gptq_order(t.get("g_idx"), k, group, where)
+    perm = _group_order(t.get("g_idx"), k, group, "g_idx", where)
     if perm is not None:
         q = q[:, perm]
     if bits == 8:  # int8 values: q - 128, the offset takes the 128 back
@@ -208,26 +209,31 @@ def _gptq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     return IntWeight(Blocks(q.contiguous(), s.contiguous(), (-z * s).contiguous(), 4), perm)
 
 
-def _gptq_order(g_idx: torch.Tensor | None, k: int, group: int, where: str) -> torch.Tensor | None:
-    """The input order that makes each group contiguous (None: already in order). desc_act quantised the inputs
-    in another order: g_idx names each input's group, `group` inputs to a group."""
+def _group_order(g_idx: torch.Tensor | None, k: int, group: int, key: str, where: str) -> torch.Tensor | None:
+    """The input order that makes each group contiguous (None: already in order). desc_act (GPTQ) or actorder
+    group (compressed-tensors) quantised the inputs in another order: g_idx names each input's group, `group`
+    inputs to a group."""
     if g_idx is None:
         return None
-    _expect(g_idx, (k,), "g_idx", where)
+    _expect(g_idx, (k,), key, where)
     g_idx = g_idx.long()
     in_order = torch.arange(k) // group
     if torch.equal(g_idx, in_order):
         return None
     perm = torch.sort(g_idx, stable=True).indices
     if not torch.equal(g_idx[perm], in_order):
-        raise FastspecError(f"{where}.g_idx: groups do not hold {group} inputs each")
+        raise FastspecError(f"{where}.{key}: groups do not hold {group} inputs each")
     return perm
+
+
+def _ct_order(t: dict, scheme: QuantScheme, k: int, group: int, where: str) -> torch.Tensor | None:
+    """compressed-tensors' input order (actorder group: weight_g_idx, required where the config declares it)."""
+    g_idx = _need(t, "weight_g_idx", where) if scheme.desc_act else t.get("weight_g_idx")
+    return _group_order(g_idx, k, group, "weight_g_idx", where)
 
 
 def _zero_points(t: dict, scheme: QuantScheme, where: str) -> torch.Tensor | None:
     """The stored weight_zero_point (None where symmetric); one where the config does not say so is one line."""
-    if "weight_g_idx" in t:
-        raise FastspecError(f"{where}.weight_g_idx: a group order (actorder group) is not supported")
     if scheme.zero_points:
         return _need(t, "weight_zero_point", where)
     if "weight_zero_point" in t:
@@ -247,6 +253,9 @@ def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
         raise FastspecError(f"{where}.weight_packed: {k} inputs are not a multiple of the group size {group}")
     _expect(scale, (n, k // group), "weight_scale", where)
     u = unpack_int32(packed.to(torch.int32), bits, 1)[:, :k]  # value + 2^(bits-1)
+    perm = _ct_order(t, scheme, k, group, where)
+    if perm is not None:
+        u = u[:, perm]
     s, mid = scale.float(), 1 << (bits - 1)
     z = torch.full_like(s, mid)  # (the zero point + 2^(bits-1), as the values)
     if zero is not None:
@@ -254,8 +263,8 @@ def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
         z = unpack_int32(zero.to(torch.int32), bits, 0)[:n].float()
     if bits == 8:  # int8 values: u - 128, the offset takes the 128 back
         return IntWeight(Blocks((u.to(torch.int16) - 128).to(torch.int8).contiguous(), s.contiguous(),
-                                ((128 - z) * s).contiguous(), 8))
-    return IntWeight(Blocks(u.contiguous(), s.contiguous(), (-z * s).contiguous(), 4))
+                                ((128 - z) * s).contiguous(), 8), perm)
+    return IntWeight(Blocks(u.contiguous(), s.contiguous(), (-z * s).contiguous(), 4), perm)
 
 
 def _int_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
@@ -272,7 +281,9 @@ def _int_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
         return x.float().contiguous()
     scale = per_group(scale, "weight_scale")
     offset = torch.zeros(n, k // group) if zero is None else -per_group(zero, "weight_zero_point") * scale
-    return IntWeight(Blocks(weight.contiguous(), scale, offset.contiguous(), 8))
+    perm = _ct_order(t, scheme, k, group, where)
+    q = weight if perm is None else weight[:, perm]
+    return IntWeight(Blocks(q.contiguous(), scale, offset.contiguous(), 8), perm)
 
 
 def _fp8(t: dict, scheme: QuantScheme, where: str) -> Fp8Weight:
