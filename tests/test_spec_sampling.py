@@ -64,3 +64,68 @@ def test_two_token_distribution_matches_target(small_vocab, topk, steps, n, temp
     dof = int(cells.sum()) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), chi2 / 2))
     assert p_value > 1e-3, f"chi2={float(chi2):.1f} dof={dof}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Seeded sampling is position-keyed: each token is drawn with the uniform of (seed, its position), so speculative
+# rounds (every node at a depth draws with that depth's uniform) emit exactly what plain sampling emits.
+
+SEEDED = [SamplingParams(temperature=0.9, seed=11, max_new_tokens=24, ignore_eos=True),
+          SamplingParams(temperature=1.3, top_k=20, top_p=0.9, seed=-5, max_new_tokens=24, ignore_eos=True),
+          SamplingParams(temperature=0.7, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.5, seed=2**63 - 1,
+                         max_new_tokens=24, ignore_eos=True),
+          SamplingParams(max_new_tokens=24, ignore_eos=True)]  # a greedy request in the same batch
+SEEDED_PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43], [7, 7, 8, 60, 61, 62, 7, 7], [28, 84, 19]]
+
+
+@pytest.mark.parametrize("algorithm, draft, steps, topk, n", [
+    ("EAGLE3", "eagle3", 3, 2, 5), ("STANDALONE", "self", 3, 1, 4), ("NGRAM", None, None, None, 6)])
+def test_seeded_speculative_sampling_emits_what_plain_sampling_emits(tiny_dirs, draft_dirs, algorithm, draft, steps,
+                                                                       topk, n):
+    """Token for token, batched and alone, with the measured fallback switching between the two or not: a seeded
+    request's output does not depend on how its tokens were drawn. (Sampled rounds did accept drafts.)"""
+    directory = str(tiny_dirs["llama"][0])
+    plain = fastspec.LLM(directory, speculative_algorithm="NONE", max_total_tokens=4096)
+    expected = [plain.engine.generate([p], [sp])[0].output_ids for p, sp in zip(SEEDED_PROMPTS, SEEDED)]
+    draft_path = directory if draft == "self" else (str(draft_dirs["llama"][draft]) if draft else None)
+    for fallback in (False, True):
+        llm = fastspec.LLM(directory, speculative_algorithm=algorithm, draft_model=draft_path, num_steps=steps,
+                           topk=topk, num_draft_tokens=n, max_total_tokens=4096, speculative_fallback=fallback)
+        batched = llm.engine.generate(SEEDED_PROMPTS, SEEDED)
+        assert [o.output_ids for o in batched] == expected
+        alone = [llm.engine.generate([p], [sp])[0] for p, sp in zip(SEEDED_PROMPTS, SEEDED)]
+        assert [o.output_ids for o in alone] == expected
+        if not fallback:
+            assert sum(o.metrics.emitted_tokens - o.metrics.verify_rounds for o in alone[:3]) > 0
+
+
+def test_position_uniforms_are_uniform_and_independent_across_positions_and_seeds():
+    """Chi-square (p > 1e-3) of 20000 draws over 20 bins, and of (position p, p + 1) and (seed s, s + 1) pairs
+    over 10 x 10 cells; values depend on (seed, position) only, not on the batch they are computed in."""
+    from fastspec.sampling.draw import position_uniforms
+
+    seeds = torch.arange(5000) * 7 - 1000
+    u = position_uniforms(seeds, torch.arange(4).repeat(5000, 1) + 300)  # [5000, 4]
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+
+    def p_value(counts: torch.Tensor) -> float:
+        expected = counts.sum() / counts.numel()
+        chi2 = ((counts - expected) ** 2 / expected).sum()
+        return float(torch.special.gammaincc(torch.tensor((counts.numel() - 1) / 2.0), chi2 / 2))
+    assert p_value(torch.histc(u.flatten(), 20, 0, 1).double()) > 1e-3
+    cells = lambda a, b: torch.bincount((a * 10).long() * 10 + (b * 10).long(), minlength=100).double()  # noqa: E731
+    assert p_value(cells(u[:, 0], u[:, 1])) > 1e-3
+    assert p_value(cells(u[:-1, 0], u[1:, 0])) > 1e-3
+    assert torch.equal(position_uniforms(seeds[7:9], torch.tensor([[301], [303]])), torch.stack([u[7, 1:2], u[8, 3:]]))
+
+
+def test_relaxed_acceptance_thresholds_sample_the_same_batched_or_alone(tiny_dirs, draft_dirs):
+    """--speculative-accept-threshold-*: SGLang's target-only rejection sampling, relaxed (lossy by design); its
+    coins are position-keyed too, so a seeded request is still reproducible whatever batch it runs in."""
+    llm = fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm="EAGLE3",
+                       draft_model=str(draft_dirs["llama"]["eagle3"]), num_steps=3, topk=2, num_draft_tokens=5,
+                       accept_threshold_single=0.3, accept_threshold_acc=0.5, max_total_tokens=4096)
+    batched = llm.engine.generate(SEEDED_PROMPTS, SEEDED)
+    alone = [llm.engine.generate([p], [sp])[0] for p, sp in zip(SEEDED_PROMPTS, SEEDED)]
+    assert [o.output_ids for o in batched] == [o.output_ids for o in alone]
+    assert all(len(o.output_ids) == 24 for o in alone) and sum(o.metrics.verify_rounds for o in alone) > 0

@@ -128,7 +128,7 @@ def test_temperature_zero_rows_sample_greedily():
     greedy = verify_greedy(tree, logits)
     temperature = torch.tensor([0.0, 1.0]).repeat(bs // 2)  # every other row samples
     sampled = verify_sampling(tree, logits, temperature, torch.full((bs,), -1), torch.full((bs,), 0.9),
-                              torch.rand(bs, n + 1, generator=gen))
+                              torch.rand(bs, n, generator=gen))
     assert torch.equal(sampled.emitted[::2], greedy.emitted[::2])
     assert torch.equal(sampled.accept_len[::2], greedy.accept_len[::2])
     assert not torch.equal(sampled.emitted[1::2], greedy.emitted[1::2])  # the sampled rows do differ
@@ -193,7 +193,7 @@ def _sample_rounds(kind, temperature, top_k, top_p, seed):
     logits = torch.tensor(np.log(table), dtype=torch.float32).repeat(BATCH, 1)
     result = verify_sampling(tree, logits, torch.full((BATCH,), temperature), torch.full((BATCH,), top_k),
                              torch.full((BATCH,), top_p),
-                             torch.rand(BATCH, tree.num_draft_tokens + 1, generator=torch.Generator().manual_seed(seed)))
+                             torch.rand(BATCH, tree.num_draft_tokens, generator=torch.Generator().manual_seed(seed)))
     assert (result.accept_len > 0).any() and (result.accept_len == 0).any()  # both paths exercised
     return table, result.emitted.numpy()
 

@@ -18,7 +18,7 @@ from fastspec.engine.scheduler import Request, Scheduler
 from fastspec.engine.worker import Worker
 from fastspec.errors import FastspecError
 from fastspec.models.sources import ModelSources
-from fastspec.sampling.draw import make_generator
+from fastspec.sampling.draw import request_seed
 from fastspec.sampling.grammar import GrammarCompiler
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import SpecConfig
@@ -259,7 +259,9 @@ class Engine:
             raise FastspecError(f"input token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise FastspecError(f"logit bias token ids must be in [0, {vocab})")
-        request = Request(rid, list(prompt), params, make_generator(params.seed, self.config.device),
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise FastspecError(f"stop token ids must be in [0, {vocab})")
+        request = Request(rid, list(prompt), params, request_seed(params.seed),
                           grammar=self.grammars.compile(params))
         ceiling = self.worker.memory.ceiling
         if request.max_tokens(self.config.page_size, self.worker.round_headroom()) > ceiling:

@@ -63,7 +63,8 @@ class Producer:
         return logits
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+        return sample(logits, [r.params for r in reqs], [r.seed for r in reqs],
+                      [len(r.prompt_ids) + len(r.produced) for r in reqs]).tolist()  # (the drawn token's position)
 
     def commit(self, reqs: list[Request], fed: list[int], tokens: list[list[int]]) -> list[list[int]]:
         """Plain rounds and prefill: `fed[b]` tokens entered the KV, `tokens[b]` were produced."""

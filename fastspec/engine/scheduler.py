@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from fastspec.sampling.params import SamplingParams
 from fastspec.utils.metrics import SpecMetrics
 
@@ -23,7 +21,7 @@ class Request:
     rid: int
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
+    seed: int = 0  # every draw's uniform is a hash of (seed, position) (fastspec.sampling.draw.position_uniforms)
     # the worker's (written only by the step that runs the request; with overlap, a step ahead of the engine)
     row: int = -1  # request->slot table row while running
     seq_len: int = 0  # tokens whose KV is in the pool (the last produced token is not, yet)

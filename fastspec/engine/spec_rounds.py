@@ -18,14 +18,15 @@ from fastspec.engine.slots import BatchSlots
 from fastspec.engine.target import Target
 from fastspec.errors import FastspecError
 from fastspec.graphs.step_graphs import StepGraphs
-from fastspec.sampling.draw import SamplingTensors, draw_uniforms
+from fastspec.sampling.draw import SamplingTensors, position_uniforms
 from fastspec.spec_config import SpecConfig, SpecParams
 from fastspec.speculative.batch import DecodeBatch
 from fastspec.speculative.drafter import Drafter
 from fastspec.speculative.future import FutureMaps, PendingRound, start_readback
 from fastspec.speculative.kv import DeviceKV, plan_round_kv_on_device, round_free_slots
 from fastspec.speculative.packing import pack_verify
-from fastspec.speculative.tree import DraftTree, VerifyResult, verify_greedy, verify_sampling
+from fastspec.speculative.tree import (DraftTree, VerifyResult, verify_greedy, verify_sampling,
+                                       verify_sampling_thresholds)
 from fastspec.utils.transfer import to_device
 
 
@@ -125,9 +126,15 @@ class SpecRounds:
                 return VerifyResult(out["accept_index"][:, :e], out["accept_len"], out["emitted"][:, :e])
             return verify_greedy(tree, logits)
         sampling = SamplingTensors.from_params([r.params for r in reqs], logits.device)
-        uniforms = draw_uniforms([r.generator for r in reqs], tree.num_draft_tokens + 1, logits.device)
-        return verify_sampling(tree, logits, sampling.temperature, sampling.top_k, sampling.top_p, uniforms,
-                               self.spec.accept_threshold_single, self.spec.accept_threshold_acc)
+        seeds, n = to_device([r.seed for r in reqs], logits.device), tree.num_draft_tokens
+        drawn = tree.positions.view(-1, n) + 1  # [bs, N]: node i draws the token at its position + 1
+        thresholds = (self.spec.accept_threshold_single, self.spec.accept_threshold_acc)
+        if thresholds == (1.0, 1.0):
+            return verify_sampling(tree, logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                                   position_uniforms(seeds, drawn))
+        uniforms = position_uniforms(seeds, drawn[:, :1] + torch.arange(n + 1, device=drawn.device))
+        return verify_sampling_thresholds(tree, logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                                          uniforms, *thresholds)
 
     def _commit_on_device(self, batch: DecodeBatch, tree: DraftTree, verify_slots: torch.Tensor,
                           result: VerifyResult) -> DeviceKV:

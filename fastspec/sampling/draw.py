@@ -1,7 +1,10 @@
-"""Plain (non-speculative) token sampling from a batch's SamplingParams.
+"""Plain (non-speculative) token sampling from a batch's SamplingParams, and the uniforms every draw uses.
 
-Sampling is inverse-CDF over explicit uniforms drawn from each request's own generator, so a seeded request
-gives the same tokens whatever batch it runs in. Speculative acceptance lives in fastspec.speculative.
+Sampling is inverse-CDF over a uniform that is a function of the request's seed and the position of the token
+drawn (`position_uniforms`: a counter-based hash, no generator state). So a seeded request gives the same tokens
+whatever batch it runs in, and speculative verification, which draws each tree node's token with its position's
+uniform (fastspec.speculative.tree.verify_sampling), emits what plain sampling emits. Speculative acceptance
+lives in fastspec.speculative.
 """
 
 from __future__ import annotations
@@ -51,9 +54,33 @@ def target_probs(logits: torch.Tensor,       # [bs*n, V]
     return top_p_renorm_prob(probs, top_p.to(torch.float32).repeat_interleave(rows_per_request))
 
 
-def draw_uniforms(generators: list[torch.Generator | None], n: int, device="cpu") -> torch.Tensor:
-    """[bs, n] float32 uniforms, row b from request b's generator (the global one when None)."""
-    return torch.stack([torch.rand(n, generator=g, device=device) for g in generators])
+M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> a bijective 32-bit mix of each (xor-shift-multiply; odd multipliers below 2^31,
+    so no product passes 2^63)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & M32
+    return x ^ (x >> 16)
+
+
+def position_uniforms(seeds: torch.Tensor,      # int64 [bs]  each request's seed (any 64-bit value)
+                      positions: torch.Tensor,  # int64 [bs, m]  positions of the tokens drawn (< 2^32)
+                      ) -> torch.Tensor:        # float32 [bs, m] in [0, 1), multiples of 2^-24
+    """The uniform that draws the token at each position: a hash of (seed, position), the same on every device,
+    in any batch and under any schedule; elementwise tensor ops (no host sync: safe inside a captured graph)."""
+    key = _mix32(_mix32(seeds & M32) ^ ((seeds >> 32) & M32))[:, None]  # [bs, 1]: the seed's 32-bit digest
+    h = _mix32(((positions & M32) * 0x61C88647 & M32) ^ key)
+    h = _mix32(h ^ key)
+    return (h >> 8).to(torch.float32) * 2.0**-24
+
+
+def request_seed(seed: int | None) -> int:
+    """A request's seed: its own, or one drawn from torch's global generator (torch.manual_seed fixes it)."""
+    return seed if seed is not None else int(torch.randint(0, 2**62, ()))
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -63,18 +90,14 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int],
            ) -> torch.Tensor:
-    """logits [bs, V] float32 -> next tokens int64 [bs] under each request's params; all greedy: the argmax alone,
-    no sampling tensors built."""
+    """logits [bs, V] float32 -> next tokens int64 [bs] under each request's params, row b drawn with the uniform
+    of (seeds[b], positions[b]) (the position of the token drawn); all greedy: the argmax alone, no sampling
+    tensors built."""
     if all(p.greedy for p in params):
         return cpu_fused.argmax(logits)
     sampling = SamplingTensors.from_params(params, logits.device)
     probs = target_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    return sample_from_probs(probs, draw_uniforms(generators, 1, logits.device)[:, 0])
-
-
-def make_generator(seed: int | None, device="cpu") -> torch.Generator | None:
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed)
+    uniforms = position_uniforms(to_device(seeds, logits.device), to_device(positions, logits.device)[:, None])
+    return sample_from_probs(probs, uniforms[:, 0])

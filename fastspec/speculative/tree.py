@@ -4,8 +4,8 @@
 Glossary (one round, per request):
   root           -- node 0: the last emitted token, not yet in the target KV (position seq_len).
   draft token    -- a non-root node; depth d sits at position seq_len + d.
-  accepted token -- a draft token the target keeps (greedy: it is the target's argmax after its parent;
-                    sampling: it passes target-only rejection sampling). accept_len counts them.
+  accepted token -- a draft token the target keeps: it is the target's token after its parent (greedy: its
+                    argmax; sampling: its draw with the position's uniform). accept_len counts them.
   bonus token    -- the one token the target emits after the last accepted node; always emitted, so a
                     round emits accept_len + 1 tokens: emitted = accepted drafts, then the bonus.
 Owns: shapes and meaning of these values, and turning target logits into a VerifyResult. Does not own:
@@ -33,7 +33,7 @@ from fastspec.kernels import (
 )
 from fastspec.kernels import tree_build as tree_twins
 from fastspec.kernels import verify as verify_twins
-from fastspec.sampling.draw import target_probs
+from fastspec.sampling.draw import sample_from_probs, target_probs
 from fastspec.utils.transfer import to_device
 
 
@@ -232,10 +232,26 @@ def verify_predicted(tree: DraftTree, target_predict: torch.Tensor,  # int64 [bs
 
 def verify_sampling(tree: DraftTree, target_logits: torch.Tensor,  # [bs*N, V]
                     temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,  # [bs] each
-                    uniforms: torch.Tensor,  # float32 [bs, N+1] in [0, 1): N acceptance coins, then the bonus draw
-                    threshold_single: float = 1.0, threshold_acc: float = 1.0) -> VerifyResult:
-    """Target-only tree rejection sampling (draft probabilities zero); lossless with thresholds 1.
-    Uniforms come from the caller, one row per request, so a seeded request samples the same in any batch."""
+                    uniforms: torch.Tensor,  # float32 [bs, N] in [0, 1): node i's (its position's + 1)
+                    ) -> VerifyResult:
+    """Every node's next token drawn from the processed target distribution by inverse CDF at the node's uniform,
+    then the greedy walk over those draws: the longest path whose tokens are the draws after their parents,
+    bonus = the draw after its last node. Lossless: the token emitted at depth d is the target's draw after the
+    path's node at depth d - 1 with a uniform independent of how that node was reached. It accepts a node's
+    children with probability sum_c p(c), as target-only rejection sampling does; and where every node at one
+    depth shares its position's uniform (position_uniforms), it emits exactly what plain sampling with those
+    uniforms emits, token for token."""
+    bs, n = tree.batch_size, tree.num_draft_tokens
+    probs = target_probs(target_logits, temperature, top_k, top_p, n)
+    return verify_predicted(tree, sample_from_probs(probs, uniforms.flatten()).view(bs, n))
+
+
+def verify_sampling_thresholds(tree: DraftTree, target_logits: torch.Tensor,  # [bs*N, V]
+                               temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,  # [bs] each
+                               uniforms: torch.Tensor,  # float32 [bs, N+1]: N acceptance coins, then the bonus draw
+                               threshold_single: float, threshold_acc: float) -> VerifyResult:
+    """SGLang's target-only tree rejection sampling with its acceptance thresholds (below 1: more accepted, no
+    longer the target's distribution), for `--speculative-accept-threshold-*`."""
     bs, n = tree.batch_size, tree.num_draft_tokens
     probs = target_probs(target_logits, temperature, top_k, top_p, n).view(bs, n, -1)
     # coins in (0, 1]: `u <= q` then accepts with probability exactly q, and never accepts q = 0
