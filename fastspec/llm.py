@@ -103,15 +103,20 @@ class LLM:
         return self.tokenizer.encode_chat(messages, tools)
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams]
-                 = SamplingParams(), chat: bool = False) -> list[Completion]:
-        """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams or one each."""
+                 = SamplingParams(), chat: bool = False, should_stop: Callable[[], bool] = lambda: False,
+                 ) -> list[Completion]:
+        """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams or one each.
+        `should_stop()` (asked after every step; Ctrl-C) ends every request with what it has, reason "abort"."""
         ids, params = self._inputs(prompts, params, chat)
         if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
             text = self.decode if (self.engine.model_dir / "tokenizer.json").is_file() else lambda ids: None
-            return [Completion(o.prompt_ids, o.output_ids, text(o.output_ids), o.finish_reason, o.metrics, o.logprobs)
-                    for o in self.engine.generate(ids, params)]
+            out_ids, logprobs, final = collect(self._until(self.engine.stream(ids, params), len(ids), should_stop),
+                                              params)
+            return [Completion(ids[i], out_ids[i], text(out_ids[i]), final[i].finish_reason, final[i].metrics,
+                               logprobs[i]) for i in range(len(ids))]
         streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
-        out_ids, logprobs, final = collect(self.stream_ids(ids, params, streams), params)
+        out_ids, logprobs, final = collect(self._until(self.stream_ids(ids, params, streams), len(ids), should_stop),
+                                          params)
         kept = {i: final[i].kept_tokens for i in range(len(ids))}
         return [Completion(ids[i], out_ids[i][: kept[i]], streams[i].text, final[i].finish_reason, final[i].metrics,
                            None if logprobs[i] is None else logprobs[i][: kept[i]]) for i in range(len(ids))]
@@ -143,6 +148,16 @@ class LLM:
 
     def abort(self, index: int) -> None:
         self.engine.abort(index)
+
+    def _until(self, steps: Iterator[list], n: int, should_stop: Callable[[], bool]) -> Iterator[list]:
+        """`steps` of a stream of `n` requests, every one aborted once should_stop() says so."""
+        stopped = False
+        for step in steps:
+            yield step
+            if not stopped and should_stop():
+                stopped = True
+                for index in range(n):
+                    self.engine.abort(index)
 
     def _inputs(self, prompts, params, chat):
         if isinstance(prompts, str):

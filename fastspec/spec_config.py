@@ -57,7 +57,11 @@ class NgramParams:
         )
         for ok, message in checks:
             if not ok:
-                raise FastspecError(f"{message} (got {self})")
+                raise FastspecError(message.replace("ngram ", "--speculative-ngram-", 1).replace("_", "-")
+                                    + f" (min / max match window {self.min_match_window_size} / "
+                                    f"{self.max_match_window_size}, BFS breadth {self.min_bfs_breadth} / "
+                                    f"{self.max_bfs_breadth}, branch length {self.branch_length}, capacity "
+                                    f"{self.capacity})")
 
     @property
     def bfs_breadth_scale(self) -> float:  # breadth lost per window size below the max and per tree level
@@ -146,6 +150,9 @@ class SpecConfig:
         return cls(num_steps=n - 1, topk=ngram.max_bfs_breadth, num_draft_tokens=n, ngram=ngram, **common)
 
 
+MAX_TREE = (64, 64, 1024)  # num_steps, topk, num_draft_tokens: far past any tuned tree, short of absurd buffers
+
+
 def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: int | None = None,
                      num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
                      accept_threshold_acc: float = 1.0) -> str:
@@ -161,10 +168,10 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
                         ("accept-threshold-acc", accept_threshold_acc)):
         if not 0 <= value <= 1:
             raise FastspecError(f"--speculative-{name} must be in [0, 1], got {value}")
-    for name, value, least in (("num-steps", num_steps, 1), ("eagle-topk", topk, 1),
-                               ("num-draft-tokens", num_draft_tokens, 2)):
-        if value is not None and value < least:
-            raise FastspecError(f"--speculative-{name} must be >= {least}, got {value}")
+    for name, value, least, most in (("num-steps", num_steps, 1, MAX_TREE[0]), ("eagle-topk", topk, 1, MAX_TREE[1]),
+                                     ("num-draft-tokens", num_draft_tokens, 2, MAX_TREE[2])):
+        if value is not None and not least <= value <= most:
+            raise FastspecError(f"--speculative-{name} must be in [{least}, {most}], got {value}")
     if algo in ("EAGLE", "EAGLE3", "STANDALONE") and None not in (num_steps, topk, num_draft_tokens):
         check_tree(num_steps, topk, num_steps + 1 if topk == 1 else num_draft_tokens)
     return algo

@@ -30,6 +30,20 @@ def test_embedded_converts_once(smollm_dir):
     assert config["tie_word_embeddings"] is True and config["vocab_size"] == 49152
 
 
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_cut_or_missing_file_of_the_conversion_is_converted_again(smollm_dir, damage):
+    """The marker records each file's size: a file cut short (a full disk, a killed copy) or removed makes the
+    next run convert again, where it was a safetensors traceback."""
+    blocks = smollm_dir / "gguf_blocks" / "blocks.safetensors"
+    size = blocks.stat().st_size
+    if damage == "truncate":
+        with open(blocks, "r+b") as f:
+            f.truncate(1000)
+    else:
+        blocks.unlink()
+    assert embedded_model_dir() == smollm_dir and blocks.stat().st_size == size
+
+
 def test_embedded_tokenizer(smollm_dir):
     tok = AutoTokenizer.from_pretrained(smollm_dir)
     sentence = "Hello world, 1234 times!"

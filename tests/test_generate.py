@@ -82,7 +82,17 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/dir", "--prompt", "hi"], "neither a directory"),
-    (["--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--prompt", "hi", "--temperature", "inf"], "temperature must be a finite number >= 0"),
+    (["--prompt", "hi", "--temperature", "0.5", "--seed", "99999999999999999999"], "seed must be a 64-bit integer"),
+    (["--prompt", "hi", "--temperature", "1", "--top-k", "9223372036854775808"], "top-k must be -1 (off) or in"),
+    (["--prompt", "hi", "--stop-token-ids", "99999999"], "stop token ids must be in"),
+    (["--prompt", "hi", "--max-new-tokens", "abc"], "error: Invalid value for '--max-new-tokens'"),  # (click's
+    (["--prompt", "hi", "--no-such-flag"], "error: No such option: --no-such-flag"),  # errors too: one line)
+    (["--prompt", "hi", "--speculative-algorithm", "NGRAM", "--draft", "/tmp"], "drafts without one"),
+    (["--prompt", "hi", "--speculative-algorithm", "NONE", "--speculative-num-steps", "3"],
+     "--speculative-num-steps does not apply to --speculative-algorithm NONE"),
+    (["--prompt", "hi", "--speculative-algorithm", "EAGLE3", "--draft", __file__], "is a file, not a model"),
     (["--prompt", "hi", "--page-size", "3"], "page size must be a power of two"),
     (["--input-ids", "1,x"], "comma-separated integers"),
     (["--prompt", "hi", "--input-ids", "1"], "exactly one of --prompt or --input-ids"),
@@ -109,7 +119,7 @@ def test_an_answer_ended_at_once_without_chat_says_why(monkeypatch, chat):
 
     from fastspec.llm import LLM
 
-    def generate(self, prompts, params, chat=False):
+    def generate(self, prompts, params, chat=False, should_stop=None):
         return [SimpleNamespace(output_ids=[2], text="", finish_reason="stop"),
                 SimpleNamespace(output_ids=[5, 6], text="Paris", finish_reason="length")]
 
@@ -117,7 +127,7 @@ def test_an_answer_ended_at_once_without_chat_says_why(monkeypatch, chat):
     args = ["generate", "--prompt", "Capital of France?", "--prompt", "x", "--max-total-tokens", "512"]
     result = CliRunner().invoke(app, args + (["--chat"] if chat else []))
     assert result.exit_code == 0, result.output
-    assert result.stdout == "\nParis\n"
+    assert result.stdout == "--- answer 1 of 2 ---\n\n--- answer 2 of 2 ---\nParis\n"
     assert ("--chat applies its chat template" in result.stderr) != chat
 
 

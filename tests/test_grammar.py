@@ -245,6 +245,7 @@ def test_a_grammar_no_token_can_go_on_with_ends_the_output_at_its_dead_end(char_
 
 @pytest.mark.parametrize("grammar, message", [
     (dict(json_schema='{"type": "object"'), "invalid json schema: not JSON"),
+    (dict(json_schema='/no/such/schema.json'), "'/no/such/schema.json' is neither a file nor JSON"),
     (dict(json_schema="[1, 2]"), "invalid json schema: it must be a JSON object"),
     (dict(json_schema={"type": "nonsense"}), "invalid json schema"),
     (dict(regex="a("), "invalid regex"),

@@ -61,7 +61,8 @@ BAD_GENERATE = [
     (["--page-size", "3"], "page size must be a power of two"),
     (["--speculative-num-steps", "1", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
      "infeasible"),
-    (["--speculative-eagle-topk", "0"], "--speculative-eagle-topk must be >= 1"),
+    (["--speculative-eagle-topk", "0"], "--speculative-eagle-topk must be in [1, 64]"),
+    (["--speculative-num-steps", "9223372036854775808"], "--speculative-num-steps must be in [1, 64]"),
     (["--speculative-accept-threshold-single", "2"], "must be in [0, 1]"),
     (["--graphs", "warp"], "--graphs must be one of"),
     (["--device", "tpu"], "--device must be auto, cpu or cuda[:N]"),
@@ -70,7 +71,7 @@ BAD_GENERATE = [
     (["--draft", "/no/such/head"], "--speculative-draft-model-path '/no/such/head' is neither"),
     (["--input-ids", "1,999"], "input token ids must be in"),  # needs the model: after the tuned file is read
     (["--max-new-tokens", "99999"], "exceeds the context length"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
 ]
 
 
@@ -93,7 +94,7 @@ BAD_OTHER = [
     (["chat", "--page-size", "0"], "page size"),
     (["tune", "--batch-sizes", "1,x"], "comma-separated integers"),
     (["tune", "--emit", "vllm"], "--emit supports sglang"),
-    (["tune", "--speculative-num-draft-tokens", "1"], "must be >= 2"),
+    (["tune", "--speculative-num-draft-tokens", "1"], "must be in [2, 1024]"),
     (["tune", "--plot", "/no/such/dir/tune.png"], "no such directory"),
     (["tune", "--from-tuned"], "only goes with --emit"),
 ]

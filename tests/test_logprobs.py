@@ -94,5 +94,8 @@ def test_text_api_and_cli_report_logprobs(tmp_path):
     record = json.loads(result.stdout)
     assert [t["token"] for t in record["logprobs"]] == record["output_ids"]
     assert all(len(t["top"]) == 2 and t["top"][0][1] >= t["top"][1][1] for t in record["logprobs"])
-    bad = CliRunner().invoke(app, ["generate", "--model", str(target), "--input-ids", "1", "--logprobs", "21"])
+    bad = CliRunner().invoke(app, ["generate", "--model", str(target), "--input-ids", "1", "--logprobs", "21",
+                                   "--json"])
     assert bad.exit_code == 2 and "logprobs must be in [0, 20]" in bad.stderr
+    text = CliRunner().invoke(app, ["generate", "--model", str(target), "--input-ids", "1", "--logprobs", "2"])
+    assert text.exit_code == 2 and "--logprobs is reported in the --json output" in text.stderr  # (not ignored)

@@ -99,12 +99,49 @@ def test_bench_reports_the_bad_jsonl_line(tmp_path):
     assert result.exit_code == 2 and f"{bad}:2:" in result.stderr
 
 
-def test_chat_prompt_longer_than_the_context_keeps_going():
+def test_chat_prompt_longer_than_the_context_keeps_going(tmp_path):
+    """The long message gets one error line and the next is answered; the saved record keeps the refused message
+    and the exit code tells a script that one got no answer."""
     long = "word " * 9000  # ~9000 tokens: past the 8192-token context
     result = run_cli("chat", "--max-new-tokens", "8", "--max-total-tokens", "20000",
-                     stdin=f"{long}\nSay hi.\n")
-    assert result.returncode == 0
+                     stdin=f"{long}\nSay hi.\n", env={"FASTSPEC_CACHE": str(tmp_path)})
+    assert result.returncode == 2
     assert "error:" in result.stderr and len(result.stdout.strip().splitlines()) == 1
+    (saved,) = (tmp_path / "chats").iterdir()
+    record = json.loads(saved.read_text())
+    assert record["refused"][0]["content"] == long.strip() and len(record["messages"]) == 2
+
+
+def test_piped_chat_takes_bytes_that_are_not_utf8_and_a_signal_saves_the_conversation(tmp_path):
+    """A line with a Latin-1 byte is answered (the byte read as U+FFFD), not a traceback; SIGTERM (as SIGHUP,
+    a closed terminal) ends the chat through its save, the conversation on disk."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "fastspec.cli", "chat", "--max-new-tokens", "6",
+                             "--max-total-tokens", "4096"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "FASTSPEC_CACHE": str(tmp_path)})
+    proc.stdin.write(b"Say caf\xe9 please\n")
+    proc.stdin.flush()
+    answer = proc.stdout.readline()  # the first answer is out: the chat waits for the next line
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert answer.strip() and b"Traceback" not in err and proc.returncode == 128 + signal.SIGTERM
+    (saved,) = (tmp_path / "chats").iterdir()
+    messages = json.loads(saved.read_text())["messages"]
+    assert messages[0] == {"role": "user", "content": "Say caf\ufffd please"} and messages[1]["role"] == "assistant"
+
+
+def test_generate_stopped_midway_keeps_what_each_answer_has():
+    """LLM.generate's should_stop (the CLI's Ctrl-C): every request ends with the tokens it has, reason abort."""
+    llm = fastspec.LLM(max_total_tokens=4096, speculative_algorithm="NONE")
+    asked = []
+    outputs = llm.generate(["Tell me a story.", "Count to fifty."], SamplingParams(max_new_tokens=64, ignore_eos=True),
+                           chat=True, should_stop=lambda: asked.append(1) or len(asked) >= 4)
+    assert [o.finish_reason for o in outputs] == ["abort", "abort"]
+    assert all(0 < len(o.output_ids) < 64 and o.text for o in outputs)
+    assert all_slots_free(llm.engine)
 
 
 def test_abandoned_stream_returns_every_slot():

@@ -164,6 +164,34 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(served):
     assert engine_settled(service) and service.aborted == aborted + 1  # aborted, not run to its 240 tokens
 
 
+def test_a_plain_request_asks_after_its_client_while_tokens_keep_coming():
+    """A non-streamed request's wait checks the connection every DISCONNECT_POLL_S even when an event is always
+    ready (an engine step hands one out every few milliseconds): a client gone is noticed and its request aborted,
+    not run to max_tokens for nobody."""
+    import asyncio
+
+    from fastspec.serve import app as app_module
+    from fastspec.serve import protocol
+    from fastspec.serve.service import Event
+    from fastspec.utils.metrics import SpecMetrics
+
+    class Gone:
+        async def is_disconnected(self) -> bool:
+            return True
+
+    async def wait() -> object:
+        events = asyncio.Queue()
+        for _ in range(100):
+            events.put_nowait((0, Event("x", None, None, 1, SpecMetrics())))
+        parsed = protocol.parse_request({"model": MODEL, "prompt": "abc"}, False, MODEL)
+        reply = app_module._Reply(None, parsed, MODEL, "cmpl-1", 3, [0], events)
+        got = [await reply._next_or_disconnect(Gone())]  # asked a moment ago: the ready event
+        reply.checked -= 2 * app_module.DISCONNECT_POLL_S  # a poll interval later
+        return got + [await reply._next_or_disconnect(Gone())]
+    first, second = asyncio.run(wait())
+    assert first[1].text == "x" and second is None
+
+
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     client, url, _, service = served
     message = [{"role": "user", "content": "abc"}]
@@ -177,6 +205,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
         client.completions.create(model=MODEL, prompt="abc", max_tokens=10**6)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt="abc", temperature=-1)
+    for past_int64 in ({"seed": 2**64}, {"seed": -2**63 - 1}, {"top_k": 2**63}):  # (each once a 500 whose slot
+        with pytest.raises(openai.BadRequestError, match="seed|top-k"):  # leaked, or an engine stopped for all)
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=2, extra_body=past_int64)
+    status, body = raw(url, "POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 2}')  # no model: the
+    assert status == 200 and body["model"] == MODEL  # served one, as SGLang and vLLM take it
     status, bad = raw(url, "POST", "/v1/completions", b"{not json")
     assert status == 400 and bad["error"]["type"] == "invalid_request_error"
     assert raw(url, "GET", "/v1/nowhere")[0] == 404
@@ -230,8 +263,8 @@ def test_bench_url_measures_a_running_server(served):
     assert summary["itl_ms"]["p99"] >= summary["itl_ms"]["median"] > 0
     out = CliRunner().invoke(app, ["bench", "--url", url, "--num-prompts", "5", "--max-new-tokens", "4", "--json"])
     assert out.exit_code == 0, out.stderr
-    cli = json.loads(out.stdout)
-    assert cli["completed"] == 5 and cli["request_rate"] == float("inf") and cli["max_concurrency"] == 16
+    cli = json.loads(out.stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))  # (JSON.parse's rule)
+    assert cli["completed"] == 5 and cli["request_rate"] is None and cli["max_concurrency"] == 16  # all at once
     down = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--num-prompts", "1"])
     assert down.exit_code == 2 and "cannot reach a server" in down.stderr
     assert engine_settled(service)

@@ -191,10 +191,12 @@ def test_soft_label_training_lowers_the_loss_and_decodes_losslessly(chat_target,
     assert [o.output_ids for o in spec] == [o.output_ids for o in plain]
 
 
-def test_a_soft_label_k_past_the_draft_vocabulary_is_one_line(chat_target, tmp_path):
+@pytest.mark.parametrize("flags, message", [(["--draft-vocab-size", "40", "--soft-labels", "41"], "--soft-labels"),
+                                           (["--draft-vocab-size", "0"], "--draft-vocab-size must be >= 1")])
+def test_draft_vocabulary_flags_are_one_line_before_any_answer(chat_target, tmp_path, flags, message):
     result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "o"), "--model", str(chat_target),
-                                      "--draft-vocab-size", "40", "--soft-labels", "41"])
-    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "--soft-labels" in result.stderr
+                                      *flags])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr
     assert not (tmp_path / "o").exists()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import random
 import statistics
 import threading
@@ -97,7 +98,8 @@ def summarize(timings: list[Timing], duration: float, model: str, request_rate: 
     tpot = [(t.latency - t.ttft) / (t.completion_tokens - 1) for t in ok if t.completion_tokens > 1]
     ms = lambda xs: {"mean": _r(statistics.fmean(xs) * 1e3), "median": _r(statistics.median(xs) * 1e3),  # noqa: E731
                      "p99": _r(_percentile(xs, 99) * 1e3)} if xs else None
-    return {"model": model, "request_rate": request_rate, "max_concurrency": max_concurrency,
+    rate = request_rate if math.isfinite(request_rate) else None  # (JSON has no infinity: null = all at once)
+    return {"model": model, "request_rate": rate, "max_concurrency": max_concurrency,
             "completed": len(ok), "failed": len(timings) - len(ok),
             "errors": sorted({t.error for t in timings if t.error})[:5], "duration_s": _r(duration),
             "request_throughput": _r(len(ok) / duration), "output_tok_s": _r(tokens / duration),

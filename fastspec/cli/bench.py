@@ -38,8 +38,10 @@ def bench(
     from fastspec.prompts import load_prompts, read_jsonl_prompts
 
     sizes = parse_ids(batch_sizes, "--batch-sizes")
-    if min(sizes) < 1 or num_prompts < 1 or trials < 1 or warmup < 0 or max_new_tokens < 1:
+    if min(sizes) < 1 or num_prompts < 1 or trials < 1 or max_new_tokens < 1:
         raise FastspecError("batch sizes, --num-prompts, --trials and --max-new-tokens must be >= 1")
+    if warmup < 0:
+        raise FastspecError(f"--warmup must be >= 0, got {warmup}")
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts(prompt_set)
     if not prompts:  # spread the first num_prompts over every set
         texts = texts[::max(1, len(texts) // num_prompts)]

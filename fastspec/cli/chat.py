@@ -8,12 +8,12 @@ import json
 import os
 import signal
 import sys
-import threading
 from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
 
+from fastspec.cli.common import stop_on_ctrl_c
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -44,11 +44,24 @@ def chat(
     try:
         io = TerminalChatIO(session) if sys.stdin.isatty() else LinesChatIO()
         notes.show()
+        exit_on_hangup()
         run_chat(session, io)
+        if session.refused and not sys.stdin.isatty():  # a script learns that a message got no answer
+            raise typer.Exit(2)
     except BrokenPipeError:  # the reader went away mid-answer: keep the conversation, exit quietly
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's final flush cannot fail)
     finally:
         save_chat(session, cache_root() / "chats")
+
+
+def exit_on_hangup() -> None:
+    """SIGTERM and SIGHUP (the terminal closed) end the chat as end of input does, through `finally` (the
+    conversation saved, the answer cut where it was) rather than killing the process."""
+    def leave(signum, _frame):
+        raise SystemExit(128 + signum)
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), leave)
 
 
 def sampling_params(temperature, top_k, top_p, seed, max_new_tokens, **_):
@@ -103,7 +116,7 @@ class LinesChatIO:
     """stdin is not a terminal: one message per line; answers on stdout, everything else on stderr."""
 
     def read(self) -> str | None:
-        line = sys.stdin.readline()
+        line = sys.stdin.buffer.readline().decode("utf-8", "replace")  # (bytes that are not UTF-8: U+FFFD)
         return line.strip() if line else None
 
     def info(self, message: str) -> None:
@@ -159,14 +172,3 @@ class TerminalChatIO:
         if text:
             self.console.file.write(text)
             self.console.file.flush()
-
-
-@contextlib.contextmanager
-def stop_on_ctrl_c():
-    """While generating, Ctrl-C sets an event (checked between rounds) instead of raising mid-step."""
-    event = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda *_: event.set())
-    try:
-        yield event
-    finally:
-        signal.signal(signal.SIGINT, previous)

@@ -3,7 +3,10 @@ progress line, and the parsers of comma-separated flags."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
+import threading
 
 import typer
 
@@ -69,3 +72,13 @@ def parse_bias(text: str | None) -> tuple[tuple[int, float], ...]:
         return tuple((int(t), float(v)) for t, v in (pair.split(":") for pair in text.split(",")))
     except ValueError:
         raise FastspecError(f"--logit-bias must be comma-separated id:bias pairs, got {text!r}") from None
+
+@contextlib.contextmanager
+def stop_on_ctrl_c():
+    """While generating, Ctrl-C sets an event (checked between rounds) instead of raising mid-step."""
+    event = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: event.set())
+    try:
+        yield event
+    finally:
+        signal.signal(signal.SIGINT, previous)

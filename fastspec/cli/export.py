@@ -34,6 +34,8 @@ def export_draft(
         raise FastspecError(f"--format must be {' or '.join(FORMATS)}, got {format!r}")
     if format == "speculators" and not verifier:
         raise FastspecError("--format speculators records the target: give --verifier (its hub id or path)")
+    if out.exists() and not out.is_dir():
+        raise FastspecError(f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         raise FastspecError(f"{out} exists and is not empty")
     head = resolve_model_dir(head)
@@ -47,7 +49,10 @@ def export_draft(
     state = {draft_key(k, config): v.contiguous() for k, v in read_state_dict(head).items()}
     if format == "speculators":
         raw, state = to_speculators(raw, state, verifier, str(head))
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
+    except OSError as e:
+        raise FastspecError(f"cannot write {out}: {e.strerror or e}") from None
     typer.echo(f"wrote {out} ({format})")

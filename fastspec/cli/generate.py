@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import Notes, parse_bias, parse_ids, prepare_progress
+from fastspec.cli.common import Notes, parse_bias, parse_ids, prepare_progress, stop_on_ctrl_c
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -45,7 +45,8 @@ def generate(
     kwargs = options.llm_kwargs()
     kwargs["max_running_requests"] = min(kwargs["max_running_requests"], len(prompts))  # the batch is all it runs
     llm = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)
-    outputs = llm.generate(prompts, params, chat=chat)
+    with stop_on_ctrl_c() as interrupted:  # Ctrl-C: what each answer has so far is printed, then exit 130
+        outputs = llm.generate(prompts, params, chat=chat, should_stop=interrupted.is_set)
     notes.show()
     if (not chat and input_ids is None and llm.tokenizer.chat_template
             and any(not o.output_ids[:-1] and o.finish_reason == "stop" for o in outputs)):
@@ -60,12 +61,18 @@ def generate(
         result = records[0] if len(records) == 1 else {"outputs": records}
         typer.echo(json.dumps(result))
     else:
-        for o in outputs:
+        for i, o in enumerate(outputs):
+            if len(outputs) > 1:
+                typer.echo(f"--- answer {i + 1} of {len(outputs)} ---")
             typer.echo(o.text if o.text is not None else ",".join(map(str, o.output_ids)))
+    if interrupted.is_set():
+        raise typer.Exit(130)
 
 
-def check_flags(prompt, input_ids, chat, **flags) -> None:
+def check_flags(prompt, input_ids, chat, as_json, **flags) -> None:
     """generate's own flags, checked with the shared ones (before torch is imported: a bad flag answers at once)."""
+    if flags.get("logprobs") is not None and not as_json:
+        raise FastspecError("--logprobs is reported in the --json output: give --json too")
     if (prompt is None) == (input_ids is None):
         raise FastspecError("give exactly one of --prompt or --input-ids")
     if chat and input_ids is not None:

@@ -1,12 +1,21 @@
 """The `fastspec` command: one typer app whose commands each live in a module of this package, parse flags into
 frozen configs and delegate. Rich output lives only in this package and in fastspec.benchmark.
 
-Every FastspecError becomes `error: <one line>` on stderr with exit code 2; Ctrl-C exits 130. No tracebacks.
+Every FastspecError, and every usage error (a flag's value of the wrong type, a missing or unknown flag), becomes
+`error: <one line>` on stderr with exit code 2; Ctrl-C exits 130. No tracebacks.
 """
 
 from __future__ import annotations
 
+import sys
+
 import typer
+from typer.core import TyperGroup
+
+try:
+    from typer._click import exceptions as click_errors  # (typer vendors click since 0.22)
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_errors
 
 from fastspec.cli.bench import bench
 from fastspec.cli.chat import chat
@@ -18,7 +27,32 @@ from fastspec.cli.serve import serve
 from fastspec.cli.train import train_draft
 from fastspec.cli.tune import tune
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
+
+
+class OneLineErrors(TyperGroup):
+    """The command group, with click's usage errors as one line (`error: ...`) where typer draws a box."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.NoArgsIsHelpError:  # `fastspec` alone: the help, as typer shows it
+            return super().main(args, prog_name, complete_var, standalone_mode=True, **extra)
+        except click_errors.UsageError as e:
+            hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+            typer.echo(f"error: {e.format_message().rstrip('.')}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except click_errors.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = typer.Typer(cls=OneLineErrors, add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="EAGLE / EAGLE-3 speculative decoding inference, CUDA-graph first, runs on CPU too.")
 
 

@@ -159,6 +159,10 @@ class KVPool:
         else:
             tokens = max_tokens
             what = f"max_tokens={max_tokens}"
+            need, have = (max_tokens + page_size) * bytes_per_token, available_bytes(device)
+            if need > have:  # (where it would fail to allocate, or on CPU be killed while zeroing)
+                raise FastspecError(f"a KV pool of {max_tokens} tokens needs {need / 2**30:.2f} GiB, more than the "
+                                    f"{have / 2**30:.2f} GiB available: lower --max-total-tokens")
         capacity = max(tokens, 0) // page_size * page_size
         if capacity < page_size:
             raise FastspecError(f"KV pool too small: {what} holds fewer than one page of {page_size} tokens")

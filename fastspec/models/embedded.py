@@ -83,8 +83,9 @@ def find_embedded_gguf(name: str) -> Path:
 
 
 def is_current_conversion(out_dir: Path, gguf_path: Path) -> bool:
-    """True when out_dir was converted from this very GGUF (same path, size, mtime) by this converter; False for a
-    missing, foreign or damaged marker (the caller converts again)."""
+    """True when out_dir was converted from this very GGUF (same path, size, mtime) by this converter and every
+    file it wrote is still there at its size; False for a missing, foreign or damaged marker or a missing or cut
+    file (the caller converts again)."""
     from fastspec.models.gguf import CONVERTER_VERSION, SOURCE_MARKER
 
     try:
@@ -93,7 +94,15 @@ def is_current_conversion(out_dir: Path, gguf_path: Path) -> bool:
         return False
     if not isinstance(marker, dict):
         return False
-    stat = gguf_path.stat()
+    stat, files = gguf_path.stat(), marker.get("files")
     return (marker.get("gguf") == str(gguf_path.resolve()) and marker.get("size") == stat.st_size
             and marker.get("mtime_ns") == stat.st_mtime_ns and marker.get("dtype") == "float32"
-            and marker.get("converter_version") == CONVERTER_VERSION)
+            and marker.get("converter_version") == CONVERTER_VERSION and isinstance(files, dict) and bool(files)
+            and all(_has_size(out_dir / name, size) for name, size in files.items()))
+
+
+def _has_size(path: Path, size) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False

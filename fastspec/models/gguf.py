@@ -99,9 +99,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
         _write_json(tmp / "generation_config.json", _generation_config(reader, config))
         _write_tokenizer(reader, tmp)
         stat = gguf_path.stat()
+        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
         _write_json(tmp / SOURCE_MARKER, {"gguf": str(gguf_path.resolve()), "size": stat.st_size,
                                           "mtime_ns": stat.st_mtime_ns, "dtype": config["torch_dtype"],
-                                          "converter_version": CONVERTER_VERSION})
+                                          "converter_version": CONVERTER_VERSION, "files": files})
         _swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -114,5 +114,8 @@ def check_model_spec(spec: str, flag: str = "model") -> None:
         known = ", ".join(embedded.EMBEDDED_MODELS)
         raise FastspecError(f"{flag} {spec!r} is neither a directory, a .gguf file, a Hugging Face hub id (org/name) "
                             f"nor an embedded model ({known})")
+    if not path.is_dir():
+        raise FastspecError(f"{flag} {spec} is a file, not a model directory (a .gguf file, or a directory with "
+                            "config.json)")
     if not (path / "config.json").is_file():
         raise FastspecError(f"{flag} directory {spec} has no config.json")

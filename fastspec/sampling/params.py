@@ -12,6 +12,7 @@ from pathlib import Path
 from fastspec.errors import FastspecError
 
 KINDS = ("json_schema", "regex", "ebnf", "lark")  # the structured-output fields, at most one set
+INT32_MAX = 2**31 - 1  # top_k's bound (any k past the vocabulary keeps the whole of it)
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,13 @@ class SamplingParams:
 
     def __post_init__(self):
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise FastspecError(f"temperature must be >= 0, got {self.temperature}")
+            raise FastspecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise FastspecError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise FastspecError(f"top-k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k == 0 or not -1 <= self.top_k <= INT32_MAX:
+            raise FastspecError(f"top-k must be -1 (off) or in [1, {INT32_MAX}], got {self.top_k}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:
+            raise FastspecError(f"seed must be a 64-bit integer, in [-2^63, 2^63), got {self.seed}")
         if self.max_new_tokens < 1:
             raise FastspecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
@@ -82,6 +85,8 @@ def normalise_schema(schema) -> str:
     try:
         parsed = json.loads(schema)
     except json.JSONDecodeError as e:
+        if not schema.lstrip().startswith(("{", "[")):  # (a path to a file that is not there, most likely)
+            raise FastspecError(f"invalid json schema: {schema[:80]!r} is neither a file nor JSON") from None
         raise FastspecError(f"invalid json schema: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     if not isinstance(parsed, dict):
         raise FastspecError("invalid json schema: it must be a JSON object")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -183,6 +184,7 @@ class _Reply:
         self.finals: dict[int, Event] = {}  # choice -> its last event
         self.texts = {i: "" for i in self.open}  # choice -> its text so far
         self.streams = {i: ToolStream(parsed.tools, tool_parser) for i in self.open}  # what each choice streamed
+        self.checked = time.monotonic()  # when the client was last asked whether it is still there
 
     def _logprobs(self, entries: tuple | None) -> dict | None:
         if not self.parsed.logprobs or entries is None:
@@ -272,11 +274,18 @@ class _Reply:
                                                tokens, metrics))
 
     async def _next_or_disconnect(self, request: Request) -> Event | None:
+        """The next event, or None once the client is gone: asked at least every DISCONNECT_POLL_S, also while
+        events keep coming (a step hands one out every few milliseconds)."""
+        if time.monotonic() - self.checked > DISCONNECT_POLL_S:
+            self.checked = time.monotonic()
+            if await request.is_disconnected():
+                return None
         get = asyncio.ensure_future(self.events.get())
         while True:
             done, _ = await asyncio.wait([get], timeout=DISCONNECT_POLL_S)
             if done:
                 return get.result()
+            self.checked = time.monotonic()
             if await request.is_disconnected():
                 get.cancel()
                 return None

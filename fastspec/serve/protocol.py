@@ -44,7 +44,7 @@ class ParsedRequest:
         """Each choice's parameters: with a seed, choice i's is seed + i (reproducible and not all the same)."""
         if params.seed is None:
             return [params] * self.n
-        return [replace(params, seed=params.seed + i) for i in range(self.n)]
+        return [replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63) for i in range(self.n)]  # (wraps)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -61,7 +61,7 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
     if unknown:
         raise APIError(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
-    model = body.get("model")
+    model = body.get("model", model_name)  # (omitted: the served model, as SGLang and vLLM take it)
     if model != model_name:
         raise APIError(f"the model '{model}' does not exist (this server serves '{model_name}')", status=404,
                        param="model", code="model_not_found")

@@ -95,6 +95,9 @@ class EngineService:
         except FastspecError as e:
             self._close()
             raise APIError(str(e)) from None
+        except BaseException:  # (a 500: the slot it took is given back all the same)
+            self._close()
+            raise
         ending = frozenset(self.engine.worker.eos_ids) | set(params.stop_token_ids) if keep_special else frozenset()
         self._inbox.put(("add", request, _Live(detok, deliver, ending=ending)))
         return rid

@@ -15,7 +15,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
+from fastspec.text.tokenizer import valid_text
 from fastspec.utils.files import write_new
 from fastspec.utils.metrics import SpecMetrics
 
@@ -57,6 +59,7 @@ class ChatSession:
         self.messages: list[dict] = []
         self.cleared: list[dict] = []  # conversations ended by /reset, still saved at exit
         self.turns: list[TurnStats] = []
+        self.refused: list[dict] = []  # messages that could not be answered (too long): kept in the record
 
     def command(self, line: str) -> str | None:
         """Handle a slash command; returns a message to show, or None for /exit."""
@@ -87,24 +90,32 @@ class ChatSession:
         engine.policy = policy
 
     def respond(self, text: str, should_stop: Callable[[], bool] = lambda: False) -> Iterator[str]:
-        """Stream the answer to `text`; the (possibly partial) answer joins the history when done."""
-        messages = self.messages + [{"role": "user", "content": text}]
+        """Stream the answer to `text`; the answer joins the history when done, or as far as it got when the
+        stream is cut (an exception, the generator closed: a signal ending the chat)."""
+        messages = self.messages + [{"role": "user", "content": valid_text(text)}]
         system = [{"role": "system", "content": self.system}] if self.system else []
-        ids = self.llm.tokenizer.encode_chat(system + messages)  # FastspecError (e.g. too long): history unchanged
         start, answer, tokens, last = time.perf_counter(), [], 0, None
-        for step in self.llm.stream([ids], [self.params]):
-            for delta in step:
-                answer.append(delta.text)
-                tokens += len(delta.new_ids)
-                last = delta if delta.finish_reason else last
-                if delta.text:
-                    yield delta.text
-            if last is None and should_stop():
-                self.llm.abort(0)
-        reason = last.finish_reason if last else "abort"
-        self.turns.append(TurnStats(tokens, time.perf_counter() - start, last.metrics if last else SpecMetrics(),
-                                    "interrupted" if reason == "abort" else reason))
-        self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
+        try:
+            steps = self.llm.stream([self.llm.tokenizer.encode_chat(system + messages)], [self.params])
+            first = next(steps, [])  # (the request is checked here)
+        except FastspecError as e:  # (e.g. too long): the history unchanged, the message kept in the record
+            self.refused.append({"content": messages[-1]["content"], "error": str(e)})
+            raise
+        try:
+            for step in itertools.chain([first], steps):
+                for delta in step:
+                    answer.append(delta.text)
+                    tokens += len(delta.new_ids)
+                    last = delta if delta.finish_reason else last
+                    if delta.text:
+                        yield delta.text
+                if last is None and should_stop():
+                    self.llm.abort(0)
+        finally:
+            reason = last.finish_reason if last else "abort"
+            self.turns.append(TurnStats(tokens, time.perf_counter() - start, last.metrics if last else SpecMetrics(),
+                                        "interrupted" if reason == "abort" else reason))
+            self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
 
     def stats(self) -> str:
         if not self.turns:
@@ -121,7 +132,7 @@ class ChatSession:
     def save(self, directory: Path) -> Path | None:
         """Write the conversation (and any cleared by /reset) as JSON, so nothing typed or generated is lost;
         None if there is nothing to write. A new file each time, whole or not at all (OSError if impossible)."""
-        if not self.messages and not self.cleared:
+        if not self.messages and not self.cleared and not self.refused:
             return None
         stem = time.strftime("chat-%Y%m%d-%H%M%S")
         text = json.dumps(self.record(), indent=1, ensure_ascii=False).encode()
@@ -129,6 +140,7 @@ class ChatSession:
         return write_new(directory, names, lambda f: f.write(text))
 
     def record(self) -> dict:
-        """Everything said: the current conversation and those cleared by /reset."""
-        return {"system": self.system, "messages": self.messages, "cleared": self.cleared}
+        """Everything said: the current conversation, those cleared by /reset, the messages refused."""
+        return {"system": self.system, "messages": self.messages, "cleared": self.cleared,
+                **({"refused": self.refused} if self.refused else {})}
 

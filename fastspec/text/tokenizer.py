@@ -37,7 +37,7 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode(valid_text(text), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -90,3 +90,18 @@ def _read_json(path: Path) -> dict:
 
 def _token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
+
+
+def valid_text(text: str) -> str:
+    """`text` as valid Unicode: bytes that were not UTF-8 (a terminal's or a file's, kept by Python as surrogate
+    escapes) and lone surrogates (JSON's "\\ud800") become U+FFFD, as a UTF-8 decoder's `replace` leaves them."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:  # surrogate escapes: the original bytes, decoded again with replacement
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # other lone surrogates
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in text)
+

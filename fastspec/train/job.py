@@ -49,6 +49,8 @@ class TrainConfig:
             raise FastspecError(f"--max-prompts must be >= 1, got {self.max_prompts}")
         if not self.lr > 0:
             raise FastspecError(f"--lr must be > 0, got {self.lr}")
+        if self.draft_vocab_size < 1:
+            raise FastspecError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}")
         if not 0 <= self.soft_topk <= self.draft_vocab_size:
             raise FastspecError(f"--soft-labels must be in [0, --draft-vocab-size {self.draft_vocab_size}], "
                                 f"got {self.soft_topk}")
