@@ -112,31 +112,6 @@ def test_an_int_quantized_weight_is_its_int8_values_times_their_scale(strategy, 
     assert torch.equal(forms["a"].dequantise(), expected)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda s: s.pop("model.layers.0.mlp.up_proj.weight_zero_point"), r"up_proj\.weight_zero_point is missing"),
-    (lambda s: s.update({"model.layers.0.mlp.up_proj.weight_zero_point": torch.zeros(1, 3, dtype=torch.int32)}),
-     r"up_proj\.weight_zero_point has shape \(1, 3\), expected \(12, 2\)"),
-])
-def test_compressed_tensors_zero_points_that_do_not_match_are_one_line(quantised, tmp_path, damage, message):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    model_dir, _ = quantised("ct_int4_asym")
-    shutil.copytree(model_dir, tmp_path / "m")
-    state = load_file(tmp_path / "m" / "model.safetensors")
-    damage(state)
-    save_file(state, tmp_path / "m" / "model.safetensors")
-    with pytest.raises(FastspecError, match=message):
-        load_target(tmp_path / "m", torch.float32)
-    config = json.loads((model_dir / "config.json").read_text())  # symmetric declared, zero points stored
-    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = True
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    shutil.copy(model_dir / "model.safetensors", tmp_path / "m" / "model.safetensors")
-    with pytest.raises(FastspecError, match=r"weight_zero_point: zero points in a symmetric"):
-        load_target(tmp_path / "m", torch.float32)
-
-
 @pytest.mark.parametrize("method, family", CASES)
 def test_dequantised_load_is_transformers_over_the_dequantised_weights(quantised, method, family):
     """--quantization none: the exact reference. Logits equal transformers' over the same dequantised weights (float32,
@@ -380,54 +355,56 @@ def test_unsupported_quantisation_is_one_line_before_loading(tiny_dirs, tmp_path
     assert result.exit_code == 2 and "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda s: s.pop("model.layers.0.self_attn.q_proj.scales"), r"q_proj\.scales is missing"),
-    (lambda s: s.update({"model.layers.1.mlp.up_proj.qzeros": s["model.layers.1.mlp.up_proj.qzeros"][:1]}),
+def damaged_copy(model_dir, tmp_path, damage=None):
+    """A copy of a checkpoint directory, `damage` applied to its state dict."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, tmp_path / "m")
+    if damage is not None:
+        state = load_file(tmp_path / "m" / "model.safetensors")
+        damage(state)
+        save_file(state, tmp_path / "m" / "model.safetensors")
+    return tmp_path / "m"
+
+
+@pytest.mark.parametrize("method, damage, message", [
+    ("gptq", lambda s: s.pop("model.layers.0.self_attn.q_proj.scales"), r"q_proj\.scales is missing"),
+    ("gptq", lambda s: s.update({"model.layers.1.mlp.up_proj.qzeros": s["model.layers.1.mlp.up_proj.qzeros"][:1]}),
      r"up_proj\.qzeros has shape \(1, 12\), expected \(2, 12\)"),
-    (lambda s: s.update({"model.layers.0.mlp.down_proj.g_idx": torch.zeros(96, dtype=torch.int32)}),
+    ("gptq", lambda s: s.update({"model.layers.0.mlp.down_proj.g_idx": torch.zeros(96, dtype=torch.int32)}),
      r"down_proj\.g_idx: groups do not hold 32 inputs each"),
+    ("ct_int4_asym", lambda s: s.pop("model.layers.0.mlp.up_proj.weight_zero_point"),
+     r"up_proj\.weight_zero_point is missing"),
+    ("ct_int4_asym", lambda s: s.update({"model.layers.0.mlp.up_proj.weight_zero_point": torch.zeros(1, 3).int()}),
+     r"up_proj\.weight_zero_point has shape \(1, 3\), expected \(12, 2\)"),
+    ("modelopt_pb", lambda s: s.update({"model.layers.1.mlp.up_proj.weight_scale": torch.tensor(0.01)}),  # FP8_PB_WO:
+     r"layers\.1\.mlp\.up_proj\.weight_scale has shape \(\), expected \(1, 1\)"),  # a table of 128 x 128 blocks
 ])
-def test_quantised_tensors_that_do_not_match_are_one_line(quantised, tmp_path, damage, message):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    model_dir, _ = quantised("gptq")
-    shutil.copytree(model_dir, tmp_path / "m")
-    state = load_file(tmp_path / "m" / "model.safetensors")
-    damage(state)
-    save_file(state, tmp_path / "m" / "model.safetensors")
+def test_quantised_tensors_that_do_not_match_are_one_line(quantised, tmp_path, method, damage, message):
+    model_dir = damaged_copy(quantised(method)[0], tmp_path, damage)
     with pytest.raises(FastspecError, match=message):
-        fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="NONE", max_total_tokens=512)
+        fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=512)
 
 
-def test_a_modelopt_block_scale_that_does_not_tile_its_weight_is_one_line(quantised, tmp_path):
-    """FP8_PB_WO's block is 128 x 128: a scale per tensor (as FP8's) where a block table belongs is named."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    model_dir, _ = quantised("modelopt_pb")
-    shutil.copytree(model_dir, tmp_path / "m")
-    state = load_file(tmp_path / "m" / "model.safetensors")
-    state["model.layers.1.mlp.up_proj.weight_scale"] = torch.tensor(0.01)
-    save_file(state, tmp_path / "m" / "model.safetensors")
-    with pytest.raises(FastspecError, match=r"layers\.1\.mlp\.up_proj\.weight_scale has shape \(\), expected \(1, 1\)"):
-        load_target(tmp_path / "m", torch.float32)
-
-
-def test_int8_weights_in_a_checkpoint_that_declares_none_are_one_line(quantised, tmp_path):
-    """A W8A8 checkpoint that lost its quantization_config: its int8 weights would load as floats without scales."""
-    import shutil
-
-    model_dir, _ = quantised("ct_w8a8")
-    shutil.copytree(model_dir, tmp_path / "m")
-    config = json.loads((tmp_path / "m" / "config.json").read_text())
-    del config["quantization_config"]
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(FastspecError, match=r"q_proj\.weight is stored in int8 but the checkpoint declares no "
-                                            "quantisation"):
-        load_target(tmp_path / "m", torch.float32)
+@pytest.mark.parametrize("method, edit, message", [
+    ("ct_int4_asym", lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=True),
+     r"weight_zero_point: zero points in a symmetric"),
+    ("ct_w8a8", None, r"q_proj\.weight is stored in int8 but the checkpoint declares no quantisation"),
+])
+def test_tensors_the_config_does_not_declare_are_one_line(quantised, tmp_path, method, edit, message):
+    """Zero points where the config says symmetric; int8 weights where it lost its quantization_config (they would
+    load as floats without their scales)."""
+    model_dir = damaged_copy(quantised(method)[0], tmp_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    if edit is None:
+        del config["quantization_config"]
+    else:
+        edit(config["quantization_config"])
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FastspecError, match=message):
+        load_target(model_dir, torch.float32)
 
 
 def test_quantization_flags_that_contradict_the_checkpoint_are_one_line(quantised, tiny_dirs):
