@@ -106,6 +106,11 @@ class EngineConfig:
     mamba_track_interval: int = 256  # hybrid targets with the prefix cache: save the recurrent state every N tokens
 
     def __post_init__(self):
+        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "mamba_track_interval",
+                     "max_total_tokens", "max_context_len", "cuda_graph_max_bs"):  # (an API caller's "16")
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise FastspecError(f"{name} must be an integer, got {value!r}")
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.load_format not in LOAD_FORMATS:
             raise FastspecError(f"--load-format must be {' or '.join(LOAD_FORMATS)}, got {self.load_format!r}")

@@ -10,9 +10,11 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from numbers import Integral
 
 from fastspec.config import EngineConfig
 from fastspec.engine.engine import Engine, collect
+from fastspec.errors import FastspecError
 from fastspec.models.embedded import default_speculation
 from fastspec.models.sources import resolve_sources
 from fastspec.sampling.params import SamplingParams
@@ -63,6 +65,9 @@ class LLM:
         Checks run cheapest first: the flags, then the models' configs (fastspec.models.sources), and only then
         the tuned file."""
         config = EngineConfig(model=model, **engine_options)
+        if draft_model is not None and (speculative_algorithm or "NONE").upper() in ("NONE", "NGRAM"):
+            raise FastspecError(f"draft_model needs speculative_algorithm EAGLE, EAGLE3 or STANDALONE, got "
+                                f"{speculative_algorithm!r}: the draft would be ignored")
         check_spec_flags(speculative_algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
                          accept_threshold_acc)
         algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
@@ -159,14 +164,29 @@ class LLM:
                 for index in range(n):
                     self.engine.abort(index)
 
-    def _inputs(self, prompts, params, chat):
+    def _inputs(self, prompts, params, chat) -> tuple[list[list[int]], list[SamplingParams]]:
+        """(token ids per prompt, params per prompt), or one FastspecError naming what is malformed."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        ids = [p if isinstance(p, list) else self.encode(p, chat) for p in prompts]
-        return ids, params if isinstance(params, list) else [params] * len(ids)
+        if not isinstance(prompts, (list, tuple)) or not all(_is_prompt(p) for p in prompts):
+            raise FastspecError("prompts must be a string, a list of strings or a list of token-id lists")
+        if chat and any(not isinstance(p, str) for p in prompts):
+            raise FastspecError("chat=True applies the chat template to text prompts, not to token ids")
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise FastspecError("params must be a SamplingParams or a list of them, one per prompt")
+        if len(params) != len(prompts):
+            raise FastspecError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one each")
+        return [[int(t) for t in p] if not isinstance(p, str) else self.encode(p, chat) for p in prompts], params
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _is_prompt(p) -> bool:
+    """Text, or a list of token ids (ints; numpy's too, not bools)."""
+    return isinstance(p, str) or isinstance(p, (list, tuple)) and all(
+        isinstance(t, Integral) and not isinstance(t, bool) for t in p)
 
 
 def _to_stderr(message: str) -> None:

@@ -143,6 +143,13 @@ class SpecConfig:
 
     @classmethod
     def _resolve_ngram(cls, common, ngram, num_steps, topk, num_draft_tokens) -> SpecConfig:
+        if isinstance(ngram, dict):  # (the API's shorthand: NgramParams' fields by name)
+            try:
+                ngram = NgramParams(**ngram)
+            except TypeError as e:
+                raise FastspecError(f"ngram: {e}".replace("NgramParams.__init__() ", "")) from None
+        if ngram is not None and not isinstance(ngram, NgramParams):
+            raise FastspecError(f"ngram must be an NgramParams or a dict of its fields, got {type(ngram).__name__}")
         ngram = ngram or NgramParams()
         n = num_draft_tokens or ngram.max_match_window_size
         if n < 2:

@@ -111,6 +111,29 @@ def test_out_of_range_controls_are_one_line_errors(bad, message):
         SamplingParams(**bad)
 
 
+@pytest.mark.parametrize("bad, message", [
+    (dict(max_new_tokens=4.5), "max_new_tokens must be an integer"), (dict(max_new_tokens=True), "must be an integer"),
+    (dict(top_k=2.5), "top_k must be an integer"), (dict(seed="1"), "seed must be an integer"),
+    (dict(logprobs=True), "logprobs must be an integer"), (dict(temperature="0.5"), "temperature must be a number"),
+    (dict(stop=None), "stop must be a string or a list"), (dict(stop=(1,)), "stop must be a string or a list"),
+    (dict(stop_token_ids="5"), "stop_token_ids must be a token id or a list")])
+def test_parameters_of_the_wrong_type_are_one_line_errors(bad, message):
+    """(Before, 4.5 tokens ran as 5, a bool logprobs failed inside generate, a string max_new_tokens was a
+    TypeError from a comparison.)"""
+    with pytest.raises(FastspecError, match=message):
+        SamplingParams(**bad)
+
+
+def test_a_lone_stop_string_or_id_is_one_stop_not_a_sequence_of_them():
+    """stop=", 5" is one stop string (as vLLM and the server take it), not the stops ",", " " and "5"."""
+    import numpy as np
+
+    params = SamplingParams(stop=", 5", stop_token_ids=np.int64(7), max_new_tokens=np.int64(3),
+                            temperature=np.float32(1))
+    assert params.stop == (", 5",) and params.stop_token_ids == (7,) and type(params.max_new_tokens) is int
+    assert type(params.temperature) is float
+
+
 @pytest.mark.commands
 def test_cli_controls_and_bad_bias(tiny_dirs):
     from typer.testing import CliRunner

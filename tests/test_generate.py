@@ -193,3 +193,29 @@ def test_a_model_without_a_tokenizer_generates_from_ids(tiny_dirs):
     assert record["output_ids"] == expected and record["text"] is None
     plain = CliRunner().invoke(app, args)
     assert plain.exit_code == 0 and plain.stdout.strip() == ",".join(map(str, expected))
+
+
+def test_malformed_api_input_is_one_line_and_the_llm_stays_usable(tiny_dirs):
+    """LLM.generate's prompts and params, LLM's draft and ngram options: each malformed value a FastspecError naming
+    it (were AttributeError / TypeError / a zip ValueError from inside), and the LLM answers afterwards."""
+    from fastspec.errors import FastspecError
+
+    model = str(tiny_dirs["llama"][0])
+    llm = fastspec.LLM(model, speculative_algorithm="NGRAM", ngram={"max_bfs_breadth": 2}, max_total_tokens=512)
+    assert llm.engine.spec.ngram.max_bfs_breadth == 2  # a dict of NgramParams' fields
+    for args, message in ((([[1, 2], [3]], [SamplingParams()] * 3), "3 SamplingParams for 2 prompts"),
+                          (([1, 2, 3],), "prompts must be a string, a list of strings or a list of token-id lists"),
+                          (([[1, 2.5]],), "prompts must be"), ((None,), "prompts must be"),
+                          (([[1, 2]], {"max_new_tokens": 3}), "params must be a SamplingParams or a list of them")):
+        with pytest.raises(FastspecError, match=message):
+            llm.generate(*args)
+    with pytest.raises(FastspecError, match="chat=True applies the chat template to text prompts"):
+        llm.generate([[1, 2]], chat=True)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    assert llm.generate([(5, 6, 7)], params)[0].output_ids == llm.generate([[5, 6, 7]], params)[0].output_ids
+    for kwargs, message in ((dict(draft_model=model), "draft_model needs speculative_algorithm EAGLE, EAGLE3 or "
+                                                      "STANDALONE, got None"),
+                            (dict(draft_model=model, speculative_algorithm="NGRAM"), "got 'NGRAM'"),
+                            (dict(speculative_algorithm="NGRAM", ngram={"nope": 1}), "ngram: got an unexpected")):
+        with pytest.raises(FastspecError, match=message):
+            fastspec.LLM(model, max_total_tokens=512, **kwargs)

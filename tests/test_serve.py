@@ -205,6 +205,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
         client.completions.create(model=MODEL, prompt="abc", max_tokens=10**6)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt="abc", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match=r"logit_bias values must be in \[-100, 100\]"):
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=2, logit_bias={"5": 101})
+    with pytest.raises(openai.BadRequestError, match="one grammar per request: response_format and regex"):
+        client.chat.completions.create(model=MODEL, messages=message, response_format={"type": "json_object"},
+                                       extra_body={"regex": "a+"})
     for past_int64 in ({"seed": 2**64}, {"seed": -2**63 - 1}, {"top_k": 2**63}):  # (each once a 500 whose slot
         with pytest.raises(openai.BadRequestError, match="seed|top-k"):  # leaked, or an engine stopped for all)
             client.completions.create(model=MODEL, prompt="abc", max_tokens=2, extra_body=past_int64)

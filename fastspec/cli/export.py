@@ -34,6 +34,9 @@ def export_draft(
         raise FastspecError(f"--format must be {' or '.join(FORMATS)}, got {format!r}")
     if format == "speculators" and not verifier:
         raise FastspecError("--format speculators records the target: give --verifier (its hub id or path)")
+    if format == "sglang" and verifier:
+        raise FastspecError("--verifier is recorded by --format speculators only: the sglang format has no place "
+                            "for it")
     if out.exists() and not out.is_dir():
         raise FastspecError(f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()):

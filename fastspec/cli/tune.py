@@ -51,7 +51,9 @@ def tune(
     algorithm, draft = default_speculation(options.model, options.speculative_algorithm,
                                            options.speculative_draft_model_path)
     if (algorithm or "").upper() not in ("EAGLE", "EAGLE3") or draft is None:
-        raise FastspecError("fastspec tune tunes EAGLE / EAGLE3 heads: give --speculative-algorithm and --draft")
+        given = f", not {algorithm.upper()}" if algorithm and draft is not None else ""
+        raise FastspecError(f"fastspec tune tunes EAGLE / EAGLE3 heads{given}: give --speculative-algorithm EAGLE or "
+                            "EAGLE3 and --draft")
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts("all", "train")[::37]
     from fastspec.config import resolve_device
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from numbers import Integral, Real
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ class SamplingParams:
     lark: str | None = None  # or llguidance's Lark grammar (serve's `auto` tool calls)
 
     def __post_init__(self):
+        self._check_types()
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise FastspecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -63,6 +65,27 @@ class SamplingParams:
         self._check_grammar()
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise FastspecError(f"logprobs must be in [0, 20] (top alternatives per token), got {self.logprobs}")
+
+    def _check_types(self) -> None:
+        """Each field's type (bool is no number here); a lone stop string or stop id is taken as a one-item tuple,
+        as vLLM takes it (a string is not a sequence of one-character stop strings)."""
+        for name in ("top_k", "max_new_tokens", *(("seed",) if self.seed is not None else ()),
+                     *(("logprobs",) if self.logprobs is not None else ())):
+            if not isinstance(getattr(self, name), Integral) or isinstance(getattr(self, name), bool):
+                raise FastspecError(f"{name} must be an integer, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_p"):
+            if not isinstance(getattr(self, name), Real) or isinstance(getattr(self, name), bool):
+                raise FastspecError(f"{name} must be a number, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name, one in (("stop", str), ("stop_token_ids", Integral)):
+            value = getattr(self, name)
+            value = (value,) if isinstance(value, one) else value
+            if not isinstance(value, (tuple, list)) or not all(isinstance(v, one) and not isinstance(v, bool)
+                                                               for v in value):
+                what = "string" if one is str else "token id"
+                raise FastspecError(f"{name} must be a {what} or a list of them, got {value!r}")
+            object.__setattr__(self, name, tuple(v if one is str else int(v) for v in value))
 
     def _check_grammar(self) -> None:
         kinds = [k for k in KINDS if getattr(self, k) is not None]

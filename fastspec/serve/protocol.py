@@ -109,8 +109,8 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
             presence_penalty=_number(body, "presence_penalty", 0.0),
             logit_bias=_logit_bias(body), regex=_get(body, "regex", str, None), ebnf=_get(body, "ebnf", str, None),
             json_schema=schema)
-    except FastspecError as e:
-        raise APIError(str(e)) from None
+    except FastspecError as e:  # (response_format's schema is the json_schema a grammar clash names)
+        raise APIError(str(e).replace("json_schema and", "response_format and")) from None
     return ParsedRequest(chat, messages, prompt, params, _get(body, "stream", bool, False),
                          bool(stream_options.get("include_usage")), want_logprobs, given, n, tools)
 
@@ -194,9 +194,12 @@ def _prompt(body: dict) -> str | list[int]:
 def _logit_bias(body: dict) -> dict:
     bias = _get(body, "logit_bias", dict, {}) or {}
     try:
-        return {int(k): float(v) for k, v in bias.items()}
+        bias = {int(k): float(v) for k, v in bias.items()}
     except (TypeError, ValueError):
         raise APIError("logit_bias must map token ids to numbers", param="logit_bias") from None
+    if any(not -100 <= v <= 100 for v in bias.values()):  # (OpenAI's range)
+        raise APIError("logit_bias values must be in [-100, 100]", param="logit_bias")
+    return bias
 
 
 def _response_format(body: dict) -> str | None:
