@@ -258,3 +258,21 @@ def test_a_dropped_llm_is_freed_at_once(tiny_dirs, draft_dirs, algorithm, draft,
         assert pool() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_loading_a_head_leaves_the_target_it_shares_modules_with_as_it_was(tiny_dirs, draft_dirs, kind):
+    """A head shares the target's embedding (and EAGLE-1's lm_head); casting the head to its dtype cast those too,
+    so a bfloat16 target whose shared module keeps a float32 table (a packed embedding's scales) computed other
+    logits beside a head than alone: greedy EAGLE-3 differed from plain decoding on the embedded model in bfloat16.
+    Every target tensor, float32 ones included, stays bit for bit what it was."""
+    from fastspec.models.draft_loader import load_draft
+    from fastspec.models.loader import load_target
+
+    target = load_target(tiny_dirs["llama"][0], torch.bfloat16)
+    target.model.embed_tokens.register_buffer("scale", torch.rand(7, dtype=torch.float64).float())  # a float32 table
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    head = load_draft(draft_dirs["llama"][kind], target, torch.bfloat16)
+    after = target.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    assert all(p.dtype == torch.bfloat16 for n, p in head.named_parameters() if not n.startswith(("embed", "lm_head")))

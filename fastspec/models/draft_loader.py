@@ -14,7 +14,8 @@ from fastspec.errors import FastspecError, first_line
 from fastspec.models.causal_lm import CausalLM, eagle3_capture_layers
 from fastspec.models.dummy import default_dtype, fill_random
 from fastspec.models.eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
-from fastspec.models.loader import load_into, read_config, read_state_dict, skip_init, weight_files, weight_names
+from fastspec.models.loader import (cast_own, load_into, read_config, read_state_dict, skip_init, weight_files,
+                                    weight_names)
 from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
 
 
@@ -55,7 +56,7 @@ def load_draft(draft_dir: Path, target: CausalLM, dtype: torch.dtype, device="cp
             hot = load_token_map(token_map, target.config.vocab_size).to(device) if token_map else None
             model = LlamaForCausalLMEagle(config, target.model.embed_tokens, target.lm_head.weight, hot)
             skip = ("embed_tokens.", "lm_head.")
-        model = model.to(dtype)
+        model = cast_own(model, dtype, target)
     if config.is_eagle3:
         model.d2t.zero_()
         state.setdefault("d2t", model.d2t)

@@ -109,6 +109,23 @@ def skip_init():
             setattr(nn.init, n, fn)
 
 
+def cast_own(model: nn.Module, dtype: torch.dtype, target: nn.Module) -> nn.Module:
+    """model.to(dtype) for the head's own tensors only: the target's embedding / lm_head it shares keep theirs (a
+    cast of the shared module rounded the target's own tables, e.g. a packed embedding's float32 scales to
+    bfloat16, so a target beside a head computed other logits than the same target alone)."""
+    theirs = {id(t) for t in (*target.parameters(), *target.buffers())}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if id(t) in theirs or not t.is_floating_point() or t.dtype == dtype:
+                    continue
+                if isinstance(t, nn.Parameter):
+                    t.data = t.data.to(dtype)
+                else:
+                    setattr(module, name, t.to(dtype))
+    return model
+
+
 def load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str, ...], source: str) -> None:
     """Copy `state` into `model`'s parameters/buffers; every tensor not under a `skip` prefix must be present."""
     own = model.state_dict(keep_vars=True)  # parameters and persistent buffers, the live tensors

@@ -16,6 +16,7 @@ from fastspec.models.causal_lm import CausalLM
 from fastspec.models.deepseek import DeepseekMTP, MTPStack
 from fastspec.models.loader import (
     _keep_routers_float32,
+    cast_own,
     load_into,
     read_config,
     read_state_dict,
@@ -42,7 +43,7 @@ def load_mtp(model_dir: Path, target: CausalLM, dtype: torch.dtype, device="cpu"
     if not any(k.startswith(prefix) for k in weights):
         raise FastspecError(f"{model_dir}: NEXTN needs the checkpoint's MTP layer ({prefix or 'none'}*), and this "
                             f"{config.architecture} checkpoint has none; give an EAGLE head with --draft")
-    build = partial(_built, dtype=dtype, device=device, scheme=scheme, keep=keep, source=str(model_dir))
+    build = partial(_built, dtype=dtype, device=device, scheme=scheme, keep=keep, source=str(model_dir), target=target)
     if config.mla is None:
         state = {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
         model = build(lambda: Qwen3NextMTP(config, target.model.embed_tokens, target.lm_head), state,
@@ -71,12 +72,12 @@ def _deepseek_mtp_layer(config: ModelConfig, k: int, borrowed: list[str], target
 
 
 def _built(make, state: dict, skip: tuple[str, ...], dtype, device, scheme: QuantScheme | None, keep: bool,
-           source: str) -> nn.Module:
+           source: str, target: CausalLM) -> nn.Module:
     """The module `make()` builds, its weights from `state`: a float one built on `device` in `dtype`; a quantised
     one's stored linears kept (`keep`) on a skeleton on the meta device, or all dequantised into `state`."""
     if scheme is None:
         with skip_init(), torch.device(device):
-            module = _keep_routers_float32(make().to(dtype))
+            module = _keep_routers_float32(cast_own(make(), dtype, target))  # (the borrowed modules as they are)
         load_into(module, stack_experts(state), skip, source)
         return module
     with skip_init(), torch.device("meta"):  # the target's borrowed modules stay as they are
