@@ -91,6 +91,8 @@ def test_a_revision_picks_its_snapshot(cache):
     assert resolve_model_dir(TARGET, "v2") == resolve_model_dir(TARGET, commit_id(2)) == snapshots / commit_id(2)
     with pytest.raises(FastspecError, match=f"{TARGET} at revision nope is not in the Hugging Face cache {cache}"):
         resolve_model_dir(TARGET, "nope")
+    with pytest.raises(FastspecError, match=r"a revision \(v2\) applies to a hub id \(org/name\), not to smollm2"):
+        resolve_model_dir("smollm2-135m-instruct", "v2")  # (a local model has none: it was ignored)
 
 
 @pytest.mark.commands

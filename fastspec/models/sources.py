@@ -104,6 +104,8 @@ def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
     from fastspec.models import embedded
 
     check_model_spec(spec)
+    if revision is not None and not hub.is_hub_id(spec):  # (a local model has no revisions: not silently ignored)
+        raise FastspecError(f"a revision ({revision}) applies to a hub id (org/name), not to {spec}")
     if spec in embedded.EMBEDDED_MODELS:
         return embedded.embedded_model_dir(spec)
     if hub.is_hub_id(spec):
