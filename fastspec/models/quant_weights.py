@@ -180,9 +180,7 @@ def _awq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     def columns(packed):  # [rows, N/8] int32 -> [rows, N] uint8, output columns in order
         return unpack_int32(packed.to(torch.int32), 4, 1).view(packed.shape[0], -1, 8)[..., reorder].flatten(1)
 
-    q, z = columns(qweight).t().contiguous(), columns(qzeros).t().float()  # [N, K], [N, K/g]
-    s = scales.t().float()
-    return IntWeight(Blocks(q, s.contiguous(), (-z * s).contiguous(), 4))
+    return _from_unsigned(columns(qweight).t(), columns(qzeros).t().float(), scales.t().float(), 4)
 
 
 def _gptq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
@@ -203,10 +201,17 @@ def _gptq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     perm = _group_order(t.get("g_idx"), k, group, "g_idx", where)
     if perm is not None:
         q = q[:, perm]
-    if bits == 8:  # int8 values: q - 128, the offset takes the 128 back
-        return IntWeight(Blocks((q.to(torch.int16) - 128).to(torch.int8).contiguous(), s.contiguous(),
+    return _from_unsigned(q, z, s, bits, perm)
+
+
+def _from_unsigned(u: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int,  # [N, K] uint8; [N, K/g] float32
+                   perm: torch.Tensor | None = None) -> IntWeight:
+    """w = (u - z) * s per group, from unsigned `bits`-bit values u and zero points z in the same unsigned range:
+    4-bit values kept as they are, 8-bit ones stored as int8 (u - 128, the offset takes the 128 back)."""
+    if bits == 8:
+        return IntWeight(Blocks((u.to(torch.int16) - 128).to(torch.int8).contiguous(), s.contiguous(),
                                 ((128 - z) * s).contiguous(), 8), perm)
-    return IntWeight(Blocks(q.contiguous(), s.contiguous(), (-z * s).contiguous(), 4), perm)
+    return IntWeight(Blocks(u.contiguous(), s.contiguous(), (-z * s).contiguous(), 4), perm)
 
 
 def _group_order(g_idx: torch.Tensor | None, k: int, group: int, key: str, where: str) -> torch.Tensor | None:
@@ -261,10 +266,7 @@ def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     if zero is not None:
         _expect(zero, (-(-n * bits // 32), k // group), "weight_zero_point", where)
         z = unpack_int32(zero.to(torch.int32), bits, 0)[:n].float()
-    if bits == 8:  # int8 values: u - 128, the offset takes the 128 back
-        return IntWeight(Blocks((u.to(torch.int16) - 128).to(torch.int8).contiguous(), s.contiguous(),
-                                ((128 - z) * s).contiguous(), 8), perm)
-    return IntWeight(Blocks(u.contiguous(), s.contiguous(), (-z * s).contiguous(), 4), perm)
+    return _from_unsigned(u, z, s, bits, perm)
 
 
 def _int_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
