@@ -3,9 +3,10 @@ its EAGLE-3 head, every round speculating, over the held-out chat prompts (none 
 
     .venv/bin/python bench/spec_agreement.py [--dtypes float32,bfloat16,float16] [--prompts 16] [--max-new-tokens 64]
 
-For each dtype: how many answers are identical, and where the others first differ (the token index). In float32 the
-two are equal (the suite tests it); in a 16-bit dtype a verify's N rows and N single steps can round differently,
-and a greedy choice between two tokens closer than that rounding then goes either way.
+For each dtype: how many answers are identical, and where the others first differ (the token index). They should
+all be (the suite tests it on tiny models): a verify row computes its token's decode-step logits bit for bit; a kernel
+whose rounding depends on the rows around it (torch's SDPA over a padded verify block did, in 16 bits) shows here as
+a greedy near-tie going either way.
 Writes bench/results/spec_agreement.json.
 """
 

@@ -1,5 +1,6 @@
 """The end-to-end invariant: greedy speculative output == greedy target-only output, token for token, for every
-algorithm and parameter combination (float32, random tiny targets and drafts); KV fully returned afterwards.
+algorithm and parameter combination (float32, and 16-bit targets; random tiny targets and drafts); KV fully returned
+afterwards.
 
 STANDALONE with the target itself as the draft ("self") accepts long runs, so it drives every KV path
 (multi-token commits, page-crossing compaction, stops inside an accepted run); random EAGLE heads accept
@@ -210,6 +211,26 @@ def test_a_smaller_kv_cache_is_lossless(tiny_dirs, draft_dirs, family, algorithm
               "fp8_e5m2": torch.float8_e5m2}.get(kv, torch.float16)
     assert {p.k.dtype for p in llm.engine.worker.memory.pools} == {stored}
     assert all_slots_free(llm.engine)
+
+
+@pytest.mark.parametrize("family, algorithm, draft, dtype, quantization", [
+    ("llama", "EAGLE3", "eagle3", "bfloat16", None), ("qwen3", "EAGLE", "eagle", "float16", None),
+    ("qwen2", "STANDALONE", "self", "bfloat16", "int4"), ("llama", "NGRAM", None, "float16", None)])
+def test_a_16_bit_target_is_lossless(tiny_dirs, draft_dirs, family, algorithm, draft, dtype, quantization):
+    """--dtype bfloat16 / float16: a verify row rounds as the decode step of its token does (attention takes each row
+    over exactly its keys, whatever the batch and the tree around it), so speculative output equals target-only output
+    in 16 bits too, token for token (torch's SDPA over the padded verify block made greedy EAGLE-3 leave plain decoding
+    in bfloat16)."""
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    steps, topk, n = (None, None, 6) if algorithm == "NGRAM" else (3, 2, 5)
+    extra = dict(dtype=dtype, quantization=quantization)
+    plain = fastspec.LLM(str(tiny_dirs[family][0]), max_total_tokens=4096, **extra)
+    expected = [o.output_ids for o in plain.engine.generate(PROMPTS, [params] * len(PROMPTS))]
+    llm = spec_llm(tiny_dirs, draft_dirs, family, algorithm, draft, steps, topk, n, 16, **extra)
+    llm.engine.policy = None  # every round speculates
+    outputs = llm.engine.generate(PROMPTS, [params] * len(PROMPTS))
+    assert [o.output_ids for o in outputs] == expected
+    assert sum(o.metrics.verify_rounds for o in outputs) > 0
 
 
 def test_auto_stores_a_packed_cpu_targets_kv_cache_in_bfloat16(tiny_dirs):

@@ -11,6 +11,7 @@ from test_speculative import PROMPTS, spec_llm
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastspec.attention import paged
+from fastspec.kernels import cpu_fused
 from fastspec.sampling import SamplingParams
 
 READS = {"aten.nonzero.default", "aten._local_scalar_dense.default", "aten.masked_select.default"}
@@ -39,15 +40,16 @@ def test_a_speculative_round_reads_the_device_once(tiny_dirs, draft_dirs, monkey
 
     methods = {name: getattr(torch.Tensor, name) for name in VALUE_READS}
     host_side = {"on": False}  # NGRAM drafts on the host by design (its trie and tensors never leave the CPU)
-    real_twin = paged.twin_plan
-
-    def twin(*args):  # the paged-attention CPU twin's plan reads the longest length (on CUDA: Triton, no read)
-        host_side["on"] = True
-        try:
-            return real_twin(*args)
-        finally:
-            host_side["on"] = False
-    monkeypatch.setattr(paged, "twin_plan", twin)
+    # the paged-attention CPU kernels' dense plan reads the longest length (the twin's and the C kernel's; on CUDA
+    # Triton reads none)
+    for module, name in ((paged, "twin_plan"), (cpu_fused, "paged_dense_plan")):
+        def dense(*args, real=getattr(module, name)):
+            host_side["on"] = True
+            try:
+                return real(*args)
+            finally:
+                host_side["on"] = False
+        monkeypatch.setattr(module, name, dense)
     if algorithm == "NGRAM":
         for drafter in worker.drafters.values():
             real_draft = drafter.draft

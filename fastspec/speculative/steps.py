@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from fastspec.attention import AttentionContext
-from fastspec.attention.paged import PagedAttnBackend, PagedPlan, paged_block_plan
+from fastspec.attention.paged import PagedPlan, paged_block_plan
 from fastspec.kernels import cpu_fused, fast_topk
+from fastspec.kernels.cpu_paged import CpuPagedBackend
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models.recurrent import tree_parents
 from fastspec.speculative.tree import DraftTree, build_tree, organize_draft_results, select_top_k, verify_predicted
@@ -23,7 +24,7 @@ from fastspec.speculative.tree import DraftTree, build_tree, organize_draft_resu
 TREE_FIELDS = ("draft_tokens", "positions", "tree_mask", "retrieve_index", "retrieve_next_token",
                "retrieve_next_sibling")
 
-_BACKEND = PagedAttnBackend()
+_BACKEND = CpuPagedBackend()
 
 
 def draft_top_k(model, hot_token_id, normed: torch.Tensor, topk: int, allowed: torch.Tensor | None = None):

@@ -1,0 +1,76 @@
+"""The paged attention op's CPU kernel (fastspec.kernels.cpu_paged): eager, as the op and compiled it is one
+computation, bit for bit; it is the torch twin to rounding; a verify row is the decode step of its token in every
+dtype (what keeps 16-bit speculation lossless); where the C library is not there the op is its twin. Skipped where
+no C compiler builds the kernels."""
+
+import pytest
+import torch
+
+from fastspec.attention.paged import PagedPlan, paged_attention_twin, paged_block_plan
+from fastspec.kernels import cpu_fused, cpu_library
+from fastspec.kernels.cpu_paged import CpuPagedBackend
+from fastspec.memory.kv_pool import as_cache
+
+pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler builds the CPU kernels")
+
+HQ, HKV, D = 4, 2, 32
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # node 3 skips node 1
+TABLE = torch.arange(1, 2 * 160 + 1, dtype=torch.int32).view(2, 160)
+
+
+def verify_plan(prefix: list[int]) -> PagedPlan:
+    """A tree of 4 nodes per request after `prefix` committed tokens (slots 150..153 of its table row)."""
+    return paged_block_plan(TABLE, torch.tensor([0, 1]), torch.tensor(prefix), TABLE[:, 150:154].long(),
+                            TREE.expand(2, 4, 4))
+
+
+def operands(dtype: torch.dtype, kv: torch.dtype, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(8, HQ, D, generator=g).to(dtype)
+    k, v = (as_cache(torch.randn(330, HKV, D, generator=g), kv) for _ in range(2))
+    return q, k, v
+
+
+def op_args(plan: PagedPlan) -> tuple:
+    return plan.table, plan.rows, plan.prefix_lens, plan.block_slots, plan.block_mask
+
+
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+          (torch.bfloat16, torch.float8_e4m3fn)]
+
+
+@pytest.mark.parametrize("dtype, kv", DTYPES)
+def test_eager_op_and_compiled_are_one_computation_and_the_twin_to_rounding(dtype, kv):
+    plan, (q, k, v) = verify_plan([5, 130]), operands(dtype, kv)
+    eager = CpuPagedBackend().run(plan, q, k, v, D ** -0.5)
+    op = torch.ops.fastspec.paged_attention(q, k, v, *op_args(plan), D ** -0.5, True)
+    compiled = torch.compile(lambda *a: torch.ops.fastspec.paged_attention(*a) * 1, fullgraph=True, dynamic=False)(
+        q, k, v, *op_args(plan), D ** -0.5, True)
+    assert eager.dtype == dtype and torch.equal(eager, op) and torch.equal(eager, compiled)
+    twin = paged_attention_twin(q, k, v, *op_args(plan), D ** -0.5, True)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]  # 16 bits: one step apart
+    torch.testing.assert_close(eager.float(), twin.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, kv", DTYPES)
+def test_a_verify_row_is_the_decode_step_of_its_token(dtype, kv):
+    """Each tree node's row, bit for bit, is a one-row decode over the keys it sees: its prefix through the table,
+    then its ancestors and itself as the block (what a plain step of that token reads). A prefix of 130 puts the
+    tree past the kernel's first key chunk."""
+    prefix = [5, 130]
+    q, k, v = operands(dtype, kv)
+    verified = CpuPagedBackend().run(verify_plan(prefix), q, k, v, D ** -0.5)
+    for t in range(8):
+        b, i = divmod(t, 4)
+        seen = TABLE[b, 150:154][TREE[i]].long()[None]  # [1, ancestors + itself]
+        alone = paged_block_plan(TABLE, torch.tensor([b]), torch.tensor([prefix[b]]), seen,
+                                 torch.ones(1, 1, seen.shape[1], dtype=torch.bool))
+        assert torch.equal(verified[t], CpuPagedBackend().run(alone, q[t:t + 1], k, v, D ** -0.5)[0]), t
+
+
+def test_without_the_library_the_op_is_its_twin(monkeypatch):
+    plan, (q, k, v) = verify_plan([5, 130]), operands(torch.bfloat16, torch.bfloat16)
+    monkeypatch.setattr(cpu_library, "library", lambda: None)
+    twin = paged_attention_twin(q, k, v, *op_args(plan), D ** -0.5, True)
+    assert torch.equal(torch.ops.fastspec.paged_attention(q, k, v, *op_args(plan), D ** -0.5, True), twin)
+    assert torch.equal(CpuPagedBackend().run(plan, q, k, v, D ** -0.5), twin)
