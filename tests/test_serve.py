@@ -170,7 +170,7 @@ def test_a_plain_request_asks_after_its_client_while_tokens_keep_coming():
     not run to max_tokens for nobody."""
     import asyncio
 
-    from fastspec.serve import app as app_module
+    from fastspec.serve import reply as reply_module
     from fastspec.serve import protocol
     from fastspec.serve.service import Event
     from fastspec.utils.metrics import SpecMetrics
@@ -184,9 +184,9 @@ def test_a_plain_request_asks_after_its_client_while_tokens_keep_coming():
         for _ in range(100):
             events.put_nowait((0, Event("x", None, None, 1, SpecMetrics())))
         parsed = protocol.parse_request({"model": MODEL, "prompt": "abc"}, False, MODEL)
-        reply = app_module._Reply(None, parsed, MODEL, "cmpl-1", 3, [0], events)
+        reply = reply_module.Reply(None, parsed, MODEL, "cmpl-1", 3, [0], events)
         got = [await reply._next_or_disconnect(Gone())]  # asked a moment ago: the ready event
-        reply.checked -= 2 * app_module.DISCONNECT_POLL_S  # a poll interval later
+        reply.checked -= 2 * reply_module.DISCONNECT_POLL_S  # a poll interval later
         return got + [await reply._next_or_disconnect(Gone())]
     first, second = asyncio.run(wait())
     assert first[1].text == "x" and second is None
@@ -312,6 +312,31 @@ def test_metrics_parse_and_move_by_what_a_request_did(served):
     rounds, accepted = after[("fastspec:spec_verify_rounds_total", label)], after[
         ("fastspec:spec_accepted_tokens_total", label)]
     assert after[("fastspec:spec_accept_length", label)] == pytest.approx((accepted + rounds) / rounds)
+
+
+def test_a_batch_of_prompts_is_one_request_of_their_choices(served):
+    """prompt as a list of strings or of token-id lists (OpenAI's batch): choice p * n + i is prompt p's i-th, what a
+    request of that prompt alone gets, streamed or not; usage counts every prompt."""
+    client, _, llm, service = served
+    texts = ["abc", PROMPTS[1]]
+    got = client.completions.create(model=MODEL, prompt=texts, max_tokens=6, temperature=0)
+    assert [c.index for c in got.choices] == [0, 1]
+    assert [c.text for c in got.choices] == [greedy(llm, p, 6, chat=False).text for p in texts]
+    assert got.usage.prompt_tokens == sum(len(llm.encode(p)) for p in texts)
+    sampled = dict(model=MODEL, max_tokens=5, temperature=1.0, seed=3, n=2, extra_body={"ignore_eos": True})
+    ids = [[5, 6, 7], [8, 9]]
+    alone = [c.text for p in ids for c in client.completions.create(prompt=p, **sampled).choices]
+    assert [c.text for c in client.completions.create(prompt=ids, **sampled).choices] == alone
+    deltas = {}
+    for c in client.completions.create(prompt=ids, stream=True, **sampled):
+        for choice in c.choices:
+            deltas[choice.index] = deltas.get(choice.index, "") + choice.text
+    assert [deltas[i] for i in range(4)] == alone
+    for bad, message in (((["abc", ""]), "prompt must be"), ([[5, 6], [7, "x"]], "prompt must be"),
+                         ([[5, 6]] * 129, "more than 256 choices")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(model=MODEL, prompt=bad, max_tokens=3, n=2)
+    assert engine_settled(service)
 
 
 def test_n_choices_streamed_or_not_share_the_prompts_kv(served):

@@ -24,6 +24,7 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "to
                         "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_CHOICES = 16  # n: each choice is a request of its own in the running batch
+MAX_REQUESTS = 256  # completions: a request's prompts x n (each a request of its own)
 DEFAULT_CHAT_MAX_TOKENS = 1024  # OpenAI's chat default is "the rest of the context"; capped so the KV pool holds it
 
 
@@ -31,7 +32,7 @@ DEFAULT_CHAT_MAX_TOKENS = 1024  # OpenAI's chat default is "the rest of the cont
 class ParsedRequest:
     chat: bool
     messages: list[dict] | None  # chat
-    prompt: str | list[int] | None  # completions: text or token ids
+    prompts: tuple[str | list[int], ...] | None  # completions: text or token ids each (choice p * n + i: prompt p's)
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -72,7 +73,10 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         raise APIError("best_of other than n is not supported", param="best_of")
     if not chat and (_get(body, "echo", bool, False) or _get(body, "suffix", str, None)):
         raise APIError("echo and suffix are not supported", param="echo")
-    messages, prompt = (_messages(body), None) if chat else (None, _prompt(body))
+    messages, prompts = (_messages(body), None) if chat else (None, _prompts(body))
+    if prompts is not None and len(prompts) * n > MAX_REQUESTS:
+        raise APIError(f"{len(prompts)} prompts x n = {n} is more than {MAX_REQUESTS} choices in one request",
+                       param="prompt")
     tools = parse_tools(body) if chat else None
     schema = _response_format(body)
     if tools is not None and tools.grammar() is not None:
@@ -111,7 +115,7 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
             json_schema=schema)
     except FastspecError as e:  # (response_format's schema is the json_schema a grammar clash names)
         raise APIError(str(e).replace("json_schema and", "response_format and")) from None
-    return ParsedRequest(chat, messages, prompt, params, _get(body, "stream", bool, False),
+    return ParsedRequest(chat, messages, prompts, params, _get(body, "stream", bool, False),
                          bool(stream_options.get("include_usage")), want_logprobs, given, n, tools)
 
 
@@ -180,15 +184,17 @@ def _tool_calls(calls) -> list[dict]:
     return out
 
 
-def _prompt(body: dict) -> str | list[int]:
+def _prompts(body: dict) -> tuple[str | list[int], ...]:
+    """OpenAI's four forms: a string, a list of token ids, a list of strings, a list of token-id lists."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise APIError("prompt must be a non-empty string or list of token ids (one prompt per request)", param="prompt")
+    batched = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+    batch = prompt if batched else [prompt]
+    for p in batch:
+        if not (isinstance(p, str) and p or isinstance(p, list) and p
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in p)):
+            raise APIError("prompt must be a non-empty string or list of token ids, or a list of them",
+                           param="prompt")
+    return tuple(batch)
 
 
 def _logit_bias(body: dict) -> dict:
