@@ -83,7 +83,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     rows: torch.Tensor, prefix_lens: torch.Tensor, block_slots: torch.Tensor,
                     block_mask: torch.Tensor, scale: float, self_visible: bool = False) -> torch.Tensor:
     """[T, Hq, Dv]. FASTSPEC_TRITON_ATTENTION=1 runs the Triton kernels on CPU too (with TRITON_INTERPRET=1).
-    fastspec.kernels.cpu_paged registers the C kernel for CPU tensors, which falls back to this."""
+    fastspec.kernels.cpu_attention registers the C kernel for CPU tensors, which falls back to this."""
     return paged_attention_default(q, k_cache, v_cache, table, rows, prefix_lens, block_slots, block_mask, scale,
                                    self_visible)
 

@@ -34,6 +34,7 @@ from fastspec.engine.spec_rounds import SpecRounds
 from fastspec.engine.target import Target
 from fastspec.errors import FastspecError
 from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
+from fastspec.kernels.cpu_attention import CpuTorchBackend
 from fastspec.models.assemble import load_models, pack_round_rows
 from fastspec.models.mla import mla_softmax_scale
 from fastspec.models.sources import ModelSources, resolve_sources
@@ -89,6 +90,8 @@ class Worker:
         c, cfg = self.model.config, self.config
         _, heads, dim, _ = c.kv_layout
         mla = {} if c.mla is None else dict(kv_lora_rank=c.mla.kv_lora_rank, sm_scale=mla_softmax_scale(c))
+        if cfg.attention_backend == "torch" and cfg.device == "cpu":  # the C kernel on CPU tensors
+            return CpuTorchBackend()
         return make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=heads, head_dim=dim,
                             dtype=cfg.torch_dtype, kv_dtype=cfg.kv_torch_dtype, device=cfg.device, **mla)
 

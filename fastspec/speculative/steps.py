@@ -16,7 +16,7 @@ import torch
 from fastspec.attention import AttentionContext
 from fastspec.attention.paged import PagedPlan, paged_block_plan
 from fastspec.kernels import cpu_fused, fast_topk
-from fastspec.kernels.cpu_paged import CpuPagedBackend
+from fastspec.kernels.cpu_attention import CpuPagedBackend
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models.recurrent import tree_parents
 from fastspec.speculative.tree import DraftTree, build_tree, organize_draft_results, select_top_k, verify_predicted

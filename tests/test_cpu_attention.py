@@ -1,4 +1,4 @@
-"""The paged attention op's CPU kernel (fastspec.kernels.cpu_paged): eager, as the op and compiled it is one
+"""The paged attention op's CPU kernel (fastspec.kernels.cpu_attention): eager, as the op and compiled it is one
 computation, bit for bit; it is the torch twin to rounding; a verify row is the decode step of its token in every
 dtype (what keeps 16-bit speculation lossless); where the C library is not there the op is its twin. Skipped where
 no C compiler builds the kernels."""
@@ -8,7 +8,8 @@ import torch
 
 from fastspec.attention.paged import PagedPlan, paged_attention_twin, paged_block_plan
 from fastspec.kernels import cpu_fused, cpu_library
-from fastspec.kernels.cpu_paged import CpuPagedBackend
+from fastspec.attention import TorchAttnBackend, decode_metadata, extend_metadata
+from fastspec.kernels.cpu_attention import CpuPagedBackend, CpuTorchBackend
 from fastspec.memory.kv_pool import as_cache
 
 pytestmark = pytest.mark.skipif(not cpu_fused.available(), reason="no C compiler builds the CPU kernels")
@@ -74,3 +75,20 @@ def test_without_the_library_the_op_is_its_twin(monkeypatch):
     twin = paged_attention_twin(q, k, v, *op_args(plan), D ** -0.5, True)
     assert torch.equal(torch.ops.fastspec.paged_attention(q, k, v, *op_args(plan), D ** -0.5, True), twin)
     assert torch.equal(CpuPagedBackend().run(plan, q, k, v, D ** -0.5), twin)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_prefill_token_through_the_torch_backend_is_its_decode_step(dtype):
+    """CpuTorchBackend over the engine's extend metadata (9 tokens after 140 cached): each token, bit for bit, is a
+    decode step of it alone; the torch backend's SDPA to rounding."""
+    table = TABLE[:1]
+    q, k, v = operands(dtype, dtype)
+    q = torch.cat([q, q[:1]])  # 9 tokens
+    backend = CpuTorchBackend()
+    meta = extend_metadata(table, torch.tensor([0]), torch.tensor([140]), torch.tensor([9]))
+    prefilled = backend.run(backend.plan(meta), q, k, v, D ** -0.5)
+    for t in range(9):
+        alone = backend.plan(decode_metadata(table, torch.tensor([0]), torch.tensor([141 + t])))
+        assert torch.equal(prefilled[t], backend.run(alone, q[t:t + 1], k, v, D ** -0.5)[0]), t
+    sdpa = TorchAttnBackend().run(TorchAttnBackend().plan(meta), q, k, v, D ** -0.5)
+    torch.testing.assert_close(prefilled.float(), sdpa.float(), atol=2e-2, rtol=2e-2)

@@ -1,11 +1,12 @@
-"""The paged attention op's CPU kernel: cpu_attention.c (cpu_fused.attend) over the plan's dense twin, where the C
-library is built and reads the caches; elsewhere the op's own implementations (fastspec.attention.paged).
+"""The CPU attention backends: cpu_attention.c (cpu_fused.attend) behind the torch backends' interfaces, where the C
+library is built and reads the caches; elsewhere (CUDA, a latent pool's V view, no compiler) the backends' own code.
 
 Why: that kernel takes each query row over exactly the keys it sees, in one order whatever else is in the batch, so a
-verify row computes bit for bit what the decode step of its token computes. torch's SDPA over a padded, masked block
-rounds otherwise, and in bfloat16 / float16 that alone made greedy speculative output leave plain output
-(bench/spec_agreement.py). `CpuPagedBackend` runs it eagerly; the "cpu" kernel registered for
-`fastspec::paged_attention` is the same under torch.compile. Knows nothing about models.
+verify row computes bit for bit what the decode step of its token computes, and a prefill token what it computes
+alone (a cached prefix's KV is what recomputing it gives). torch's SDPA over a padded, masked block rounds otherwise,
+and in bfloat16 / float16 that alone made greedy speculative output leave plain output (bench/spec_agreement.py).
+`CpuTorchBackend` serves the engine's prefill and extend metadata, `CpuPagedBackend` the round functions eagerly, and
+the "cpu" kernel registered for `fastspec::paged_attention` the same under torch.compile. Knows nothing about models.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from fastspec.attention.paged import PagedAttnBackend, PagedPlan, kernel_for, paged_attention_default
-from fastspec.attention.torch_backend import TorchAttnPlan
+from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
 from fastspec.kernels import cpu_fused
 
 
@@ -35,6 +36,16 @@ def attend_dense(plan: TorchAttnPlan, q: torch.Tensor,  # [T, Hq, D]
     out_dtype = q.dtype if q.dtype in cpu_fused.ACT else torch.float32
     o = cpu_fused.attend(plan, q.float().contiguous(), k_cache, v_cache, scale, out_dtype)
     return o.view(q.shape).to(q.dtype)
+
+
+class CpuTorchBackend(TorchAttnBackend):
+    """TorchAttnBackend (its dense plan) with the C kernel where `c_attends`."""
+
+    def run(self, plan: TorchAttnPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            scale: float) -> torch.Tensor:
+        if torch.compiler.is_compiling() or not c_attends(q, k_cache, v_cache):
+            return super().run(plan, q, k_cache, v_cache, scale)
+        return attend_dense(plan, q, k_cache, v_cache, scale)
 
 
 class CpuPagedBackend(PagedAttnBackend):
