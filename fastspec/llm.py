@@ -65,11 +65,8 @@ class LLM:
         Checks run cheapest first: the flags, then the models' configs (fastspec.models.sources), and only then
         the tuned file."""
         config = EngineConfig(model=model, **engine_options)
-        if draft_model is not None and (speculative_algorithm or "NONE").upper() in ("NONE", "NGRAM"):
-            raise FastspecError(f"draft_model needs speculative_algorithm EAGLE, EAGLE3 or STANDALONE, got "
-                                f"{speculative_algorithm!r}: the draft would be ignored")
         check_spec_flags(speculative_algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
-                         accept_threshold_acc)
+                         accept_threshold_acc, draft_model, cli=False)
         algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
         self.sources = sources = resolve_sources(
             model, algorithm, draft_model, revision=revision, draft_revision=draft_revision,

@@ -160,27 +160,49 @@ class SpecConfig:
 MAX_TREE = (64, 64, 1024)  # num_steps, topk, num_draft_tokens: far past any tuned tree, short of absurd buffers
 
 
+# the LLM keywords' command-line flags, which name them in the CLI's messages
+CLI_FLAGS = {"speculative_algorithm": "--speculative-algorithm", "draft_model": "--speculative-draft-model-path",
+             "num_steps": "--speculative-num-steps", "topk": "--speculative-eagle-topk",
+             "num_draft_tokens": "--speculative-num-draft-tokens",
+             "accept_threshold_single": "--speculative-accept-threshold-single",
+             "accept_threshold_acc": "--speculative-accept-threshold-acc"}
+
+
 def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: int | None = None,
                      num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
-                     accept_threshold_acc: float = 1.0) -> str:
-    """The canonical algorithm name, after every check that needs no model: the name, the thresholds, and the
-    tree flags as far as they are given (whether a partial shape is feasible depends on the target's defaults,
-    which `resolve` checks)."""
+                     accept_threshold_acc: float = 1.0, draft_model: str | None = None, cli: bool = True) -> str:
+    """The canonical algorithm name, after every check that needs no model: the name, the thresholds, the tree
+    options as far as they are given (whether a partial shape is feasible depends on the target's defaults, which
+    `resolve` checks), and no option the algorithm would ignore (a draft without a drafting algorithm; tree options
+    for NONE, all but num_draft_tokens for NGRAM). `algorithm` None: the default (no tree option is ignored then).
+    Messages name the options as CLI_FLAGS (`cli`) or as LLM's keywords."""
+    name = CLI_FLAGS.get if cli else str
     algo = (algorithm or "NONE").upper()
     algo = "EAGLE" if algo == "NEXTN" else algo
     if algo not in SPEC_ALGORITHMS:
         raise FastspecError(f"unknown speculative algorithm {algorithm!r}; choose one of "
                             f"{', '.join(SPEC_ALGORITHMS)} (NEXTN = EAGLE)")
-    for name, value in (("accept-threshold-single", accept_threshold_single),
-                        ("accept-threshold-acc", accept_threshold_acc)):
+    for key, value in (("accept_threshold_single", accept_threshold_single),
+                       ("accept_threshold_acc", accept_threshold_acc)):
         if not 0 <= value <= 1:
-            raise FastspecError(f"--speculative-{name} must be in [0, 1], got {value}")
-    for name, value, least, most in (("num-steps", num_steps, 1, MAX_TREE[0]), ("eagle-topk", topk, 1, MAX_TREE[1]),
-                                     ("num-draft-tokens", num_draft_tokens, 2, MAX_TREE[2])):
+            raise FastspecError(f"{name(key)} must be in [0, 1], got {value}")
+    tree = {"num_steps": num_steps, "topk": topk, "num_draft_tokens": num_draft_tokens}
+    for (key, value), least, most in zip(tree.items(), (1, 1, 2), MAX_TREE):
         if value is not None and not least <= value <= most:
-            raise FastspecError(f"--speculative-{name} must be in [{least}, {most}], got {value}")
+            raise FastspecError(f"{name(key)} must be in [{least}, {most}], got {value}")
     if algo in ("EAGLE", "EAGLE3", "STANDALONE") and None not in (num_steps, topk, num_draft_tokens):
         check_tree(num_steps, topk, num_steps + 1 if topk == 1 else num_draft_tokens)
+    if draft_model is not None and algorithm is None:
+        raise FastspecError(f"{name('draft_model')} needs {name('speculative_algorithm')} (EAGLE, EAGLE3 or "
+                            "STANDALONE): without it the draft would be ignored")
+    if draft_model is not None and algo in ("NONE", "NGRAM"):
+        raise FastspecError(f"{name('draft_model')} with {name('speculative_algorithm')} {algo}, which drafts without "
+                            "one: the draft would be ignored")
+    ignored = [key for key, value in tree.items() if value is not None and algorithm is not None
+               and (algo == "NONE" or algo == "NGRAM" and key != "num_draft_tokens")]
+    if ignored:
+        raise FastspecError(f"{name(ignored[0])} does not apply to {name('speculative_algorithm')} {algo}: it would "
+                            "be ignored")
     return algo
 
 

@@ -213,9 +213,14 @@ def test_malformed_api_input_is_one_line_and_the_llm_stays_usable(tiny_dirs):
         llm.generate([[1, 2]], chat=True)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     assert llm.generate([(5, 6, 7)], params)[0].output_ids == llm.generate([[5, 6, 7]], params)[0].output_ids
-    for kwargs, message in ((dict(draft_model=model), "draft_model needs speculative_algorithm EAGLE, EAGLE3 or "
-                                                      "STANDALONE, got None"),
-                            (dict(draft_model=model, speculative_algorithm="NGRAM"), "got 'NGRAM'"),
+    for kwargs, message in ((dict(draft_model=model), r"draft_model needs speculative_algorithm \(EAGLE, EAGLE3 or "
+                                                      "STANDALONE\\): without it the draft would be ignored"),
+                            (dict(draft_model=model, speculative_algorithm="NGRAM"), "draft_model with "
+                                                      "speculative_algorithm NGRAM, which drafts without one"),
+                            (dict(speculative_algorithm="NONE", num_steps=3), "num_steps does not apply to "
+                                                      "speculative_algorithm NONE: it would be ignored"),
+                            (dict(speculative_algorithm="NGRAM", topk=2), "topk does not apply"),
+                            (dict(speculative_algorithm="EAGLE3", num_steps=0), r"num_steps must be in \[1, 64\]"),
                             (dict(speculative_algorithm="NGRAM", ngram={"nope": 1}), "ngram: got an unexpected")):
         with pytest.raises(FastspecError, match=message):
             fastspec.LLM(model, max_total_tokens=512, **kwargs)

@@ -82,23 +82,10 @@ class ModelOptions:
         if kwargs["device"] == "auto" and kwargs["graphs"] != "cuda":
             kwargs["device"] = "cpu"  # nothing else checked here depends on it: no torch import to find a GPU
         EngineConfig(**{k: kwargs[k] for k in ENGINE_FLAGS})
-        algorithm = check_spec_flags(self.speculative_algorithm, self.speculative_num_steps,
-                                     self.speculative_eagle_topk, self.speculative_num_draft_tokens,
-                                     self.speculative_accept_threshold_single, self.speculative_accept_threshold_acc)
+        check_spec_flags(self.speculative_algorithm, self.speculative_num_steps, self.speculative_eagle_topk,
+                         self.speculative_num_draft_tokens, self.speculative_accept_threshold_single,
+                         self.speculative_accept_threshold_acc, self.speculative_draft_model_path)
         check_model_spec(self.model)
-        if self.speculative_draft_model_path is not None and self.speculative_algorithm is None:
-            raise FastspecError("--speculative-draft-model-path needs --speculative-algorithm (EAGLE, EAGLE3 or "
-                                "STANDALONE): without it the draft would be ignored")
-        if self.speculative_draft_model_path is not None and algorithm in ("NONE", "NGRAM"):
-            raise FastspecError(f"--speculative-draft-model-path with --speculative-algorithm {algorithm}, which "
-                                "drafts without one: the draft would be ignored")
-        tree = {"--speculative-num-steps": self.speculative_num_steps, "--speculative-eagle-topk":
-                self.speculative_eagle_topk, "--speculative-num-draft-tokens": self.speculative_num_draft_tokens}
-        ignored = [flag for flag, value in tree.items() if value is not None and self.speculative_algorithm and (
-            algorithm == "NONE" or algorithm == "NGRAM" and flag != "--speculative-num-draft-tokens")]
-        if ignored:
-            raise FastspecError(f"{ignored[0]} does not apply to --speculative-algorithm {algorithm}: it would be "
-                                "ignored")
         if self.speculative_draft_model_path is not None:
             check_model_spec(self.speculative_draft_model_path, "--speculative-draft-model-path")
         if self.speculative_token_map is not None and not Path(self.speculative_token_map).expanduser().is_file():
