@@ -46,6 +46,10 @@ if has_smollm2; then
     # overlap on / off with the worker's launch ahead (round K+1 queued before round K is read)
     step overlap_embedded 120 python3 bench/bench_overlap.py --batch-sizes 1,16 --trials 2 --dtype bfloat16 \
         --skip-simulated --output "$out/overlap.json"
+    # greedy EAGLE-3 vs plain decoding in 16 bits on the GPU: is a verify row its decode step there too (the Triton
+    # attention's splits and cuBLAS's GEMMs choose by row count; on CPU 16 / 16 identical in each dtype)
+    step spec_agreement 150 python3 bench/spec_agreement.py --dtypes bfloat16,float16 --prompts 8 \
+        --out "$out/spec_agreement.json"
     step graphs_embedded 90 python3 bench/bench_graphs.py --skip-startup --models embedded --modes eager,cuda \
         --batch-sizes 1,16 --dtype bfloat16 --output "$out/graphs_embedded.json"
 fi
