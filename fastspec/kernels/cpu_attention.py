@@ -17,6 +17,8 @@ from fastspec.attention.paged import PagedAttnBackend, PagedPlan, kernel_for, pa
 from fastspec.attention.torch_backend import TorchAttnBackend, TorchAttnPlan
 from fastspec.kernels import cpu_fused
 
+ATTEND_Q = (torch.float32, torch.bfloat16, torch.float16)  # query dtypes it takes (widened to float32)
+
 
 def c_attends(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the C kernel serves these operands: CPU tensors the torch kernel would take, caches of a dtype it reads
@@ -25,9 +27,6 @@ def c_attends(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> 
             and k_cache.dtype in cpu_fused.KV and v_cache.dtype == k_cache.dtype and v_cache.shape == k_cache.shape
             and k_cache.shape[-1] == q.shape[-1] and k_cache.is_contiguous() and v_cache.is_contiguous()
             and cpu_fused.available())
-
-
-ATTEND_Q = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def attend_dense(plan: TorchAttnPlan, q: torch.Tensor,  # [T, Hq, D]
