@@ -92,6 +92,24 @@ def test_bench_json_shape():
     assert report["config"]["algorithm"] == "NGRAM"
 
 
+def test_bench_table_fits_80_columns_with_every_figure_whole(capsys, monkeypatch):
+    """An 80-column terminal shows each figure whole (rich cut them to `1234…` before): acceptance at four depths in
+    percent, the round's split in tenths of a millisecond."""
+    from types import SimpleNamespace
+
+    from fastspec.cli.bench import print_bench_table
+
+    monkeypatch.setenv("COLUMNS", "80")
+    row = SimpleNamespace(batch_size=16, baseline_tok_s=1234.5, spec_tok_s=12345.6, speedup=10.0, tau=2.31,
+                          spec_tok_s_per_request=771.6, acceptance_by_depth=[0.91, 0.72, 0.55, 0.41, 0.3],
+                          ms_per_round={"draft": 0.48, "verify": 12.91, "draft_extend": 0.49, "host": 0.12})
+    print_bench_table({"algorithm": "EAGLE3", "num_steps": 5, "topk": 4, "num_draft_tokens": 8}, [row])
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 80 and "…" not in out
+    for figure in ("1234.5", "12345.6", "10.00x", "771.6", "2.31", "91 72 55 41", "0.5·12.9·0.5·0.1"):
+        assert figure in out, figure
+
+
 def test_bench_reports_the_bad_jsonl_line(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "hi"}\n{"prompt": 3}\n')
