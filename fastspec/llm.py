@@ -34,6 +34,7 @@ class TextDelta:
     new_ids: list[int]
     kept_tokens: int | None  # after a stop string: how many output tokens the kept text covers
     logprobs: tuple | None = None  # TokenLogprob per new id, when asked for
+    prompt_logprobs: tuple | None = None  # TokenLogprob per prompt token after the first: with the first tokens
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Completion:
     finish_reason: str
     metrics: SpecMetrics
     logprobs: list | None = None  # TokenLogprob per output id (the target's), when SamplingParams.logprobs is set
+    prompt_logprobs: tuple | None = None  # TokenLogprob per prompt token after the first, when asked for
 
 
 class LLM:
@@ -112,16 +114,15 @@ class LLM:
         ids, params = self._inputs(prompts, params, chat)
         if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
             text = self.decode if (self.engine.model_dir / "tokenizer.json").is_file() else lambda ids: None
-            out_ids, logprobs, final = collect(self._until(self.engine.stream(ids, params), len(ids), should_stop),
-                                              params)
-            return [Completion(ids[i], out_ids[i], text(out_ids[i]), final[i].finish_reason, final[i].metrics,
-                               logprobs[i]) for i in range(len(ids))]
+            got = collect(self._until(self.engine.stream(ids, params), len(ids), should_stop), params)
+            return [Completion(ids[i], got.ids[i], text(got.ids[i]), got.final[i].finish_reason, got.final[i].metrics,
+                               got.logprobs[i], got.prompt_logprobs[i]) for i in range(len(ids))]
         streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
-        out_ids, logprobs, final = collect(self._until(self.stream_ids(ids, params, streams), len(ids), should_stop),
-                                          params)
-        kept = {i: final[i].kept_tokens for i in range(len(ids))}
-        return [Completion(ids[i], out_ids[i][: kept[i]], streams[i].text, final[i].finish_reason, final[i].metrics,
-                           None if logprobs[i] is None else logprobs[i][: kept[i]]) for i in range(len(ids))]
+        got = collect(self._until(self.stream_ids(ids, params, streams), len(ids), should_stop), params)
+        kept = {i: got.final[i].kept_tokens for i in range(len(ids))}
+        return [Completion(ids[i], got.ids[i][: kept[i]], streams[i].text, got.final[i].finish_reason,
+                           got.final[i].metrics, None if got.logprobs[i] is None else got.logprobs[i][: kept[i]],
+                           got.prompt_logprobs[i]) for i in range(len(ids))]
 
     def stream(self, prompts, params=SamplingParams(), chat: bool = False) -> Iterator[list[TextDelta]]:
         """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
@@ -145,7 +146,8 @@ class LLM:
                 if reason is not None:
                     text += stream.finish()
                 kept = stream.num_tokens_kept if stream.stopped else None
-                deltas.append(TextDelta(out.index, text, reason, out.metrics, out.new_ids, kept, out.logprobs))
+                deltas.append(TextDelta(out.index, text, reason, out.metrics, out.new_ids, kept, out.logprobs,
+                                        out.prompt_logprobs))
             yield deltas
 
     def abort(self, index: int) -> None:

@@ -271,6 +271,21 @@ def test_prefix_cache_resumes_from_saved_states(hybrid, algorithm, page_size, in
     assert sorted(worker.states.free_checkpoints) == list(range(worker.states.ckpt_ssm.shape[1]))
 
 
+def test_prompt_logprobs_start_on_no_cached_prefix(hybrid):
+    """A request asking for prompt logprobs starts on no cached prefix (no saved state resumed): its prompt's
+    logprobs are transformers', the second time (the prompt cached) as the first."""
+    root, hf = hybrid
+    llm = fastspec.LLM(str(root / "target"), max_total_tokens=2048, radix_cache=True, mamba_track_interval=4)
+    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32]
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].double(), -1)
+    for _ in range(2):
+        got = llm.engine.generate([prompt], [SamplingParams(max_new_tokens=3, ignore_eos=True, prompt_logprobs=0)])[0]
+        assert [e.token for e in got.prompt_logprobs] == prompt[1:]
+        assert [e.logprob for e in got.prompt_logprobs] == pytest.approx(
+            want[range(len(prompt) - 1), prompt[1:]].tolist(), abs=2e-4)
+
+
 def test_a_kv_pool_sized_from_free_memory_leaves_room_for_the_states(hybrid, monkeypatch):
     """With --kv-mem-fraction the KV pool takes its share of the memory the recurrent states (rows, verify
     tracks, prefix-cache checkpoints) have left: they are built before free memory is read."""

@@ -55,6 +55,35 @@ def test_sampled_logprobs_are_the_targets_and_stop_where_the_output_stops(tiny_d
         check_against_transformers(hf, prompt, out.output_ids, out.logprobs, 0)
 
 
+@pytest.mark.parametrize("algorithm, draft, chunk", [("NONE", None, 8192), ("NONE", None, 3),
+                                                     ("EAGLE3", "eagle3", 5)])
+def test_prompt_logprobs_equal_transformers_chunked_cached_or_speculative(tiny_dirs, draft_dirs, algorithm, draft,
+                                                                         chunk):
+    """prompt_logprobs=k: each prompt token after the first, its logprob and top-k given the tokens before it, as
+    transformers computes them; across prefill chunks (3 tokens a chunk: a prompt's rows split over steps), with the
+    prompt's KV in the prefix cache (computed again: cached rows have no logits) and beside a draft; output logprobs
+    and tokens unchanged by asking."""
+    directory, hf = tiny_dirs["llama"]
+    llm = fastspec.LLM(str(directory), speculative_algorithm=algorithm,
+                       draft_model=str(draft_dirs["llama"][draft]) if draft else None, max_total_tokens=4096,
+                       chunked_prefill_size=chunk)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=3)
+    for _ in range(2):  # the second time the prompts are in the prefix cache
+        reused = llm.engine.worker.reused_tokens
+        outputs = llm.engine.generate(PROMPTS, [params] * len(PROMPTS))
+        assert llm.engine.worker.reused_tokens == reused
+        for prompt, out in zip(PROMPTS, outputs):
+            assert len(out.prompt_logprobs) == len(prompt) - 1
+            if len(prompt) > 1:
+                check_against_transformers(hf, prompt[:1], prompt[1:], out.prompt_logprobs, 3)
+            check_against_transformers(hf, prompt, out.output_ids, out.logprobs, 2)
+    plain = llm.engine.generate(PROMPTS, [SamplingParams(max_new_tokens=4, ignore_eos=True)] * len(PROMPTS))
+    assert [o.output_ids for o in plain] == [o.output_ids for o in outputs]
+    assert all(o.prompt_logprobs is None for o in plain)
+    with pytest.raises(FastspecError, match="prompt logprobs must be in"):
+        SamplingParams(prompt_logprobs=21)
+
+
 def test_no_logprobs_unless_asked_and_bad_counts_refused(tiny_dirs):
     directory, _ = tiny_dirs["llama"]
     out = fastspec.LLM(str(directory), max_total_tokens=1024).engine.generate(

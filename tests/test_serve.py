@@ -339,6 +339,38 @@ def test_a_batch_of_prompts_is_one_request_of_their_choices(served):
     assert engine_settled(service)
 
 
+def test_echo_scores_the_prompt_as_lm_eval_asks(served):
+    """echo with logprobs (lm-evaluation-harness's loglikelihood requests: token-id prompts in a batch, max_tokens 0
+    or 1): each choice's text and logprobs start with its prompt's, the first token's logprob null, the others the
+    target's (LLM's prompt_logprobs), then the answer's; max_tokens 0 answers nothing; streamed alike."""
+    client, _, llm, service = served
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = llm.generate(prompts, SamplingParams(max_new_tokens=2, logprobs=2, prompt_logprobs=2))
+    scored = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=2,
+                                       temperature=0)
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == 7
+    for choice, ids, w in zip(scored.choices, prompts, want):
+        lp = choice.logprobs
+        assert choice.text == llm.decode(ids) and choice.finish_reason == "length"
+        assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in w.prompt_logprobs], abs=1e-5)
+        assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    answered = client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, echo=True, logprobs=2,
+                                         temperature=0)
+    for choice, ids, w in zip(answered.choices, prompts, want):
+        assert choice.text == llm.decode(ids) + w.text
+        assert len(choice.logprobs.tokens) == len(ids) + 2
+        assert choice.logprobs.token_logprobs[-2:] == pytest.approx([e.logprob for e in w.logprobs], abs=1e-5)
+    text = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, echo=True, temperature=0)
+    assert text.choices[0].text == "abc" + greedy(llm, "abc", 3, chat=False).text
+    streamed = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, echo=True, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be an integer >= 1"):
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=0)
+    assert engine_settled(service)
+
+
 def test_n_choices_streamed_or_not_share_the_prompts_kv(served):
     """n = 3: greedy choices all equal generate's; seeded sampled choice i equals one request seeded seed + i, and
     its streamed deltas (by choice index) join to the same text; the choices reuse the prompt's cached KV."""

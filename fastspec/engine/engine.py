@@ -75,9 +75,9 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerateOutput]:
-        outputs, logprobs, final = collect(self.stream(prompts, params), params)
-        return [GenerateOutput(list(p), outputs[i], final[i].finish_reason, final[i].metrics, logprobs[i])
-                for i, p in enumerate(prompts)]
+        got = collect(self.stream(prompts, params), params)
+        return [GenerateOutput(list(p), got.ids[i], got.final[i].finish_reason, got.final[i].metrics, got.logprobs[i],
+                               got.prompt_logprobs[i]) for i, p in enumerate(prompts)]
 
     def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[StepOutput]]:
         """Continuous batching; yields, after every prefill or decode step, the requests that progressed.
@@ -184,10 +184,12 @@ class Engine:
             r.finish_reason = result.finish[b]
             if result.accepted is not None:
                 r.metrics = r.metrics.add_round(result.accepted[b], len(tokens))
+            first = bool(tokens) and len(r.output_ids) == len(tokens) and r.params.prompt_logprobs is not None
             if r.finished:
                 self._submit(self.worker.release, r)
             logprobs = result.logprobs[b] if result.logprobs else None
-            outputs.append(StepOutput(r.rid, list(tokens), r.finish_reason, r.metrics, logprobs))
+            outputs.append(StepOutput(r.rid, list(tokens), r.finish_reason, r.metrics, logprobs,
+                                      tuple(r.prompt_logprobs) if first else None))
         scheduler.retire()
         self._free_before = result.free_kv
         return outputs

@@ -17,6 +17,7 @@ class StepOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     metrics: SpecMetrics
     logprobs: tuple | None = None  # TokenLogprob per new id, when the request asked for them
+    prompt_logprobs: tuple | None = None  # TokenLogprob per prompt token after the first: on its first tokens' output
 
 
 @dataclass(frozen=True)
@@ -35,19 +36,31 @@ class GenerateOutput:
     finish_reason: str
     metrics: SpecMetrics
     logprobs: list | None = None  # TokenLogprob per output id, when the request asked for them
+    prompt_logprobs: tuple | None = None  # TokenLogprob per prompt token after the first, when asked for
 
 
-def collect(steps: Iterator[list], params: list[SamplingParams]) -> tuple[dict, dict, dict]:
-    """A stream's steps (each output with index, new_ids, logprobs, finish_reason) gathered per request:
-    (token ids, logprobs or None when not asked for, the finishing output), each keyed by request index."""
-    outputs = {i: [] for i in range(len(params))}
-    logprobs = {i: [] if p.logprobs is not None else None for i, p in enumerate(params)}
-    final = {}
+@dataclass(frozen=True)
+class Collected:
+    """A stream's steps gathered per request, each keyed by request index."""
+
+    ids: dict[int, list[int]]  # the output token ids
+    logprobs: dict[int, list | None]  # TokenLogprob per output id, None when not asked for
+    prompt_logprobs: dict[int, tuple | None]  # TokenLogprob per prompt token after the first, None when not given
+    final: dict[int, object]  # the finishing output
+
+
+def collect(steps: Iterator[list], params: list[SamplingParams]) -> Collected:
+    """A stream's steps (each output with index, new_ids, logprobs, prompt_logprobs, finish_reason) per request."""
+    got = Collected({i: [] for i in range(len(params))},
+                    {i: [] if p.logprobs is not None else None for i, p in enumerate(params)},
+                    dict.fromkeys(range(len(params))), {})
     for step in steps:
         for out in step:
-            outputs[out.index].extend(out.new_ids)
+            got.ids[out.index].extend(out.new_ids)
             if out.logprobs is not None:
-                logprobs[out.index].extend(out.logprobs)
+                got.logprobs[out.index].extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                got.prompt_logprobs[out.index] = out.prompt_logprobs
             if out.finish_reason is not None:
-                final[out.index] = out
-    return outputs, logprobs, final
+                got.final[out.index] = out
+    return got

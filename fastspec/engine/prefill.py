@@ -1,6 +1,6 @@
 """Chunked prefill: up to chunked_prefill_size prompt tokens per step, taken request by request, into the target's
 KV (the draft's rows go into its backlog: the draft runs over them before it is used). A request whose prompt
-completes here samples its first token."""
+completes here samples its first token. A request asking for prompt logprobs gets them from its chunks' rows."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from fastspec.engine.scheduler import Request
 from fastspec.engine.slots import BatchSlots
 from fastspec.engine.target import Target
 from fastspec.memory.state_checkpoints import prefill_budget
+from fastspec.sampling.logprobs import token_logprobs
 from fastspec.speculative.backlog import DraftBacklog
 from fastspec.utils.transfer import to_device
 
@@ -41,6 +42,7 @@ class Prefill:
         hidden = self.target.forward(ids, positions, extend_metadata(self.slots.table.table, rows, prefix, ext),
                                      rows, lens)
         last = torch.cumsum(ext, 0) - 1
+        self._prompt_logprobs(reqs, lens, hidden.final, last)
         finals = [b for b, c in enumerate(complete) if c and not reqs[b].produced]  # recomputes know their token
         first_logits = self.target.model.compute_logits(hidden.final[last[finals]])
         final_reqs = [reqs[b] for b in finals]
@@ -60,6 +62,20 @@ class Prefill:
         for r, n in zip(reqs, lens):
             self.producer.save_states(r, r.seq_len - n)
         return RoundOutput(produced + [[]] * skipped, logprobs=logprobs)
+
+    def _prompt_logprobs(self, reqs: list[Request], lens: list[int], final: torch.Tensor,  # [T, H]  the chunk's
+                         last: torch.Tensor) -> None:  # int64 [bs]  each request's last row
+        """Each request asking for them: the target's logprobs of the prompt tokens this chunk's rows predict (row p
+        predicts token p + 1; a recompute after preemption has them already)."""
+        for b, (r, n) in enumerate(zip(reqs, lens)):
+            if r.params.prompt_logprobs is None:
+                continue
+            start, end = max(r.seq_len, len(r.prompt_logprobs)), min(r.seq_len + n, len(r.prompt_ids) - 1)
+            if start < end:
+                first_row = int(last[b]) - n + 1 - r.seq_len  # the row of position 0
+                logits = self.target.model.compute_logits(final[first_row + start: first_row + end])
+                r.prompt_logprobs.extend(token_logprobs(logits, r.prompt_ids[start + 1: end + 1],
+                                                       r.params.prompt_logprobs))
 
     def _take_chunks(self, reqs: list[Request]) -> tuple[list[Request], list[list[int]]]:
         """The requests this chunk reaches (a table row and the prefix cache's reuse for a new one) and the prompt

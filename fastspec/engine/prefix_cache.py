@@ -41,8 +41,9 @@ class PrefixCache:
 
     def reuse(self, r: Request) -> None:
         """Start `r` (its row just allocated) on the longest cached prefix of what it must prefill (its keys leave
-        the last token to prefill). A hybrid target resumes on the deepest saved state of that prefix."""
-        keys = cache_keys(r.prefill_ids)
+        the last token to prefill). A hybrid target resumes on the deepest saved state of that prefix. A request
+        asking for prompt logprobs starts on none (a cached position has no logits to report)."""
+        keys = [] if r.params.prompt_logprobs is not None else cache_keys(r.prefill_ids)
         match = resume(self.states, self.tree, r, keys) if self.states is not None else self.tree.match(keys)
         self.tree.lock(match.node)
         n = len(match.slots)

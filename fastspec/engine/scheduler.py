@@ -31,6 +31,7 @@ class Request:
     cached_node: object = None  # the prefix cache's node it locked (fastspec.memory.radix.RadixNode)
     checkpoints: list = field(default_factory=list)  # hybrid targets: (length, state checkpoint) saved so far
     grammar: object = None  # structured output: its matcher at `produced` (fastspec.sampling.grammar.Grammar)
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens 1.. so far (when asked for)
     # the engine's: what the caller has been given
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"

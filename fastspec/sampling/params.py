@@ -27,6 +27,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # report the target's logprob of each output token and of its top-n alternatives
+    prompt_logprobs: int | None = None  # ... and of each prompt token after the first (vLLM's; the prompt is computed
+    #                                     whole then, not read from the prefix cache)
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output (fastspec.sampling.controls)
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
     presence_penalty: float = 0.0  # subtracted once if the token occurs in the output
@@ -63,14 +65,16 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 or not math.isfinite(v) for t, v in self.logit_bias):
             raise FastspecError("logit bias must map token ids >= 0 to finite numbers")
         self._check_grammar()
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise FastspecError(f"logprobs must be in [0, 20] (top alternatives per token), got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
+                raise FastspecError(f"{name.replace('_', ' ')} must be in [0, 20] (top alternatives per token), got "
+                                    f"{getattr(self, name)}")
 
     def _check_types(self) -> None:
         """Each field's type (bool is no number here); a lone stop string or stop id is taken as a one-item tuple,
         as vLLM takes it (a string is not a sequence of one-character stop strings)."""
         for name in ("top_k", "max_new_tokens", *(("seed",) if self.seed is not None else ()),
-                     *(("logprobs",) if self.logprobs is not None else ())):
+                     *(n for n in ("logprobs", "prompt_logprobs") if getattr(self, n) is not None)):
             if not isinstance(getattr(self, name), Integral) or isinstance(getattr(self, name), bool):
                 raise FastspecError(f"{name} must be an integer, got {getattr(self, name)!r}")
             object.__setattr__(self, name, int(getattr(self, name)))

@@ -93,8 +93,11 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
         rids = _submit_choices(service, choices, loop, events, keep_special)
     except APIError as e:
         return error_response(e)
+    echoes = None if not parsed.echo else [
+        (p if isinstance(p, str) else service.llm.decode(ids), ids) for p, ids in zip(parsed.prompts, prompts)
+        for _ in range(parsed.n)]
     reply = Reply(service, parsed, model_name, responses.new_id(chat), sum(map(len, prompts)), rids, events,
-                  tool_text.parser)
+                  tool_text.parser, echoes)
     if parsed.stream:
         return StreamingResponse(reply.stream(), media_type="text/event-stream")
     return await reply.collect(request)

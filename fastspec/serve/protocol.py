@@ -40,6 +40,8 @@ class ParsedRequest:
     max_tokens_given: bool  # False: the chat default applies once the prompt's length is known
     n: int = 1  # choices: n requests over the same prompt (seeded: choice i draws with seed + i)
     tools: Tools | None = None  # chat: the tools the answer may call (fastspec.serve.tools)
+    echo: bool = False  # completions: each choice's text (and logprobs) start with its prompt's
+    prompt_only: bool = False  # completions: max_tokens 0 with echo: the prompt scored, nothing generated
 
     def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
         """Each choice's parameters: with a seed, choice i's is seed + i (reproducible and not all the same)."""
@@ -71,8 +73,9 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         raise APIError(f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
     if _get(body, "best_of", int, n) != n:
         raise APIError("best_of other than n is not supported", param="best_of")
-    if not chat and (_get(body, "echo", bool, False) or _get(body, "suffix", str, None)):
-        raise APIError("echo and suffix are not supported", param="echo")
+    echo = not chat and _get(body, "echo", bool, False)
+    if not chat and _get(body, "suffix", str, None):
+        raise APIError("suffix is not supported", param="suffix")
     messages, prompts = (_messages(body), None) if chat else (None, _prompts(body))
     if prompts is not None and len(prompts) * n > MAX_REQUESTS:
         raise APIError(f"{len(prompts)} prompts x n = {n} is more than {MAX_REQUESTS} choices in one request",
@@ -98,8 +101,12 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         want_logprobs = top is not None
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     given = max_tokens is not None
-    if given and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise APIError(f"max_tokens must be an integer >= 1, got {max_tokens!r}", param="max_tokens")
+    prompt_only = echo and type(max_tokens) is int and max_tokens == 0  # (one token is made, not shown)
+    if given and not prompt_only and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                      or max_tokens < 1):
+        least = ">= 0 with echo" if echo else ">= 1"
+        raise APIError(f"max_tokens must be an integer {least}, got {max_tokens!r}", param="max_tokens")
+    max_tokens = 1 if prompt_only else max_tokens
     stream_options = _get(body, "stream_options", dict, {}) or {}
     try:
         params = SamplingParams(
@@ -107,7 +114,7 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
             top_k=_get(body, "top_k", int, -1), min_p=_number(body, "min_p", 0.0),
             seed=_get(body, "seed", int, None), max_new_tokens=max_tokens or (DEFAULT_CHAT_MAX_TOKENS if chat else 16),
             stop=stop, ignore_eos=_get(body, "ignore_eos", bool, False),
-            logprobs=top if want_logprobs else None,
+            logprobs=top if want_logprobs else None, prompt_logprobs=top if want_logprobs and echo else None,
             repetition_penalty=_number(body, "repetition_penalty", 1.0),
             frequency_penalty=_number(body, "frequency_penalty", 0.0),
             presence_penalty=_number(body, "presence_penalty", 0.0),
@@ -116,7 +123,7 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     except FastspecError as e:  # (response_format's schema is the json_schema a grammar clash names)
         raise APIError(str(e).replace("json_schema and", "response_format and")) from None
     return ParsedRequest(chat, messages, prompts, params, _get(body, "stream", bool, False),
-                         bool(stream_options.get("include_usage")), want_logprobs, given, n, tools)
+                         bool(stream_options.get("include_usage")), want_logprobs, given, n, tools, echo, prompt_only)
 
 
 def _get(body: dict, name: str, kind, default):

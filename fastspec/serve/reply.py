@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from fastspec.sampling.logprobs import TokenLogprob
 from fastspec.serve import responses
 from fastspec.serve.api_error import APIError
 from fastspec.serve.protocol import ParsedRequest
@@ -31,8 +33,11 @@ class Reply:
     that may be a tool call is held back while streaming and the finished text is parsed into tool calls."""
 
     def __init__(self, service, parsed: ParsedRequest, model: str, rid: str, prompt_tokens: int,
-                 engine_rids: list[int], events: asyncio.Queue, tool_parser: str | None = None):
+                 engine_rids: list[int], events: asyncio.Queue, tool_parser: str | None = None,
+                 echoes: list[tuple[str, list[int]]] | None = None):
+        """`echoes`: with echo, each choice's prompt (text, token ids)."""
         self.service, self.parsed, self.model, self.id = service, parsed, model, rid
+        self.echoes = echoes
         self.prompt_tokens, self.engine_rids, self.events = prompt_tokens, engine_rids, events
         self.tool_parser = tool_parser
         self.open = set(range(len(engine_rids)))  # choices not finished
@@ -40,12 +45,26 @@ class Reply:
         self.texts = {i: "" for i in self.open}  # choice -> its text so far
         self.streams = {i: ToolStream(parsed.tools, tool_parser) for i in self.open}  # what each choice streamed
         self.checked = time.monotonic()  # when the client was last asked whether it is still there
+        self.echoed: set[int] = set()  # choices whose prompt was echoed
 
     def _logprobs(self, entries: tuple | None) -> dict | None:
         if not self.parsed.logprobs or entries is None:
             return None
         text = lambda t: self.service.llm.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
         return responses.logprobs_object(self.parsed.chat, list(entries), text)
+
+    def _echoed(self, index: int, event: Event) -> Event:
+        """With echo, the choice's first event (the one bringing the prompt's logprobs, where asked for) starts with
+        its prompt's text and logprobs (the first token's: null); with max_tokens 0 no event carries output."""
+        if self.parsed.prompt_only:
+            event = replace(event, text="", logprobs=() if event.logprobs is not None else None, completion_tokens=0)
+        if self.echoes is None or index in self.echoed or (self.parsed.logprobs and event.prompt_logprobs is None):
+            return event
+        self.echoed.add(index)
+        text, ids = self.echoes[index]
+        entries = None if event.logprobs is None else (
+            (TokenLogprob(ids[0], None, None), *event.prompt_logprobs, *event.logprobs))
+        return replace(event, text=text + event.text, logprobs=entries)
 
     def _finish(self, index: int, event: Event) -> None:
         self.open.discard(index)
@@ -90,6 +109,7 @@ class Reply:
                     failed = True
                     yield responses.sse(APIError(event.error, 500, kind="server_error").body())
                     break
+                event = self._echoed(index, event)
                 for piece in self._stream_event(index, event):
                     yield responses.sse(piece)
                 if event.finish_reason is not None:
@@ -114,6 +134,7 @@ class Reply:
             index, event = got
             if event.error:
                 return error_response(APIError(event.error, 500, kind="server_error"))
+            event = self._echoed(index, event)
             self.texts[index] += event.text
             if event.logprobs is not None:
                 logprobs[index] += event.logprobs

@@ -33,7 +33,8 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def logprobs_object(chat: bool, entries: list, token_text) -> dict | None:
-    """OpenAI's logprobs for TokenLogprob entries: chat {"content": [...]}, completions parallel lists."""
+    """OpenAI's logprobs for TokenLogprob entries: chat {"content": [...]}, completions parallel lists (an echoed
+    prompt's first token: logprob and top None, null in JSON)."""
     if entries is None:
         return None
     if chat:
@@ -43,7 +44,7 @@ def logprobs_object(chat: bool, entries: list, token_text) -> dict | None:
         return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
                             for e in entries]}
     return {"tokens": [token_text(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries]}
+            "top_logprobs": [None if e.top is None else {token_text(t): lp for t, lp in e.top} for e in entries]}
 
 
 @dataclass(frozen=True)

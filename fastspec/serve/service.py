@@ -35,6 +35,7 @@ class Event:
     completion_tokens: int  # kept output tokens so far
     metrics: SpecMetrics
     error: str | None = None  # the engine failed: the request ends with a 500
+    prompt_logprobs: tuple | None = None  # TokenLogprob per prompt token after the first (asked for): with the first
 
 
 @dataclass
@@ -162,7 +163,7 @@ class EngineService:
         before = live.tokens
         live.tokens = d.num_tokens_kept if d.stopped else live.tokens + len(out.new_ids)
         logprobs = None if out.logprobs is None else tuple(out.logprobs[: max(0, live.tokens - before)])
-        live.deliver(Event(text, reason, logprobs, live.tokens, out.metrics))
+        live.deliver(Event(text, reason, logprobs, live.tokens, out.metrics, prompt_logprobs=out.prompt_logprobs))
         if self.metrics is not None:
             self._report(live, live.tokens - before, reason, out.metrics)
         if reason is not None:
