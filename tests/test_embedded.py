@@ -8,8 +8,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from fastspec.config import EngineConfig
+from fastspec.engine.engine import Engine
 from fastspec.models.embedded import embedded_model_dir, models_root
 from fastspec.models.reference import transformers_model
+from fastspec.sampling import SamplingParams
+from fastspec.spec_config import SpecConfig
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +67,20 @@ def test_embedded_model_answers_paris(smollm_dir):
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, enc["input_ids"].shape[1]:])
+
+
+def test_a_compiled_bfloat16_step_gives_a_request_what_it_gets_alone():
+    """The embedded (packed) model in bfloat16: its compiled decode buckets round as eager does (Inductor told to:
+    fastspec.graphs.runner), so a request's logprobs (its logits) are the same beside another as alone, bit for bit,
+    and seeded output does not depend on the batch. Left to itself Inductor fused bucket 2's 16-bit kernels otherwise:
+    every logits row differed (a QA pass's seeded answer changed at token 18). Float linears are torch's GEMMs,
+    whose 16-bit rows are not batch-invariant on every CPU: not this test's."""
+    engine = Engine(EngineConfig(graphs="compile", cuda_graph_bs=(1, 2), max_running_requests=2, dtype="bfloat16",
+                                 radix_cache=False, max_total_tokens=1024), SpecConfig())
+    prompts = [[1, 504, 3071, 314, 2896, 30, 198], [1, 9690, 253, 6721, 216, 14, 5, 16, 1263]]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
+    batch = engine.generate(prompts, [params] * 2)
+    for prompt, out in zip(prompts, batch):
+        alone = engine.generate([prompt], [params])[0]
+        assert alone.output_ids == out.output_ids
+        assert [(e.logprob, e.top) for e in alone.logprobs] == [(e.logprob, e.top) for e in out.logprobs]
