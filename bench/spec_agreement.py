@@ -2,6 +2,7 @@
 its EAGLE-3 head, every round speculating, over the held-out chat prompts (none of them used by the tests).
 
     .venv/bin/python bench/spec_agreement.py [--dtypes float32,bfloat16,float16] [--prompts 16] [--max-new-tokens 64]
+        [--quantization none]   # the float weights: torch's GEMMs instead of fastspec's packed kernels
 
 For each dtype: how many answers are identical, and where the others first differ (the token index). They should
 all be (the suite tests it on tiny models): a verify row computes its token's decode-step logits bit for bit; a kernel
@@ -29,11 +30,11 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def agreement(dtype: str, prompts: list[str], params: SamplingParams) -> dict:
-    plain = fastspec.LLM(speculative_algorithm="NONE", dtype=dtype, tuned=False)
+def agreement(dtype: str, prompts: list[str], params: SamplingParams, quantization: str | None = None) -> dict:
+    plain = fastspec.LLM(speculative_algorithm="NONE", dtype=dtype, tuned=False, quantization=quantization)
     expected = [o.output_ids for o in plain.generate(prompts, params, chat=True)]
     del plain
-    spec = fastspec.LLM(dtype=dtype, tuned=False)
+    spec = fastspec.LLM(dtype=dtype, tuned=False, quantization=quantization)
     spec.engine.policy = None  # every round speculates
     outs = spec.generate(prompts, params, chat=True)
     firsts = [first_difference(o.output_ids, e) for o, e in zip(outs, expected)]
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16,float16")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--quantization", default=None, help="none: the float weights (default: the packed GGUF)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "spec_agreement.json"))
     args = parser.parse_args()
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -53,11 +55,12 @@ def main() -> None:
     prompts = prompts[::max(1, len(prompts) // args.prompts)][:args.prompts]  # spread over every set
     rows = []
     for dtype in args.dtypes.split(","):
-        rows.append(agreement(dtype, prompts, params))
+        rows.append(agreement(dtype, prompts, params, args.quantization))
         r = rows[-1]
         print(f"{dtype:9s} {r['identical']} / {r['answers']} identical; first differences {r['first_difference']}")
     Path(args.out).parent.mkdir(exist_ok=True)
-    Path(args.out).write_text(json.dumps({"max_new_tokens": args.max_new_tokens, "rows": rows}, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps({"max_new_tokens": args.max_new_tokens, "quantization": args.quantization,
+                                          "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -360,7 +360,13 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(served):
     for choice, ids, w in zip(answered.choices, prompts, want):
         assert choice.text == llm.decode(ids) + w.text
         assert len(choice.logprobs.tokens) == len(ids) + 2
+        starts = [len("".join(choice.logprobs.tokens[:i])) for i in range(len(ids) + 2)]  # text_offset: OpenAI's
+        assert choice.logprobs.text_offset == starts
         assert choice.logprobs.token_logprobs[-2:] == pytest.approx([e.logprob for e in w.logprobs], abs=1e-5)
+    offsets = [o for c in client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=2, echo=True,
+                                                    logprobs=2, temperature=0, stream=True)
+               for o in (c.choices[0].logprobs.text_offset if c.choices[0].logprobs else [])]
+    assert offsets == answered.choices[0].logprobs.text_offset  # streamed: each chunk's count on from the text before
     text = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, echo=True, temperature=0)
     assert text.choices[0].text == "abc" + greedy(llm, "abc", 3, chat=False).text
     streamed = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, echo=True, temperature=0,

@@ -47,11 +47,12 @@ class Reply:
         self.checked = time.monotonic()  # when the client was last asked whether it is still there
         self.echoed: set[int] = set()  # choices whose prompt was echoed
 
-    def _logprobs(self, entries: tuple | None) -> dict | None:
+    def _logprobs(self, entries: tuple | None, start: int = 0) -> dict | None:
+        """`start`: the length of the choice's text before these entries' (completions' text_offset)."""
         if not self.parsed.logprobs or entries is None:
             return None
         text = lambda t: self.service.llm.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
-        return responses.logprobs_object(self.parsed.chat, list(entries), text)
+        return responses.logprobs_object(self.parsed.chat, list(entries), text, start)
 
     def _echoed(self, index: int, event: Event) -> Event:
         """With echo, the choice's first event (the one bringing the prompt's logprobs, where asked for) starts with
@@ -86,7 +87,7 @@ class Reply:
         then at the end finish_reason tool_calls where calls were made (else the engine's: length for a call cut
         short)."""
         chat, full = self.parsed.chat, self.texts[index] + event.text
-        self.texts[index], logprobs = full, self._logprobs(event.logprobs)
+        self.texts[index], logprobs = full, self._logprobs(event.logprobs, len(full) - len(event.text))
         stream = self.streams[index]
         content, deltas = stream.feed(full, event.finish_reason is not None)
         if content or deltas or logprobs:

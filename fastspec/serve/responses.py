@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from itertools import accumulate
 
 from fastspec.utils.metrics import SpecMetrics
 
@@ -32,9 +33,10 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def logprobs_object(chat: bool, entries: list, token_text) -> dict | None:
+def logprobs_object(chat: bool, entries: list, token_text, start: int = 0) -> dict | None:
     """OpenAI's logprobs for TokenLogprob entries: chat {"content": [...]}, completions parallel lists (an echoed
-    prompt's first token: logprob and top None, null in JSON)."""
+    prompt's first token: logprob and top None, null in JSON; text_offset: where each token's text starts in the
+    choice's, counting from `start`, the text before these entries)."""
     if entries is None:
         return None
     if chat:
@@ -43,8 +45,11 @@ def logprobs_object(chat: bool, entries: list, token_text) -> dict | None:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
         return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
                             for e in entries]}
-    return {"tokens": [token_text(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if e.top is None else {token_text(t): lp for t, lp in e.top} for e in entries]}
+    tokens = [token_text(e.token) for e in entries]
+    offsets = list(accumulate((len(t) for t in tokens[:-1]), initial=start)) if tokens else []
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.top is None else {token_text(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets}
 
 
 @dataclass(frozen=True)
