@@ -90,7 +90,8 @@ def test_steps_copy_host_values_without_waiting_for_the_device(tiny_dirs, draft_
     queued kernel): a step moves host values with fastspec.utils.transfer.to_device instead. Watched on CPU, where the
     same calls are visible: no step (prefill, plain or speculative round, sampled or greedy, controlled, with
     logprobs, from the prefix cache) makes one."""
-    llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, 3 if draft else None, topk, 6, page,
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, 3 if draft else None, topk,
+                   None if algorithm == "NONE" else 6, page,
                    overlap_schedule=overlap)
     worker, blocking, inside = llm.engine.worker, [], {"on": False}
     real_tensor, real_to, real_step = torch.tensor, torch.Tensor.to, worker.step
