@@ -191,6 +191,19 @@ def test_chunked_prefill_is_lossless(tiny_dirs, draft_dirs, algorithm, draft, ch
         assert [o.metrics for o in outputs] == [o.metrics for o in unchunked]
 
 
+def plain_and_speculative(tiny_dirs, draft_dirs, family, algorithm, draft, every_round=False, **extra):
+    """(the speculative LLM, its outputs, the target-only output ids) over PROMPTS with the same engine options;
+    a small tree (NGRAM: 6 tokens); `every_round`: no measured fallback to plain rounds."""
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    steps, topk, n = (None, None, 6) if algorithm == "NGRAM" else (3, 2, 5)
+    plain = fastspec.LLM(str(tiny_dirs[family][0]), max_total_tokens=4096, **extra)
+    expected = [o.output_ids for o in plain.engine.generate(PROMPTS, [params] * len(PROMPTS))]
+    llm = spec_llm(tiny_dirs, draft_dirs, family, algorithm, draft, steps, topk, n, 16, **extra)
+    if every_round:
+        llm.engine.policy = None
+    return llm, llm.engine.generate(PROMPTS, [params] * len(PROMPTS)), expected
+
+
 @pytest.mark.parametrize("family, algorithm, draft, quantization, kv", [
     ("llama", "EAGLE3", "eagle3", None, "bfloat16"), ("qwen2", "STANDALONE", "self", "int4", "float16"),
     ("qwen3", "EAGLE", "eagle", "int4", "bf16"), ("llama", "NGRAM", None, None, "fp16"),
@@ -199,13 +212,8 @@ def test_a_smaller_kv_cache_is_lossless(tiny_dirs, draft_dirs, family, algorithm
     """--kv-cache-dtype: K and V (target's and draft's) stored rounded to 16 or 8 bits; speculative output still
     equals target-only output over the same cache dtype, on the float layers and on packed ones (the fused C
     kernels)."""
-    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    steps, topk, n = (None, None, 6) if algorithm == "NGRAM" else (3, 2, 5)
-    extra = dict(quantization=quantization, kv_cache_dtype=kv)
-    plain = fastspec.LLM(str(tiny_dirs[family][0]), max_total_tokens=4096, **extra)
-    expected = [o.output_ids for o in plain.engine.generate(PROMPTS, [params] * len(PROMPTS))]
-    llm = spec_llm(tiny_dirs, draft_dirs, family, algorithm, draft, steps, topk, n, 16, **extra)
-    outputs = llm.engine.generate(PROMPTS, [params] * len(PROMPTS))
+    llm, outputs, expected = plain_and_speculative(tiny_dirs, draft_dirs, family, algorithm, draft,
+                                                   quantization=quantization, kv_cache_dtype=kv)
     assert [o.output_ids for o in outputs] == expected
     stored = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
               "fp8_e5m2": torch.float8_e5m2}.get(kv, torch.float16)
@@ -221,14 +229,8 @@ def test_a_16_bit_target_is_lossless(tiny_dirs, draft_dirs, family, algorithm, d
     over exactly its keys, whatever the batch and the tree around it), so speculative output equals target-only output
     in 16 bits too, token for token (torch's SDPA over the padded verify block made greedy EAGLE-3 leave plain decoding
     in bfloat16)."""
-    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    steps, topk, n = (None, None, 6) if algorithm == "NGRAM" else (3, 2, 5)
-    extra = dict(dtype=dtype, quantization=quantization)
-    plain = fastspec.LLM(str(tiny_dirs[family][0]), max_total_tokens=4096, **extra)
-    expected = [o.output_ids for o in plain.engine.generate(PROMPTS, [params] * len(PROMPTS))]
-    llm = spec_llm(tiny_dirs, draft_dirs, family, algorithm, draft, steps, topk, n, 16, **extra)
-    llm.engine.policy = None  # every round speculates
-    outputs = llm.engine.generate(PROMPTS, [params] * len(PROMPTS))
+    llm, outputs, expected = plain_and_speculative(tiny_dirs, draft_dirs, family, algorithm, draft, every_round=True,
+                                                   dtype=dtype, quantization=quantization)
     invariant = gemms_row_invariant(llm.engine.worker.target.model, getattr(torch, dtype))
     if [o.output_ids for o in outputs] != expected and not invariant:
         pytest.skip(f"this CPU's {dtype} GEMMs round a row by the rows beside it: no kernel of ours can make a verify "
