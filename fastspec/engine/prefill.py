@@ -42,7 +42,7 @@ class Prefill:
         hidden = self.target.forward(ids, positions, extend_metadata(self.slots.table.table, rows, prefix, ext),
                                      rows, lens)
         last = torch.cumsum(ext, 0) - 1
-        self._prompt_logprobs(reqs, lens, hidden.final, last)
+        self._prompt_logprobs(reqs, lens, hidden.final)
         finals = [b for b, c in enumerate(complete) if c and not reqs[b].produced]  # recomputes know their token
         first_logits = self.target.model.compute_logits(hidden.final[last[finals]])
         final_reqs = [reqs[b] for b in finals]
@@ -63,8 +63,8 @@ class Prefill:
             self.producer.save_states(r, r.seq_len - n)
         return RoundOutput(produced + [[]] * skipped, logprobs=logprobs)
 
-    def _prompt_logprobs(self, reqs: list[Request], lens: list[int], final: torch.Tensor,  # [T, H]  the chunk's
-                         last: torch.Tensor) -> None:  # int64 [bs]  each request's last row
+    def _prompt_logprobs(self, reqs: list[Request], lens: list[int],
+                         final: torch.Tensor) -> None:  # [T, H]  the chunk's rows, request by request
         """Each request asking for them: the target's logprobs of the prompt tokens this chunk's rows predict (row p
         predicts token p + 1; a recompute after preemption has them already)."""
         for b, (r, n) in enumerate(zip(reqs, lens)):
@@ -72,7 +72,7 @@ class Prefill:
                 continue
             start, end = max(r.seq_len, len(r.prompt_logprobs)), min(r.seq_len + n, len(r.prompt_ids) - 1)
             if start < end:
-                first_row = int(last[b]) - n + 1 - r.seq_len  # the row of position 0
+                first_row = sum(lens[:b]) - r.seq_len  # the row position 0 would have
                 logits = self.target.model.compute_logits(final[first_row + start: first_row + end])
                 r.prompt_logprobs.extend(token_logprobs(logits, r.prompt_ids[start + 1: end + 1],
                                                        r.params.prompt_logprobs))
