@@ -333,7 +333,7 @@ def test_a_batch_of_prompts_is_one_request_of_their_choices(served):
             deltas[choice.index] = deltas.get(choice.index, "") + choice.text
     assert [deltas[i] for i in range(4)] == alone
     for bad, message in (((["abc", ""]), "prompt must be"), ([[5, 6], [7, "x"]], "prompt must be"),
-                         ([[5, 6]] * 129, "more than 256 choices")):
+                         ([[5, 6]] * 129, "129 prompts x n 2 = 258 choices: at most 256")):
         with pytest.raises(openai.BadRequestError, match=message):
             client.completions.create(model=MODEL, prompt=bad, max_tokens=3, n=2)
     assert engine_settled(service)

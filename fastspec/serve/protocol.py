@@ -78,8 +78,8 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         raise APIError("suffix is not supported", param="suffix")
     messages, prompts = (_messages(body), None) if chat else (None, _prompts(body))
     if prompts is not None and len(prompts) * n > MAX_REQUESTS:
-        raise APIError(f"{len(prompts)} prompts x n = {n} is more than {MAX_REQUESTS} choices in one request",
-                       param="prompt")
+        raise APIError(f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices: at most {MAX_REQUESTS} in one "
+                       "request", param="prompt")
     tools = parse_tools(body) if chat else None
     schema = _response_format(body)
     if tools is not None and tools.grammar() is not None:
