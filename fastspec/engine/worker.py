@@ -90,7 +90,7 @@ class Worker:
         c, cfg = self.model.config, self.config
         _, heads, dim, _ = c.kv_layout
         mla = {} if c.mla is None else dict(kv_lora_rank=c.mla.kv_lora_rank, sm_scale=mla_softmax_scale(c))
-        if cfg.attention_backend == "torch" and cfg.device == "cpu":  # the C kernel on CPU tensors
+        if cfg.attention_backend == "torch":  # the C kernel on CPU tensors, the torch reference elsewhere
             return CpuTorchBackend()
         return make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=heads, head_dim=dim,
                             dtype=cfg.torch_dtype, kv_dtype=cfg.kv_torch_dtype, device=cfg.device, **mla)

@@ -87,8 +87,8 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
             parsed = replace(parsed, tools=tools)
         prompts = _encode(service, parsed)
         choices = [(ids, parsed.choice_params(_default_length(service, parsed, params, ids))) for ids in prompts]
-        if parsed.n > 1 and service.engine.config.radix_cache:
-            for ids, _ in choices:
+        if parsed.n > 1 and service.engine.config.radix_cache and params.prompt_logprobs is None:
+            for ids, _ in choices:  # (a choice asking for prompt logprobs reads no cached prefix)
                 await _cache_prompt(service, ids, params)
         rids = _submit_choices(service, choices, loop, events, keep_special)
     except APIError as e:
