@@ -73,8 +73,7 @@ def test_a_compiled_bfloat16_step_gives_a_request_what_it_gets_alone():
     """The embedded (packed) model in bfloat16: its compiled decode buckets round as eager does (Inductor told to:
     fastspec.graphs.runner), so a request's logprobs (its logits) are the same beside another as alone, bit for bit,
     and seeded output does not depend on the batch. Left to itself Inductor fused bucket 2's 16-bit kernels otherwise:
-    every logits row differed (a QA pass's seeded answer changed at token 18). Float linears are torch's GEMMs,
-    whose 16-bit rows are not batch-invariant on every CPU: not this test's."""
+    every logits row differed (a QA pass's seeded answer changed at token 18). Float linears: the next test."""
     engine = Engine(EngineConfig(graphs="compile", cuda_graph_bs=(1, 2), max_running_requests=2, dtype="bfloat16",
                                  radix_cache=False, max_total_tokens=1024), SpecConfig())
     prompts = [[1, 504, 3071, 314, 2896, 30, 198], [1, 9690, 253, 6721, 216, 14, 5, 16, 1263]]
@@ -84,3 +83,19 @@ def test_a_compiled_bfloat16_step_gives_a_request_what_it_gets_alone():
         alone = engine.generate([prompt], [params])[0]
         assert alone.output_ids == out.output_ids
         assert [(e.logprob, e.top) for e in alone.logprobs] == [(e.logprob, e.top) for e in out.logprobs]
+
+
+def test_a_bfloat16_float_target_gives_a_request_what_it_gets_alone():
+    """The embedded model's weights as bfloat16 floats (--quantization none): its linears run fastspec's row-invariant
+    GEMM (fastspec.kernels.cpu_gemm16), so a request's logprobs are the same batched with others (its prefill and
+    decode rows among theirs) as alone, bit for bit. With torch's bfloat16 GEMM every one of these requests' logprobs
+    differed on EPYC (oneDNN rounds a [576, 1536] product's row by the rows beside it)."""
+    engine = Engine(EngineConfig(quantization="none", dtype="bfloat16", radix_cache=False, max_total_tokens=2048),
+                    SpecConfig())
+    prompts = [[1, 504, 3071, 314, 2896, 30, 198, 17, 28, 300, 401, 3000, 12, 13] * 3,
+               [1, 9690, 253, 6721, 216, 14, 5, 16, 1263] * 4, [1, 44, 55, 66, 77, 88, 99, 111] * 5]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=1)
+    for prompt, out in zip(prompts, engine.generate(prompts, [params] * 3)):
+        alone = engine.generate([prompt], [params])[0]
+        assert alone.output_ids == out.output_ids
+        assert [e.logprob for e in alone.logprobs] == [e.logprob for e in out.logprobs]
