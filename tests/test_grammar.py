@@ -251,6 +251,8 @@ def test_a_grammar_no_token_can_go_on_with_ends_the_output_at_its_dead_end(char_
     (dict(regex="a("), "invalid regex"),
     (dict(ebnf="root ::= missing"), "invalid ebnf: Rule .missing. not found"),
     (dict(regex=r"\s+"), "allows no token to start"),  # the tokenizer has no whitespace
+    (dict(ebnf="root ::= "), "the ebnf matches only the empty output"),
+    (dict(regex=""), "the regex matches only the empty output"),
     (dict(regex="a", ebnf='root ::= "a"'), "one grammar per request: regex and ebnf"),
 ])
 def test_bad_grammars_are_one_line_errors(char_target, grammar, message):

@@ -81,8 +81,9 @@ class GrammarCompiler:
         state = Grammar(matcher, self.vocab_size, self.eos_ids)
         allowed = state.masks([[]])[0]
         allowed[self.eos_ids] = False  # llguidance offers EOS where no token can go on
-        if not matcher.is_accepting() and not bool(allowed.any()):
-            raise FastspecError(f"the {kind.replace('_', ' ')} allows no token to start the output")
+        if not bool(allowed.any()):  # (accepting at once: only the empty output, e.g. `root ::= `; else none)
+            what = "matches only the empty output" if matcher.is_accepting() else "allows no token to start the output"
+            raise FastspecError(f"the {kind.replace('_', ' ')} {what}")
         return state
 
 
