@@ -375,6 +375,9 @@ def damaged_copy(model_dir, tmp_path, damage=None):
      r"up_proj\.qzeros has shape \(1, 12\), expected \(2, 12\)"),
     ("gptq", lambda s: s.update({"model.layers.0.mlp.down_proj.g_idx": torch.zeros(96, dtype=torch.int32)}),
      r"down_proj\.g_idx: groups do not hold 32 inputs each"),
+    ("gptq", lambda s: s.pop("model.layers.0.mlp.down_proj.g_idx"), r"down_proj\.g_idx is missing"),  # desc_act
+    ("fp8_block", lambda s: s.pop("model.layers.0.self_attn.q_proj.weight_scale_inv"),
+     r"q_proj\.weight_scale_inv is missing"),
     ("ct_int4_asym", lambda s: s.pop("model.layers.0.mlp.up_proj.weight_zero_point"),
      r"up_proj\.weight_zero_point is missing"),
     ("ct_int4_asym", lambda s: s.update({"model.layers.0.mlp.up_proj.weight_zero_point": torch.zeros(1, 3).int()}),

@@ -198,7 +198,8 @@ def _gptq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     if scheme.gptq_v1:
         z = z.remainder(1 << bits)  # v1 stores zero - 1 in `bits` bits (a zero of 0 wrapped around)
     s = scales.t().float()
-    perm = _group_order(t.get("g_idx"), k, group, "g_idx", where)
+    g_idx = _need(t, "g_idx", where) if scheme.desc_act else t.get("g_idx")  # desc_act: required
+    perm = _group_order(g_idx, k, group, "g_idx", where)
     if perm is not None:
         q = q[:, perm]
     return _from_unsigned(q, z, s, bits, perm)
@@ -291,7 +292,8 @@ def _int_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
 def _fp8(t: dict, scheme: QuantScheme, where: str) -> Fp8Weight:
     weight = t["weight"]
     n, k = weight.shape
-    key = "weight_scale_inv" if "weight_scale_inv" in t else "weight_scale"
+    inverse = "weight_scale_inv" in t or (scheme.method == "fp8" and scheme.block is not None)  # (HF's block fp8)
+    key = "weight_scale_inv" if inverse else "weight_scale"
     scale = _need(t, key, where).float()
     if scheme.block is not None:
         rows, cols = scheme.block
