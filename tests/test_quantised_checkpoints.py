@@ -555,3 +555,16 @@ def test_a_quantised_linear_without_its_bias_is_one_line(quantised, tmp_path):
     save_file(state, tmp_path / "m" / "model.safetensors")
     with pytest.raises(FastspecError, match=r"missing weight model\.layers\.1\.self_attn\.k_proj\.bias"):
         fastspec.LLM(str(tmp_path / "m"), speculative_algorithm="NONE", max_total_tokens=512)
+
+
+@pytest.mark.parametrize("method, bits", [("awq", 4), ("fp8_block", 8)])
+def test_dummy_weights_of_a_quantised_checkpoint_are_rounded_as_its_kind(quantised, method, bits):
+    """--load-format dummy on a quantised checkpoint: random weights of its shapes, rounded at load as its kind (a
+    benchmark of its shapes measures its kernels, not float GEMMs, as `bench --profile` showed they were)."""
+    from fastspec.models.quant_layers import gemm_kernels
+
+    llm = fastspec.LLM(str(quantised(method)[0]), load_format="dummy", speculative_algorithm="NONE",
+                       max_total_tokens=512)
+    kernels = gemm_kernels(llm.engine.worker.target.model)
+    assert not any(name.startswith("F.linear") for name in kernels), kernels
+    assert any(f"{bits}-bit" in name or "fp8" in name for name in kernels), kernels

@@ -55,7 +55,8 @@ def load_models(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -
     models = _load(sources, spec, config)
     if config.kv_torch_dtype.itemsize == 1 and config.load_format != "dummy" and config.quantization != "gguf":
         models = replace(models, kv_scales=read_kv_scales(sources.model_dir, sources.config))
-    online = config.quantization in ONLINE and sources.scheme is None  # rounded here, not stored so
+    # rounded here, not stored so (a quantised checkpoint's dummy weights too: random floats of its shapes)
+    online = config.quantization in ONLINE and (sources.scheme is None or config.load_format == "dummy")
     for model in (models.target, models.draft):
         if isinstance(model, nn.Module):
             fuse_projections(model)  # one QKV and one gate_up GEMM per layer
