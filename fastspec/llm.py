@@ -68,7 +68,8 @@ class LLM:
         the tuned file."""
         config = EngineConfig(model=model, **engine_options)
         check_spec_flags(speculative_algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
-                         accept_threshold_acc, draft_model, cli=False)
+                         accept_threshold_acc, draft_model, cli=False, token_map=token_map,
+                         draft_revision=draft_revision, ngram=ngram is not None)
         algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
         self.sources = sources = resolve_sources(
             model, algorithm, draft_model, revision=revision, draft_revision=draft_revision,

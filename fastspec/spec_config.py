@@ -165,16 +165,19 @@ CLI_FLAGS = {"speculative_algorithm": "--speculative-algorithm", "draft_model": 
              "num_steps": "--speculative-num-steps", "topk": "--speculative-eagle-topk",
              "num_draft_tokens": "--speculative-num-draft-tokens",
              "accept_threshold_single": "--speculative-accept-threshold-single",
-             "accept_threshold_acc": "--speculative-accept-threshold-acc"}
+             "accept_threshold_acc": "--speculative-accept-threshold-acc", "token_map": "--speculative-token-map",
+             "draft_revision": "--speculative-draft-model-revision", "ngram": "--speculative-ngram-* options"}
 
 
 def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: int | None = None,
                      num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
-                     accept_threshold_acc: float = 1.0, draft_model: str | None = None, cli: bool = True) -> str:
+                     accept_threshold_acc: float = 1.0, draft_model: str | None = None, cli: bool = True, *,
+                     token_map: str | None = None, draft_revision: str | None = None, ngram: bool = False) -> str:
     """The canonical algorithm name, after every check that needs no model: the name, the thresholds, the tree
     options as far as they are given (whether a partial shape is feasible depends on the target's defaults, which
     `resolve` checks), and no option the algorithm would ignore (a draft without a drafting algorithm; tree options
-    for NONE, all but num_draft_tokens for NGRAM). `algorithm` None: the default (no tree option is ignored then).
+    for NONE, all but num_draft_tokens for NGRAM; a token map but for EAGLE; a draft revision without a draft; NGRAM
+    options (`ngram`: any given) but for NGRAM). `algorithm` None: the default (no tree option is ignored then).
     Messages name the options as CLI_FLAGS (`cli`) or as LLM's keywords."""
     name = CLI_FLAGS.get if cli else str
     algo = (algorithm or "NONE").upper()
@@ -200,9 +203,16 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
                             "one: the draft would be ignored")
     ignored = [key for key, value in tree.items() if value is not None and algorithm is not None
                and (algo == "NONE" or algo == "NGRAM" and key != "num_draft_tokens")]
+    ignored += ["token_map"] if token_map is not None and (algorithm is None or algo != "EAGLE") else []
+    ignored += ["ngram"] if ngram and algo != "NGRAM" else []
     if ignored:
-        raise FastspecError(f"{name(ignored[0])} does not apply to {name('speculative_algorithm')} {algo}: it would "
-                            "be ignored")
+        raise FastspecError(f"{name(ignored[0])} does not apply to {name('speculative_algorithm')} "
+                            f"{algorithm or 'unset'}: it would be ignored"
+                            + (" (an FR-Spec token map is for EAGLE heads; EAGLE-3 heads bring their own d2t)"
+                               if ignored[0] == "token_map" else ""))
+    if draft_revision is not None and draft_model is None:
+        raise FastspecError(f"{name('draft_revision')} needs {name('draft_model')} (a hub id): without it the revision "
+                            "would be ignored")
     return algo
 
 

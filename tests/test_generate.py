@@ -92,6 +92,12 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
     (["--prompt", "hi", "--speculative-algorithm", "NGRAM", "--draft", "/tmp"], "drafts without one"),
     (["--prompt", "hi", "--speculative-algorithm", "NONE", "--speculative-num-steps", "3"],
      "--speculative-num-steps does not apply to --speculative-algorithm NONE"),
+    (["--prompt", "hi", "--speculative-algorithm", "NGRAM", "--speculative-draft-model-revision", "v9"],
+     "--speculative-draft-model-revision needs --speculative-draft-model-path"),
+    (["--prompt", "hi", "--speculative-algorithm", "NONE", "--speculative-ngram-max-bfs-breadth", "3"],
+     "--speculative-ngram-* options does not apply to --speculative-algorithm NONE"),
+    (["--prompt", "hi", "--speculative-algorithm", "NGRAM", "--speculative-token-map", __file__],
+     "--speculative-token-map does not apply to --speculative-algorithm NGRAM"),
     (["--prompt", "hi", "--speculative-algorithm", "EAGLE3", "--draft", __file__], "is a file, not a model"),
     (["--prompt", "hi", "--page-size", "3"], "page size must be a power of two"),
     (["--input-ids", "1,x"], "comma-separated integers"),
@@ -220,6 +226,10 @@ def test_malformed_api_input_is_one_line_and_the_llm_stays_usable(tiny_dirs):
                             (dict(speculative_algorithm="NONE", num_steps=3), "num_steps does not apply to "
                                                       "speculative_algorithm NONE: it would be ignored"),
                             (dict(speculative_algorithm="NGRAM", topk=2), "topk does not apply"),
+                            (dict(speculative_algorithm="EAGLE3", draft_model=model, token_map=__file__),
+                             "token_map does not apply to speculative_algorithm EAGLE3.*bring their own d2t"),
+                            (dict(draft_revision="v2"), "draft_revision needs draft_model"),
+                            (dict(ngram={"max_bfs_breadth": 2}), "ngram does not apply to speculative_algorithm unset"),
                             (dict(speculative_algorithm="EAGLE3", num_steps=0), r"num_steps must be in \[1, 64\]"),
                             (dict(speculative_algorithm="NGRAM", ngram={"nope": 1}), "ngram: got an unexpected")):
         with pytest.raises(FastspecError, match=message):

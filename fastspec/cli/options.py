@@ -82,9 +82,12 @@ class ModelOptions:
         if kwargs["device"] == "auto" and kwargs["graphs"] != "cuda":
             kwargs["device"] = "cpu"  # nothing else checked here depends on it: no torch import to find a GPU
         EngineConfig(**{k: kwargs[k] for k in ENGINE_FLAGS})
+        ngram = any(getattr(self, f.name) != f.default for f in fields(self) if f.name.startswith("speculative_ngram_"))
         check_spec_flags(self.speculative_algorithm, self.speculative_num_steps, self.speculative_eagle_topk,
                          self.speculative_num_draft_tokens, self.speculative_accept_threshold_single,
-                         self.speculative_accept_threshold_acc, self.speculative_draft_model_path)
+                         self.speculative_accept_threshold_acc, self.speculative_draft_model_path,
+                         token_map=self.speculative_token_map, draft_revision=self.speculative_draft_model_revision,
+                         ngram=ngram)
         check_model_spec(self.model)
         if self.speculative_draft_model_path is not None:
             check_model_spec(self.speculative_draft_model_path, "--speculative-draft-model-path")
