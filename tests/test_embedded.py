@@ -87,7 +87,7 @@ def test_a_compiled_bfloat16_step_gives_a_request_what_it_gets_alone():
 
 def test_a_bfloat16_float_target_gives_a_request_what_it_gets_alone():
     """The embedded model's weights as bfloat16 floats (--quantization none): its linears run fastspec's row-invariant
-    GEMM (fastspec.kernels.cpu_gemm16), so a request's logprobs are the same batched with others (its prefill and
+    GEMM (fastspec.kernels.cpu_row_gemm), so a request's logprobs are the same batched with others (its prefill and
     decode rows among theirs) as alone, bit for bit. With torch's bfloat16 GEMM every one of these requests' logprobs
     differed on EPYC (oneDNN rounds a [576, 1536] product's row by the rows beside it)."""
     engine = Engine(EngineConfig(quantization="none", dtype="bfloat16", radix_cache=False, max_total_tokens=2048),

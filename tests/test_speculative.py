@@ -16,7 +16,7 @@ from conftest import all_slots_free
 
 import fastspec
 from fastspec.errors import FastspecError
-from fastspec.kernels.cpu_gemm16 import Linear16
+from fastspec.kernels.cpu_row_gemm import RowLinear
 from fastspec.sampling import SamplingParams
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50], [2 + 1], [28, 84, 19, 71],
@@ -245,7 +245,7 @@ def gemms_row_invariant(model, dtype: torch.dtype) -> bool:
     GEMMs do on the CPUs measured, but their kernels are the CPU library's choice, made by the row count."""
     g = torch.Generator().manual_seed(0)
     for module in model.modules():
-        if type(module) in (torch.nn.Linear, Linear16) or hasattr(module, "activation"):
+        if type(module) in (torch.nn.Linear, RowLinear) or hasattr(module, "activation"):
             x = torch.randn(40, module.in_features, generator=g).to(dtype)
             whole = module(x)
             if not all(torch.equal(module(x[:m]), whole[:m]) for m in (1, 2, 3, 5, 8, 13, 24)):

@@ -1,6 +1,6 @@
 """fastspec's CPU kernels in C (cpu_fused.c: a decoder layer's work between its GEMMs, and a whole layer stack;
 cpu_attention.c: attention over a dense plan; cpu_q4.c and cpu_q8.c: the 4- to 8-bit GEMMs on int16 activations;
-cpu_amx.c: the 4-bit one on AMX tiles; cpu_gemm16.c: a row-invariant 16-bit float GEMM; cpu_tree.c: a speculative
+cpu_amx.c: the 4-bit one on AMX tiles; cpu_row_gemm.c: a row-invariant float GEMM; cpu_tree.c: a speculative
 round's tree building and greedy walk) as one library: built on first use with the system C compiler (`cc -O3
 -march=native -ffast-math -fopenmp`, a second or two; without OpenMP, single-threaded) into the cache
 (`cache_root()/kernels`, keyed by the sources, the flags and the CPU) and loaded through ctypes. Without a compiler,
@@ -26,7 +26,7 @@ from fastspec.utils.cache import cache_root
 
 log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_fused.c", "cpu_attention.c", "cpu_q4.c", "cpu_q8.c", "cpu_amx.c", "cpu_gemm16.c",
+                for name in ("cpu_fused.c", "cpu_attention.c", "cpu_q4.c", "cpu_q8.c", "cpu_amx.c", "cpu_row_gemm.c",
                              "cpu_tree.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_q4.h", "cpu_rows.h", "cpu_vec.h"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
@@ -44,7 +44,8 @@ SIGNATURES = {  # name -> (argument types, result type)
     "rescore": ((_P, _P, _P, _I, _I, _P, _I, _I, _P, _P), None),
     "block_gemm": ((_P, _I, _I, _P, _P, _I, _P, _I, _I, _P), _C),
     "amx_q4_enable": ((_C,), _C),
-    "gemm16": ((_P, _I, _I, _P, _I, _C, _P), None),
+    "row_gemm": ((_P, _I, _I, _P, _I, _C, _P), None),
+    "row_dots": ((_P, _I, _I, _P, _I, _C, _P), None),
     "eagle_tree": ((_P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P), None),
     "greedy_walk": ((_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P), None),
     "decoder_stack": ((_I, _P, _P, _P, _C, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _I, _I, _F,

@@ -4,9 +4,9 @@ their projections fused, quantised and packed for the device.
 With quantization "gguf" a GGUF target runs on its own blocks (fastspec.models.gguf_packed); with a quantised
 checkpoint's method, on its stored linears (fastspec.models.quant_loader); with fp8 / int8 / int4, its projections
 are rounded at load (fastspec.models.quantise). On CPU the draft's linears run on fastspec's block kernels (an
-EAGLE head's rounded to 4 bits, other drafts' to 8) where the target runs on them (else in the fast float dtype),
-in float32 the linears are prepacked for the row counts of the rounds (fastspec.kernels.cpu_linear), and in bfloat16
-/ float16 they run fastspec's row-invariant GEMM (fastspec.kernels.cpu_gemm16). A quantised
+EAGLE head's rounded to 4 bits, other drafts' to 8) where the target runs on them (else in the fast float dtype), and
+the float linears left run fastspec's row-invariant GEMM (fastspec.kernels.cpu_row_gemm; without the C library,
+in float32 MKL's, prepacked for the row counts of the rounds: fastspec.kernels.cpu_linear). A quantised
 STANDALONE draft keeps its stored form, bound to the device's kernels as the target's are, unless --quantization is
 none. Reads no config: every check ran in resolve_sources.
 """
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fastspec.config import EngineConfig
-from fastspec.kernels.cpu_gemm16 import row_invariant_linears
+from fastspec.kernels.cpu_row_gemm import row_invariant_linears
 from fastspec.kernels.cpu_linear import can_prepack, prepack_linears, trim_host_heap
 from fastspec.models.causal_lm import CausalLM, eagle3_capture_layers
 from fastspec.models.draft_loader import load_draft
@@ -78,7 +78,7 @@ def load_models(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -
                 pack_linears(draft, float_dtype(act), 4 if spec.algorithm in ("EAGLE", "EAGLE3") and not mtp else 8)
             else:
                 cast_linears(draft, float_dtype(act))
-    if cpu and config.torch_dtype.itemsize == 2:  # a row computes the same whatever rows share its GEMM
+    if cpu:  # a row computes the same whatever rows share its GEMM
         for model in (models.target, models.draft):
             if isinstance(model, nn.Module):
                 row_invariant_linears(model)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastspec.kernels import cpu_fused, cpu_library, cpu_q4
+from fastspec.kernels.cpu_row_gemm import row_dots, row_dots_op
 from fastspec.models.gguf_blocks import BLOCK, Blocks, as_8bit_16, quantise_rows, round_8bit
 
 ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows
@@ -201,6 +202,8 @@ class RefinedHead(nn.Module):
         exact = None
         if type(self.table) is BlockEmbedding and not torch.compiler.is_compiling():  # one C call
             exact = cpu_fused.rescore(self.table.q, self.table.scale, self.table.offset, top, flat.float())
+        if exact is None and cpu_library.available():  # each row's sums in one order, whatever the batch
+            exact = (row_dots_op if torch.compiler.is_compiling() else row_dots)(flat.float(), self.table(top).float())
         if exact is None:
             exact = torch.bmm(self.table(top).float(), flat.float()[:, :, None]).squeeze(-1)  # [M, refine]
         # in place: `logits` is this call's own (a copy of [M, V] costs more than the GEMM's epilogue)

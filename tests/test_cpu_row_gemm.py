@@ -1,6 +1,6 @@
-"""fastspec's row-invariant 16-bit GEMM (fastspec.kernels.cpu_gemm16): it is the dot products to float32 rounding; a
+"""fastspec's row-invariant float GEMM (fastspec.kernels.cpu_row_gemm): it is the dot products to float32 rounding; a
 row's outputs are bit for bit the same alone and among any others, on this CPU's build and on each lower
-instruction-set level's; Linear16 eager, compiled and F.linear agree; the swap takes only 16-bit linears and keeps
+instruction-set level's; RowLinear eager, compiled and F.linear agree; the swap takes the float linears and keeps
 a tied weight tied. Skipped where no C compiler builds the kernels."""
 
 import functools
@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastspec.kernels import cpu_library
-from fastspec.kernels.cpu_gemm16 import DTYPE_CODES, Linear16, gemm16, row_invariant_linears
+from fastspec.kernels.cpu_row_gemm import DTYPE_CODES, RowLinear, row_gemm, row_invariant_linears
 
 pytestmark = pytest.mark.skipif(not cpu_library.available(), reason="no C compiler builds the CPU kernels")
-DTYPES = [torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(96, 1536), (50, 37), (17, 100), (33, 64)]  # [N, K]: whole vectors, and tails of both N and K
 
 
@@ -31,8 +31,8 @@ def test_it_is_the_dot_products_to_float32_rounding(dtype, n, k):
     x, w = operands(9, n, k, dtype)
     exact = x.double() @ w.double().T
     bound = (x.double().abs() @ w.double().abs().T) * k * 2.0 ** -23  # float32 sums of k exact products
-    assert ((gemm16(x, w).double() - exact).abs() <= bound).all()
-    assert gemm16(x[:0], w).shape == (0, n)
+    assert ((row_gemm(x, w).double() - exact).abs() <= bound).all()
+    assert row_gemm(x[:0], w).shape == (0, n)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def build(tmp_path_factory):
 
 def run(lib, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.shape[0])
-    lib.gemm16(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], DTYPE_CODES[w.dtype], y.data_ptr())
+    lib.row_gemm(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0], DTYPE_CODES[w.dtype], y.data_ptr())
     return y
 
 
@@ -67,12 +67,12 @@ if platform.machine() == "x86_64" and " avx512bf16" in flags():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k", [(96, 1536), (17, 100)])
 def test_a_row_is_the_same_alone_and_among_others(build, march, dtype, n, k):
-    """Every row of 1 to 40 rows at any offset: what the row computes alone, bit for bit (torch's bfloat16 GEMM fails
-    this at [576, 1536] on EPYC: bench/bench_gemm16.py)."""
+    """Every row of 1 to 40 rows at any offset: what the row computes alone, bit for bit (torch's float32 GEMM fails
+    this for 1 to 3 rows, its bfloat16 one at [576, 1536] on EPYC: bench/bench_row_gemm.py)."""
     lib = build(march)
     x, w = operands(40, n, k, dtype, seed=n)
     whole = run(lib, x, w)
-    torch.testing.assert_close(whole, gemm16(x, w), atol=1e-3 * k ** 0.5, rtol=1e-3)  # each build is the product
+    torch.testing.assert_close(whole, row_gemm(x, w), atol=1e-3 * k ** 0.5, rtol=1e-3)  # each build is the product
     alone = torch.cat([run(lib, x[i:i + 1], w) for i in range(40)])
     assert torch.equal(whole, alone)
     for m in (2, 3, 5, 7, 13, 17, 30):
@@ -81,9 +81,9 @@ def test_a_row_is_the_same_alone_and_among_others(build, march, dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear16_eager_compiled_and_f_linear_agree(dtype):
+def test_row_linear_eager_compiled_and_f_linear_agree(dtype):
     linear = nn.Linear(100, 50, bias=True).to(dtype)
-    module = Linear16(linear)
+    module = RowLinear(linear)
     x = torch.randn(2, 7, 100).to(dtype)
     eager = module(x)
     assert eager.dtype == dtype and eager.shape == (2, 7, 50)
@@ -91,13 +91,14 @@ def test_linear16_eager_compiled_and_f_linear_agree(dtype):
     torch.testing.assert_close(eager, F.linear(x, linear.weight, linear.bias), atol=0.05, rtol=0.02)  # two roundings
 
 
-def test_the_swap_takes_16_bit_linears_and_keeps_a_tied_weight_tied():
+def test_the_swap_takes_the_float_linears_and_keeps_a_tied_weight_tied():
     model = nn.ModuleDict({"a": nn.Linear(8, 16), "inner": nn.ModuleDict({"b": nn.Linear(16, 8)}),
                            "wide": nn.Linear(8, 8), "table": nn.Embedding(16, 8)}).to(torch.bfloat16)
     model["wide"].float()
     model["head"] = nn.Linear(8, 16, bias=False).to(torch.bfloat16)
     model["head"].weight = model["table"].weight
+    model["fp8"] = nn.Linear(8, 8).to(torch.float8_e4m3fn)
     row_invariant_linears(model)
-    assert type(model["a"]) is type(model["inner"]["b"]) is type(model["head"]) is Linear16
-    assert type(model["wide"]) is nn.Linear  # float32: torch's GEMM, prepacked elsewhere
+    assert type(model["a"]) is type(model["inner"]["b"]) is type(model["head"]) is type(model["wide"]) is RowLinear
+    assert type(model["fp8"]) is nn.Linear  # no float the kernel reads
     assert model["head"].weight is model["table"].weight
