@@ -122,11 +122,14 @@ def test_eagle3_drafts_only_hot_vocabulary_tokens(tiny_dirs, draft_dirs):
      "infeasible"),
     (dict(speculative_algorithm="EAGLE3", draft_model="DRAFT"), "needs a LlamaForCausalLMEagle3 head"),
     (dict(speculative_algorithm="STANDALONE", draft_model="DRAFT"), "needs a full model"),
+    (dict(speculative_algorithm="EAGLE3", draft_model="TARGET"), "a full model: STANDALONE drafts with one"),
     (dict(speculative_algorithm="EAGLE", draft_model="DRAFT", accept_threshold_acc=1.5), "must be in [0, 1]"),
 ])
 def test_bad_speculative_configs(tiny_dirs, draft_dirs, kwargs, message):
     if kwargs.get("draft_model") == "DRAFT":
         kwargs["draft_model"] = str(draft_dirs["llama"]["eagle"])
+    if kwargs.get("draft_model") == "TARGET":
+        kwargs["draft_model"] = str(tiny_dirs["llama"][0])
     with pytest.raises(FastspecError, match=message.replace("[", r"\[").replace("]", r"\]")):
         fastspec.LLM(str(tiny_dirs["llama"][0]), max_total_tokens=1024, **kwargs)
 

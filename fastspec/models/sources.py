@@ -91,7 +91,8 @@ def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_d
         return
     if (algorithm == "EAGLE3") != draft.is_eagle3:
         wanted = "LlamaForCausalLMEagle3" if algorithm == "EAGLE3" else "LlamaForCausalLMEagle"
-        raise FastspecError(f"{draft_dir}: {algorithm} needs a {wanted} head, got {draft.architecture}")
+        hint = "" if draft.is_draft else " (a full model: STANDALONE drafts with one)"
+        raise FastspecError(f"{draft_dir}: {algorithm} needs a {wanted} head, got {draft.architecture}{hint}")
     check_draft_fits(draft, target, str(draft_dir))
     if quantization == "gguf" and not draft.is_eagle3:  # an EAGLE-2 head multiplies by the target's lm_head weight
         raise FastspecError(f"{draft_dir}: an EAGLE-2 head needs the target's float lm_head, which --quantization "
