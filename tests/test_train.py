@@ -139,6 +139,16 @@ def test_bad_prompt_line_and_existing_dir_are_one_line_errors(chat_target, tmp_p
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("flag", ["--resume", "--overwrite"])
+def test_a_directory_that_is_not_a_run_is_neither_resumed_into_nor_overwritten(chat_target, tmp_path, flag):
+    """A model directory (or an exported head) as --out: its config.json and weights are the user's."""
+    victim = shutil.copytree(chat_target, tmp_path / "victim")
+    before = {p.name: p.read_bytes() for p in victim.iterdir()}
+    result = CliRunner().invoke(app, ["train-draft", "--out", str(victim), "--model", str(victim), flag])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "not a train-draft directory" in result.stderr
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
+
+
 def test_resuming_with_another_target_is_a_one_line_error(chat_target, prompt_file, tiny_dirs, tmp_path):
     """A run (its answers, features and head) belongs to the target it was made for."""
     out = tmp_path / "head"

@@ -89,14 +89,17 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
 
 
 def _check_out(cfg: TrainConfig) -> None:
+    """--out is absent, empty or a train-draft run (its train/ state): any other directory is the user's and is
+    neither overwritten nor resumed into."""
     out, work = Path(cfg.out), Path(cfg.out) / "train"
     if out.exists() and not out.is_dir():
         raise FastspecError(f"--out {out} exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not cfg.resume:
-        if not cfg.overwrite:
+    if out.exists() and any(out.iterdir()):
+        if not (cfg.resume or cfg.overwrite):
             raise FastspecError(f"--out {out} exists; pass --resume to continue it or --overwrite to start over")
         if not work.is_dir():
-            raise FastspecError(f"--out {out} is not a train-draft directory; refusing to overwrite it")
+            action = "resume into" if cfg.resume else "overwrite"
+            raise FastspecError(f"--out {out} is not a train-draft directory; refusing to {action} it")
 
 
 def _prepare_out(cfg: TrainConfig) -> Path:
