@@ -137,6 +137,11 @@ def test_bad_prompt_line_and_existing_dir_are_one_line_errors(chat_target, tmp_p
                                       "--overwrite"])
     assert result.exit_code == 2 and "refusing" in result.output
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    for flag in ("--out", "--corpus"):
+        result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "o"), "--model", str(chat_target),
+                                          flag, str(bad)])
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert f"{flag} {bad} exists and is not a directory" in result.stderr
 
 
 @pytest.mark.parametrize("flag", ["--resume", "--overwrite"])

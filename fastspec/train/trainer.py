@@ -92,8 +92,9 @@ def _check_out(cfg: TrainConfig) -> None:
     """--out is absent, empty or a train-draft run (its train/ state): any other directory is the user's and is
     neither overwritten nor resumed into."""
     out, work = Path(cfg.out), Path(cfg.out) / "train"
-    if out.exists() and not out.is_dir():
-        raise FastspecError(f"--out {out} exists and is not a directory")
+    for flag, path in (("--out", out), ("--corpus", cfg.corpus)):
+        if path is not None and path.exists() and not path.is_dir():
+            raise FastspecError(f"{flag} {path} exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         if not (cfg.resume or cfg.overwrite):
             raise FastspecError(f"--out {out} exists; pass --resume to continue it or --overwrite to start over")
