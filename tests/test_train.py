@@ -83,6 +83,17 @@ def test_exported_head_is_the_eagle3_format_and_decodes_losslessly(trained, chat
     assert [o.output_ids for o in spec] == [o.output_ids for o in plain]
 
 
+def test_resuming_with_another_draft_vocab_size_is_a_one_line_error(trained, chat_target, prompt_file):
+    """The draft vocabulary shapes the head: resuming with another size is refused before anything is written."""
+    out, _, _ = trained
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    result = CliRunner().invoke(app, ["train-draft", "--out", str(out), "--model", str(chat_target), "--prompts",
+                                      str(prompt_file), "--draft-vocab-size", "30", "--resume"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "40 tokens, not --draft-vocab-size 30" in result.stderr and "--overwrite" in result.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
 @pytest.mark.gpu
 def test_training_on_cuda_lowers_the_loss_and_its_head_decodes_losslessly(chat_target, prompt_file, tmp_path):
     out = tmp_path / "head"

@@ -58,6 +58,7 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     corpus = Corpus(cfg.corpus, model_dir, _provenance(cfg)) if cfg.corpus else None  # refuses another target's
     work = _prepare_out(cfg)
     _check_same_target(work, model_dir)
+    _check_same_draft_vocab(work, cfg.draft_vocab_size, read_config(model_dir).vocab_size)
     store = corpus or JsonlStore(work / "conversations.jsonl")
     conversations = _conversations(cfg, model_dir, prompts, store, on_progress)
     if cfg.generate_only:
@@ -168,13 +169,29 @@ def _vocab(features: Features, vocab_size: int, draft_vocab_size: int, work: Pat
     """[Vd] ascending target ids, chosen once and kept (a resumed run must keep its head's vocabulary)."""
     path = work / "vocab.pt"
     if path.exists():
-        vocab = load_artifact(path, lambda p: torch.load(p, weights_only=True, map_location="cpu"))
-        if not isinstance(vocab, torch.Tensor) or vocab.ndim != 1 or vocab.dtype != torch.int64 or not len(vocab):
-            raise FastspecError(f"{path}: not a draft vocabulary; use --overwrite to start over")
-        return vocab
+        return _read_vocab(path)
     vocab = choose_draft_vocab(response_labels(features), vocab_size, min(draft_vocab_size, vocab_size))
     atomic_save(vocab, path)
     return vocab
+
+
+def _read_vocab(path: Path) -> torch.Tensor:
+    vocab = load_artifact(path, lambda p: torch.load(p, weights_only=True, map_location="cpu"))
+    if not isinstance(vocab, torch.Tensor) or vocab.ndim != 1 or vocab.dtype != torch.int64 or not len(vocab):
+        raise FastspecError(f"{path}: not a draft vocabulary; use --overwrite to start over")
+    return vocab
+
+
+def _check_same_draft_vocab(work: Path, draft_vocab_size: int, vocab_size: int) -> None:
+    """The draft vocabulary shapes the head: a resumed run with another --draft-vocab-size is refused, not
+    trained on with the old one while report.json records the new."""
+    path = work / "vocab.pt"
+    if not path.exists():
+        return
+    kept, asked = len(_read_vocab(path)), min(draft_vocab_size, vocab_size)
+    if kept != asked:
+        raise FastspecError(f"this run's draft vocabulary has {kept} tokens, not --draft-vocab-size "
+                            f"{draft_vocab_size}; pass --draft-vocab-size {kept} to resume it or --overwrite")
 
 
 def _is_val(prompts: list[str], conversation: int, cfg: TrainConfig) -> bool:
