@@ -204,6 +204,17 @@ def test_a_damaged_run_is_refused_in_one_line_and_bad_input_costs_nothing(chat_t
     assert CliRunner().invoke(app, args).exit_code == 0
 
 
+def test_a_run_with_nothing_held_out_says_so_instead_of_nan(chat_target, prompt_file, tmp_path):
+    result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "o"), "--model", str(chat_target),
+                                      "--prompts", str(prompt_file), "--max-new-tokens", "16", "--draft-vocab-size",
+                                      "40", "--ttt-steps", "2", "--epochs", "1", "--batch-tokens", "128",
+                                      "--val-fraction", "0", "--no-bf16"])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())  # rich wraps the line
+    assert "no held-out conversations (--val-fraction 0 held out none of 12): held-out tau not measured" in said
+    assert "nan" not in said and "None" not in said
+
+
 def test_soft_label_training_lowers_the_loss_and_decodes_losslessly(chat_target, prompt_file, tmp_path):
     events = []
     report = train_draft(tiny_config(tmp_path / "soft", chat_target, prompt_file, soft_topk=8, epochs=6),

@@ -89,5 +89,12 @@ def train_draft(
     if generate_only:
         console.print(f"{report['conversations']} answers ({report['tokens']} tokens) in {corpus or out / 'train'}")
         return
-    console.print(f"wrote {out}/config.json and model.safetensors · held-out chain tau "
-                  f"{report.get('val_chain_tau', float('nan'))} · acceptance by depth {report.get('val_acceptance')}")
+    console.print(f"wrote {out}/config.json and model.safetensors · {held_out(report, val_fraction)}")
+
+
+def held_out(report: dict, val_fraction: float) -> str:
+    """The final evaluation in words; a run whose split held nothing out says so rather than printing nan."""
+    if "val_chain_tau" not in report:
+        return (f"no held-out conversations (--val-fraction {val_fraction:g} held out none of "
+                f"{report['train_conversations']}): held-out tau not measured")
+    return f"held-out chain tau {report['val_chain_tau']} · acceptance by depth {report['val_acceptance']}"
