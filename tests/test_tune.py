@@ -4,6 +4,7 @@ trained by train-draft (so drafts are accepted often enough for the comparison t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import all_slots_free
@@ -169,6 +170,23 @@ def test_cli_emits_sglang_flags_from_the_tuned_file_and_llm_loads_it(chat_target
     assert llm.engine.spec.schedule == ((1, SpecParams(3, 2, 5)), (4, None))
     explicit = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head), topk=1)
     assert explicit.engine.spec.schedule == ()  # explicit tree flags win over the tuned file
+
+
+def test_tuned_files_are_one_per_model_whatever_its_folder_is_called(tmp_path, monkeypatch):
+    """Two folders named alike, `--model .` and hub snapshots each get their own file, found again for the same
+    model."""
+    from fastspec.speculative.tuned import tuned_path
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
+    a, b, head = tmp_path / "a" / "target", tmp_path / "b" / "target", tmp_path / "head"
+    snapshots = [tmp_path / "hub" / "models--org--tiny" / "snapshots" / rev for rev in ("abc123", "def456")]
+    for d in (a, b, head, *snapshots):
+        d.mkdir(parents=True)
+    names = [tuned_path(d, head, "float32", "cpu").name for d in (a, b, *snapshots)]
+    assert len(set(names)) == 4 and names[0].startswith("target-") and names[2].startswith("tiny-")
+    monkeypatch.chdir(a)
+    here = tuned_path(Path("."), head, "float32", "cuda:1")
+    assert here.name.startswith("target-") and here == tuned_path(a, head, "float32", "cuda")
 
 
 def test_a_draft_the_schedule_never_uses_at_the_engines_batch_sizes_is_not_loaded(chat_target, head, tmp_path,

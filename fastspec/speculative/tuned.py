@@ -3,7 +3,8 @@
 A tuned file is only valid for the hardware, target, draft and dtype it was measured on; `load_schedule`
 ignores, with one note, a file whose fingerprint differs or that is damaged (unreadable, or naming a tree shape
 that cannot exist); `read_tuned` refuses such a file with a FastspecError. Lives in
-<cache>/tuned/<target>--<draft>--<dtype>-<device>.json. Written by fastspec.tune; knows nothing about tuning itself.
+<cache>/tuned/<target>--<draft>--<dtype>-<device>.json, each model named by `model_name`. Written by
+fastspec.tune; knows nothing about tuning itself.
 """
 
 from __future__ import annotations
@@ -41,7 +42,17 @@ def fingerprint(model_dir: Path, draft_dir: Path, dtype: str, device: str) -> di
 def tuned_path(model_dir: Path, draft_dir: Path, dtype: str, device: str) -> Path:
     """One file per target, draft, dtype and device kind: tuning one never replaces another's."""
     kind = device.split(":")[0]
-    return cache_root() / "tuned" / f"{Path(model_dir).name}--{Path(draft_dir).name}--{dtype}-{kind}.json"
+    return cache_root() / "tuned" / f"{model_name(model_dir)}--{model_name(draft_dir)}--{dtype}-{kind}.json"
+
+
+def model_name(directory: Path) -> str:
+    """A readable name unique per model: the folder's name (a hub snapshot's: its repository's) and 8 hex digits
+    of the resolved path, which also names a hub id and revision. E.g. /a/target -> target-3f9c0e12."""
+    path = Path(directory).resolve()
+    repo = path.parent.parent.name
+    hub = path.parent.name == "snapshots" and repo.startswith("models--")
+    name = (repo.split("--")[-1] if hub else path.name).lstrip("-") or "model"
+    return f"{name}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
 
 
 def save_tuned(path: Path, print_: dict, tiers: list[dict]) -> None:
