@@ -172,6 +172,27 @@ def test_cli_emits_sglang_flags_from_the_tuned_file_and_llm_loads_it(chat_target
     assert explicit.engine.spec.schedule == ()  # explicit tree flags win over the tuned file
 
 
+def test_from_tuned_takes_quantization_none_on_a_quantised_target(chat_target, head, tmp_path, monkeypatch):  # noqa: F811
+    """--quantization none (dequantised) means the same to --from-tuned as to a plain tune: the float tuned file."""
+    import shutil
+
+    from quant_writers import quantise_dir
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+    from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
+    awq = shutil.copytree(chat_target, tmp_path / "awq")
+    quantise_dir(awq, "awq")
+    save_tuned(tuned_path(awq, head, "float32", "cpu"), fingerprint(awq, head, "float32", "cpu"),
+               [{"max_batch_size": 1, "params": [2, 1, 3]}])
+    result = CliRunner().invoke(app, ["tune", "--model", str(awq), "--speculative-algorithm", "EAGLE3", "--draft",
+                                      str(head), "--emit", "sglang", "--from-tuned", "--quantization", "none"])
+    assert result.exit_code == 0, result.output
+    assert "--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3" in result.output
+
+
 def test_tuned_files_are_one_per_model_whatever_its_folder_is_called(tmp_path, monkeypatch):
     """Two folders named alike, `--model .` and hub snapshots each get their own file, found again for the same
     model."""

@@ -59,9 +59,10 @@ def tune(
 
     device = resolve_device(options.device)
     if from_tuned:  # no model loaded: its sources name the tuned file
+        quantization = None if options.quantization == "none" else options.quantization  # as EngineConfig reads it
         sources = resolve_sources(options.model, algorithm, draft, revision=options.revision,
                                   draft_revision=options.speculative_draft_model_revision,
-                                  quantization=options.quantization, device=device, load_format=options.load_format)
+                                  quantization=quantization, device=device, load_format=options.load_format)
         path, _ = tuned_location(sources, options.dtype, options.kv_cache_dtype, device)
         if not path.exists():
             raise FastspecError(f"no tuned file at {path}: run fastspec tune first")
