@@ -193,6 +193,22 @@ def test_from_tuned_takes_quantization_none_on_a_quantised_target(chat_target, h
     assert "--speculative-num-steps 2 --speculative-eagle-topk 1 --speculative-num-draft-tokens 3" in result.output
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-sizes", "0"], "--batch-sizes must all be >= 1, got '0'"),
+    (["--batch-sizes", "1,,2"], "--batch-sizes must be comma-separated integers, got '1,,2'"),
+    (["--batch-sizes", "1,2,"], "--batch-sizes must be comma-separated integers"),
+    (["--budget", "0"], "--budget must be > 0, got 0"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 8, got 0")])
+def test_each_bad_tune_flag_is_named_in_one_line(flags, message):
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    result = CliRunner().invoke(app, ["tune", *flags])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.output
+
+
 def test_tuned_files_are_one_per_model_whatever_its_folder_is_called(tmp_path, monkeypatch):
     """Two folders named alike, `--model .` and hub snapshots each get their own file, found again for the same
     model."""

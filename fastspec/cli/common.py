@@ -55,13 +55,14 @@ def prepare_progress():
 
 
 def parse_ids(text: str, flag: str = "--input-ids") -> list[int]:
+    """"1, 4,8" -> [1, 4, 8]; an empty list or an empty entry ("1,,2", "1,2,") is a one-line error."""
+    items = text.replace(" ", "").split(",")
+    if items == [""]:
+        raise FastspecError(f"{flag} is empty")
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        return [int(t) for t in items]
     except ValueError:
         raise FastspecError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise FastspecError(f"{flag} is empty")
-    return ids
 
 
 def parse_bias(text: str | None) -> tuple[tuple[int, float], ...]:

@@ -44,8 +44,7 @@ def tune(
     if from_tuned and emit is None:
         raise FastspecError("--from-tuned only goes with --emit")
     sizes = tuple(parse_ids(batch_sizes, "--batch-sizes"))
-    if min(sizes) < 1 or num_prompts < 1 or max_new_tokens < 8 or budget <= 0:
-        raise FastspecError("batch sizes and --num-prompts must be >= 1, --max-new-tokens >= 8, --budget > 0")
+    check_sizes(batch_sizes, sizes, num_prompts, max_new_tokens, budget)
     if plot is not None and not plot.parent.is_dir():
         raise FastspecError(f"--plot {plot}: no such directory {plot.parent}")
     algorithm, draft = default_speculation(options.model, options.speculative_algorithm,
@@ -88,6 +87,19 @@ def tune(
     _plot(result, plot or path.with_suffix(".png"), console)
     if emit:
         print(sglang_flags(result.tiers(), algorithm, draft_dir))
+
+
+def check_sizes(batch_sizes: str, sizes: tuple[int, ...], num_prompts: int, max_new_tokens: int,
+                budget: float) -> None:
+    """One line naming the flag that is out of range."""
+    if min(sizes) < 1:
+        raise FastspecError(f"--batch-sizes must all be >= 1, got {batch_sizes!r}")
+    if num_prompts < 1:
+        raise FastspecError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if max_new_tokens < 8:
+        raise FastspecError(f"--max-new-tokens must be >= 8, got {max_new_tokens}")
+    if not budget > 0:
+        raise FastspecError(f"--budget must be > 0, got {budget:g}")
 
 
 def tuned_location(sources, dtype: str | None, kv_cache_dtype: str, device: str) -> tuple[Path, str]:
