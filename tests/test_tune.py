@@ -209,6 +209,13 @@ def test_each_bad_tune_flag_is_named_in_one_line(flags, message):
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.output
 
 
+def test_the_schedule_is_printed_as_shapes_per_batch_size():
+    from fastspec.tune.tuner import describe_schedule
+
+    assert describe_schedule(((1, SpecParams(3, 2, 5)), (4, None))) == (
+        "bs <= 1: 3/2/5 · bs <= 4: plain (steps/topk/draft tokens; larger batches: the last)")
+
+
 def test_tuned_files_are_one_per_model_whatever_its_folder_is_called(tmp_path, monkeypatch):
     """Two folders named alike, `--model .` and hub snapshots each get their own file, found again for the same
     model."""

@@ -36,7 +36,7 @@ def tune(
     from fastspec.models.sources import resolve_sources
     from fastspec.prompts import load_prompts, read_jsonl_prompts
     from fastspec.speculative import tuned as tuned_file
-    from fastspec.tune.tuner import TuneConfig, schedule_from
+    from fastspec.tune.tuner import TuneConfig, describe_schedule, schedule_from
     from fastspec.tune.tuner import tune as run
 
     if emit not in (None, "sglang"):
@@ -83,7 +83,7 @@ def tune(
     print_table(result)
     print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, llm.engine.config.device)
     tuned_file.save_tuned(path, print_, result.tiers())
-    console.print(f"wrote {path} · schedule {schedule_from(result.winners)}")
+    console.print(f"wrote {path} · schedule {describe_schedule(schedule_from(result.winners))}", markup=False)
     _plot(result, plot or path.with_suffix(".png"), console)
     if emit:
         print(sglang_flags(result.tiers(), algorithm, draft_dir))

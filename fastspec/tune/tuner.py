@@ -121,6 +121,14 @@ def schedule_from(winners: dict[int, Candidate]):
     return tuple((bs, c.params) for bs, c in sorted(winners.items()))
 
 
+def describe_schedule(schedule) -> str:
+    """A schedule as `fastspec tune` prints it: ((1, SpecParams(3, 2, 5)), (4, None)) ->
+    "bs <= 1: 3/2/5 · bs <= 4: plain (steps/topk/draft tokens; larger batches: the last)"."""
+    tiers = " · ".join(f"bs <= {bs}: " + ("plain" if p is None else f"{p.num_steps}/{p.topk}/{p.num_draft_tokens}")
+                       for bs, p in schedule)
+    return f"{tiers} (steps/topk/draft tokens; larger batches: the last)"
+
+
 def _diverse(ranked: list[Candidate], n: int) -> list[Candidate]:
     """The n best predicted, at most one per num_draft_tokens while others are left, then the next best.
 
