@@ -247,8 +247,9 @@ def test_export_refusals_are_one_line(tiny_dirs, eagle_twins, tmp_path):
     from fastspec.cli import app
 
     run = lambda *a: CliRunner().invoke(app, ["export-draft", *map(str, a)])  # noqa: E731
-    for args, message in (((eagle_twins[0], tmp_path / "a", "--verifier", "t"), "only EAGLE-3 heads have a "
-                                                                               "speculators form"),
+    target = tiny_dirs["llama"][0]
+    for args, message in (((eagle_twins[0], tmp_path / "a", "--verifier", target), "only EAGLE-3 heads have a "
+                                                                                  "speculators form"),
                           ((eagle_twins[0], tmp_path / "b"), "give --verifier"),
                           ((tiny_dirs["llama"][0], tmp_path / "c", "--format", "sglang"), "is not a draft head"),
                           ((eagle_twins[0], tmp_path / "d", "--format", "gguf"), "--format must be sglang or"),
@@ -259,6 +260,44 @@ def test_export_refusals_are_one_line(tiny_dirs, eagle_twins, tmp_path):
                            "--verifier is recorded by --format speculators only")):
         result = run(*args)
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args
+
+
+@pytest.mark.commands
+def test_export_checks_the_verifier_where_it_resolves_and_records_it(tiny_dirs, draft_dirs, tmp_path, monkeypatch):
+    """A local verifier is stored absolute, with its architectures, and must fit the head; a hub id is checked the
+    same where the hub cache holds it, else kept as given (vLLM resolves it); anything else is one line."""
+    from fake_hub import add_snapshot, commit_id
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    target, head = tiny_dirs["llama"][0], draft_dirs["llama"]["eagle3"]
+    architectures = json.loads((target / "config.json").read_text())["architectures"]
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    add_snapshot(tmp_path / "hub", "tiny-org/target", target, commit_id(1))
+    monkeypatch.chdir(target.parent)
+    wide = write_random_head(tmp_path / "wide", 32, 97, "eagle3")
+
+    def export(head, verifier, out):
+        result = CliRunner().invoke(app, ["export-draft", str(head), str(tmp_path / out), "--verifier", verifier])
+        recorded = (tmp_path / out / "config.json").is_file() and json.loads(
+            (tmp_path / out / "config.json").read_text())["speculators_config"]["verifier"]
+        return result, recorded
+
+    for verifier, out, expected in ((target.name, "local", {"name_or_path": str(target.resolve()),
+                                                            "architectures": architectures}),
+                                    ("tiny-org/target", "cached", {"name_or_path": "tiny-org/target",
+                                                                   "architectures": architectures}),
+                                    ("tiny-org/elsewhere", "kept", {"name_or_path": "tiny-org/elsewhere",
+                                                                    "architectures": []})):
+        result, recorded = export(head, verifier, out)
+        assert result.exit_code == 0 and recorded == expected, (verifier, result.output)
+    for bad_head, verifier, message in ((head, "nope_dir", "--verifier nope_dir is neither a model directory"),
+                                        (wide, str(target), "draft expects target features of width 32"),
+                                        (wide, "tiny-org/target", "draft expects target features of width 32")):
+        result, recorded = export(bad_head, verifier, "refused")
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.output
+        assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "mistral"])

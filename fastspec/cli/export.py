@@ -51,7 +51,7 @@ def export_draft(
     raw["architectures"] = [config.architecture]
     state = {draft_key(k, config): v.contiguous() for k, v in read_state_dict(head).items()}
     if format == "speculators":
-        raw, state = to_speculators(raw, state, verifier, str(head))
+        raw, state = to_speculators(raw, state, verifier_record(verifier, config, head), str(head))
     try:
         out.mkdir(parents=True, exist_ok=True)
         save_file(state, str(out / "model.safetensors"))
@@ -59,3 +59,26 @@ def export_draft(
     except OSError as e:
         raise FastspecError(f"cannot write {out}: {e.strerror or e}") from None
     typer.echo(f"wrote {out} ({format})")
+
+
+def verifier_record(spec: str, head_config, head: Path) -> dict:
+    """speculators' `verifier` ({"name_or_path", "architectures"}). Where the target's config is on this machine (a
+    directory, stored absolute, or a hub id in the hub cache) the head is checked against it and its architectures
+    are read from it; a hub id not cached is kept as given, as vLLM resolves it where it runs."""
+    from fastspec.errors import FastspecError
+    from fastspec.models import hub
+    from fastspec.models.draft_loader import check_draft_fits
+    from fastspec.models.loader import read_config
+
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        directory, name = path, str(path.resolve())
+    elif hub.is_hub_id(spec):
+        directory, name = hub.cached_config(spec), spec
+        if directory is None:
+            return {"name_or_path": spec, "architectures": []}
+    else:
+        raise FastspecError(f"--verifier {spec} is neither a model directory nor a hub id (org/name)")
+    check_draft_fits(head_config, read_config(directory), f"{head} with --verifier {spec}")
+    architectures = json.loads((directory / "config.json").read_text()).get("architectures") or []
+    return {"name_or_path": name, "architectures": architectures}

@@ -55,10 +55,11 @@ SGLANG_ONLY = ("architectures", "draft_vocab_size", "target_hidden_size", "eagle
                "norm_before_residual", "norm_before_fc", "num_hidden_layers")
 
 
-def to_speculators(raw: dict, state: dict, verifier: str, source: str) -> tuple[dict, dict]:
+def to_speculators(raw: dict, state: dict, verifier: dict, source: str) -> tuple[dict, dict]:
     """(config, state dict) of an SGLang-format EAGLE-3 head (`raw` its config, `state` its tensors named as
     fastspec names them: midlayer.*) in the speculators format vLLM loads (see the module docstring); `verifier`:
-    the target's name or path, which speculators records. An fc bias has no speculators form: refused."""
+    the target as speculators records it ({"name_or_path", "architectures"}). An fc bias has no speculators form:
+    refused."""
     import torch
 
     if (raw.get("architectures") or [None])[0] not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"):
@@ -77,7 +78,7 @@ def to_speculators(raw: dict, state: dict, verifier: str, source: str) -> tuple[
               "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
                                                            "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                                     "verifier": {"name_or_path": verifier, "architectures": []}}}
+                                     "verifier": verifier}}
     ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:
         config["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in ids]

@@ -72,6 +72,18 @@ def fetch(repo_id: str, revision: str | None = None, config_only: bool = False) 
     return path if config_only else _checked(path, where)
 
 
+def cached_config(repo_id: str) -> Path | None:
+    """The cached snapshot of `repo_id` (main) if it holds its config.json, else None; never downloads."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, cache_dir=hub_cache(), allow_patterns=CONFIG_FILES,
+                                      local_files_only=True))
+    except Exception:  # not cached, whatever huggingface_hub calls that
+        return None
+    return path if (path / "config.json").is_file() else None
+
+
 def _is_missing(error: Exception) -> bool:
     """The error huggingface_hub raises offline for what the cache does not hold."""
     names = {type(e).__name__ for e in (error, error.__cause__, error.__context__) if e is not None}
