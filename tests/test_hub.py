@@ -113,6 +113,20 @@ def test_a_snapshot_missing_a_shard_is_refused(cache):
         resolve_model_dir("tiny-org/sharded")
 
 
+@pytest.mark.commands
+@pytest.mark.parametrize("skip, lacks", [("model.safetensors", "no *.safetensors or pytorch_model*.bin weights"),
+                                         ("config.json", "no config.json")])
+def test_a_snapshot_missing_its_weights_or_config_says_so_offline(cache, local, skip, lacks):
+    """The snapshot is cached: what it lacks is the error, as a target and as a draft, not 'not in the cache'."""
+    snapshot = add_snapshot(cache, "tiny-org/partial", local["head"], commit_id(7), skip=(skip,))
+    args = ["generate", "--input-ids", "1,5,9,13", "--max-new-tokens", "4", "--max-total-tokens", "512"]
+    for flags in (["--model", "tiny-org/partial", "--speculative-algorithm", "NONE"],
+                  ["--model", TARGET, "--speculative-algorithm", "EAGLE3", "--draft", "tiny-org/partial"]):
+        result = CliRunner().invoke(app, [*args, *flags])
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert f"{snapshot}: {lacks}" in result.stderr and "not in the Hugging Face cache" not in result.stderr
+
+
 @pytest.fixture
 def online(cache, local, monkeypatch):
     """The hub reachable (HF_HUB_OFFLINE unset), huggingface_hub's download faked: a repo of `hosted` downloads

@@ -58,6 +58,8 @@ def fetch(repo_id: str, revision: str | None = None, config_only: bool = False) 
     if path is not None and (path / "config.json").is_file() and (config_only or _has_weights(path)):
         return path if config_only else _checked(path, where)
     if offline():
+        if path is not None:  # cached, but not whole: say what the snapshot lacks, not that it is absent
+            raise FastspecError(f"{path}: {_lacks(path)} (the cached snapshot of {where}; HF_HUB_OFFLINE is set)")
         raise FastspecError(f"{where} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set "
                             f"(download it where the hub is reachable, or give a local directory)")
     try:
@@ -94,6 +96,13 @@ def _has_weights(path: Path) -> bool:
     """safetensors (or their index), else PyTorch .bin files (read with weights_only by the loader)."""
     return (any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
             or any(path.glob("pytorch_model*.bin")))
+
+
+def _lacks(path: Path) -> str:
+    """What keeps a cached snapshot from loading, in the loader's words."""
+    if not (path / "config.json").is_file():
+        return "no config.json"
+    return "no *.safetensors or pytorch_model*.bin weights"
 
 
 def _checked(path: Path, where: str) -> Path:
