@@ -418,6 +418,15 @@ def test_quantization_flags_that_contradict_the_checkpoint_are_one_line(quantise
         fastspec.LLM(str(tiny_dirs["llama"][0]), quantization="gptq", max_total_tokens=512)
 
 
+def test_quantisation_labels_name_each_word_once():
+    from quant_writers import CONFIGS
+
+    from fastspec.models.quant_config import read_scheme
+
+    assert read_scheme({"quantization_config": CONFIGS["fp8_block"]}).label == "fp8 block 32x32"
+    assert read_scheme({"quantization_config": {"quant_method": "fbgemm_fp8"}}).label == "fbgemm_fp8 fp8"
+
+
 def test_gptq_settings_in_quantize_config_json_are_read(quantised, tmp_path):
     import shutil
 

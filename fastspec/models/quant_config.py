@@ -60,8 +60,9 @@ class QuantScheme:
     @property
     def label(self) -> str:
         """What banners and `--quantization` errors call it, e.g. "awq int4 g128", "fp8 block 128x128"."""
-        if self.kind == "fp8":
-            return f"{self.method} fp8" + (f" block {self.block[0]}x{self.block[1]}" if self.block else "")
+        if self.kind == "fp8":  # "fp8 block 32x32", not "fp8 fp8 ..."
+            name = "fp8" if self.method == "fp8" else f"{self.method} fp8"
+            return name + (f" block {self.block[0]}x{self.block[1]}" if self.block else "")
         return f"{self.method} int{self.bits}" + (f" g{self.group}" if self.group else " per channel")
 
 
