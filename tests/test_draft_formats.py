@@ -257,7 +257,9 @@ def test_export_refusals_are_one_line(tiny_dirs, eagle_twins, tmp_path):
                            "exists and is not a directory"),
                           ((eagle_twins[0], "/proc/no/such/dir", "--format", "sglang"), "cannot write /proc/no"),
                           ((eagle_twins[0], tmp_path / "e", "--format", "sglang", "--verifier", "t"),
-                           "--verifier is recorded by --format speculators only")):
+                           "--verifier is recorded by --format speculators only"),
+                          ((tmp_path / "nope", tmp_path / "f", "--format", "sglang"), "draft head '"),
+                          ((tmp_path, tmp_path / "g", "--format", "sglang"), "draft head directory")):
         result = run(*args)
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args
 

@@ -28,6 +28,7 @@ def export_draft(
     from fastspec.models.draft_formats import from_speculators, is_speculators, to_speculators
     from fastspec.models.draft_loader import draft_key, read_draft_config
     from fastspec.models.loader import read_state_dict, weight_names
+    from fastspec.models.hub import check_model_spec
     from fastspec.models.sources import resolve_model_dir
 
     if format not in FORMATS:
@@ -41,6 +42,7 @@ def export_draft(
         raise FastspecError(f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         raise FastspecError(f"{out} exists and is not empty")
+    check_model_spec(head, "draft head")
     head = resolve_model_dir(head)
     config = read_draft_config(head, "EAGLE")  # every check a load makes (an EAGLE-1 label read as the head it is)
     if not config.is_draft:
