@@ -3,6 +3,7 @@ train-draft runs, another target's corpus and a damaged shard refused in one lin
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -33,9 +34,12 @@ def test_shards_round_trip_and_never_overwrite(chat_target, tmp_path):  # noqa: 
 
 def test_another_targets_corpus_and_a_damaged_shard_are_refused(chat_target, tmp_path):  # noqa: F811
     Corpus(tmp_path / "c", chat_target, {}).append(RECORDS)
-    other = write_chat_target(tmp_path / "other", seed=1)
-    with pytest.raises(FastspecError, match="another target"):
+    (tmp_path / "elsewhere").mkdir()
+    other = write_chat_target(tmp_path / "elsewhere" / chat_target.name, seed=1)  # a folder of the same name
+    with pytest.raises(FastspecError, match="another target") as refused:
         Corpus(tmp_path / "c", other, {})
+    theirs, ours = re.findall(r"weights (\w+)", str(refused.value))
+    assert f"not of {other.resolve()} " in str(refused.value) and theirs != ours
     shard = tmp_path / "c" / "shard-00000.npz"
     shard.write_bytes(shard.read_bytes()[:40])
     with pytest.raises(FastspecError, match="shard-00000.npz is damaged"):

@@ -38,9 +38,11 @@ class Corpus:
             saved = read_or_refuse(manifest, lambda p: json.loads(p.read_text()), MOVE_AWAY)
             if not isinstance(saved, dict) or saved.get("format") != FORMAT:
                 raise FastspecError(f"{manifest}: not a fastspec corpus (format {FORMAT})")
-            if saved.get("target", {}).get("weights") != self.target["weights"]:
-                raise FastspecError(f"corpus {self.root} holds answers of another target "
-                                    f"({saved.get('target', {}).get('name')}), not of {target_dir}")
+            theirs = saved.get("target", {})
+            if theirs.get("weights") != self.target["weights"]:  # the names may be alike: the digests tell them apart
+                raise FastspecError(f"corpus {self.root} holds answers of another target ({theirs.get('name')}, "
+                                    f"weights {theirs.get('weights')}), not of {Path(target_dir).resolve()} "
+                                    f"(weights {self.target['weights']})")
         else:
             manifest_text = json.dumps({"format": FORMAT, "target": self.target}, indent=1) + "\n"
             write_atomic(manifest, lambda f: f.write(manifest_text.encode()))
