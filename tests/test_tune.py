@@ -199,7 +199,10 @@ def test_from_tuned_takes_quantization_none_on_a_quantised_target(chat_target, h
     (["--batch-sizes", "1,2,"], "--batch-sizes must be comma-separated integers"),
     (["--budget", "0"], "--budget must be > 0, got 0"),
     (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 8, got 0")])
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 8, got 0"),
+    (["--speculative-num-steps", "2"], "--speculative-num-steps: fastspec tune chooses the tree shapes itself; drop"),
+    (["--emit", "sglang", "--from-tuned", "--speculative-eagle-topk", "1"],
+     "--speculative-eagle-topk: fastspec tune chooses the tree shapes itself (--from-tuned: the tuned file's)")])
 def test_each_bad_tune_flag_is_named_in_one_line(flags, message):
     from typer.testing import CliRunner
 

@@ -43,6 +43,13 @@ def tune(
         raise FastspecError(f"--emit supports sglang, got {emit!r}")
     if from_tuned and emit is None:
         raise FastspecError("--from-tuned only goes with --emit")
+    given = [flag for flag, value in (("--speculative-num-steps", options.speculative_num_steps),
+                                      ("--speculative-eagle-topk", options.speculative_eagle_topk),
+                                      ("--speculative-num-draft-tokens", options.speculative_num_draft_tokens))
+             if value is not None]
+    if given:
+        raise FastspecError(f"{given[0]}: fastspec tune chooses the tree shapes itself"
+                            + (" (--from-tuned: the tuned file's)" if from_tuned else "") + "; drop it")
     sizes = tuple(parse_ids(batch_sizes, "--batch-sizes"))
     check_sizes(batch_sizes, sizes, num_prompts, max_new_tokens, budget)
     if plot is not None and not plot.parent.is_dir():
