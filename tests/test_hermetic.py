@@ -67,7 +67,7 @@ BAD_GENERATE = [
     (["--graphs", "warp"], "--graphs must be one of"),
     (["--device", "tpu"], "--device must be auto, cpu or cuda[:N]"),
     (["--cuda-graph-bs", "0,x"], "graph batch sizes"),
-    (["--speculative-token-map", "/no/such/map.json"], "is not a file"),
+    (["--speculative-token-map", "/no/such/map.json"], "--speculative-token-map does not apply to"),  # EAGLE3
     (["--draft", "/no/such/head"], "--speculative-draft-model-path '/no/such/head' is neither"),
     (["--input-ids", "1,999"], "input token ids must be in"),  # needs the model: after the tuned file is read
     (["--max-new-tokens", "99999"], "exceeds the context length"),

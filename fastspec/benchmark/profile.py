@@ -27,8 +27,8 @@ CATEGORIES = ("gemm", "attention", "norm/elementwise", "copies", "sampling", "ot
 _RULES = (  # first match wins; CUDA kernel names and CPU operator names alike
     ("attention", re.compile(r"attention|flash|fmha|attn|^cpu_fused::attend", re.I)),
     ("sampling", re.compile(r"argmax|softmax|topk|top_k|sort|multinomial|sampl|exponential|cumsum", re.I)),
-    ("gemm", re.compile(r"gemm|gemv|addmm|\bmm\b|bmm|matmul|linear|int[48]pack|scaled_mm|cutlass|cublas|nvjet|xmma|"
-                        r"triton_tem", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|row_dots|addmm|\bmm\b|bmm|matmul|linear|int[48]pack|scaled_mm|cutlass|cublas|"
+                        r"nvjet|xmma|triton_tem", re.I)),
     ("norm/elementwise", re.compile(r"^(triton_|cpp_fused|cpu_fused::)")),  # fused kernels (a KV write fused in too)
     ("copies", re.compile(r"memcpy|memset|copy_|fill_|zero_|\bclone\b|index_put|scatter|gather|::cat\b", re.I)),
     ("norm/elementwise", re.compile(r"compiled|elementwise|vectorized|reduce|norm|rsqrt|silu|"

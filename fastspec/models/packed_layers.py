@@ -187,6 +187,7 @@ class RefinedHead(nn.Module):
     def __init__(self, approx: nn.Module, table: nn.Module, refine: int = 16):
         super().__init__()
         self.approx, self.table, self.refine = approx, table, refine  # table: ids -> rows [..., H], shared
+        self.row_invariant = cpu_library.available()  # rescored by fastspec.kernels.cpu_row_gemm (else torch.bmm)
 
     @property
     def gemm_kernel(self) -> str:
@@ -202,7 +203,7 @@ class RefinedHead(nn.Module):
         exact = None
         if type(self.table) is BlockEmbedding and not torch.compiler.is_compiling():  # one C call
             exact = cpu_fused.rescore(self.table.q, self.table.scale, self.table.offset, top, flat.float())
-        if exact is None and cpu_library.available():  # each row's sums in one order, whatever the batch
+        if exact is None and self.row_invariant:  # each row's sums in one order, whatever the batch
             exact = (row_dots_op if torch.compiler.is_compiling() else row_dots)(flat.float(), self.table(top).float())
         if exact is None:
             exact = torch.bmm(self.table(top).float(), flat.float()[:, :, None]).squeeze(-1)  # [M, refine]
