@@ -207,7 +207,7 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
     ignored += ["ngram"] if ngram and algo != "NGRAM" else []
     if ignored:
         raise FastspecError(f"{name(ignored[0])} does not apply to {name('speculative_algorithm')} "
-                            f"{algorithm or 'unset'}: it would be ignored"
+                            f"{algo if algorithm else 'unset'}: it would be ignored"
                             + (" (an FR-Spec token map is for EAGLE heads; EAGLE-3 heads bring their own d2t)"
                                if ignored[0] == "token_map" else ""))
     if draft_revision is not None and draft_model is None:
