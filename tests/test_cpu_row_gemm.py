@@ -102,3 +102,15 @@ def test_the_swap_takes_the_float_linears_and_keeps_a_tied_weight_tied():
     assert type(model["a"]) is type(model["inner"]["b"]) is type(model["head"]) is type(model["wide"]) is RowLinear
     assert type(model["fp8"]) is nn.Linear  # no float the kernel reads
     assert model["head"].weight is model["table"].weight
+
+
+def test_without_the_library_each_is_its_twin(monkeypatch):
+    from fastspec.kernels.cpu_row_gemm import row_dots
+
+    x, w = operands(5, 17, 100, torch.float32)
+    rows = torch.randn(5, 3, 100, generator=torch.Generator().manual_seed(1))
+    fast, fast_dots = row_gemm(x, w), row_dots(x, rows)
+    assert torch.equal(fast_dots, torch.stack([row_gemm(x[i:i + 1], rows[i])[0] for i in range(5)]))  # row_gemm's sums
+    monkeypatch.setattr(cpu_library, "library", lambda: None)
+    torch.testing.assert_close(row_gemm(x, w), fast, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(row_dots(x, rows), fast_dots, atol=1e-4, rtol=1e-5)

@@ -23,8 +23,11 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_row
 def row_gemm(x: torch.Tensor,       # [M, K] in w's dtype
              w: torch.Tensor,       # [N, K] float32 | bfloat16 | float16
              ) -> torch.Tensor:     # float32 [M, N]
-    """x @ w.T summed in float32, each output in one fixed order whatever M is (cpu_row_gemm.c)."""
+    """x @ w.T summed in float32, each output in one fixed order whatever M is (cpu_row_gemm.c); without the library
+    the twin, torch's float32 product (not row-invariant)."""
     lib = cpu_library.library()
+    if lib is None:
+        return x.float() @ w.float().T
     x, w = x.contiguous(), w.contiguous()
     y = torch.empty(x.shape[0], w.shape[0])
     if x.shape[0]:
@@ -37,8 +40,10 @@ def row_dots(x: torch.Tensor,     # [M, K]
              w: torch.Tensor,     # [M, R, K] in x's dtype: each row's own R weight rows
              ) -> torch.Tensor:   # float32 [M, R]
     """x[m] . w[m, r] for each row's own weight rows (candidate tokens of an lm_head), each the dot product row_gemm
-    computes for that row and weight row."""
+    computes for that row and weight row; without the library the twin, torch's batched product."""
     lib = cpu_library.library()
+    if lib is None:
+        return torch.bmm(w.float(), x.float()[:, :, None]).squeeze(-1)
     x, w = x.contiguous(), w.contiguous()
     y = torch.empty(w.shape[:2])
     if y.numel():
