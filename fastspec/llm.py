@@ -6,6 +6,7 @@ Owns tokenisation and chat templating around the engine (which speaks token ids 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str = EngineConfig.model, speculative_algorithm: str | None = None,
+    def __init__(self, model: str | os.PathLike | None = EngineConfig.model, speculative_algorithm: str | None = None,
                  draft_model: str | None = None, num_steps: int | None = None, topk: int | None = None,
                  num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
                  accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, on_prepare=None,
@@ -66,6 +67,10 @@ class LLM:
 
         Checks run cheapest first: the flags, then the models' configs (fastspec.models.sources), and only then
         the tuned file."""
+        model = EngineConfig.model if model is None else os.fspath(model) if isinstance(model, os.PathLike) else model
+        if not isinstance(model, str):
+            raise FastspecError(f"model must be a directory, a hub id, a .gguf file or an embedded model's name, got "
+                                f"{type(model).__name__}")
         config = EngineConfig(model=model, **engine_options)
         check_spec_flags(speculative_algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
                          accept_threshold_acc, draft_model, cli=False, token_map=token_map,

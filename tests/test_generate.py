@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 import fastspec
 from fastspec.cli import app
+from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
 
 pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
@@ -204,7 +205,6 @@ def test_a_model_without_a_tokenizer_generates_from_ids(tiny_dirs):
 def test_malformed_api_input_is_one_line_and_the_llm_stays_usable(tiny_dirs):
     """LLM.generate's prompts and params, LLM's draft and ngram options: each malformed value a FastspecError naming
     it (were AttributeError / TypeError / a zip ValueError from inside), and the LLM answers afterwards."""
-    from fastspec.errors import FastspecError
 
     model = str(tiny_dirs["llama"][0])
     llm = fastspec.LLM(model, speculative_algorithm="NGRAM", ngram={"max_bfs_breadth": 2}, max_total_tokens=512)
@@ -234,3 +234,16 @@ def test_malformed_api_input_is_one_line_and_the_llm_stays_usable(tiny_dirs):
                             (dict(speculative_algorithm="NGRAM", ngram={"nope": 1}), "ngram: got an unexpected")):
         with pytest.raises(FastspecError, match=message):
             fastspec.LLM(model, max_total_tokens=512, **kwargs)
+
+
+def test_the_model_argument_takes_a_path_or_none_and_refuses_other_types(tiny_dirs):
+    from pathlib import Path
+
+    directory = tiny_dirs["llama"][0]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    as_path = fastspec.LLM(Path(directory), max_total_tokens=512).engine.generate([[1, 2, 3]], [params])[0]
+    as_str = fastspec.LLM(str(directory), max_total_tokens=512).engine.generate([[1, 2, 3]], [params])[0]
+    assert as_path.output_ids == as_str.output_ids
+    assert fastspec.LLM(None, speculative_algorithm="NONE", max_total_tokens=512).sources.model_dir.is_dir()  # embedded
+    with pytest.raises(FastspecError, match="model must be a directory, a hub id.*got int"):
+        fastspec.LLM(3)
