@@ -205,7 +205,6 @@ def test_a_model_without_a_tokenizer_generates_from_ids(tiny_dirs):
 def test_malformed_api_input_is_one_line_and_the_llm_stays_usable(tiny_dirs):
     """LLM.generate's prompts and params, LLM's draft and ngram options: each malformed value a FastspecError naming
     it (were AttributeError / TypeError / a zip ValueError from inside), and the LLM answers afterwards."""
-
     model = str(tiny_dirs["llama"][0])
     llm = fastspec.LLM(model, speculative_algorithm="NGRAM", ngram={"max_bfs_breadth": 2}, max_total_tokens=512)
     assert llm.engine.spec.ngram.max_bfs_breadth == 2  # a dict of NgramParams' fields
