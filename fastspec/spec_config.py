@@ -26,6 +26,11 @@ class SpecParams:
     topk: int
     num_draft_tokens: int
 
+    @property
+    def shape(self) -> str:
+        """"steps/topk/draft tokens", as banners and tables print it, e.g. "5/4/8"."""
+        return f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
+
 
 MATCH_TYPES = ("BFS", "PROB")
 

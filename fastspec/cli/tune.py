@@ -139,7 +139,7 @@ def print_table(result) -> None:
         table.add_column(col, justify="right")
     last = {(c.bs, c.params): c for c in result.confirmed}
     for (bs, params), c in sorted(last.items(), key=lambda kv: (kv[0][0], -(kv[1].measured or 0))):
-        shape = "plain" if params is None else f"{params.num_steps}/{params.topk}/{params.num_draft_tokens}"
+        shape = "plain" if params is None else params.shape
         chosen = "✓" if result.winners[bs].params == params else ""
         table.add_row(str(bs), shape, f"{c.tau:.2f}", f"{c.measured_tau or 0:.2f}", f"{c.predicted:.1f}",
                       f"{c.measured or 0:.1f}", chosen)

@@ -49,7 +49,7 @@ def decoding(spec, fallback: bool) -> str:
     params, tuned = spec.params_for(1), " (tuned)" if spec.schedule else ""
     if params is None:
         return f"{spec.algorithm} · plain at batch 1{tuned}"
-    shape = f"{spec.algorithm} {params.num_steps}/{params.topk}/{params.num_draft_tokens}{tuned}"
+    shape = f"{spec.algorithm} {params.shape}{tuned}"
     return shape + (" · plain where measured faster" if fallback else "")
 
 

@@ -124,8 +124,7 @@ def schedule_from(winners: dict[int, Candidate]):
 def describe_schedule(schedule) -> str:
     """A schedule as `fastspec tune` prints it: ((1, SpecParams(3, 2, 5)), (4, None)) ->
     "bs <= 1: 3/2/5 · bs <= 4: plain (steps/topk/draft tokens; larger batches: the last)"."""
-    tiers = " · ".join(f"bs <= {bs}: " + ("plain" if p is None else f"{p.num_steps}/{p.topk}/{p.num_draft_tokens}")
-                       for bs, p in schedule)
+    tiers = " · ".join(f"bs <= {bs}: " + ("plain" if p is None else p.shape) for bs, p in schedule)
     return f"{tiers} (steps/topk/draft tokens; larger batches: the last)"
 
 
