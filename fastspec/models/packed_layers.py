@@ -187,7 +187,6 @@ class RefinedHead(nn.Module):
     def __init__(self, approx: nn.Module, table: nn.Module, refine: int = 16):
         super().__init__()
         self.approx, self.table, self.refine = approx, table, refine  # table: ids -> rows [..., H], shared
-        self.row_invariant = cpu_library.available()  # rescored by fastspec.kernels.cpu_row_gemm (else torch.bmm)
 
     @property
     def gemm_kernel(self) -> str:
@@ -203,10 +202,9 @@ class RefinedHead(nn.Module):
         exact = None
         if type(self.table) is BlockEmbedding and not torch.compiler.is_compiling():  # one C call
             exact = cpu_fused.rescore(self.table.q, self.table.scale, self.table.offset, top, flat.float())
-        if exact is None and self.row_invariant:  # each row's sums in one order, whatever the batch
-            exact = (row_dots_op if torch.compiler.is_compiling() else row_dots)(flat.float(), self.table(top).float())
-        if exact is None:
-            exact = torch.bmm(self.table(top).float(), flat.float()[:, :, None]).squeeze(-1)  # [M, refine]
+        if exact is None:  # [M, refine], each row's sums in one order whatever the batch (row_dots: its twin without
+            rescore = row_dots_op if torch.compiler.is_compiling() else row_dots  # the C library, torch.bmm)
+            exact = rescore(flat.float(), self.table(top).float())
         # in place: `logits` is this call's own (a copy of [M, V] costs more than the GEMM's epilogue)
         return logits.contiguous().scatter_(-1, top, exact).view(*x.shape[:-1], logits.shape[-1])  # (M may be 0)
 
