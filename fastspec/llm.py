@@ -24,6 +24,7 @@ from fastspec.speculative.tuned import find_schedule, weights_label
 from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.text.tokenizer import Tokenizer
 from fastspec.utils.metrics import SpecMetrics
+from fastspec.utils.threads import apply_threads
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class LLM:
                  num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
                  accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, on_prepare=None,
                  schedule: Schedule | None = None, tuned: bool = True, say: Callable[[str], None] | None = None,
-                 revision: str | None = None, draft_revision: str | None = None, **engine_options):
+                 revision: str | None = None, draft_revision: str | None = None, threads: int | None = 0,
+                 **engine_options):
         """`speculative_algorithm`: NONE, EAGLE (alias NEXTN), EAGLE3, STANDALONE or NGRAM; unset: EAGLE3 with the
         shipped head on an embedded model, NONE otherwise. Tree shape: `schedule` (per batch size, see
         SpecConfig.schedule), else explicit num_steps / topk / num_draft_tokens, else (`tuned`) the schedule
@@ -63,7 +65,9 @@ class LLM:
         `say` receives notes on a tuned file that exists but is not used (default: stderr). `model` and
         `draft_model` may be Hugging Face hub ids (`org/name`, at `revision` / `draft_revision`): the cached
         snapshot, or downloaded into the hub cache unless HF_HUB_OFFLINE is set. `load_format="dummy"` (an engine
-        option): random weights from the model's config.json alone (see fastspec.models.dummy).
+        option): random weights from the model's config.json alone (see fastspec.models.dummy). `threads`: torch's
+        CPU thread count (fastspec's C kernels share it), 0 = auto as the CLI's `--threads` (every core no other
+        process keeps busy, measured once per process), None = leave torch's setting alone.
 
         Checks run cheapest first: the flags, then the models' configs (fastspec.models.sources), and only then
         the tuned file."""
@@ -75,6 +79,8 @@ class LLM:
         check_spec_flags(speculative_algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
                          accept_threshold_acc, draft_model, cli=False, token_map=token_map,
                          draft_revision=draft_revision, ngram=ngram is not None)
+        if threads is not None:
+            apply_threads(threads, "threads")
         algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
         self.sources = sources = resolve_sources(
             model, algorithm, draft_model, revision=revision, draft_revision=draft_revision,

@@ -16,10 +16,10 @@ def _restore():
 
 
 def test_explicit_and_auto():
-    assert threads.apply_threads(1, "cpu") == 1 and torch.get_num_threads() == 1
-    assert 1 <= threads.apply_threads(0, "cpu") == torch.get_num_threads() <= threads.ALL  # auto: load-dependent
+    assert threads.apply_threads(1) == 1 and torch.get_num_threads() == 1
+    assert 1 <= threads.apply_threads(0) == torch.get_num_threads() <= threads.ALL  # auto: load-dependent
     with pytest.raises(FastspecError, match="--threads must be >= 1, or 0 for auto"):
-        threads.apply_threads(-2, "cpu")
+        threads.apply_threads(-2)
 
 
 @pytest.mark.commands
@@ -47,3 +47,19 @@ def test_auto_leaves_out_the_cores_other_processes_keep_busy():
     assert threads.threads_for_load(16, 3.4) == 13
     assert threads.busy_cores([5] * 8, [5] * 8, 2) == 0.0  # no time passed: nothing measured, nothing busy
     assert 1 <= threads.auto_threads() <= threads.ALL
+
+
+def test_llm_threads(tiny_dirs):
+    import fastspec
+
+    model = str(tiny_dirs["llama"][0])
+    fastspec.LLM(model, speculative_algorithm="NONE", threads=1, max_total_tokens=256)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(threads.ALL)
+    fastspec.LLM(model, speculative_algorithm="NONE", threads=None, max_total_tokens=256)
+    assert torch.get_num_threads() == threads.ALL  # None: the caller's setting stands
+    fastspec.LLM(model, speculative_algorithm="NONE", max_total_tokens=256)
+    assert torch.get_num_threads() == threads.auto_threads()  # the default: auto, as the CLI's
+    for bad in (-1, "2", 1.5, True):
+        with pytest.raises(FastspecError, match="^threads must be >= 1, or 0 for auto, got"):
+            fastspec.LLM(model, threads=bad)

@@ -108,7 +108,7 @@ class ModelOptions:
         overlap = "off" if self.disable_overlap_schedule else self.overlap_schedule
         buckets = tuple(parse_buckets(self.cuda_graph_bs)) if self.cuda_graph_bs else None
         return dict(model=self.model, load_format=self.load_format, quantization=self.quantization, dtype=self.dtype,
-                    kv_cache_dtype=self.kv_cache_dtype, device=self.device,
+                    kv_cache_dtype=self.kv_cache_dtype, device=self.device, threads=self.threads,
                     page_size=self.page_size,
                     graphs=graphs,
                     cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_bs=buckets,
@@ -141,10 +141,9 @@ def model_options(fn):
         options.validate()
         if hasattr(fn, "check_flags"):  # the command's own flags, also before torch is imported
             fn.check_flags(**kwargs)
-        from fastspec.config import resolve_device
         from fastspec.utils.threads import apply_threads  # torch: only once a command runs
 
-        apply_threads(options.threads, resolve_device(options.device))
+        apply_threads(options.threads)
         return fn(options=options, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + extra)

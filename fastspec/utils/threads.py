@@ -5,10 +5,13 @@ barrier for the thread sharing that core, and the small ops of a decode step bec
 beats every core beside a spinning process; bench/bench_threads.py measures both). So auto measures the machine's
 load at start-up (/proc/stat read twice, 0.2 s apart, while this process waits) and leaves out the cores others
 keep busy. Timing matmuls at both counts instead picks wrongly: single small matmuls flip-flop run to run.
+The reading is taken once per process (the first command or `fastspec.LLM`), so later engines agree with it.
+fastspec's C kernels share torch's OpenMP runtime, so the count governs them too.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -20,16 +23,17 @@ ALL = torch.get_num_threads()  # torch's own default (every core, or OMP_NUM_THR
 SAMPLE_S = 0.2
 
 
-def apply_threads(requested: int, device: str) -> int:
+def apply_threads(requested: int, name: str = "--threads") -> int:
     """Set torch's thread count: `requested` >= 1, or 0 = auto (see auto_threads); returns the count in use."""
-    if requested < 0:
-        raise FastspecError(f"--threads must be >= 1, or 0 for auto, got {requested}")
+    if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+        raise FastspecError(f"{name} must be >= 1, or 0 for auto, got {requested!r}")
     if requested == 0:
         requested = auto_threads()
     torch.set_num_threads(requested)
     return requested
 
 
+@functools.cache
 def auto_threads() -> int:
     """Every core (torch's default) less the cores other processes keep busy right now; at least one."""
     before = _cpu_times()
