@@ -136,6 +136,31 @@ def test_an_interrupted_run_resumes_from_its_last_checkpoint(chat_target, prompt
     assert [e for e in events if e.phase == "generate"][-1].done == 12  # no conversation generated twice
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "4"], "with --epochs 3, not 4"), (["--lr", "1e-3"], "with --lr 0.003, not 0.001"),
+    (["--seed", "1"], "with --seed 0, not 1"), (["--max-prompts", "5"], "on other prompts (--prompts / --max-prompts)"),
+])
+def test_resuming_with_another_training_plan_is_a_one_line_error(chat_target, prompt_file, tmp_path, flags, message):
+    """A checkpoint is a step of one plan (shuffles, batches, lr schedule): other plan flags are refused before
+    anything is generated or written, as the draft vocabulary is."""
+    out = tmp_path / "head"
+
+    def interrupt(p):
+        if p.phase == "train" and p.done == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(tiny_config(out, chat_target, prompt_file, epochs=3), interrupt)
+    before = {p.name: p.read_bytes() for p in (out / "train").iterdir()}
+    args = ["train-draft", "--out", str(out), "--model", str(chat_target), "--prompts", str(prompt_file), "--resume",
+            "--max-new-tokens", "24", "--draft-vocab-size", "40", "--ttt-steps", "3", "--epochs", "3",
+            "--batch-tokens", "128", "--val-fraction", "0.2", "--lr", "3e-3", "--no-bf16"]
+    result = CliRunner().invoke(app, args + flags)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert message in result.stderr and "--overwrite" in result.stderr
+    assert {p.name: p.read_bytes() for p in (out / "train").iterdir()} == before
+
+
 def test_bad_prompt_line_and_existing_dir_are_one_line_errors(chat_target, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "w3 w4"}\n{"prompt": 5}\n')
@@ -192,7 +217,7 @@ def test_a_damaged_run_is_refused_in_one_line_and_bad_input_costs_nothing(chat_t
     assert train_draft(tiny_config(out, chat_target, prompt_file, epochs=1, resume=True))["steps"] >= 1
     args = ["train-draft", "--out", str(out), "--model", str(chat_target), "--prompts", str(prompt_file), "--resume",
             "--max-new-tokens", "24", "--draft-vocab-size", "40", "--ttt-steps", "3", "--epochs", "1",
-            "--batch-tokens", "128", "--val-fraction", "0.2", "--no-bf16"]
+            "--batch-tokens", "128", "--val-fraction", "0.2", "--lr", "3e-3", "--no-bf16"]
     for name in ("checkpoint.pt", "vocab.pt", "target.json"):
         good = (work / name).read_bytes()
         for damage in (good[: len(good) // 2], b"\x00garbage"):  # truncated, then foreign

@@ -59,6 +59,7 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     work = _prepare_out(cfg)
     _check_same_target(work, model_dir)
     _check_same_draft_vocab(work, cfg.draft_vocab_size, read_config(model_dir).vocab_size)
+    _check_same_plan(work, cfg, prompts)
     store = corpus or JsonlStore(work / "conversations.jsonl")
     conversations = _conversations(cfg, model_dir, prompts, store, on_progress)
     if cfg.generate_only:
@@ -193,6 +194,31 @@ def _check_same_draft_vocab(work: Path, draft_vocab_size: int, vocab_size: int) 
     if kept != asked:
         raise FastspecError(f"this run's draft vocabulary has {kept} tokens, not --draft-vocab-size "
                             f"{draft_vocab_size}; pass --draft-vocab-size {kept} to resume it or --overwrite")
+
+
+# what fixes a run's optimiser steps and their order: a resumed run must be asked for the same (flag: field)
+PLAN = {"--prompts / --max-prompts": "prompts", "--samples-per-prompt": "samples_per_prompt",
+        "--val-fraction": "val_fraction", "--epochs": "epochs", "--batch-tokens": "batch_tokens", "--seed": "seed",
+        "--lr": "lr", "--ttt-steps": "ttt_steps", "--soft-labels": "soft_topk", "--init": "init"}
+
+
+def _check_same_plan(work: Path, cfg: TrainConfig, prompts: list[str]) -> None:
+    """A checkpoint is a step of one plan (the shuffles, the batches, the lr schedule): resuming it with other
+    flags is refused, not continued on a plan it was not part of. Before a first checkpoint nothing is bound."""
+    plan = {field: getattr(cfg, field) for field in PLAN.values() if field != "prompts"}
+    plan["prompts"] = zlib.crc32(json.dumps(prompts).encode())
+    path = work / "plan.json"
+    if path.exists() and (work / "checkpoint.pt").exists():
+        before = load_artifact(path, lambda p: json.loads(p.read_text()))
+        if not isinstance(before, dict):
+            raise FastspecError(f"{path}: not a train-draft plan; use --overwrite to start over")
+        for flag, field in PLAN.items():
+            if field in before and before[field] != plan[field]:
+                was = (f"on other prompts ({flag})" if field == "prompts" else
+                       f"with {flag} {before[field]}, not {getattr(cfg, field)}")
+                raise FastspecError(f"this run was trained {was}; pass the same flags to resume it, or --overwrite "
+                                    "to start over")
+    path.write_text(json.dumps(plan) + "\n")
 
 
 def _is_val(prompts: list[str], conversation: int, cfg: TrainConfig) -> bool:
