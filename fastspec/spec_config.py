@@ -31,6 +31,11 @@ class SpecParams:
         """"steps/topk/draft tokens", as banners and tables print it, e.g. "5/4/8"."""
         return f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
 
+    @property
+    def max_depth(self) -> int:
+        """The most draft tokens one round can accept: a path is at most num_steps deep and holds a node each."""
+        return min(self.num_steps, self.num_draft_tokens - 1)
+
 
 MATCH_TYPES = ("BFS", "PROB")
 

@@ -79,6 +79,8 @@ def test_oracle_drafts_accept_long_runs_and_stay_lossless(tiny_dirs, page_size, 
         produced = [int(tree.positions.view(tree.batch_size, -1)[b, 0]) - len(prompt) + 1 for tree, b in rounds]
         assert all(a >= min(steps, 30 - done) for a, done in zip(accepts, produced))
         assert (out.metrics.verify_rounds, out.metrics.accepted_tokens) == (len(accepts), sum(accepts))
+        # rounds reaching each depth an NGRAM tree of n nodes can hold, depths never reached included
+        assert out.metrics.depth_counts == tuple(sum(a >= d for a in accepts) for d in range(1, n))
     assert all_slots_free(engine)
 
 

@@ -183,7 +183,7 @@ class Engine:
             r.output_ids.extend(tokens)
             r.finish_reason = result.finish[b]
             if result.accepted is not None:
-                r.metrics = r.metrics.add_round(result.accepted[b], len(tokens))
+                r.metrics = r.metrics.add_round(result.accepted[b], len(tokens), result.max_depth)
             first = bool(tokens) and len(r.output_ids) == len(tokens) and r.params.prompt_logprobs is not None
             if r.finished:
                 self._submit(self.worker.release, r)

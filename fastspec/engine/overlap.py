@@ -90,7 +90,8 @@ class OverlapSchedule:
             self._finished_at = time.perf_counter()
             # KV the round launched since took counts as free: the engine plans from the KV free before it
             later = self.pending.reserved if self.pending is not None else 0
-            out = RoundOutput([out.tokens[b] for b in live], [out.accepted[b] for b in live], out.logprobs)
+            out = RoundOutput([out.tokens[b] for b in live], [out.accepted[b] for b in live], out.logprobs,
+                              out.max_depth)
             p.done.set_result(StepResult.of([p.reqs[b] for b in live], out, self.free_kv() + later))
         except BaseException as error:
             p.done.set_exception(error)

@@ -28,6 +28,7 @@ class RoundOutput:
     tokens: list[list[int]]  # per request, what it produced, up to a stop
     accepted: list[int] | None = None  # speculative rounds: accepted draft tokens per request (before a stop)
     logprobs: dict[int, tuple[TokenLogprob, ...]] = field(default_factory=dict)  # rid -> per produced token
+    max_depth: int = 0  # speculative rounds: the most draft tokens the round's tree could have accepted
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,13 @@ class StepResult:
     accepted: tuple[int, ...] | None  # speculative rounds: accepted draft tokens per request (before a stop)
     free_kv: int  # free KV slots after the step
     logprobs: tuple[tuple[TokenLogprob, ...] | None, ...] = ()  # per request asking for them, aligned with tokens
+    max_depth: int = 0  # speculative rounds: the most draft tokens the round's tree could have accepted
 
     @classmethod
     def of(cls, reqs: list[Request], out: RoundOutput, free_kv: int) -> StepResult:
         return cls(tuple(reqs), tuple(map(tuple, out.tokens)), tuple(r.done for r in reqs),
                    None if out.accepted is None else tuple(out.accepted), free_kv,
-                   tuple(out.logprobs.get(r.rid) for r in reqs))
+                   tuple(out.logprobs.get(r.rid) for r in reqs), out.max_depth)
 
 
 class Producer:

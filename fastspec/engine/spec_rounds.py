@@ -83,7 +83,7 @@ class SpecRounds:
             produced.append(self.producer.produce(r, run) if r.done is None else [])
         # token j of a run came from accepted node j's row
         logprobs = {} if p.logits is None else self.producer.logprobs(list(p.reqs), p.logits, accept_index, produced)
-        return RoundOutput(produced, [len(run) - 1 for run in runs], logprobs)
+        return RoundOutput(produced, [len(run) - 1 for run in runs], logprobs, p.params.max_depth)
 
     def _decode_batch(self, reqs: list[Request], before: PendingRound | None = None) -> DecodeBatch:
         device = self.slots.device

@@ -123,8 +123,8 @@ class ChatSession:
         tokens = sum(t.tokens for t in self.turns)
         seconds = sum(t.seconds for t in self.turns)
         metrics = sum((t.metrics for t in self.turns[1:]), self.turns[0].metrics)
-        depths = [round(a, 2) for a in metrics.acceptance_by_depth]  # [] when no draft token was accepted
-        tau = f" · tau {metrics.tau:.2f} · acceptance by depth {depths or 'none'}"
+        depths = [round(a, 2) for a in metrics.acceptance_by_depth]  # every depth drafted, 0.0 where none reached
+        tau = f" · tau {metrics.tau:.2f} · acceptance by depth {depths}"
         engine = self.llm.engine
         return (f"{decoding(self.llm.planned_spec, engine.config.speculative_fallback)} · {len(self.turns)} answers · "
                 f"{tokens} tokens · {tokens / seconds:.1f} tok/s" + (tau if metrics.verify_rounds else ""))

@@ -18,10 +18,11 @@ class SpecMetrics:
     verify_rounds: int = 0
     accepted_tokens: int = 0  # accepted draft tokens (as verified, before stop truncation)
     emitted_tokens: int = 0  # tokens emitted by verify rounds (bonus included, after stop truncation)
-    depth_counts: tuple[int, ...] = ()  # [d-1] = rounds with accept_len >= d
+    depth_counts: tuple[int, ...] = ()  # [d-1] = rounds with accept_len >= d, for d up to the deepest tree drafted
 
-    def add_round(self, accept_len: int, emitted: int) -> SpecMetrics:
-        depths = list(self.depth_counts) + [0] * max(0, accept_len - len(self.depth_counts))
+    def add_round(self, accept_len: int, emitted: int, max_depth: int = 0) -> SpecMetrics:
+        """`max_depth`: the most draft tokens the round could accept (depths it never reached count as 0)."""
+        depths = list(self.depth_counts) + [0] * max(0, max(accept_len, max_depth) - len(self.depth_counts))
         for d in range(accept_len):
             depths[d] += 1
         return SpecMetrics(self.verify_rounds + 1, self.accepted_tokens + accept_len,
