@@ -258,7 +258,10 @@ def test_export_refusals_are_one_line(tiny_dirs, eagle_twins, tmp_path):
                           ((eagle_twins[0], "/proc/no/such/dir", "--format", "sglang"), "cannot write /proc/no"),
                           ((eagle_twins[0], tmp_path / "e", "--format", "sglang", "--verifier", "t"),
                            "--verifier is recorded by --format speculators only"),
-                          ((tmp_path / "nope", tmp_path / "f", "--format", "sglang"), "draft head '"),
+                          ((tmp_path / "nope", tmp_path / "f", "--format", "sglang"),
+                           "is neither a directory nor a Hugging Face hub id (org/name)"),
+                          ((tmp_path / "h.gguf", tmp_path / "h", "--format", "sglang"), "is neither a directory nor"),
+                          (("smollm2-135m-instruct", tmp_path / "i", "--format", "sglang"), "is neither a directory"),
                           ((tmp_path, tmp_path / "g", "--format", "sglang"), "draft head directory")):
         result = run(*args)
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args

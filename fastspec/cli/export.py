@@ -42,7 +42,7 @@ def export_draft(
         raise FastspecError(f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         raise FastspecError(f"{out} exists and is not empty")
-    check_model_spec(head, "draft head")
+    check_model_spec(head, "draft head", head=True)
     head = resolve_model_dir(head)
     config = read_draft_config(head, "EAGLE")  # every check a load makes (an EAGLE-1 label read as the head it is)
     if not config.is_draft:

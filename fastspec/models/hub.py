@@ -120,23 +120,25 @@ def _checked(path: Path, where: str) -> Path:
     return path
 
 
-def check_model_spec(spec: str, flag: str = "model") -> None:
-    """Refuse a model spec that names nothing, before anything is read or converted."""
+def check_model_spec(spec: str, flag: str = "model", head: bool = False) -> None:
+    """Refuse a model spec that names nothing, before anything is read or converted. `head`: a draft head, which
+    is a directory or a hub id only (no .gguf file, no embedded name)."""
     from fastspec.models import embedded
 
-    if spec in embedded.EMBEDDED_MODELS or is_hub_id(spec):  # a hub id is looked up when it is resolved
+    if is_hub_id(spec) or spec in embedded.EMBEDDED_MODELS and not head:  # a hub id is looked up when resolved
         return
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
+    if path.suffix == ".gguf" and not head:
         if not path.is_file():
             raise FastspecError(f"{flag} file {spec} does not exist")
         return
     if not path.exists():
         known = ", ".join(embedded.EMBEDDED_MODELS)
-        raise FastspecError(f"{flag} {spec!r} is neither a directory, a .gguf file, a Hugging Face hub id (org/name) "
-                            f"nor an embedded model ({known})")
+        kinds = ("a directory nor a Hugging Face hub id (org/name)" if head else "a directory, a .gguf file, a Hugging "
+                 f"Face hub id (org/name) nor an embedded model ({known})")
+        raise FastspecError(f"{flag} {spec!r} is neither {kinds}")
     if not path.is_dir():
-        raise FastspecError(f"{flag} {spec} is a file, not a model directory (a .gguf file, or a directory with "
-                            "config.json)")
+        kinds = "" if head else "a .gguf file, or "
+        raise FastspecError(f"{flag} {spec} is a file, not a model directory ({kinds}a directory with config.json)")
     if not (path / "config.json").is_file():
         raise FastspecError(f"{flag} directory {spec} has no config.json")
