@@ -232,7 +232,9 @@ def assert_close_to_reference(model, reference, activation: torch.dtype):
             hidden = m(x, torch.arange(len(x)), PackedCausalAttention(torch.zeros(len(x), dtype=torch.long))).final
             logits.append(m.compute_logits(hidden))
     if activation == torch.float32:
-        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+        # two summation orders (the reference's BLAS, fastspec's row-invariant GEMM where weights stay float) through
+        # two layers of large random weights: 1e-4 of the logits' scale (a mix-up moves them by whole units)
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-4 * float(logits[1].abs().max()), rtol=1e-4)
     else:
         assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
 

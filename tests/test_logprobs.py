@@ -70,6 +70,33 @@ def test_speculative_logprobs_are_plain_decodings_bit_for_bit(tiny_dirs, draft_d
     assert sum(o.metrics.verify_rounds for o in runs[1]) > 0
 
 
+@pytest.mark.skipif(not cpu_library.available(), reason="without the C kernels float linears are the CPU BLAS's")
+@pytest.mark.parametrize("qtype, kept_as", [("F32", torch.float32), ("F16", torch.bfloat16)])
+def test_a_gguf_of_float_matrices_reports_plain_decodings_logprobs(tmp_path, monkeypatch, qtype, kept_as):
+    """A GGUF's float matrices have no packed kernel: they run as CastLinears in the faster float dtype (float32 on a
+    CPU without bf16 instructions, as forced here), which must be row-invariant like every other target linear (on
+    F.linear, MKL's float32 GEMM made these logprobs differ)."""
+    import gguf
+    from gguf_writers import TOKENS, tiny_model, write_gguf
+
+    from fastspec.models import gguf_packed
+
+    monkeypatch.setattr(gguf_packed, "float_dtype", lambda activation: kept_as)
+
+    path = str(write_gguf(tmp_path / f"{qtype}.gguf", tiny_model(), qtype=getattr(gguf.GGMLQuantizationType, qtype)))
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42, 43, 40, 41, 42], [7, 8, 9, 7, 8, 9]]
+    assert max(map(max, prompts)) < len(TOKENS)
+    plain = fastspec.LLM(path, speculative_algorithm="NONE", max_total_tokens=4096).engine
+    spec = fastspec.LLM(path, speculative_algorithm="NGRAM", num_draft_tokens=4, speculative_fallback=False,
+                        max_total_tokens=4096).engine
+    runs = [[plain.generate([p], [params])[0] for p in prompts], spec.generate(prompts, [params] * len(prompts))]
+    for one, batched in zip(*runs):
+        assert batched.output_ids == one.output_ids
+        assert [(lp.logprob, lp.top) for lp in batched.logprobs] == [(lp.logprob, lp.top) for lp in one.logprobs]
+    assert sum(o.metrics.verify_rounds for o in runs[1]) > 0
+
+
 def test_sampled_logprobs_are_the_targets_and_stop_where_the_output_stops(tiny_dirs):
     directory, hf = tiny_dirs["llama"]
     llm = fastspec.LLM(str(directory), speculative_algorithm="STANDALONE", draft_model=str(directory), num_steps=3,

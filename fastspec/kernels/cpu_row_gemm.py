@@ -86,12 +86,21 @@ class RowLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias  # shared, not copied (a tied lm_head stays tied)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
-        flat = x.reshape(-1, self.in_features).to(self.weight.dtype)
-        gemm = row_gemm_op if torch.compiler.is_compiling() else row_gemm
-        y = gemm(flat, self.weight.detach())
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return row_linear(x, self.weight, self.bias)
+
+
+def row_linear(x: torch.Tensor,                # [..., K]
+               weight: torch.Tensor,           # [N, K] float32 | bfloat16 | float16
+               bias: torch.Tensor | None,      # [N]
+               ) -> torch.Tensor:              # [..., N] in x's dtype
+    """x @ weight.T (+ bias) through row_gemm: x cast to the weight's dtype, the float32 sums (plus the bias) rounded
+    once to x's dtype."""
+    flat = x.reshape(-1, weight.shape[1]).to(weight.dtype)
+    gemm = row_gemm_op if torch.compiler.is_compiling() else row_gemm
+    y = gemm(flat, weight.detach())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 def row_invariant_linears(model: nn.Module) -> nn.Module:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastspec.kernels import cpu_fused, cpu_library, cpu_q4
-from fastspec.kernels.cpu_row_gemm import row_dots, row_dots_op
+from fastspec.kernels.cpu_row_gemm import DTYPE_CODES, row_dots, row_dots_op, row_linear
 from fastspec.models.gguf_blocks import BLOCK, Blocks, as_8bit_16, quantise_rows, round_8bit
 
 ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows
@@ -211,19 +211,25 @@ class RefinedHead(nn.Module):
 
 class CastLinear(nn.Module):
     """y = x @ w.T (+ b) for a float weight kept in the packed kernels' activation dtype (bfloat16 halves the bytes a
-    step reads): x is cast to it for the GEMM, y back to x's dtype. With float32 it is a plain linear."""
+    step reads): x is cast to it for the GEMM, y back to x's dtype. On the CPU through fastspec's row-invariant GEMM
+    where the C library builds (a target's linear must compute a row alike in a verify and in a decode step; the
+    BLAS's do not), else F.linear. Decided at construction (dynamo cannot trace the library's build)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)  # [N, K]
         self.register_buffer("bias", bias)
+        self.row_invariant = weight.device.type == "cpu" and weight.dtype in DTYPE_CODES and cpu_library.available()
 
     @property
     def gemm_kernel(self) -> str:
-        return f"F.linear {str(self.weight.dtype).removeprefix('torch.')}"
+        kernel = "fastspec row-invariant GEMM" if self.row_invariant else "F.linear"
+        return f"{kernel} {str(self.weight.dtype).removeprefix('torch.')}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant:
+            return row_linear(x, self.weight, self.bias)
         y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
