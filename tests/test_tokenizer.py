@@ -37,3 +37,23 @@ def test_chat_template_matches_transformers(pair):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(FastspecError, match="cannot load the tokenizer"):
         Tokenizer(tmp_path)
+
+
+def test_a_long_encode_lets_other_threads_run(pair):
+    """Tokenizing a long prompt lets go of the GIL: another thread (a server's engine, its other streams) keeps
+    going meanwhile instead of standing still until the whole prompt is tokenized."""
+    import threading
+
+    ours, _ = pair
+    text, ticks, done = "hello world " * 100_000, [], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(1)
+            done.wait(0.001)
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    ids = ours.encode(text)
+    done.set()
+    ticker.join()
+    assert len(ids) > 100_000 and len(ticks) > 10  # (holding the GIL throughout it gets one or two)

@@ -37,7 +37,9 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(valid_text(text), add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it runs (encode holds it): a long prompt being tokenized does not
+        # stop the process's other threads (a server's engine steps and its other clients' streams)
+        return self._tok.encode_batch([valid_text(text)], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
