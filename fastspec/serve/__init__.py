@@ -24,16 +24,25 @@ def bind(host: str, port: int) -> socket.socket:
 
 def make_server(llm, model_name: str, max_queued: int, tool_parser: str | None = None):
     """(uvicorn.Server, EngineService started) for `llm`; run with `server.run(sockets=[sock])`."""
+    import asyncio
+
     import uvicorn
 
     from fastspec.serve.app import build_app
     from fastspec.serve.prometheus import ServerMetrics
     from fastspec.serve.service import EngineService
 
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            """The engine stops first and every open request ends with a 503 (a stream: an error event), so
+            uvicorn's graceful wait finds nothing to wait for or cancel."""
+            await asyncio.to_thread(service.stop)
+            await super().shutdown(sockets)
+
     service = EngineService(llm, max_queued, ServerMetrics(model_name, llm.engine)).start()
     config = uvicorn.Config(build_app(service, model_name, tool_parser), log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=5)
-    return uvicorn.Server(config), service
+    return Server(config), service
 
 
 def serve(llm, sock: socket.socket, model_name: str, max_queued: int, tool_parser: str | None = None,

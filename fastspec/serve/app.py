@@ -85,8 +85,11 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
             tools = replace(parsed.tools, spaced=tool_text.spaced)
             tools, params, keep_special = _tool_grammar(tools, tool_text, params)
             parsed = replace(parsed, tools=tools)
-        prompts = _encode(service, parsed)
+        prompts = await asyncio.to_thread(_encode, service, parsed)  # (a long prompt: the other streams go on)
         choices = [(ids, parsed.choice_params(_default_length(service, parsed, params, ids))) for ids in prompts]
+        if len(prompts) * parsed.n > service.max_queued:
+            raise APIError(f"{len(prompts) * parsed.n} choices: more than this server ever holds open "
+                           f"(--max-queued-requests {service.max_queued})", param="n")
         if parsed.n > 1 and service.engine.config.radix_cache and params.prompt_logprobs is None:
             for ids, _ in choices:  # (a choice asking for prompt logprobs reads no cached prefix)
                 await _cache_prompt(service, ids, params)
@@ -169,7 +172,7 @@ async def _cache_prompt(service: EngineService, prompt_ids: list[int], params) -
     one = replace(params, max_new_tokens=1, temperature=0.0, seed=None, stop=(), logprobs=None, json_schema=None,
                   regex=None, ebnf=None, lark=None, ignore_eos=True)
     finished = asyncio.Queue()
-    service.submit(prompt_ids, one, partial(_post, loop, finished, 0))
+    service.submit(prompt_ids, one, partial(_post, loop, finished, 0), counted=False)
     while (await finished.get())[1].finish_reason is None:
         pass
 

@@ -105,10 +105,10 @@ class Reply:
                     yield responses.sse(responses.chunk(self.id, chat, self.model, None, None, role=True, index=index))
             while self.open:
                 index, event = await self.events.get()
-                if event.error:  # the engine ended every open request already
+                if event.error:  # the engine ended every open request already (failed, or the server stops)
                     self.open.clear()
                     failed = True
-                    yield responses.sse(APIError(event.error, 500, kind="server_error").body())
+                    yield responses.sse(event.error.body())
                     break
                 event = self._echoed(index, event)
                 for piece in self._stream_event(index, event):
@@ -134,7 +134,7 @@ class Reply:
                 return Response(status_code=499)  # nobody reads it
             index, event = got
             if event.error:
-                return error_response(APIError(event.error, 500, kind="server_error"))
+                return error_response(event.error)
             event = self._echoed(index, event)
             self.texts[index] += event.text
             if event.logprobs is not None:

@@ -34,7 +34,7 @@ class Event:
     logprobs: tuple | None  # TokenLogprob per new kept token
     completion_tokens: int  # kept output tokens so far
     metrics: SpecMetrics
-    error: str | None = None  # the engine failed: the request ends with a 500
+    error: APIError | None = None  # the engine failed (a 500) or the server is shutting down (a 503): it ends so
     prompt_logprobs: tuple | None = None  # TokenLogprob per prompt token after the first (asked for): with the first
 
 
@@ -46,6 +46,7 @@ class _Live:
     ending: frozenset = frozenset()  # tokens that end it and are no text (special tokens kept: EOS, stop ids)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_at: float | None = None  # when its first token was handed out
+    counted: bool = True  # a client's request (/metrics); False: the server's own (n choices' shared prompt)
 
 
 class EngineService:
@@ -66,6 +67,7 @@ class EngineService:
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread at its next step boundary; every open request ends with a 503."""
         self._inbox.put(("stop",))
         self._thread.join(timeout)
 
@@ -78,29 +80,26 @@ class EngineService:
         return self._open
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, deliver: Callable[[Event], None],
-               keep_special: bool = False) -> int:
-        """Queue a request (APIError 400: it can never run; 503: too many open requests); returns its id.
-        `deliver(Event)` is called from the engine thread after every step that made progress. `keep_special`:
-        the text keeps special tokens (a tool-call format's markers), all but the EOS that ends it."""
-        if not self.healthy:
-            raise APIError(f"the engine has stopped: {self.error}", status=503, kind="server_error")
-        with self._lock:
-            if self._open >= self.max_queued:
-                raise APIError(f"the server is overloaded ({self._open} open requests; --max-queued-requests "
-                               f"{self.max_queued}): retry later", status=503, kind="server_error")
-            self._open += 1
+               keep_special: bool = False, counted: bool = True) -> int:
+        """Queue a request (APIError 400: it can never run; 503: too many open requests, or stopped); returns its
+        id. `deliver(Event)` is called from the engine thread after every step that made progress. `keep_special`:
+        the text keeps special tokens (a tool-call format's markers), all but the EOS that ends it. `counted`:
+        /metrics counts it (False: a request the server makes for itself)."""
         rid = next(self._ids)
         try:
             request = self.engine.request(rid, prompt_ids, params)
             detok = IncrementalDetokenizer(self.llm.tokenizer, prompt_ids, params.stop, not keep_special)
         except FastspecError as e:
-            self._close()
             raise APIError(str(e)) from None
-        except BaseException:  # (a 500: the slot it took is given back all the same)
-            self._close()
-            raise
         ending = frozenset(self.engine.worker.eos_ids) | set(params.stop_token_ids) if keep_special else frozenset()
-        self._inbox.put(("add", request, _Live(detok, deliver, ending=ending)))
+        with self._lock:  # (the engine thread, stopping, empties the inbox under it: nothing is left behind)
+            if not self.healthy:
+                raise APIError(f"the engine has stopped: {self.error}", status=503, kind="server_error")
+            if self._open >= self.max_queued:
+                raise APIError(f"the server is overloaded ({self._open} open requests; --max-queued-requests "
+                               f"{self.max_queued}): retry later", status=503, kind="server_error")
+            self._open += 1
+            self._inbox.put(("add", request, _Live(detok, deliver, ending=ending, counted=counted)))
         return rid
 
     def call(self, fn: Callable, timeout: float = 60.0):
@@ -120,11 +119,26 @@ class EngineService:
             for step in self.engine.run([], poll=self._poll):
                 for out in step:
                     self._handle(out)
+            self._end_open("the server is shutting down", 503)
         except Exception as e:  # a bug in a step: every open request ends with the error, /health says so
-            self.error = f"{type(e).__name__}: {e}"
-            for live in self._live.values():
-                live.deliver(Event("", "abort", None, live.tokens, SpecMetrics(), self.error))
+            self._end_open(f"{type(e).__name__}: {e}", 500)
+
+    def _end_open(self, error: str, status: int) -> None:
+        """The engine thread is done: every open request, running or still in the inbox, ends with `error`."""
+        with self._lock:
+            self.error = error
+            ending = list(self._live.values())
+            while not self._inbox.empty():
+                item = self._inbox.get()
+                if item[0] == "add":
+                    ending.append(item[2])
+                elif item[0] == "call":
+                    item[2].set_exception(RuntimeError(error))
             self._live.clear()
+            self._open = 0
+        for live in ending:
+            live.deliver(Event("", "abort", None, live.tokens, SpecMetrics(), APIError(error, status,
+                                                                                       kind="server_error")))
 
     def _poll(self, idle: bool) -> list | None:
         """What arrived since the last step; blocks while the engine is idle until something does."""
@@ -139,7 +153,7 @@ class EngineService:
             if item[0] == "add":
                 arrived.append(item[1])
                 self._live[item[1].rid] = item[2]
-                if self.metrics is not None:
+                if self.metrics is not None and item[2].counted:
                     self.metrics.submitted(len(item[1].prompt_ids))
             elif item[0] == "call":
                 _run_into(item[2], item[1])
@@ -163,13 +177,13 @@ class EngineService:
         before = live.tokens
         live.tokens = d.num_tokens_kept if d.stopped else live.tokens + len(out.new_ids)
         logprobs = None if out.logprobs is None else tuple(out.logprobs[: max(0, live.tokens - before)])
-        live.deliver(Event(text, reason, logprobs, live.tokens, out.metrics, prompt_logprobs=out.prompt_logprobs))
-        if self.metrics is not None:
+        if self.metrics is not None and live.counted:
             self._report(live, live.tokens - before, reason, out.metrics)
-        if reason is not None:
+        if reason is not None:  # its place is given back before its client hears (and may send the next one)
             self.aborted += reason == "abort"
             del self._live[out.index]
             self._close()
+        live.deliver(Event(text, reason, logprobs, live.tokens, out.metrics, prompt_logprobs=out.prompt_logprobs))
 
     def _report(self, live: _Live, new_tokens: int, reason: str | None, spec: SpecMetrics) -> None:
         now = time.perf_counter()

@@ -1,0 +1,178 @@
+"""`fastspec serve` around its requests: the open-request bound a client at the limit meets, what /metrics counts
+when the server makes a request of its own (n choices' shared prompt), a long prompt tokenized while other
+clients stream, and a shutdown with requests in flight. A tiny Llama with a character tokenizer, decoding plainly,
+served on 127.0.0.1 at a free port by a uvicorn thread."""
+
+import logging
+import shutil
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+from test_serve import engine_settled, scrape
+from tiny_models import write_char_tokenizer
+
+import fastspec
+from fastspec.sampling import SamplingParams
+from fastspec.serve import bind, make_server
+from fastspec.serve.api_error import APIError
+
+MODEL = "tiny-lifecycle"
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_dirs, tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("lifecycle") / "llama"
+    shutil.copytree(tiny_dirs["llama"][0], model_dir)
+    write_char_tokenizer(model_dir)
+    (model_dir / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    return fastspec.LLM(str(model_dir), max_total_tokens=4096, max_running_requests=16, overlap_schedule="off")
+
+
+def start(llm, max_queued: int):
+    """(uvicorn server, its thread, EngineService, base URL, openai client) serving `llm`."""
+    sock = bind("127.0.0.1", 0)
+    server, service = make_server(llm, MODEL, max_queued=max_queued)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    return server, thread, service, url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                                        timeout=60)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llm):
+    server, thread, service, url, client = start(tiny_llm, max_queued=4)
+    yield client, url, tiny_llm, service
+    server.should_exit = True
+    thread.join(10)
+    service.stop()
+
+
+def test_a_finished_request_gives_its_place_back_before_its_client_hears(served):
+    """A client at --max-queued-requests that sends its next request as soon as the last one ends is not told the
+    server is overloaded: the finished request's place is free when its final event is delivered."""
+    _, _, llm, service = served
+    assert engine_settled(service)
+    finals, done = [], threading.Event()
+
+    def deliver(event) -> None:
+        if event.finish_reason is not None:
+            finals.append(service.open_requests)
+            done.set()
+    service.submit(llm.encode("abc"), SamplingParams(max_new_tokens=3), deliver)
+    assert done.wait(30) and finals == [0]
+
+
+def test_n_choices_past_the_bound_are_a_400_and_metrics_count_only_the_clients_choices(served):
+    """n choices over one prompt run after a one-token request of the server's own that caches the prompt: /metrics
+    counts the n choices a client asked for, not that one. More choices than --max-queued-requests can ever hold
+    are a 400 (not a 503 telling the client to retry what can never run)."""
+    client, url, _, service = served
+    assert engine_settled(service)
+    label = (("model_name", MODEL),)
+    before = scrape(url)
+    got = client.completions.create(model=MODEL, prompt="abc", max_tokens=5, n=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert engine_settled(service)
+    after = scrape(url)
+
+    def moved(name, labels=label):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert len(got.choices) == 4 and got.usage.completion_tokens == 20
+    assert moved("fastspec:num_requests_total", (("finish_reason", "length"), *label)) == 4
+    assert moved("fastspec:generation_tokens_total") == got.usage.completion_tokens
+    assert moved("fastspec:prompt_tokens_total") == 4 * got.usage.prompt_tokens
+    assert moved("fastspec:time_to_first_token_seconds_count") == 4
+    with pytest.raises(openai.BadRequestError, match="max-queued-requests 4"):
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=5, n=5)
+    with pytest.raises(openai.BadRequestError, match="max-queued-requests 4"):
+        client.completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=5, n=2)
+    assert engine_settled(service)
+
+
+def test_a_prompt_being_tokenized_does_not_stop_the_server(served, monkeypatch):
+    """Tokenizing runs off the event loop: while one request's prompt is being tokenized (held here until
+    released), the server answers others."""
+    client, url, llm, service = served
+    entered, release = threading.Event(), threading.Event()
+    encode = llm.encode
+
+    def slow_encode(prompt, chat=False):
+        if prompt == "slow":
+            entered.set()
+            release.wait(30)
+        return encode(prompt, chat)
+    monkeypatch.setattr(llm, "encode", slow_encode)
+    slow = threading.Thread(target=client.completions.create, kwargs=dict(model=MODEL, prompt="slow", max_tokens=2))
+    slow.start()
+    try:
+        assert entered.wait(30)
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            assert response.status == 200
+        assert client.completions.create(model=MODEL, prompt="abc", max_tokens=3, timeout=10).choices[0].text
+    finally:
+        release.set()
+        slow.join(30)
+    assert engine_settled(service)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_shutdown_ends_requests_in_flight_with_503s_and_no_cancelled_tasks(tiny_llm):
+    """Stopping the server (Ctrl-C, SIGTERM) with a stream and a plain request running: both end at once with
+    OpenAI's error object, a 503 saying the server is shutting down (the stream: an error event, then [DONE]);
+    uvicorn's graceful wait has no task left to cancel, so it logs no error and no traceback. The engine is held
+    between two steps while the stop is asked for, so both are surely in flight."""
+    server, thread, service, url, client = start(tiny_llm, max_queued=8)
+    records = _Records()
+    logging.getLogger("uvicorn.error").addHandler(records)
+    long = dict(model=MODEL, prompt="abc", max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+    plain = {}
+
+    def ask() -> None:
+        try:
+            client.completions.create(**long)
+        except openai.APIStatusError as e:
+            plain["error"] = e
+    asker = threading.Thread(target=ask)
+    gate, held = threading.Event(), threading.Event()
+    try:
+        stream = client.completions.create(stream=True, **long).response.iter_lines()
+        assert next(line for line in stream if line).startswith("data: {")
+        asker.start()
+        while service.open_requests < 2:
+            time.sleep(0.01)
+        threading.Thread(target=service.call, args=(lambda: held.set() or gate.wait(30),)).start()
+        assert held.wait(30)  # the engine waits between two steps, both requests open
+        server.should_exit = True
+        deadline = time.monotonic() + 10
+        while service._inbox.qsize() == 0 and time.monotonic() < deadline:  # the shutdown asked the engine to stop
+            time.sleep(0.01)
+        gate.set()
+        events = [line for line in stream if line]
+        asker.join(30)
+        thread.join(30)
+    finally:
+        gate.set()
+        logging.getLogger("uvicorn.error").removeHandler(records)
+        server.should_exit = True
+        service.stop()
+    assert events[-1] == "data: [DONE]" and "the server is shutting down" in events[-2]
+    assert plain["error"].status_code == 503 and "the server is shutting down" in plain["error"].message
+    assert not thread.is_alive() and records.messages == []
+    with pytest.raises(APIError, match="shutting down"):
+        service.submit([5, 6], SamplingParams(max_new_tokens=2), lambda event: None)
