@@ -127,6 +127,19 @@ def test_truncated_gguf_is_rejected(tmp_path_factory, fraction):
     assert not (tmp / "hf").exists()
 
 
+def test_a_tensor_type_the_gguf_package_does_not_know_is_refused_by_its_id(tmp_path):
+    """A valid file holding a type newer than the gguf package (llama.cpp's quantiser writes Q2_0, GGML type 42, that
+    gguf 0.19 cannot name): one line naming the tensor and the type id, not 'not a valid GGUF file'."""
+    path = write_gguf(tmp_path / "t.gguf", tiny_llama(True))
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8  # after the name: n_dims (u32), two dims (u64), then the type (u32)
+    data[at:at + 4] = (42).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(FastspecError, match=r"tensor blk.0.attn_q.weight has GGML type 42, which gguf \d"):
+        convert_gguf(path, tmp_path / "hf")
+
+
 def test_other_architecture_is_rejected(tmp_path):
     with pytest.raises(FastspecError, match="architecture 'gemma' is not supported .supported: llama, qwen2, qwen3"):
         convert_gguf(write_gguf(tmp_path / "g.gguf", tiny_llama(True), arch="gemma"), tmp_path / "hf")

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 from typing import NamedTuple
 
@@ -122,15 +123,34 @@ def unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:  # w
 
 # ---- reading ----
 
+class UnknownType(Exception):
+    """A tensor type the gguf package cannot name (_Reader)."""
+
+
+class _Reader(gguf.GGUFReader):
+    """The gguf package's reader, refusing a tensor type the package does not know (one newer than it, such as
+    llama.cpp's Q2_0) by the tensor's name and the type's id: its own error reads as a malformed file."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for field in fields:  # parts: name length, name, n_dims, dims, type, offset
+            kind = int(field.parts[4][0])
+            if kind not in {t.value for t in gguf.GGMLQuantizationType}:
+                raise UnknownType(f"tensor {field.name} has GGML type {kind}, which gguf "
+                                  f"{version('gguf')} does not know: not supported")
+        super()._build_tensors(start_offs, fields)
+
+
 def _open_reader(path: Path) -> gguf.GGUFReader:
     if not path.is_file():
         raise FastspecError(f"{path}: GGUF file not found")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _Reader(path)
         for tensor in reader.tensors:  # a truncated data section shows up as a short tensor buffer
             if tensor.data.nbytes != tensor.n_bytes:
                 raise ValueError(f"tensor {tensor.name} is truncated")
         return reader
+    except UnknownType as e:
+        raise FastspecError(f"{path}: {e}") from None
     except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:
         raise FastspecError(f"{path}: not a valid GGUF file ({e})") from None
 
