@@ -113,6 +113,21 @@ def test_oracle_drafts_commit_multi_token_runs_and_drop_wrong_branches(hybrid, p
     llm.engine.check_kv()
 
 
+
+def test_a_bfloat16_target_speculates_losslessly(hybrid):
+    """In bfloat16 too a verify node computes its decode step's logits bit for bit (the convolution of each node is
+    the decode step's own), so oracle drafts commit exactly the target-only tokens, greedy and seeded."""
+    root, hf = hybrid
+    params = [GREEDY, SamplingParams(temperature=1.0, seed=5, max_new_tokens=NEW, ignore_eos=True)] * 3
+    plain = fastspec.LLM(str(root / "target"), max_total_tokens=4096, dtype="bfloat16")
+    expected = [plain.engine.generate([p], [sp])[0].output_ids for p, sp in zip(PROMPTS, params)]
+    llm = fastspec.LLM(str(root / "target"), speculative_algorithm="NGRAM", num_draft_tokens=8, max_total_tokens=4096,
+                       dtype="bfloat16")
+    oracle_drafter(llm.engine, PROMPTS[:6], expected, hf.config.vocab_size)
+    outputs = llm.engine.generate(PROMPTS[:6], params)
+    assert [o.output_ids for o in outputs] == expected
+    assert all(len(o.metrics.depth_counts) >= 4 for o in outputs)
+
 # (algorithm, draft, num_steps, topk, num_draft_tokens, page_size, batch size, chunked prefill size)
 CASES = [
     ("NGRAM", None, None, None, 8, 1, 8, 2048),

@@ -67,6 +67,23 @@ def test_conv_matches_transformers_and_its_tree_twin():
     torch.testing.assert_close(windows[:, -1], window)
 
 
+
+def test_a_conv_tree_node_rounds_as_its_decode_step_in_bfloat16():
+    """Each node of a bfloat16 tree computes bit for bit the decode step of its token after its path (plain decoding
+    runs the convolution one token at a time). Before, the tree rounded every tap's product to bfloat16 where the
+    decode step's conv1d accumulates them exactly, so a bfloat16 Qwen3-Next / Bamba target's speculative output
+    left its target-only output within 20 tokens in 4 of 7 requests."""
+    gen = torch.Generator().manual_seed(2)
+    x, weight, bias, window = (torch.randn(*shape, generator=gen).bfloat16()
+                               for shape in ((3, 5, 16), (16, 4), (16,), (3, 16, 3)))
+    parents = torch.tensor([-1, 0, 0, 1, 3]).expand(3, -1)  # a branch at the root's child
+    y_tree, windows = recurrent.conv_tree(x, weight, bias, window, parents)
+    for i, path in enumerate(([0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 3, 4])):
+        w = window
+        for node in path:  # decode steps along the path
+            y, w = recurrent.conv(x[:, node:node + 1], weight, bias, w)
+        assert torch.equal(y_tree[:, i], y[:, 0]) and torch.equal(windows[:, i], w), i
+
 def test_tree_node_states_equal_their_paths():
     """Every node's output and state equal a sequential run over the root ... node path; parents from a mask."""
     parents = torch.tensor([[-1, 0, 0, 1, 2, 1, 4]])

@@ -52,10 +52,9 @@ def conv_tree(x, weight, bias, window, parents):
     """The convolution along each node's ancestor path. x [B, N, C]; window [B, C, K-1]; parents [B, N] (the parent
     node of node i, < i; -1 for a root, which continues `window`). Returns (y [B, N, C], node windows
     [B, N, C, K-1])."""
-    def step(parent_window, xi):
-        full = torch.cat([parent_window.to(x.dtype), xi[..., None]], -1)  # [B, C, K]
-        y = (full * weight.to(x.dtype)).sum(-1)
-        return full[..., 1:], F.silu(y if bias is None else y + bias.to(x.dtype))
+    def step(parent_window, xi):  # a decode step's own convolution, so a node rounds as that step does
+        y, node_window = conv(xi[:, None], weight, bias, parent_window)
+        return node_window, y[:, 0]
 
     return scan_tree(step, window, parents, x)
 
