@@ -113,7 +113,6 @@ def test_oracle_drafts_commit_multi_token_runs_and_drop_wrong_branches(hybrid, p
     llm.engine.check_kv()
 
 
-
 def test_a_bfloat16_target_speculates_losslessly(hybrid):
     """In bfloat16 too a verify node computes its decode step's logits bit for bit (the convolution of each node is
     the decode step's own), so oracle drafts commit exactly the target-only tokens, greedy and seeded."""
@@ -127,6 +126,7 @@ def test_a_bfloat16_target_speculates_losslessly(hybrid):
     outputs = llm.engine.generate(PROMPTS[:6], params)
     assert [o.output_ids for o in outputs] == expected
     assert all(len(o.metrics.depth_counts) >= 4 for o in outputs)
+
 
 # (algorithm, draft, num_steps, topk, num_draft_tokens, page_size, batch size, chunked prefill size)
 CASES = [

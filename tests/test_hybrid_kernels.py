@@ -67,7 +67,6 @@ def test_conv_matches_transformers_and_its_tree_twin():
     torch.testing.assert_close(windows[:, -1], window)
 
 
-
 def test_a_conv_tree_node_rounds_as_its_decode_step_in_bfloat16():
     """Each node of a bfloat16 tree computes bit for bit the decode step of its token after its path (plain decoding
     runs the convolution one token at a time). Before, the tree rounded every tap's product to bfloat16 where the
@@ -83,6 +82,7 @@ def test_a_conv_tree_node_rounds_as_its_decode_step_in_bfloat16():
         for node in path:  # decode steps along the path
             y, w = recurrent.conv(x[:, node:node + 1], weight, bias, w)
         assert torch.equal(y_tree[:, i], y[:, 0]) and torch.equal(windows[:, i], w), i
+
 
 def test_tree_node_states_equal_their_paths():
     """Every node's output and state equal a sequential run over the root ... node path; parents from a mask."""
