@@ -225,6 +225,34 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert engine_settled(service)
 
 
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
+    """OpenAI answers a field of the wrong type with a 400 whose param names it: a model that is no string is not an
+    unknown model (404), and fields fastspec does not use (user, stream_options' keys) are checked all the same.
+    What the openai client sends for these fields is taken."""
+    from fastspec.serve import protocol
+    from fastspec.serve.api_error import APIError
+
+    base = {"model": MODEL} | ({"messages": [{"role": "user", "content": "abc"}]} if chat else {"prompt": "abc"})
+    bad = [("model", None), ("model", 5), ("model", ["x"]), ("user", 5), ("user", {}), ("top_p", 5), ("temperature",
+           "1"), ("stream_options", {"include_usage": "x"}), ("stream_options", {"include_usage": 1}),
+           ("stream_options", {"include_obfuscation": "no"}), ("stream_options", {"usage": True}),
+           ("logit_bias", {"5": "1"}), ("logit_bias", {"5": True}), ("max_tokens", "8")]
+    bad += [("max_completion_tokens", 2.5), ("parallel_tool_calls", "yes")] if chat else [("echo", "yes")]
+    for field, value in bad:
+        with pytest.raises(APIError) as e:
+            protocol.parse_request(base | {field: value}, chat, MODEL)
+        assert (e.value.status, e.value.param) == (400, field), (field, value, str(e.value))
+    with pytest.raises(APIError) as e:
+        protocol.parse_request(base | {"model": "gpt-9"}, chat, MODEL)
+    assert e.value.status == 404
+    good = {"user": "u-1", "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False},
+            "logit_bias": {"5": -100, "6": 2.5}, "max_tokens": 8, "seed": None, "top_p": None}
+    parsed = protocol.parse_request(base | good | ({"parallel_tool_calls": False} if chat else {}), chat, MODEL)
+    assert parsed.include_usage and parsed.params.max_new_tokens == 8
+    assert dict(parsed.params.logit_bias) == {5: -100, 6: 2.5}
+
+
 def test_overload_is_a_503_not_a_crash(served):
     client, _, _, service = served
     service.max_queued = 1

@@ -65,6 +65,8 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     if unknown:
         raise APIError(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
     model = body.get("model", model_name)  # (omitted: the served model, as SGLang and vLLM take it)
+    if not isinstance(model, str):
+        raise APIError(f"model must be of type str, got {_kind(model)}", param="model")
     if model != model_name:
         raise APIError(f"the model '{model}' does not exist (this server serves '{model_name}')", status=404,
                        param="model", code="model_not_found")
@@ -99,15 +101,9 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     else:
         top = _get(body, "logprobs", int, None)
         want_logprobs = top is not None
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    given = max_tokens is not None
-    prompt_only = echo and type(max_tokens) is int and max_tokens == 0  # (one token is made, not shown)
-    if given and not prompt_only and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                      or max_tokens < 1):
-        least = ">= 0 with echo" if echo else ">= 1"
-        raise APIError(f"max_tokens must be an integer {least}, got {max_tokens!r}", param="max_tokens")
-    max_tokens = 1 if prompt_only else max_tokens
-    stream_options = _get(body, "stream_options", dict, {}) or {}
+    max_tokens, given, prompt_only = _max_tokens(body, echo)
+    include_usage = _stream_options(body)
+    _get(body, "user", str, None)  # (taken and unused, as OpenAI's abuse-monitoring id)
     try:
         params = SamplingParams(
             temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
@@ -121,9 +117,43 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
             logit_bias=_logit_bias(body), regex=_get(body, "regex", str, None), ebnf=_get(body, "ebnf", str, None),
             json_schema=schema)
     except FastspecError as e:  # (response_format's schema is the json_schema a grammar clash names)
-        raise APIError(str(e).replace("json_schema and", "response_format and")) from None
-    return ParsedRequest(chat, messages, prompts, params, _get(body, "stream", bool, False),
-                         bool(stream_options.get("include_usage")), want_logprobs, given, n, tools, echo, prompt_only)
+        field = str(e).split(" must ")[0].replace("-", "_").replace(" ", "_")  # ("top-p must be in ...": top_p)
+        raise APIError(str(e).replace("json_schema and", "response_format and"),
+                       param=field if field in body else None) from None
+    return ParsedRequest(chat, messages, prompts, params, _get(body, "stream", bool, False), include_usage,
+                         want_logprobs, given, n, tools, echo, prompt_only)
+
+
+def _max_tokens(body: dict, echo: bool) -> tuple[int | None, bool, bool]:
+    """(max tokens or None, whether given, whether the prompt alone is scored: max_tokens 0 with echo, where one
+    token is made and not shown). Chat's max_completion_tokens comes before max_tokens; each given one is checked."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < (0 if echo else 1)):
+            least = ">= 0 with echo" if echo else ">= 1"
+            raise APIError(f"{name} must be an integer {least}, got {value!r}", param=name)
+    value = body.get("max_completion_tokens")
+    value = body.get("max_tokens") if value is None else value
+    prompt_only = echo and value == 0
+    return (1 if prompt_only else value), value is not None, prompt_only
+
+
+def _stream_options(body: dict) -> bool:
+    """Whether the stream ends with a usage chunk (OpenAI's stream_options: include_usage, and include_obfuscation,
+    taken and unused: fastspec's chunks carry no obfuscation field)."""
+    options = _get(body, "stream_options", dict, {})
+    unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
+    if unknown:
+        raise APIError(f"unknown field(s) in stream_options: {', '.join(unknown)}", param="stream_options")
+    for name in ("include_usage", "include_obfuscation"):
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            raise APIError(f"stream_options.{name} must be of type bool, got {_kind(options[name])}",
+                           param="stream_options")
+    return bool(options.get("include_usage"))
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 def _get(body: dict, name: str, kind, default):
@@ -132,7 +162,7 @@ def _get(body: dict, name: str, kind, default):
         return default
     if isinstance(value, bool) and kind is int or not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise APIError(f"{name} must be of type {names}, got {type(value).__name__}", param=name)
+        raise APIError(f"{name} must be of type {names}, got {_kind(value)}", param=name)
     return value
 
 
@@ -141,7 +171,7 @@ def _number(body: dict, name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise APIError(f"{name} must be a number, got {type(value).__name__}", param=name)
+        raise APIError(f"{name} must be a number, got {_kind(value)}", param=name)
     return float(value)
 
 
@@ -207,6 +237,8 @@ def _prompts(body: dict) -> tuple[str | list[int], ...]:
 def _logit_bias(body: dict) -> dict:
     bias = _get(body, "logit_bias", dict, {}) or {}
     try:
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in bias.values()):
+            raise TypeError
         bias = {int(k): float(v) for k, v in bias.items()}
     except (TypeError, ValueError):
         raise APIError("logit_bias must map token ids to numbers", param="logit_bias") from None

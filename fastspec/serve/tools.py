@@ -117,7 +117,9 @@ def close_objects(schema, strict: bool = False, where: str = "parameters"):
 
 def parse_tools(body: dict) -> Tools | None:
     """`tools` and `tool_choice` of a chat request, checked (APIError 400), or None without tools."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise APIError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     if tools is None:
         if choice not in (None, "none"):
             raise APIError("tool_choice needs tools", param="tool_choice")
@@ -144,9 +146,6 @@ def parse_tools(body: dict) -> Tools | None:
         names.add(name)
         functions.append({"type": "function", "function": {k: v for k, v in f.items()
                                                            if k in ("name", "description", "parameters")}})
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise APIError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     if choice is None or choice in ("auto", "none", "required"):
         return Tools(tuple(functions), choice or "auto", schemas=schemas, parallel=parallel)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
