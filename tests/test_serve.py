@@ -303,6 +303,53 @@ def test_bench_url_measures_a_running_server(served):
     assert engine_settled(service)
 
 
+def test_bench_url_keeps_a_path_prefix_as_vllms_bench_does():
+    """A server behind a reverse proxy at a path prefix: `--url http://h:p/llm` sends /llm/v1/..., as vLLM's and
+    SGLang's bench clients do with a base URL (an OpenAI client's base_url, ending in /v1, is the same server);
+    a URL that is no base URL is one line. A stand-in server that answers only under the prefix."""
+    import http.server
+
+    from fastspec.benchmark.serving import run_serving
+
+    class Prefixed(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            found = self.path == "/llm/v1/models"
+            self._send(200 if found else 404, b'{"data": [{"id": "proxied"}]}' if found else b"{}")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            if self.path != "/llm/v1/chat/completions":
+                return self._send(404, b"{}")
+            chunks = [{"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"delta": {"content": "b"}}]},
+                      {"choices": [], "usage": {"completion_tokens": 2}}]
+            events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
+            self._send(200, b"".join(events))
+
+        def _send(self, status, body):
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Prefixed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = "http://127.0.0.1:%d" % server.server_address[1]
+    try:
+        for url in (base + "/llm", base + "/llm/", base + "/llm/v1"):
+            summary = run_serving(url, ["x", "y"], max_tokens=2, request_rate=float("inf"), max_concurrency=2)
+            assert summary["model"] == "proxied" and summary["completed"] == 2 and summary["failed"] == 0, url
+        for bad in (base + "/llm?x=1", "http://127.0.0.1:port/llm", "https:/llm"):
+            out = CliRunner().invoke(app, ["bench", "--url", bad, "--num-prompts", "1"])
+            assert out.exit_code == 2 and "--url must look like http://HOST:PORT[/PREFIX]" in out.stderr, bad
+        wrong = CliRunner().invoke(app, ["bench", "--url", base + "/other", "--num-prompts", "1"])
+        assert wrong.exit_code == 2 and "answered /other/v1/models with status 404" in wrong.stderr
+    finally:
+        server.shutdown()
+
+
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """GET /metrics parsed by prometheus_client's own text parser: (sample name, sorted labels) -> value."""
     from prometheus_client.parser import text_string_to_metric_families

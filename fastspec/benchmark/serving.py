@@ -37,8 +37,24 @@ def server_model(url: str) -> str:
     """The id the server at `url` serves (GET /v1/models); FastspecError when nothing answers."""
     status, body = _get(url, "/v1/models")
     if status != 200 or not body.get("data"):
-        raise FastspecError(f"{url} answered /v1/models with status {status}: not an OpenAI-compatible server")
+        path = _split(url)[2] + "/v1/models"
+        raise FastspecError(f"{url} answered {path} with status {status}: not an OpenAI-compatible server")
     return body["data"][0]["id"]
+
+
+def _split(url: str) -> tuple[str, int, str]:
+    """(host, port, path prefix) of a base URL, as vLLM's and SGLang's bench clients take it: the API's routes
+    follow the prefix (`http://h:8080/llm` -> `/llm/v1/...`, a server behind a reverse proxy); a prefix ending in
+    /v1 (an OpenAI client's base_url) is the same server."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.query or parts.fragment:
+        raise FastspecError(f"--url must look like http://HOST:PORT[/PREFIX], got {url!r}")
+    try:
+        port = parts.port or 80
+    except ValueError:
+        raise FastspecError(f"--url must look like http://HOST:PORT[/PREFIX], got {url!r}") from None
+    prefix = parts.path.rstrip("/")
+    return parts.hostname, port, prefix.removesuffix("/v1") if prefix.endswith("/v1") else prefix
 
 
 def run_serving(url: str, prompts: list[str], max_tokens: int, request_rate: float, max_concurrency: int,
@@ -65,11 +81,11 @@ def run_serving(url: str, prompts: list[str], max_tokens: int, request_rate: flo
 def stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> Timing:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=600)
+    host, port, prefix = _split(url)
+    conn = http.client.HTTPConnection(host, port, timeout=600)
     start = time.perf_counter()
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+        conn.request("POST", prefix + "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
         response = conn.getresponse()
         if response.status != 200:
             return Timing(False, error=f"status {response.status}: {response.read()[:200]!r}")
@@ -117,12 +133,10 @@ def _r(x: float) -> float:
 
 
 def _get(url: str, path: str) -> tuple[int, dict]:
-    parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise FastspecError(f"--url must look like http://HOST:PORT, got {url!r}")
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=10)
+    host, port, prefix = _split(url)
+    conn = http.client.HTTPConnection(host, port, timeout=10)
     try:
-        conn.request("GET", path)
+        conn.request("GET", prefix + path)
         response = conn.getresponse()
         return response.status, json.loads(response.read() or b"{}")
     except (OSError, http.client.HTTPException, ValueError) as e:
