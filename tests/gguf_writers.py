@@ -125,11 +125,12 @@ def spm_vocab(add_space_prefix: bool | None = None, add_bos: bool | None = None)
 
 
 def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_bos=True, add_eos=False, vocab=None,
-               rope_factors=None, yarn=None, extra_tensors=None):
+               rope_factors=None, yarn=None, extra_tensors=None, raw_kinds=None):
     """`model` as a GGUF of general.architecture `arch` (its own by default) with `vocab` (a bpe_vocab / spm_vocab
     writer; bpe_vocab("smollm") by default), matrices in `qtype`; rope_factors: a rope_freqs tensor [head_dim / 2];
     yarn: (factor, original context length); the model config's sliding_window, where set; extra_tensors: name ->
-    float32 array, written as they are."""
+    float32 array, written as they are; raw_kinds: name -> a GGML type the gguf package cannot quantise to, the
+    tensor written as zero bytes of that type."""
     cfg = model.config
     w = gguf.GGUFWriter(path, arch or cfg.model_type)
     w.add_block_count(cfg.num_hidden_layers)
@@ -154,7 +155,11 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
     w.add_vocab_size(cfg.vocab_size)
     (vocab or bpe_vocab(add_bos=add_bos, add_eos=add_eos))(w)
     for name, array in gguf_tensors(model).items():
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if name in (raw_kinds or {}):
+            block, size = gguf.constants.GGML_QUANT_SIZES[raw_kinds[name]]
+            raw = np.zeros((*array.shape[:-1], array.shape[-1] // block * size), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=raw_kinds[name])
+        elif array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, array)

@@ -140,6 +140,17 @@ def test_a_tensor_type_the_gguf_package_does_not_know_is_refused_by_its_id(tmp_p
         convert_gguf(path, tmp_path / "hf")
 
 
+@pytest.mark.parametrize("kind", ["Q8_1", "I8"])
+def test_a_tensor_type_the_gguf_package_cannot_dequantise_is_refused_by_the_tensors_name(tmp_path, kind):
+    """A type the gguf package knows but cannot dequantise (Q8_1, the integer types, Q1_0): one line naming the
+    tensor and its type."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    path = write_gguf(tmp_path / "t.gguf", tiny_llama(True), raw_kinds={"blk.1.ffn_up.weight": qtype})
+    with pytest.raises(FastspecError, match=f"tensor blk.1.ffn_up.weight has type {kind}, which gguf \\d.* cannot "
+                                            "dequantise: not supported"):
+        convert_gguf(path, tmp_path / "hf")
+
+
 def test_other_architecture_is_rejected(tmp_path):
     with pytest.raises(FastspecError, match="architecture 'gemma' is not supported .supported: llama, qwen2, qwen3"):
         convert_gguf(write_gguf(tmp_path / "g.gguf", tiny_llama(True), arch="gemma"), tmp_path / "hf")

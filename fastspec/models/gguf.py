@@ -213,7 +213,8 @@ def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[di
         try:
             array = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
-            raise FastspecError(f"{path}: tensor type {kind} cannot be dequantized") from None
+            raise FastspecError(f"{path}: tensor {t.name} has type {kind}, which gguf {version('gguf')} cannot "
+                                "dequantise: not supported") from None
         weight = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: F32 data is a read-only mmap
         for name, rows in pieces:
             tensors[name] = (weight if rows is None else rows(weight)).to(dtype).contiguous()
