@@ -85,6 +85,21 @@ def test_prose_after_a_closed_code_block_is_wrapped_again():
         assert streamed(text, 24, pieces, seed=pieces) == expected
 
 
+def test_wide_characters_take_two_columns():
+    """CJK and emoji take two terminal cells each (a combining accent none): a line holding them is wrapped by the
+    columns it takes, so the terminal never breaks a word itself."""
+    line = "🎉 Write three words with emoji 日本語 ünï in a sentence."  # 38 characters to "ünï", 42 cells
+    assert streamed(line, 40, pieces=1) == "🎉 Write three words with emoji 日本語\nünï in a sentence."
+    from fastspec.text.wrap import cells
+    rng = random.Random(0)
+    words = ["".join(rng.choices("ab日本語🎉e\u0301", k=rng.randint(1, 8))) for _ in range(120)]
+    text = " ".join(words)
+    for width in (20, 31, 40):
+        out = streamed(text, width, pieces=1)
+        assert out.split() == text.split() and all(cells(line) <= width for line in out.split("\n"))
+        assert streamed(text, width, pieces=37, seed=width) == out
+
+
 def test_a_resized_terminal_is_followed():
     width = [80]
     wrap = WordWrap(lambda: width[0])
