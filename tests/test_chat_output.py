@@ -161,7 +161,7 @@ def test_stats_say_what_decodes_and_the_acceptance_even_when_nothing_was_accepte
     llm = SimpleNamespace(planned_spec=spec, engine=SimpleNamespace(config=SimpleNamespace(speculative_fallback=True)))
     session = ChatSession(llm, None)
     session.turns = [TurnStats(8, 0.5, SpecMetrics().add_round(0, 1, 2).add_round(0, 1, 2), "stop")]
-    assert session.stats() == ("EAGLE3 2/2/3 · plain where measured faster · 1 answers · 8 tokens · 16.0 tok/s · "
+    assert session.stats() == ("EAGLE3 2/2/3 · plain where measured faster · 1 answer · 8 tokens · 16.0 tok/s · "
                                "tau 1.00 · acceptance by depth [0.0, 0.0]")
     session.turns.append(TurnStats(4, 0.5, SpecMetrics().add_round(1, 2, 2), "stop"))
     assert session.stats().endswith("tau 1.33 · acceptance by depth [0.33, 0.0]")

@@ -125,8 +125,8 @@ class ChatSession:
         metrics = sum((t.metrics for t in self.turns[1:]), self.turns[0].metrics)
         depths = [round(a, 2) for a in metrics.acceptance_by_depth]  # every depth drafted, 0.0 where none reached
         tau = f" · tau {metrics.tau:.2f} · acceptance by depth {depths}"
-        engine = self.llm.engine
-        return (f"{decoding(self.llm.planned_spec, engine.config.speculative_fallback)} · {len(self.turns)} answers · "
+        engine, n = self.llm.engine, len(self.turns)
+        return (f"{decoding(self.llm.planned_spec, engine.config.speculative_fallback)} · {n} answer{'s' * (n != 1)} · "
                 f"{tokens} tokens · {tokens / seconds:.1f} tok/s" + (tau if metrics.verify_rounds else ""))
 
     def save(self, directory: Path) -> Path | None:
