@@ -100,6 +100,55 @@ def test_wide_characters_take_two_columns():
         assert streamed(text, width, pieces=37, seed=width) == out
 
 
+CHILD = """
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from fastspec.cli.chat import TerminalChatIO
+from fastspec.spec_config import SpecConfig
+engine = SimpleNamespace(model_dir=Path("m"), config=SimpleNamespace(speculative_fallback=False))
+io = TerminalChatIO(SimpleNamespace(llm=SimpleNamespace(planned_spec=SpecConfig(), engine=engine)))
+Path(sys.argv[1]).write_text(io.read(), encoding="utf-8")
+"""
+
+
+def test_a_message_longer_than_the_terminals_line_buffer_is_read_whole(tmp_path):
+    """A terminal in its line mode keeps 4095 characters of a line and drops the rest; the chat reads through
+    readline, so a long pasted message arrives whole (and its prompt is readline's, to edit the line)."""
+    pty = pytest.importorskip("pty")
+    pytest.importorskip("readline")
+    import os
+    import select
+    import subprocess
+    import sys
+    import time
+
+    message = " ".join(f"w{i}é" for i in range(1500)) + " END"  # 9000 characters
+    main, child = pty.openpty()
+    out = tmp_path / "read.txt"
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(out)], stdin=child, stdout=child, stderr=child,
+                            env={**os.environ, "TERM": "xterm"}, close_fds=True)
+    os.close(child)
+    shown, data = b"", (message + "\r").encode()
+    while b"you>" not in shown:  # the prompt: the child is reading
+        shown += os.read(main, 4096)
+    while data:
+        data = data[os.write(main, data[:1024]):]
+        while select.select([main], [], [], 0.01)[0]:  # (the echo drained, or the terminal stops taking input)
+            os.read(main, 65536)
+    deadline = time.monotonic() + 120  # (a bound on a hang, not a timing)
+    while proc.poll() is None and time.monotonic() < deadline:
+        if select.select([main], [], [], 0.1)[0]:
+            try:
+                os.read(main, 65536)
+            except OSError:
+                break
+    proc.kill()
+    proc.wait()
+    os.close(main)
+    assert out.read_text(encoding="utf-8") == message
+
+
 def test_a_resized_terminal_is_followed():
     width = [80]
     wrap = WordWrap(lambda: width[0])

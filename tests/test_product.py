@@ -29,7 +29,7 @@ def test_scripted_chat_two_turns():
     assert result.returncode == 0, result.stderr
     answers = result.stdout.strip().splitlines()
     assert len(answers) == 2 and "Paris" in answers[0] and "Rome" in answers[1]
-    assert "tok/s" in result.stderr and "1 answers" in result.stderr  # per-turn status lines and /stats
+    assert "tok/s" in result.stderr and "1 answer ·" in result.stderr  # per-turn status lines and /stats
     assert "Traceback" not in result.stderr
 
 

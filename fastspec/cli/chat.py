@@ -131,6 +131,18 @@ class LinesChatIO:
         self.info(status)
 
 
+def _prompt(color: bool) -> str:
+    """The `you>` prompt, read through readline where there is one: the line is then edited and kept by readline (no
+    cap at the terminal's 4095-character line, a pasted paragraph one message, history), which must be handed the
+    prompt to place the cursor, its colour codes marked as taking no columns."""
+    try:
+        import readline  # noqa: F401  (input() uses it once imported)
+        hide = ("\001", "\002")
+    except ImportError:  # (no readline: the terminal's own line editing)
+        hide = ("", "")
+    return f"{hide[0]}\x1b[1;32m{hide[1]}you>{hide[0]}\x1b[0m{hide[1]} " if color else "you> "
+
+
 class TerminalChatIO:
     """A terminal: rich prompt, streamed answer wrapped at words to the terminal's width, dim status lines."""
 
@@ -143,6 +155,7 @@ class TerminalChatIO:
         from fastspec.text.wrap import WordWrap
 
         self.console = Console(highlight=False)
+        self.prompt = _prompt(self.console.color_system is not None and not self.console.no_color)
         self.wrap = WordWrap(lambda: shutil.get_terminal_size().columns)
         engine = session.llm.engine
         self.console.print(f"[bold]fastspec chat[/bold] · {engine.model_dir.name} · "
@@ -151,7 +164,7 @@ class TerminalChatIO:
 
     def read(self) -> str | None:
         try:
-            return self.console.input("[bold green]you>[/bold green] ").strip()
+            return input(self.prompt).strip()
         except (EOFError, KeyboardInterrupt):
             self.console.print()
             return None
