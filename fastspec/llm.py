@@ -154,6 +154,7 @@ class LLM:
                 reason = out.finish_reason
                 if stream.stopped and reason is None:
                     self.engine.abort(out.index)  # the stop string ends it; the engine frees its KV next step
+                if stream.stopped and reason in (None, "length"):  # (found in the last token allowed: a stop too)
                     reason = "stop"
                 if reason is not None:
                     text += stream.finish()

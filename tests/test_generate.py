@@ -2,10 +2,12 @@
 oracle; batching, paging and seeding must not change tokens; bad input is one line and exit code 2."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import all_slots_free
+from tiny_models import write_char_tokenizer
 from draft_reference import DraftChecker
 from typer.testing import CliRunner
 
@@ -246,3 +248,26 @@ def test_the_model_argument_takes_a_path_or_none_and_refuses_other_types(tiny_di
     assert fastspec.LLM(None, speculative_algorithm="NONE", max_total_tokens=512).sources.model_dir.is_dir()  # embedded
     with pytest.raises(FastspecError, match="model must be a directory, a hub id.*got int"):
         fastspec.LLM(3)
+
+
+def last_token_stop(text: str) -> str:
+    """The shortest end of `text` found nowhere earlier in it: a stop string that only its last tokens complete."""
+    return next(text[-k:] for k in range(1, len(text) + 1) if text.find(text[-k:]) == len(text) - k)
+
+
+def test_a_stop_string_the_last_token_allowed_completes_is_a_stop_not_length(tiny_dirs, tmp_path):
+    """A stop string found in the token that reaches max_new_tokens trims the text as any stop string does, and the
+    answer ended at the stop string: finish reason stop (as vLLM reports it), not length."""
+    import shutil
+
+    model_dir = tmp_path / "llama"
+    shutil.copytree(tiny_dirs["llama"][0], model_dir)
+    llm = fastspec.LLM(str(write_char_tokenizer(model_dir)), speculative_algorithm="NONE", max_total_tokens=1024)
+    plain = SamplingParams(max_new_tokens=12, ignore_eos=True, logit_bias=((0, -100), (1, -100), (2, -100)))
+    text = llm.generate([[5, 6, 7]], plain)[0].text  # (no special tokens: every token shows a character)
+    stop = last_token_stop(text)
+    got = llm.generate([[5, 6, 7]], replace(plain, stop=(stop,)))[0]
+    assert (got.text, got.finish_reason) == (text[: -len(stop)], "stop")
+    deltas = [d for step in llm.stream([[5, 6, 7]], replace(plain, stop=(stop,))) for d in step]
+    assert "".join(d.text for d in deltas) == text[: -len(stop)] and deltas[-1].finish_reason == "stop"
+    assert all_slots_free(llm.engine)

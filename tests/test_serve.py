@@ -120,6 +120,20 @@ def test_stop_strings_and_max_tokens_end_where_generate_ends(served):
     assert engine_settled(service)
 
 
+def test_a_stop_string_in_the_last_token_allowed_finishes_with_stop(served):
+    """A stop string the max_tokens-th token completes: the text cut at it and finish_reason stop, as vLLM says."""
+    client = served[0]
+    ask = dict(model=MODEL, prompt="abc", max_tokens=8, temperature=0,
+               logit_bias={"0": -100, "1": -100, "2": -100}, extra_body={"ignore_eos": True})
+    text = client.completions.create(**ask).choices[0].text
+    stop = next(text[-k:] for k in range(1, len(text) + 1) if text.find(text[-k:]) == len(text) - k)
+    got = client.completions.create(**ask, stop=[stop]).choices[0]
+    assert (got.text, got.finish_reason) == (text[: -len(stop)], "stop")
+    chunks = list(client.completions.create(**ask, stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text[: -len(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+
 def test_logprobs_and_grammar_through_the_api(served):
     client, _, llm, _ = served
     want = greedy(llm, "What?", 6, chat=True, logprobs=2)

@@ -171,6 +171,7 @@ class EngineService:
         text = d.add(ids)
         if d.stopped and reason is None:
             self.engine.abort(out.index)  # the stop string ends it; its KV is freed before the next step
+        if d.stopped and reason in (None, "length"):  # (found in the last token allowed: a stop too, as vLLM says)
             reason = "stop"
         if reason is not None:
             text += d.finish()
