@@ -1,5 +1,7 @@
 """fastspec: EAGLE / EAGLE-3 speculative decoding inference. `fastspec.LLM` is the Python entry point."""
 
+from fastspec.errors import FastspecError  # noqa: F401  (what every user-fixable failure raises)
+
 __version__ = "0.1.0"
 
 

@@ -245,6 +245,24 @@ def test_bench_profile_refuses_a_url():
     assert result.exit_code != 0 and "--profile" in result.stderr and "Traceback" not in result.output
 
 
+def test_the_public_face_names_the_error_users_catch():
+    """The package's top level holds LLM, SamplingParams and the error they raise (`except fastspec.FastspecError`),
+    the error without importing torch."""
+    code = """
+import sys
+import fastspec
+from fastspec import FastspecError
+from fastspec.errors import FastspecError as Original
+assert FastspecError is Original is fastspec.FastspecError
+assert "torch" not in sys.modules, "torch was imported"
+try:
+    fastspec.SamplingParams(max_new_tokens=0)
+except fastspec.FastspecError as e:
+    assert "max-new-tokens" in str(e)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+
+
 def test_help_and_flag_errors_import_no_torch():
     """`--help` and a bad flag (shared or a command's own) answer without importing torch (seconds on a CPU box):
     one line, exit 2."""
