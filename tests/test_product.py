@@ -264,13 +264,16 @@ except fastspec.FastspecError as e:
 
 
 def test_help_and_flag_errors_import_no_torch():
-    """`--help` and a bad flag (shared or a command's own) answer without importing torch (seconds on a CPU box):
-    one line, exit 2."""
+    """Each command's `--help` (its texts read as rich markup: a stray [/x] would be a traceback) and a bad flag
+    (shared or a command's own) answer without importing torch (seconds on a CPU box): one line, exit 2."""
     code = """
 import sys
 from typer.testing import CliRunner
 from fastspec.cli import app
 assert CliRunner().invoke(app, ["--help"]).exit_code == 0
+for command in ("chat", "generate", "bench", "tune", "serve", "train-draft", "export-draft"):
+    shown = CliRunner().invoke(app, [command, "--help"])
+    assert shown.exit_code == 0 and "Usage:" in shown.output, (command, shown.output[-500:])
 for args in (["chat", "--page-size", "3"], ["generate", "--prompt", "hi", "--dtype", "float64"],
              ["bench", "--model", "/no/such/model"], ["serve", "--tool-call-parser", "xml"],
              ["serve", "--max-queued-requests", "0"],

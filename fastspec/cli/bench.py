@@ -24,9 +24,9 @@ def bench(
     trials: Annotated[int, typer.Option(help="Timed trials per configuration (median reported).")] = 2,
     warmup: Annotated[int, typer.Option(help="Warm-up runs per configuration and batch size.")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    url: Annotated[Optional[str], typer.Option(help="Measure a running server instead (http://HOST:PORT[/PREFIX], "
-                                                    "its routes under /PREFIX/v1): TTFT, inter-token latency, "
-                                                    "throughput; no model is loaded.")] = None,
+    url: Annotated[Optional[str], typer.Option(help="Measure a running server instead (http://HOST:PORT, or "
+                                                    "http://HOST:PORT/PREFIX behind a proxy): TTFT, inter-token "
+                                                    "latency, throughput; no model is loaded.")] = None,
     request_rate: Annotated[float, typer.Option(help="--url: requests per second, Poisson (inf: all at once).")]
     = float("inf"),
     max_concurrency: Annotated[int, typer.Option(help="--url: most requests in flight.")] = 16,
