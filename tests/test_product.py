@@ -264,16 +264,19 @@ except fastspec.FastspecError as e:
 
 
 def test_help_and_flag_errors_import_no_torch():
-    """Each command's `--help` (its texts read as rich markup: a stray [/x] would be a traceback) and a bad flag
-    (shared or a command's own) answer without importing torch (seconds on a CPU box): one line, exit 2."""
+    """Each command's `--help` shows every flag's name whole in 80 columns, and it and a bad flag (shared or a
+    command's own) answer without importing torch (seconds on a CPU box): one line, exit 2."""
     code = """
 import sys
 from typer.testing import CliRunner
 from fastspec.cli import app
 assert CliRunner().invoke(app, ["--help"]).exit_code == 0
-for command in ("chat", "generate", "bench", "tune", "serve", "train-draft", "export-draft"):
-    shown = CliRunner().invoke(app, [command, "--help"])
-    assert shown.exit_code == 0 and "Usage:" in shown.output, (command, shown.output[-500:])
+import typer
+for name, command in typer.main.get_command(app).commands.items():
+    shown = CliRunner().invoke(app, [name, "--help"], terminal_width=80)
+    assert shown.exit_code == 0 and "Usage:" in shown.output, (name, shown.output[-500:])
+    for flag in (f for p in command.params for f in p.opts + p.secondary_opts):
+        assert f" {flag}" in shown.output, (name, flag)  # whole, at 80 columns
 for args in (["chat", "--page-size", "3"], ["generate", "--prompt", "hi", "--dtype", "float64"],
              ["bench", "--model", "/no/such/model"], ["serve", "--tool-call-parser", "xml"],
              ["serve", "--max-queued-requests", "0"],

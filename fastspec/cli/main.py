@@ -52,8 +52,12 @@ class OneLineErrors(TyperGroup):
         sys.exit(code if isinstance(code, int) else 0)
 
 
+# rich_markup_mode None: click's plain help, every flag's name whole at any width (rich's tables cut names such as
+# --speculative-draft-model-path below ~160 columns) and help texts taken as they are written, not as markup
 app = typer.Typer(cls=OneLineErrors, add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
-                  help="EAGLE / EAGLE-3 speculative decoding inference, CUDA-graph first, runs on CPU too.")
+                  rich_markup_mode=None,
+                  help="Lossless speculative decoding (EAGLE, EAGLE-3, STANDALONE, NGRAM), CUDA-graph first, runs "
+                       "on CPU too.")
 
 
 @app.callback()
@@ -61,7 +65,13 @@ def _root() -> None:
     """fastspec: lossless speculative decoding (EAGLE, EAGLE-3, STANDALONE, NGRAM)."""
 
 
-for name, command, shared_flags in (("generate", generate, True), ("bench", bench, True), ("chat", chat, True),
-                                    ("train-draft", train_draft, False), ("tune", tune, True),
-                                    ("serve", serve, True), ("export-draft", export_draft, False)):
-    app.command(name)(user_errors(model_options(command) if shared_flags else command))
+COMMANDS = (  # (name, function, takes the shared model flags, its line in `fastspec --help`)
+    ("generate", generate, True, "One completion per --prompt or --input-ids, text or --json."),
+    ("bench", bench, True, "Speculative vs plain tok/s; --url measures a running server."),
+    ("chat", chat, True, "Chat in the terminal; piped, one message per line."),
+    ("train-draft", train_draft, False, "Train an EAGLE-3 draft head for a target."),
+    ("tune", tune, True, "Choose the draft tree per batch size (the others load it)."),
+    ("serve", serve, True, "Serve the model over the OpenAI HTTP API."),
+    ("export-draft", export_draft, False, "Write a draft head in the SGLang or vLLM speculators format."))
+for name, command, shared_flags, line in COMMANDS:
+    app.command(name, short_help=line)(user_errors(model_options(command) if shared_flags else command))
