@@ -126,8 +126,9 @@ class ChatSession:
         depths = [round(a, 2) for a in metrics.acceptance_by_depth]  # every depth drafted, 0.0 where none reached
         tau = f" · tau {metrics.tau:.2f} · acceptance by depth {depths}"
         engine, n = self.llm.engine, len(self.turns)
-        return (f"{decoding(self.llm.planned_spec, engine.config.speculative_fallback)} · {n} answer{'s' * (n != 1)} · "
-                f"{tokens} tokens · {tokens / seconds:.1f} tok/s" + (tau if metrics.verify_rounds else ""))
+        return (f"{decoding(self.llm.planned_spec, engine.config.speculative_fallback)} · "
+                f"{n} answer{'s' * (n != 1)} · {tokens} tokens · {tokens / seconds:.1f} tok/s"
+                + (tau if metrics.verify_rounds else ""))
 
     def save(self, directory: Path) -> Path | None:
         """Write the conversation (and any cleared by /reset) as JSON, so nothing typed or generated is lost;
