@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastspec.attention.paged import PagedPlan, paged_attention_twin, paged_block_plan
-from fastspec.kernels import cpu_fused, cpu_library
+from fastspec.kernels import cpu_attention, cpu_fused, cpu_library
 from fastspec.attention import TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.kernels.cpu_attention import CpuPagedBackend, CpuTorchBackend
 from fastspec.memory.kv_pool import as_cache
@@ -92,3 +92,28 @@ def test_a_prefill_token_through_the_torch_backend_is_its_decode_step(dtype):
         assert torch.equal(prefilled[t], backend.run(alone, q[t:t + 1], k, v, D ** -0.5)[0]), t
     sdpa = TorchAttnBackend().run(TorchAttnBackend().plan(meta), q, k, v, D ** -0.5)
     torch.testing.assert_close(prefilled.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype, kv", DTYPES)
+def test_a_latent_pool_attends_in_the_kernel_as_its_decode_steps(dtype, kv):
+    """MLA over its latent pool (one KV head, V = the first C values of K's row: a view, not a copy): the kernel
+    takes it, each verify row is the decode step of its token bit for bit, and the torch twin to rounding. (On the
+    twin's SDPA a bfloat16 DeepSeek target's logprobs moved by ~2e-2 with a prefix-cache hit.)"""
+    C, R = 48, 16
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(8, HQ, C + R, generator=g).to(dtype)
+    latent = as_cache(torch.randn(330, 1, C + R, generator=g), kv)
+    v = latent[..., :C]
+    assert cpu_attention.c_attends(q, latent, v)
+    plan, scale = verify_plan([5, 130]), (C + R) ** -0.5
+    verified = CpuPagedBackend().run(plan, q, latent, v, scale)
+    assert verified.shape == (8, HQ, C) and verified.dtype == dtype
+    for t in range(8):
+        b, i = divmod(t, 4)
+        seen = TABLE[b, 150:154][TREE[i]].long()[None]
+        alone = paged_block_plan(TABLE, torch.tensor([b]), torch.tensor([[5, 130][b]]), seen,
+                                 torch.ones(1, 1, seen.shape[1], dtype=torch.bool))
+        assert torch.equal(verified[t], CpuPagedBackend().run(alone, q[t:t + 1], latent, v, scale)[0]), t
+    twin = paged_attention_twin(q, latent, v, *op_args(plan), scale, True)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(verified.float(), twin.float(), atol=tol, rtol=tol)

@@ -34,19 +34,20 @@ static int64_t seen_keys(int64_t t, const int64_t *out_index, const int64_t *kv_
 
 /* One chunk for R <= TILE tokens that see the same n <= CHUNK keys (slots) in it, each with the `group` query heads
  * qs[r] [group, D] of KV head g: per token r and head h, the keys' scores, their top score, the sum of exp(score -
- * top) and the weighted sum of V, into top / sum [heads[r] + h * stride] and part [(heads[r] + h * stride) * D].
+ * top) and the weighted sum of V (the first Dv <= D values of its row), into top / sum [heads[r] + h * stride] and
+ * part [(heads[r] + h * stride) * Dv].
  * scores: scratch [R * group, CHUNK]. Scores go LANES (token, key) pairs at a time (RP tokens x KP keys, an
  * accumulator in a register each, summed across lanes together: sum_lanes), the weighted sum of V several (head,
  * token) rows at a time (weighted_v). Each (token, head, key) product and each sum runs in the same order whatever R
  * is, so a token computes bit for bit what it computes alone. */
 static inline __attribute__((always_inline)) void chunk_tile(
-    const float *const *qs, const int R, int64_t group, int64_t D, const char *k_cache, const char *v_cache,
-    const int kv, int64_t Hkv, int64_t g, const int64_t *slots, int64_t n, float scale, float *scores, float *part,
-    float *top, float *sum, const int64_t *heads, int64_t stride) {
+    const float *const *qs, const int R, int64_t group, int64_t D, int64_t Dv, const char *k_cache,
+    const char *v_cache, const int kv, int64_t Hkv, int64_t g, const int64_t *slots, int64_t n, float scale,
+    float *scores, float *part, float *top, float *sum, const int64_t *heads, int64_t stride) {
     const int RP = R == 3 ? 4 : R, KP = LANES / RP; /* a pass: RP tokens (the last again past R) x KP keys */
     const char *rows[CHUNK];
     int64_t padded = (n + LANES - 1) / LANES * LANES, body = D / LANES * LANES;
-    int64_t bytes = D * code_size(kv); /* a row's */
+    int64_t bytes = D * code_size(kv), v_bytes = Dv * code_size(kv); /* a row's; the part of a V row read */
     for (int64_t a = 0; a < padded; a++) /* past n: the last key again, its scores dropped below */
         rows[a] = k_cache + (slots[a < n ? a : n - 1] * Hkv + g) * bytes;
     /* float8 keys are widened to float32 once a pass for all the heads (16-bit ones widen cheaper as they load) */
@@ -76,8 +77,8 @@ static inline __attribute__((always_inline)) void chunk_tile(
                 for (int j = 0; j < KP; j++) scores[(r * group + h) * CHUNK + a0 + j] = dots[r * KP + j] * scale;
         }
     }
-    for (int64_t a = 0; a < n; a++) rows[a] = v_cache + (slots[a] * Hkv + g) * bytes;
-    for (int64_t a = 0; a < n && a < AHEAD; a++) prefetch_row(rows[a], bytes);
+    for (int64_t a = 0; a < n; a++) rows[a] = v_cache + (slots[a] * Hkv + g) * bytes; /* V rows: K's stride */
+    for (int64_t a = 0; a < n && a < AHEAD; a++) prefetch_row(rows[a], v_bytes);
     const int64_t M = R * group; /* (head, token) rows of weights: m = h * R + r */
     for (int64_t m0 = 0; m0 < M; m0 += VROWS) {
         const float *p[VROWS];
@@ -95,19 +96,19 @@ static inline __attribute__((always_inline)) void chunk_tile(
             float s = 0.f;
             for (int l = 0; l < LANES; l++) s += lanes[l];
             int64_t at = heads[r] + h * stride;
-            top[at] = best, sum[at] = s, p[j] = pr, o[j] = part + at * D;
+            top[at] = best, sum[at] = s, p[j] = pr, o[j] = part + at * Dv;
         }
-        weighted_v(mb, p, o, rows, n, D, kv, m0 == 0 ? bytes : 0);
+        weighted_v(mb, p, o, rows, n, Dv, kv, m0 == 0 ? v_bytes : 0);
     }
 }
 
 /* chunk_tile for R and the KV dtype code kv known at compile time (its registers: R tokens' accumulators) */
-static void attend_chunk(const float *const *qs, int R, int64_t group, int64_t D, const char *k_cache,
+static void attend_chunk(const float *const *qs, int R, int64_t group, int64_t D, int64_t Dv, const char *k_cache,
                          const char *v_cache, int kv, int64_t Hkv, int64_t g, const int64_t *slots, int64_t n,
                          float scale, float *scores, float *part, float *top, float *sum, const int64_t *heads,
                          int64_t stride) {
-#define TILE_OF(r, c) chunk_tile(qs, r, group, D, k_cache, v_cache, c, Hkv, g, slots, n, scale, scores, part, top, \
-                                 sum, heads, stride)
+#define TILE_OF(r, c) chunk_tile(qs, r, group, D, Dv, k_cache, v_cache, c, Hkv, g, slots, n, scale, scores, part, \
+                                 top, sum, heads, stride)
 #define TILES_OF(c)              \
     switch (R) {                 \
     case 1: TILE_OF(1, c); break; \
@@ -132,21 +133,22 @@ static void attend_chunk(const float *const *qs, int R, int64_t group, int64_t D
 
 /* Attention of a dense padded plan (fastspec.attention.torch_backend.TorchAttnPlan): token t is query row
  * out_index[t] = b * max_qo + i; it sees key column j of request b (KV slot kv_slots[b, j]) where
- * mask[b, i, j] (mask NULL: every column). q float32 [T, Hq, D]; caches [num_slots, Hkv, D] in dtype code kv;
- * out [T, Hq, D] in `out_act`, times out_mul (a cache's V scale, else 1). Query head h reads KV head h / (Hq / Hkv).
+ * mask[b, i, j] (mask NULL: every column). q float32 [T, Hq, D]; caches [num_slots, Hkv, D] in dtype code kv, of
+ * which V's rows are read to Dv <= D (MLA's latent pool: V is the first Dv values of K's row, v_cache = k_cache);
+ * out [T, Hq, Dv] in `out_act`, times out_mul (a cache's V scale, else 1). Query head h reads KV head h / (Hq / Hkv).
  * Batch-invariant: a token's output depends only on the keys it sees, in column order, not on the padding, the
  * masked columns or the other tokens, so a tree verify computes bit for bit what a decode step of the same token
  * would (the seen keys are gathered into a list first; its chunks and every sum over them run in a fixed order).
  * Work items are (KV head, chunk, TILE consecutive tokens): tokens that see the same keys in the chunk (a prefill's
  * full chunks, a verify's prefix) go through it together, sharing each K / V load (chunk_tile). */
 void attend(const float *q, const void *k_cache, const void *v_cache, int kv, int64_t T, int64_t Hq, int64_t Hkv,
-            int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
-            int64_t max_kv, float scale, float out_mul, void *out, int out_act) {
+            int64_t D, int64_t Dv, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask,
+            int64_t max_qo, int64_t max_kv, float scale, float out_mul, void *out, int out_act) {
     int64_t group = Hq / Hkv, chunks = max_kv > 0 ? (max_kv + CHUNK - 1) / CHUNK : 1, width = max_kv > 0 ? max_kv : 1;
     int64_t slab = T < SLAB ? T : SLAB;
-    float *o_all = (float *)malloc(T * Hq * D * sizeof(float));
-    float *part = (float *)malloc(slab * Hq * chunks * (D + 2) * sizeof(float));
-    float *top = part + slab * Hq * chunks * D, *sum = top + slab * Hq * chunks; /* [slab, Hq, chunks] */
+    float *o_all = (float *)malloc(T * Hq * Dv * sizeof(float));
+    float *part = (float *)malloc(slab * Hq * chunks * (Dv + 2) * sizeof(float));
+    float *top = part + slab * Hq * chunks * Dv, *sum = top + slab * Hq * chunks; /* [slab, Hq, chunks] */
     int64_t *seen = (int64_t *)malloc(slab * (width + 1) * sizeof(int64_t)), *count = seen + slab * width;
     for (int64_t t0 = 0; t0 < T; t0 += slab) {
         int64_t tokens = T - t0 < slab ? T - t0 : slab;
@@ -172,8 +174,8 @@ void attend(const float *q, const void *k_cache, const void *v_cache, int kv, in
                     int64_t n = u < u1 && u < tokens ? count[u] - lo : 0; /* past the tile: 0, the last run ends */
                     n = n < CHUNK ? n : CHUNK;
                     if (R && (n != run_n || memcmp(mine, run, n * sizeof(int64_t)))) { /* the run ends here */
-                        attend_chunk(qs, R, group, D, (const char *)k_cache, (const char *)v_cache, kv, Hkv, g, run,
-                                     run_n, scale, scores, part, top, sum, heads, chunks);
+                        attend_chunk(qs, R, group, D, Dv, (const char *)k_cache, (const char *)v_cache, kv, Hkv, g,
+                                     run, run_n, scale, scores, part, top, sum, heads, chunks);
                         R = 0;
                     }
                     if (n <= 0) continue;
@@ -185,25 +187,25 @@ void attend(const float *q, const void *k_cache, const void *v_cache, int kv, in
 #pragma omp for schedule(static)
             for (int64_t uh = 0; uh < tokens * Hq; uh++) { /* merge the chunks in order: a fixed sum per token */
                 int64_t used = (count[uh / Hq] + CHUNK - 1) / CHUNK;
-                float m = MASKED, total = 0.f, *o = o_all + (t0 * Hq + uh) * D;
-                const float *tp = top + uh * chunks, *sp = sum + uh * chunks, *pp = part + uh * chunks * D;
+                float m = MASKED, total = 0.f, *o = o_all + (t0 * Hq + uh) * Dv;
+                const float *tp = top + uh * chunks, *sp = sum + uh * chunks, *pp = part + uh * chunks * Dv;
                 for (int64_t c = 0; c < used; c++) m = tp[c] > m ? tp[c] : m;
-                memset(o, 0, D * sizeof(float));
+                memset(o, 0, Dv * sizeof(float));
                 for (int64_t c = 0; c < used; c++) {
                     float w = expf(tp[c] - m);
                     total += w * sp[c];
-                    for (int64_t d = 0; d < D; d++) o[d] += w * pp[c * D + d];
+                    for (int64_t d = 0; d < Dv; d++) o[d] += w * pp[c * Dv + d];
                 }
                 float inv = used ? 1.f / total : 0.f; /* total >= 1 (the top chunk's exp(0) x its sum >= 1) */
-                for (int64_t d = 0; d < D; d++) o[d] *= inv;
+                for (int64_t d = 0; d < Dv; d++) o[d] *= inv;
                 if (out_mul != 1.f)
-                    for (int64_t d = 0; d < D; d++) o[d] *= out_mul;
+                    for (int64_t d = 0; d < Dv; d++) o[d] *= out_mul;
             }
             free(scores);
         }
     }
-    for (int64_t t = 0; t < T; t++) store_row(o_all + t * Hq * D, Hq * D, (char *)out + t * Hq * D * (out_act ? 2 : 4),
-                                              out_act);
+    for (int64_t t = 0; t < T; t++)
+        store_row(o_all + t * Hq * Dv, Hq * Dv, (char *)out + t * Hq * Dv * (out_act ? 2 : 4), out_act);
     free(o_all), free(part), free(seen);
 }
 

@@ -22,19 +22,20 @@ ATTEND_Q = (torch.float32, torch.bfloat16, torch.float16)  # query dtypes it tak
 
 def c_attends(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the C kernel serves these operands: CPU tensors the torch kernel would take, caches of a dtype it reads
-    with V as wide as K (not a latent pool's V view), the library built."""
+    with V laid out as K (a cache of its own, or a latent pool's view of K's first values), the library built."""
     return (q.device.type == "cpu" and kernel_for(q.device) == "torch" and q.dtype in ATTEND_Q
-            and k_cache.dtype in cpu_fused.KV and v_cache.dtype == k_cache.dtype and v_cache.shape == k_cache.shape
-            and k_cache.shape[-1] == q.shape[-1] and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.dtype in cpu_fused.KV and v_cache.dtype == k_cache.dtype
+            and v_cache.shape[:-1] == k_cache.shape[:-1] and v_cache.shape[-1] <= k_cache.shape[-1]
+            and k_cache.shape[-1] == q.shape[-1] and k_cache.is_contiguous() and v_cache.stride() == k_cache.stride()
             and cpu_fused.available())
 
 
 def attend_dense(plan: TorchAttnPlan, q: torch.Tensor,  # [T, Hq, D]
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:  # [T, Hq, D] q's dtype
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:  # [T, Hq, Dv] q's dtype
     """The C kernel over a dense plan (float32 math, rounded to q's dtype once)."""
     out_dtype = q.dtype if q.dtype in cpu_fused.ACT else torch.float32
     o = cpu_fused.attend(plan, q.float().contiguous(), k_cache, v_cache, scale, out_dtype)
-    return o.view(q.shape).to(q.dtype)
+    return o.view(*q.shape[:-1], v_cache.shape[-1]).to(q.dtype)
 
 
 class CpuTorchBackend(TorchAttnBackend):

@@ -192,8 +192,8 @@ void rescore(const int8_t *q, const float *scale, const float *offset, int64_t H
 int block_gemm(const float *x, int64_t M, int64_t K, const uint8_t *w, const uint16_t *sm, int64_t N, float *y,
                int64_t bits, int64_t group, const int8_t *levels);
 void attend(const float *q, const void *k_cache, const void *v_cache, int kv, int64_t T, int64_t Hq, int64_t Hkv,
-            int64_t D, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask, int64_t max_qo,
-            int64_t max_kv, float scale, float out_mul, void *out, int out_act); /* cpu_attention.c */
+            int64_t D, int64_t Dv, const int64_t *out_index, const int64_t *kv_slots, const uint8_t *mask,
+            int64_t max_qo, int64_t max_kv, float scale, float out_mul, void *out, int out_act); /* cpu_attention.c */
 
 /* y = x @ w.T for linear j (0 qkv, 1 o, 2 gate_up, 3 down) of a decoder_stack layer row (see below); where the
  * row names an input order (a GPTQ desc_act weight), x's columns are gathered into `scratch` [M, K] in it first */
@@ -249,8 +249,8 @@ int decoder_stack(int64_t L, const int64_t *layers, void *k, void *v, int kv, in
         if (w[23]) head_norms(qkv, 0, T, Hq, Hkv, D, (const float *)w[23], (const float *)w[24], eps);
         const float *ks = kv_scales ? kv_scales + 4 * i : NULL; /* (attend's scale, K's and V's muls, out_mul) */
         rope_write(qkv, 0, T, Hq, Hkv, D, cos, sin, slots, k_cache, v_cache, kv, ks ? ks + 1 : NULL, q);
-        attend(q, k_cache, v_cache, kv, T, Hq, Hkv, D, out_index, kv_slots, mask, max_qo, max_kv, ks ? ks[0] : scale,
-               ks ? ks[3] : 1.f, o, 0);
+        attend(q, k_cache, v_cache, kv, T, Hq, Hkv, D, D, out_index, kv_slots, mask, max_qo, max_kv,
+               ks ? ks[0] : scale, ks ? ks[3] : 1.f, o, 0);
         status |= layer_gemm(w, 1, o, T, Hq * D, H, y, scratch);
         add_rms_norm(x, y, 0, (const float *)w[8], eps, T, H, x, h, 0);
         status |= layer_gemm(w, 2, h, T, H, 2 * I, gate_up, scratch);

@@ -104,20 +104,22 @@ def rope_write(qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]  float32 or bf16
 
 
 def attend(plan: TorchAttnPlan, q: torch.Tensor,  # float32 [T, Hq, D]
-           k_cache: torch.Tensor, v_cache: torch.Tensor,  # [num_slots, Hkv, D]  one layer's, a KV dtype
-           scale: float, out_dtype: torch.dtype, out_mul: float = 1.0) -> torch.Tensor:  # [T, Hq * D]
+           k_cache: torch.Tensor,  # [num_slots, Hkv, D]  one layer's, a KV dtype
+           v_cache: torch.Tensor,  # [num_slots, Hkv, Dv]  K's strides: its own cache, or K's first Dv values (MLA)
+           scale: float, out_dtype: torch.dtype, out_mul: float = 1.0) -> torch.Tensor:  # [T, Hq * Dv]
     """The torch backend's attention (TorchAttnBackend.run) over its dense plan, times out_mul (an fp8 cache's V
     scale), output in out_dtype."""
     T, hq, d = q.shape
+    dv = v_cache.shape[-1]
     lib = cpu_library.library()
     if lib is None:
-        o = TorchAttnBackend().run(plan, q, k_cache, v_cache, scale).reshape(T, hq * d)
+        o = TorchAttnBackend().run(plan, q, k_cache, v_cache, scale).reshape(T, hq * dv)
         return (o if out_mul == 1 else o * out_mul).to(out_dtype)
     max_qo = plan.q_index.shape[1]
     mask = None if plan.mask is None else plan.mask.contiguous()
-    out = q.new_empty(T, hq * d, dtype=out_dtype)
+    out = q.new_empty(T, hq * dv, dtype=out_dtype)
     cpu_library.call(lib.attend, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV[k_cache.dtype], T, hq,
-                     k_cache.shape[1], d, plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), max_qo,
+                     k_cache.shape[1], d, dv, plan.out_index.data_ptr(), plan.kv_slots.data_ptr(), _ptr(mask), max_qo,
                      plan.kv_slots.shape[1], scale, out_mul, out.data_ptr(), ACT[out_dtype])
     return out
 

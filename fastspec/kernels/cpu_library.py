@@ -37,7 +37,7 @@ SIGNATURES = {  # name -> (argument types, result type)
     "silu_mul": ((_P, _C, _I, _I, _P, _C), None),
     "rope_write": ((_P, _C, _I, _I, _I, _I, _P, _P, _P, _P, _P, _C, _P, _P), None),
     "head_norms": ((_P, _C, _I, _I, _I, _I, _P, _P, _F), None),
-    "attend": ((_P, _P, _P, _C, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _F, _P, _C), None),
+    "attend": ((_P, _P, _P, _C, _I, _I, _I, _I, _I, _P, _P, _P, _I, _I, _F, _F, _P, _C), None),
     "paged_dense_plan": ((_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _C, _P, _P), None),
     "top_k": ((_P, _I, _I, _I, _I, _P), None),
     "argmax_rows": ((_P, _I, _I, _I, _P), None),
