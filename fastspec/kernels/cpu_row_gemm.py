@@ -103,6 +103,14 @@ def row_linear(x: torch.Tensor,                # [..., K]
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+def head_matmul(x: torch.Tensor,      # [T, H, K]
+                w: torch.Tensor,      # [H, N, K]
+                ) -> torch.Tensor:    # [T, H, N] in x's dtype
+    """x[:, h] @ w[h].T for each head h through row_linear (MLA's absorbed products: a token's outputs whatever
+    tokens share the call)."""
+    return torch.stack([row_linear(x[:, h], w[h], None) for h in range(w.shape[0])], 1)
+
+
 def row_invariant_linears(model: nn.Module) -> nn.Module:
     """Every float nn.Linear of `model` on the CPU, at any depth, as a RowLinear (in place) where the C library
     builds."""

@@ -159,6 +159,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def by_rows(fn, x: torch.Tensor) -> torch.Tensor:  # an elementwise op (silu, sigmoid) of x [..., N]
+    """fn(x) with each row's values whatever rows share the call. torch's CPU kernels run an elementwise op over the
+    flat tensor as a vector loop and a scalar tail, which round exp otherwise, so where a row fell decided its bits
+    (a router's 8 experts, a 12-wide expert); padded to 64 values a row, nothing falls in a tail (while torch runs
+    the op on up to 2 threads, which split it at a multiple of 32)."""
+    pad = -x.shape[-1] % 64
+    if x.device.type != "cpu" or not pad:
+        return fn(x)
+    return fn(F.pad(x, (0, pad)))[..., : x.shape[-1]]
+
+
 def merged_linear(*parts: nn.Module) -> nn.Module | None:
     """One linear whose output is the parts' outputs side by side (their weights concatenated: one GEMM); quantised
     parts merged in their stored form, or None where they cannot share one (the parts then stay separate)."""
@@ -205,7 +216,7 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(by_rows(F.silu, gate) * up)
 
 
 class Attention(nn.Module):

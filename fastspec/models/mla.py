@@ -4,7 +4,8 @@ Per token the KV pool holds one vector [c_kv (kv_lora_rank) | k_rope (qk_rope_he
 compressed KV and the shared, rotated rope key. With kv_b_proj split per head into W_UK (c_kv -> k_nope) and
 W_UV (c_kv -> v), q_nope . k_nope = (q_nope W_UK) . c_kv and softmax . v = (softmax . c_kv) W_UV, so attention
 runs as multi-query attention with one KV "head" of width C+R whose first C dims are V, and nothing is ever
-expanded per head in the cache. `expand_kv` is the naive (expanded) twin, for tests.
+expanded per head in the cache. `expand_kv` is the naive (expanded) twin, for tests. On the CPU the absorbed
+products run fastspec's row-invariant GEMM (torch's batched ones round a token by the tokens beside it).
 Parameter names equal Hugging Face's (DeepSeek's) so checkpoints load without renaming.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastspec.kernels.cpu_row_gemm import head_matmul
 from fastspec.models.layers import RMSNorm, RotaryEmbedding, yarn_mscale
 from fastspec.models.model_config import ModelConfig
 
@@ -49,13 +51,17 @@ class MLAttention(nn.Module):
         """(q [T, H, C+R] with q_nope absorbed into the latent space, latent [T, 1, C+R] to cache)."""
         q_nope, q_rope, c_kv, k_rope = self._qkv(positions, x, rope)
         w_uk, _ = self._split_kv_b()
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)
+        if x.device.type == "cpu":
+            q_latent = head_matmul(q_nope, w_uk.transpose(1, 2))  # (W_UK's transpose copied per call)
+        else:
+            q_latent = torch.einsum("thn,hnc->thc", q_nope, w_uk)
         return torch.cat([q_latent, q_rope], -1), torch.cat([c_kv[:, None], k_rope], -1)
 
     def output(self, o_latent: torch.Tensor) -> torch.Tensor:
         # o_latent: [T, H, C], attention-weighted c_kv per head
         _, w_uv = self._split_kv_b()
-        o = torch.einsum("thc,hvc->thv", o_latent, w_uv)
+        cpu = o_latent.device.type == "cpu"
+        o = head_matmul(o_latent, w_uv) if cpu else torch.einsum("thc,hvc->thv", o_latent, w_uv)
         return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.v_dim))
 
     def _qkv(self, positions, x, rope: RotaryEmbedding):

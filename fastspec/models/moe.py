@@ -8,7 +8,9 @@ checkpoint's per-expert keys into that layout).
 Two ways to run the experts: eagerly, only the chosen experts on their tokens (a host sync per layer: token
 counts); inside a compiled or captured graph, every expert on every token weighted by a dense [T, E] routing
 matrix (static shapes, no sync, E / top_k times the work: fine for the tiny models tests compile, a fused MoE
-kernel is what a GPU wants). Both are tested against each other and against transformers.
+kernel is what a GPU wants). Both are tested against each other and against transformers. On the CPU every product
+is fastspec's row-invariant GEMM and a token's experts are summed in expert order in both ways, so a token computes
+bit for bit the same whatever tokens share the call (a verify's rows and a decode step's).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.models.layers import MLP
+from fastspec.kernels.cpu_row_gemm import row_linear
+from fastspec.models.layers import MLP, by_rows
 from fastspec.models.model_config import ModelConfig, MoEConfig
 
 
@@ -39,9 +42,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, top_k], expert ids int64 [T, top_k]) for x [T, H]."""
         m = self.m
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        x, w = x.float(), self.weight.float()
+        logits = row_linear(x, w, None) if x.device.type == "cpu" else F.linear(x, w)  # [T, E]
         if m.scoring == "sigmoid":
-            scores = logits.sigmoid()
+            scores = by_rows(torch.sigmoid, logits)
             choice = scores + self.e_score_correction_bias.float()  # the bias steers the choice, not the weights
             group_rank = choice.view(-1, m.n_group, m.num_experts // m.n_group).topk(2, dim=-1)[0].sum(-1)
             choice = choice.masked_fill(~self._group_mask(group_rank), float("-inf"))
@@ -83,6 +87,9 @@ class Experts(nn.Module):
     def forward_dense(self, x, weights, index) -> torch.Tensor:
         """Every expert on every token; unchosen experts weigh 0. Static shapes."""
         dense = torch.zeros(x.shape[0], self.gate_proj.shape[0], device=x.device).scatter(1, index, weights)
+        if x.device.type == "cpu":  # expert by expert, summed in expert order: what forward_sparse adds, bit for bit
+            dense = dense.to(x.dtype)
+            return sum(self._expert(e, x) * dense[:, e, None] for e in range(self.gate_proj.shape[0]))
         h = F.silu(torch.einsum("th,eih->eti", x, self.gate_proj)) * torch.einsum("th,eih->eti", x, self.up_proj)
         y = torch.einsum("eti,ehi->eth", h, self.down_proj)  # [E, T, H]
         return torch.einsum("te,eth->th", dense.to(x.dtype), y)
@@ -101,10 +108,13 @@ class Experts(nn.Module):
             pairs = order[start:start + n]
             start += n
             tokens = pairs // k
-            xe = x.index_select(0, tokens)
-            h = F.silu(xe @ self.gate_proj[e].T) * (xe @ self.up_proj[e].T)
-            out.index_add_(0, tokens, (h @ self.down_proj[e].T) * flat_weights[pairs, None].to(x.dtype))
+            y = self._expert(e, x.index_select(0, tokens))
+            out.index_add_(0, tokens, y * flat_weights[pairs, None].to(x.dtype))
         return out
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # x [T, H] -> expert e's output [T, H]
+        mm = (lambda a, w: row_linear(a, w, None)) if x.device.type == "cpu" else (lambda a, w: a @ w.T)
+        return mm(by_rows(F.silu, mm(x, self.gate_proj[e])) * mm(x, self.up_proj[e]), self.down_proj[e])
 
 
 class LinearExperts(nn.Module):
@@ -136,7 +146,7 @@ class LinearExperts(nn.Module):
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up[e](x).chunk(2, -1)
-        return self.down[e](F.silu(gate) * up)
+        return self.down[e](by_rows(F.silu, gate) * up)
 
 
 class MoE(nn.Module):
