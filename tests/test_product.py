@@ -240,9 +240,14 @@ def test_profile_step_takes_each_lengths_fastest_run(monkeypatch):
     assert p.ms_per_step == pytest.approx((1.1 - 0.3) / 16 * 1e3, abs=1e-3)
 
 
-def test_bench_profile_refuses_a_url():
-    result = CliRunner().invoke(app, ["bench", "--profile", "--url", "http://127.0.0.1:9"])
-    assert result.exit_code != 0 and "--profile" in result.stderr and "Traceback" not in result.output
+@pytest.mark.parametrize("flags, named", [(["--profile"], "--profile is"), (["--batch-sizes", "1"], "--batch-sizes is"),
+                                          (["--trials", "3", "--quantization", "none"], "--trials, --quantization are"),
+                                          (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm is")])
+def test_bench_url_refuses_the_flags_of_a_model_loaded_here(flags, named):
+    """--url measures the server's model: a flag for a model loaded here is one line before any request, not ignored."""
+    result = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", *flags])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.output
+    assert named + " for a model loaded here; --url measures the server's model" in result.stderr
 
 
 def test_the_public_face_names_the_error_users_catch():

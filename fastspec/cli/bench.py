@@ -46,9 +46,8 @@ def bench(
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts(prompt_set)
     if not prompts:  # spread the first num_prompts over every set
         texts = texts[::max(1, len(texts) // num_prompts)]
-    if url is not None and profile:
-        raise FastspecError("--profile profiles a model loaded here; it does not go with --url")
     if url is not None:
+        _check_offline_flags_unset(options, batch_sizes=batch_sizes, trials=trials, warmup=warmup, profile=profile)
         return bench_url(url, [texts[i % len(texts)] for i in range(num_prompts)], max_new_tokens, request_rate,
                          max_concurrency, as_json)
     from fastspec.benchmark.offline import run_bench
@@ -140,6 +139,20 @@ def bench_profile(baseline, spec, prompt: list[int], sizes: list[int], options: 
 
 SHORT = {"gemm": "gemm", "attention": "attn", "norm/elementwise": "norm", "copies": "copy", "sampling": "sample",
          "other": "other"}  # the profile's categories as column headers; calls: kernels (CUDA) or operators (CPU)
+
+
+def _check_offline_flags_unset(options: ModelOptions, **given) -> None:
+    """--url measures the server's model as it runs: a flag for a model loaded here is refused, not ignored."""
+    import inspect
+    from dataclasses import fields
+
+    defaults = inspect.signature(bench).parameters
+    changed = [name for name, value in given.items() if value != defaults[name].default]
+    changed += [f.name for f in fields(ModelOptions) if f.name != "threads" and getattr(options, f.name) != f.default]
+    if changed:
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        raise FastspecError(f"{flags} {'are' if len(changed) > 1 else 'is'} for a model loaded here; --url measures "
+                            "the server's model as it runs")
 
 
 def bench_url(url: str, prompts: list[str], max_tokens: int, rate: float, concurrency: int, as_json: bool) -> None:

@@ -90,7 +90,8 @@ def tune(
     print_table(result)
     print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, llm.engine.config.device)
     tuned_file.save_tuned(path, print_, result.tiers())
-    console.print(f"wrote {path} · schedule {describe_schedule(schedule_from(result.winners))}", markup=False)
+    console.print(f"wrote {path} · schedule {describe_schedule(schedule_from(result.winners))}", markup=False,
+                  soft_wrap=True)  # (a path split across lines cannot be copied)
     _plot(result, plot or path.with_suffix(".png"), console)
     if emit:
         print(sglang_flags(result.tiers(), algorithm, draft_dir))
