@@ -30,6 +30,20 @@ MODEL = "tiny-served"
 PROMPTS = ["Hello!", "abc", "[x]{y}", "What?", "1+1=2", "zz", "~!~", "Q"]
 
 
+def start_server(llm, model_name: str, max_queued: int):
+    """(uvicorn server, its thread, EngineService, base URL, openai client) serving `llm` on a free local port."""
+    sock = bind("127.0.0.1", 0)
+    server, service = make_server(llm, model_name, max_queued=max_queued)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
+    return server, thread, service, url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                                        timeout=60)
+
+
 @pytest.fixture(scope="module", params=["off", "on"], ids=["serial", "overlap"])
 def served(tiny_dirs, draft_dirs, tmp_path_factory, request):
     model_dir = tmp_path_factory.mktemp("served") / "llama"
@@ -39,15 +53,7 @@ def served(tiny_dirs, draft_dirs, tmp_path_factory, request):
     llm = fastspec.LLM(str(model_dir), speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]),
                        num_steps=3, topk=2, num_draft_tokens=4, max_total_tokens=4096, max_running_requests=16,
                        overlap_schedule=request.param)
-    sock = bind("127.0.0.1", 0)
-    server, service = make_server(llm, MODEL, max_queued=64)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    server, thread, service, url, client = start_server(llm, MODEL, max_queued=64)
     yield client, url, llm, service
     server.should_exit = True
     thread.join(10)

@@ -11,12 +11,11 @@ import urllib.request
 
 import openai
 import pytest
-from test_serve import engine_settled, scrape
+from test_serve import engine_settled, scrape, start_server
 from tiny_models import write_char_tokenizer
 
 import fastspec
 from fastspec.sampling import SamplingParams
-from fastspec.serve import bind, make_server
 from fastspec.serve.api_error import APIError
 
 MODEL = "tiny-lifecycle"
@@ -32,17 +31,7 @@ def tiny_llm(tiny_dirs, tmp_path_factory):
 
 
 def start(llm, max_queued: int):
-    """(uvicorn server, its thread, EngineService, base URL, openai client) serving `llm`."""
-    sock = bind("127.0.0.1", 0)
-    server, service = make_server(llm, MODEL, max_queued=max_queued)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    url = "http://127.0.0.1:%d" % sock.getsockname()[1]
-    return server, thread, service, url, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                                                        timeout=60)
+    return start_server(llm, MODEL, max_queued)
 
 
 @pytest.fixture(scope="module")
