@@ -14,6 +14,7 @@ from conftest import PoolRunner, all_slots_free, make_hf_model
 
 import fastspec
 from fastspec.errors import FastspecError
+from fastspec.kernels import cpu_library
 from fastspec.models.heads import write_random_head
 from fastspec.sampling import SamplingParams
 
@@ -126,6 +127,26 @@ def test_a_bfloat16_target_speculates_losslessly(hybrid):
     outputs = llm.engine.generate(PROMPTS[:6], params)
     assert [o.output_ids for o in outputs] == expected
     assert all(len(o.metrics.depth_counts) >= 4 for o in outputs)
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="without the C kernels the products are the CPU BLAS's")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_logprobs_are_plain_decodings_bit_for_bit(hybrid, dtype):
+    """A verify node computes its token's decode step bit for bit on a hybrid target: the scan runs node by node as
+    decode steps do, and the elementwise sigmoid / softplus / SiLU of the gates, the convolution and the gated norms
+    are taken over rows padded out of torch's scalar tail (before: logprobs ~5e-7 apart in float32). Oracle drafts,
+    so most tokens come from multi-token verifies; plain decoding batched equals it alone too."""
+    root, hf = hybrid
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=2)
+    plain = fastspec.LLM(str(root / "target"), dtype=dtype, max_total_tokens=4096).engine
+    alone = [plain.generate([p], [params])[0] for p in PROMPTS]
+    spec = fastspec.LLM(str(root / "target"), speculative_algorithm="NGRAM", num_draft_tokens=8, dtype=dtype,
+                        max_total_tokens=4096).engine
+    oracle_drafter(spec, PROMPTS, [o.output_ids for o in alone], hf.config.vocab_size)
+    for runs in (spec.generate(PROMPTS, [params] * len(PROMPTS)), plain.generate(PROMPTS, [params] * len(PROMPTS))):
+        for one, batched in zip(alone, runs):
+            assert batched.output_ids == one.output_ids
+            assert [(lp.logprob, lp.top) for lp in batched.logprobs] == [(lp.logprob, lp.top) for lp in one.logprobs]
 
 
 # (algorithm, draft, num_steps, topk, num_draft_tokens, page_size, batch size, chunked prefill size)

@@ -84,6 +84,17 @@ def test_a_conv_tree_node_rounds_as_its_decode_step_in_bfloat16():
         assert torch.equal(y_tree[:, i], y[:, 0]) and torch.equal(windows[:, i], w), i
 
 
+def test_a_conv_rows_output_does_not_depend_on_its_batch():
+    """A request's decode-step convolution in float32 is the same alone and in a batch of any size: the SiLU is
+    taken over channels padded to 64 values, since torch's CPU kernel rounds its scalar tail otherwise than its
+    vector loop (20 channels: a row's bits followed its place in the flat [B, C] tensor)."""
+    gen = torch.Generator().manual_seed(3)
+    x, weight, window = (torch.randn(*shape, generator=gen) * 3 for shape in ((7, 1, 20), (20, 4), (7, 20, 3)))
+    batched, _ = recurrent.conv(x, weight, None, window)
+    alone = torch.cat([recurrent.conv(x[b:b + 1], weight, None, window[b:b + 1])[0] for b in range(7)])
+    assert torch.equal(batched, alone)
+
+
 def test_tree_node_states_equal_their_paths():
     """Every node's output and state equal a sequential run over the root ... node path; parents from a mask."""
     parents = torch.tensor([[-1, 0, 0, 1, 2, 1, 4]])

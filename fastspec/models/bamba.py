@@ -15,7 +15,7 @@ from torch import nn
 
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models import ssd
-from fastspec.models.layers import MLP, Attention, RMSNorm
+from fastspec.models.layers import MLP, Attention, RMSNorm, by_rows
 from fastspec.models.model_config import ModelConfig
 from fastspec.models.recurrent import run_layer
 
@@ -29,7 +29,7 @@ class GroupedGatedRMSNorm(nn.Module):
         self.groups, self.eps = groups, eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        h = (x.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))
+        h = (x.float() * by_rows(F.silu, z.float())).unflatten(-1, (self.groups, -1))
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
         return self.weight * h.to(x.dtype)
 
@@ -54,7 +54,7 @@ class Mamba2Mixer(nn.Module):
         T = x.shape[0]
         z, conv_in, dt = self.in_proj(x).split([self.inner, self.in_proj.out_features - self.inner - self.heads,
                                                 self.heads], -1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [T, H]
+        dt = by_rows(F.softplus, dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)  # [T, H]
         A = -self.A_log.float().exp()
 
         def kernel(y, tokens, state, parents):

@@ -20,7 +20,7 @@ from torch import nn
 from fastspec.memory.state_pool import RecurrentView
 from fastspec.models import gated_delta
 from fastspec.models.eagle import DraftHidden
-from fastspec.models.layers import MLP, RotaryEmbedding, make_norm
+from fastspec.models.layers import MLP, RotaryEmbedding, by_rows, make_norm
 from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import Experts, Router, is_moe_layer
 from fastspec.models.recurrent import run_layer
@@ -45,7 +45,7 @@ class GatedAttention(nn.Module):
         q, k = rope(positions, self.q_norm(q), k)
         v = self.v_proj(x).view(T, self.num_kv_heads, D)
         o = attn.attend(self.layer_id, q, k, v, self.scale)  # [T, H, D]
-        return self.o_proj((o * torch.sigmoid(gate)).reshape(T, -1))
+        return self.o_proj((o * by_rows(torch.sigmoid, gate)).reshape(T, -1))
 
 
 class GatedRMSNorm(nn.Module):
@@ -58,7 +58,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * normed.to(x.dtype)) * F.silu(z.float())).to(x.dtype)
+        return ((self.weight * normed.to(x.dtype)) * by_rows(F.silu, z.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -81,8 +81,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = self.in_proj_qkvz(x).view(T, self.hk, -1).split([self.dk, self.dk, r * self.dv, r * self.dv], -1)
         b, a = self.in_proj_ba(x).view(T, self.hk, 2 * r).split([r, r], -1)
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], -1)  # [T, conv_dim]
-        beta = b.reshape(T, self.hv).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(T, self.hv).float() + self.dt_bias.float())
+        beta = by_rows(torch.sigmoid, b.reshape(T, self.hv))
+        g = -self.A_log.float().exp() * by_rows(F.softplus, a.reshape(T, self.hv).float() + self.dt_bias.float())
 
         def kernel(y, tokens, state, parents):
             bs, n = y.shape[:2]
@@ -119,7 +119,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, index = self.gate(x)
-        return self.experts(x, weights, index) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = by_rows(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)  # gate [T, 1]
+        return self.experts(x, weights, index) + shared
 
 
 class HybridDecoderLayer(nn.Module):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fastspec.memory.state_pool import RecurrentView, StatePool
+from fastspec.models.layers import by_rows
 
 # kernel(y [B, n, C] conv output, tokens: slice of the forward's tokens, state [B, *S], parents [B, n] | None)
 #   -> (o [B, n, ...], final state [B, *S], or per-node states [B, n, *S] when parents are given)
@@ -29,7 +30,7 @@ def conv(x, weight, bias, window):
     full = torch.cat([window.to(x.dtype), x.transpose(1, 2)], -1)  # [B, C, K-1+T]
     b = None if bias is None else bias.to(x.dtype)
     y = F.conv1d(full, weight[:, None, :].to(x.dtype), b, groups=weight.shape[0])  # [B, C, T]
-    return F.silu(y).transpose(1, 2), full[..., full.shape[-1] - (K - 1):]
+    return by_rows(F.silu, y.transpose(1, 2)), full[..., full.shape[-1] - (K - 1):]
 
 
 def scan_tree(step, state, parents, *inputs):
