@@ -95,6 +95,19 @@ def test_a_conv_rows_output_does_not_depend_on_its_batch():
     assert torch.equal(batched, alone)
 
 
+def test_an_ssd_step_does_not_depend_on_its_batch():
+    """A request's SSD decode step (or tree node) in float32 is the same alone and in a batch: S C as a batched
+    matrix-vector product (torch's einsum contracted it another way for one request, at Bamba's d_state 128)."""
+    gen = torch.Generator().manual_seed(4)
+    B, H, P, N = 4, 16, 64, 128
+    S, x, Bm, Cm = (torch.randn(*shape, generator=gen) for shape in ((B, H, P, N), (B, H, P), (B, H, N), (B, H, N)))
+    dt, A, D = torch.rand(B, H, generator=gen), -torch.rand(H, generator=gen), torch.randn(H, generator=gen)
+    state, y = ssd._step(S, x, dt, A, Bm, Cm, D)
+    for b in range(B):
+        one = ssd._step(S[b:b + 1], x[b:b + 1], dt[b:b + 1], A, Bm[b:b + 1], Cm[b:b + 1], D)
+        assert torch.equal(one[0], state[b:b + 1]) and torch.equal(one[1], y[b:b + 1]), b
+
+
 def test_tree_node_states_equal_their_paths():
     """Every node's output and state equal a sequential run over the root ... node path; parents from a mask."""
     parents = torch.tensor([[-1, 0, 0, 1, 2, 1, 4]])

@@ -22,7 +22,10 @@ from fastspec.models.recurrent import scan_tree
 def _step(S, x, dt, A, Bm, Cm, D):
     # S [B, H, P, N]; x [B, H, P]; dt [B, H]; Bm, Cm [B, H, N]
     S = S * (dt * A).exp()[..., None, None] + (dt[..., None] * x)[..., None] * Bm[:, :, None, :]
-    return S, torch.einsum("bhpn,bhn->bhp", S, Cm) + D[:, None] * x
+    # y = S C: on the CPU as a batched matrix-vector product, which rounds a request alike in any batch (torch's
+    # einsum contracts it another way at B = 1: a request's y rounded otherwise alone than batched, at N = 128)
+    y = (S @ Cm[..., None])[..., 0] if S.device.type == "cpu" else torch.einsum("bhpn,bhn->bhp", S, Cm)
+    return S, y + D[:, None] * x
 
 
 def recurrent(x, dt, A, Bm, Cm, D, state):
