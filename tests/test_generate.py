@@ -271,3 +271,20 @@ def test_a_stop_string_the_last_token_allowed_completes_is_a_stop_not_length(tin
     deltas = [d for step in llm.stream([[5, 6, 7]], replace(plain, stop=(stop,))) for d in step]
     assert "".join(d.text for d in deltas) == text[: -len(stop)] and deltas[-1].finish_reason == "stop"
     assert all_slots_free(llm.engine)
+
+
+@pytest.mark.parametrize("max_running, expected", [(4, (2, 0)), (1, (1, 1))])
+def test_the_load_counts_what_is_admitted_while_its_first_step_runs(tiny_dirs, monkeypatch, max_running, expected):
+    """A server's gauges read Engine.load from another thread while a step runs: admitted requests count as running
+    (the others as waiting) from the start of their prefill, not once it is done (a long prefill read 0 running)."""
+    engine = fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm="NONE", max_total_tokens=4096,
+                          max_running_requests=max_running).engine
+    seen, step = [], engine.worker.step
+
+    def recording(batch, prefill):
+        seen.append((engine.load.running, engine.load.waiting))
+        return step(batch, prefill)
+
+    monkeypatch.setattr(engine.worker, "step", recording)
+    engine.generate([[3, 4, 5], [6, 7]], [SamplingParams(max_new_tokens=2)] * 2)
+    assert seen[0] == expected

@@ -146,6 +146,8 @@ class Engine:
             scheduler.admit(self.worker.available_kv())
             if not any(r.prefilling for r in scheduler.running):
                 self._preempt_until_a_round_fits(scheduler)
+            # what is admitted counts from now, not once the step is done (a long prefill read 0 running)
+            self.load = EngineLoad(len(scheduler.running), len(scheduler.waiting), self.load.free_kv)
         prefilling = [r for r in scheduler.running if r.prefilling] if not ahead else []
         batch = prefilling or list(scheduler.running)
         if not batch:
