@@ -111,6 +111,11 @@ def head_matmul(x: torch.Tensor,      # [T, H, K]
     return torch.stack([row_linear(x[:, h], w[h], None) for h in range(w.shape[0])], 1)
 
 
+def takes(weight: torch.Tensor) -> bool:
+    """Whether row_gemm multiplies by `weight` where it lives: a CPU weight of a dtype the kernel reads."""
+    return weight.device.type == "cpu" and weight.dtype in DTYPE_CODES
+
+
 def row_invariant_linears(model: nn.Module) -> nn.Module:
     """Every float nn.Linear of `model` on the CPU, at any depth, as a RowLinear (in place) where the C library
     builds."""
@@ -121,7 +126,7 @@ def row_invariant_linears(model: nn.Module) -> nn.Module:
 
 def _swap(model: nn.Module) -> None:
     for name, child in list(model.named_children()):
-        if type(child) is nn.Linear and child.weight.dtype in DTYPE_CODES and child.weight.device.type == "cpu":
+        if type(child) is nn.Linear and takes(child.weight):
             setattr(model, name, RowLinear(child))
         else:
             _swap(child)

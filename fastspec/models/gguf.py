@@ -132,9 +132,10 @@ class _Reader(gguf.GGUFReader):
     llama.cpp's Q2_0) by the tensor's name and the type's id: its own error reads as a malformed file."""
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
+        known = {t.value for t in gguf.GGMLQuantizationType}
         for field in fields:  # parts: name length, name, n_dims, dims, type, offset
             kind = int(field.parts[4][0])
-            if kind not in {t.value for t in gguf.GGMLQuantizationType}:
+            if kind not in known:
                 raise UnknownType(f"tensor {field.name} has GGML type {kind}, which gguf "
                                   f"{version('gguf')} does not know: not supported")
         super()._build_tensors(start_offs, fields)

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.kernels import cpu_fused, cpu_library, cpu_q4
-from fastspec.kernels.cpu_row_gemm import DTYPE_CODES, row_dots, row_dots_op, row_linear
+from fastspec.kernels import cpu_fused, cpu_library, cpu_q4, cpu_row_gemm
+from fastspec.kernels.cpu_row_gemm import row_dots, row_dots_op, row_linear
 from fastspec.models.gguf_blocks import BLOCK, Blocks, as_8bit_16, quantise_rows, round_8bit
 
 ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows
@@ -220,7 +220,7 @@ class CastLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight)  # [N, K]
         self.register_buffer("bias", bias)
-        self.row_invariant = weight.device.type == "cpu" and weight.dtype in DTYPE_CODES and cpu_library.available()
+        self.row_invariant = cpu_row_gemm.takes(weight) and cpu_library.available()
 
     @property
     def gemm_kernel(self) -> str:
