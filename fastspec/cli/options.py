@@ -108,7 +108,8 @@ class ModelOptions:
         overlap = "off" if self.disable_overlap_schedule else self.overlap_schedule
         buckets = tuple(parse_buckets(self.cuda_graph_bs)) if self.cuda_graph_bs else None
         return dict(model=self.model, load_format=self.load_format, quantization=self.quantization, dtype=self.dtype,
-                    kv_cache_dtype=self.kv_cache_dtype, device=self.device, threads=self.threads,
+                    kv_cache_dtype=self.kv_cache_dtype, device=self.device,
+                    threads=None,  # set by model_options as the command starts
                     page_size=self.page_size,
                     graphs=graphs,
                     cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_bs=buckets,
