@@ -41,7 +41,7 @@ def write_random_f16(path: Path, s: dict, seed: int = 0) -> Path:
     import gguf
     from tokenizers import pre_tokenizers
 
-    from fastspec.models.layers import rope_inv_freq
+    from fastspec.models.rope import rope_inv_freq
     from fastspec.models.model_config import RopeScaling
 
     rng = np.random.default_rng(seed)

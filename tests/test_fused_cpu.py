@@ -100,7 +100,7 @@ def test_head_norms_norm_q_and_k_heads_and_leave_v(twin, dtype):
 def test_rope_write_rotates_q_and_k_and_writes_only_the_named_slots(twin, dtype, kv, mul):
     """kv: the cache's dtype, which K and V are rounded to as they are written; mul: what they are multiplied by
     first (1 / a checkpoint's KV scales)."""
-    from fastspec.models.layers import RotaryEmbedding
+    from fastspec.models.rope import RotaryEmbedding
 
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(4, (HQ + 2 * HKV) * D, generator=g).to(dtype)

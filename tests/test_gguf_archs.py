@@ -19,7 +19,7 @@ from fastspec.errors import FastspecError
 from fastspec.kernels import cpu_library
 from fastspec.models.gguf import convert_gguf
 from fastspec.models.gguf_rope import llama3_scaling
-from fastspec.models.layers import rope_inv_freq
+from fastspec.models.rope import rope_inv_freq
 from fastspec.sampling import SamplingParams
 
 ARCHS = ["llama", "qwen2", "qwen3", "phi3"]

@@ -153,12 +153,12 @@ def test_rope_table_is_the_computed_cos_sin_bit_for_bit(head_dim, partial, scali
     the positions asked (any batch, any order, past the table's end, as bfloat16), and computed past its cap."""
     from types import SimpleNamespace
 
-    from fastspec.models import layers
+    from fastspec.models import rope as rope_module
     from fastspec.models.model_config import RopeScaling
 
     yarn = RopeScaling("yarn", 4.0, original_max_position_embeddings=256, mscale=1.0, mscale_all_dim=0.5)
-    rope = layers.RotaryEmbedding(SimpleNamespace(head_dim=head_dim, partial_rotary_factor=partial,
-                                                  rope_theta=1e4, rope_scaling=yarn if scaling else None))
+    rope = rope_module.RotaryEmbedding(SimpleNamespace(head_dim=head_dim, partial_rotary_factor=partial,
+                                                       rope_theta=1e4, rope_scaling=yarn if scaling else None))
     g = torch.Generator().manual_seed(0)
     for n, top in ((1, 10), (3, 900), (5000, 1000), (2, 3000), (0, 1), (7, 70000)):
         positions = torch.randint(0, top, (n,), generator=g)
@@ -166,5 +166,5 @@ def test_rope_table_is_the_computed_cos_sin_bit_for_bit(head_dim, partial, scali
             for got, want in zip(rope.cos_sin(positions, dtype), rope._computed(positions, dtype)):
                 assert got.dtype == dtype and torch.equal(got, want)
     assert rope._table[0].shape[0] == 1 << 17  # 70000 positions: the next power of two
-    far = torch.tensor([5, layers.TABLE_POSITIONS + 3])
+    far = torch.tensor([5, rope_module.TABLE_POSITIONS + 3])
     assert all(torch.equal(a, b) for a, b in zip(rope.cos_sin(far, torch.float32), rope._computed(far, torch.float32)))

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from fastspec.models.fused_cpu import eagle3_fused, eagle3_midlayer
-from fastspec.models.layers import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from fastspec.models.layers import MLP, Attention, DecoderLayer, RMSNorm
+from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.model_config import ModelConfig
 
 

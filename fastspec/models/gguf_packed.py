@@ -32,7 +32,7 @@ from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.models.causal_lm import CausalLM
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
-from fastspec.models.layers import RotaryEmbedding
+from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.packed_layers import (
     ROW_TILE,
     BlockEmbedding,

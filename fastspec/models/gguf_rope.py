@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.models.layers import rope_inv_freq
+from fastspec.models.rope import rope_inv_freq
 from fastspec.models.model_config import RopeScaling
 
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3's per-frequency divisors: read into the config's rope scaling

@@ -18,7 +18,7 @@ from torch import nn
 
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import Blocks
-from fastspec.models.layers import RotaryEmbedding
+from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.moe import Experts, LinearExperts
 from fastspec.models.packed_layers import TENSOR_LINEARS
 from fastspec.models.quant_config import QuantScheme, read_scheme
