@@ -49,8 +49,7 @@ def fetch(repo_id: str, revision: str | None = None, config_only: bool = False) 
     where = f"{repo_id}" + (f" at revision {revision}" if revision else "")
     cache = hub_cache()
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns,
-                                      local_files_only=True))
+        path = _cached_snapshot(repo_id, revision, patterns)
     except Exception as e:  # not cached (huggingface_hub's errors differ across versions): download below
         if not offline() and not _is_missing(e):
             raise FastspecError(f"{where}: {first_line(e, 200)}") from None
@@ -76,14 +75,20 @@ def fetch(repo_id: str, revision: str | None = None, config_only: bool = False) 
 
 def cached_config(repo_id: str) -> Path | None:
     """The cached snapshot of `repo_id` (main) if it holds its config.json, else None; never downloads."""
-    from huggingface_hub import snapshot_download
-
     try:
-        path = Path(snapshot_download(repo_id, cache_dir=hub_cache(), allow_patterns=CONFIG_FILES,
-                                      local_files_only=True))
+        path = _cached_snapshot(repo_id, None, CONFIG_FILES)
     except Exception:  # not cached, whatever huggingface_hub calls that
         return None
     return path if (path / "config.json").is_file() else None
+
+
+def _cached_snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
+    """The snapshot directory the hub cache holds for `repo_id` at `revision`; raises what huggingface_hub raises
+    when it holds none."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, revision=revision, cache_dir=hub_cache(), allow_patterns=patterns,
+                                  local_files_only=True))
 
 
 def _is_missing(error: Exception) -> bool:
