@@ -116,10 +116,14 @@ def test_out_of_range_controls_are_one_line_errors(bad, message):
     (dict(top_k=2.5), "top_k must be an integer"), (dict(seed="1"), "seed must be an integer"),
     (dict(logprobs=True), "logprobs must be an integer"), (dict(temperature="0.5"), "temperature must be a number"),
     (dict(stop=None), "stop must be a string or a list"), (dict(stop=(1,)), "stop must be a string or a list"),
-    (dict(stop_token_ids="5"), "stop_token_ids must be a token id or a list")])
+    (dict(stop_token_ids="5"), "stop_token_ids must be a token id or a list"),
+    (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"), (dict(regex=5), "regex must be a string"),
+    (dict(json_schema=["x"]), "json_schema must be a string"), (dict(logit_bias=5), "logit bias must map"),
+    (dict(logit_bias={5: "x"}), "logit bias must map"), (dict(logit_bias={"5": 1, 3: 1}), "logit bias must map"),
+    (dict(logit_bias=[(5,)]), "logit bias must map")])
 def test_parameters_of_the_wrong_type_are_one_line_errors(bad, message):
     """(Before, 4.5 tokens ran as 5, a bool logprobs failed inside generate, a string max_new_tokens was a
-    TypeError from a comparison.)"""
+    TypeError from a comparison, ignore_eos="no" ignored EOS, a logit bias of 5 was a TypeError.)"""
     with pytest.raises(FastspecError, match=message):
         SamplingParams(**bad)
 

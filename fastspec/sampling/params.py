@@ -4,16 +4,40 @@ sampling flags before torch is imported."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from numbers import Integral, Real
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from fastspec.errors import FastspecError
 
 KINDS = ("json_schema", "regex", "ebnf", "lark")  # the structured-output fields, at most one set
 INT32_MAX = 2**31 - 1  # top_k's bound (any k past the vocabulary keeps the whole of it)
+_ONE_EACH = "fastspec answers each prompt once: give the prompt that many times (unseeded, or each with its own seed)"
+_NO_TRIM = "fastspec always trims a stop string from the text, and its tokens from output_ids"
+_SPECIAL = "fastspec's text always skips special tokens (output_ids keep them)"
+_GRAMMAR = "structured output is one of the fields json_schema, regex or ebnf"
+_MIN = "fastspec has no minimum: ignore_eos=True runs an answer to max_new_tokens"
+_LOGPROBS = "logprobs=N reports each output token's logprob and its N most likely alternatives"
+# vLLM's SamplingParams fields and SGLang's sampling_params keys that fastspec spells otherwise or does not take
+FOREIGN_FIELDS = {
+    "max_tokens": "use max_new_tokens", "max_completion_tokens": "use max_new_tokens", "sampling_seed": "use seed",
+    "n": _ONE_EACH, "best_of": _ONE_EACH, "min_tokens": _MIN, "min_new_tokens": _MIN,
+    "include_stop_str_in_output": _NO_TRIM, "no_stop_trim": _NO_TRIM,
+    "stop_regex": "stop takes strings, stop_token_ids token ids; a regex can only shape the whole answer (regex)",
+    "skip_special_tokens": _SPECIAL, "spaces_between_special_tokens": _SPECIAL,
+    "detokenize": "fastspec decodes text wherever the model has a tokenizer",
+    "truncate_prompt_tokens": "fastspec refuses a prompt longer than the context rather than cut it",
+    "guided_decoding": _GRAMMAR, "structured_outputs": _GRAMMAR, "structural_tag": _GRAMMAR,
+    "guided_json": "use json_schema", "guided_regex": "use regex", "guided_grammar": "use ebnf (a GBNF grammar)",
+    "return_logprob": _LOGPROBS, "top_logprobs_num": _LOGPROBS,
+    "bad_words": "logit_bias={token_id: -100} keeps a token out",
+    "allowed_token_ids": "logit_bias or a grammar (regex, ebnf) can restrict the tokens",
+    "logits_processors": "the controls are the penalties, logit_bias, min_p and the grammars",
+    "output_kind": "LLM.stream hands out deltas, LLM.generate whole completions",
+}
 
 
 @dataclass(frozen=True)
@@ -34,10 +58,23 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once if the token occurs in the output
     min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is accepted too
-    json_schema: str | None = None  # structured output (fastspec.sampling.grammar), at most one: a JSON schema (a dict too),
+    # structured output (fastspec.sampling.grammar), at most one of:
+    json_schema: str | None = None  # a JSON schema (a dict too),
     regex: str | None = None  # a regular expression the whole output matches,
     ebnf: str | None = None  # or a GBNF grammar (llama.cpp's / xgrammar's EBNF: `root ::= ...`),
     lark: str | None = None  # or llguidance's Lark grammar (serve's `auto` tool calls)
+
+    def __new__(cls, *args, **kwargs):
+        """A keyword that is no field (vLLM's `max_tokens`, SGLang's `no_stop_trim`...) is a one-line FastspecError
+        that names what fastspec has instead, not Python's bare TypeError."""
+        names = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = FOREIGN_FIELDS.get(key) or (f"did you mean {close[0]}?" if close else
+                                                   f"its fields are {', '.join(names)}")
+                raise FastspecError(f"SamplingParams has no {key!r}; {hint}")
+        return super().__new__(cls)
 
     def __post_init__(self):
         self._check_types()
@@ -60,10 +97,7 @@ class SamplingParams:
                 raise FastspecError(f"{name.replace('_', ' ')} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 <= self.min_p <= 1:
             raise FastspecError(f"min-p must be in [0, 1], got {self.min_p}")
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in bias)))  # hashable
-        if any(not isinstance(t, int) or t < 0 or not math.isfinite(v) for t, v in self.logit_bias):
-            raise FastspecError("logit bias must map token ids >= 0 to finite numbers")
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))  # hashable
         self._check_grammar()
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
@@ -90,6 +124,13 @@ class SamplingParams:
                 what = "string" if one is str else "token id"
                 raise FastspecError(f"{name} must be a {what} or a list of them, got {value!r}")
             object.__setattr__(self, name, tuple(v if one is str else int(v) for v in value))
+        if not isinstance(self.ignore_eos, bool):
+            raise FastspecError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in KINDS:
+            value = getattr(self, name)
+            allowed = (str, dict) if name == "json_schema" else str  # (a JSON schema as a dict too)
+            if value is not None and not isinstance(value, allowed):
+                raise FastspecError(f"{name} must be a string, got {type(value).__name__}")
 
     def _check_grammar(self) -> None:
         kinds = [k for k in KINDS if getattr(self, k) is not None]
@@ -103,6 +144,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """A logit bias (a dict, or (token id, bias) pairs) as sorted pairs; else a one-line FastspecError."""
+    pairs = list(bias.items() if isinstance(bias, dict) else bias) if isinstance(bias, (dict, tuple, list)) else None
+    if pairs is None or not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], Integral)
+                                and not isinstance(p[0], bool) and p[0] >= 0 and isinstance(p[1], Real)
+                                and not isinstance(p[1], bool) and math.isfinite(p[1]) for p in pairs):
+        raise FastspecError("logit bias must map token ids >= 0 to finite numbers")
+    return tuple(sorted((int(t), float(v)) for t, v in pairs))
 
 
 def normalise_schema(schema) -> str:
