@@ -6,6 +6,8 @@ Owns tokenisation and chat templating around the engine (which speaks token ids 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -19,7 +21,7 @@ from fastspec.errors import FastspecError
 from fastspec.models.embedded import default_speculation
 from fastspec.models.sources import resolve_sources
 from fastspec.sampling.params import SamplingParams
-from fastspec.spec_config import Schedule, SpecConfig, check_spec_flags
+from fastspec.spec_config import CLI_FLAGS, Schedule, SpecConfig, check_spec_flags
 from fastspec.speculative.tuned import find_schedule, weights_label
 from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.text.tokenizer import Tokenizer
@@ -71,10 +73,13 @@ class LLM:
 
         Checks run cheapest first: the flags, then the models' configs (fastspec.models.sources), and only then
         the tuned file."""
-        model = EngineConfig.model if model is None else os.fspath(model) if isinstance(model, os.PathLike) else model
-        if not isinstance(model, str):
-            raise FastspecError(f"model must be a directory, a hub id, a .gguf file or an embedded model's name, got "
-                                f"{type(model).__name__}")
+        model = EngineConfig.model if model is None else model
+        model, draft_model, token_map = (_path_or_name(value, name) for value, name in (
+            (model, "model"), (draft_model, "draft_model"), (token_map, "token_map")))
+        for name, value in (("revision", revision), ("draft_revision", draft_revision)):
+            if value is not None and not isinstance(value, str):
+                raise FastspecError(f"{name} must be a branch, tag or commit, got {value!r}")
+        check_options(engine_options)
         config = EngineConfig(model=model, **engine_options)
         check_spec_flags(speculative_algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
                          accept_threshold_acc, draft_model, cli=False, token_map=token_map,
@@ -136,6 +141,18 @@ class LLM:
                            got.final[i].metrics, None if got.logprobs[i] is None else got.logprobs[i][: kept[i]],
                            got.prompt_logprobs[i]) for i in range(len(ids))]
 
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams]
+             = SamplingParams(), tools: list[dict] | None = None) -> list[Completion]:
+        """One conversation (a list of {"role": ..., "content": ...} messages) or a list of them, each through the
+        model's chat template (`tools`: OpenAI-style function dicts for it); one Completion per conversation."""
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+            messages = [messages]
+        if not isinstance(messages, (list, tuple)) or not all(
+                isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in messages):
+            raise FastspecError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such "
+                                "conversations")
+        return self.generate([self.encode_chat(list(c), tools) for c in messages], params)
+
     def stream(self, prompts, params=SamplingParams(), chat: bool = False) -> Iterator[list[TextDelta]]:
         """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
         start a stop string is held back until it is ruled out)."""
@@ -193,6 +210,54 @@ class LLM:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+_ONE_DEVICE = "fastspec runs on one device (device='cuda:N' picks the GPU)"
+_KV_SIZE = "the KV pool's size is max_total_tokens (in tokens) or kv_mem_fraction (of the memory available)"
+_SEED = "seeds are per request: SamplingParams(seed=...)"
+# keywords of SGLang's Engine and vLLM's LLM that fastspec.LLM spells otherwise or does not take (SGLang's
+# speculative_* names are its CLI flags: CLI_FLAGS, read backwards)
+FOREIGN_OPTIONS = {
+    "model_path": "use model", "tokenizer": "fastspec uses the model's own tokenizer",
+    "tokenizer_path": "fastspec uses the model's own tokenizer", "tp_size": _ONE_DEVICE,
+    "tensor_parallel_size": _ONE_DEVICE, "dp_size": _ONE_DEVICE, "data_parallel_size": _ONE_DEVICE,
+    "pp_size": _ONE_DEVICE, "pipeline_parallel_size": _ONE_DEVICE, "mem_fraction_static": _KV_SIZE,
+    "gpu_memory_utilization": _KV_SIZE, "context_length": "use max_context_len", "max_model_len": "use max_context_len",
+    "max_num_seqs": "use max_running_requests", "max_num_batched_tokens": "use chunked_prefill_size",
+    "enable_prefix_caching": "use radix_cache (on by default)", "disable_radix_cache": "use radix_cache=False",
+    "enforce_eager": "use graphs='eager'", "disable_cuda_graph": "use graphs='eager'",
+    "enable_torch_compile": "use graphs='compile'", "disable_overlap_schedule": "use overlap_schedule='off'",
+    "trust_remote_code": "not needed: fastspec runs its own code for each architecture, never a checkpoint's",
+    "seed": _SEED, "random_seed": _SEED, "log_level": "fastspec has no log levels",
+    "speculative_config": "use speculative_algorithm, draft_model, num_steps, topk and num_draft_tokens",
+    **{flag[2:].replace("-", "_"): f"use {key}" for key, flag in CLI_FLAGS.items() if key != "ngram"},
+}
+
+
+def check_options(options: dict) -> None:
+    """LLM's engine keywords are EngineConfig's fields; another is a one-line FastspecError naming fastspec's own
+    (vLLM's `max_model_len`: max_context_len), not a TypeError from inside."""
+    names = [n for n in inspect.signature(LLM).parameters if n != "engine_options"]
+    names += [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+    for key in options:
+        if key in names:
+            continue
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = (FOREIGN_OPTIONS.get(key) or (f"use ngram={{{key[len('speculative_ngram_'):]!r}: ...}}"
+                                             if key.startswith("speculative_ngram_") else None)
+                or (f"did you mean {close[0]}?" if close else f"its options are {', '.join(names)}"))
+        raise FastspecError(f"LLM has no option {key!r}; {hint}")
+
+
+def _path_or_name(value, name: str) -> str | None:
+    """A model, draft or token map as given: text or a path (None stays None); else a one-line FastspecError."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    what = {"model": "a directory, a hub id, a .gguf file or an embedded model's name",
+            "draft_model": "a directory or a hub id"}.get(name, "a file")
+    raise FastspecError(f"{name} must be {what}, got {type(value).__name__}")
 
 
 def _is_prompt(p) -> bool:

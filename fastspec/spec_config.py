@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 from fastspec.errors import FastspecError
 
@@ -121,6 +122,10 @@ class SpecConfig:
 
     def with_schedule(self, schedule: Schedule) -> SpecConfig:
         """This config switching tree shapes by batch size; memory is sized for the largest of each."""
+        if not isinstance(schedule, (tuple, list)) or not all(
+                isinstance(t, (tuple, list)) and len(t) == 2 and isinstance(t[0], int)
+                and (t[1] is None or isinstance(t[1], SpecParams)) for t in schedule):
+            raise FastspecError(f"schedule must be (largest batch size, SpecParams or None) pairs, got {schedule!r}")
         tiers = [p for _, p in schedule if p is not None]
         if self.algorithm not in ("EAGLE", "EAGLE3") or not tiers:
             raise FastspecError("a batch-size schedule needs EAGLE / EAGLE3 and at least one speculative tier")
@@ -190,6 +195,14 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
     options (`ngram`: any given) but for NGRAM). `algorithm` None: the default (no tree option is ignored then).
     Messages name the options as CLI_FLAGS (`cli`) or as LLM's keywords."""
     name = CLI_FLAGS.get if cli else str
+    if algorithm is not None and not isinstance(algorithm, str):
+        raise FastspecError(f"{name('speculative_algorithm')} must be a name such as 'EAGLE3', got {algorithm!r}")
+    for key, value in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens),
+                       ("accept_threshold_single", accept_threshold_single),
+                       ("accept_threshold_acc", accept_threshold_acc)):  # (an API caller's "3")
+        kind = Real if key.startswith("accept") else Integral
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise FastspecError(f"{name(key)} must be {'a number' if kind is Real else 'an integer'}, got {value!r}")
     algo = (algorithm or "NONE").upper()
     algo = "EAGLE" if algo == "NEXTN" else algo
     if algo not in SPEC_ALGORITHMS:

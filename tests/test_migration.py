@@ -55,3 +55,72 @@ def test_sampling_params_still_copy_and_pickle():
     assert replace(params, seed=3) == SamplingParams(max_new_tokens=5, stop="x", logit_bias={3: 1.0},
                                                      json_schema={"type": "object"}, seed=3)
     assert SamplingParams(0.5, 10) == SamplingParams(temperature=0.5, top_k=10)
+
+
+@pytest.mark.parametrize("key, value, hint", [
+    ("tensor_parallel_size", 2, "runs on one device"), ("tp_size", 2, "runs on one device"),
+    ("gpu_memory_utilization", 0.9, "max_total_tokens"), ("mem_fraction_static", 0.8, "max_total_tokens"),
+    ("max_model_len", 4096, "use max_context_len"), ("context_length", 4096, "use max_context_len"),
+    ("max_num_seqs", 8, "use max_running_requests"), ("trust_remote_code", True, "not needed"),
+    ("seed", 0, r"SamplingParams\(seed=...\)"), ("model_path", "x", "use model"),
+    ("speculative_num_steps", 3, "use num_steps"), ("speculative_draft_model_path", "x", "use draft_model"),
+    ("speculative_eagle_topk", 2, "use topk"), ("speculative_ngram_max_bfs_breadth", 2, "use ngram=.'max_bfs_breadth'"),
+    ("enforce_eager", True, "graphs='eager'"), ("max_running_request", 4, "did you mean max_running_requests?")])
+def test_a_foreign_llm_option_names_fastspecs_own(key, value, hint):
+    """(Was a TypeError naming EngineConfig.__init__, an internal class.) Refused before anything is read."""
+    import fastspec
+
+    with pytest.raises(FastspecError, match=f"^LLM has no option '{key}'; .*{hint}"):
+        fastspec.LLM(**{key: value})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(speculative_algorithm="NGRAM", num_steps="3"), "num_steps must be an integer, got '3'"),
+    (dict(speculative_algorithm="EAGLE3", topk=2.0), "topk must be an integer, got 2.0"),
+    (dict(speculative_algorithm="NGRAM", accept_threshold_acc="0.5"), "accept_threshold_acc must be a number"),
+    (dict(speculative_algorithm=5), "speculative_algorithm must be a name such as 'EAGLE3', got 5"),
+    (dict(speculative_algorithm="EAGLE3", draft_model=5), "draft_model must be a directory or a hub id, got int"),
+    (dict(speculative_algorithm="EAGLE", token_map=5), "token_map must be a file, got int"),
+    (dict(revision=5), "revision must be a branch, tag or commit, got 5"),
+    (dict(max_context_len=0), r"max_context_len \(--context-length\) must be >= 1, got 0"),
+    (dict(max_context_len=-5), r"max_context_len \(--context-length\) must be >= 1, got -5"),
+    (dict(speculative_algorithm="NGRAM", schedule=5), r"schedule must be \(largest batch size, SpecParams or None\)")])
+def test_llm_options_of_the_wrong_type_are_one_line(tiny_dirs, kwargs, message):
+    """(Were TypeErrors from a comparison, a regex match or iteration inside, and for a negative max_context_len a
+    ValueError from the request table.)"""
+    import fastspec
+
+    with pytest.raises(FastspecError, match=message):
+        fastspec.LLM(str(tiny_dirs["llama"][0]), max_total_tokens=512, **kwargs)
+
+
+def test_llm_chat_takes_a_conversation_or_a_list_of_them(tiny_dirs, tmp_path):
+    """vLLM's LLM.chat: each conversation through the chat template, answered as generate answers its ids."""
+    import json
+    import shutil
+
+    import fastspec
+    from tiny_models import write_char_tokenizer
+
+    model_dir = tmp_path / "llama"
+    shutil.copytree(tiny_dirs["llama"][0], model_dir)
+    write_char_tokenizer(model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    template = "{% for m in messages %}<{{m.role}}>{{m.content}}{% endfor %}<assistant>"
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    llm = fastspec.LLM(str(model_dir), speculative_algorithm="NONE", max_total_tokens=1024)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    one = [{"role": "user", "content": "hi"}]
+    two = [{"role": "system", "content": "be-brief"}, {"role": "user", "content": "why?"}]
+    expected = llm.generate([llm.encode_chat(one), llm.encode_chat(two)], params)
+    assert llm.encode_chat(one) == llm.encode("<user>hi<assistant>")
+    got = llm.chat([one, two], params)
+    assert [(o.prompt_ids, o.output_ids, o.text) for o in got] == [(o.prompt_ids, o.output_ids, o.text)
+                                                                     for o in expected]
+    assert llm.chat(one, params)[0].output_ids == expected[0].output_ids == llm.generate("hi", params, chat=True)[
+        0].output_ids
+    assert llm.chat([], params) == []  # (as generate([]))
+    for bad in ("hi", [[]], [one, "hi"], [["hi"]], [one, []]):
+        with pytest.raises(FastspecError, match="messages must be a list of"):
+            llm.chat(bad, params)
+
