@@ -124,3 +124,55 @@ def test_llm_chat_takes_a_conversation_or_a_list_of_them(tiny_dirs, tmp_path):
         with pytest.raises(FastspecError, match="messages must be a list of"):
             llm.chat(bad, params)
 
+
+@pytest.mark.parametrize("args, hint", [
+    (["--tp-size", "2"], "fastspec runs on one GPU (--device cuda:N picks it)"),
+    (["--tensor-parallel-size=2"], "fastspec runs on one GPU"), (["--dp-size", "2"], "fastspec runs on one GPU"),
+    (["--mem-fraction-static", "0.8"], "the KV pool's size is --max-total-tokens"),
+    (["--gpu-memory-utilization", "0.9"], "the KV pool's size is --max-total-tokens"),
+    (["--trust-remote-code"], "not needed"), (["--random-seed", "1"], "seeds are per request: --seed"),
+    (["--log-level", "info"], "fastspec has no log levels"), (["--max-model-len", "9"], "use --context-length"),
+    (["--max-num-seqs", "4"], "use --max-running-requests"), (["--enforce-eager"], "use --disable-cuda-graph"),
+    (["--speculative-config", "{}"], "use --speculative-algorithm, --speculative-draft-model-path")])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_an_sglang_or_vllm_flag_fastspec_lacks_is_one_line_naming_its_own(command, args, hint):
+    """(--tp-size 2 was click's `No such option: --tp-size (Possible options: --page-size, --top-k, --top-p)`.)"""
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    result = CliRunner().invoke(app, [command, *args])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.output
+    assert result.stderr.startswith(f"error: No such option: {args[0].split('=')[0]}; ") and hint in result.stderr
+    assert "Possible options" not in result.stderr
+
+
+def test_sglang_flags_fastspec_takes_parse_and_reach_the_engine(monkeypatch):
+    """--model-path, --context-length (was no flag), --mem-fraction-static's replacement and the speculative flags
+    under SGLang's names become LLM's keywords; a bad --context-length is one line before torch is imported."""
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    seen = {}
+
+    class Recording:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            raise FastspecError("stop here")
+
+    monkeypatch.setattr("fastspec.llm.LLM", Recording)
+    args = ["generate", "--prompt", "hi", "--model-path", "smollm2-135m-instruct", "--context-length", "256",
+            "--max-running-requests", "4", "--chunked-prefill-size", "64", "--disable-radix-cache",
+            "--max-total-tokens", "4096", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+            "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "5"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "stop here" in result.stderr, result.output
+    assert {k: seen[k] for k in ("model", "max_context_len", "max_running_requests", "chunked_prefill_size",
+                                 "radix_cache", "max_total_tokens", "speculative_algorithm", "num_steps", "topk",
+                                 "num_draft_tokens")} == dict(
+        model="smollm2-135m-instruct", max_context_len=256, max_running_requests=1, chunked_prefill_size=64,
+        radix_cache=False, max_total_tokens=4096, speculative_algorithm="EAGLE3", num_steps=3, topk=2,
+        num_draft_tokens=5)  # (generate runs at most its batch: one prompt)
+    bad = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--context-length", "0"])
+    assert bad.exit_code == 2 and bad.stderr == "error: max_context_len (--context-length) must be >= 1, got 0\n"

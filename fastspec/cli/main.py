@@ -29,6 +29,38 @@ from fastspec.cli.tune import tune
 
 
 
+_ONE_GPU = "fastspec runs on one GPU (--device cuda:N picks it)"
+_KV_SIZE = "the KV pool's size is --max-total-tokens (in tokens)"
+# SGLang's and vLLM's flags that fastspec spells otherwise or does not take: the hint replaces click's suggestions
+FOREIGN_FLAGS = {
+    **dict.fromkeys(("--tp-size", "--tp", "--tensor-parallel-size", "--dp-size", "--dp", "--data-parallel-size",
+                     "--pp-size", "--pipeline-parallel-size", "--ep-size", "--nnodes"), _ONE_GPU),
+    "--mem-fraction-static": _KV_SIZE, "--gpu-memory-utilization": _KV_SIZE,
+    "--max-model-len": "use --context-length", "--max-num-seqs": "use --max-running-requests",
+    "--max-num-batched-tokens": "use --chunked-prefill-size",
+    "--enable-prefix-caching": "the prefix cache is on by default (--disable-radix-cache turns it off)",
+    "--no-enable-prefix-caching": "use --disable-radix-cache", "--enforce-eager": "use --disable-cuda-graph",
+    "--trust-remote-code": "not needed: fastspec runs its own code for each architecture, never a checkpoint's",
+    "--random-seed": "seeds are per request: --seed (generate, chat), a request's seed (serve)",
+    "--log-level": "fastspec has no log levels", "--log-level-http": "fastspec has no log levels",
+    **dict.fromkeys(("--tokenizer-path", "--tokenizer"), "fastspec uses the model's own tokenizer"),
+    "--chat-template": "fastspec uses the model's own chat template",
+    "--speculative-config": "use --speculative-algorithm, --speculative-draft-model-path, --speculative-num-steps, ...",
+    "--speculative-model": "use --speculative-draft-model-path",
+    "--num-speculative-tokens": "use --speculative-num-steps (the draft depth)",
+    "--grammar-backend": "fastspec's grammars always run on llguidance",
+}
+
+
+def usage_message(error: click_errors.UsageError) -> str:
+    """click's message, or for a flag of SGLang's or vLLM's that a shared-flag command lacks, what fastspec has."""
+    command = error.ctx.command if error.ctx is not None else None
+    shared = command is not None and any(p.name == "speculative_algorithm" for p in command.params)
+    if isinstance(error, click_errors.NoSuchOption) and shared and error.option_name in FOREIGN_FLAGS:
+        return f"No such option: {error.option_name}; {FOREIGN_FLAGS[error.option_name]}"
+    return error.format_message().rstrip(".")
+
+
 class OneLineErrors(TyperGroup):
     """The command group, with click's usage errors as one line (`error: ...`) where typer draws a box."""
 
@@ -41,7 +73,7 @@ class OneLineErrors(TyperGroup):
             return super().main(args, prog_name, complete_var, standalone_mode=True, **extra)
         except click_errors.UsageError as e:
             hint = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
-            typer.echo(f"error: {e.format_message().rstrip('.')}{hint}", err=True)
+            typer.echo(f"error: {usage_message(e)}{hint}", err=True)
             sys.exit(e.exit_code)
         except click_errors.ClickException as e:
             e.show()

@@ -23,8 +23,8 @@ SPEC = "Speculative decoding"
 GRAPHS = "Graphs and kernels"
 NGRAM = "NGRAM"
 ENGINE_FLAGS = ("model", "load_format", "quantization", "dtype", "kv_cache_dtype", "device", "page_size", "graphs", "cuda_graph_max_bs", "cuda_graph_bs", "attention_backend",
-                "max_total_tokens", "max_running_requests", "chunked_prefill_size", "speculative_fallback",
-                "overlap_schedule", "radix_cache", "mamba_track_interval")
+                "max_total_tokens", "max_running_requests", "chunked_prefill_size", "max_context_len",
+                "speculative_fallback", "overlap_schedule", "radix_cache", "mamba_track_interval")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class ModelOptions:
     max_total_tokens: Annotated[Optional[int], typer.Option(help="KV pool size in tokens, allocated at start (default: a fraction of free memory; on CPU that is only the limit: the pool starts small and grows as needed).")] = None
     max_running_requests: Annotated[int, typer.Option(help="Most requests decoded at once.")] = 48
     chunked_prefill_size: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 2048
+    context_length: Annotated[Optional[int], typer.Option(help="The longest prompt + answer a request may have (default: the model's max_position_embeddings, or its sliding window where shorter).")] = None
     graphs: Annotated[str, typer.Option(help="auto | cuda | compile | eager: how the draft loop, draft extend and verify run (auto: cuda on a GPU, eager on CPU).", rich_help_panel=GRAPHS)] = "auto"
     cuda_graph_max_bs: Annotated[Optional[int], typer.Option(help="Largest graph batch bucket.", rich_help_panel=GRAPHS)] = None
     cuda_graph_bs: Annotated[Optional[str], typer.Option(help="Explicit graph batch buckets, e.g. 1,2,4,8.", rich_help_panel=GRAPHS)] = None
@@ -115,7 +116,8 @@ class ModelOptions:
                     cuda_graph_max_bs=self.cuda_graph_max_bs, cuda_graph_bs=buckets,
                     attention_backend=self.attention_backend,
                     max_total_tokens=self.max_total_tokens, max_running_requests=self.max_running_requests,
-                    chunked_prefill_size=self.chunked_prefill_size, speculative_fallback=self.speculative_fallback,
+                    chunked_prefill_size=self.chunked_prefill_size, max_context_len=self.context_length,
+                    speculative_fallback=self.speculative_fallback,
                     overlap_schedule=overlap, radix_cache=self.radix_cache,
                     mamba_track_interval=self.mamba_track_interval, speculative_algorithm=self.speculative_algorithm,
                     draft_model=self.speculative_draft_model_path, num_steps=self.speculative_num_steps,
