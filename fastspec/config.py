@@ -65,9 +65,20 @@ def check_device(device: str) -> None:
         raise FastspecError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
-def check_dtype(name: str) -> None:
-    if name not in DTYPES:
-        raise FastspecError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+def check_dtype(name: str, auto: bool = False) -> None:
+    if name not in DTYPES and not (auto and name == "auto"):
+        raise FastspecError(f"unknown dtype {name!r}; choose one of {'auto, ' if auto else ''}{', '.join(DTYPES)}")
+
+
+def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str) -> str:
+    """--dtype with `auto` decided: float32 on the CPU (exact, and where a CPU lacks bf16 instructions the fastest);
+    on CUDA the checkpoint's own 16-bit dtype, bfloat16 for a float32 one (SGLang and vLLM choose float16 there;
+    bfloat16 keeps float32's range, which models trained in it rely on)."""
+    if dtype != "auto":
+        return dtype
+    if not device.startswith("cuda"):
+        return "float32"
+    return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -87,7 +98,7 @@ class EngineConfig:
     # (models.sources.resolve_quantization); None ("none"): the weights dequantised to dtype (the exact reference);
     # gguf: a GGUF model on its own blocks; fp8 / int8 / int4: a float checkpoint's projections rounded at load
     quantization: str | None = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: float32 on the CPU (resolved here), on CUDA the checkpoint's (resolve_dtype, by Worker)
     kv_cache_dtype: str = "auto"  # the KV pools' storage (auto: kv_torch_dtype); attention computes in dtype
     device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
     page_size: int = 1
@@ -127,12 +138,15 @@ class EngineConfig:
             raise FastspecError(f"--attention-backend must be torch or flashinfer, got {self.attention_backend!r}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise FastspecError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
-        check_dtype(self.dtype)
+        check_dtype(self.dtype, auto=True)
+        if self.dtype == "auto" and not self.device.startswith("cuda"):
+            object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device, "float32"))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise FastspecError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                                 f"{self.kv_cache_dtype!r}")
         kv = KV_CACHE_DTYPES[self.kv_cache_dtype]
-        if self.attention_backend == "flashinfer" and kv not in (None, self.dtype) and not kv.startswith("float8"):
+        if (self.attention_backend == "flashinfer" and self.dtype != "auto" and kv not in (None, self.dtype)
+                and not kv.startswith("float8")):
             raise FastspecError(f"--attention-backend flashinfer reads a KV cache in the model's --dtype {self.dtype} "
                                 f"or in fp8; --kv-cache-dtype {self.kv_cache_dtype} needs --attention-backend torch")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from numbers import Integral
 
-from fastspec.config import EngineConfig
+from fastspec.config import EngineConfig, resolve_dtype
 from fastspec.engine.engine import Engine, collect
 from fastspec.errors import FastspecError
 from fastspec.models.embedded import default_speculation
@@ -90,7 +90,8 @@ class LLM:
         self.sources = sources = resolve_sources(
             model, algorithm, draft_model, revision=revision, draft_revision=draft_revision,
             quantization=config.quantization, device=config.device, load_format=config.load_format)
-        config = dataclasses.replace(config, model=str(sources.model_dir), quantization=sources.quantization)
+        config = dataclasses.replace(config, model=str(sources.model_dir), quantization=sources.quantization,
+                                     dtype=resolve_dtype(config.dtype, config.device, sources.config.torch_dtype))
         draft = None if sources.draft_dir is None else str(sources.draft_dir)
         spec = SpecConfig.resolve(algorithm, sources.config.architecture, draft_model=draft, num_steps=num_steps,
                                   topk=topk, num_draft_tokens=num_draft_tokens, token_map=token_map,

@@ -58,7 +58,7 @@ def test_cuda_rounds_are_lossless_and_read_no_host_tensor(tiny_dirs, draft_dirs,
     family, algorithm, draft, steps, topk, n, page, bs = case
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     llm = spec_llm(tiny_dirs, draft_dirs, family, algorithm, draft, steps, topk, n, page, device="cuda",
-                   graphs="eager")
+                   dtype="float32", graphs="eager")
     got = [o.output_ids for o in llm.engine.generate(PROMPTS[:bs], [params] * bs)]
     cpu = fastspec.LLM(str(tiny_dirs[family][0]), max_total_tokens=4096, page_size=page, device="cpu")
     assert got == [o.output_ids for o in cpu.engine.generate(PROMPTS[:bs], [params] * bs)]
@@ -69,7 +69,7 @@ def test_cuda_rounds_are_lossless_and_read_no_host_tensor(tiny_dirs, draft_dirs,
 def test_every_family_decodes_on_cuda(tiny_dirs, host_reads, family, algorithm):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     llm = fastspec.LLM(str(tiny_dirs[family][0]), speculative_algorithm=algorithm, max_total_tokens=4096,
-                       device="cuda", graphs="eager")
+                       device="cuda", dtype="float32", graphs="eager")
     got = [o.output_ids for o in llm.engine.generate(PROMPTS[:4], [params] * 4)]
     cpu = fastspec.LLM(str(tiny_dirs[family][0]), max_total_tokens=4096, device="cpu")
     assert got == [o.output_ids for o in cpu.engine.generate(PROMPTS[:4], [params] * 4)]
@@ -80,7 +80,8 @@ def test_every_family_decodes_on_cuda(tiny_dirs, host_reads, family, algorithm):
 def test_rounds_capture_as_cuda_graphs_and_stay_lossless(tiny_dirs, draft_dirs, algorithm, shape):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, "eagle3" if algorithm == "EAGLE3" else None, *shape,
-                   1, device="cuda", graphs="cuda", cuda_graph_bs=(1, 2, 4), max_running_requests=4)
+                   1, device="cuda", dtype="float32", graphs="cuda", cuda_graph_bs=(1, 2, 4),
+                   max_running_requests=4)
     got = [o.output_ids for o in llm.engine.generate(PROMPTS[:3], [params] * 3)]
     assert got == reference(tiny_dirs, "llama", 1, PROMPTS[:3], params)
 
@@ -92,8 +93,8 @@ def test_launching_a_round_never_waits_for_the_device(tiny_dirs, draft_dirs, alg
     readback) makes no stream synchronisation: CUDA's sync debug mode raises on one. Rounds launched ahead
     happen, captured as CUDA graphs, and the output equals the reference."""
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, *shape, page, device="cuda", graphs="cuda",
-                   cuda_graph_bs=(1, 2, 4), max_running_requests=4, overlap_schedule="on",
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", algorithm, draft, *shape, page, device="cuda", dtype="float32",
+                   graphs="cuda", cuda_graph_bs=(1, 2, 4), max_running_requests=4, overlap_schedule="on",
                    speculative_fallback=False)
     rounds, ahead = llm.engine.worker.spec_rounds, []
     real = rounds.launch

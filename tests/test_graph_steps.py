@@ -176,8 +176,9 @@ def test_cuda_graph_round_equals_eager(tiny_dirs, draft_dirs):
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     outs = {}
     for mode in ("eager", "cuda"):
-        engine = Engine(EngineConfig(model=str(tiny_dirs["llama"][0]), device="cuda", max_total_tokens=4096,
-                                     graphs=mode, cuda_graph_bs=(1, 2, 4), max_running_requests=4), spec)
+        engine = Engine(EngineConfig(model=str(tiny_dirs["llama"][0]), device="cuda", dtype="float32",
+                                     max_total_tokens=4096, graphs=mode, cuda_graph_bs=(1, 2, 4),
+                                     max_running_requests=4), spec)
         outs[mode] = [o.output_ids for o in engine.generate(PROMPTS[:3], [params] * 3)]
     assert outs["eager"] == outs["cuda"]
 

@@ -176,3 +176,33 @@ def test_sglang_flags_fastspec_takes_parse_and_reach_the_engine(monkeypatch):
         num_draft_tokens=5)  # (generate runs at most its batch: one prompt)
     bad = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--context-length", "0"])
     assert bad.exit_code == 2 and bad.stderr == "error: max_context_len (--context-length) must be >= 1, got 0\n"
+
+
+def test_dtype_auto_is_float32_on_the_cpu_and_the_checkpoints_16_bits_on_cuda(tiny_dirs, tmp_path):
+    """SGLang's and vLLM's default --dtype auto (was refused: 'unknown dtype'): on the CPU float32 whatever the
+    checkpoint holds (a bfloat16 one too), on CUDA the checkpoint's 16-bit dtype, bfloat16 for a float32 one."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    import fastspec
+    from fastspec.cli import app
+    from fastspec.config import EngineConfig, resolve_dtype
+
+    assert EngineConfig(device="cpu").dtype == EngineConfig(device="cpu", dtype="auto").dtype == "float32"
+    assert [resolve_dtype("auto", device, stored) for device, stored in (
+        ("cuda", "bfloat16"), ("cuda:1", "float16"), ("cuda", "float32"), ("cpu", "bfloat16"))] == [
+        "bfloat16", "float16", "bfloat16", "float32"]
+    assert resolve_dtype("float16", "cuda", "bfloat16") == "float16"  # as asked
+    model_dir = tmp_path / "bf16"
+    shutil.copytree(tiny_dirs["llama"][0], model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    llm = fastspec.LLM(str(model_dir), device="cpu", max_total_tokens=512)
+    assert llm.engine.config.dtype == "float32" and llm.engine.model.lm_head.weight.dtype.is_floating_point
+    result = CliRunner().invoke(app, ["generate", "--model", str(model_dir), "--input-ids", "1,5,9", "--dtype", "auto",
+                                      "--max-new-tokens", "3", "--device", "cpu", "--json"])
+    assert result.exit_code == 0 and len(json.loads(result.stdout)["output_ids"]) == 3, result.output
+    bad = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--dtype", "int8"])
+    assert bad.exit_code == 2 and "unknown dtype 'int8'; choose one of auto, float32, bfloat16, float16" in bad.stderr

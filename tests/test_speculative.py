@@ -50,7 +50,7 @@ _reference_cache = {}
 def reference(tiny_dirs, family, page_size, prompts, params):
     key = (family, page_size, tuple(map(tuple, prompts)), params)
     if key not in _reference_cache:
-        llm = fastspec.LLM(str(tiny_dirs[family][0]), max_total_tokens=4096, page_size=page_size)
+        llm = fastspec.LLM(str(tiny_dirs[family][0]), dtype="float32", max_total_tokens=4096, page_size=page_size)
         _reference_cache[key] = [o.output_ids for o in llm.engine.generate(prompts, [params] * len(prompts))]
     return _reference_cache[key]
 

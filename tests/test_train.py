@@ -102,9 +102,9 @@ def test_training_on_cuda_lowers_the_loss_and_its_head_decodes_losslessly(chat_t
     losses = [e.info["loss"] for e in events if e.phase == "train"]
     assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3 and report["val_chain_tau"] >= 1
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    plain = LLM(model=str(chat_target)).generate([[1, 5, 9, 13]], params)
-    spec = LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(out), num_steps=3, topk=2,
-               num_draft_tokens=5).generate([[1, 5, 9, 13]], params)
+    plain = LLM(model=str(chat_target), dtype="float32").generate([[1, 5, 9, 13]], params)
+    spec = LLM(model=str(chat_target), dtype="float32", speculative_algorithm="EAGLE3", draft_model=str(out),
+               num_steps=3, topk=2, num_draft_tokens=5).generate([[1, 5, 9, 13]], params)
     assert spec[0].output_ids == plain[0].output_ids
 
 

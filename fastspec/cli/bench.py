@@ -75,8 +75,8 @@ def bench(
     notes.show()
     config = {"model": options.model, "algorithm": spec.engine.spec.algorithm, "num_steps": spec.engine.spec.num_steps,
               "topk": spec.engine.spec.topk, "num_draft_tokens": spec.engine.spec.num_draft_tokens,
-              "dtype": options.dtype, "max_new_tokens": max_new_tokens, "num_prompts": len(ids), "trials": trials,
-              "graphs": spec.engine.config.graph_mode}
+              "dtype": spec.engine.config.dtype, "max_new_tokens": max_new_tokens, "num_prompts": len(ids),
+              "trials": trials, "graphs": spec.engine.config.graph_mode}
     if as_json:
         typer.echo(json.dumps({"config": config, "results": [r.as_dict() for r in results]}))
     else:

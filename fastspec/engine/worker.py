@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from fastspec.attention import make_backend
-from fastspec.config import EngineConfig
+from fastspec.config import EngineConfig, resolve_dtype
 from fastspec.engine.overlap import OverlapSchedule
 from fastspec.engine.plain_rounds import PlainRounds
 from fastspec.engine.pools import build_memory
@@ -58,7 +58,8 @@ class Worker:
             config.model, spec.algorithm, spec.draft_model, quantization=config.quantization, device=config.device,
             load_format=config.load_format)
         self.model_dir, self.eos_ids = sources.model_dir, sources.eos_ids
-        self.config = config = dataclasses.replace(config, quantization=sources.quantization)
+        self.config = config = dataclasses.replace(config, quantization=sources.quantization, dtype=resolve_dtype(
+            config.dtype, config.device, sources.config.torch_dtype))
         self.max_context_len = sources.config.context_len(config.max_context_len)
         self.times = PhaseTimes()  # benchmarks set sync_cuda for a phase split on a GPU (a sync per phase costs)
         models = load_models(sources, spec, config)
