@@ -134,6 +134,10 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str,
             if name.startswith(skip) or tensor is None:
                 continue
             if name not in state:
+                packed = [f"{name.removesuffix('.weight')}.{k}" for k in ("qweight", "weight_packed")]
+                if any(key in state for key in packed):  # a GPTQ / AWQ / compressed-tensors repo without its config
+                    raise FastspecError(f"{source}: {next(k for k in packed if k in state)} is a packed quantised "
+                                        "weight but the checkpoint declares no quantisation (quantization_config)")
                 raise FastspecError(f"{source}: missing weight {name}")
             if tuple(state[name].shape) != tuple(tensor.shape):
                 raise FastspecError(f"{source}: weight {name} has shape {tuple(state[name].shape)}, "

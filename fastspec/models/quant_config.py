@@ -11,7 +11,8 @@ Methods read:
                       (llm-compressor's W4A16 / W8A16: `weight_packed`) and `int-quantized` int8 (W8A8: an int8
                       `weight`; run weight-only, its activations not rounded), a scale (and where asymmetric a
                       `weight_zero_point`) per group, channel or (int8) tensor
-  awq                 AutoAWQ's GEMM layout, 4 bits, zero points
+  awq                 AutoAWQ's GEMM layout, 4 bits, zero points; declared in config.json or in AutoAWQ's own
+                      quant_config.json
   gptq                AutoGPTQ / GPTQModel, 4 or 8 bits, v1 (zeros stored minus one) or v2, desc_act (`g_idx`)
   modelopt            NVIDIA ModelOpt's FP8 (`weight_scale` per tensor, static `input_scale`),
                       FP8_PER_CHANNEL_PER_TOKEN and FP8_PB_WO (a scale per 128 x 128 block, weight-only); declared in
@@ -40,6 +41,7 @@ REFUSED = {  # methods seen in the wild fastspec has no kernels for, with what t
 SUPPORTED = ("fp8 (per tensor, channel or 128 x 128 block), compressed-tensors fp8 / int4 / int8 (W8A16, W8A8), "
              "AWQ int4, GPTQ int4 / int8, ModelOpt FP8 (per tensor, channel or 128 x 128 block)")
 MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO")  # ModelOpt's quant_algo values read
+SIDE_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"), ("hf_quant_config.json", "modelopt"))
 MODELOPT_BLOCK = (128, 128)  # FP8_PB_WO's block (rows x input columns); its scale tensors' shapes are checked
 
 
@@ -68,10 +70,10 @@ class QuantScheme:
 
 def read_scheme(hf: dict, model_dir: Path | None = None, source: str = "config.json") -> QuantScheme | None:
     """The checkpoint's QuantScheme, or None for a float one. GPTQ repos that keep their settings in
-    quantize_config.json beside config.json, and ModelOpt exports that keep theirs in hf_quant_config.json, are read
-    too."""
+    quantize_config.json beside config.json, AutoAWQ exports in quant_config.json and ModelOpt exports in
+    hf_quant_config.json are read too."""
     quant = hf.get("quantization_config")
-    for name, method in (("quantize_config.json", "gptq"), ("hf_quant_config.json", "modelopt")):
+    for name, method in SIDE_FILES:
         if quant is None and model_dir is not None and (model_dir / name).is_file():
             quant, source = _side_file(model_dir / name, method)
     if not quant:
@@ -98,14 +100,17 @@ def read_scheme(hf: dict, model_dir: Path | None = None, source: str = "config.j
                         + (f" ({what})" if what else "") + f" is not supported; supported: {SUPPORTED}")
 
 
-def _side_file(path: Path, method: str) -> tuple[dict, str]:
-    """A quantisation config kept beside config.json: (its settings with `quant_method` set, the path)."""
+def _side_file(path: Path, method: str) -> tuple[dict | None, str]:
+    """A quantisation config kept beside config.json: (its settings with `quant_method` set, the path); None for a
+    quant_config.json that is not AutoAWQ's ({"w_bit": 4, "q_group_size": 128, "zero_point": true, "version": ...})."""
     try:
         quant = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise FastspecError(f"{path}: cannot read ({e})") from None
     if isinstance(quant, dict) and method == "modelopt":  # {"producer": {...}, "quantization": {"quant_algo": ...}}
         quant = quant.get("quantization", quant)
+    if method == "awq" and not (isinstance(quant, dict) and ("w_bit" in quant or quant.get("quant_method") == "awq")):
+        return None, str(path)
     if isinstance(quant, dict):
         quant = {"quant_method": method, **quant}
     return quant, str(path)
@@ -146,7 +151,8 @@ def _awq(quant: dict, source: str) -> QuantScheme:
     if version != "gemm":
         raise FastspecError(f"{source}: AWQ version {version!r} is not supported (the GEMM layout only: "
                             "re-export with version gemm)")
-    bits, group = int(quant.get("bits", quant.get("w_bit", 4))), int(quant.get("group_size", quant.get("q_group_size", 128)))
+    bits = int(quant.get("bits", quant.get("w_bit", 4)))  # (AutoAWQ's own quant_config.json: w_bit, q_group_size)
+    group = int(quant.get("group_size", quant.get("q_group_size", 128)))
     if bits != 4:
         raise FastspecError(f"{source}: AWQ with {bits} bits is not supported (4 bits)")
     if not quant.get("zero_point", True):
@@ -163,6 +169,9 @@ def _gptq(quant: dict, source: str) -> QuantScheme:
     if quant.get("dynamic"):
         raise FastspecError(f"{source}: GPTQ with per-module settings (`dynamic`) is not supported (one bit width "
                             "and group size for every linear)")
+    pack = str(quant.get("pack_dtype") or "int32").removeprefix("torch.")
+    if pack != "int32":  # GPTQModel can pack into int8 / int16 / int64 words; the readers take int32 ones
+        raise FastspecError(f"{source}: GPTQ packed into {pack} words (pack_dtype) is not supported (int32)")
     bits = int(quant.get("bits", 4))
     if bits not in (4, 8):
         raise FastspecError(f"{source}: GPTQ with {bits} bits is not supported (4 or 8 bits)")

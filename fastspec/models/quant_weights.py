@@ -153,6 +153,16 @@ def _need(t: dict, key: str, where: str) -> torch.Tensor:
     return t[key]
 
 
+def _words(t: dict, key: str, where: str) -> torch.Tensor:
+    """A tensor of packed 32-bit words (int32 as every writer stores them; uint32 read as the same bits): another
+    dtype packs a different number of values per word (GPTQModel's pack_dtype), so it is one line."""
+    words = _need(t, key, where)
+    if words.dtype not in (torch.int32, torch.uint32):
+        raise FastspecError(f"{where}.{key} is stored as {str(words.dtype).removeprefix('torch.')}; packed weights "
+                            "are read as int32 words")
+    return words.view(torch.int32)
+
+
 def _expect(tensor: torch.Tensor, shape: tuple, key: str, where: str) -> None:
     if tuple(tensor.shape) != tuple(shape):
         raise FastspecError(f"{where}.{key} has shape {tuple(tensor.shape)}, expected {tuple(shape)}")
@@ -167,24 +177,26 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def _awq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
-    qweight, qzeros, scales = (_need(t, k, where) for k in ("qweight", "qzeros", "scales"))
-    k, n = qweight.shape[0], scales.shape[-1]
+    qweight, qzeros, scales = _words(t, "qweight", where), _words(t, "qzeros", where), _need(t, "scales", where)
+    k, n = qweight.shape[0], qweight.shape[1] * 8
     group = scheme.group or k
     if k % group:
         raise FastspecError(f"{where}.qweight: {k} inputs are not a multiple of the group size {group}")
-    _expect(qweight, (k, n // 8), "qweight", where)
-    _expect(qzeros, (k // group, n // 8), "qzeros", where)
+    if scales.dim() != 2 or scales.shape[1] != n:  # (which of the two is wrong only the model's shapes would say)
+        raise FastspecError(f"{where}: qweight {tuple(qweight.shape)} holds {n} output columns, scales "
+                            f"{tuple(scales.shape)} does not")
     _expect(scales, (k // group, n), "scales", where)
+    _expect(qzeros, (k // group, n // 8), "qzeros", where)
     reorder = torch.tensor([AWQ_ORDER.index(j) for j in range(8)])  # column j sits in nibble AWQ_ORDER.index(j)
 
     def columns(packed):  # [rows, N/8] int32 -> [rows, N] uint8, output columns in order
-        return unpack_int32(packed.to(torch.int32), 4, 1).view(packed.shape[0], -1, 8)[..., reorder].flatten(1)
+        return unpack_int32(packed, 4, 1).view(packed.shape[0], -1, 8)[..., reorder].flatten(1)
 
     return _from_unsigned(columns(qweight).t(), columns(qzeros).t().float(), scales.t().float(), 4)
 
 
 def _gptq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
-    qweight, qzeros, scales = (_need(t, k, where) for k in ("qweight", "qzeros", "scales"))
+    qweight, qzeros, scales = _words(t, "qweight", where), _words(t, "qzeros", where), _need(t, "scales", where)
     bits, per = scheme.bits, 32 // scheme.bits
     k, n = qweight.shape[0] * per, qweight.shape[1]
     group = scheme.group or k
@@ -193,8 +205,8 @@ def _gptq(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     groups = k // group
     _expect(scales, (groups, n), "scales", where)
     _expect(qzeros, (groups, n // per), "qzeros", where)
-    q = unpack_int32(qweight.to(torch.int32), bits, 0).t()  # [N, K]
-    z = unpack_int32(qzeros.to(torch.int32), bits, 1).t().float() + (1 if scheme.gptq_v1 else 0)  # [N, G]
+    q = unpack_int32(qweight, bits, 0).t()  # [N, K]
+    z = unpack_int32(qzeros, bits, 1).t().float() + (1 if scheme.gptq_v1 else 0)  # [N, G]
     if scheme.gptq_v1:
         z = z.remainder(1 << bits)  # v1 stores zero - 1 in `bits` bits (a zero of 0 wrapped around)
     s = scales.t().float()
@@ -248,8 +260,9 @@ def _zero_points(t: dict, scheme: QuantScheme, where: str) -> torch.Tensor | Non
 
 
 def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
-    packed, scale = _need(t, "weight_packed", where), _need(t, "weight_scale", where)
+    packed, scale = _words(t, "weight_packed", where), _need(t, "weight_scale", where)
     zero = _zero_points(t, scheme, where)
+    zero = None if zero is None else _words(t, "weight_zero_point", where)
     bits = scheme.bits
     n, k = (int(v) for v in t["weight_shape"].tolist()) if "weight_shape" in t else (packed.shape[0],
                                                                                     packed.shape[1] * 32 // bits)
@@ -258,7 +271,7 @@ def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     if k % group:
         raise FastspecError(f"{where}.weight_packed: {k} inputs are not a multiple of the group size {group}")
     _expect(scale, (n, k // group), "weight_scale", where)
-    u = unpack_int32(packed.to(torch.int32), bits, 1)[:, :k]  # value + 2^(bits-1)
+    u = unpack_int32(packed, bits, 1)[:, :k]  # value + 2^(bits-1)
     perm = _ct_order(t, scheme, k, group, where)
     if perm is not None:
         u = u[:, perm]
@@ -266,7 +279,7 @@ def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     z = torch.full_like(s, mid)  # (the zero point + 2^(bits-1), as the values)
     if zero is not None:
         _expect(zero, (-(-n * bits // 32), k // group), "weight_zero_point", where)
-        z = unpack_int32(zero.to(torch.int32), bits, 0)[:n].float()
+        z = unpack_int32(zero, bits, 0)[:n].float()
     return _from_unsigned(u, z, s, bits, perm)
 
 
