@@ -5,6 +5,7 @@ quant_config.json; and the inputs that must be one line: packed words of another
 packed weights without a config, int4 rounding a hidden size that does not take its groups."""
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -158,3 +159,35 @@ def test_autoawqs_quant_config_json_is_read(awq_dir, tmp_path):
     (model_dir / "quant_config.json").write_text(json.dumps({"something": "else"}))
     with pytest.raises(FastspecError, match="declares no quantisation"):
         tokens(model_dir)
+
+
+@pytest.mark.commands
+def test_int4_rounding_of_a_hidden_size_its_groups_do_not_take_is_one_line(tmp_path):
+    """Hidden size 48 (groups of 32): every projection reading the hidden state would have stayed float and the
+    model run unrounded, silently. One line before any weight is read, exit 2."""
+    from typer.testing import CliRunner
+
+    from fastspec.cli.main import app
+    from tiny_models import make_hf_model
+
+    make_hf_model("llama", hidden_size=48, intermediate_size=96).save_pretrained(tmp_path / "m")
+    with pytest.raises(FastspecError, match="hidden size 48 is not a multiple of 32; use int8 or fp8"):
+        fastspec.LLM(str(tmp_path / "m"), quantization="int4", max_total_tokens=512)
+    result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path / "m"), "--input-ids", "5,6",
+                                      "--quantization", "int4"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert tokens(tmp_path / "m", quantization="int8")[0]  # per channel: any width
+
+
+def test_int4_rounding_names_the_linears_it_leaves_float(tiny_dirs, caplog):
+    """MLA's q_b_proj takes 48 inputs (q_lora_rank) here: left float, said once; the experts are rounded and
+    counted."""
+    from fastspec.models.layers import fuse_projections
+    from fastspec.models.loader import load_target
+    from fastspec.models.quantise import quantise_online
+
+    model = fuse_projections(load_target(tiny_dirs["deepseek_v3"][0], torch.float32))
+    with caplog.at_level(logging.WARNING, logger="fastspec.models.quantise"):
+        count = quantise_online(model, "int4")
+    assert "4 linears whose inputs are not a multiple of 32 stay float (layers.0.self_attn.q_b_proj" in caplog.text
+    assert count > 3 * 8 * 3  # three MoE layers of 8 experts, each gate / up / down

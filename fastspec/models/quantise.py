@@ -7,6 +7,8 @@ packed_layers).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -18,6 +20,8 @@ from fastspec.models.quant_layers import QuantLinear, bind_linears
 from fastspec.models.quant_weights import Fp8Weight, IntWeight, QuantWeight
 
 ONLINE = ("fp8", "int8", "int4")
+
+log = logging.getLogger(__name__)
 
 
 def quantise_target(model: nn.Module, method: str, activation: torch.dtype | None, online: bool) -> int:
@@ -36,17 +40,24 @@ def quantise_online(model: nn.Module, method: str) -> int:
     kv_b_proj) as a QuantLinear, and stacked MoE experts as LinearExperts of them: fp8 e4m3 with a scale per output
     channel; int8 symmetric per output channel; int4 with a scale and an offset per 32 inputs (Q4_1's rounding;
     a linear whose inputs are not a multiple of 32 stays float). Returns how many linears were rounded."""
-    count = 0
-    for module in list(model.model.layers.modules()):
+    count, left = 0, []  # left: names of the linears int4 leaves float
+    for prefix, module in list(model.model.layers.named_modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, Experts):
-                setattr(module, name, _online_experts(child, method))
-                count += 3 * child.gate_proj.shape[0]
-            elif (isinstance(child, nn.Linear) and name not in TENSOR_LINEARS
-                  and (method != "int4" or child.in_features % BLOCK == 0)):
+                rounded = _online_experts(child, method)
+                setattr(module, name, rounded)
+                count += 3 * child.gate_proj.shape[0] if rounded is not child else 0
+                left += [f"{prefix}.{name}"] if rounded is child else []
+            elif isinstance(child, nn.Linear) and name not in TENSOR_LINEARS:
+                if method == "int4" and child.in_features % BLOCK:
+                    left.append(f"{prefix}.{name}")
+                    continue
                 bias = None if child.bias is None else child.bias.detach()
                 setattr(module, name, QuantLinear(online_form(child.weight.detach(), method), bias))
                 count += 1
+    if left:
+        log.warning("--quantization int4: %d linears whose inputs are not a multiple of %d stay float (layers.%s, ...)",
+                    len(left), BLOCK, left[0])
     return count
 
 

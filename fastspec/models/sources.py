@@ -57,6 +57,7 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
     check_target(config, model_dir)
     scheme = checkpoint_scheme(model_dir)
     quantization = resolve_quantization(quantization, model_dir, scheme, device, load_format, algorithm)
+    check_int4_rounding(quantization, config, model_dir)
     draft_dir = draft_config = draft_scheme = None
     if algorithm in DRAFTED:
         draft = mtp_draft(str(model_dir), model_dir, config, named, draft_model)
@@ -171,6 +172,16 @@ def resolve_quantization(quantization: str | None, model_dir: Path, scheme: Quan
         return quantization
     converted = (Path(model_dir) / BLOCKS_FILE).is_file()
     return "gguf" if converted and device == "cpu" and load_format == "auto" and algorithm != "EAGLE" else None
+
+
+def check_int4_rounding(quantization: str | None, config: ModelConfig, model_dir: Path) -> None:
+    """int4 rounding at load takes groups of 32 inputs: a model whose hidden size is not a multiple of that would
+    keep every projection that reads the hidden state float (one line, before any weight is read)."""
+    from fastspec.models.gguf_blocks import BLOCK
+
+    if quantization == "int4" and config.hidden_size % BLOCK:
+        raise FastspecError(f"--quantization int4 rounds groups of {BLOCK} inputs, but {model_dir}'s hidden size "
+                            f"{config.hidden_size} is not a multiple of {BLOCK}; use int8 or fp8 (per channel)")
 
 
 def generation_eos_ids(model_dir, config_eos: tuple[int, ...]) -> frozenset[int]:
