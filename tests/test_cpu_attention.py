@@ -69,6 +69,27 @@ def test_a_verify_row_is_the_decode_step_of_its_token(dtype, kv):
         assert torch.equal(verified[t], CpuPagedBackend().run(alone, q[t:t + 1], k, v, D ** -0.5)[0]), t
 
 
+def test_a_shared_key_after_the_block_is_one_more_key_of_every_row():
+    """paged_block_plan's `shared` keys (a STANDALONE draft's first-token key) follow the new tokens: each row is,
+    bit for bit, the decode step over its prefix, its ancestors, itself (by the diagonal alone: the mask here has
+    none, so a shifted diagonal would show) and its request's shared key; the twin agrees to rounding."""
+    prefix, shared = [5, 130], torch.tensor([325, 9])  # neither in its request's prefix or tree
+    q, k, v = operands(torch.float32, torch.float32)
+    strict = TREE & ~torch.eye(4, dtype=torch.bool)
+    plan = paged_block_plan(TABLE, torch.tensor([0, 1]), torch.tensor(prefix), TABLE[:, 150:154].long(),
+                            strict.expand(2, 4, 4), shared)
+    assert torch.equal(plan.out_cache_loc, TABLE[:, 150:154].long().flatten())  # the shared keys are not written
+    got = CpuPagedBackend().run(plan, q, k, v, D ** -0.5)
+    torch.testing.assert_close(got, paged_attention_twin(q, k, v, *op_args(plan), D ** -0.5, True), atol=1e-5,
+                               rtol=1e-5)
+    for t in range(8):
+        b, i = divmod(t, 4)
+        seen = torch.cat([TABLE[b, 150:154][TREE[i]].long(), shared[b:b + 1]])[None]
+        alone = paged_block_plan(TABLE, torch.tensor([b]), torch.tensor([prefix[b]]), seen,
+                                 torch.ones(1, 1, seen.shape[1], dtype=torch.bool))
+        assert torch.equal(got[t], CpuPagedBackend().run(alone, q[t:t + 1], k, v, D ** -0.5)[0]), t
+
+
 def test_without_the_library_the_op_is_its_twin(monkeypatch):
     plan, (q, k, v) = verify_plan([5, 130]), operands(torch.bfloat16, torch.bfloat16)
     monkeypatch.setattr(cpu_library, "library", lambda: None)

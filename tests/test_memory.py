@@ -221,6 +221,27 @@ def test_kv_pool_grow_keeps_every_slot_and_zeroes_the_new_ones(page_size, separa
         pool.grow(1)
 
 
+@pytest.mark.parametrize("page_size, separate_v", [(1, True), (4, False)])
+def test_kv_pool_row_slots_follow_the_token_slots_and_keep_their_values_as_it_grows(page_size, separate_v):
+    """A pool with a slot per request-table row (a STANDALONE draft's first-token keys): row r's slot lies past
+    every slot the allocator hands out, and growing moves its K/V along with it."""
+    pool = KVPool(2, 2, 3, capacity=4, page_size=page_size, separate_v=separate_v, row_slots=3)
+    assert pool.num_slots == pool.capacity + page_size + 3
+    rows = torch.tensor([2, 0, 1])
+    assert pool.row_slot(rows).tolist() == [pool.capacity + page_size + r for r in (2, 0, 1)]
+    tokens, k = torch.arange(1, pool.capacity + page_size), torch.randn(pool.num_slots, 2, 3)
+    for layer in range(2):
+        pool.write(layer, torch.arange(pool.num_slots), k + layer, k - layer)
+    pool.grow(9)
+    assert pool.num_slots == pool.capacity + page_size + 3 and pool.k.shape[1] == pool.num_slots
+    for layer in range(2):
+        for t in (pool.k, pool.v) if separate_v else (pool.k,):
+            sign = 1 if t is pool.k else -1
+            assert torch.equal(t[layer, pool.row_slot(rows)], k[-3:][rows] + sign * layer)
+            assert torch.equal(t[layer, tokens], k[tokens] + sign * layer)
+            assert not t[layer, tokens[-1] + 1:pool.row_slot(torch.tensor(0))].any()
+
+
 def test_kv_pool_grown_in_inference_mode_stays_a_normal_tensor():
     pool = KVPool(1, 1, 2, capacity=4)
     with torch.inference_mode():

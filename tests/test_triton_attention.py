@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton  # noqa: E402,F401  (a dev dependency: CI must not skip these)
 
-from fastspec.attention.paged import paged_attention_twin  # noqa: E402
+from fastspec.attention.paged import paged_attention_twin, paged_block_plan  # noqa: E402
 from fastspec.attention.triton_paged import paged_attention as triton_paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,6 +137,22 @@ def test_rows_that_see_only_the_block_and_one_key():
         got = triton_paged_attention(q, k_cache, v_cache, table, rows, lens, block_slots, nothing, scale,
                                      self_visible=True, splits=splits)
         torch.testing.assert_close(got, want)
+
+
+def test_a_shared_key_after_the_block_keeps_each_row_its_own_key():
+    """paged_block_plan's `shared` key per request (a STANDALONE draft's first-token key) after the new tokens: row i
+    still sees block key i by self_visible (the mask here has no diagonal), and every row sees the shared key."""
+    args, scale = case(**CASES["tree_page16"], dtype=torch.float32)
+    q, k_cache, v_cache, table, rows, lens, block_slots, block_mask = args
+    eye = torch.eye(block_mask.shape[1], dtype=torch.bool, device=q.device)
+    shared = torch.tensor([5, 4000, 17, 1000], device=q.device)
+    plan = paged_block_plan(table, rows, lens, block_slots, block_mask & ~eye, shared)
+    want = oracle(*(t.cpu() for t in (q, k_cache, v_cache, table, rows, lens, plan.block_slots)),
+                  torch.cat([block_mask, torch.ones_like(block_mask[..., :1])], 2).cpu(), scale)
+    for splits in (0, 2):
+        got = triton_paged_attention(q, k_cache, v_cache, table, rows, lens, plan.block_slots, plan.block_mask, scale,
+                                     self_visible=True, splits=splits)
+        torch.testing.assert_close(got.cpu().double(), want, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -35,11 +35,17 @@ class PagedPlan:
 def paged_block_plan(table: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
                      new_slots: torch.Tensor,  # int64 [bs, Q]  this forward's tokens (padded rows: slot 0)
                      new_mask: torch.Tensor,   # bool [bs, Q, Q]  which new tokens each new token sees
+                     shared: torch.Tensor | None = None,  # int64 [bs]  a key every row of its request also sees
                      ) -> PagedPlan:
-    """The new tokens as the block (causal for extend, the tree for verify). Every new token sees itself
-    (`self_visible`: the op adds the diagonal, so a compiled graph does not build a mask per layer), so no row is
-    fully masked (a NaN from one would reach dummy slot 0 and, through 0 * NaN, every row reading it)."""
-    return PagedPlan(table, rows, prefix_lens, new_slots, new_mask, new_slots.flatten(), self_visible=True)
+    """The new tokens as the block (causal for extend, the tree for verify), then the `shared` keys if given. Every
+    new token sees itself (`self_visible`: the op adds the diagonal, so a compiled graph does not build a mask per
+    layer), so no row is fully masked (a NaN from one would reach dummy slot 0 and, through 0 * NaN, every row
+    reading it)."""
+    block, mask = new_slots, new_mask
+    if shared is not None:  # after the new tokens: block key i stays row i's own
+        block = torch.cat([new_slots, shared[:, None]], 1)
+        mask = torch.cat([new_mask, new_mask.new_ones(*new_mask.shape[:2], 1)], 2)
+    return PagedPlan(table, rows, prefix_lens, block, mask, new_slots.flatten(), self_visible=True)
 
 
 class PagedAttnBackend:

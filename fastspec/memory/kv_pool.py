@@ -34,12 +34,15 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> Non
     cache.index_copy_(0, slots, x)
 
 
-def _extended(kv: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """kv [L, S, H, D] -> [L, num_slots, H, D]: the first S slots copied, the rest zero; an inference tensor if
-    kv was one (a compiled graph's guards then hold for the new tensor as they did for the old)."""
+def _extended(kv: torch.Tensor, num_slots: int, tail: int) -> torch.Tensor:
+    """kv [L, S, H, D] -> [L, num_slots, H, D]: the first S - tail slots copied to the same index and the last tail
+    to the new end, the rest zero; an inference tensor if kv was one (a compiled graph's guards then hold for the
+    new tensor as they did for the old)."""
     with torch.inference_mode(kv.is_inference()):
         out = kv.new_zeros((kv.shape[0], num_slots, *kv.shape[2:]))
-        out[:, :kv.shape[1]] = kv
+        head = kv.shape[1] - tail
+        out[:, :head] = kv[:, :head]
+        out[:, num_slots - tail:] = kv[:, head:]
     return out
 
 
@@ -63,8 +66,10 @@ def available_bytes(device="cpu") -> int:
 
 class KVPool:
     """One model's K/V for all layers. k, v: [num_layers, num_slots, num_kv_heads, head_dim] (NHD, page-size-1
-    view). num_slots = capacity + page_size: the first page (slot 0 when page_size == 1) is the reserved dummy.
-    Slot s of page p is p * page_size + s % page_size, so k[l].view(-1, page_size, H, D) is the paged view.
+    view). num_slots = capacity + page_size + row_slots: the first page (slot 0 when page_size == 1) is the reserved
+    dummy. Slot s of page p is p * page_size + s % page_size, so k[l].view(-1, page_size, H, D) is the paged view.
+    `row_slots` slots after the allocator's belong to no token but to a request-table row each (`row_slot`): a
+    STANDALONE draft keeps its first-token key there.
 
     A latent pool (`separate_v=False`, MLA) stores only k: per token one compressed-KV | rope-key vector, whose
     leading dims serve as V; v is None.
@@ -75,7 +80,7 @@ class KVPool:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, page_size: int = 1,
                  dtype=torch.float32, device="cpu", separate_v: bool = True,
-                 scales: tuple[tuple[float, float], ...] | None = None):
+                 scales: tuple[tuple[float, float], ...] | None = None, row_slots: int = 0):
         if capacity < 1 or page_size < 1:
             raise ValueError(f"KVPool needs capacity >= 1 and page_size >= 1, got {capacity}, {page_size}")
         if scales is not None and (len(scales) != num_layers or not separate_v):
@@ -83,7 +88,8 @@ class KVPool:
         self.scales = scales
         self.page_size = page_size
         self.capacity = -(-capacity // page_size) * page_size  # round up to whole pages
-        self.num_slots = self.capacity + page_size
+        self.row_slots = row_slots
+        self.num_slots = self.capacity + page_size + row_slots
         shape = (num_layers, self.num_slots, num_kv_heads, head_dim)
         # zeros, not empty: padded rows may read unwritten slots, and 0 * NaN garbage would poison attention
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [num_layers, num_slots, num_kv_heads, head_dim]
@@ -91,14 +97,18 @@ class KVPool:
 
     def grow(self, capacity: int) -> None:
         """Hold `capacity` tokens (rounded up to whole pages): new, larger k / v with every old slot copied to the
-        same index (slot ids keep their meaning) and the new slots zero. Whoever kept the old tensors keeps
-        reading them: only between steps, with nothing in flight."""
+        same index (slot ids keep their meaning; the row slots move to the new end) and the new slots zero. Whoever
+        kept the old tensors keeps reading them: only between steps, with nothing in flight."""
         capacity = -(-capacity // self.page_size) * self.page_size
         if capacity < self.capacity:
             raise ValueError(f"a KV pool grows: capacity {capacity} < {self.capacity}")
-        self.capacity, self.num_slots = capacity, capacity + self.page_size
-        self.k = _extended(self.k, self.num_slots)
-        self.v = None if self.v is None else _extended(self.v, self.num_slots)
+        self.capacity, self.num_slots = capacity, capacity + self.page_size + self.row_slots
+        self.k = _extended(self.k, self.num_slots, self.row_slots)
+        self.v = None if self.v is None else _extended(self.v, self.num_slots, self.row_slots)
+
+    def row_slot(self, rows: torch.Tensor) -> torch.Tensor:
+        """The slot of each request-table row in `rows` (int64, any shape; no host read): valid until `grow`."""
+        return rows + (self.capacity + self.page_size)
 
     def scale(self, layer: int) -> tuple[float, float]:
         """(k_scale, v_scale) of `layer`: (1, 1) but in a pool made with a checkpoint's scales."""
