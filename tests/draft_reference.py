@@ -55,6 +55,7 @@ class _Recording(torch.nn.Module):
         super().__init__()
         self.draft, self.probs = draft, []
         self.per_step_layers, self.config = draft.per_step_layers, draft.config
+        self.first_token_sink = draft.first_token_sink
 
     def forward(self, *args, **kwargs):
         return self.draft(*args, **kwargs)
@@ -76,7 +77,7 @@ def reference(engine, drafter, tokens: list[int]) -> Reference:
     layers, heads, dim, separate_v = draft.config.kv_layout
     topk, steps = drafter.topk, drafter.num_steps
     pool = KVPool(layers, heads, dim, n + 1 + 2 * topk * max(steps, 1), 1, features.dtype, separate_v=separate_v)
-    rows, layer_rows = draft_prefill(draft, pool, seq[1:], features)  # position p in slot p + 1
+    rows, layer_rows = draft_prefill(draft, pool, seq, features)  # position p in slot p + 1 (t_0's key: slot 0)
     recording = _Recording(draft)
     topk_p, topk_index = draft_top_k(draft, drafter.hot_token_id, rows.normed[n - 1:n], drafter.extend_topk)
     scores, token_list, parents = round_candidates(recording, drafter.hot_token_id, pool, rows, torch.tensor([n]),
@@ -96,10 +97,10 @@ def reference(engine, drafter, tokens: list[int]) -> Reference:
 def oracle_paths(draft, drafter, pool, n: int, root_p, root_tokens, root_carry) -> tuple[frozenset, float]:
     """The EAGLE tree from first principles: the root's top-k are the first candidates and beams; each step every
     beam (a path of draft tokens) is drafted on its own, at position n + depth - 1, from its last token and its
-    parent's carry, seeing the committed KV (slots 1..n) and the KV its own ancestors wrote (a draft with a layer
-    per step: the committed KV of its step's layer only); its top-k children score beam score x probability, the
-    best k of all children are the next beams; the tree is the best N-1 candidates of every step. Returns the
-    tree as a set of paths, and the smallest relative gap those choices depend on."""
+    parent's carry, seeing the committed KV (slots 1..n; a first-token sink: slot 0 too) and the KV its own ancestors
+    wrote (a draft with a layer per step: the committed KV of its step's layer only); its top-k children score beam
+    score x probability, the best k of all children are the next beams; the tree is the best N-1 candidates of every
+    step. Returns the tree as a set of paths, and the smallest relative gap those choices depend on."""
     topk, layered = drafter.topk, draft.per_step_layers > 1
     beams = [(float(p), (int(t),)) for p, t in zip(root_p, root_tokens)]
     candidates, gaps = list(beams), []
@@ -110,7 +111,7 @@ def oracle_paths(draft, drafter, pool, n: int, root_p, root_tokens, root_carry) 
         for score, path in beams:
             slot[path] = next(free)
             ancestors = [] if layered else [slot[path[:i]] for i in range(1, len(path))]
-            prefix = torch.tensor([list(range(1, n + 1)) + ancestors])
+            prefix = torch.tensor([list(range(1 - draft.first_token_sink, n + 1)) + ancestors])
             plan = block_plan(prefix, torch.ones_like(prefix, dtype=torch.bool), torch.tensor([[slot[path]]]),
                               torch.ones(1, 1, 1, dtype=torch.bool))
             args = (torch.tensor(path[-1:]), torch.tensor([n + len(path) - 1]), carry[path[:-1]][None],

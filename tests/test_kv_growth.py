@@ -20,7 +20,7 @@ LARGE = 4096  # the ceiling, and the static pool the outputs are compared with
 
 def make(tiny_dirs, draft_dirs, algorithm, draft, page_size, **extra):
     family = "llama"
-    draft_path = str(draft_dirs[family][draft]) if draft else None
+    draft_path = str(tiny_dirs[family][0]) if draft == "self" else str(draft_dirs[family][draft]) if draft else None
     steps, topk, n = (3, 2, 5) if draft else (None, None, None)
     return fastspec.LLM(str(tiny_dirs[family][0]), speculative_algorithm=algorithm, draft_model=draft_path,
                         num_steps=steps, topk=topk, num_draft_tokens=n, page_size=page_size, **extra)
@@ -51,7 +51,7 @@ CASES = [
     ("EAGLE3", "eagle3", 1, "off", True),
     ("EAGLE3", "eagle3", 16, "on", True),
     ("EAGLE", "eagle", 1, "on", False),
-    ("STANDALONE", "standalone", 4, "off", False),
+    ("STANDALONE", "self", 4, "off", False),  # (the target drafting for itself: long accepted runs)
 ]
 
 
@@ -64,15 +64,21 @@ def test_a_growing_pool_decodes_as_a_large_static_one(monkeypatch, tiny_dirs, dr
 
     static = build(max_total_tokens=LARGE)
     params = params_for(PROMPTS)
-    expected = [o.output_ids for o in static.engine.generate(PROMPTS, params)]
+    outputs = static.engine.generate(PROMPTS, params)
+    expected, accepted = [o.output_ids for o in outputs], [o.metrics.accepted_tokens for o in outputs]
+    assert draft != "self" or min(accepted) > 10
     llm = growing(monkeypatch, build, static, LARGE)
     for _ in range(2):  # the second time (prefix cache on): the first run's KV is cached in the grown pool
-        assert [o.output_ids for o in llm.engine.generate(PROMPTS, params)] == expected
+        outputs = llm.engine.generate(PROMPTS, params)
+        assert [o.output_ids for o in outputs] == expected
+        if not cache:  # the draft state survives growth (a STANDALONE draft's first-token keys too)
+            assert [o.metrics.accepted_tokens for o in outputs] == accepted
         llm.engine.check_kv()
     memory = llm.engine.worker.memory
     assert 8 * INITIAL <= memory.pool.capacity <= memory.ceiling  # doubled at least three times
     for p in memory.pools:  # target and draft pools grow together, in step with the allocator
-        assert p.num_slots == memory.pool.capacity + page_size == p.k.shape[1]
+        assert p.num_slots == memory.pool.capacity + page_size + p.row_slots == p.k.shape[1]
+        assert p.row_slots == (memory.table.table.shape[0] if p is memory.draft_pool and draft == "self" else 0)
     assert memory.allocator.capacity == memory.pool.capacity
     assert llm.engine.preemptions == 0
     assert all_slots_free(llm.engine)

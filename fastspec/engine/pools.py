@@ -84,13 +84,14 @@ def build_memory(c: ModelConfig, draft_shape: tuple | None, cfg: EngineConfig, s
     grows = cfg.max_total_tokens is None and torch.device(cfg.device).type == "cpu"
     capacity = min(ceiling, -(-INITIAL_KV_TOKENS // cfg.page_size) * cfg.page_size) if grows else ceiling
     pool = KVPool(layers, heads, dim, capacity, cfg.page_size, kv_dtype, cfg.device, separate_v, kv_scales)
-    draft_pool = None if draft_shape is None else KVPool(*draft_shape[:3], capacity, cfg.page_size, kv_dtype,
-                                                         cfg.device, draft_shape[3])
     allocator = make_allocator(pool.capacity, cfg.page_size, cfg.device)
     # a round's draft scratch or verify rows past the context, twice: under the overlap schedule a request that
     # finished runs one more round before the host knows
     margin = 2 * max(spec.topk * spec.num_steps, spec.num_draft_tokens) + cfg.page_size
     table = ReqToTokenTable(cfg.max_running_requests, max_context_len + margin, cfg.device)
+    sinks = table.table.shape[0] if spec.algorithm == "STANDALONE" else 0  # its first-token key: a slot per row
+    draft_pool = None if draft_shape is None else KVPool(*draft_shape[:3], capacity, cfg.page_size, kv_dtype,
+                                                         cfg.device, draft_shape[3], row_slots=sinks)
     cache = PrefixCache(allocator, table, cfg.page_size, cfg.device, states) if cfg.radix_cache else None
     memory = WorkerMemory(pool, draft_pool, allocator, table, states, cache, ceiling, cfg.graph_mode == "compile")
     if memory.compiled:

@@ -59,6 +59,7 @@ class DeepseekMTP(DeepseekDecoderLayer):
     under `model.layers.{N}.`; `embed_tokens` and `shared_head.head` fall back to the target's when absent."""
 
     per_step_layers = 1  # one layer drafts every step
+    first_token_sink = False  # fed the target's hidden states (fastspec.models.eagle.StandaloneDraft has one)
 
     def __init__(self, config: ModelConfig, layer_id: int, attn_layer_id: int = 0):
         super().__init__(config, layer_id, is_moe_layer(config, layer_id), attn_layer_id=attn_layer_id)
@@ -93,6 +94,8 @@ class MTPStack(nn.Module):
     relative positions only). Each layer has its own KV layer k in the draft pool; a draft step attends only its
     own layer's committed KV (the draft positions before it were made by other layers). The heads of DeepSeek's
     MTP layers are the target's lm_head: the first layer's scores every step."""
+
+    first_token_sink = False  # as DeepseekMTP
 
     def __init__(self, layers: list[DeepseekMTP]):
         super().__init__()

@@ -31,6 +31,7 @@ class LlamaForCausalLMEagle(nn.Module):
     """
 
     per_step_layers = 1  # one draft model for every step (fastspec.models.deepseek.MTPStack: one each)
+    first_token_sink = False  # its rows pair t_{p+1} with the target's h_p, which has seen t_0 (StandaloneDraft)
 
     def __init__(self, config: ModelConfig, embed: nn.Embedding, lm_head_weight: torch.Tensor,
                  hot_token_id: torch.Tensor | None = None):
@@ -96,6 +97,7 @@ class LlamaForCausalLMEagle3(nn.Module):
     `draft_vocab_size` tokens with the d2t offsets (draft id i -> target id i + d2t[i])."""
 
     per_step_layers = 1  # one draft model for every step (fastspec.models.deepseek.MTPStack: one each)
+    first_token_sink = False  # as LlamaForCausalLMEagle
 
     def __init__(self, config: ModelConfig, embed: nn.Embedding | None = None, lm_head: nn.Linear | None = None):
         super().__init__()
@@ -137,9 +139,14 @@ class LlamaForCausalLMEagle3(nn.Module):
 
 
 class StandaloneDraft(torch.nn.Module):
-    """A full small LM as the draft (STANDALONE): same interface as the EAGLE heads, features ignored."""
+    """A full small LM as the draft (STANDALONE): same interface as the EAGLE heads, features ignored.
+
+    Draft position p holds token t_{p+1}, so the sequence's first token t_0 (BOS, most LMs' attention sink) is no
+    draft row: its K/V sit in one extra key every draft row attends (`first_token_sink`), written by `sink`, and
+    draft position p is the LM's position p + 1, so the LM sees t_0, t_1, ... at their true positions."""
 
     per_step_layers = 1  # one draft model for every step (fastspec.models.deepseek.MTPStack: one each)
+    first_token_sink = True
 
     def __init__(self, lm):
         super().__init__()
@@ -147,8 +154,12 @@ class StandaloneDraft(torch.nn.Module):
         self.config = lm.config
 
     def forward(self, input_ids, positions, hidden, attn) -> DraftHidden:
-        h = self.lm(input_ids, positions, attn).final
+        h = self.lm(input_ids, positions + 1, attn).final
         return DraftHidden(h, h)
+
+    def sink(self, first_ids: torch.Tensor, attn) -> None:
+        """Write the K/V of each request's t_0 [n] at LM position 0 (it attends only itself) where `attn` says."""
+        self.lm(first_ids, torch.zeros_like(first_ids), attn)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.lm.compute_logits(normed)

@@ -151,6 +151,7 @@ class Qwen3NextMTP(nn.Module):
     layer 0 in the draft pool; no recurrent state), a final norm, the target's embedding and lm_head."""
 
     per_step_layers = 1  # one draft model for every step (fastspec.models.deepseek.MTPStack: one each)
+    first_token_sink = False  # fed the target's hidden states (fastspec.models.eagle.StandaloneDraft has one)
 
     def __init__(self, config: ModelConfig, embed: nn.Embedding, lm_head: nn.Linear):
         super().__init__()

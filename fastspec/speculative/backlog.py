@@ -95,4 +95,5 @@ def _extend_batch(batch: list, device) -> ExtendBatch:
     return ExtendBatch(tuple(r.rid for r, *_ in batch), to_device([r.row for r, *_ in batch], device),
                        to_device([start for _, start, _, _ in batch], device), to_device(lens, device),
                        torch.cat([tokens for _, _, tokens, _ in batch]), to_device(positions, device),
-                       torch.cat([features for *_, features in batch]), max_extend=max(lens))
+                       torch.cat([features for *_, features in batch]), max_extend=max(lens),
+                       first_ids=to_device([r.prompt_ids[0] for r, *_ in batch], device))

@@ -2,7 +2,8 @@
 
 Glossary: `seq_len` = tokens of a request whose KV is in the pool; the root / `verified_id` = the last
 emitted token, not yet in the KV (it is fed at position seq_len). Draft KV position p holds the pair
-(token t_{p+1}, target feature h_p): the draft input is the target input shifted left by one.
+(token t_{p+1}, target feature h_p): the draft input is the target input shifted left by one (a STANDALONE draft,
+fed no feature that has seen t_0, also attends a key holding t_0: fastspec.models.eagle.StandaloneDraft).
 """
 
 from __future__ import annotations
@@ -45,3 +46,4 @@ class ExtendBatch:
     positions: torch.Tensor  # int64 [T]
     features: torch.Tensor  # [T, F]  target features h_p (final hidden for EAGLE, aux for EAGLE-3)
     max_extend: int | None = None  # max(extend_lens), likewise
+    first_ids: torch.Tensor | None = None  # int64 [bs]  each request's t_0 (a STANDALONE draft's first-token key)

@@ -2,10 +2,12 @@
 
 Owns the draft model, its own static KV pool (same slot ids as the target's: one allocator, one
 request->slot table) and, per request, the state the last draft extend left: top-k probabilities, top-k
-tokens (target ids) and the draft hidden state. The draft loop and the decode-round draft extend run as
-static step functions (fastspec.speculative.steps) through StepGraphs. Drafting writes draft KV only into
-scratch slots taken under an allocator backup and handed back by restore_state, so it never consumes pool
-capacity. Does not verify, accept or commit (the engine does).
+tokens (target ids) and the draft hidden state. A STANDALONE draft also attends each request's first token t_0:
+its K/V (`draft_sink`) in the slot of the request's table row past the pool's token slots (KVPool.row_slot),
+written on the request's first extend, before the draft sees any of its rows. The draft loop and the decode-round
+draft extend run as static step functions (fastspec.speculative.steps) through StepGraphs. Drafting writes draft KV
+only into scratch slots taken under an allocator backup and handed back by restore_state, so it never consumes
+pool capacity. Does not verify, accept or commit (the engine does).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from fastspec.memory import KVPool, ReqToTokenTable, SlotAllocator
 from fastspec.sampling.grammar import draft_masks
 from fastspec.speculative.batch import DecodeBatch, ExtendBatch
 from fastspec.speculative.packing import pack_draft, pack_extend, pack_extend_padded, prefix_specs
-from fastspec.speculative.steps import as_tree, draft_extend, draft_loop, draft_top_k
+from fastspec.speculative.steps import as_tree, draft_extend, draft_loop, draft_sink, draft_top_k
 from fastspec.speculative.tree import DraftTree
+from fastspec.utils.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class EagleDrafter:
         self.hot_token_id = model.hot_token_map()  # [Vd] draft id -> target id, or None
         self.states: dict[int, DraftState] = {} if states is None else states
         self.extend_topk = extend_topk or topk
+        self.sinks = model.first_token_sink
+        if self.sinks and pool.row_slots < table.table.shape[0]:
+            raise ValueError("a draft with a first-token sink needs a KV pool with a row slot per table row")
         self._extend_fn = partial(draft_extend, model, self.hot_token_id, pool, table.table, self.extend_topk)
         self._loop = loop = partial(draft_loop, model, self.hot_token_id, pool, table.table, topk, num_steps,
                                     num_draft_tokens)
@@ -56,10 +62,10 @@ class EagleDrafter:
         dtype = next(model.parameters()).dtype
         # module functions, not bound methods: a method here would make a drafter <-> graphs reference cycle
         # that keeps a dropped engine's weights alive until the garbage collector happens to run
-        loop_inputs = loop_specs(topk, num_steps, model.config.hidden_size, dtype, table.pad_row)
+        loop_inputs = loop_specs(topk, num_steps, model.config.hidden_size, dtype, table.pad_row, self.sinks)
         self.loop_graphs = StepGraphs(name, loop, loop_inputs, plan, times, "draft", persist=())  # verify reads it
         extend_inputs = extend_specs(num_steps, dtype, feature_width, model.per_step_layers - 1,
-                                     model.config.hidden_size, table.pad_row)
+                                     model.config.hidden_size, table.pad_row, self.sinks)
         self.extend_graphs = StepGraphs("draft extend", self._extend_fn, extend_inputs, plan, times, "draft_extend")
 
     @property
@@ -75,7 +81,7 @@ class EagleDrafter:
         chunks have arbitrary lengths and run eagerly at exact shapes (as SGLang does)."""
         graphs = self.extend_graphs if decode_round else None
         rows = self.num_steps + 1 if decode_round else (batch.max_extend or int(batch.extend_lens.max()))
-        self._run_extend(batch.rids, pack_extend(batch, rows), graphs)
+        self._run_extend(batch.rids, pack_extend(batch, rows), graphs, batch.first_ids)
 
     def extend_round(self, rids: tuple[int, ...], rows, prefix_lens, keep_lens,  # int64 [bs] each
                      input_ids, positions,  # int64 [bs*E], E = num_steps + 1 rows per request
@@ -85,7 +91,12 @@ class EagleDrafter:
         x = pack_extend_padded(rows, prefix_lens, keep_lens, input_ids, positions, features)
         self._run_extend(rids, x, self.extend_graphs)
 
-    def _run_extend(self, rids: tuple[int, ...], x: dict, graphs) -> None:
+    def _run_extend(self, rids: tuple[int, ...], x: dict, graphs, first_ids: torch.Tensor | None = None) -> None:
+        """first_ids int64 [bs]: each request's t_0, for a draft with a first-token sink (needed for requests new
+        to it; a decode round's requests are not)."""
+        if self.sinks:
+            self._write_sinks(rids, x["rows"], first_ids)
+            x["sink"] = self.pool.row_slot(x["rows"])
         layered = self.model.per_step_layers > 1
         if layered:  # what each layer after the first reads at the position before this extend's first row
             x["prev_hidden"] = torch.stack([self._layers_before(rid, x["features"]) for rid in rids])
@@ -94,6 +105,16 @@ class EagleDrafter:
             layers = out["layer_hidden"][b].clone() if layered else None
             self.states[rid] = DraftState(out["topk_p"][b], out["topk_index"][b], out["hidden"][b], layers,
                                           out["normed"][b])
+
+    def _write_sinks(self, rids: tuple[int, ...], rows: torch.Tensor, first_ids: torch.Tensor | None) -> None:
+        """The t_0 key of each request not extended before (a new request, or one re-admitted after preemption:
+        `release` forgot it), into its table row's slot."""
+        new = [b for b, rid in enumerate(rids) if rid not in self.states]
+        if new:
+            assert first_ids is not None, "a request's first draft extend needs its first token"
+            index = to_device(new, rows.device)
+            draft_sink(self.model, self.pool, self.table.table, rows[index], self.pool.row_slot(rows[index]),
+                       first_ids[index])
 
     def _layers_before(self, rid: int, like: torch.Tensor) -> torch.Tensor:
         """[D-1, Hd]: the last extend's per-layer outputs, zeros before a sequence's first position."""
@@ -119,6 +140,8 @@ class EagleDrafter:
             root = draft_masks(batch.grammars, batch.verified_id.new_zeros(batch.size, 0))
             topk_p, topk_index = draft_top_k(self.model, self.hot_token_id, normed, self.topk, root)
         x = pack_draft(batch, topk_p, topk_index, hidden, scratch, self.topk)
+        if self.sinks:
+            x["sink"] = self.pool.row_slot(batch.rows)
         if batch.grammars is None:
             out = self.loop_graphs(batch.size, x)
         else:
@@ -146,21 +169,28 @@ class EagleDrafter:
     # ---- static input layouts ------------------------------------------------------------------------------
 
 
-def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype, pad_row: int) -> list[StaticInput]:
-    """The draft loop's static inputs per request (seq_lens: the committed length its table row holds)."""
+def loop_specs(topk: int, num_steps: int, hidden_size: int, dtype: torch.dtype, pad_row: int,
+               sink: bool = False) -> list[StaticInput]:
+    """The draft loop's static inputs per request (seq_lens: the committed length its table row holds; with `sink`
+    the slot of its first-token key, padded rows: the dummy slot)."""
     return [StaticInput("topk_p", (topk,), torch.float32), StaticInput("topk_index", (topk,), torch.int64),
             StaticInput("hidden", (hidden_size,), dtype), StaticInput("seq_lens", (), torch.int64),
             StaticInput("rows", (), torch.int64, pad_value=pad_row), StaticInput("verified_id", (), torch.int64),
-            StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk)]
+            StaticInput("scratch", (max(num_steps, 1),), torch.int64, rows_per_request=topk), *sink_specs(sink)]
 
 
 def extend_specs(num_steps: int, dtype: torch.dtype, feature_width: int, extra_layers: int, hidden_size: int,
-                 pad_row: int) -> list[StaticInput]:
+                 pad_row: int, sink: bool = False) -> list[StaticInput]:
     """The draft extend's static inputs: num_steps + 1 padded rows per request (and, for a draft with a layer
-    per step, the extra layers' outputs before the first row)."""
+    per step, the extra layers' outputs before the first row; with `sink`, as loop_specs)."""
     e = num_steps + 1
     layered = [StaticInput("prev_hidden", (extra_layers, hidden_size), dtype)] if extra_layers else []
     return [StaticInput("input_ids", (), torch.int64, e), StaticInput("positions", (), torch.int64, e),
             StaticInput("features", (feature_width,), dtype, e), *prefix_specs(pad_row),
             StaticInput("extend_lens", (), torch.int64),
-            *layered]
+            *layered, *sink_specs(sink)]
+
+
+def sink_specs(sink: bool) -> list[StaticInput]:
+    """A first-token sink's static input: the slot of each request's t_0 key (padded rows: the dummy slot)."""
+    return [StaticInput("sink", (), torch.int64)] if sink else []

@@ -6,6 +6,7 @@ contains no host sync and no data-dependent Python control flow, so the same cod
 torch.compile(fullgraph=True) and inside a CUDA graph. Attention is paged (fastspec.attention.paged): every request
 sees its committed KV through its request->slot `table` row up to `prefix_lens` (device values, read by the
 kernel) plus a block of keys under a static mask, so one graph serves every context length.
+A STANDALONE draft's first-token key is written once per request by `draft_sink` (eager, before its first extend).
 Host-side packing of these dicts lives in fastspec.speculative.packing; nothing here touches the allocator.
 """
 
@@ -45,7 +46,8 @@ def draft_extend(model, hot_token_id, pool, table, topk: int, x: dict) -> dict:
     x: input_ids, positions [bs*E] (row b*E + j real while j < extend_lens[b]); features [bs*E, F]; rows,
        prefix_lens, extend_lens int64 [bs] (table row, committed length before the extend, new tokens: their
        slots are read from the table at positions prefix_lens + j);
-       a draft with a layer per step (D > 1) also prev_hidden [bs, D-1, H] and returns layer_hidden alike.
+       a draft with a layer per step (D > 1) also prev_hidden [bs, D-1, H] and returns layer_hidden alike;
+       a draft with a first-token sink also sink int64 [bs] (the slot of each request's t_0 key, seen by every row).
     """
     rows, lens = x["rows"], x["extend_lens"]
     bs, device = rows.shape[0], rows.device
@@ -55,7 +57,7 @@ def draft_extend(model, hot_token_id, pool, table, topk: int, x: dict) -> dict:
     cols = (x["prefix_lens"][:, None] + j[None, :]).clamp(max=table.shape[1] - 1)
     new_slots = torch.where(valid, table[rows[:, None], cols].to(torch.int64), 0)  # padded rows: dummy slot 0
     new_mask = torch.ones(e, e, dtype=torch.bool, device=device).tril() & valid[:, None, :]  # (+ the diagonal)
-    plan = paged_block_plan(table, rows, x["prefix_lens"], new_slots, new_mask)
+    plan = paged_block_plan(table, rows, x["prefix_lens"], new_slots, new_mask, x.get("sink"))
     attn = AttentionContext(_BACKEND, plan, pool)
     last = torch.arange(bs, device=device) * e + (lens - 1).clamp(min=0)  # each request's last real row
     if model.per_step_layers > 1:  # one layer per step: each reads the layer before at the position before
@@ -68,6 +70,15 @@ def draft_extend(model, hot_token_id, pool, table, topk: int, x: dict) -> dict:
             **extra}
 
 
+def draft_sink(model, pool, table, rows: torch.Tensor, sink: torch.Tensor,  # int64 [n] each: table row, slot
+               first_ids: torch.Tensor) -> None:  # int64 [n]
+    """A draft with a first-token sink (StandaloneDraft): write each request's t_0 K/V into its sink slot. It sees
+    only itself (no prefix), so it depends on t_0 alone: cached draft KV of the same prefix attended the same key."""
+    plan = paged_block_plan(table, rows, torch.zeros_like(rows), sink[:, None],
+                            torch.ones(sink.shape[0], 1, 1, dtype=torch.bool, device=sink.device))
+    model.sink(first_ids, AttentionContext(_BACKEND, plan, pool))
+
+
 def draft_loop(model, hot_token_id, pool, table, topk: int, num_steps: int, num_draft_tokens: int, x: dict,
                allowed=None) -> dict:
     """select_top_k + num_steps-1 draft forwards over bs*topk rows + organize, with exact ancestry, then the
@@ -76,7 +87,8 @@ def draft_loop(model, hot_token_id, pool, table, topk: int, num_steps: int, num_
     what may follow each row's draft path (structured output).
 
     x: topk_p [bs, topk] f32, topk_index [bs, topk] i64, hidden [bs, Hd], rows, seq_lens [bs] (table row,
-       committed length), verified_id [bs] (the root tokens), scratch int64 [bs*topk, S] (row b*topk+k, step i).
+       committed length), verified_id [bs] (the root tokens), scratch int64 [bs*topk, S] (row b*topk+k, step i);
+       a draft with a first-token sink also sink int64 [bs] (as draft_extend's).
     Row r of forward i attends its request's prefix, the draft KV of its true ancestors (slots its ancestors
     wrote in earlier steps) and itself; unlike SGLang's per-branch-slot history this is exact for any topk.
     """
@@ -100,6 +112,7 @@ def draft_candidates(model, hot_token_id, pool, table, topk: int, num_steps: int
     table_rows = x["rows"].repeat_interleave(topk)  # [R]  every branch row reads its request's prefix
     positions = x["seq_lens"].repeat_interleave(topk)  # [R]  the prefix length; forward i sits at seq_len + i
     scratch = x["scratch"]
+    shared = [] if "sink" not in x else [x["sink"].repeat_interleave(topk)[:, None]]  # [R, 1]  seen by every row
     rows = positions.shape[0]
     ancestors = scratch[:, :0]  # [R, i]  draft KV slots of each row's path
     scores, score_list, token_list, parents_list = None, [], [], []
@@ -116,7 +129,7 @@ def draft_candidates(model, hot_token_id, pool, table, topk: int, num_steps: int
             token = sel.input_ids[:, None]
             paths = token if step == 0 else torch.cat([paths[sel.parent_rows], token], 1)  # noqa: F821 (set at 0)
         own = scratch[:, step:step + 1]  # the slot this forward writes; its ancestors' and its own KV as the block
-        block = torch.cat([ancestors, own], 1)
+        block = torch.cat([ancestors, own, *shared], 1)
         visible = torch.ones(rows, 1, block.shape[1], dtype=torch.bool, device=block.device)
         plan = PagedPlan(table, table_rows, positions, block, visible, own.flatten())
         attn = AttentionContext(_BACKEND, plan, pool)

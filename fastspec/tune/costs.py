@@ -94,7 +94,7 @@ class CostModel:
              "hidden": torch.randn(bs, c.hidden_size, dtype=next(d.model.parameters()).dtype),
              "rows": torch.arange(bs), "seq_lens": torch.full((bs,), self.width),
              "verified_id": torch.randint(0, c.vocab_size, (bs,)),
-             "scratch": self._free_slots(bs * topk * steps).view(-1, steps)}
+             "scratch": self._free_slots(bs * topk * steps).view(-1, steps)} | self._sink(bs)
         n = min(1 + topk + (steps - 1) * topk * topk, steps + 1 if topk == 1 else 2)
         if self._packed:
             prepack_linears(d.model, _engine_packs(bs, topk))
@@ -108,9 +108,13 @@ class CostModel:
             "input_ids": torch.randint(0, e.model.config.vocab_size, (bs * rows,)),
             "positions": (self.width + torch.arange(rows)).repeat(bs),
             "features": torch.randn(bs * rows, e.worker.feature_width(), dtype=dtype),
-            "extend_lens": torch.full((bs,), rows)}
+            "extend_lens": torch.full((bs,), rows)} | self._sink(bs)
         table = self._table(bs, rows)  # the new rows' slots follow the prefix's in each request's table row
         return self._time(partial(draft_extend, d.model, d.hot_token_id, d.pool, table, d.extend_topk), x, bs)
+
+    def _sink(self, bs: int) -> dict:
+        """A STANDALONE draft's first-token key (the dummy slot: its cost is the same)."""
+        return {"sink": torch.zeros(bs, dtype=torch.int64)} if self.drafter.sinks else {}
 
     def _time(self, fn, x: dict, bs: int) -> float:
         """Seconds per call of fn(x) on the engine's device: eagerly, or on CUDA as a captured graph's replay."""

@@ -59,7 +59,7 @@ def record(target, draft, hot_token_id, feature: str, prompt_ids: list[int], out
     dtype = next(draft.parameters()).dtype
     layers, heads, dim, separate_v = c.kv_layout
     pool = KVPool(layers, heads, dim, L + chunk * max_k * max_steps, 1, dtype, separate_v=separate_v)
-    rows, _ = draft_prefill(draft, pool, seq[1:], features[:-1])  # row p: (token p+1, feature p) in slot p + 1
+    rows, _ = draft_prefill(draft, pool, seq, features[:-1])  # row p: (token p+1, feature p) in slot p + 1
     accept = {p: [] for p in params}
     for i in range(0, len(starts), chunk):
         n = torch.tensor(starts[i:i + chunk])
@@ -70,14 +70,17 @@ def record(target, draft, hot_token_id, feature: str, prompt_ids: list[int], out
     return Recorded(P, len(output_ids), accept)
 
 
-def draft_prefill(draft, pool, tokens: torch.Tensor, features: torch.Tensor):
-    """Draft forward over one sequence's rows p = 0..e-1 (token t_{p+1} [e], target feature h_p [e, F]), causal,
-    KV into slots 1..e. Returns (its DraftHidden [e], and for a draft with a layer per step the other layers'
-    outputs [e, D-1, H], else None)."""
-    e = tokens.numel()
+def draft_prefill(draft, pool, seq: torch.Tensor, features: torch.Tensor):
+    """Draft forward over one sequence's rows p = 0..e-1 (token t_{p+1} of seq [>e], target feature h_p [e, F]),
+    causal, KV into slots 1..e (a draft with a first-token sink: t_0's key in slot 0). Returns (its DraftHidden [e],
+    and for a draft with a layer per step the other layers' outputs [e, D-1, H], else None)."""
+    e = features.shape[0]
+    tokens, sink = seq[1:e + 1], torch.zeros(1, int(draft.first_token_sink), dtype=torch.long)  # [1, 0 or 1]
+    if draft.first_token_sink:  # t_0's key in slot 0, seen by every row
+        none, one = torch.zeros(1, 0, dtype=torch.long), torch.ones(1, 1, 1, dtype=torch.bool)
+        draft.sink(seq[:1], AttentionContext(_BACKEND, block_plan(none, none.bool(), sink, one), pool))
     causal = torch.ones(1, e, e, dtype=torch.bool).tril()
-    plan = block_plan(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 0, dtype=torch.bool),
-                      torch.arange(1, e + 1)[None], causal)
+    plan = block_plan(sink, torch.ones_like(sink, dtype=torch.bool), torch.arange(1, e + 1)[None], causal)
     attn = AttentionContext(_BACKEND, plan, pool)
     if draft.per_step_layers > 1:  # every layer's KV, each reading the layer before one position back
         prev = features.new_zeros(1, draft.per_step_layers - 1, draft.config.hidden_size)
@@ -87,13 +90,13 @@ def draft_prefill(draft, pool, tokens: torch.Tensor, features: torch.Tensor):
 
 def round_candidates(draft, hot_token_id, pool, rows, n, topk: int, steps: int, L: int):
     """draft_candidates for round starts n [B] over draft_prefill's pool and rows: the root row is n - 1, the prefix
-    slots 1..n, scratch slots from L on (the pool holds L + B * topk * steps)."""
+    slots 1..n (a first-token sink: slot 0), scratch slots from L on (the pool holds L + B * topk * steps)."""
     B = n.numel()
     topk_p, topk_index = draft_top_k(draft, hot_token_id, rows.normed[n - 1], topk)
     table = torch.arange(1, int(n.max()) + 1, dtype=torch.int32).expand(B, -1).contiguous()  # position p: slot p + 1
     scratch = L + torch.arange(B * topk * steps).view(B * topk, steps)
     x = {"topk_p": topk_p, "topk_index": topk_index, "hidden": rows.carry[n - 1], "rows": torch.arange(B),
-         "seq_lens": n, "scratch": scratch}
+         "seq_lens": n, "scratch": scratch} | ({"sink": torch.zeros_like(n)} if draft.first_token_sink else {})
     return draft_candidates(draft, hot_token_id, pool, table, topk, steps, x)
 
 
