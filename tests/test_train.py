@@ -202,6 +202,20 @@ def test_resuming_with_another_target_is_a_one_line_error(chat_target, prompt_fi
         train_draft(tiny_config(out, other, prompt_file, epochs=2, resume=True))
 
 
+def test_resuming_with_a_target_of_the_same_config_and_other_weights_is_refused(chat_target, prompt_file,
+                                                                              tmp_path):
+    """A fine-tune (here: another seed) has the same config.json: resuming with it would train on the first
+    target's answers and features under the second one's embedding. Refused before anything is written."""
+    out = tmp_path / "head"
+    train_draft(tiny_config(out, chat_target, prompt_file, epochs=1))
+    tuned = write_chat_target(tmp_path / "fine-tuned", seed=1)
+    assert (tuned / "config.json").read_bytes() == (chat_target / "config.json").read_bytes()
+    before = {p.name: p.read_bytes() for p in (out / "train").iterdir()}
+    with pytest.raises(FastspecError, match="was made for the target .* other weights"):
+        train_draft(tiny_config(out, tuned, prompt_file, epochs=1, resume=True))
+    assert {p.name: p.read_bytes() for p in (out / "train").iterdir()} == before
+
+
 def test_a_damaged_run_is_refused_in_one_line_and_bad_input_costs_nothing(chat_target, prompt_file, tmp_path):
     out = tmp_path / "head"
     train_draft(tiny_config(out, chat_target, prompt_file, epochs=1))

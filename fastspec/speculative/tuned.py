@@ -35,7 +35,7 @@ def weights_label(dtype: str, quantization: str | None, kv: str | None = None) -
 
 
 def fingerprint(model_dir: Path, draft_dir: Path, dtype: str, device: str) -> dict:
-    return {"hardware": _hardware(device), "model": _dir_digest(model_dir), "draft": _dir_digest(draft_dir),
+    return {"hardware": _hardware(device), "model": dir_digest(model_dir), "draft": dir_digest(draft_dir),
             "dtype": dtype, "torch": torch.__version__}
 
 
@@ -128,7 +128,7 @@ def _hardware(device: str) -> str:
     return f"{model} x{os.cpu_count()} threads={threads.ALL}"  # torch's default: `--threads auto` varies with load
 
 
-def _dir_digest(directory: Path) -> str:
+def dir_digest(directory: Path) -> str:
     """config.json + every weight file (whole below 64 MB, else its size and first 4 MB): a guard against
     stale tuning that costs milliseconds, not a signature."""
     h = hashlib.sha256((Path(directory) / "config.json").read_bytes())

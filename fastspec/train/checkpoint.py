@@ -113,3 +113,9 @@ def load_artifact(path: Path, read):
 
 def atomic_save(obj, path: Path) -> None:
     write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def atomic_json(obj, path: Path) -> None:
+    """A run's small records (target, plan, report): a process killed while writing one leaves the old one whole."""
+    text = json.dumps(obj, indent=1) + "\n"
+    write_atomic(path, lambda f: f.write(text.encode()))

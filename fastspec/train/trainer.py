@@ -25,7 +25,9 @@ from fastspec.models.loader import load_target, read_config
 from fastspec.models.model_config import ModelConfig
 from fastspec.models.sources import resolve_model_dir
 from fastspec.prompts import load_prompts, read_jsonl_prompts
+from fastspec.speculative.tuned import dir_digest
 from fastspec.train.checkpoint import (
+    atomic_json,
     atomic_save,
     export_head,
     head_config,
@@ -85,7 +87,7 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     del target  # the head keeps the embedding and nothing else of it
     report = _fit(head, features, train_ids, val_ids, t2d, cfg, work, on_progress)
     export_head(head, head_json, vocab, cfg.out)
-    (work / "report.json").write_text(json.dumps(report | {"config": _jsonable(asdict(cfg))}, indent=1))
+    atomic_json(report | {"config": _jsonable(asdict(cfg))}, work / "report.json")
     on_progress(Progress("done", 1, 1, report))
     return report
 
@@ -117,18 +119,22 @@ def _prepare_out(cfg: TrainConfig) -> Path:
 
 
 def _check_same_target(work: Path, model_dir: Path) -> None:
-    """A run's data, features and head belong to one target: resuming with another is refused."""
+    """A run's data, features and head belong to one target: resuming with another is refused, also one with the
+    same config.json and other weights (a fine-tune, another seed): its config alone would not tell them apart."""
     config = json.loads((model_dir / "config.json").read_text())
-    record = {"model": str(model_dir), "config_crc": zlib.crc32(json.dumps(config, sort_keys=True).encode())}
+    record = {"model": str(model_dir), "config_crc": zlib.crc32(json.dumps(config, sort_keys=True).encode()),
+              "weights": dir_digest(model_dir)}
     path = work / "target.json"
     if path.exists():
         before = load_artifact(path, lambda p: json.loads(p.read_text()))
         if not isinstance(before, dict) or "config_crc" not in before:
             raise FastspecError(f"{path}: not a train-draft target record; use --overwrite to start over")
-        if before["config_crc"] != record["config_crc"]:
-            raise FastspecError(f"this run was made for the target {before['model']}, not {model_dir}: its data, "
-                                "features and head are that target's (use --overwrite or another --out)")
-    path.write_text(json.dumps(record) + "\n")
+        same_weights = before.get("weights", record["weights"]) == record["weights"]  # an older record: its config
+        if before["config_crc"] != record["config_crc"] or not same_weights:
+            raise FastspecError(f"this run was made for the target {before['model']}, not {model_dir} as it is now "
+                                "(another config or other weights): its data, features and head are that target's "
+                                "(use --overwrite or another --out)")
+    atomic_json(record, path)
 
 
 def _provenance(cfg: TrainConfig) -> dict:
@@ -218,7 +224,7 @@ def _check_same_plan(work: Path, cfg: TrainConfig, prompts: list[str]) -> None:
                        f"with {flag} {before[field]}, not {getattr(cfg, field)}")
                 raise FastspecError(f"this run was trained {was}; pass the same flags to resume it, or --overwrite "
                                     "to start over")
-    path.write_text(json.dumps(plan) + "\n")
+    atomic_json(plan, path)
 
 
 def _is_val(prompts: list[str], conversation: int, cfg: TrainConfig) -> bool:
