@@ -180,6 +180,30 @@ def test_bad_prompt_line_and_existing_dir_are_one_line_errors(chat_target, tmp_p
         assert f"{flag} {bad} exists and is not a directory" in result.stderr
 
 
+@pytest.mark.parametrize("case, message", [
+    ("long prompt", 'long.jsonl: prompt 2 ("w5 w5 w5'), ("no chat template", "has no chat template"),
+    ("no tokenizer", "cannot load the tokenizer"), ("a head as the target", "is a draft head, not a target model")])
+def test_what_the_target_cannot_answer_is_one_line_before_out_is_made(chat_target, trained, tmp_path, case,
+                                                                       message):
+    """Found only once the answers were being generated, these left --out behind (so the corrected command
+    needed --resume or --overwrite), and an over-long prompt was not named."""
+    model, prompts = tmp_path / "target", tmp_path / "long.jsonl"
+    shutil.copytree(chat_target, model)
+    prompts.write_text(json.dumps({"prompt": "w3 w4"}) + "\n" + json.dumps({"prompt": " ".join(["w5"] * 240)}) + "\n")
+    if case == "no chat template":
+        (model / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    elif case == "no tokenizer":
+        (model / "tokenizer.json").unlink()
+    elif case == "a head as the target":
+        model = trained[0]
+    if case != "long prompt":
+        prompts.write_text(json.dumps({"prompt": "w3 w4"}) + "\n")
+    result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "o"), "--model", str(model),
+                                      "--prompts", str(prompts), "--max-new-tokens", "24"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.output
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("flag", ["--resume", "--overwrite"])
 def test_a_directory_that_is_not_a_run_is_neither_resumed_into_nor_overwritten(chat_target, tmp_path, flag):
     """A model directory (or an exported head) as --out: its config.json and weights are the user's."""

@@ -66,6 +66,25 @@ def generate_conversations(llm, prompts: list[str], store, samples: int, max_new
     return [_conversation(done[(p, s)]) for p in prompts for s in range(samples)]
 
 
+def check_prompts(model_dir: Path, prompts: list[str], max_new_tokens: int, source: str) -> None:
+    """The target can answer every prompt: it is a target (not a draft head) with a tokenizer and a chat template,
+    and each chat-templated prompt leaves room for `max_new_tokens` in its context (a FastspecError naming the
+    first that does not; `source`: where the prompts came from). Cheap: run before anything is generated or written."""
+    from fastspec.models.loader import check_target, read_config
+    from fastspec.text.tokenizer import Tokenizer
+
+    config = read_config(model_dir)
+    check_target(config, model_dir)
+    tokenizer, context = Tokenizer(model_dir), config.context_len(None)
+    for i, prompt in enumerate(prompts):
+        n = len(tokenizer.encode_chat([{"role": "user", "content": prompt}]))  # as LLM.generate(chat=True) does
+        if n + max_new_tokens > context:
+            shown = prompt if len(prompt) <= 40 else prompt[:40] + "..."
+            raise FastspecError(f"{source}: prompt {i + 1} ({json.dumps(shown)}) is {n} tokens with the chat "
+                                f"template; with --max-new-tokens {max_new_tokens} it exceeds the target's context "
+                                f"of {context} tokens")
+
+
 class JsonlStore:
     """A run's own answers, one JSON line each, appended per chunk (an interrupted run keeps every finished
     chunk; a last line cut short is dropped)."""

@@ -42,6 +42,7 @@ from fastspec.train.data import (
     SAMPLED,
     Features,
     JsonlStore,
+    check_prompts,
     choose_draft_vocab,
     extract_features,
     generate_conversations,
@@ -57,6 +58,7 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     _check_out(cfg)  # every input before anything is read, converted or deleted
     model_dir = resolve_model_dir(cfg.model)
     prompts = (read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train"))[:cfg.max_prompts]
+    check_prompts(model_dir, prompts, cfg.max_new_tokens, str(cfg.prompts or "the built-in train prompts"))
     corpus = Corpus(cfg.corpus, model_dir, _provenance(cfg)) if cfg.corpus else None  # refuses another target's
     work = _prepare_out(cfg)
     _check_same_target(work, model_dir)
