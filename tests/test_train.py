@@ -204,6 +204,40 @@ def test_what_the_target_cannot_answer_is_one_line_before_out_is_made(chat_targe
     assert not (tmp_path / "o").exists()
 
 
+def test_a_disk_that_refuses_a_write_is_one_line_and_the_run_resumes(chat_target, prompt_file, tmp_path,
+                                                                    monkeypatch):
+    """An --out that cannot be made, or a disk that fills up at the second checkpoint: one line, not a traceback,
+    and the run so far (answers, features, first checkpoint) is whole and resumes."""
+    import errno
+
+    import fastspec.train.trainer as trainer
+
+    args = ["train-draft", "--model", str(chat_target), "--prompts", str(prompt_file), "--max-new-tokens", "24",
+            "--draft-vocab-size", "40", "--ttt-steps", "2", "--epochs", "3", "--batch-tokens", "128",
+            "--checkpoint-every", "2", "--lr", "3e-3", "--val-fraction", "0.2", "--no-bf16"]
+    result = CliRunner().invoke(app, [*args, "--out", str(prompt_file.parent / "prompts.jsonl" / "o")])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "Not a directory" in result.stderr
+    saves, save = [], trainer.save_checkpoint
+
+    def full_disk(*a):
+        saves.append(a[-1])
+        if len(saves) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        save(*a)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", full_disk)
+    out = tmp_path / "head"
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    last = result.stderr.splitlines()[-1]  # after the progress lines of a log
+    assert last.startswith("error: ") and "No space left on device; what the run made so far is kept" in last
+    monkeypatch.setattr(trainer, "save_checkpoint", save)
+    events = []
+    train_draft(tiny_config(out, chat_target, prompt_file, ttt_steps=2, epochs=3, checkpoint_every=2, resume=True),
+                events.append)
+    assert [e.done for e in events if e.phase == "train"][0] == 3  # from the first checkpoint (step 2)
+
+
 @pytest.mark.parametrize("flag", ["--resume", "--overwrite"])
 def test_a_directory_that_is_not_a_run_is_neither_resumed_into_nor_overwritten(chat_target, tmp_path, flag):
     """A model directory (or an exported head) as --out: its config.json and weights are the user's."""
@@ -292,7 +326,8 @@ def test_soft_label_training_lowers_the_loss_and_decodes_losslessly(chat_target,
 
 
 @pytest.mark.parametrize("flags, message", [(["--draft-vocab-size", "40", "--soft-labels", "41"], "--soft-labels"),
-                                           (["--draft-vocab-size", "0"], "--draft-vocab-size must be >= 1")])
+                                           (["--draft-vocab-size", "0"], "--draft-vocab-size must be >= 1"),
+                                           (["--lr", "inf"], "--lr must be a finite number > 0, got inf")])
 def test_draft_vocabulary_flags_are_one_line_before_any_answer(chat_target, tmp_path, flags, message):
     result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "o"), "--model", str(chat_target),
                                       *flags])

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from fastspec.errors import FastspecError
 from fastspec.train.job import Progress, TrainConfig
 
 PHASES = {"generate": "generating responses", "features": "target features", "train": "training"}
@@ -85,7 +86,12 @@ def train_draft(
             info = f"loss {p.info['loss']:.3f} · {accept}" if "loss" in p.info else ""
             bar.update(tasks[p.phase], completed=p.done, total=p.total, info=info)
 
-        report = run(cfg, show)
+        try:
+            report = run(cfg, show)
+        except OSError as e:  # a full disk, a directory that cannot be made: every file written so far is whole
+            kept = (out / "train").is_dir()
+            raise FastspecError(f"{e.filename or out}: {e.strerror or e}" + (
+                "; what the run made so far is kept: pass --resume once that is fixed" if kept else "")) from None
     if generate_only:
         console.print(f"{report['conversations']} answers ({report['tokens']} tokens) in {corpus or out / 'train'}")
         return

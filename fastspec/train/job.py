@@ -47,8 +47,8 @@ class TrainConfig:
             raise FastspecError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise FastspecError(f"--max-prompts must be >= 1, got {self.max_prompts}")
-        if not self.lr > 0:
-            raise FastspecError(f"--lr must be > 0, got {self.lr}")
+        if not 0 < self.lr < float("inf"):
+            raise FastspecError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.draft_vocab_size < 1:
             raise FastspecError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}")
         if not 0 <= self.soft_topk <= self.draft_vocab_size:
