@@ -166,6 +166,12 @@ def test_cli_emits_sglang_flags_from_the_tuned_file_and_llm_loads_it(chat_target
     assert result.exit_code == 0, result.output
     assert ("--speculative-num-steps 3 --speculative-eagle-topk 2 --speculative-num-draft-tokens 5"
             in result.output)
+    path, print_ = tuned_path(chat_target, head, "float32", "cpu"), fingerprint(chat_target, head, "float32", "cpu")
+    save_tuned(path, print_ | {"hardware": "another machine"}, tiers)  # stale: refused, as the docs say
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "measured with a different hardware; run fastspec tune again" in result.stderr
+    save_tuned(path, print_, tiers)
     llm = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head))
     assert llm.engine.spec.schedule == ((1, SpecParams(3, 2, 5)), (4, None))
     explicit = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head), topk=1)

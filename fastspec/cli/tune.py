@@ -69,10 +69,15 @@ def tune(
         sources = resolve_sources(options.model, algorithm, draft, revision=options.revision,
                                   draft_revision=options.speculative_draft_model_revision,
                                   quantization=quantization, device=device, load_format=options.load_format)
-        path, _ = tuned_location(sources, options.dtype, options.kv_cache_dtype, device)
+        path, weights = tuned_location(sources, options.dtype, options.kv_cache_dtype, device)
         if not path.exists():
             raise FastspecError(f"no tuned file at {path}: run fastspec tune first")
-        print(sglang_flags(tuned_file.read_tuned(path)["tiers"], algorithm, sources.draft_dir))
+        data = tuned_file.read_tuned(path)
+        stale = tuned_file.staleness(data, tuned_file.fingerprint(sources.model_dir, sources.draft_dir, weights,
+                                                                  device))
+        if stale is not None:  # what chat / generate would ignore is not handed to SGLang either
+            raise FastspecError(f"tuned file {path}: {stale}; run fastspec tune again")
+        print(sglang_flags(data["tiers"], algorithm, sources.draft_dir))
         return
     cfg = TuneConfig.for_device(device, batch_sizes=sizes, max_new_tokens=max_new_tokens,
                                 budget=budget)

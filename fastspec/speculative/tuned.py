@@ -96,6 +96,14 @@ def schedule_of(tiers: list[dict]) -> Schedule:
     return tuple(out)
 
 
+def staleness(data: dict, print_: dict) -> str | None:
+    """Why a tuned file's contents (as read_tuned returns them) do not fit `print_`; None when they do."""
+    if data.get("version") == VERSION and data["fingerprint"] == print_:
+        return None
+    differs = [k for k in print_ if data["fingerprint"].get(k) != print_[k]]
+    return f"measured with a different {', '.join(differs) or 'version'}"
+
+
 def load_schedule(path: Path, print_: dict, say=lambda message: None) -> tuple[Schedule, bool] | None:
     """(schedule, every tier off) from the tuned file at `path` if it exists, is sound and matches `print_`;
     else None, after one note through `say` when a file is there but not used."""
@@ -106,9 +114,8 @@ def load_schedule(path: Path, print_: dict, say=lambda message: None) -> tuple[S
     except FastspecError as e:
         say(f"ignoring {e}; run fastspec tune again to replace it")
         return None
-    if data.get("version") != VERSION or data.get("fingerprint") != print_:
-        differs = [k for k in print_ if data["fingerprint"].get(k) != print_[k]]
-        say(f"ignoring tuned file {path}: measured with a different {', '.join(differs) or 'version'}")
+    if (stale := staleness(data, print_)) is not None:
+        say(f"ignoring tuned file {path}: {stale}")
         return None
     schedule = schedule_of(data["tiers"])
     return schedule, not schedule
