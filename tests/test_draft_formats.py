@@ -225,6 +225,12 @@ def test_export_round_trips_through_speculators_and_back(tiny_dirs, draft_dirs, 
     expected = head_logits(target, head)
     for d in ("spec", "back"):
         assert torch.equal(head_logits(target, tmp_path / d), expected)
+    # what came back is the config it left as: model_type included, which transformers' AutoConfig (so SGLang)
+    # needs to read it at all; only the speculators format's explicit defaults are added
+    original, back = (json.loads((d / "config.json").read_text()) for d in (head, tmp_path / "back"))
+    assert {k: v for k, v in back.items() if k in original} == original and back["model_type"] == "llama"
+    assert set(back) - set(original) <= {"model_type", "bias", "norm_before_fc", "target_hidden_size",
+                                         "draft_vocab_size"}
 
 
 def test_export_of_an_eagle1_head_writes_sglangs_eagle2_format(tiny_dirs, eagle_twins, tmp_path):

@@ -1,7 +1,8 @@
 """Draft-head configs in the formats heads are published in, read as the SGLang / SpecForge config they equal (the
 one fastspec.models.model_config reads). vLLM's `speculators` format (`Eagle3DraftModel`, older `Eagle3Speculator`):
 
-  geometry nested in `transformer_layer_config` (a Llama config)       -> the top level
+  geometry nested in `transformer_layer_config` (a Llama config)       -> the top level, with its model_type
+                                                                          (transformers' AutoConfig needs it)
   `eagle_aux_hidden_state_layer_ids` naming the layer whose INPUT is   -> ids - 1 in `eagle_config` (SGLang's ids
     captured (vLLM's convention)                                           name the layer whose output is)
   `norm_before_residual`, `norm_before_fc`, `draft_vocab_size`,         -> kept
@@ -37,7 +38,7 @@ def from_speculators(raw: dict, source: str, fc_bias: bool | None = None) -> dic
                             "(llama layers)")
     arch = (raw.get("architectures") or ["Eagle3DraftModel"])[0]
     out = {k: v for k, v in layer.items() if k not in ("architectures", "model_type", "auto_map")}
-    out |= {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+    out |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
             "draft_vocab_size": raw.get("draft_vocab_size"),
             "target_hidden_size": raw.get("target_hidden_size") or layer.get("hidden_size"),
             "bias": fc_bias if fc_bias is not None else arch == "Eagle3Speculator",
