@@ -161,6 +161,27 @@ def test_resuming_with_another_training_plan_is_a_one_line_error(chat_target, pr
     assert {p.name: p.read_bytes() for p in (out / "train").iterdir()} == before
 
 
+def test_resuming_on_other_answers_is_refused(chat_target, prompt_file, tmp_path):
+    """The plan flags fix the batches only over the same answers: a resume that takes them from a --corpus made
+    with another --max-new-tokens would continue the checkpoint on batches it was not part of."""
+    out = tmp_path / "head"
+
+    def interrupt(p):
+        if p.phase == "train" and p.done == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(tiny_config(out, chat_target, prompt_file, epochs=3), interrupt)
+    before = (out / "train" / "checkpoint.pt").read_bytes()
+    with pytest.raises(FastspecError, match="trained on other answers"):
+        train_draft(tiny_config(out, chat_target, prompt_file, epochs=3, resume=True, corpus=tmp_path / "corpus",
+                                max_new_tokens=16))
+    assert (out / "train" / "checkpoint.pt").read_bytes() == before
+    events = []  # the same answers (kept in the run, whatever --max-new-tokens says now) resume
+    train_draft(tiny_config(out, chat_target, prompt_file, epochs=3, resume=True, max_new_tokens=16), events.append)
+    assert [e.done for e in events if e.phase == "train"][0] == 5
+
+
 def test_bad_prompt_line_and_existing_dir_are_one_line_errors(chat_target, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "w3 w4"}\n{"prompt": 5}\n')

@@ -66,17 +66,22 @@ def generate_conversations(llm, prompts: list[str], store, samples: int, max_new
     return [_conversation(done[(p, s)]) for p in prompts for s in range(samples)]
 
 
-def check_prompts(model_dir: Path, prompts: list[str], max_new_tokens: int, source: str) -> None:
-    """The target can answer every prompt: it is a target (not a draft head) with a tokenizer and a chat template,
-    and each chat-templated prompt leaves room for `max_new_tokens` in its context (a FastspecError naming the
-    first that does not; `source`: where the prompts came from). Cheap: run before anything is generated or written."""
+def check_prompts(model_dir: Path, prompts: list[str], max_new_tokens: int, source: str,
+                  answered: frozenset[str] = frozenset()) -> None:
+    """The target can answer every prompt not `answered` yet: it is a target (not a draft head) with a tokenizer and
+    a chat template, and each chat-templated prompt leaves room for `max_new_tokens` in its context (a FastspecError
+    naming the first that does not; `source`: where the prompts came from). Cheap: run before anything is generated
+    or written."""
     from fastspec.models.loader import check_target, read_config
     from fastspec.text.tokenizer import Tokenizer
 
     config = read_config(model_dir)
     check_target(config, model_dir)
+    todo = [(i, prompt) for i, prompt in enumerate(prompts) if prompt not in answered]
+    if not todo:
+        return
     tokenizer, context = Tokenizer(model_dir), config.context_len(None)
-    for i, prompt in enumerate(prompts):
+    for i, prompt in todo:
         n = len(tokenizer.encode_chat([{"role": "user", "content": prompt}]))  # as LLM.generate(chat=True) does
         if n + max_new_tokens > context:
             shown = prompt if len(prompt) <= 40 else prompt[:40] + "..."

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import time
 import zlib
 from collections.abc import Callable
@@ -25,14 +24,12 @@ from fastspec.models.loader import load_target, read_config
 from fastspec.models.model_config import ModelConfig
 from fastspec.models.sources import resolve_model_dir
 from fastspec.prompts import load_prompts, read_jsonl_prompts
-from fastspec.speculative.tuned import dir_digest
 from fastspec.train.checkpoint import (
     atomic_json,
     atomic_save,
     export_head,
     head_config,
     init_head,
-    load_artifact,
     load_checkpoint,
     save_checkpoint,
     warm_start,
@@ -50,22 +47,33 @@ from fastspec.train.data import (
     response_labels,
 )
 from fastspec.train.job import Progress, TrainConfig
+from fastspec.train.resume import (
+    check_out,
+    check_same_answers,
+    check_same_draft_vocab,
+    check_same_plan,
+    check_same_target,
+    prepare_out,
+    read_vocab,
+)
 from fastspec.train.ttt import make_batch, ttt_loss
 
-EXPORTED = ("config.json", "model.safetensors")
+
 def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lambda p: None) -> dict:
     """Run (or resume) the whole job; returns the final held-out evaluation."""
-    _check_out(cfg)  # every input before anything is read, converted or deleted
+    check_out(cfg)  # every input before anything is read, converted or deleted
     model_dir = resolve_model_dir(cfg.model)
     prompts = (read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train"))[:cfg.max_prompts]
-    check_prompts(model_dir, prompts, cfg.max_new_tokens, str(cfg.prompts or "the built-in train prompts"))
     corpus = Corpus(cfg.corpus, model_dir, _provenance(cfg)) if cfg.corpus else None  # refuses another target's
-    work = _prepare_out(cfg)
-    _check_same_target(work, model_dir)
-    _check_same_draft_vocab(work, cfg.draft_vocab_size, read_config(model_dir).vocab_size)
-    _check_same_plan(work, cfg, prompts)
+    check_prompts(model_dir, prompts, cfg.max_new_tokens, str(cfg.prompts or "the built-in train prompts"),
+                  _answered(corpus, cfg))
+    work = prepare_out(cfg)
+    check_same_target(work, model_dir)
+    check_same_draft_vocab(work, cfg.draft_vocab_size, read_config(model_dir).vocab_size)
+    check_same_plan(work, cfg, prompts)
     store = corpus or JsonlStore(work / "conversations.jsonl")
     conversations = _conversations(cfg, model_dir, prompts, store, on_progress)
+    check_same_answers(work, conversations)
     if cfg.generate_only:
         return {"conversations": len(conversations), "tokens": sum(len(c.ids) for c in conversations)}
     target_cfg = read_config(model_dir)
@@ -94,49 +102,13 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     return report
 
 
-def _check_out(cfg: TrainConfig) -> None:
-    """--out is absent, empty or a train-draft run (its train/ state): any other directory is the user's and is
-    neither overwritten nor resumed into."""
-    out, work = Path(cfg.out), Path(cfg.out) / "train"
-    for flag, path in (("--out", out), ("--corpus", cfg.corpus)):
-        if path is not None and path.exists() and not path.is_dir():
-            raise FastspecError(f"{flag} {path} exists and is not a directory")
-    if out.exists() and any(out.iterdir()):
-        if not (cfg.resume or cfg.overwrite):
-            raise FastspecError(f"--out {out} exists; pass --resume to continue it or --overwrite to start over")
-        if not work.is_dir():
-            action = "resume into" if cfg.resume else "overwrite"
-            raise FastspecError(f"--out {out} is not a train-draft directory; refusing to {action} it")
-
-
-def _prepare_out(cfg: TrainConfig) -> Path:
-    """--out ready for this run (checked by _check_out): emptied with --overwrite, created if new."""
-    out, work = Path(cfg.out), Path(cfg.out) / "train"
-    if out.exists() and any(out.iterdir()) and not cfg.resume:
-        shutil.rmtree(work)
-        for name in EXPORTED:
-            (out / name).unlink(missing_ok=True)
-    work.mkdir(parents=True, exist_ok=True)
-    return work
-
-
-def _check_same_target(work: Path, model_dir: Path) -> None:
-    """A run's data, features and head belong to one target: resuming with another is refused, also one with the
-    same config.json and other weights (a fine-tune, another seed): its config alone would not tell them apart."""
-    config = json.loads((model_dir / "config.json").read_text())
-    record = {"model": str(model_dir), "config_crc": zlib.crc32(json.dumps(config, sort_keys=True).encode()),
-              "weights": dir_digest(model_dir)}
-    path = work / "target.json"
-    if path.exists():
-        before = load_artifact(path, lambda p: json.loads(p.read_text()))
-        if not isinstance(before, dict) or "config_crc" not in before:
-            raise FastspecError(f"{path}: not a train-draft target record; use --overwrite to start over")
-        same_weights = before.get("weights", record["weights"]) == record["weights"]  # an older record: its config
-        if before["config_crc"] != record["config_crc"] or not same_weights:
-            raise FastspecError(f"this run was made for the target {before['model']}, not {model_dir} as it is now "
-                                "(another config or other weights): its data, features and head are that target's "
-                                "(use --overwrite or another --out)")
-    atomic_json(record, path)
+def _answered(corpus: Corpus | None, cfg: TrainConfig) -> frozenset[str]:
+    """The prompts whose every answer is already made (in the corpus, or in the run --resume continues)."""
+    if corpus is None and not cfg.resume:
+        return frozenset()
+    store = corpus or JsonlStore(Path(cfg.out) / "train" / "conversations.jsonl")
+    made = {(r["prompt"], r["sample"]) for r in store.records()}
+    return frozenset(p for p, s in made if all((p, k) in made for k in range(cfg.samples_per_prompt)))
 
 
 def _provenance(cfg: TrainConfig) -> dict:
@@ -179,54 +151,10 @@ def _vocab(features: Features, vocab_size: int, draft_vocab_size: int, work: Pat
     """[Vd] ascending target ids, chosen once and kept (a resumed run must keep its head's vocabulary)."""
     path = work / "vocab.pt"
     if path.exists():
-        return _read_vocab(path)
+        return read_vocab(path)
     vocab = choose_draft_vocab(response_labels(features), vocab_size, min(draft_vocab_size, vocab_size))
     atomic_save(vocab, path)
     return vocab
-
-
-def _read_vocab(path: Path) -> torch.Tensor:
-    vocab = load_artifact(path, lambda p: torch.load(p, weights_only=True, map_location="cpu"))
-    if not isinstance(vocab, torch.Tensor) or vocab.ndim != 1 or vocab.dtype != torch.int64 or not len(vocab):
-        raise FastspecError(f"{path}: not a draft vocabulary; use --overwrite to start over")
-    return vocab
-
-
-def _check_same_draft_vocab(work: Path, draft_vocab_size: int, vocab_size: int) -> None:
-    """The draft vocabulary shapes the head: a resumed run with another --draft-vocab-size is refused, not
-    trained on with the old one while report.json records the new."""
-    path = work / "vocab.pt"
-    if not path.exists():
-        return
-    kept, asked = len(_read_vocab(path)), min(draft_vocab_size, vocab_size)
-    if kept != asked:
-        raise FastspecError(f"this run's draft vocabulary has {kept} tokens, not --draft-vocab-size "
-                            f"{draft_vocab_size}; pass --draft-vocab-size {kept} to resume it or --overwrite")
-
-
-# what fixes a run's optimiser steps and their order: a resumed run must be asked for the same (flag: field)
-PLAN = {"--prompts / --max-prompts": "prompts", "--samples-per-prompt": "samples_per_prompt",
-        "--val-fraction": "val_fraction", "--epochs": "epochs", "--batch-tokens": "batch_tokens", "--seed": "seed",
-        "--lr": "lr", "--ttt-steps": "ttt_steps", "--soft-labels": "soft_topk", "--init": "init"}
-
-
-def _check_same_plan(work: Path, cfg: TrainConfig, prompts: list[str]) -> None:
-    """A checkpoint is a step of one plan (the shuffles, the batches, the lr schedule): resuming it with other
-    flags is refused, not continued on a plan it was not part of. Before a first checkpoint nothing is bound."""
-    plan = {field: getattr(cfg, field) for field in PLAN.values() if field != "prompts"}
-    plan["prompts"] = zlib.crc32(json.dumps(prompts).encode())
-    path = work / "plan.json"
-    if path.exists() and (work / "checkpoint.pt").exists():
-        before = load_artifact(path, lambda p: json.loads(p.read_text()))
-        if not isinstance(before, dict):
-            raise FastspecError(f"{path}: not a train-draft plan; use --overwrite to start over")
-        for flag, field in PLAN.items():
-            if field in before and before[field] != plan[field]:
-                was = (f"on other prompts ({flag})" if field == "prompts" else
-                       f"with {flag} {before[field]}, not {getattr(cfg, field)}")
-                raise FastspecError(f"this run was trained {was}; pass the same flags to resume it, or --overwrite "
-                                    "to start over")
-    atomic_json(plan, path)
 
 
 def _is_val(prompts: list[str], conversation: int, cfg: TrainConfig) -> bool:
