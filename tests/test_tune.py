@@ -4,6 +4,7 @@ trained by train-draft (so drafts are accepted often enough for the comparison t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -274,5 +275,8 @@ def test_tune_tries_deeper_and_wider_trees_on_a_gpu_and_refuses_a_budget_spent_b
     cfg = TuneConfig(batch_sizes=(1,), max_steps=2, topks=(1,), max_draft_tokens=3, max_new_tokens=8, budget=1e-3)
     llm = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head), num_steps=2,
                        topk=1, num_draft_tokens=3, tuned=False)
-    with pytest.raises(FastspecError, match=r"--budget 0.001 s was spent before any tree shape could be confirmed"):
+    with pytest.raises(FastspecError, match=r"--budget 0.001 s was spent before any tree shape could be confirmed"
+                       ) as refused:
         tune(llm, PROMPTS[:2], cfg)
+    took = float(re.search(r"costs took ([0-9.]+) s", str(refused.value)).group(1))
+    assert took > 0  # (whole seconds said "took 0 s" of a budget it had overrun)

@@ -104,7 +104,7 @@ def tune(llm, prompts: list[list[int]], cfg: TuneConfig, say: Callable[[str], No
     remaining = cfg.budget - (measured - started)
     if remaining <= 0:
         raise FastspecError(f"--budget {cfg.budget:g} s was spent before any tree shape could be confirmed end to "
-                            f"end (replay and round costs took {measured - started:.0f} s): give a larger --budget")
+                            f"end (replay and round costs took {measured - started:.2f} s): give a larger --budget")
     for bs in cfg.batch_sizes:
         say(f"confirming batch size {bs} end to end")
         winner = _halve(llm, prompts, bs, ranked[bs], cfg, remaining / len(cfg.batch_sizes), result.confirmed)
