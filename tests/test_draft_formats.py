@@ -305,7 +305,8 @@ def test_export_checks_the_verifier_where_it_resolves_and_records_it(tiny_dirs, 
         assert result.exit_code == 0 and recorded == expected, (verifier, result.output)
     for bad_head, verifier, message in ((head, "nope_dir", "--verifier nope_dir is neither a model directory"),
                                         (wide, str(target), "draft expects target features of width 32"),
-                                        (wide, "tiny-org/target", "draft expects target features of width 32")):
+                                        (wide, "tiny-org/target", "draft expects target features of width 32"),
+                                        (head, str(head), "is a draft head, not a target model")):
         result, recorded = export(bad_head, verifier, "refused")
         assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.output
         assert not (tmp_path / "refused").exists()

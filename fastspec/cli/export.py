@@ -81,6 +81,9 @@ def verifier_record(spec: str, head_config, head: Path) -> dict:
             return {"name_or_path": spec, "architectures": []}
     else:
         raise FastspecError(f"--verifier {spec} is neither a model directory nor a hub id (org/name)")
-    check_draft_fits(head_config, read_config(directory), f"{head} with --verifier {spec}")
+    target = read_config(directory)
+    if target.is_draft:  # (a head would otherwise be refused for whatever of it fits no target)
+        raise FastspecError(f"--verifier {spec}: {target.architecture} is a draft head, not a target model")
+    check_draft_fits(head_config, target, f"{head} with --verifier {spec}")
     architectures = json.loads((directory / "config.json").read_text()).get("architectures") or []
     return {"name_or_path": name, "architectures": architectures}
