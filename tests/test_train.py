@@ -252,6 +252,18 @@ def test_a_disk_that_refuses_a_write_is_one_line_and_the_run_resumes(chat_target
     assert result.exit_code == 2 and "Traceback" not in result.output
     last = result.stderr.splitlines()[-1]  # after the progress lines of a log
     assert last.startswith("error: ") and "No space left on device; what the run made so far is kept" in last
+    saves.clear()
+
+    def ctrl_c(*a):  # Ctrl-C at the second checkpoint: exit 130, saying how to go on (it said "interrupted")
+        saves.append(a[-1])
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+        save(*a)
+
+    monkeypatch.setattr(trainer, "save_checkpoint", ctrl_c)
+    result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "stopped")])
+    assert result.exit_code == 130 and "Traceback" not in result.output
+    assert result.stderr.splitlines()[-1] == "interrupted; what the run made so far is kept: pass --resume to go on"
     monkeypatch.setattr(trainer, "save_checkpoint", save)
     events = []
     train_draft(tiny_config(out, chat_target, prompt_file, ttt_steps=2, epochs=3, checkpoint_every=2, resume=True),

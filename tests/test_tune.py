@@ -202,6 +202,7 @@ def test_from_tuned_takes_quantization_none_on_a_quantised_target(chat_target, h
 
 @pytest.mark.parametrize("flags, message", [
     (["--batch-sizes", "0"], "--batch-sizes must all be >= 1, got '0'"),
+    (["--batch-sizes", "1,4,1"], "--batch-sizes names a batch size twice: '1,4,1'"),
     (["--batch-sizes", "1,,2"], "--batch-sizes must be comma-separated integers, got '1,,2'"),
     (["--batch-sizes", "1,2,"], "--batch-sizes must be comma-separated integers"),
     (["--budget", "0"], "--budget must be > 0, got 0"),

@@ -92,6 +92,10 @@ def train_draft(
             kept = (out / "train").is_dir()
             raise FastspecError(f"{e.filename or out}: {e.strerror or e}" + (
                 "; what the run made so far is kept: pass --resume once that is fixed" if kept else "")) from None
+        except KeyboardInterrupt:  # every answer and checkpoint written so far is whole
+            saved = "; what the run made so far is kept: pass --resume to go on" if (out / "train").is_dir() else ""
+            typer.echo(f"interrupted{saved}", err=True)
+            raise typer.Exit(130) from None
     if generate_only:
         console.print(f"{report['conversations']} answers ({report['tokens']} tokens) in {corpus or out / 'train'}")
         return

@@ -107,6 +107,8 @@ def check_sizes(batch_sizes: str, sizes: tuple[int, ...], num_prompts: int, max_
     """One line naming the flag that is out of range."""
     if min(sizes) < 1:
         raise FastspecError(f"--batch-sizes must all be >= 1, got {batch_sizes!r}")
+    if len(set(sizes)) < len(sizes):  # (each was tuned again, and the tuned file held two tiers for it)
+        raise FastspecError(f"--batch-sizes names a batch size twice: {batch_sizes!r}")
     if num_prompts < 1:
         raise FastspecError(f"--num-prompts must be >= 1, got {num_prompts}")
     if max_new_tokens < 8:
