@@ -135,6 +135,20 @@ def test_read_good_file(tmp_path):
     assert read_jsonl_prompts(str(path)) == read_jsonl_prompts(path)
 
 
+def test_conversation_files_give_their_first_user_message(tmp_path):
+    """A SpecForge / ShareGPT training file (`conversations`) or an OpenAI one (`messages`) as --prompts: each line's
+    first user message is its prompt (was 'missing "prompt"'); a line with `prompt` keeps it."""
+    path = tmp_path / "sharegpt.jsonl"
+    lines = [{"id": "a", "conversations": [{"from": "human", "value": "first"}, {"from": "gpt", "value": "x"},
+                                           {"from": "human", "value": "later"}]},
+             {"conversations": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "second"},
+                                {"role": "assistant", "content": "y"}]},
+             {"messages": [{"role": "user", "content": "third"}]},
+             {"prompt": "fourth", "messages": [{"role": "user", "content": "not this"}]}]
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    assert read_jsonl_prompts(path) == ["first", "second", "third", "fourth"]
+
+
 def test_read_file_with_bom(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\n')
@@ -154,6 +168,10 @@ BAD_LINES = [
     ('{"prompt": 3}', '"prompt" must be a string, got number'),
     ('{"prompt": null}', '"prompt" must be a string, got null'),
     ('{"prompt": ["a", "b"]}', '"prompt" must be a string, got array'),
+    ('{"conversations": [{"from": "gpt", "value": "hi"}]}', "the conversation has no user message"),
+    ('{"messages": []}', "the conversation has no user message"),
+    ('{"messages": [{"role": "user", "content": ""}]}', '"prompt" is empty'),
+    ('{"conversations": [{"role": "user", "content": 7}]}', '"prompt" must be a string, got number'),
 ]
 
 

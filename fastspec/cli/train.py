@@ -19,7 +19,7 @@ PHASES = {"generate": "generating responses", "features": "target features", "tr
 def train_draft(
     out: Annotated[Path, typer.Option(help="Output directory (the head + train/ with data and checkpoints).")],
     model: Annotated[str, typer.Option(help="Target: embedded name, HF directory or .gguf.")] = TrainConfig.model,
-    prompts: Annotated[Optional[Path], typer.Option(help="JSONL prompts (default: built-in train split).")] = None,
+    prompts: Annotated[Optional[Path], typer.Option(help="JSONL prompts: {\"prompt\": ...} lines, or SpecForge / ShareGPT `conversations` or OpenAI `messages` lines (each one's first user message; the target answers it anew) (default: built-in train split).")] = None,
     max_prompts: Annotated[Optional[int], typer.Option(help="Use only the first N prompts.")] = None,
     samples_per_prompt: Annotated[int, typer.Option(help="Answers per prompt (first greedy).")] = 1,
     max_new_tokens: int = TrainConfig.max_new_tokens,

@@ -14,10 +14,13 @@ from fastspec.errors import FastspecError
 
 PROMPT_SETS = ("chat", "code", "writing", "explain", "lists", "rewrite", "stories")
 SPLITS = ("train", "heldout")
+USER_ROLES = ("user", "human")  # a conversation turn's role (OpenAI, SpecForge) or `from` (ShareGPT)
 
 
 def read_jsonl_prompts(path) -> list[str]:
-    """The `prompt` of every non-blank line of a JSONL file (other keys ignored), in file order."""
+    """The prompt of every non-blank line of a JSONL file, in file order: its `prompt`, or the first user message of
+    its `conversations` (ShareGPT's {"from": "human", "value": ...}, SpecForge's {"role": "user", "content": ...})
+    or `messages` (OpenAI's); other keys ignored."""
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
@@ -71,14 +74,25 @@ def _parse_line(line: str, where: str) -> dict:
         raise FastspecError(f"{where}: invalid JSON ({exc.msg})") from None
     if not isinstance(record, dict):
         raise FastspecError(f"{where}: expected a JSON object, got {_json_type(record)}")
+    if "prompt" not in record and isinstance(record.get("conversations", record.get("messages")), list):
+        record = {**record, "prompt": _first_user_message(record.get("conversations", record.get("messages")), where)}
     if "prompt" not in record:
-        raise FastspecError(f"{where}: missing \"prompt\"")
+        raise FastspecError(f"{where}: missing \"prompt\" (or \"conversations\" / \"messages\")")
     prompt = record["prompt"]
     if not isinstance(prompt, str):
         raise FastspecError(f"{where}: \"prompt\" must be a string, got {_json_type(prompt)}")
     if not prompt.strip():
         raise FastspecError(f"{where}: \"prompt\" is empty")
     return record
+
+
+def _first_user_message(turns: list, where: str):
+    """The text of the first user turn of a ShareGPT / SpecForge / OpenAI conversation (checked as a prompt)."""
+    for turn in turns:
+        if isinstance(turn, dict) and (turn.get("role") or turn.get("from")) in USER_ROLES:
+            return turn.get("content", turn.get("value"))
+    raise FastspecError(f"{where}: the conversation has no user message (a \"role\": \"user\" or \"from\": "
+                        "\"human\" turn)")
 
 
 def _json_type(value) -> str:
