@@ -117,16 +117,20 @@ def test_a_bad_or_missing_device_is_one_line_before_anything_is_written(chat_tar
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
+def stop_at(step: int):
+    """A progress callback that stops training at `step` as Ctrl-C would."""
+    def interrupt(p):
+        if p.phase == "train" and p.done == step:
+            raise KeyboardInterrupt
+
+    return interrupt
+
+
 def test_an_interrupted_run_resumes_from_its_last_checkpoint(chat_target, prompt_file, tmp_path):
     out = tmp_path / "head"
     cfg = tiny_config(out, chat_target, prompt_file, epochs=3)
-
-    def interrupt(p):
-        if p.phase == "train" and p.done == 6:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train_draft(cfg, interrupt)
+        train_draft(cfg, stop_at(6))
     with pytest.raises(FastspecError, match="--resume"):
         train_draft(cfg)
     events = []
@@ -144,13 +148,8 @@ def test_resuming_with_another_training_plan_is_a_one_line_error(chat_target, pr
     """A checkpoint is a step of one plan (shuffles, batches, lr schedule): other plan flags are refused before
     anything is generated or written, as the draft vocabulary is."""
     out = tmp_path / "head"
-
-    def interrupt(p):
-        if p.phase == "train" and p.done == 5:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train_draft(tiny_config(out, chat_target, prompt_file, epochs=3), interrupt)
+        train_draft(tiny_config(out, chat_target, prompt_file, epochs=3), stop_at(5))
     before = {p.name: p.read_bytes() for p in (out / "train").iterdir()}
     args = ["train-draft", "--out", str(out), "--model", str(chat_target), "--prompts", str(prompt_file), "--resume",
             "--max-new-tokens", "24", "--draft-vocab-size", "40", "--ttt-steps", "3", "--epochs", "3",
@@ -165,13 +164,8 @@ def test_resuming_on_other_answers_is_refused(chat_target, prompt_file, tmp_path
     """The plan flags fix the batches only over the same answers: a resume that takes them from a --corpus made
     with another --max-new-tokens would continue the checkpoint on batches it was not part of."""
     out = tmp_path / "head"
-
-    def interrupt(p):
-        if p.phase == "train" and p.done == 5:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        train_draft(tiny_config(out, chat_target, prompt_file, epochs=3), interrupt)
+        train_draft(tiny_config(out, chat_target, prompt_file, epochs=3), stop_at(5))
     before = (out / "train" / "checkpoint.pt").read_bytes()
     with pytest.raises(FastspecError, match="trained on other answers"):
         train_draft(tiny_config(out, chat_target, prompt_file, epochs=3, resume=True, corpus=tmp_path / "corpus",
