@@ -126,6 +126,16 @@ def test_an_abandoned_overlapped_stream_returns_every_slot(tiny_dirs, draft_dirs
     assert all_slots_free(overlap.engine)
 
 
+def test_the_load_after_the_last_step_reads_the_pool_as_it_is(tiny_dirs, draft_dirs):
+    """What a server's /metrics reads once every request has finished: nothing running or waiting, and the whole
+    pool free (the releases the worker's thread applies after the last hand-out counted; it read 19% in use)."""
+    serial, overlap = both(tiny_dirs, draft_dirs, "llama", "EAGLE3", "eagle3", 3, 2, 4, 4, max_total_tokens=256)
+    for llm in (serial, overlap):
+        llm.engine.generate(PROMPTS[:4], [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 4)
+        assert llm.engine.load.running == llm.engine.load.waiting == 0
+        assert llm.engine.load.free_kv == llm.engine.worker.available_kv() == 256
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000))
 def test_random_workloads_overlap_equals_serial(tiny_dirs, draft_dirs, seed):

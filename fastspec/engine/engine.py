@@ -127,9 +127,13 @@ class Engine:
                 if not self.overlap and inflight is not None:
                     out += self._hand_out(scheduler, self._result(inflight[1], last=True))
                     inflight = None
-                # free KV: read now when the worker is idle (releases applied), else as of the last hand-out
-                free = (self._free_before + self.worker.memory.room_to_grow if self._thread is not None
-                        else self.worker.available_kv())
+                # free KV: read now with nothing in flight (under overlap once the worker's thread has applied the
+                # releases: nothing runs then, so that wait is short), else as of the last hand-out
+                if inflight is None:
+                    self._drain()
+                    free = self.worker.available_kv()
+                else:
+                    free = self._free_before + self.worker.memory.room_to_grow
                 self.load = EngineLoad(len(scheduler.running), len(scheduler.waiting), free)
                 yield out
         finally:  # done, or the caller stopped iterating (an exception, a closed pipe): hand every slot back
