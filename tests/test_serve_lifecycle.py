@@ -165,3 +165,25 @@ def test_shutdown_ends_requests_in_flight_with_503s_and_no_cancelled_tasks(tiny_
     assert not thread.is_alive() and records.messages == []
     with pytest.raises(APIError, match="shutting down"):
         service.submit([5, 6], SamplingParams(max_new_tokens=2), lambda event: None)
+
+
+def test_a_chat_without_max_tokens_fits_a_small_kv_pool(tiny_llm):
+    """Chat's default length (the rest of the context, capped) is capped by what the KV pool holds too: a chat that
+    asked for no length on a server whose pool is smaller than the context runs to the pool's end (it was a 400,
+    "a request of 4 prompt + 252 new tokens does not fit in the KV pool of 64 tokens"); a length asked for beyond it
+    is still refused."""
+    small = fastspec.LLM(str(tiny_llm.engine.model_dir), max_total_tokens=64, overlap_schedule="off")
+    server, thread, service, url, client = start(small, max_queued=4)
+    try:
+        answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                extra_body={"ignore_eos": True})
+        prompt = answer.usage.prompt_tokens
+        assert answer.choices[0].finish_reason == "length"
+        assert answer.usage.completion_tokens == small.engine.room_for(prompt) == 64 - 1 - prompt  # (1: a round's)
+        with pytest.raises(openai.BadRequestError, match="does not fit in the KV pool of 64 tokens"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=60)
+        assert engine_settled(service)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        service.stop()

@@ -254,6 +254,12 @@ class Engine:
         self._aborted.clear()
         return done
 
+    def room_for(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of `prompt_len` tokens may ask for: what both the context and the KV pool
+        leave (`request` refuses more; < 1: none). A server's default length is capped by it."""
+        fits = (self.worker.memory.ceiling - self.worker.round_headroom()) // self.config.page_size
+        return min(self.worker.max_context_len, fits * self.config.page_size) - prompt_len
+
     def request(self, rid: int, prompt: list[int], params: SamplingParams) -> Request:
         """A checked request for `run` (FastspecError: empty, too long for the context or the pool, bad ids or
         grammar); `rid` names it in the StepOutputs and for `abort`."""

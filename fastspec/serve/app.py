@@ -142,10 +142,11 @@ def _encode(service: EngineService, parsed: ParsedRequest) -> list[list[int]]:
 
 def _default_length(service: EngineService, parsed: ParsedRequest, params: SamplingParams,
                     prompt_ids: list[int]) -> SamplingParams:
-    """Without max_tokens: the default (chat's: the rest of the context, capped), within what the context leaves."""
+    """Without max_tokens: the default (chat's: the rest of the context, capped), within what the context and the
+    KV pool leave (a chat that asked for no length is not refused for one it did not ask for)."""
     if parsed.max_tokens_given:
         return params
-    room = service.engine.worker.max_context_len - len(prompt_ids)
+    room = service.engine.room_for(len(prompt_ids))
     return replace(params, max_new_tokens=max(1, min(params.max_new_tokens, room)))
 
 
