@@ -277,8 +277,10 @@ class Engine:
             raise FastspecError(f"stop token ids must be in [0, {vocab})")
         request = Request(rid, list(prompt), params, request_seed(params.seed),
                           grammar=self.grammars.compile(params))
-        ceiling = self.worker.memory.ceiling
-        if request.max_tokens(self.config.page_size, self.worker.round_headroom()) > ceiling:
+        ceiling, page = self.worker.memory.ceiling, self.config.page_size
+        if (need := request.max_tokens(page, self.worker.round_headroom())) > ceiling:
+            pages = f"whole pages of {page} and " if page > 1 else ""  # (a speculative round's headroom can be most)
             raise FastspecError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not "
-                                f"fit in the KV pool of {ceiling} tokens (raise --max-total-tokens)")
+                                f"fit in the KV pool of {ceiling} tokens (it needs {need}: {pages}a decode round's "
+                                f"headroom; raise --max-total-tokens)")
         return request
