@@ -1,6 +1,6 @@
 """The package layout: fastspec's modules import each other without a cycle (module-level and function-level
-imports alike: a lazy import hides a cycle at import time, not from a reader), and the README's layout section
-names every package and top-level module there is."""
+imports alike: a lazy import hides a cycle at import time, not from a reader), the README's layout section
+names every package and top-level module there is, and its layering diagram is the order the imports follow."""
 
 from __future__ import annotations
 
@@ -117,3 +117,23 @@ def test_comments_cite_nothing_outside_the_code():
     found = [f"{p.relative_to(ROOT)}:{i}" for p in PACKAGE.rglob("*.py")
              for i, line in enumerate(p.read_text().splitlines(), 1) if cited.search(line)]
     assert found == []
+
+
+def readme_floors() -> list[set[str]]:
+    """The README's layering diagram, top floor first: `cli/  >  tune/ ... >  errors.py` -> [{"cli"}, {"tune"}, ...]."""
+    readme = (ROOT / "README.md").read_text()
+    diagram = readme[readme.index("Layering:"):].split("```")[1]
+    return [{name.strip().removesuffix("/").removesuffix(".py") for name in floor.split(",")}
+            for floor in diagram.replace("\n", " ").split(">") if floor.strip()]
+
+
+def test_readme_layering_diagram_matches_the_imports():
+    """Every area is on a floor of the README's diagram, and each imports only areas on floors below its own."""
+    floors = readme_floors()
+    floor = {a: i for i, names in enumerate(floors) for a in names}
+    graph = import_graph()
+    assert sorted({area(m) for m in graph} - {"__init__"} - set(floor)) == []
+    upward = sorted(f"{m} -> {x}" for m, imported in graph.items() for x in imported
+                    if area(m) != area(x) and "__init__" not in (area(m), area(x))
+                    and floor[area(x)] <= floor[area(m)])
+    assert upward == []
