@@ -60,7 +60,7 @@ class ModelOptions:
     speculative_num_draft_tokens: Annotated[Optional[int], typer.Option(help="Tree size incl. the root.", rich_help_panel=SPEC)] = None
     speculative_accept_threshold_single: Annotated[float, typer.Option(help="Accept any draft with target prob >= this (1 = lossless).", rich_help_panel=SPEC)] = 1.0
     speculative_accept_threshold_acc: Annotated[float, typer.Option(help="Inflate acceptance to min(1, p / this) (1 = lossless).", rich_help_panel=SPEC)] = 1.0
-    speculative_fallback: Annotated[bool, typer.Option(help="Decode plainly while that is measured faster (per batch size).", rich_help_panel=SPEC)] = True
+    speculative_fallback: Annotated[bool, typer.Option(help="Decode plainly while that is measured faster (per batch size and context length).", rich_help_panel=SPEC)] = True
     speculative_token_map: Annotated[Optional[str], typer.Option(help="FR-Spec hot-token list for EAGLE (.pt/.npy/.json).", rich_help_panel=SPEC)] = None
     speculative_ngram_min_match_window_size: Annotated[int, typer.Option(rich_help_panel=NGRAM)] = 1
     speculative_ngram_max_match_window_size: Annotated[int, typer.Option(rich_help_panel=NGRAM)] = 12
