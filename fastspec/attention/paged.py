@@ -3,7 +3,8 @@ req_to_token row up to its length (device tensors), then a block of explicit key
 
 Owns `PagedPlan` (built on the device, no host value: graph-safe), `paged_block_plan` (the new tokens of an
 extend / verify / decode as the block), `PagedAttnBackend` and the op `fastspec::paged_attention` it calls: on
-CUDA the Triton kernels (fastspec.attention.triton_paged), elsewhere the torch twin below. The op is opaque to
+CUDA the Triton kernels (fastspec.attention.triton_paged), on CPU the C kernel fastspec.kernels.cpu_attention
+registers for it where the C library is built, elsewhere the torch twin below. The op is opaque to
 torch.compile, so a compiled round function has no KV width in it: one compile (and one CUDA graph per batch
 bucket) serves every context length. The twin reads the longest length on the host, which only an opaque op may.
 """
