@@ -107,7 +107,7 @@ class EngineConfig:
     max_running_requests: int = 48
     max_context_len: int | None = None  # None: the model's max_position_embeddings
     chunked_prefill_size: int = 2048  # prompt tokens per prefill step (long prompts take several steps)
-    speculative_fallback: bool = False  # per batch size, decode plainly while that is measured faster
+    speculative_fallback: bool = False  # per batch size and context length, decode plainly where that measures faster
     graphs: str = "auto"  # auto | cuda | compile | eager: how the draft loop, draft extend and verify run
     cuda_graph_max_bs: int | None = None  # largest graph bucket (None: max_running_requests); larger: eager
     cuda_graph_bs: tuple[int, ...] | None = None  # explicit bucket list
