@@ -3,7 +3,7 @@ quant_weights): each quantised linear kept in its stored form (QuantLinear, buil
 no float copy of it is ever made), everything else loaded as stored; or, with `--quantization none`, every
 quantised weight dequantised to the model's dtype (the exact reference). Weights the model reads as tensors rather
 than through a linear (stacked MoE experts, MLA's kv_b_proj, an lm_head) are dequantised either way. Which kernel
-a kept linear runs on is chosen after fusing (quant_layers.quantise_target). Does not read files itself (loader).
+a kept linear runs on is chosen after fusing (quantise.quantise_target). Does not read files itself (loader).
 """
 
 from __future__ import annotations
