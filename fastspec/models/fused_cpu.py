@@ -1,8 +1,8 @@
 """A packed Llama-family layer stack run eagerly on CPU with the fused kernels between its GEMMs
 (fastspec.kernels.cpu_fused): per layer the four GEMMs and four calls (norm, rope + KV write, attention, SiLU-and-mul)
 instead of ~80 torch ops, and the whole stack as one C call where every GEMM is fastspec's own (BlockLinear). The
-same math as DecoderLayer's enter / attend / hand_over / leave, to float32 rounding (sums in another order);
-CausalLM runs it where `fused_activation` says it applies, else the layers. An EAGLE-3 head's midlayer likewise
+same math as DecoderLayer's enter / hand_over / leave around Attention.attend, to float32 rounding (sums in another
+order); CausalLM runs it where `fused_activation` says it applies, else the layers. An EAGLE-3 head's midlayer likewise
 (`eagle3_midlayer`, where `eagle3_fused` says so).
 Does not plan attention (the AttentionContext's plan is read as the torch backend's dense one) nor compile.
 """
