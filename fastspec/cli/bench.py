@@ -91,7 +91,7 @@ def print_bench_table(config: dict, results) -> None:
 
     table = Table(title=f"fastspec bench · {config['algorithm']} (steps {config['num_steps']}, topk "
                         f"{config['topk']}, draft tokens {config['num_draft_tokens']}) vs no speculation",
-                  caption="tok/s: plain, speculative, per request · accept %: at draft depths 1-4 · ms/round: "
+                  caption="tok/s: plain, speculative, per request · accept %: per draft depth, up to 4 · ms/round: "
                           "draft·verify·extend·host", box=None, pad_edge=False)
     for column in ("batch", "plain", "spec", "speedup", "per req", "tau", "accept %", "ms/round"):
         table.add_column(column, justify="right", no_wrap=True)
