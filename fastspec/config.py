@@ -72,7 +72,7 @@ def check_dtype(name: str, auto: bool = False) -> None:
 
 def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str) -> str:
     """--dtype with `auto` decided: float32 on the CPU (exact, and where a CPU lacks bf16 instructions the fastest);
-    on CUDA the checkpoint's own 16-bit dtype, bfloat16 for a float32 one (SGLang and vLLM choose float16 there;
+    on CUDA the checkpoint's own 16-bit dtype, bfloat16 for a float32 one (SGLang documents float16 there;
     bfloat16 keeps float32's range, which models trained in it rely on)."""
     if dtype != "auto":
         return dtype
