@@ -60,6 +60,32 @@ def test_a_split_node_keeps_its_locks():
     assert sorted(tree.evict(10).tolist()) == [1, 2, 3, 4]
 
 
+def test_reclaim_state_takes_the_least_recently_used_and_frees_the_kv_no_state_covers():
+    """States go back least recently used first, unlocked before locked, the deeper first on a tie (evict's order);
+    a node left with no state at or below it frees its KV (a hybrid target resumes only on a state), unless locked
+    or above a state. Found: the tree let states go only with their KV, so once it held every checkpoint no new
+    request saved one."""
+    dropped = []
+    tree = RadixTree(drop_state=dropped.append)
+    tree.insert([1, 2, 3, 4], slots(1, 2, 3, 4))
+    tree.insert([1, 2, 5, 6], slots(1, 2, 7, 8))
+    tree.insert([9, 9], slots(9, 10))
+    for prefix, ckpt in (([1, 2], 0), ([1, 2, 3, 4], 1), ([1, 2, 5, 6], 2), ([9, 9], 3)):
+        assert tree.set_state(prefix, ckpt)
+    tree.match([9, 9])  # [9, 9] is now the most recently used, [1, 2, 3, 4] the least (set first)
+    assert tree.reclaim_state().tolist() == [3, 4]  # state 1's node: its KV is past every state left
+    assert dropped == [1] and tree.match_state([1, 2, 3, 4])[1] == 0
+    held = tree.match([1, 2, 5, 6]).node
+    tree.lock(held)  # a running request on [1, 2, 5, 6]: the unlocked [9, 9] goes first, then the locked path's
+    assert tree.reclaim_state().tolist() == [9, 10] and dropped == [1, 3]
+    assert tree.reclaim_state().tolist() == [] and dropped == [1, 3, 2]  # the deeper first; its KV is locked
+    assert tree.reclaim_state().tolist() == [] and dropped == [1, 3, 2, 0]
+    assert tree.reclaim_state() is None and tree.all_states() == []
+    assert tree.cached_tokens == len(tree.all_slots()) == 4 and tree.locked_tokens == 4
+    tree.unlock(held)
+    assert sorted(tree.evict(10).tolist()) == [1, 2, 7, 8]
+
+
 tokens = st.lists(st.integers(0, 3), min_size=0, max_size=12)
 operations = st.lists(st.one_of(st.tuples(st.just("insert"), tokens), st.tuples(st.just("match"), tokens),
                                 st.tuples(st.just("lock"), tokens), st.tuples(st.just("unlock"), st.integers(0, 3)),

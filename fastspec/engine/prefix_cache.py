@@ -39,6 +39,16 @@ class PrefixCache:
         if short > 0:
             self.allocator.free(self.tree.evict(short))
 
+    def reclaim_state(self) -> bool:
+        """A running request needs a state checkpoint and none is free: the tree's least recently used one goes
+        back to the state pool, and the KV only it made resumable back to the allocator. False: the tree holds
+        none."""
+        freed = self.tree.reclaim_state()
+        if freed is None:
+            return False
+        self.allocator.free(freed)
+        return True
+
     def reuse(self, r: Request) -> None:
         """Start `r` (its row just allocated) on the longest cached prefix of what it must prefill (its keys leave
         the last token to prefill). A hybrid target resumes on the deepest saved state of that prefix. A request

@@ -7,6 +7,7 @@ A round returns a RoundOutput; the worker turns it into the StepResult the engin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,9 +50,12 @@ class StepResult:
 
 
 class Producer:
-    def __init__(self, eos_ids, states: StatePool | None, track_interval: int | None):
-        """track_interval: a hybrid target with the prefix cache saves its states every that many tokens."""
+    def __init__(self, eos_ids, states: StatePool | None, track_interval: int | None,
+                 reclaim_state: Callable[[], bool] | None):
+        """track_interval: a hybrid target with the prefix cache saves its states every that many tokens, taking
+        a checkpoint back from the cache with `reclaim_state()` when none is free."""
         self.eos_ids, self.states, self.track_interval = eos_ids, states, track_interval
+        self.reclaim_state = reclaim_state
 
     def controlled(self, reqs: list[Request], logits: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
         """The logits after each request's penalties / bias / min_p (fastspec.sampling.controls) and grammar mask
@@ -109,4 +113,4 @@ class Producer:
         """A hybrid target with the prefix cache: save the row's state at each interval boundary it crossed since
         `old_len` (a speculative round's verify tracked the states along its kept `nodes`)."""
         if self.track_interval is not None:
-            save_crossed(self.states, r, old_len, nodes, self.track_interval)
+            save_crossed(self.states, r, old_len, nodes, self.track_interval, self.reclaim_state)

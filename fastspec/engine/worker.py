@@ -72,7 +72,8 @@ class Worker:
         self.target = Target(self.model, self.pool, self._backend(), self.states, self.feature)
         self.slots = BatchSlots(self.allocator, self.table, self.cache, config.device)
         track = self.cache is not None and self.states is not None  # save states every interval tokens
-        self.producer = Producer(self.eos_ids, self.states, config.mamba_track_interval if track else None)
+        self.producer = Producer(self.eos_ids, self.states, config.mamba_track_interval if track else None,
+                                 self.cache.reclaim_state if track else None)
         self.policy = SpecPolicy() if config.speculative_fallback and self.spec.enabled else None
         self.draft_model, self._reserved = models.draft, self.spec.params
         self.futures = FutureMaps(self.table.max_requests, config.device)

@@ -3,9 +3,10 @@
 A compressed trie keyed by one hashable item per position (token ids; the prefix cache's are token pairs,
 fastspec.engine.prefix_cache.cache_keys); each node holds the KV slots of the positions on its edge. Requests
 `lock` the path they reuse or wrote (a reference count per node), so a locked node is never evicted; `evict` frees
-the least recently used unlocked leaves first, whole nodes, until enough slots came back. With pages larger
-than one token, only whole pages are cached (a key is cut to a multiple of the page size), so a matched prefix
-always ends on a page boundary and a request continues on pages of its own.
+the least recently used unlocked leaves first, whole nodes, until enough slots came back. A hybrid target's
+nodes may hold a recurrent-state checkpoint; `reclaim_state` takes the least recently used one back when a running
+request needs one. With pages larger than one token, only whole pages are cached (a key is cut to a multiple of
+the page size), so a matched prefix always ends on a page boundary and a request continues on pages of its own.
 
 Knows nothing about requests, models or the allocator: it returns the slots it lets go and the caller frees
 them. Slot tensors are 1-D int64 on the pool's device; keys are Python tuples.
@@ -151,6 +152,56 @@ class RadixTree:
             if parent is not self.root and not parent.children and parent.locks == 0:
                 heapq.heappush(heap, (parent.last_use, id(parent), parent))
         return torch.cat(freed) if freed else self.root.slots
+
+    def reclaim_state(self) -> torch.Tensor | None:
+        """A running request needs a state checkpoint and the tree holds them all: drop the state of the least
+        recently used node, unlocked nodes first, on a tie the deepest (evict's order: leaves before parents).
+        A locked node's state may go too: the request that locked it copied it into its row when it resumed and
+        nothing else reads it (without this a long chat, whose path its own running turn locks, would never
+        save a state past the 8th). KV at and below a node no state lies at or below is KV no request can
+        resume into (a hybrid target recomputes from the deepest state), so that stretch, unlocked, goes too.
+        Returns the slots let go, which the caller frees; None when the tree holds no state."""
+        best, stack = None, [(self.root, 0)]
+        while stack:
+            node, depth = stack.pop()
+            if node.state is not None and (best is None or (node.locks > 0, node.last_use, -depth) < best[0]):
+                best = ((node.locks > 0, node.last_use, -depth), node)
+            stack.extend((child, depth + len(child.key)) for child in node.children.values())
+        if best is None:
+            return None
+        node = best[1]
+        self.drop_state(node.state)
+        node.state = None
+        return self._prune(node)
+
+    def _prune(self, node: RadixNode) -> torch.Tensor:
+        """Let go of `node` with its subtree, then of each parent left a childless leaf, while the node is unlocked
+        and no state lies at or below it; returns the slots."""
+        freed = []
+        while node is not self.root and node.locks == 0 and not self._holds_state(node):
+            parent = node.parent
+            del parent.children[self._page_key(node.key)]
+            stack = [node]
+            while stack:
+                gone = stack.pop()
+                freed.append(gone.slots)
+                self.cached_tokens -= len(gone.key)
+                stack.extend(gone.children.values())
+            if parent.children:
+                break
+            node = parent
+        return torch.cat(freed) if freed else self.root.slots
+
+    @staticmethod
+    def _holds_state(node: RadixNode) -> bool:
+        """Whether a state lies in `node`'s subtree."""
+        stack = [node]
+        while stack:
+            node = stack.pop()
+            if node.state is not None:
+                return True
+            stack.extend(node.children.values())
+        return False
 
     def all_slots(self) -> torch.Tensor:
         """Every slot the tree holds (for leak checks)."""

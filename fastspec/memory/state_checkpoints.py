@@ -5,10 +5,14 @@ while a request runs, its state is saved every `interval` tokens (prefill chunks
 boundaries; a decode round that crosses one saves the state its verify tracked at that token), kept with the
 request, and handed to the radix tree with its KV at release; a new request resumes from the deepest saved
 state on its cached prefix (fastspec.memory.radix.RadixTree.match_state). Checkpoints nobody can use are dropped
-back into the state pool's free list. Knows nothing about models; the worker calls these at the right moments.
+back into the state pool's free list; when a request needs one and none is free, the tree gives back its least
+recently used (RadixTree.reclaim_state), so the checkpoints follow what was used last. Knows nothing about
+models; the worker calls these at the right moments.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from fastspec.memory.radix import RadixTree
 from fastspec.memory.state_pool import StatePool
@@ -19,17 +23,20 @@ def prefill_budget(seq_len: int, interval: int) -> int:
     return interval - seq_len % interval
 
 
-def save_crossed(pool: StatePool, r, old_len: int, nodes: list[int] | None, interval: int) -> None:
+def save_crossed(pool: StatePool, r, old_len: int, nodes: list[int] | None, interval: int,
+                 reclaim: Callable[[], bool]) -> None:
     """A request advanced from old_len to r.seq_len tokens: save its state at each multiple of `interval` it
     reached. `nodes`: the verify nodes kept, in order (node i leaves the state after old_len + i + 1 tokens);
-    None: the row itself (a prefill chunk or a plain round, which end at most on one boundary: r.seq_len)."""
+    None: the row itself (a prefill chunk or a plain round, which end at most on one boundary: r.seq_len).
+    With every checkpoint taken, `reclaim()` has the tree give its least recently used one back (False: it holds
+    none)."""
     first = old_len - old_len % interval + interval
     for length in range(first, r.seq_len + 1, interval):
         if nodes is None and length != r.seq_len:
             continue  # the row holds only the state after all of its tokens
+        if not pool.free_checkpoints and not reclaim():
+            return  # the running requests hold every checkpoint: this request caches less
         ckpt = pool.save(r.row, None if nodes is None else nodes[length - old_len - 1])
-        if ckpt is None:
-            return  # every checkpoint is taken: this request caches less
         r.checkpoints.append((length, ckpt))
 
 
