@@ -150,3 +150,17 @@ def test_the_tuners_replay_drafts_as_the_engine_does(tiny_dirs):
     rounds, emitted = (sum(getattr(o.metrics, f) for o in outputs) for f in ("verify_rounds", "emitted_tokens"))
     assert replay_tau(recorded, shape) == (rounds, emitted)
     assert rounds == len(prompts) * -(-(NEW - 1) // 4)  # every round emits its 3 drafts and the bonus token
+
+
+def test_the_tuners_replay_runs_on_the_models_device(tiny_dirs):
+    """`fastspec tune` on CUDA replays over its engine's CUDA models: every tensor the replay makes is on their
+    device, not the default one (it made them on the CPU: a device mismatch at its first forward on a GPU). Here
+    the default device is meta and the models are on the CPU, so a tensor made on the default device fails."""
+    target = str(tiny_dirs["qwen2"][0])
+    shape = SpecParams(2, 2, 4)
+    engine = llm_for(target, target, shape.num_steps, shape.topk, shape.num_draft_tokens, 1).engine
+    prompt, output = PROMPTS[0], [5, 6, 7, 8, 9, 10]
+    args = (engine.model, engine.drafter.model, engine.drafter.hot_token_id, engine.feature, prompt, output, [shape])
+    expected = record(*args)
+    with torch.device("meta"):
+        assert record(*args) == expected

@@ -47,7 +47,14 @@ def candidate_params(max_steps: int, topks: tuple[int, ...], max_draft_tokens: i
 @torch.inference_mode()
 def record(target, draft, hot_token_id, feature: str, prompt_ids: list[int], output_ids: list[int],
            params: list[SpecParams], chunk: int = 64) -> Recorded:
-    """Replay one (prompt, greedy output) for every configuration in `params`."""
+    """Replay one (prompt, greedy output) for every configuration in `params`, on the models' device (every
+    tensor made here and in the functions it calls: `fastspec tune` on CUDA replays its engine's CUDA models)."""
+    device = next(target.parameters()).device
+    with torch.device(device):
+        return _record(target, draft, hot_token_id, feature, prompt_ids, output_ids, params, chunk, device)
+
+
+def _record(target, draft, hot_token_id, feature, prompt_ids, output_ids, params, chunk, device) -> Recorded:
     seq = torch.tensor(prompt_ids + output_ids)
     L, P = seq.numel(), len(prompt_ids)
     attn = PackedCausalAttention(torch.zeros(L, dtype=torch.long), target.config.hybrid)
@@ -58,7 +65,7 @@ def record(target, draft, hot_token_id, feature: str, prompt_ids: list[int], out
     c = draft.config
     dtype = next(draft.parameters()).dtype
     layers, heads, dim, separate_v = c.kv_layout
-    pool = KVPool(layers, heads, dim, L + chunk * max_k * max_steps, 1, dtype, separate_v=separate_v)
+    pool = KVPool(layers, heads, dim, L + chunk * max_k * max_steps, 1, dtype, device, separate_v=separate_v)
     rows, _ = draft_prefill(draft, pool, seq, features[:-1])  # row p: (token p+1, feature p) in slot p + 1
     accept = {p: [] for p in params}
     for i in range(0, len(starts), chunk):
