@@ -105,7 +105,8 @@ def test_a_prompt_being_tokenized_does_not_stop_the_server(served, monkeypatch):
         assert entered.wait(30)
         with urllib.request.urlopen(url + "/health", timeout=10) as response:
             assert response.status == 200
-        assert client.completions.create(model=MODEL, prompt="abc", max_tokens=3, timeout=10).choices[0].text
+        got = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, timeout=10)  # (sampled: T = 1)
+        assert got.choices[0].finish_reason in ("length", "stop")  # answered (its text may be empty: an EOS)
     finally:
         release.set()
         slow.join(30)
