@@ -41,8 +41,8 @@ def write_random_f16(path: Path, s: dict, seed: int = 0) -> Path:
     import gguf
     from tokenizers import pre_tokenizers
 
-    from fastspec.models.rope import rope_inv_freq
     from fastspec.models.model_config import RopeScaling
+    from fastspec.models.rope import rope_inv_freq
 
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, s["arch"])

@@ -17,7 +17,8 @@ from fastspec.models.quant_config import read_scheme
 from fastspec.models.cuda_linears import Fp8Linear
 from fastspec.models.quant_layers import QuantLinear, bind
 from fastspec.models.quantise import online_form
-from fastspec.models.quant_weights import Fp8Weight, IntWeight, unpack_int32
+from fastspec.models.quant_decode import unpack_int32
+from fastspec.models.quant_weights import Fp8Weight, IntWeight
 from fastspec.sampling import SamplingParams
 from quant_writers import AWQ_ORDER, awq_pack, write_quantised
 
@@ -73,7 +74,7 @@ def test_an_awq_word_holds_its_columns_in_autoawqs_order():
     word = awq_pack(torch.arange(8).view(1, 8))
     assert word.item() == 0x75316420
     scheme = read_scheme({"quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 32}})
-    from fastspec.models.quant_weights import decode_state
+    from fastspec.models.quant_decode import decode_state
 
     k = 32
     qweight = awq_pack(torch.arange(8).repeat(k, 1))  # [32, 1]: every input row the same word
@@ -96,7 +97,7 @@ def test_a_gptq_word_holds_inputs_low_bits_first():
 def test_an_int_quantized_weight_is_its_int8_values_times_their_scale(strategy, scale, symmetric):
     """compressed-tensors' int-quantized (W8A8 int8) stores the int8 values as they are: w = (q - zero) * scale, a
     scale (and where asymmetric an int8 zero point) per tensor, per output channel or per group of inputs (here 16)."""
-    from fastspec.models.quant_weights import decode_state
+    from fastspec.models.quant_decode import decode_state
 
     weights = {"num_bits": 8, "type": "int", "symmetric": symmetric, "strategy": strategy, "group_size": 16}
     scheme = read_scheme({"quantization_config": {"quant_method": "compressed-tensors", "format": "int-quantized",
@@ -447,7 +448,7 @@ def test_compressed_tensors_dequantises_fp8_blocks_as_fastspec_does():
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize
 
-    from fastspec.models.quant_weights import decode_state
+    from fastspec.models.quant_decode import decode_state
 
     gen = torch.Generator().manual_seed(7)
     q = (torch.randn(64, 64, generator=gen) * 50).to(torch.float8_e4m3fn)

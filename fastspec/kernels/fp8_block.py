@@ -14,7 +14,7 @@ per weight by `kernel_for`:
               interpreter on CPU, the tests) both operands' codes decoded to float32 and dotted in float32, since
               the interpreter's own fp8 dot is not exact
   torch       the twin: both operands dequantised, one float32 GEMM
-Knows nothing about checkpoints (fastspec.models.quant_weights makes the weights).
+Knows nothing about checkpoints (fastspec.models.quant_decode reads the weights).
 """
 
 from __future__ import annotations

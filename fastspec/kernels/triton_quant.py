@@ -11,7 +11,7 @@ multiple of BLOCK_K), so the tile's products are scaled once: acc += dot(x, v.T)
 float16 / bfloat16 activations v is cast to their type (every code is exact there) and dotted on tensor cores;
 float32 activations are dotted in float32. Sums are float32 either way. The
 grid depends on shapes alone: capturable. `matmul_twin` is the same arithmetic in torch; tests run both under
-TRITON_INTERPRET=1 on CPU. Knows nothing about checkpoints (fastspec.models.quant_weights makes the bytes).
+TRITON_INTERPRET=1 on CPU. Knows nothing about checkpoints (fastspec.models.quant_decode reads the bytes).
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from fastspec.models.bamba import BambaDecoderLayer
 from fastspec.models.deepseek import DeepseekDecoderLayer
 from fastspec.models.fused_cpu import final_norm, fused_activation, fused_layers
 from fastspec.models.layers import DecoderLayer, make_norm
-from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import is_moe_layer
 from fastspec.models.qwen3_next import HybridDecoderLayer
+from fastspec.models.rope import RotaryEmbedding
 
 
 class TargetHidden(NamedTuple):

@@ -15,10 +15,10 @@ from torch import nn
 
 from fastspec.models.eagle import DraftHidden
 from fastspec.models.layers import MLP, RMSNorm
-from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.mla import MLAttention
 from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import MoE, is_moe_layer
+from fastspec.models.rope import RotaryEmbedding
 
 
 class DeepseekDecoderLayer(nn.Module):

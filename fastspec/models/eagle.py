@@ -15,8 +15,8 @@ from torch import nn
 
 from fastspec.models.fused_cpu import eagle3_fused, eagle3_midlayer
 from fastspec.models.layers import MLP, Attention, DecoderLayer, RMSNorm
-from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.model_config import ModelConfig
+from fastspec.models.rope import RotaryEmbedding
 
 
 class DraftHidden(NamedTuple):

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from fastspec.errors import FastspecError
-from fastspec.models.rope import rope_inv_freq
 from fastspec.models.model_config import RopeScaling
+from fastspec.models.rope import rope_inv_freq
 
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3's per-frequency divisors: read into the config's rope scaling
 LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 128k / Phi-3.5 / Phi-4-mini

@@ -16,8 +16,8 @@ from torch import nn
 
 from fastspec.kernels.cpu_row_gemm import head_matmul
 from fastspec.models.layers import RMSNorm
-from fastspec.models.rope import RotaryEmbedding, yarn_mscale
 from fastspec.models.model_config import ModelConfig
+from fastspec.models.rope import RotaryEmbedding, yarn_mscale
 
 LORA_NORM_EPS = 1e-6  # DeepSeek's q_a / kv_a layernorms use the default eps, not rms_norm_eps
 

@@ -1,6 +1,6 @@
 """What a quantised Hugging Face checkpoint says about its weights: `quantization_config` in config.json (or a GPTQ
 repo's `quantize_config.json`) read into a frozen QuantScheme, every method or setting fastspec cannot run refused
-in one line. Torch-free; does not read tensors (quant_weights) nor build modules (quant_layers).
+in one line. Torch-free; does not read tensors (quant_decode) nor build modules (quant_layers).
 
 Methods read:
   fp8                 Hugging Face's fine-grained fp8 (Qwen3-FP8, DeepSeek-V3): e4m3 weights, `weight_scale_inv`

@@ -7,7 +7,7 @@
   CPU the packed kernels of packed_layers: 4-bit blocks on fastspec's int16 kernel (BlockLinear) or torch's int4
   one (Int4Linear), 8-bit blocks and fp8 weights (re-rounded to 8 bits per 16 values) on BlockLinear, else a
   CastLinear over the dequantised weight. `gemm_kernels` names what each linear of a model runs.
-Does not read checkpoints (quant_weights, loader).
+Does not read checkpoints (quant_decode, loader).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A quantised Hugging Face checkpoint loaded as a target (the config's scheme: quant_config; its tensors:
-quant_weights): each quantised linear kept in its stored form (QuantLinear, built on a skeleton on the meta device so
+quant_decode): each quantised linear kept in its stored form (QuantLinear, built on a skeleton on the meta device so
 no float copy of it is ever made), everything else loaded as stored; or, with `--quantization none`, every
 quantised weight dequantised to the model's dtype (the exact reference). Weights the model reads as tensors rather
 than through a linear (stacked MoE experts, MLA's kv_b_proj, an lm_head) are dequantised either way. Which kernel
@@ -18,12 +18,13 @@ from torch import nn
 
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import Blocks
-from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.moe import Experts, LinearExperts
 from fastspec.models.packed_layers import TENSOR_LINEARS
 from fastspec.models.quant_config import QuantScheme, read_scheme
+from fastspec.models.quant_decode import decode_state
 from fastspec.models.quant_layers import QuantLinear
-from fastspec.models.quant_weights import QuantWeight, decode_state
+from fastspec.models.quant_weights import QuantWeight
+from fastspec.models.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 

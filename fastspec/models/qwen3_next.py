@@ -21,10 +21,10 @@ from fastspec.memory.state_pool import RecurrentView
 from fastspec.models import gated_delta
 from fastspec.models.eagle import DraftHidden
 from fastspec.models.layers import MLP, by_rows, make_norm
-from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.model_config import ModelConfig
 from fastspec.models.moe import Experts, Router, is_moe_layer
 from fastspec.models.recurrent import run_layer
+from fastspec.models.rope import RotaryEmbedding
 
 
 class GatedAttention(nn.Module):
