@@ -122,7 +122,7 @@ def _conversations(cfg, model_dir, prompts, store, on_progress):
 
     llm = LLM(model=str(model_dir), speculative_algorithm="NONE", max_running_requests=cfg.generate_batch,
               max_total_tokens=cfg.generate_batch * (cfg.max_new_tokens + 512), device=cfg.device,
-              threads=None)  # as the command set them
+              dtype="float32", threads=None)  # the provenance's dtype (auto is 16-bit on CUDA); threads as set
     report = lambda done, total: on_progress(Progress("generate", done, total))  # noqa: E731
     return generate_conversations(llm, prompts, store, cfg.samples_per_prompt,
                                   cfg.max_new_tokens, cfg.seed, cfg.generate_batch, report)
