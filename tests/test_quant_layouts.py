@@ -15,16 +15,9 @@ import fastspec
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
 from quant_writers import write_quantised
+from test_quantised_checkpoints import hf_greedy
 
 PROMPTS = [[5, 9, 13, 3, 40], [7, 7, 8, 60, 61, 62, 7, 7]]
-
-
-def greedy(hf, prompt, new):
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        for _ in range(new):
-            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return ids[0, len(prompt):].tolist()
 
 
 def tokens(model_dir, new=12, **kw):
@@ -99,7 +92,7 @@ def test_a_model_compressor_checkpoint_gives_transformers_tokens(tmp_path, name)
     assert not oracle.load_state_dict(loaded.state_dict(), strict=False).missing_keys
     assert torch.equal(oracle.model.layers[0].mlp.up_proj.weight, loaded.model.layers[0].mlp.up_proj.weight)
     got, llm = tokens(tmp_path / "m", quantization="none", dtype="float32")
-    assert got == [greedy(oracle, p, 12) for p in PROMPTS]
+    assert got == [hf_greedy(oracle, p, 12) for p in PROMPTS]
     assert tokens(tmp_path / "m")[1].engine.worker.config.quantization == "compressed-tensors"
 
 

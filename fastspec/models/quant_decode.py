@@ -174,10 +174,11 @@ def _ct_order(t: dict, scheme: QuantScheme, k: int, group: int, where: str) -> t
     return _group_order(g_idx, k, group, "weight_g_idx", where)
 
 
-def _zero_points(t: dict, scheme: QuantScheme, where: str) -> torch.Tensor | None:
-    """The stored weight_zero_point (None where symmetric); one where the config does not say so is one line."""
+def _zero_points(t: dict, scheme: QuantScheme, where: str, read=_need) -> torch.Tensor | None:
+    """The stored weight_zero_point as `read` takes it (_words: packed int32 words), None where symmetric; one where
+    the config does not say so is one line."""
     if scheme.zero_points:
-        return _need(t, "weight_zero_point", where)
+        return read(t, "weight_zero_point", where)
     if "weight_zero_point" in t:
         raise FastspecError(f"{where}.weight_zero_point: zero points in a symmetric compressed-tensors checkpoint")
     return None
@@ -185,8 +186,7 @@ def _zero_points(t: dict, scheme: QuantScheme, where: str) -> torch.Tensor | Non
 
 def _pack_quantized(t: dict, scheme: QuantScheme, where: str) -> IntWeight:
     packed, scale = _words(t, "weight_packed", where), _need(t, "weight_scale", where)
-    zero = _zero_points(t, scheme, where)
-    zero = None if zero is None else _words(t, "weight_zero_point", where)
+    zero = _zero_points(t, scheme, where, _words)
     bits = scheme.bits
     n, k = (int(v) for v in t["weight_shape"].tolist()) if "weight_shape" in t else (packed.shape[0],
                                                                                     packed.shape[1] * 32 // bits)
