@@ -156,7 +156,9 @@ class EngineConfig:
         if self.mamba_track_interval < 1:
             raise FastspecError(f"--mamba-track-interval must be >= 1, got {self.mamba_track_interval}")
         if self.chunked_prefill_size < 1:
-            raise FastspecError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}")
+            raise FastspecError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}"
+                                + (" (SGLang's -1, no chunking: pass a size at least the longest prompt's)"
+                                   if self.chunked_prefill_size == -1 else ""))
         if self.max_context_len is not None and self.max_context_len < 1:
             raise FastspecError(f"max_context_len (--context-length) must be >= 1, got {self.max_context_len}")
         if self.max_running_requests < 1:

@@ -124,12 +124,13 @@ class LLM:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.tokenizer.encode_chat(messages, tools)
 
-    def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list[SamplingParams]
-                 = SamplingParams(), chat: bool = False, should_stop: Callable[[], bool] = lambda: False,
-                 ) -> list[Completion]:
-        """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams or one each.
-        `should_stop()` (asked after every step; Ctrl-C) ends every request with what it has, reason "abort"."""
-        ids, params = self._inputs(prompts, params, chat)
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False,
+                 should_stop: Callable[[], bool] = lambda: False) -> list[Completion]:
+        """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams (None: the defaults)
+        or one each (vLLM's names: `llm.generate(prompts, sampling_params=...)`). `should_stop()` (asked after every
+        step; Ctrl-C) ends every request with what it has, reason "abort"."""
+        ids, params = self._inputs(prompts, sampling_params, chat)
         if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
             text = self.decode if (self.engine.model_dir / "tokenizer.json").is_file() else lambda ids: None
             got = collect(self._until(self.engine.stream(ids, params), len(ids), should_stop), params)
@@ -142,8 +143,9 @@ class LLM:
                            got.final[i].metrics, None if got.logprobs[i] is None else got.logprobs[i][: kept[i]],
                            got.prompt_logprobs[i]) for i in range(len(ids))]
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | list[SamplingParams]
-             = SamplingParams(), tools: list[dict] | None = None) -> list[Completion]:
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             tools: list[dict] | None = None) -> list[Completion]:
         """One conversation (a list of {"role": ..., "content": ...} messages) or a list of them, each through the
         model's chat template (`tools`: OpenAI-style function dicts for it); one Completion per conversation."""
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
@@ -152,12 +154,12 @@ class LLM:
                 isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in messages):
             raise FastspecError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such "
                                 "conversations")
-        return self.generate([self.encode_chat(list(c), tools) for c in messages], params)
+        return self.generate([self.encode_chat(list(c), tools) for c in messages], sampling_params)
 
-    def stream(self, prompts, params=SamplingParams(), chat: bool = False) -> Iterator[list[TextDelta]]:
+    def stream(self, prompts, sampling_params=None, chat: bool = False) -> Iterator[list[TextDelta]]:
         """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
         start a stop string is held back until it is ruled out)."""
-        ids, params = self._inputs(prompts, params, chat)
+        ids, params = self._inputs(prompts, sampling_params, chat)
         streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
         yield from self.stream_ids(ids, params, streams)
 
@@ -202,9 +204,10 @@ class LLM:
             raise FastspecError("prompts must be a string, a list of strings or a list of token-id lists")
         if chat and any(not isinstance(p, str) for p in prompts):
             raise FastspecError("chat=True applies the chat template to text prompts, not to token ids")
+        params = SamplingParams() if params is None else params
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if not all(isinstance(p, SamplingParams) for p in params):
-            raise FastspecError("params must be a SamplingParams or a list of them, one per prompt")
+            raise FastspecError("sampling_params must be a SamplingParams or a list of them, one per prompt")
         if len(params) != len(prompts):
             raise FastspecError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one each")
         return [[int(t) for t in p] if not isinstance(p, str) else self.encode(p, chat) for p in prompts], params

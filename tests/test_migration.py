@@ -84,6 +84,7 @@ def test_a_foreign_llm_option_names_fastspecs_own(key, value, hint):
     (dict(revision=5), "revision must be a branch, tag or commit, got 5"),
     (dict(max_context_len=0), r"max_context_len \(--context-length\) must be >= 1, got 0"),
     (dict(max_context_len=-5), r"max_context_len \(--context-length\) must be >= 1, got -5"),
+    (dict(chunked_prefill_size=-1), r"must be >= 1, got -1 \(SGLang's -1, no chunking: pass a size at least"),
     (dict(speculative_algorithm="NGRAM", schedule=5), r"schedule must be \(largest batch size, SpecParams or None\)")])
 def test_llm_options_of_the_wrong_type_are_one_line(tiny_dirs, kwargs, message):
     """(Were TypeErrors from a comparison, a regex match or iteration inside, and for a negative max_context_len a
@@ -119,6 +120,9 @@ def test_llm_chat_takes_a_conversation_or_a_list_of_them(tiny_dirs, tmp_path):
                                                                      for o in expected]
     assert llm.chat(one, params)[0].output_ids == expected[0].output_ids == llm.generate("hi", params, chat=True)[
         0].output_ids
+    assert llm.chat(one, sampling_params=params)[0].output_ids == expected[0].output_ids  # vLLM's keyword
+    assert llm.generate("hi", sampling_params=params, chat=True)[0].output_ids == expected[0].output_ids
+    assert llm.generate("hi")[0].output_ids == llm.generate("hi", SamplingParams())[0].output_ids  # None: defaults
     assert llm.chat([], params) == []  # (as generate([]))
     for bad in ("hi", [[]], [one, "hi"], [["hi"]], [one, []]):
         with pytest.raises(FastspecError, match="messages must be a list of"):

@@ -144,6 +144,16 @@ def test_a_sliding_window_caps_the_context_at_its_width(tmp_path):
             "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 512}
     assert ModelConfig.from_hf(qwen | {"sliding_window": 64, "use_sliding_window": False}).context_limit == 512
     assert ModelConfig.from_hf(qwen | {"sliding_window": 64, "use_sliding_window": True}).context_limit == 64
+    assert ModelConfig.from_hf(qwen).context_len(512) == 512
+
+
+def test_a_context_past_the_trained_positions_is_one_line():
+    """As SGLang and vLLM: a context length past max_position_embeddings is refused, not served on positions the
+    model never saw."""
+    qwen = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 512}
+    with pytest.raises(FastspecError, match="max_context_len 513 exceeds the model's max_position_embeddings 512"):
+        ModelConfig.from_hf(qwen).context_len(513)
 
 
 @pytest.mark.parametrize("head_dim, partial, scaling", [(64, 1.0, None), (80, 1.0, None), (128, 0.5, None),

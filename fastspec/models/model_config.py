@@ -99,8 +99,13 @@ class ModelConfig:
         return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     def context_len(self, requested: int | None) -> int:
-        """The context an engine serves: `requested` (None: context_limit); past a sliding window, a one-line error."""
+        """The context an engine serves: `requested` (None: context_limit); past the trained positions or a sliding
+        window, a one-line error (as SGLang and vLLM refuse a context length past max_position_embeddings)."""
         length = requested or self.context_limit
+        if length > self.max_position_embeddings:
+            raise FastspecError(f"max_context_len {length} exceeds the model's max_position_embeddings "
+                                f"{self.max_position_embeddings}: positions past it were never trained (a longer "
+                                "context needs the checkpoint's config.json to declare rope_scaling for it)")
         if self.sliding_window and length > self.sliding_window:
             raise FastspecError(f"max_context_len {length} exceeds the model's sliding attention window of "
                                 f"{self.sliding_window} tokens, which fastspec does not implement (it attends to the "
