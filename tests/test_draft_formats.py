@@ -273,6 +273,37 @@ def test_export_refusals_are_one_line(tiny_dirs, eagle_twins, tmp_path):
         assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, args
 
 
+def test_an_export_that_fails_midway_leaves_no_directory(eagle_twins, tmp_path, monkeypatch):
+    """export-draft writes model.safetensors and config.json into a hidden sibling renamed to --out at the end: a
+    write that fails after the weights (here config.json's, as a full disk would) leaves neither --out nor the
+    sibling; an empty --out is filled."""
+    from typer.testing import CliRunner
+
+    import fastspec.utils.files as files
+    from fastspec.cli import app
+
+    where, written = tmp_path / "exports", []
+    where.mkdir()
+
+    def fail_on_config(directory, write):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(directory)
+        return real(directory, write)
+
+    real = files._write_temp
+    monkeypatch.setattr(files, "_write_temp", fail_on_config)
+    result = CliRunner().invoke(app, ["export-draft", str(eagle_twins[1]), str(where / "out"), "--format", "sglang"])
+    assert result.exit_code == 2 and "No space left on device" in result.output, result.output
+    assert list(where.iterdir()) == []
+    monkeypatch.setattr(files, "_write_temp", real)
+    (where / "out").mkdir()
+    result = CliRunner().invoke(app, ["export-draft", str(eagle_twins[1]), str(where / "out"), "--format", "sglang"])
+    assert result.exit_code == 0 and sorted(p.name for p in (where / "out").iterdir()) == ["config.json",
+                                                                                            "model.safetensors"]
+    assert list(where.iterdir()) == [where / "out"] and oct((where / "out").stat().st_mode)[-3:] == "755"
+
+
 @pytest.mark.commands
 def test_export_checks_the_verifier_where_it_resolves_and_records_it(tiny_dirs, draft_dirs, tmp_path, monkeypatch):
     """A local verifier is stored absolute, with its architectures, and must fit the head; a hub id is checked the

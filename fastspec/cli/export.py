@@ -22,7 +22,7 @@ def export_draft(
                                                          "format (vLLM reads it).")] = None,
 ) -> None:
     """Write a draft head in another format (round trip: the same drafts)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from fastspec.errors import FastspecError
     from fastspec.models.draft_formats import from_speculators, is_speculators, to_speculators
@@ -30,6 +30,7 @@ def export_draft(
     from fastspec.models.loader import read_state_dict, weight_names
     from fastspec.models.hub import check_model_spec
     from fastspec.models.sources import resolve_model_dir
+    from fastspec.utils.files import write_directory
 
     if format not in FORMATS:
         raise FastspecError(f"--format must be {' or '.join(FORMATS)}, got {format!r}")
@@ -54,10 +55,10 @@ def export_draft(
     state = {draft_key(k, config): v.contiguous() for k, v in read_state_dict(head).items()}
     if format == "speculators":
         raw, state = to_speculators(raw, state, verifier_record(verifier, config, head), str(head))
+    text = json.dumps(raw, indent=1) + "\n"
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(out / "model.safetensors"))
-        (out / "config.json").write_text(json.dumps(raw, indent=1) + "\n")
+        write_directory(out, {"model.safetensors": lambda f: f.write(save(state)),
+                              "config.json": lambda f: f.write(text.encode())})
     except OSError as e:
         raise FastspecError(f"cannot write {out}: {e.strerror or e}") from None
     typer.echo(f"wrote {out} ({format})")

@@ -2,13 +2,15 @@
 
 A writer fills a private temporary file in the target's directory, syncs it, makes it an ordinary 0644 file and
 then renames it over the target (`write_atomic`) or links it to the first name not taken (`write_new`, which never
-overwrites): a reader or a crash sees the old file or the new one, never half of one. `read_or_refuse` turns
-whatever a damaged file raises into one FastspecError naming it. Knows nothing about what the files hold.
+overwrites): a reader or a crash sees the old file or the new one, never half of one; `write_directory` makes a new
+directory of files the same way. `read_or_refuse` turns whatever a damaged file raises into one FastspecError naming
+it. Knows nothing about what the files hold.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -43,6 +45,22 @@ def write_new(directory: Path, names: Iterable[str], write: Writer) -> Path:
         raise FileExistsError(f"every name offered in {directory} is taken")
     finally:
         tmp.unlink()
+
+
+def write_directory(directory: Path, files: dict[str, Writer]) -> None:
+    """Make `directory` (absent or empty) holding `files` ({name: writer}), all of them or none: they are written
+    into a hidden sibling that is then renamed to it, so a crash leaves no half-written directory behind."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
+    try:
+        for name, write in files.items():
+            os.replace(_write_temp(tmp, write), tmp / name)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary directory
+        os.rename(tmp, directory)  # (POSIX: over an empty directory, or none)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def read_or_refuse(path: Path, read: Callable[[Path], T], hint: str) -> T:
