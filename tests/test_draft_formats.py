@@ -293,12 +293,13 @@ def test_an_export_that_fails_midway_leaves_no_directory(eagle_twins, tmp_path, 
 
     real = files._write_temp
     monkeypatch.setattr(files, "_write_temp", fail_on_config)
-    result = CliRunner().invoke(app, ["export-draft", str(eagle_twins[1]), str(where / "out"), "--format", "sglang"])
+    export = ["export-draft", str(eagle_twins[1]), str(where / "out"), "--format", "sglang"]
+    result = CliRunner().invoke(app, export)
     assert result.exit_code == 2 and "No space left on device" in result.output, result.output
     assert list(where.iterdir()) == []
     monkeypatch.setattr(files, "_write_temp", real)
     (where / "out").mkdir()
-    result = CliRunner().invoke(app, ["export-draft", str(eagle_twins[1]), str(where / "out"), "--format", "sglang"])
+    result = CliRunner().invoke(app, export)
     assert result.exit_code == 0 and sorted(p.name for p in (where / "out").iterdir()) == ["config.json",
                                                                                             "model.safetensors"]
     assert list(where.iterdir()) == [where / "out"] and oct((where / "out").stat().st_mode)[-3:] == "755"
