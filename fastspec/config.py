@@ -71,9 +71,10 @@ def check_dtype(name: str, auto: bool = False) -> None:
 
 
 def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str) -> str:
-    """--dtype with `auto` decided: float32 on the CPU (exact, and where a CPU lacks bf16 instructions the fastest);
-    on CUDA the checkpoint's own 16-bit dtype, bfloat16 for a float32 one (SGLang documents float16 there;
-    bfloat16 keeps float32's range, which models trained in it rely on)."""
+    """--dtype with `auto` decided by the rule alone: float32 on the CPU (exact; models.sources.resolve_model_dtype
+    measures whether a 16-bit checkpoint's own dtype pays there); on CUDA the checkpoint's own 16-bit dtype, bfloat16
+    for a float32 one (SGLang documents float16 there; bfloat16 keeps float32's range, which models trained in it
+    rely on)."""
     if dtype != "auto":
         return dtype
     if not device.startswith("cuda"):
@@ -98,7 +99,7 @@ class EngineConfig:
     # (models.sources.resolve_quantization); None ("none"): the weights dequantised to dtype (the exact reference);
     # gguf: a GGUF model on its own blocks; fp8 / int8 / int4: a float checkpoint's projections rounded at load
     quantization: str | None = "auto"
-    dtype: str = "auto"  # auto: float32 on the CPU (resolved here), on CUDA the checkpoint's (resolve_dtype, by Worker)
+    dtype: str = "auto"  # auto: decided with the checkpoint (models.sources.resolve_model_dtype, by LLM / Worker)
     kv_cache_dtype: str = "auto"  # the KV pools' storage (auto: kv_torch_dtype); attention computes in dtype
     device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
     page_size: int = 1
@@ -139,8 +140,6 @@ class EngineConfig:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise FastspecError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
         check_dtype(self.dtype, auto=True)
-        if self.dtype == "auto" and not self.device.startswith("cuda"):
-            object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device, "float32"))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise FastspecError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                                 f"{self.kv_cache_dtype!r}")

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from numbers import Integral
 
-from fastspec.config import EngineConfig, resolve_dtype
+from fastspec.config import EngineConfig
 from fastspec.engine.engine import Engine, collect
 from fastspec.errors import FastspecError
 from fastspec.models.embedded import default_speculation
-from fastspec.models.sources import resolve_sources
+from fastspec.models.sources import resolve_model_dtype, resolve_sources
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import CLI_FLAGS, Schedule, SpecConfig, check_spec_flags
 from fastspec.speculative.tuned import find_schedule, weights_label
@@ -91,7 +91,7 @@ class LLM:
             model, algorithm, draft_model, revision=revision, draft_revision=draft_revision,
             quantization=config.quantization, device=config.device, load_format=config.load_format)
         config = dataclasses.replace(config, model=str(sources.model_dir), quantization=sources.quantization,
-                                     dtype=resolve_dtype(config.dtype, config.device, sources.config.torch_dtype))
+                                     dtype=resolve_model_dtype(config.dtype, config.device, sources))
         draft = None if sources.draft_dir is None else str(sources.draft_dir)
         spec = SpecConfig.resolve(algorithm, sources.config.architecture, draft_model=draft, num_steps=num_steps,
                                   topk=topk, num_draft_tokens=num_draft_tokens, token_map=token_map,

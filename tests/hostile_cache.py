@@ -20,12 +20,13 @@ from pathlib import Path
 TRUNCATED_TUNED = '{"version": 1, "fingerprint": {"hardware": "x'
 
 
-def fill(cache: Path, target: Path, draft: Path) -> None:
-    """Damaged and foreign entries for (target, draft) in every place fastspec reads under `cache`."""
+def fill(cache: Path, target: Path, draft: Path, label: str = "float32") -> None:
+    """Damaged and foreign entries for (target, draft) in every place fastspec reads under `cache`; `label`: the
+    weights label (speculative.tuned.weights_label) the target's commands run under by default on the CPU."""
     from fastspec.speculative.tuned import VERSION, fingerprint, tuned_path
 
-    real = fingerprint(target, draft, "float32", "cpu")
-    tuned = cache / "tuned" / tuned_path(target, draft, "float32", "cpu").name
+    real = fingerprint(target, draft, label, "cpu")
+    tuned = cache / "tuned" / tuned_path(target, draft, label, "cpu").name
     tuned.parent.mkdir(parents=True, exist_ok=True)
     tuned.write_text(TRUNCATED_TUNED)  # cut short mid-write
     other_dtype = tuned.parent / tuned_path(target, draft, "bfloat16", "cpu").name  # float32's print, impossible
@@ -77,7 +78,16 @@ def main(root: Path) -> None:
                     "--speculative-algorithm", "EAGLE3", "--batch-sizes", "1,2", "--budget", "30",
                     "--num-prompts", "4", "--max-new-tokens", "16", "--prompts", str(prompts)], env=env, check=True)
     # the tiny target keeps the file tune wrote; the embedded model (converted into `cache` here) gets the damage
-    fill(cache, embedded_model_dir(), embedded_head(DEFAULT_MODEL))
+    fill(cache, embedded_model_dir(), embedded_head(DEFAULT_MODEL), embedded_label())
+
+
+def embedded_label() -> str:
+    """The label the embedded model's commands key their tuned file by on the CPU (its Q4_1 blocks, the KV cache's
+    default dtype for them)."""
+    from fastspec.config import kv_cache_dtype_name
+    from fastspec.speculative.tuned import weights_label
+
+    return weights_label("float32", "gguf", kv_cache_dtype_name("auto", "float32", "cpu", "gguf"))
 
 
 if __name__ == "__main__":

@@ -182,19 +182,25 @@ def test_sglang_flags_fastspec_takes_parse_and_reach_the_engine(monkeypatch):
     assert bad.exit_code == 2 and bad.stderr == "error: max_context_len (--context-length) must be >= 1, got 0\n"
 
 
-def test_dtype_auto_is_float32_on_the_cpu_and_the_checkpoints_16_bits_on_cuda(tiny_dirs, tmp_path):
-    """SGLang's and vLLM's default --dtype auto (was refused: 'unknown dtype'): on the CPU float32 whatever the
-    checkpoint holds (a bfloat16 one too), on CUDA the checkpoint's 16-bit dtype, bfloat16 for a float32 one."""
+def test_dtype_auto_on_the_cpu_is_measured_and_on_cuda_the_checkpoints_16_bits(tiny_dirs, tmp_path, monkeypatch):
+    """SGLang's and vLLM's default --dtype auto (was refused: 'unknown dtype'). On CUDA the checkpoint's 16-bit
+    dtype, bfloat16 for a float32 one. On the CPU float32, but a checkpoint stored in 16 bits keeps its dtype where
+    a decode step's product over its weights measures >= 1.3x float32's, or where a float32 copy would not fit in
+    memory (the measurement and the memory are stubbed here; the rule is what is tested)."""
     import json
     import shutil
 
+    import torch
     from typer.testing import CliRunner
 
     import fastspec
+    import fastspec.kernels.cpu_row_gemm as row_gemm
+    import fastspec.memory.kv_pool as kv_pool
     from fastspec.cli import app
     from fastspec.config import EngineConfig, resolve_dtype
+    from fastspec.models.sources import resolve_model_dtype, resolve_sources
 
-    assert EngineConfig(device="cpu").dtype == EngineConfig(device="cpu", dtype="auto").dtype == "float32"
+    assert EngineConfig(device="cpu").dtype == "auto"  # decided with the checkpoint
     assert [resolve_dtype("auto", device, stored) for device, stored in (
         ("cuda", "bfloat16"), ("cuda:1", "float16"), ("cuda", "float32"), ("cpu", "bfloat16"))] == [
         "bfloat16", "float16", "bfloat16", "float32"]
@@ -203,8 +209,19 @@ def test_dtype_auto_is_float32_on_the_cpu_and_the_checkpoints_16_bits_on_cuda(ti
     shutil.copytree(tiny_dirs["llama"][0], model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    speedup = {"value": 2.0}
+    monkeypatch.setattr(row_gemm, "one_row_speedup", lambda dtype, rows, cols: speedup["value"])
+    bf16, fp32 = resolve_sources(str(model_dir), "NONE"), resolve_sources(str(tiny_dirs["llama"][0]), "NONE")
+    assert resolve_model_dtype("auto", "cpu", bf16) == "bfloat16" and resolve_model_dtype("auto", "cpu", fp32) == \
+        "float32"
+    assert resolve_model_dtype("float32", "cpu", bf16) == "float32"  # as asked
     llm = fastspec.LLM(str(model_dir), device="cpu", max_total_tokens=512)
-    assert llm.engine.config.dtype == "float32" and llm.engine.model.lm_head.weight.dtype.is_floating_point
+    assert llm.engine.config.dtype == "bfloat16" and llm.engine.model.lm_head.weight.dtype == torch.bfloat16
+    speedup["value"] = 1.2
+    assert resolve_model_dtype("auto", "cpu", bf16) == "float32"
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device: 2 * sum(  # just a float32 copy: no KV room
+        f.stat().st_size for f in model_dir.glob("*.safetensors")))
+    assert resolve_model_dtype("auto", "cpu", bf16) == "bfloat16"
     result = CliRunner().invoke(app, ["generate", "--model", str(model_dir), "--input-ids", "1,5,9", "--dtype", "auto",
                                       "--max-new-tokens", "3", "--device", "cpu", "--json"])
     assert result.exit_code == 0 and len(json.loads(result.stdout)["output_ids"]) == 3, result.output

@@ -180,7 +180,8 @@ def test_bench_profile_splits_a_plain_step_and_a_round_by_category():
         assert p["device"] == "cpu" and p["batch_size"] == 1 and p["ms_per_step"] > 0 and p["launches_per_step"] > 0
         by = p["ms_by_category"]
         assert list(by) == list(CATEGORIES)
-        assert by["gemm"] > 0 and by["attention"] > 0
+        assert by["gemm"] > 0 and by["attention"] >= 0  # (a small category's difference of two runs reads as 0 on
+        # a loaded machine: the split's arithmetic over each category is test_profile_step_is_the_difference...'s)
         assert sum(by.values()) <= p["ms_per_step"] * 1.05  # operator self times are parts of the wall time
         # the host's share is the wall time the categories leave, but for rounding and for a category whose
         # difference came out negative on a busy machine (it reads as 0, so the categories leave less)

@@ -119,10 +119,11 @@ def check_sizes(batch_sizes: str, sizes: tuple[int, ...], num_prompts: int, max_
 
 def tuned_location(sources, dtype: str | None, kv_cache_dtype: str, device: str) -> tuple[Path, str]:
     """(where the tuned file of these sources on `device` lives, its weights label)."""
-    from fastspec.config import kv_cache_dtype_name, resolve_dtype
+    from fastspec.config import kv_cache_dtype_name
+    from fastspec.models.sources import resolve_model_dtype
     from fastspec.speculative import tuned as tuned_file
 
-    dtype = resolve_dtype(dtype, device, sources.config.torch_dtype)
+    dtype = resolve_model_dtype(dtype, device, sources)
     kv = kv_cache_dtype_name(kv_cache_dtype, dtype, device, sources.quantization)
     weights = tuned_file.weights_label(dtype, sources.quantization, kv)
     return tuned_file.tuned_path(sources.model_dir, sources.draft_dir, weights, device), weights

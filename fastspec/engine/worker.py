@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from fastspec.attention import make_backend
-from fastspec.config import EngineConfig, resolve_dtype
+from fastspec.config import EngineConfig
 from fastspec.engine.overlap import OverlapSchedule
 from fastspec.engine.plain_rounds import PlainRounds
 from fastspec.engine.pools import build_memory
@@ -37,7 +37,7 @@ from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
 from fastspec.kernels.cpu_attention import CpuTorchBackend
 from fastspec.models.assemble import load_models, pack_round_rows
 from fastspec.models.mla import mla_softmax_scale
-from fastspec.models.sources import ModelSources, resolve_sources
+from fastspec.models.sources import ModelSources, resolve_model_dtype, resolve_sources
 from fastspec.spec_config import SpecConfig, SpecParams
 from fastspec.speculative.backlog import DraftBacklog
 from fastspec.speculative.drafter import Drafter, build_drafters
@@ -58,8 +58,8 @@ class Worker:
             config.model, spec.algorithm, spec.draft_model, quantization=config.quantization, device=config.device,
             load_format=config.load_format)
         self.model_dir, self.eos_ids = sources.model_dir, sources.eos_ids
-        self.config = config = dataclasses.replace(config, quantization=sources.quantization, dtype=resolve_dtype(
-            config.dtype, config.device, sources.config.torch_dtype))
+        self.config = config = dataclasses.replace(config, quantization=sources.quantization, dtype=resolve_model_dtype(
+            config.dtype, config.device, sources))
         self.max_context_len = sources.config.context_len(config.max_context_len)
         self.times = PhaseTimes()  # benchmarks set sync_cuda for a phase split on a GPU (a sync per phase costs)
         models = load_models(sources, spec, config)

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from fastspec.config import resolve_dtype
 from fastspec.errors import FastspecError
 from fastspec.models import hub
 from fastspec.models.draft_loader import check_draft_fits, read_draft_config
@@ -71,6 +72,34 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
     keep_draft = draft_scheme is not None and asked is not None and load_format != "dummy"  # unless --quantization none
     return ModelSources(model_dir, config, generation_eos_ids(model_dir, config.eos_token_ids), scheme, quantization,
                         draft_dir, draft_config, draft_scheme, "auto" if keep_draft else None)
+
+
+def resolve_model_dtype(dtype: str, device: str, sources: ModelSources) -> str:
+    """--dtype with auto decided for these models (config.resolve_dtype). On the CPU a float checkpoint stored in
+    16 bits runs in its own dtype where a float32 copy would not fit in the memory available, or where a decode
+    step's product over its weights measures at least 1.3x float32's (half the bytes read; a CPU without cheap
+    16-bit widening loses that; bfloat16 measured 1.6-2.0x on an AVX-512 EPYC, float16 1.05-1.2x: the threshold
+    sits away from both, so a choice does not flip with the noise of a run); else, and for quantised or dequantised
+    weights (float32: the exact reference), in float32."""
+    stored = sources.config.torch_dtype
+    if (dtype != "auto" or device != "cpu" or stored not in ("bfloat16", "float16") or sources.scheme is not None
+            or sources.quantization is not None):
+        return resolve_dtype(dtype, device, stored)
+    import torch
+
+    from fastspec.kernels import cpu_library
+    from fastspec.memory.kv_pool import available_bytes
+
+    stored_bytes = sum(f.stat().st_size for f in sources.model_dir.glob("*.safetensors"))
+    if 2 * stored_bytes > 0.8 * available_bytes("cpu"):
+        return stored  # float32 would not fit (with room left for the KV cache)
+    if not cpu_library.available():
+        return "float32"  # torch's own 16-bit GEMMs: slow on CPUs without bf16 / AMX instructions
+    from fastspec.kernels.cpu_row_gemm import one_row_speedup
+
+    c = sources.config
+    return stored if one_row_speedup(getattr(torch, stored), 2 * c.intermediate_size, c.hidden_size) >= 1.3 \
+        else "float32"
 
 
 def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_dir: Path,
