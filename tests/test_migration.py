@@ -186,7 +186,8 @@ def test_dtype_auto_on_the_cpu_is_measured_and_on_cuda_the_checkpoints_16_bits(t
     """SGLang's and vLLM's default --dtype auto (was refused: 'unknown dtype'). On CUDA the checkpoint's 16-bit
     dtype, bfloat16 for a float32 one. On the CPU float32, but a checkpoint stored in 16 bits keeps its dtype where
     a decode step's product over its weights measures >= 1.3x float32's, or where a float32 copy would not fit in
-    memory (the measurement and the memory are stubbed here; the rule is what is tested)."""
+    memory (the measurement and the memory are stubbed here; the rule is what is tested). Weights that cannot fit in
+    the memory free at all: one line before loading (a process killed for memory midway, before)."""
     import json
     import shutil
 
@@ -222,6 +223,14 @@ def test_dtype_auto_on_the_cpu_is_measured_and_on_cuda_the_checkpoints_16_bits(t
     monkeypatch.setattr(kv_pool, "available_bytes", lambda device: 2 * sum(  # just a float32 copy: no KV room
         f.stat().st_size for f in model_dir.glob("*.safetensors")))
     assert resolve_model_dtype("auto", "cpu", bf16) == "bfloat16"
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device: 3 * sum(  # room for bfloat16's, not float32's
+        f.stat().st_size for f in model_dir.glob("*.safetensors")) // 2)
+    with pytest.raises(FastspecError, match=r"the weights need 0\.0 GiB as float32 and cpu has 0\.0 GiB free; pass a "
+                                            "smaller --dtype or --quantization int8 / int4"):
+        fastspec.LLM(str(model_dir), device="cpu", dtype="float32", max_total_tokens=512)
+    assert fastspec.LLM(str(model_dir), device="cpu", dtype="bfloat16", max_total_tokens=512).engine.config.dtype == \
+        "bfloat16"
+    monkeypatch.undo()
     result = CliRunner().invoke(app, ["generate", "--model", str(model_dir), "--input-ids", "1,5,9", "--dtype", "auto",
                                       "--max-new-tokens", "3", "--device", "cpu", "--json"])
     assert result.exit_code == 0 and len(json.loads(result.stdout)["output_ids"]) == 3, result.output

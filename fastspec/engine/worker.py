@@ -37,7 +37,7 @@ from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
 from fastspec.kernels.cpu_attention import CpuTorchBackend
 from fastspec.models.assemble import load_models, pack_round_rows
 from fastspec.models.mla import mla_softmax_scale
-from fastspec.models.sources import ModelSources, resolve_model_dtype, resolve_sources
+from fastspec.models.sources import ModelSources, check_weights_fit, resolve_model_dtype, resolve_sources
 from fastspec.spec_config import SpecConfig, SpecParams
 from fastspec.speculative.backlog import DraftBacklog
 from fastspec.speculative.drafter import Drafter, build_drafters
@@ -61,6 +61,8 @@ class Worker:
         self.config = config = dataclasses.replace(config, quantization=sources.quantization, dtype=resolve_model_dtype(
             config.dtype, config.device, sources))
         self.max_context_len = sources.config.context_len(config.max_context_len)
+        if config.load_format != "dummy":
+            check_weights_fit(sources, config.dtype, config.device)
         self.times = PhaseTimes()  # benchmarks set sync_cuda for a phase split on a GPU (a sync per phase costs)
         models = load_models(sources, spec, config)
         self.model, self.feature = models.target, models.feature

@@ -90,8 +90,7 @@ def resolve_model_dtype(dtype: str, device: str, sources: ModelSources) -> str:
     from fastspec.kernels import cpu_library
     from fastspec.memory.kv_pool import available_bytes
 
-    stored_bytes = sum(f.stat().st_size for f in sources.model_dir.glob("*.safetensors"))
-    if 2 * stored_bytes > 0.8 * available_bytes("cpu"):
+    if 2 * _stored_bytes(sources.model_dir) > 0.8 * available_bytes("cpu"):
         return stored  # float32 would not fit (with room left for the KV cache)
     if not cpu_library.available():
         return "float32"  # torch's own 16-bit GEMMs: slow on CPUs without bf16 / AMX instructions
@@ -100,6 +99,30 @@ def resolve_model_dtype(dtype: str, device: str, sources: ModelSources) -> str:
     c = sources.config
     return stored if one_row_speedup(getattr(torch, stored), 2 * c.intermediate_size, c.hidden_size) >= 1.3 \
         else "float32"
+
+
+def check_weights_fit(sources: ModelSources, dtype: str, device: str) -> None:
+    """A target whose weights cannot fit in the memory `device` has free: one line before loading (it would be
+    killed for memory midway on a CPU, or fail in torch on a GPU). The need is the checkpoint's bytes, scaled to
+    `dtype` for float weights (an online quantisation holds them in it first), a lower bound for quantised ones."""
+    from fastspec.memory.kv_pool import available_bytes
+
+    need = _stored_bytes(sources.model_dir)
+    stored = sources.config.torch_dtype
+    if sources.scheme is None and stored in _ITEMSIZE:
+        need = need * _ITEMSIZE[dtype] // _ITEMSIZE[stored]
+    free = available_bytes(device)
+    if need > free:
+        raise FastspecError(f"{sources.model_dir}: the weights need {need / 2**30:.1f} GiB as {dtype} and {device} has "
+                            f"{free / 2**30:.1f} GiB free; pass a smaller --dtype or --quantization int8 / int4, or "
+                            "free memory")
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _stored_bytes(model_dir: Path) -> int:
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
 
 def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_dir: Path,
