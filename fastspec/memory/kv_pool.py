@@ -14,6 +14,8 @@ import torch
 from fastspec.errors import FastspecError
 
 MEMINFO_PATH = "/proc/meminfo"
+PROC_CGROUP_PATH = "/proc/self/cgroup"  # the cgroups this process is in
+CGROUP_ROOT = "/sys/fs/cgroup"
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}  # a float8 cache's largest finite values
 
 
@@ -47,13 +49,20 @@ def _extended(kv: torch.Tensor, num_slots: int, tail: int) -> torch.Tensor:
 
 
 def available_bytes(device="cpu") -> int:
-    """Memory the device can still give us: CUDA free memory, or the host's MemAvailable on CPU."""
+    """Memory the device can still give us: CUDA free memory, or on CPU the host's MemAvailable, less where this
+    process's memory cgroup (a container's limit) leaves less."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     if device.type != "cpu":
         raise FastspecError(f"cannot measure free memory on device {device}; size the KV pool with max_tokens")
+    host = _mem_available()
+    room = _cgroup_room()  # a container's limit (docker --memory) is below what the host has free
+    return host if room is None else min(host, room)
+
+
+def _mem_available() -> int:
     try:
         with open(MEMINFO_PATH) as f:
             for line in f:
@@ -62,6 +71,45 @@ def available_bytes(device="cpu") -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _cgroup_room() -> int | None:
+    """What this process's memory cgroup still allows: its limit less what it uses beyond reclaimable file pages
+    (cgroup v2, or v1's memory controller); None where no limit is set or none can be read."""
+    try:
+        with open(PROC_CGROUP_PATH) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        v2 = controllers == ""
+        if not v2 and "memory" not in controllers.split(","):
+            continue
+        mount = os.path.join(CGROUP_ROOT, "" if v2 else "memory")
+        for where in (os.path.join(mount, path.lstrip("/")), mount):  # (a container sees its own cgroup at the root)
+            room = _room_in(where, v2)
+            if room != -1:
+                return room
+    return None
+
+
+def _room_in(where: str, v2: bool) -> int | None:
+    """The room one cgroup directory allows (None: no limit; -1: not readable)."""
+    names = ("memory.max", "memory.current", "inactive_file") if v2 else (
+        "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    try:
+        with open(os.path.join(where, names[0])) as f:
+            limit = f.read().strip()
+        if limit == "max" or int(limit) >= 1 << 60:  # (v1 writes its "no limit" as a huge number)
+            return None
+        with open(os.path.join(where, names[1])) as f:
+            used = int(f.read())
+        with open(os.path.join(where, "memory.stat")) as f:
+            stat = dict(line.split()[:2] for line in f if line.strip())
+    except (OSError, ValueError):
+        return -1
+    return max(0, int(limit) - used + int(stat.get(names[2], 0)))
 
 
 class KVPool:
