@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from fastspec.errors import FastspecError
 from fastspec.sampling.logprobs import TokenLogprob
 from fastspec.serve import responses
 from fastspec.serve.api_error import APIError
@@ -26,6 +28,10 @@ DISCONNECT_POLL_S = 0.25
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
+
+
+def _decode_bytes(tokenizer, token: int) -> bytes:
+    return tokenizer.decode_bytes([token])
 
 
 class Reply:
@@ -46,13 +52,22 @@ class Reply:
         self.streams = {i: ToolStream(parsed.tools, tool_parser) for i in self.open}  # what each choice streamed
         self.checked = time.monotonic()  # when the client was last asked whether it is still there
         self.echoed: set[int] = set()  # choices whose prompt was echoed
+        self.offsets = {i: responses.TextOffsets() for i in self.open}  # where each streamed choice's text is at
 
-    def _logprobs(self, entries: tuple | None, start: int = 0) -> dict | None:
-        """`start`: the length of the choice's text before these entries' (completions' text_offset)."""
+    def _logprobs(self, entries: tuple | None, offsets: responses.TextOffsets | None = None) -> dict | None:
+        """`offsets`: the choice's, which counted its earlier entries' text (completions' text_offset)."""
         if not self.parsed.logprobs or entries is None:
             return None
-        text = lambda t: self.service.llm.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
-        return responses.logprobs_object(self.parsed.chat, list(entries), text, start)
+        return responses.logprobs_object(self.parsed.chat, list(entries), self._token_bytes(), offsets)
+
+    def _token_bytes(self):
+        """id -> the token's bytes (llguidance's reading of the tokenizer, the one grammars use; else the token's
+        text, where that tokenizer cannot be read)."""
+        try:
+            return partial(_decode_bytes, self.service.engine.grammars.tokenizer)
+        except FastspecError:
+            decode = self.service.llm.tokenizer.decode
+            return lambda t: decode([t], skip_special_tokens=False).encode()
 
     def _echoed(self, index: int, event: Event) -> Event:
         """With echo, the choice's first event (the one bringing the prompt's logprobs, where asked for) starts with
@@ -87,7 +102,8 @@ class Reply:
         then at the end finish_reason tool_calls where calls were made (else the engine's: length for a call cut
         short)."""
         chat, full = self.parsed.chat, self.texts[index] + event.text
-        self.texts[index], logprobs = full, self._logprobs(event.logprobs, len(full) - len(event.text))
+        self.texts[index] = full
+        logprobs = self._logprobs(event.logprobs, self.offsets[index]) if event.logprobs else None
         stream = self.streams[index]
         content, deltas = stream.feed(full, event.finish_reason is not None)
         if content or deltas or logprobs:

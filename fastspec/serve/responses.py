@@ -5,11 +5,11 @@ Does not own: parsing requests (protocol.py), running them (service.py) or HTTP 
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
 import uuid
 from dataclasses import dataclass
-from itertools import accumulate
 
 from fastspec.utils.metrics import SpecMetrics
 
@@ -33,23 +33,48 @@ def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
-def logprobs_object(chat: bool, entries: list, token_text, start: int = 0) -> dict | None:
-    """OpenAI's logprobs for TokenLogprob entries: chat {"content": [...]}, completions parallel lists (an echoed
-    prompt's first token: logprob and top None, null in JSON; text_offset: where each token's text starts in the
-    choice's, counting from `start`, the text before these entries)."""
+def logprobs_object(chat: bool, entries: list, token_bytes, offsets: TextOffsets | None = None) -> dict | None:
+    """OpenAI's logprobs for TokenLogprob entries (`token_bytes(id)`: the token's bytes): chat {"content": [...]},
+    completions parallel lists (an echoed prompt's first token: logprob and top None, null in JSON; text_offset
+    from `offsets`, the choice's, which has counted the text of its earlier entries)."""
     if entries is None:
         return None
     if chat:
         def item(token: int, logprob: float) -> dict:
-            text = token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            raw = token_bytes(token)
+            return {"token": token_name(raw), "logprob": logprob, "bytes": list(raw)}
         return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
                             for e in entries]}
-    tokens = [token_text(e.token) for e in entries]
-    offsets = list(accumulate((len(t) for t in tokens[:-1]), initial=start)) if tokens else []
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if e.top is None else {token_text(t): lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets}
+    pieces = [token_bytes(e.token) for e in entries]
+    return {"tokens": [token_name(p) for p in pieces], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.top is None else {token_name(token_bytes(t)): lp for t, lp in e.top}
+                             for e in entries],
+            "text_offset": (offsets or TextOffsets()).starts(pieces)}
+
+
+def token_name(raw: bytes) -> str:
+    """A token as OpenAI names it: its text, or, for bytes that are no whole characters (a piece of an emoji),
+    `bytes:\\xf0\\x9f` (as U+FFFD, distinct tokens would share one name, and a top_logprobs key)."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class TextOffsets:
+    """Where each token's text starts in a choice's text (completions' text_offset): the whole characters the bytes
+    of the tokens before it make. E.g. 😀 in three tokens, then "a": offsets 0, 0, 0, 1."""
+
+    def __init__(self):
+        self.chars, self._utf8 = 0, codecs.getincrementaldecoder("utf-8")("replace")
+
+    def starts(self, pieces: list[bytes]) -> list[int]:
+        """The offsets of the next tokens, given their bytes."""
+        out = []
+        for raw in pieces:
+            out.append(self.chars)
+            self.chars += len(self._utf8.decode(raw))
+        return out
 
 
 @dataclass(frozen=True)

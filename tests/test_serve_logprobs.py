@@ -1,0 +1,68 @@
+"""Logprobs through `fastspec serve` where tokens and characters do not line up: the embedded model's byte-level
+tokens, held by a regex to text whose characters (emoji, CJK) take several tokens each. Each token's `bytes` are its
+own (together: the answer's UTF-8), a token that is no whole character is named by its bytes, so completions'
+top_logprobs keep every alternative asked for; text_offset stays inside the text and the stream's equal the
+answer's."""
+
+import openai
+import pytest
+from test_serve import engine_settled, start_server
+
+import fastspec
+
+MODEL = "smol-logprobs"
+ANSWER = "😀🎉 日本語 ✓ done"  # 😀 takes 3 of the embedded model's tokens, 日 2
+EOS = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def served(embedded_dir):
+    llm = fastspec.LLM(str(embedded_dir), max_total_tokens=2048, max_running_requests=4)
+    server, thread, service, _, client = start_server(llm, MODEL, max_queued=8)
+    yield client, service
+    server.should_exit = True
+    thread.join(10)
+    service.stop()
+
+
+def ask(**extra) -> dict:
+    return dict(model=MODEL, max_tokens=40, temperature=0, extra_body={"regex": ANSWER}) | extra
+
+
+def test_chat_logprobs_carry_each_tokens_own_bytes(served):
+    client, service = served
+    messages = [{"role": "user", "content": "Two emoji, please."}]
+    got = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=3, **ask()).choices[0]
+    assert got.message.content == ANSWER
+    entries = [e for e in got.logprobs.content if e.token != EOS]
+    assert len(entries) > len(ANSWER.split()) + 4  # several tokens no whole character
+    assert b"".join(bytes(e.bytes) for e in entries) == ANSWER.encode()
+    for e in entries + [t for e in entries for t in e.top_logprobs]:  # a name that is its bytes, or says them
+        assert e.token.encode() == bytes(e.bytes) or e.token == "bytes:" + "".join(f"\\x{b:02x}" for b in e.bytes)
+    assert all(len({t.token for t in e.top_logprobs}) == 3 for e in entries)
+    streamed = [e for c in client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=3,
+                                                          stream=True, **ask())
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in got.logprobs.content]
+    assert engine_settled(service)
+
+
+def token_bytes(token: str) -> bytes:
+    """A completions token's bytes: its text, or the bytes a `bytes:\\x..` name spells."""
+    return bytes.fromhex(token[6:].replace("\\x", "")) if token.startswith("bytes:") else token.encode()
+
+
+def test_completion_logprobs_keep_every_alternative_and_offsets_inside_the_text(served):
+    client, service = served
+    got = client.completions.create(prompt="Emoji:", logprobs=2, **ask()).choices[0]
+    assert got.text == ANSWER
+    lp = got.logprobs
+    assert all(len(top) >= 2 for top in lp.top_logprobs)  # (distinct byte tokens once shared the key "\ufffd")
+    pieces = [token_bytes(t) for t in lp.tokens]
+    assert b"".join(pieces[:-1]) == ANSWER.encode() and lp.tokens[-1] == EOS
+    before = [b"".join(pieces[:i]).decode(errors="ignore") for i in range(len(pieces))]  # the whole characters
+    assert lp.text_offset == [len(b) for b in before] and max(lp.text_offset) <= len(ANSWER)
+    offsets = [o for c in client.completions.create(prompt="Emoji:", logprobs=2, stream=True, **ask())
+               if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+    assert engine_settled(service)
