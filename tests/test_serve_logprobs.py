@@ -2,7 +2,7 @@
 tokens, held by a regex to text whose characters (emoji, CJK) take several tokens each. Each token's `bytes` are its
 own (together: the answer's UTF-8), a token that is no whole character is named by its bytes, so completions'
 top_logprobs keep every alternative asked for; text_offset stays inside the text and the stream's equal the
-answer's."""
+answer's; a stop string that takes several tokens leaves logprobs for exactly the tokens usage counts."""
 
 import openai
 import pytest
@@ -65,4 +65,26 @@ def test_completion_logprobs_keep_every_alternative_and_offsets_inside_the_text(
     offsets = [o for c in client.completions.create(prompt="Emoji:", logprobs=2, stream=True, **ask())
                if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert offsets == lp.text_offset
+    assert engine_settled(service)
+
+
+@pytest.mark.parametrize("stop", ["🎉", "語 ✓", " ✓ d"])
+def test_a_stop_string_over_several_tokens_leaves_logprobs_for_the_tokens_counted(served, stop):
+    client, service = served
+    want = ANSWER[: ANSWER.index(stop)]
+    got = client.completions.create(prompt="Emoji:", logprobs=1, stop=[stop], **ask())
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "stop")
+    assert len(got.choices[0].logprobs.tokens) == got.usage.completion_tokens
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Emoji?"}], logprobs=True, stop=stop,
+                                          **ask())
+    assert chat.choices[0].message.content == want
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    text, tokens, usage = "", 0, None
+    for c in client.completions.create(prompt="Emoji:", logprobs=1, stop=[stop], stream=True,
+                                       stream_options={"include_usage": True}, **ask()):
+        usage = c.usage.completion_tokens if c.usage else usage
+        for choice in c.choices:
+            text += choice.text
+            tokens += len(choice.logprobs.tokens) if choice.logprobs else 0
+    assert (text, tokens, usage) == (want, got.usage.completion_tokens, got.usage.completion_tokens)
     assert engine_settled(service)

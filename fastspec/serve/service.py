@@ -47,6 +47,8 @@ class _Live:
     submitted_at: float = field(default_factory=time.perf_counter)
     first_at: float | None = None  # when its first token was handed out
     counted: bool = True  # a client's request (/metrics); False: the server's own (n choices' shared prompt)
+    held: tuple = ()  # TokenLogprob of the tokens past those handed out: their text is held back (or never shown)
+    logprobs_sent: int = 0  # TokenLogprob handed out
 
 
 class EngineService:
@@ -177,7 +179,7 @@ class EngineService:
             text += d.finish()
         before = live.tokens
         live.tokens = d.num_tokens_kept if d.stopped else live.tokens + len(out.new_ids)
-        logprobs = None if out.logprobs is None else tuple(out.logprobs[: max(0, live.tokens - before)])
+        logprobs = None if out.logprobs is None else self._shown_logprobs(live, out.logprobs, reason is not None)
         if self.metrics is not None and live.counted:
             self._report(live, live.tokens - before, reason, out.metrics)
         if reason is not None:  # its place is given back before its client hears (and may send the next one)
@@ -185,6 +187,16 @@ class EngineService:
             del self._live[out.index]
             self._close()
         live.deliver(Event(text, reason, logprobs, live.tokens, out.metrics, prompt_logprobs=out.prompt_logprobs))
+
+    @staticmethod
+    def _shown_logprobs(live: _Live, new: tuple, finished: bool) -> tuple:
+        """The logprobs of the tokens whose text is handed out now: those of a token whose text is held back wait
+        for it, and a stop string's tokens, never shown, get none (a finished request's: one per kept token)."""
+        held = live.held + tuple(new)
+        shown = live.tokens if finished else live.detok.num_tokens_shown
+        count = max(0, shown - live.logprobs_sent)
+        live.held, live.logprobs_sent = held[count:], live.logprobs_sent + count
+        return held[:count]
 
     def _report(self, live: _Live, new_tokens: int, reason: str | None, spec: SpecMetrics) -> None:
         now = time.perf_counter()

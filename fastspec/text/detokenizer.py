@@ -167,6 +167,14 @@ class IncrementalDetokenizer:
             return self._num_tokens_kept
         return len(self._decoder.ids) - self._decoder.num_prompt
 
+    @property
+    def num_tokens_shown(self) -> int:
+        """Output tokens the text handed out so far needs (the fewest whose decode starts with it): a token whose
+        text is held back (part of a character, or what may begin a stop string) is not among them yet."""
+        if self._stopped:
+            return self.num_tokens_kept
+        return self._decoder.tokens_covering(self.text)
+
     def _emit(self, delta: str, final: bool) -> str:
         pending = self._held + delta  # a stop can only start here: shown text never ends in a stop prefix
         cut = _find_stop(pending, self._stop)
