@@ -88,3 +88,11 @@ def test_a_stop_string_over_several_tokens_leaves_logprobs_for_the_tokens_counte
             tokens += len(choice.logprobs.tokens) if choice.logprobs else 0
     assert (text, tokens, usage) == (want, got.usage.completion_tokens, got.usage.completion_tokens)
     assert engine_settled(service)
+
+
+def test_top_logprobs_out_of_range_names_its_field(served):
+    client = served[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=21,
+                                       **ask())
+    assert e.value.body["param"] == "top_logprobs"

@@ -117,9 +117,11 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
             logit_bias=_logit_bias(body), regex=_get(body, "regex", str, None), ebnf=_get(body, "ebnf", str, None),
             json_schema=schema)
     except FastspecError as e:  # (response_format's schema is the json_schema a grammar clash names)
-        field = str(e).split(" must ")[0].replace("-", "_").replace(" ", "_")  # ("top-p must be in ...": top_p)
-        raise APIError(str(e).replace("json_schema and", "response_format and"),
-                       param=field if field in body else None) from None
+        message = str(e).replace("json_schema and", "response_format and")
+        if chat and message.startswith("logprobs must"):  # (chat's count of alternatives is top_logprobs)
+            message = "top_" + message
+        field = message.split(" must ")[0].replace("-", "_").replace(" ", "_")  # ("top-p must be in ...": top_p)
+        raise APIError(message, param=field if field in body else None) from None
     return ParsedRequest(chat, messages, prompts, params, _get(body, "stream", bool, False), include_usage,
                          want_logprobs, given, n, tools, echo, prompt_only)
 
