@@ -188,3 +188,18 @@ def test_a_chat_without_max_tokens_fits_a_small_kv_pool(tiny_llm):
         server.should_exit = True
         thread.join(10)
         service.stop()
+
+
+def test_a_body_nested_past_what_json_reads_is_a_400_and_the_server_keeps_serving(served):
+    """JSON nested deeper than Python's json reads (it raises RecursionError, no JSONDecodeError) is the client's
+    bad body: OpenAI's 400, not a 500 "internal error"."""
+    from test_serve import raw
+
+    client, url, _, service = served
+    for deep in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            status, body = raw(url, "POST", path, b'{"model": "%s", "prompt": %s}' % (MODEL.encode(), deep))
+            assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+            assert "nested too deeply" in body["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2).choices[0].text is not None
+    assert engine_settled(service)

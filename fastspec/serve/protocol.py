@@ -55,6 +55,8 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # (json reads nesting only as deep as Python's recursion limit)
+        raise APIError("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     return body
