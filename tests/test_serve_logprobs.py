@@ -10,6 +10,8 @@ from test_serve import engine_settled, start_server
 
 import fastspec
 
+pytestmark = pytest.mark.slow  # loads the embedded model
+
 MODEL = "smol-logprobs"
 ANSWER = "😀🎉 日本語 ✓ done"  # 😀 takes 3 of the embedded model's tokens, 日 2
 EOS = "<|im_end|>"
