@@ -157,3 +157,41 @@ def test_cli_controls_and_bad_bias(tiny_dirs):
                           ("500:1", "logit bias token ids must be in")):
         bad = CliRunner().invoke(app, args + ["--logit-bias", bias])
         assert bad.exit_code == 2 and message in bad.stderr, bad.output
+
+
+def test_min_p_is_taken_over_the_tokens_a_grammar_allows(tiny_dirs, tmp_path):
+    """min_p after the grammar's mask: relative to the most likely token the grammar allows, so it never drops
+    them all (it was taken before the mask: where the grammar wants EOS and EOS is below min_p x the best token,
+    every token was masked and a NaN row drew a token the grammar refused, an AssertionError). The two letters'
+    frequencies over seeds, target-only and speculative, chi-square tested against the masked, min_p'd target."""
+    import shutil
+
+    from tiny_models import write_char_tokenizer
+    directory, hf = tiny_dirs["llama"]
+    write_char_tokenizer(shutil.copytree(directory, tmp_path / "char"))
+    prompt, letters, min_p, samples = [ord(c) - 30 for c in "go"], [ord(c) - 30 for c in "abcd"], 0.5, 1200
+
+    def dist(logits):
+        p = torch.softmax(logits[letters].double(), -1)
+        p = torch.where(p < min_p * p.max(), 0, p)
+        return p / p.sum()
+
+    with torch.no_grad():
+        first = dist(hf(torch.tensor([prompt])).logits[0, -1])
+        second = torch.stack([dist(r) for r in hf(torch.tensor([prompt + [t] for t in letters])).logits[:, -1]])
+    expected = (first[:, None] * second).flatten() * samples
+    assert 0 < int((expected > 0).sum()) < 16  # min_p drops some pairs, not all
+    params = [SamplingParams(temperature=1.0, min_p=min_p, seed=s, max_new_tokens=3, regex="[a-d]{2}")
+              for s in range(samples)]
+    for kw in ({}, dict(speculative_algorithm="STANDALONE", draft_model=str(directory), num_steps=2, topk=2,
+                        num_draft_tokens=4)):
+        llm = fastspec.LLM(str(tmp_path / "char"), max_total_tokens=40000, max_running_requests=256, **kw)
+        outputs = llm.engine.generate([prompt] * samples, params)
+        assert all(o.output_ids[2:] == [2] for o in outputs)  # complete after two letters: EOS, though below min_p
+        pairs = torch.tensor([letters.index(o.output_ids[0]) * 4 + letters.index(o.output_ids[1]) for o in outputs])
+        observed = torch.bincount(pairs, minlength=16).double()
+        assert observed[expected == 0].sum() == 0
+        cells = expected > 0
+        chi2 = ((observed[cells] - expected[cells]) ** 2 / expected[cells]).sum()
+        p_value = float(torch.special.gammaincc(torch.tensor((int(cells.sum()) - 1) / 2.0), chi2 / 2))
+        assert p_value > 1e-3, f"{kw}: chi2={float(chi2):.1f}"

@@ -58,14 +58,15 @@ class Producer:
         self.reclaim_state = reclaim_state
 
     def controlled(self, reqs: list[Request], logits: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
-        """The logits after each request's penalties / bias / min_p (fastspec.sampling.controls) and grammar mask
-        (fastspec.sampling.grammar), at every position: a verify node with the draft tokens on its path as
-        output."""
-        if any(controls_active(r.params) for r in reqs):
-            logits = apply_controls(logits, reqs, *(() if tree is None else (tree.tree_mask, tree.draft_tokens)))
+        """The logits under each request's grammar mask (fastspec.sampling.grammar) and penalties / bias / min_p
+        (fastspec.sampling.controls), at every position: a verify node with the draft tokens on its path as
+        output. The mask comes first so that min_p is relative to the most likely token the grammar allows (the
+        penalties and bias leave a masked -inf at -inf): taken over every token, it could drop all the allowed ones."""
         grammars = [r.grammar for r in reqs]
         if any(g is not None for g in grammars):
             logits = mask_logits(logits, grammars, verify_paths(tree) if tree is not None else [[[]]] * len(reqs))
+        if any(controls_active(r.params) for r in reqs):
+            logits = apply_controls(logits, reqs, *(() if tree is None else (tree.tree_mask, tree.draft_tokens)))
         return logits
 
     def sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:

@@ -5,9 +5,10 @@ Applied at every position with the state as of that position: a plain round sees
 node sees the output so far plus the draft tokens on its own tree path (root excluded: it is the last output
 token already), so a speculative run follows exactly the target-only distribution under the same controls, and
 greedy speculation gives exactly the target-only tokens. Order: penalties and bias on the logits, then min_p
-(tokens below min_p x the most likely one's probability at the request's temperature are dropped); temperature,
-top-k and top-p follow in the sampler. Penalties count output tokens (frequency, presence) or prompt and output
-tokens (repetition: a positive logit is divided by the penalty, a negative one multiplied), as vLLM does.
+(tokens below min_p x the most likely one's probability at the request's temperature are dropped; a grammar's
+mask comes before, so min_p is relative to the tokens it allows); temperature, top-k and top-p follow in the
+sampler. Penalties count output tokens (frequency, presence) or prompt and output tokens (repetition: a positive
+logit is divided by the penalty, a negative one multiplied), as vLLM does.
 """
 
 from __future__ import annotations
