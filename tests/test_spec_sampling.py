@@ -129,3 +129,20 @@ def test_relaxed_acceptance_thresholds_sample_the_same_batched_or_alone(tiny_dir
     alone = [llm.engine.generate([p], [sp])[0] for p, sp in zip(SEEDED_PROMPTS, SEEDED)]
     assert [o.output_ids for o in batched] == [o.output_ids for o in alone]
     assert all(len(o.output_ids) == 24 for o in alone) and sum(o.metrics.verify_rounds for o in alone) > 0
+
+
+@pytest.mark.parametrize("temperature", [1e-7, 1e-40, 5e-324])
+def test_a_temperature_too_small_to_divide_by_samples_greedily(tiny_dirs, temperature):
+    """A temperature below 1e-6 is greedy (SGLang's rule): divided by it, float32 logits overflowed to inf below
+    float32's normal range, every probability came out NaN and the last token of the vocabulary was drawn at
+    every step, target-only and speculative alike."""
+    directory = str(tiny_dirs["llama"][0])
+    params = SamplingParams(temperature=temperature, seed=3, max_new_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    for kw in ({}, dict(speculative_algorithm="STANDALONE", draft_model=directory, num_steps=2, topk=2,
+                        num_draft_tokens=4)):
+        llm = fastspec.LLM(directory, max_total_tokens=4096, **kw)
+        expected = [o.output_ids for o in llm.engine.generate(SEEDED_PROMPTS, [greedy] * 4)]
+        sampled = [SamplingParams(temperature=0.9, seed=1, max_new_tokens=8, ignore_eos=True), params] * 2
+        assert [o.output_ids for o in llm.engine.generate(SEEDED_PROMPTS, sampled)][1::2] == expected[1::2]
+    assert params.greedy and not SamplingParams(temperature=1e-6).greedy

@@ -14,6 +14,7 @@ from pathlib import Path
 from fastspec.errors import FastspecError
 
 KINDS = ("json_schema", "regex", "ebnf", "lark")  # the structured-output fields, at most one set
+GREEDY_BELOW = 1e-6  # a temperature below this samples greedily, as SGLang's does
 INT32_MAX = 2**31 - 1  # top_k's bound (any k past the vocabulary keeps the whole of it)
 _ONE_EACH = "fastspec answers each prompt once: give the prompt that many times (unseeded, or each with its own seed)"
 _NO_TRIM = "fastspec always trims a stop string from the text, and its tokens from output_ids"
@@ -42,7 +43,7 @@ FOREIGN_FIELDS = {
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = -1  # -1 = whole vocabulary
     top_p: float = 1.0
     seed: int | None = None
@@ -143,7 +144,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperature 0, top-k 1, or a temperature below GREEDY_BELOW (float32 logits divided by one below float32's
+        normal range overflow to inf: the probabilities would be NaN)."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
