@@ -146,3 +146,18 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(tiny_dirs, temper
         sampled = [SamplingParams(temperature=0.9, seed=1, max_new_tokens=8, ignore_eos=True), params] * 2
         assert [o.output_ids for o in llm.engine.generate(SEEDED_PROMPTS, sampled)][1::2] == expected[1::2]
     assert params.greedy and not SamplingParams(temperature=1e-6).greedy
+
+
+@pytest.mark.parametrize("controls, temperature", [(dict(logit_bias={5: 1e39}), 1.0),  # past float32: inf
+                                                   (dict(logit_bias={5: 1e35}), 1e-4)])  # inf once divided
+def test_a_logit_past_float32s_range_takes_all_the_mass(tiny_dirs, controls, temperature):
+    """A token whose controlled logit overflows float32 (a huge bias, or one divided by a small temperature) is
+    drawn every time, as in the limit of a growing bias; before, inf - inf made every probability NaN and the
+    vocabulary's last token was drawn instead, target-only and speculative alike (greedy was right)."""
+    directory = str(tiny_dirs["llama"][0])
+    params = SamplingParams(temperature=temperature, seed=3, max_new_tokens=6, ignore_eos=True, **controls)
+    for kw in ({}, dict(speculative_algorithm="STANDALONE", draft_model=directory, num_steps=2, topk=2,
+                        num_draft_tokens=4)):
+        llm = fastspec.LLM(directory, max_total_tokens=4096, **kw)
+        outputs = llm.engine.generate(SEEDED_PROMPTS, [params, SEEDED[0]] * 2)
+        assert [o.output_ids for o in outputs][::2] == [[5] * 6] * 2

@@ -44,12 +44,16 @@ def target_probs(logits: torch.Tensor,       # [bs*n, V]
                  top_k: torch.Tensor,        # int [bs]  <= 0 or >= V: off
                  top_p: torch.Tensor,        # float [bs]  1 = off
                  rows_per_request: int = 1) -> torch.Tensor:  # float32 [bs*n, V]
-    """softmax(logits / T) -> top-k renorm -> top-p renorm; temperature-0 rows become one-hot (top_k 1).
+    """softmax(logits / T) -> top-k renorm -> top-p renorm; temperature-0 rows become one-hot (top_k 1), +inf
+    logits the largest float32.
     top-p is applied unconditionally: rows with top_p >= 1 pass through exactly, so no host check."""
     greedy = temperature <= 0
     temperature = torch.where(greedy, 1.0, temperature.to(torch.float32)).repeat_interleave(rows_per_request)
     top_k = torch.where(greedy, 1, top_k.to(torch.int64)).repeat_interleave(rows_per_request)
-    probs = torch.softmax(logits.to(torch.float32) / temperature[:, None], -1)
+    scaled = logits.to(torch.float32) / temperature[:, None]
+    # a logit past float32's range (a huge bias, or divided by a small temperature) is inf, and inf - inf would make
+    # the row NaN: at float32's largest value its token takes all the mass, as in the limit
+    probs = torch.softmax(scaled.clamp(max=torch.finfo(torch.float32).max), -1)
     probs = top_k_renorm_prob(probs, top_k)
     return top_p_renorm_prob(probs, top_p.to(torch.float32).repeat_interleave(rows_per_request))
 
