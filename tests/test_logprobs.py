@@ -108,6 +108,20 @@ def test_sampled_logprobs_are_the_targets_and_stop_where_the_output_stops(tiny_d
         check_against_transformers(hf, prompt, out.output_ids, out.logprobs, 0)
 
 
+def test_logprobs_are_the_raw_targets_under_controls_and_temperature(tiny_dirs):
+    """As documented: the target's log-softmax before the controls (penalties, bias, min_p) and the sampler's
+    temperature / top-k / top-p, what vLLM reports by default, sampled under speculation as target-only."""
+    directory, hf = tiny_dirs["llama"]
+    params = [SamplingParams(temperature=1.7, top_k=30, min_p=0.02, repetition_penalty=1.5, frequency_penalty=1.0,
+                             logit_bias={7: 4.0}, seed=s, max_new_tokens=8, ignore_eos=True, logprobs=3)
+              for s in range(4)]
+    for kw in ({}, dict(speculative_algorithm="STANDALONE", draft_model=str(directory), num_steps=3, topk=2,
+                        num_draft_tokens=5)):
+        llm = fastspec.LLM(str(directory), max_total_tokens=4096, **kw)
+        for prompt, out in zip(PROMPTS, llm.engine.generate(PROMPTS, params)):
+            check_against_transformers(hf, prompt, out.output_ids, out.logprobs, 3)
+
+
 @pytest.mark.parametrize("algorithm, draft, chunk", [("NONE", None, 8192), ("NONE", None, 3),
                                                      ("EAGLE3", "eagle3", 5)])
 def test_prompt_logprobs_equal_transformers_chunked_cached_or_speculative(tiny_dirs, draft_dirs, algorithm, draft,

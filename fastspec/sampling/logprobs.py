@@ -1,8 +1,8 @@
 """The target's log-probabilities of the tokens a request produced (SamplingParams.logprobs).
 
-Always the target's raw distribution (log_softmax of its logits, before temperature / top-k / top-p), at the
-position that produced each token: under speculation the verify row of the accepted node before it, so a
-speculative run reports exactly what target-only decoding reports. Never the draft's.
+Always the target's raw distribution (log_softmax of its logits, before the controls, a grammar's mask and
+temperature / top-k / top-p), at the position that produced each token: under speculation the verify row of the
+accepted node before it, so a speculative run reports exactly what target-only decoding reports. Never the draft's.
 """
 
 from __future__ import annotations
