@@ -144,8 +144,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0, top-k 1, or a temperature below GREEDY_BELOW (float32 logits divided by one below float32's
-        normal range overflow to inf: the probabilities would be NaN)."""
+        """Temperature 0, top-k 1, or a temperature below GREEDY_BELOW (float32 logits divided by one that small can
+        overflow, and every overflowed logit would tie)."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
