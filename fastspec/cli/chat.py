@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fastspec.cli.common import stop_on_ctrl_c
+from fastspec.cli.common import stdout_refusals, stop_on_ctrl_c
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -45,7 +45,8 @@ def chat(
         io = TerminalChatIO(session) if sys.stdin.isatty() else LinesChatIO()
         notes.show()
         exit_on_hangup()
-        run_chat(session, io)
+        with stdout_refusals():  # (a full disk: one line; the conversation is saved below)
+            run_chat(session, io)
         if session.refused and not sys.stdin.isatty():  # a script learns that a message got no answer
             raise typer.Exit(2)
     except BrokenPipeError:  # the reader went away mid-answer: keep the conversation, exit quietly

@@ -1,11 +1,13 @@
 """What every command shares: one-line user errors, notes shown once input is accepted, the graph-preparation
-progress line, and the parsers of comma-separated flags."""
+progress line, answers written to a stdout that may refuse them, and the parsers of comma-separated flags."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import signal
+import sys
 import threading
 
 import typer
@@ -83,3 +85,18 @@ def stop_on_ctrl_c():
         yield event
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def stdout_refusals(unsaved=lambda: None):
+    """Around writing answers to stdout: stdout refusing them (a full disk) becomes one line, the text `unsaved()`
+    returns appended so that it is not lost, and stdout /dev/null (the interpreter's last flush cannot fail again).
+    A closed pipe (BrokenPipeError: the reader went away) passes through, for the caller to end quietly."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        kept = unsaved()
+        raise FastspecError(f"cannot write to stdout ({e.strerror or e})" + (f": {kept}" if kept else "")) from None

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import Notes, parse_bias, parse_ids, prepare_progress, stop_on_ctrl_c
+from fastspec.cli.common import Notes, parse_bias, parse_ids, prepare_progress, stdout_refusals, stop_on_ctrl_c
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -52,21 +53,28 @@ def generate(
             and any(not o.output_ids[:-1] and o.finish_reason == "stop" for o in outputs)):
         typer.echo("note: the model ended at once (a chat model continues raw text; --chat applies its chat "
                    "template to --prompt)", err=True)
-    if as_json:
-        records = [{"output_ids": o.output_ids, "text": o.text, "finish_reason": o.finish_reason,
-                    "num_prompt_tokens": len(o.prompt_ids), **o.metrics.as_dict(),
-                    **({} if o.logprobs is None else {"logprobs": [
-                        {"token": t.token, "logprob": t.logprob, "top": [[i, v] for i, v in t.top]}
-                        for t in o.logprobs]})} for o in outputs]
-        result = records[0] if len(records) == 1 else {"outputs": records}
-        typer.echo(json.dumps(result))
-    else:
-        for i, o in enumerate(outputs):
+    texts = [o.text if o.text is not None else ",".join(map(str, o.output_ids)) for o in outputs]
+    result = json.dumps(as_record(outputs)) if as_json else None
+    with stdout_refusals(lambda: result or json.dumps(texts, ensure_ascii=False)):
+        if as_json:
+            typer.echo(result)
+        for i, text in enumerate([] if as_json else texts):
             if len(outputs) > 1:
                 typer.echo(f"--- answer {i + 1} of {len(outputs)} ---")
-            typer.echo(o.text if o.text is not None else ",".join(map(str, o.output_ids)))
+            typer.echo(text)
+        sys.stdout.flush()  # (a refusal surfaces here, not in the interpreter's last flush)
     if interrupted.is_set():
         raise typer.Exit(130)
+
+
+def as_record(outputs) -> dict:
+    """--json's object: one record, or {"outputs": [...]} for several prompts."""
+    records = [{"output_ids": o.output_ids, "text": o.text, "finish_reason": o.finish_reason,
+                "num_prompt_tokens": len(o.prompt_ids), **o.metrics.as_dict(),
+                **({} if o.logprobs is None else {"logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "top": [[i, v] for i, v in t.top]}
+                    for t in o.logprobs]})} for o in outputs]
+    return records[0] if len(records) == 1 else {"outputs": records}
 
 
 def check_flags(prompt, input_ids, chat, as_json, **flags) -> None:

@@ -1,0 +1,57 @@
+"""The commands when the world refuses: stdout that cannot take the answer (a full disk), a cache that cannot be
+written, a conversation grown past the context. Each is one line and a non-zero exit or a note, never a traceback,
+and nothing typed or generated is lost."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
+FULL = Path("/dev/full")  # (Linux: every write fails with ENOSPC, as on a full disk)
+
+
+def run_cli(*args, stdin="", stdout=subprocess.PIPE, env=None):
+    return subprocess.run([sys.executable, "-m", "fastspec.cli", *args], input=stdin.encode(), stdout=stdout,
+                          stderr=subprocess.PIPE, timeout=600, env={**os.environ, **(env or {})})
+
+
+def one_error_line(stderr: bytes) -> str:
+    err = stderr.decode()
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("as_json", [False, True])
+def test_generate_into_a_full_disk_is_one_line_that_keeps_the_answers(as_json):
+    args = ["generate", "--prompt", "Name a colour.", "--prompt", "Name a fruit.", "--chat", "--max-new-tokens", "6",
+            "--max-total-tokens", "2048", *(["--json"] if as_json else [])]
+    shown = run_cli(*args)
+    assert shown.returncode == 0, shown.stderr
+    with FULL.open("w") as full:
+        refused = run_cli(*args, stdout=full)
+    line = one_error_line(refused.stderr)
+    assert refused.returncode == 2 and line.startswith("error: cannot write to stdout (No space left on device)")
+    kept = json.loads(line.split(": ", 2)[2])  # the answers, in the line, rather than lost
+    if as_json:
+        assert kept == json.loads(shown.stdout)
+    else:
+        assert kept == shown.stdout.decode().split("\n")[1::2][:2]  # (the text under each `--- answer i of 2 ---`)
+
+
+@pytest.mark.skipif(not FULL.exists(), reason="needs /dev/full")
+def test_chat_into_a_full_disk_is_one_line_and_the_conversation_is_saved(tmp_path):
+    with FULL.open("w") as full:
+        refused = run_cli("chat", "--max-new-tokens", "6", "--max-total-tokens", "2048", stdin="Say hi.\nSay bye.\n",
+                          stdout=full, env={"FASTSPEC_CACHE": str(tmp_path)})
+    line = one_error_line(refused.stderr)
+    assert refused.returncode == 2 and line == "error: cannot write to stdout (No space left on device)"
+    (saved,) = (tmp_path / "chats").iterdir()
+    assert json.loads(saved.read_text())["messages"][0] == {"role": "user", "content": "Say hi."}
