@@ -55,3 +55,13 @@ def test_chat_into_a_full_disk_is_one_line_and_the_conversation_is_saved(tmp_pat
     assert refused.returncode == 2 and line == "error: cannot write to stdout (No space left on device)"
     (saved,) = (tmp_path / "chats").iterdir()
     assert json.loads(saved.read_text())["messages"][0] == {"role": "user", "content": "Say hi."}
+
+
+def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
+    """The embedded model is converted into the cache on first use: a cache that cannot take it (here a file stands
+    where its directory should be, as a read-only or full one refuses) is named in one line, not a traceback."""
+    (tmp_path / "blocked").write_text("a file where the cache should be")
+    result = run_cli("generate", "--prompt", "hi", "--max-new-tokens", "2", "--max-total-tokens", "512",
+                     env={"FASTSPEC_MODEL_CACHE": str(tmp_path / "blocked" / "models")})
+    line = one_error_line(result.stderr)
+    assert result.returncode == 2 and str(tmp_path / "blocked") in line and "FASTSPEC_MODEL_CACHE" in line

@@ -85,8 +85,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
                             f"(supported: {', '.join(ARCHITECTURES)})")
     tensors, blocks, kinds = _read_tensors(reader, gguf_path, dtype, arch)
     config = _model_config(reader, dtype, arch)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    except OSError as e:
+        raise _unwritable(out_dir, e) from None
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -105,10 +108,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
                                           "mtime_ns": stat.st_mtime_ns, "dtype": config["torch_dtype"],
                                           "converter_version": CONVERTER_VERSION, "files": files})
         _swap_into_place(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # (a full disk)
+            raise _unwritable(out_dir, e) from None
         raise
     return out_dir
+
+
+def _unwritable(out_dir: Path, e: OSError) -> FastspecError:
+    return FastspecError(f"cannot write the converted model into {out_dir.parent} ({e.strerror or e}); point "
+                         "FASTSPEC_MODEL_CACHE (or FASTSPEC_CACHE) at a directory that can take it")
 
 
 def unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:  # weight: [n_head * head_dim, in]
