@@ -65,3 +65,33 @@ def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
                      env={"FASTSPEC_MODEL_CACHE": str(tmp_path / "blocked" / "models")})
     line = one_error_line(result.stderr)
     assert result.returncode == 2 and str(tmp_path / "blocked") in line and "FASTSPEC_MODEL_CACHE" in line
+
+
+@pytest.mark.slow
+def test_a_conversation_past_the_context_leaves_out_its_oldest_turns():
+    """A chat keeps going past the context: each answer is asked with the fewest oldest turns left out that leave its
+    max-new-tokens room (never a message of the latest turn), the user is told once per change, and the history and
+    the saved record keep every message. Before, every message past the limit was refused for good."""
+    import fastspec
+    from fastspec.sampling import SamplingParams
+    from fastspec.text.conversation import ChatSession
+
+    llm = fastspec.LLM(max_total_tokens=4096, max_context_len=160, speculative_algorithm="NONE")
+    session = ChatSession(llm, SamplingParams(max_new_tokens=40, ignore_eos=True), system="Be brief.")
+    questions = [f"Question {i}: name an animal that starts with the letter {c}." for i, c in enumerate("ABCDEF")]
+    notes = []
+    for q in questions:
+        answer = "".join(session.respond(q))
+        assert answer and session.turns[-1].finish_reason == "length"
+        notes += session.take_notes()
+        seen = session.messages[session.unseen:-1]  # what the answer was asked with (its own reply aside)
+        ids = llm.tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, *seen])
+        assert seen[-1]["content"] == q and seen[0]["role"] == "user"
+        assert len(ids) + 40 <= 160  # it fits, and one turn more would not have
+        if session.unseen:
+            more = session.messages[session.unseen - 2:-1]
+            assert len(llm.tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, *more])) + 40 > 160
+    assert session.unseen > 0 and [m["content"] for m in session.messages[::2]] == questions  # all kept
+    assert notes and all("160-token context" in n and "/reset" in n for n in notes)
+    assert session.command("/reset") == "conversation cleared" and session.unseen == 0
+    assert "".join(session.respond("Hello.")) and session.take_notes() == []

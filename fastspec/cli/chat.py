@@ -111,6 +111,8 @@ def run_chat(session, io) -> None:
                 io.info(f"error: {e}")
                 continue
         io.end_answer(session.turns[-1].line())
+        for note in session.take_notes():
+            io.info(f"note: {note}")
 
 
 class LinesChatIO:

@@ -60,6 +60,8 @@ class ChatSession:
         self.cleared: list[dict] = []  # conversations ended by /reset, still saved at exit
         self.turns: list[TurnStats] = []
         self.refused: list[dict] = []  # messages that could not be answered (too long): kept in the record
+        self.unseen = 0  # the first messages of the conversation that no longer fit the context: not sent
+        self.notes: list[str] = []  # for the user, once: the conversation outgrew the context
 
     def command(self, line: str) -> str | None:
         """Handle a slash command; returns a message to show, or None for /exit."""
@@ -69,7 +71,7 @@ class ChatSession:
         if name == "/reset":
             if self.messages:
                 self.cleared.append({"system": self.system, "messages": self.messages})
-            self.messages = []
+            self.messages, self.unseen = [], 0
             return "conversation cleared"
         if name == "/system":
             self.system = arg.strip() or None
@@ -93,14 +95,19 @@ class ChatSession:
         """Stream the answer to `text`; the answer joins the history when done, or as far as it got when the
         stream is cut (an exception, the generator closed: a signal ending the chat)."""
         messages = self.messages + [{"role": "user", "content": valid_text(text)}]
-        system = [{"role": "system", "content": self.system}] if self.system else []
         start, answer, tokens, last = time.perf_counter(), [], 0, None
         try:
-            steps = self.llm.stream([self.llm.tokenizer.encode_chat(system + messages)], [self.params])
+            ids, unseen = self._prompt(messages)
+            steps = self.llm.stream([ids], [self.params])
             first = next(steps, [])  # (the request is checked here)
         except FastspecError as e:  # (e.g. too long): the history unchanged, the message kept in the record
             self.refused.append({"content": messages[-1]["content"], "error": str(e)})
             raise
+        if unseen > self.unseen:
+            self.notes.append(f"the conversation outgrew the {self.llm.engine.worker.max_context_len}-token context: "
+                              f"the model no longer sees its first {unseen} messages (the saved record keeps them; "
+                              "/reset starts afresh)")
+        self.unseen = unseen
         try:
             for step in itertools.chain([first], steps):
                 for delta in step:
@@ -116,6 +123,20 @@ class ChatSession:
             self.turns.append(TurnStats(tokens, time.perf_counter() - start, last.metrics if last else SpecMetrics(),
                                         "interrupted" if reason == "abort" else reason))
             self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
+
+    def _prompt(self, messages: list[dict]) -> tuple[list[int], int]:
+        """(the tokens an answer to `messages` is asked with, how many of its first messages they leave out): the
+        fewest whole turns, oldest first and never fewer than before, that leave the answer its max-new-tokens in
+        the context (the system prompt and the latest message always sent; alone too long, the engine refuses)."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        for unseen in range(self.unseen, len(messages), 2):  # (a user message and its answer at a time)
+            ids = self.llm.tokenizer.encode_chat(system + messages[unseen:])
+            if unseen == len(messages) - 1 or self.llm.engine.room_for(len(ids)) >= self.params.max_new_tokens:
+                return ids, unseen
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
 
     def stats(self) -> str:
         if not self.turns:
