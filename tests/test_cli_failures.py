@@ -95,3 +95,48 @@ def test_a_conversation_past_the_context_leaves_out_its_oldest_turns():
     assert notes and all("160-token context" in n and "/reset" in n for n in notes)
     assert session.command("/reset") == "conversation cleared" and session.unseen == 0
     assert "".join(session.respond("Hello.")) and session.take_notes() == []
+
+
+class Terminal:
+    """A stderr that is a terminal (what a user at one sees), its text kept."""
+
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
+def test_a_first_run_says_what_it_is_doing_on_a_terminal(tmp_path, monkeypatch, request):
+    """A first start converts the embedded model and builds the CPU kernels (~20 s on a 2-core machine, before
+    anything else is shown): on a terminal each says so as it starts; on a pipe stderr stays as it was."""
+    import logging
+
+    from fastspec.cli.common import log_to_terminal
+    from fastspec.kernels import cpu_library
+    from fastspec.models.embedded import embedded_model_dir
+
+    fastspec_log = logging.getLogger("fastspec")
+    monkeypatch.setattr(fastspec_log, "handlers", [])
+    request.addfinalizer(lambda level=fastspec_log.level: fastspec_log.setLevel(level))
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    log_to_terminal()
+    log_to_terminal()  # (once, however often a command asks)
+    monkeypatch.setenv("FASTSPEC_MODEL_CACHE", str(tmp_path / "models"))
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
+    embedded_model_dir()
+
+    def no_compiler(path, flags=()):
+        raise OSError("no cc")
+    monkeypatch.setattr(cpu_library, "_build", no_compiler)
+    assert cpu_library.library.__wrapped__() is None
+    lines = sys.stderr.text.splitlines()
+    assert lines[0] == f"converting the embedded model smollm2-135m-instruct into {tmp_path / 'models'} (once)"
+    assert lines[1] == f"building fastspec's CPU kernels into {tmp_path / 'cache' / 'kernels'} (once)"
+    assert lines[2].startswith("fused CPU kernels unavailable (no cc)") and len(lines) == 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ def user_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        log_to_terminal()
         try:
             return fn(*args, **kwargs)
         except FastspecError as e:
@@ -30,6 +32,22 @@ def user_errors(fn):
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+class _Stderr(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        sys.stderr.write(self.format(record) + "\n")  # (sys.stderr as it is now: rich's status redirects it)
+        sys.stderr.flush()
+
+
+def log_to_terminal() -> None:
+    """On a terminal, fastspec's info lines too, as they happen: what a slow first start is doing (converting the
+    embedded model, building the CPU kernels), kernels unavailable. On a pipe only warnings, as Python shows them."""
+    logger = logging.getLogger("fastspec")
+    if sys.stderr is None or not sys.stderr.isatty() or any(isinstance(h, _Stderr) for h in logger.handlers):
+        return
+    logger.addHandler(_Stderr(logging.INFO))
+    logger.setLevel(logging.INFO)
 
 
 class Notes:

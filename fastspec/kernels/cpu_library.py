@@ -2,7 +2,7 @@
 cpu_attention.c: attention over a dense plan; cpu_q4.c and cpu_q8.c: the 4- to 8-bit GEMMs on int16 activations;
 cpu_amx.c: the 4-bit one on AMX tiles; cpu_row_gemm.c: a row-invariant float GEMM; cpu_tree.c: a speculative
 round's tree building and greedy walk) as one library: built on first use with the system C compiler (`cc -O3
--march=native -ffast-math -fopenmp`, a second or two; without OpenMP, single-threaded) into the cache
+-march=native -ffast-math -fopenmp`, seconds to tens of seconds; without OpenMP, single-threaded) into the cache
 (`cache_root()/kernels`, keyed by the sources, the flags and the CPU) and loaded through ctypes. Without a compiler,
 or with FASTSPEC_FUSED_CPU=0, `library()` is None and the callers run their torch twins. Knows nothing about what
 the kernels compute.
@@ -62,6 +62,7 @@ def library() -> ctypes.CDLL | None:
     path = cache_root() / "kernels" / f"cpu_fused-{key}.so"
     try:
         if not path.exists():
+            log.info("building fastspec's CPU kernels into %s (once)", path.parent)
             _build(path)
         try:
             lib = ctypes.CDLL(str(path))

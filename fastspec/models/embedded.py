@@ -7,6 +7,7 @@ The package is located with `find_spec` and never imported (its own dependencies
 """
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from fastspec.errors import FastspecError
 from fastspec.utils.cache import cache_root  # noqa: F401  (re-exported: callers that locate converted models)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
     if not is_current_conversion(out_dir, gguf_path):
         from fastspec.models.gguf import convert_gguf  # torch, tokenizers, gguf: only to convert
 
+        log.info("converting the embedded model %s into %s (once)", name, out_dir.parent)
         convert_gguf(gguf_path, out_dir)
     return out_dir
 
