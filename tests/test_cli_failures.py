@@ -140,3 +140,13 @@ def test_a_first_run_says_what_it_is_doing_on_a_terminal(tmp_path, monkeypatch, 
     assert lines[0] == f"converting the embedded model smollm2-135m-instruct into {tmp_path / 'models'} (once)"
     assert lines[1] == f"building fastspec's CPU kernels into {tmp_path / 'cache' / 'kernels'} (once)"
     assert lines[2].startswith("fused CPU kernels unavailable (no cc)") and len(lines) == 3
+
+
+def test_chat_help_names_the_slash_commands_and_where_the_chat_is_kept():
+    """What a terminal chat takes, and where it is saved, are in `fastspec chat --help`, not only once it runs."""
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    shown = CliRunner().invoke(app, ["chat", "--help"], terminal_width=80).output
+    assert all(c in shown for c in ("/reset", "/system TEXT", "/stats", "/exit", "Ctrl-C", "chats/"))

@@ -27,7 +27,8 @@ def chat(
     seed: Optional[int] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
 ):
-    """Chat in the terminal. Without a terminal on stdin: one user message per line, plain answers on stdout."""
+    """Chat in the terminal: /reset, /system TEXT, /stats, /exit; Ctrl-C stops an answer. Without a terminal on
+    stdin: one user message per line, plain answers on stdout. The conversation is saved in the cache's chats/."""
     from fastspec.cli.common import Notes, prepare_progress
     from fastspec.llm import LLM
     from fastspec.text.conversation import ChatSession
