@@ -150,3 +150,12 @@ def test_chat_help_names_the_slash_commands_and_where_the_chat_is_kept():
 
     shown = CliRunner().invoke(app, ["chat", "--help"], terminal_width=80).output
     assert all(c in shown for c in ("/reset", "/system TEXT", "/stats", "/exit", "Ctrl-C", "chats/"))
+
+
+def test_chat_with_stdin_closed_is_one_line():
+    """A chat started with no stdin at all (`fastspec chat <&-`, a daemon's child) says where its messages would
+    come from, before loading the model; it was a traceback (sys.stdin is None)."""
+    result = subprocess.run([sys.executable, "-m", "fastspec.cli", "chat"], preexec_fn=lambda: os.close(0),
+                            capture_output=True, timeout=600)
+    line = one_error_line(result.stderr)
+    assert result.returncode == 2 and "stdin is closed" in line

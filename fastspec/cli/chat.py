@@ -72,7 +72,14 @@ def sampling_params(temperature, top_k, top_p, seed, max_new_tokens, **_):
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens)
 
 
-chat.check_flags = sampling_params  # chat's own flags, checked with the shared ones (before torch is imported)
+def check_flags(**flags) -> None:
+    """chat's own flags, checked with the shared ones (before torch is imported), and that it has an input."""
+    if sys.stdin is None:  # (`fastspec chat <&-`)
+        raise FastspecError("stdin is closed: chat reads its messages there (a terminal, or one message per line)")
+    sampling_params(**flags)
+
+
+chat.check_flags = check_flags
 
 
 def _status(text: str):
