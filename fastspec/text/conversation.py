@@ -104,7 +104,7 @@ class ChatSession:
             self.refused.append({"content": messages[-1]["content"], "error": str(e)})
             raise
         if unseen > self.unseen:
-            self.notes.append(f"the conversation outgrew the {self.llm.engine.worker.max_context_len}-token context: "
+            self.notes.append(f"the conversation outgrew the {self.llm.engine.room_for(0)}-token context: "
                               f"the model no longer sees its first {unseen} messages (the saved record keeps them; "
                               "/reset starts afresh)")
         self.unseen = unseen
