@@ -28,7 +28,7 @@ def one_error_line(stderr: bytes) -> str:
     return lines[0]
 
 
-@pytest.mark.skipif(not FULL.exists(), reason="needs /dev/full")
+@pytest.mark.skipif(not FULL.is_char_device(), reason="needs /dev/full")
 @pytest.mark.parametrize("as_json", [False, True])
 def test_generate_into_a_full_disk_is_one_line_that_keeps_the_answers(as_json):
     args = ["generate", "--prompt", "Name a colour.", "--prompt", "Name a fruit.", "--chat", "--max-new-tokens", "6",
@@ -46,7 +46,7 @@ def test_generate_into_a_full_disk_is_one_line_that_keeps_the_answers(as_json):
         assert kept == shown.stdout.decode().split("\n")[1::2][:2]  # (the text under each `--- answer i of 2 ---`)
 
 
-@pytest.mark.skipif(not FULL.exists(), reason="needs /dev/full")
+@pytest.mark.skipif(not FULL.is_char_device(), reason="needs /dev/full")
 def test_chat_into_a_full_disk_is_one_line_and_the_conversation_is_saved(tmp_path):
     with FULL.open("w") as full:
         refused = run_cli("chat", "--max-new-tokens", "6", "--max-total-tokens", "2048", stdin="Say hi.\nSay bye.\n",
