@@ -248,8 +248,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
     """OpenAI answers a field of the wrong type with a 400 whose param names it: a model that is no string is not an
-    unknown model (404), and fields fastspec does not use (user, stream_options' keys) are checked all the same.
-    What the openai client sends for these fields is taken."""
+    unknown model (404), and fields fastspec does not use (user, stream_options' keys) are checked all the same;
+    stream_options without stream true is a 400, as OpenAI's. What the openai client sends for these fields is
+    taken."""
     from fastspec.serve import protocol
     from fastspec.serve.api_error import APIError
 
@@ -261,8 +262,13 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
     bad += [("max_completion_tokens", 2.5), ("parallel_tool_calls", "yes")] if chat else [("echo", "yes")]
     for field, value in bad:
         with pytest.raises(APIError) as e:
-            protocol.parse_request(base | {field: value}, chat, MODEL)
+            protocol.parse_request(base | {"stream": field == "stream_options", field: value}, chat, MODEL)
         assert (e.value.status, e.value.param) == (400, field), (field, value, str(e.value))
+    for stream in (False, None):  # (OpenAI's rule: stream_options only with stream true; null is no options)
+        with pytest.raises(APIError, match="stream_options is only allowed when stream is true") as e:
+            protocol.parse_request(base | {"stream": stream, "stream_options": {"include_usage": True}}, chat, MODEL)
+        assert (e.value.status, e.value.param) == (400, "stream_options")
+    assert not protocol.parse_request(base | {"stream_options": None}, chat, MODEL).include_usage
     with pytest.raises(APIError) as e:
         protocol.parse_request(base | {"model": "gpt-9"}, chat, MODEL)
     assert e.value.status == 404

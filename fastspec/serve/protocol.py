@@ -146,6 +146,8 @@ def _stream_options(body: dict) -> bool:
     """Whether the stream ends with a usage chunk (OpenAI's stream_options: include_usage, and include_obfuscation,
     taken and unused: fastspec's chunks carry no obfuscation field)."""
     options = _get(body, "stream_options", dict, {})
+    if body.get("stream_options") is not None and body.get("stream") is not True:  # (OpenAI's rule)
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     unknown = sorted(set(options) - {"include_usage", "include_obfuscation"})
     if unknown:
         raise APIError(f"unknown field(s) in stream_options: {', '.join(unknown)}", param="stream_options")
