@@ -51,6 +51,34 @@ def test_chat_session_keeps_an_interrupted_answer(tmp_path):
     assert saved["messages"] == [] and saved["cleared"][0]["messages"][0]["content"].startswith("Write a long")
 
 
+def test_a_chat_answer_interrupted_before_any_text_leaves_the_message_out_of_what_the_model_sees(tmp_path):
+    """Ctrl-C before an answer shows any text (its first tokens held back, e.g. part of a character): the message and
+    an empty answer would muddle the next one; the model no longer sees it, the saved record keeps it as unanswered."""
+    from types import SimpleNamespace
+
+    from fastspec.llm import TextDelta
+    from fastspec.text.conversation import ChatSession
+    from fastspec.utils.metrics import SpecMetrics
+
+    aborted = []
+
+    def stream(ids, params):  # a first token held back, then (as the engine ends an aborted request) the end
+        yield [TextDelta(0, "", None, SpecMetrics(), [7], None)]
+        yield [TextDelta(0, "", "abort", SpecMetrics(), [], 0)] if aborted else [
+            TextDelta(0, "Hi", "stop", SpecMetrics(), [8], 2)]
+
+    llm = SimpleNamespace(tokenizer=SimpleNamespace(encode_chat=lambda messages: [1] * len(messages)),
+                          engine=SimpleNamespace(room_for=lambda n: 100), stream=stream, abort=aborted.append)
+    session = ChatSession(llm, SamplingParams(max_new_tokens=8))
+    assert list(session.respond("Tell me a story", should_stop=lambda: True)) == [] and aborted == [0]
+    assert session.messages == [] and session.turns[-1].finish_reason == "interrupted"
+    aborted.clear()
+    assert "".join(session.respond("Hello?")) == "Hi"
+    assert session.messages == [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi"}]
+    saved = json.loads(session.save(tmp_path).read_text())
+    assert saved["refused"] == [{"content": "Tell me a story", "error": "interrupted before an answer"}]
+
+
 def test_chat_saves_never_overwrite_and_an_unwritable_directory_prints_the_conversation(tmp_path, capsys):
     from fastspec.cli.chat import save_chat
     from fastspec.text.conversation import ChatSession

@@ -59,7 +59,7 @@ class ChatSession:
         self.messages: list[dict] = []
         self.cleared: list[dict] = []  # conversations ended by /reset, still saved at exit
         self.turns: list[TurnStats] = []
-        self.refused: list[dict] = []  # messages that could not be answered (too long): kept in the record
+        self.refused: list[dict] = []  # messages not answered (too long, interrupted at once): kept in the record
         self.unseen = 0  # the first messages of the conversation that no longer fit the context: not sent
         self.notes: list[str] = []  # for the user, once: the conversation outgrew the context
 
@@ -122,7 +122,10 @@ class ChatSession:
             reason = last.finish_reason if last else "abort"
             self.turns.append(TurnStats(tokens, time.perf_counter() - start, last.metrics if last else SpecMetrics(),
                                         "interrupted" if reason == "abort" else reason))
-            self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
+            if reason == "abort" and not "".join(answer):  # stopped before a word: the model does not see it
+                self.refused.append({"content": messages[-1]["content"], "error": "interrupted before an answer"})
+            else:
+                self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
 
     def _prompt(self, messages: list[dict]) -> tuple[list[int], int]:
         """(the tokens an answer to `messages` is asked with, how many of its first messages they leave out): the
