@@ -178,8 +178,9 @@ def quantise_dir(directory: Path, method: str, seed: int = 0) -> Path:
     stored = {k: v for f in files for k, v in load_file(f).items()}
     state, floats = {}, {}
     for name, tensor in stored.items():
-        if ".layers." in name and name.endswith("_proj.weight") and tensor.dim() == 2 and _takes(method, tensor.shape):
-            same_input = re.sub(r"(q|k|v|gate|up)_proj\.weight$", "in_proj", name)  # q / k / v, gate / up
+        linear = name.endswith("_proj.weight") or re.search(r"\.experts\.\d+\.w[123]\.weight$", name)  # (Mixtral's)
+        if ".layers." in name and linear and tensor.dim() == 2 and _takes(method, tensor.shape):
+            same_input = re.sub(r"((q|k|v|gate|up)_proj|w1|w3)\.weight$", "in_proj", name)  # q / k / v, gate / up
             gen = torch.Generator().manual_seed(seed + zlib.crc32(same_input.encode()))
             parts, deq = quantise(tensor.float(), method, gen)
             prefix = name.removesuffix(".weight")

@@ -23,6 +23,15 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=24)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+    # q / k norm and softmax-routed experts without renormalisation (transformers' default) in layers 0, 2, 3; layer
+    # 1 dense (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=24, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False)),
+    # Mistral attention, top-2 of 4 experts renormalised, in every layer
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=None,
+        tie_word_embeddings=False)),
     # MLA (q LoRA, interleaved rope, YaRN with both mscales) and sigmoid-routed MoE with the correction bias
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         DEEPSEEK, q_lora_rank=48, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,

@@ -1,5 +1,6 @@
-"""Architecture-specific parts of a model's configuration: MLA and MoE (DeepSeek), recurrent layers (Qwen3-Next's
-gated delta nets, Bamba's Mamba2 mixers), and the config.json parsers that fill them (fastspec.models.model_config's
+"""Architecture-specific parts of a model's configuration: MLA (DeepSeek), MoE (DeepSeek, Qwen3-Next, Qwen3-MoE,
+Mixtral), recurrent layers (Qwen3-Next's gated delta nets, Bamba's Mamba2 mixers), and the config.json parsers that
+fill them (fastspec.models.model_config's
 ModelConfig.from_hf calls these). Nothing here touches tensors.
 """
 
@@ -29,7 +30,8 @@ class MLAConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """DeepSeek's mixture of experts: shared experts always run, `top_k` of `num_experts` routed ones per token."""
+    """A mixture of experts: `top_k` of `num_experts` routed experts per token, plus shared experts that always run
+    (DeepSeek's; Qwen3-Next's one gated shared expert; none in Qwen3-MoE and Mixtral)."""
 
     num_experts: int
     num_shared_experts: int
@@ -44,8 +46,21 @@ class MoEConfig:
     first_k_dense_replace: int  # layers below this one have a dense MLP instead
     shared_expert_gate: bool = False  # Qwen3-Next: the shared expert's output is scaled by sigmoid(gate(x))
     shared_intermediate_size: int | None = None  # None: intermediate_size * num_shared_experts
-    sparse_step: int = 1  # Qwen3-Next: layer i is MoE when (i + 1) % sparse_step == 0 ...
+    sparse_step: int = 1  # Qwen3-Next / Qwen3-MoE: layer i is MoE when (i + 1) % sparse_step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+
+    def validate(self, source: str) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise FastspecError(f"{source}: num_experts_per_tok {self.top_k} must be between 1 and the "
+                                f"{self.num_experts} routed experts")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise FastspecError(f"{source}: inconsistent MoE routing (n_routed_experts {self.num_experts}, n_group "
+                                f"{self.n_group}, topk_group {self.topk_group})")
+        if self.scoring == "sigmoid" and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise FastspecError(f"{source}: num_experts_per_tok {self.top_k} exceeds the experts of topk_group groups")
+        if self.sparse_step < 1 or self.intermediate_size < 1:
+            raise FastspecError(f"{source}: decoder_sparse_step {self.sparse_step} and the experts' intermediate "
+                                f"size {self.intermediate_size} must be positive")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return (layer_id >= self.first_k_dense_replace and layer_id not in self.mlp_only_layers
@@ -133,6 +148,28 @@ def qwen3_next_fields(hf: dict) -> dict:
     factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
     return {"hybrid": hybrid, "moe": moe, "partial_rotary_factor": factor, "norm_offset": True,
             "attn_output_gate": True}
+
+
+def sparse_moe_fields(hf: dict, arch: str) -> dict:
+    """Qwen3-MoE and Mixtral: a Llama-family attention beside softmax-routed experts and no shared expert. Qwen3-MoE's
+    experts have their own width, its routed weights are renormalised where norm_topk_prob says so (transformers'
+    default: not), and decoder_sparse_step / mlp_only_layers leave some layers dense (intermediate_size); every
+    Mixtral layer is MoE, its experts intermediate_size wide, its top-k weights always renormalised."""
+    _check_silu(hf)
+    qwen = arch == "Qwen3MoeForCausalLM"
+    key = "num_experts" if "num_experts" in hf else "num_local_experts"  # transformers 5 writes the latter
+    experts = int(hf.get(key, 128 if qwen else 8))  # (absent: transformers' defaults)
+    if qwen and experts == 0:
+        return {"moe": None}  # every layer dense
+    moe = MoEConfig(num_experts=experts, num_shared_experts=0,
+                    intermediate_size=int(hf["moe_intermediate_size"] if qwen else hf["intermediate_size"]),
+                    top_k=int(hf.get("num_experts_per_tok", 8 if qwen else 2)), n_group=1, topk_group=1,
+                    scoring="softmax", topk_method="greedy",
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if qwen else True,
+                    routed_scaling_factor=1.0, first_k_dense_replace=0,
+                    sparse_step=int(hf.get("decoder_sparse_step", 1)) if qwen else 1,
+                    mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()) if qwen else ())
+    return {"moe": moe}
 
 
 def bamba_fields(hf: dict) -> dict:

@@ -1,6 +1,7 @@
 """The target family: Llama (incl. Llama-3 rope scaling), Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral,
-DeepSeek-V2 / V3 (their MLA / MoE decoder layers, fastspec.models.deepseek), Qwen3-Next (gated delta net
-layers beside gated attention, fastspec.models.qwen3_next) and Bamba (Mamba2 mixers, fastspec.models.bamba).
+Qwen3-MoE and Mixtral (those layers with a sparse MoE MLP, fastspec.models.moe), DeepSeek-V2 / V3 (their MLA / MoE
+decoder layers, fastspec.models.deepseek), Qwen3-Next (gated delta net layers beside gated attention,
+fastspec.models.qwen3_next) and Bamba (Mamba2 mixers, fastspec.models.bamba).
 
 One implementation, `CausalLM`, configured by `ModelConfig` (the architectures differ in flags and in the
 decoder layer).
@@ -20,7 +21,7 @@ from fastspec.models.deepseek import DeepseekDecoderLayer
 from fastspec.models.fused_cpu import final_norm, fused_activation, fused_layers
 from fastspec.models.layers import DecoderLayer, make_norm
 from fastspec.models.model_config import ModelConfig
-from fastspec.models.moe import is_moe_layer
+from fastspec.models.moe import MoE, is_moe_layer
 from fastspec.models.qwen3_next import HybridDecoderLayer
 from fastspec.models.rope import RotaryEmbedding
 
@@ -43,7 +44,8 @@ def make_layer(config: ModelConfig, layer_id: int) -> nn.Module:
         return layer(config, layer_id)
     if config.mla is not None:
         return DeepseekDecoderLayer(config, layer_id, is_moe_layer(config, layer_id))
-    return DecoderLayer(config, layer_id)
+    moe = MoE(config.hidden_size, config.moe) if is_moe_layer(config, layer_id) else None
+    return DecoderLayer(config, layer_id, mlp=moe)
 
 
 class DecoderModel(nn.Module):

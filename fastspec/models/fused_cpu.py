@@ -18,7 +18,7 @@ from fastspec.attention.paged import PagedAttnBackend, PagedPlan, kernel_for
 from fastspec.attention.torch_backend import TorchAttnPlan
 from fastspec.kernels import cpu_fused, cpu_q4
 from fastspec.models.gguf_blocks import BLOCK
-from fastspec.models.layers import DecoderLayer, RMSNorm
+from fastspec.models.layers import MLP, DecoderLayer, RMSNorm
 from fastspec.models.packed_layers import BlockLinear, Int4Linear
 from fastspec.models.quant_layers import PermutedLinear
 
@@ -28,7 +28,7 @@ INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 def fused_activation(model, x: torch.Tensor, attn) -> torch.dtype | None:
     """The dtype the fused stack feeds its GEMMs (an Int4Linear's activation; float32 for a BlockLinear, which rounds
     its input itself), or None where it does not apply: compiled code;
-    not a packed float32 Llama-family stack on CPU (partial rope, offset norms excluded); attention
+    not a packed float32 Llama-family stack on CPU (partial rope, offset norms, MoE layers excluded); attention
     that is not a float32 KV pool read through a dense plan; no C compiler (the twins are the layers' own ops)."""
     if torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype != torch.float32:
         return None
@@ -43,7 +43,8 @@ _ACTIVATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -
 
 def _stack_activation(model) -> torch.dtype | None:
     first = model.model.layers[0]
-    if not (model.between_attention and type(first) is DecoderLayer and type(first.input_layernorm) is RMSNorm
+    if not (model.between_attention and all(type(layer.mlp) is MLP for layer in model.model.layers)  # no MoE
+            and type(first) is DecoderLayer and type(first.input_layernorm) is RMSNorm
             and type(first.post_attention_layernorm) is RMSNorm
             and type(first.self_attn.q_norm) in (type(None), RMSNorm) and first.self_attn.qkv_proj is not None
             and first.mlp.gate_up_proj is not None

@@ -165,19 +165,20 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm Llama block. `input_norm=False` gives the EAGLE-2 head's first layer (no input layernorm).
+    """Pre-norm Llama block. `input_norm=False` gives the EAGLE-2 head's first layer (no input layernorm); `mlp`
+    replaces the gated MLP (a sparse MoE: Qwen3-MoE, Mixtral).
 
     Compiled as nested regions (each compiled once, reused by every layer) that end and start at the attention op:
     `enter` (norm + QKV GEMM), `hand_over` (this layer's o_proj, residual, MLP, then the next layer's norm + QKV:
     the residual add meets the next norm inside one region) and `leave` (the last layer's end). Rope, the KV write
     and attention run between them, in the graph that calls them."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, input_norm: bool = True):
+    def __init__(self, config: ModelConfig, layer_id: int, input_norm: bool = True, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps) if input_norm else None
         self.self_attn = Attention(config, layer_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, positions, x, rope, attn) -> torch.Tensor:
         """One layer whole (draft heads); a target runs its layers through `enter` / `hand_over` / `leave`."""

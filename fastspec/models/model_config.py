@@ -1,7 +1,8 @@
 """A model's configuration: the Hugging Face config.json normalised once into a frozen value.
 
 `ModelConfig.from_hf` reads the old (`rope_theta` / `rope_scaling`) and new (`rope_parameters`) rope spellings,
-the Llama / Qwen / Mistral differences, DeepSeek-V2 / V3's MLA, MoE and MTP fields, and EAGLE-3 draft fields.
+the Llama / Qwen / Mistral differences, DeepSeek-V2 / V3's MLA, MoE and MTP fields, Qwen3-MoE's and Mixtral's
+experts, and EAGLE-3 draft fields.
 Every unsupported value (architecture, rope type, quantisation) is a one-line FastspecError here, before any
 weight is read. Nothing here touches tensors. The MLA / MoE / hybrid parts and their parsers: arch_config.py.
 """
@@ -19,18 +20,21 @@ from fastspec.models.arch_config import (
     bamba_fields,
     deepseek_fields,
     qwen3_next_fields,
+    sparse_moe_fields,
 )
 from fastspec.models.quant_config import read_scheme
 
 __all__ = ["HybridConfig", "MLAConfig", "MoEConfig", "ModelConfig", "RopeScaling"]
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+MOE_FAMILY = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")  # Llama-family attention, a sparse MoE MLP
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 HYBRID_FAMILY = ("Qwen3NextForCausalLM", "BambaForCausalLM")
-TARGET_ARCHITECTURES = LLAMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY
+TARGET_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "mistral": "MistralForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+               "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+               "deepseek_v2": "DeepseekV2ForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
                "bamba": "BambaForCausalLM"}
 
@@ -157,7 +161,7 @@ class ModelConfig:
                 sliding_window=_sliding_window(hf),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3NextForCausalLM"),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"),
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=_int_tuple(hf.get("eos_token_id")),
@@ -166,6 +170,7 @@ class ModelConfig:
                 **_rope_fields(hf),
                 **_draft_fields(hf, arch),
                 **(deepseek_fields(hf, arch) if arch in DEEPSEEK_FAMILY else {}),
+                **(sparse_moe_fields(hf, arch) if arch in MOE_FAMILY else {}),
                 **(qwen3_next_fields(hf) if arch == "Qwen3NextForCausalLM" else {}),
                 **(bamba_fields(hf) if arch == "BambaForCausalLM" else {}),
             )
@@ -184,13 +189,8 @@ class ModelConfig:
         for field in ("vocab_size", "hidden_size", "num_layers", "head_dim"):
             if getattr(self, field) <= 0:
                 raise FastspecError(f"{source}: {field} must be positive")
-        m = self.moe
-        if m is not None and (m.num_experts % m.n_group or not 1 <= m.topk_group <= m.n_group
-                              or not 1 <= m.top_k <= m.num_experts):
-            raise FastspecError(f"{source}: inconsistent MoE routing (n_routed_experts {m.num_experts}, n_group "
-                                f"{m.n_group}, topk_group {m.topk_group}, num_experts_per_tok {m.top_k})")
-        if m is not None and m.scoring == "sigmoid" and m.top_k > m.topk_group * (m.num_experts // m.n_group):
-            raise FastspecError(f"{source}: num_experts_per_tok {m.top_k} exceeds the experts of topk_group groups")
+        if self.moe is not None:
+            self.moe.validate(source)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
