@@ -25,11 +25,11 @@ from quant_writers import AWQ_ORDER, awq_pack, write_quantised
 METHODS = ["awq", "gptq", "gptq8", "ct_int4", "ct_int4_asym", "ct_w8a8", "fp8_block", "ct_fp8", "fbgemm_fp8",
            "modelopt", "modelopt_pb"]
 # every method on Llama; the other families (qkv bias, q / k norms and another head_dim, MLA + MoE experts, gated
-# delta net layers + MoE, Mamba2 mixers) with a few
+# delta net layers + MoE, Mamba2 mixers, Qwen3-MoE's and Mixtral's experts) with a few
 CASES = [(m, "llama") for m in METHODS] + [
     ("awq", "qwen2"), ("gptq", "qwen3"), ("ct_int4", "mistral"), ("fp8_block", "deepseek_v3"),
     ("gptq8", "deepseek_v2"), ("ct_fp8", "qwen3_next"), ("fbgemm_fp8", "bamba"), ("awq", "qwen3_next"),
-    ("ct_w8a8", "qwen2")]
+    ("ct_w8a8", "qwen2"), ("fp8_block", "qwen3_moe"), ("gptq", "qwen3_moe"), ("awq", "mixtral"), ("ct_fp8", "mixtral")]
 PROMPTS = [[5, 9, 13, 3, 40], [7, 7, 8, 60, 61, 62, 7, 7]]
 
 
@@ -170,7 +170,8 @@ def test_packed_kernels_are_close_to_the_exact_model(quantised, method, family):
 
 @pytest.mark.parametrize("method, family, algorithm", [(m, "llama", "EAGLE3") for m in METHODS] + [
     ("awq", "qwen2", "EAGLE3"), ("gptq", "qwen3", "EAGLE"), ("ct_int4", "llama", "NGRAM"), ("gptq8", "llama", "NGRAM"),
-    ("fp8_block", "deepseek_v3", "NGRAM"), ("awq", "qwen3_next", "NGRAM")])
+    ("fp8_block", "deepseek_v3", "NGRAM"), ("awq", "qwen3_next", "NGRAM"), ("gptq", "qwen3_moe", "NGRAM"),
+    ("awq", "mixtral", "NGRAM")])
 def test_speculation_on_a_quantised_checkpoint_is_lossless(quantised, draft_dirs, method, family, algorithm):
     model_dir, _ = quantised(method, family)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
