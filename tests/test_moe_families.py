@@ -16,6 +16,7 @@ from conftest import PoolRunner, all_slots_free, make_hf_model
 
 import fastspec
 from fastspec.errors import FastspecError
+from fastspec.kernels import cpu_library
 from fastspec.models.heads import write_random_head
 from fastspec.models.layers import MLP
 from fastspec.models.loader import load_target
@@ -148,6 +149,36 @@ def test_compiled_rounds_equal_eager(moe):
     outputs = llm.engine.generate(PROMPTS[:4], [GREEDY] * 4)
     assert [o.output_ids for o in outputs] == reference(root, 4)
     assert any(len(o.metrics.depth_counts) >= 2 for o in outputs)
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="without the C kernels the products are the CPU BLAS's")
+def test_bfloat16_speculative_logprobs_are_plain_decodings_bit_for_bit(moe):
+    """A verify row computes its token's decode step bit for bit in bfloat16 too (router and experts on the
+    row-invariant GEMM, a token's experts summed in expert order), batched or alone."""
+    _, root, _ = moe
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=2)
+    plain = fastspec.LLM(str(root / "target"), dtype="bfloat16", max_total_tokens=4096).engine
+    spec = fastspec.LLM(str(root / "target"), speculative_algorithm="STANDALONE", draft_model=str(root / "target"),
+                        num_steps=3, topk=2, num_draft_tokens=6, dtype="bfloat16", max_total_tokens=4096).engine
+    alone = [plain.generate([p], [params])[0] for p in PROMPTS[:5]]
+    for one, batched in zip(alone, spec.generate(PROMPTS[:5], [params] * 5)):
+        assert batched.output_ids == one.output_ids
+        assert [(lp.logprob, lp.top) for lp in batched.logprobs] == [(lp.logprob, lp.top) for lp in one.logprobs]
+
+
+def test_experts_rounded_online_to_int4_speculate_losslessly(moe):
+    """--quantization int4 on the float checkpoint: every MoE layer's experts become per-expert 4-bit linears
+    (LinearExperts), and drafting with the same rounded model changes no token."""
+    _, root, _ = moe
+    target = str(root / "target")
+    plain = fastspec.LLM(target, quantization="int4", max_total_tokens=2048)
+    layers = plain.engine.worker.model.model.layers
+    assert all(type(layer.mlp.experts).__name__ == "LinearExperts" for layer in layers if isinstance(layer.mlp, MoE))
+    expected = [o.output_ids for o in plain.engine.generate(PROMPTS[:4], [GREEDY] * 4)]
+    spec = fastspec.LLM(target, quantization="int4", speculative_algorithm="STANDALONE", draft_model=target,
+                        num_steps=3, topk=2, num_draft_tokens=5, max_total_tokens=2048, tuned=False)
+    spec.engine.policy = None  # every round speculates
+    assert [o.output_ids for o in spec.engine.generate(PROMPTS[:4], [GREEDY] * 4)] == expected
 
 
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,

@@ -6,7 +6,8 @@ fastspec.models.qwen3_next) and Bamba (Mamba2 mixers, fastspec.models.bamba).
 One implementation, `CausalLM`, configured by `ModelConfig` (the architectures differ in flags and in the
 decoder layer).
 `forward` returns hidden states (and, when asked at construction, the EAGLE-3 auxiliary residual-stream
-states); logits are a separate call. Parameter names equal Hugging Face's, so checkpoints load without renaming.
+states); logits are a separate call. Parameter names equal Hugging Face's (the loader renames the few that differ:
+Mixtral's experts, Bamba's final norm).
 """
 
 from __future__ import annotations
