@@ -181,6 +181,21 @@ def test_experts_rounded_online_to_int4_speculate_losslessly(moe):
     assert [o.output_ids for o in spec.engine.generate(PROMPTS[:4], [GREEDY] * 4)] == expected
 
 
+def test_warm_starting_a_head_from_a_moe_layer_is_one_line_before_generating(tmp_path, monkeypatch):
+    """train-draft --init target copies the last capture layer's dense MLP: on Mixtral (every layer MoE) that was
+    an AttributeError after the corpus was generated; now one line before any answer is."""
+    from test_train import tiny_config
+    from tiny_models import write_chat_target, write_prompt_file
+
+    from fastspec.train.trainer import train_draft
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
+    target = write_chat_target(tmp_path / "target", family="mixtral")
+    with pytest.raises(FastspecError, match="--init target copies target layer 1 .*MixtralForCausalLM's is not"):
+        train_draft(tiny_config(tmp_path / "head", target, write_prompt_file(tmp_path / "p.jsonl"), init="target"))
+    assert not (tmp_path / "head").exists()  # refused before the run's directory (and its answers) was made
+
+
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                  "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
@@ -211,6 +226,8 @@ def test_published_configs_are_read_as_transformers_reads_them():
     assert ModelConfig.from_hf(MIXTRAL_8X7B | {"sliding_window": 4096}).context_limit == 4096  # Mistral's rule
     by_type = {k: v for k, v in MIXTRAL_8X7B.items() if k != "architectures"} | {"model_type": "mixtral"}
     assert ModelConfig.from_hf(by_type) == x
+    with pytest.raises(FastspecError, match="supported: .*Qwen3MoeForCausalLM, MixtralForCausalLM"):
+        ModelConfig.from_hf(MIXTRAL_8X7B | {"architectures": ["GPT2LMHeadModel"]})
 
 
 @pytest.mark.commands

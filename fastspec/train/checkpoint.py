@@ -51,6 +51,16 @@ def init_head(config: ModelConfig, target, vocab: torch.Tensor, seed: int) -> Ll
     return head
 
 
+def check_warm_start(config: ModelConfig) -> None:
+    """--init target copies a Llama-family decoder layer with a dense MLP (warm_start): one line, before any
+    answer is generated, for a target whose last capture layer is not one (MLA, a recurrent mixer, a MoE MLP)."""
+    layer = eagle3_capture_layers(config.num_layers, None)[-1]
+    moe = config.moe is not None and config.moe.is_moe_layer(layer)
+    if config.mla is not None or config.hybrid is not None or moe:
+        raise FastspecError(f"--init target copies target layer {layer} into the head, which needs a Llama-family "
+                            f"layer with a dense MLP; {config.architecture}'s is not (use --init random)")
+
+
 def warm_start(head: LlamaForCausalLMEagle3, target, capture_layers: tuple[int, ...]) -> None:
     """Start the head from what the target can give: fc passes the last captured feature through (the input of
     target layer L = capture_layers[-1]), and the midlayer is layer L, its hidden half (hidden_norm, the q/k/v

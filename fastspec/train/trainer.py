@@ -27,6 +27,7 @@ from fastspec.prompts import load_prompts, read_jsonl_prompts
 from fastspec.train.checkpoint import (
     atomic_json,
     atomic_save,
+    check_warm_start,
     export_head,
     head_config,
     init_head,
@@ -63,6 +64,8 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     """Run (or resume) the whole job; returns the final held-out evaluation."""
     check_out(cfg)  # every input before anything is read, converted or deleted
     model_dir = resolve_model_dir(cfg.model)
+    if cfg.init == "target":
+        check_warm_start(read_config(model_dir))
     prompts = (read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train"))[:cfg.max_prompts]
     corpus = Corpus(cfg.corpus, model_dir, _provenance(cfg)) if cfg.corpus else None  # refuses another target's
     check_prompts(model_dir, prompts, cfg.max_new_tokens, str(cfg.prompts or "the built-in train prompts"),
