@@ -65,8 +65,8 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         self.rope = RotaryEmbedding(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Llama-family layers run as compile regions between attention ops (DecoderLayer); MLA / MoE / hybrid layers
-        # each run whole
+        # Llama-family layers (Qwen3-MoE's and Mixtral's too: a region is compiled again for each MLP kind it meets)
+        # run as compile regions between attention ops (DecoderLayer); MLA and hybrid layers each run whole
         self.between_attention = all(type(layer) is DecoderLayer for layer in self.model.layers)
         self.tie_weights()
 
