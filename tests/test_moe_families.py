@@ -234,7 +234,8 @@ def test_published_configs_are_read_as_transformers_reads_them():
 @pytest.mark.parametrize("change, message", [
     ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 must be between 1 and the 4 routed experts"),
     ({"num_experts_per_tok": 0}, "num_experts_per_tok 0 must be between 1 and the 4 routed experts"),
-    ({"decoder_sparse_step": 0}, "decoder_sparse_step 0 and the experts' intermediate size .* must be positive"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step 0 must be positive"),
+    ({"moe_intermediate_size": 0, "intermediate_size": 0}, "the experts' intermediate size 0 must be positive"),
     ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
     ({"num_local_experts": "many"}, "missing or malformed field"),
 ])

@@ -1,7 +1,6 @@
 """Architecture-specific parts of a model's configuration: MLA (DeepSeek), MoE (DeepSeek, Qwen3-Next, Qwen3-MoE,
 Mixtral), recurrent layers (Qwen3-Next's gated delta nets, Bamba's Mamba2 mixers), and the config.json parsers that
-fill them (fastspec.models.model_config's
-ModelConfig.from_hf calls these). Nothing here touches tensors.
+fill them (fastspec.models.model_config's ModelConfig.from_hf calls these). Nothing here touches tensors.
 """
 
 from __future__ import annotations
@@ -58,9 +57,10 @@ class MoEConfig:
                                 f"{self.n_group}, topk_group {self.topk_group})")
         if self.scoring == "sigmoid" and self.top_k > self.topk_group * (self.num_experts // self.n_group):
             raise FastspecError(f"{source}: num_experts_per_tok {self.top_k} exceeds the experts of topk_group groups")
-        if self.sparse_step < 1 or self.intermediate_size < 1:
-            raise FastspecError(f"{source}: decoder_sparse_step {self.sparse_step} and the experts' intermediate "
-                                f"size {self.intermediate_size} must be positive")
+        if self.sparse_step < 1:
+            raise FastspecError(f"{source}: decoder_sparse_step {self.sparse_step} must be positive")
+        if self.intermediate_size < 1:
+            raise FastspecError(f"{source}: the experts' intermediate size {self.intermediate_size} must be positive")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return (layer_id >= self.first_k_dense_replace and layer_id not in self.mlp_only_layers

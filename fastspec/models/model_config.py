@@ -34,9 +34,8 @@ TARGET_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMI
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-               "deepseek_v2": "DeepseekV2ForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-               "bamba": "BambaForCausalLM"}
+               "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+               "qwen3_next": "Qwen3NextForCausalLM", "bamba": "BambaForCausalLM"}
 
 
 @dataclass(frozen=True)
