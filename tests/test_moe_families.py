@@ -196,6 +196,29 @@ def test_warm_starting_a_head_from_a_moe_layer_is_one_line_before_generating(tmp
     assert not (tmp_path / "head").exists()  # refused before the run's directory (and its answers) was made
 
 
+def test_stacking_a_checkpoints_experts_lets_go_of_each_experts_tensor():
+    """stack_experts consumes the state: each projection's per-expert tensors leave it (and are freed) as their stack
+    is made, so the experts are not held twice at once; a projection missing an expert is left unstacked."""
+    import weakref
+
+    from fastspec.models.moe import stack_experts
+
+    gen = torch.Generator().manual_seed(0)
+    state = {f"model.layers.0.mlp.experts.{e}.{p}.weight": torch.randn(4, 8, generator=gen)
+             for e in range(3) for p in ("gate_proj", "up_proj", "down_proj")}
+    want = {k: t.clone() for k, t in state.items()}
+    freed = [weakref.ref(t) for t in state.values()]
+    state |= {"model.norm.weight": torch.ones(8), "model.layers.1.mlp.experts.0.up_proj.weight": torch.ones(2),
+              "model.layers.1.mlp.experts.2.up_proj.weight": torch.ones(2)}
+    out = stack_experts(state)
+    assert out is state and all(r() is None for r in freed)
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        expected = torch.stack([want[f"model.layers.0.mlp.experts.{e}.{p}.weight"] for e in range(3)])
+        assert torch.equal(out[f"model.layers.0.mlp.experts.{p}"], expected)
+    assert sorted(k for k in out if "layers.1" in k) == ["model.layers.1.mlp.experts.0.up_proj.weight",
+                                                         "model.layers.1.mlp.experts.2.up_proj.weight"]
+
+
 QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
                  "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
                  "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,

@@ -166,17 +166,16 @@ _EXPERT_KEY = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.
 
 
 def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint keys `...experts.{e}.{proj}.weight` -> `...experts.{proj}` [E, ...] (others unchanged)."""
-    out, groups = {}, {}
-    for name, tensor in state.items():
+    """Checkpoint keys `...experts.{e}.{proj}.weight` -> `...experts.{proj}` [E, ...] (others unchanged), in `state`,
+    which it consumes and returns: each projection's expert tensors leave it as their stack is made, so a checkpoint's
+    experts (most of a MoE model's bytes) are held twice one projection at a time, not all at once."""
+    groups: dict[str, dict[int, str]] = {}
+    for name in state:
         match = _EXPERT_KEY.match(name)
-        if match is None:
-            out[name] = tensor
-        else:
+        if match is not None:
             prefix, e, proj = match.groups()
-            groups.setdefault(f"{prefix}.{proj}", {})[int(e)] = tensor
-    for name, experts in groups.items():
-        if sorted(experts) != list(range(len(experts))):
-            continue  # a gap: leave the stacked key missing, so loading names it
-        out[name] = torch.stack([experts[e] for e in range(len(experts))])
-    return out
+            groups.setdefault(f"{prefix}.{proj}", {})[int(e)] = name
+    for stacked, names in groups.items():
+        if sorted(names) == list(range(len(names))):  # a gap: the stacked key stays missing, so loading names it
+            state[stacked] = torch.stack([state.pop(names[e]) for e in range(len(names))])
+    return state
