@@ -118,6 +118,31 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_dirs):
     torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[1]), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_attention_bias_is_read_as_transformers_reads_it(tmp_path, family):
+    """attention_bias: true gives Llama's and Qwen3's q / k / v *and* o projections a bias (transformers' own
+    models); Mistral's take none whatever the config says. A bias the config gives its layer none of is one line
+    (it was dropped silently: other logits)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = make_hf_model(family, attention_bias=True)
+    assert (hf.model.layers[0].self_attn.o_proj.bias is not None) == (family != "mistral")
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 1 and p.abs().sum() == 0:  # (zero-initialised biases would hide a dropped one)
+                p.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path)
+    model = load_target(tmp_path, torch.float32)
+    logits = model.compute_logits(PoolRunner(model).extend([0], [PROMPTS[0]]).final)
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[0]), atol=2e-5, rtol=1e-4)
+    state = load_file(tmp_path / "model.safetensors")
+    state["model.layers.1.mlp.down_proj.bias"] = torch.ones(hf.config.hidden_size)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(FastspecError, match="model.layers.1.mlp.down_proj.bias is a bias the config gives its layer "
+                                            "none of"):
+        load_target(tmp_path, torch.float32)
+
+
 def test_a_sliding_window_caps_the_context_at_its_width(tmp_path):
     """fastspec attends to the whole context, which is what a sliding window of W keys sees while a context is at
     most W long: a windowed Mistral serves W tokens by default, greedy as transformers' own (window applied) within

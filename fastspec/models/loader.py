@@ -147,6 +147,10 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str,
                 raise FastspecError(f"{source}: weight {name} is stored in {str(state[name].dtype)[6:]} but the "
                                     "checkpoint declares no quantisation for it (quantization_config)")
             tensor.copy_(state[name])
+    for name in state:  # a bias the config gives the layer none of would be dropped: other outputs, silently
+        if name.endswith(".bias") and name not in own and f"{name[:-5]}.weight" in own and not name.startswith(skip):
+            raise FastspecError(f"{source}: {name} is a bias the config gives its layer none of (attention_bias / "
+                                "mlp_bias in config.json)")
 
 
 def check_target(config: ModelConfig, model_dir: Path) -> None:

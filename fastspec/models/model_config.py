@@ -28,6 +28,7 @@ __all__ = ["HybridConfig", "MLAConfig", "MoEConfig", "ModelConfig", "RopeScaling
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 MOE_FAMILY = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")  # Llama-family attention, a sparse MoE MLP
+_NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM")  # transformers' take no attention_bias
 DEEPSEEK_FAMILY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 HYBRID_FAMILY = ("Qwen3NextForCausalLM", "BambaForCausalLM")
 TARGET_ARCHITECTURES = LLAMA_FAMILY + MOE_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY
@@ -72,7 +73,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     sliding_window: int | None = None  # each query sees its last W keys (Mistral v0.1): contexts capped at W
-    attention_bias: bool = False  # q/k/v projection bias (Qwen2)
+    attention_bias: bool = False  # q/k/v projection bias (Qwen2; config.json's attention_bias where transformers reads it)
+    o_proj_bias: bool = False  # the output projection's too (Llama / Qwen3 / Bamba with attention_bias, as transformers)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     mlp_bias: bool = False
     bos_token_id: int | None = None
@@ -159,7 +161,10 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 sliding_window=_sliding_window(hf),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+                attention_bias=arch == "Qwen2ForCausalLM" or (arch not in _NO_ATTENTION_BIAS
+                                                             and bool(hf.get("attention_bias", False))),
+                o_proj_bias=arch not in _NO_ATTENTION_BIAS + ("Qwen2ForCausalLM",)
+                and bool(hf.get("attention_bias", False)),
                 qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"),
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 bos_token_id=hf.get("bos_token_id"),

@@ -36,7 +36,7 @@ class GatedAttention(nn.Module):
         self.q_proj = nn.Linear(c.hidden_size, 2 * c.num_heads * c.head_dim, bias=c.attention_bias)  # [q | gate]
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
         self.q_norm, self.k_norm = make_norm(c, c.head_dim), make_norm(c, c.head_dim)
 
     def forward(self, positions, x, rope, attn) -> torch.Tensor:
