@@ -73,8 +73,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     sliding_window: int | None = None  # each query sees its last W keys (Mistral v0.1): contexts capped at W
-    attention_bias: bool = False  # q/k/v projection bias (Qwen2; config.json's attention_bias where transformers reads it)
-    o_proj_bias: bool = False  # the output projection's too (Llama / Qwen3 / Bamba with attention_bias, as transformers)
+    attention_bias: bool = False  # q/k/v projection bias (Qwen2; else config.json's, where transformers reads it)
+    o_proj_bias: bool = False  # the output projection's (Llama / Qwen3 / Bamba with attention_bias, as transformers)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     mlp_bias: bool = False
     bos_token_id: int | None = None
