@@ -96,7 +96,7 @@ MUTANTS = [
            "row * p.repetition_penalty, row / p.repetition_penalty", ("tests/test_controls.py",)),
     Mutant("/metrics counts rounds as accepted tokens", "fastspec/serve/prometheus.py",
            "self.accepted_tokens.inc(spec.accepted_tokens)", "self.accepted_tokens.inc(spec.verify_rounds)",
-           ("tests/test_serve.py",)),
+           ("tests/test_serve_metrics.py",)),
     Mutant("pythonic call sent from its name on", "fastspec/serve/pythonic.py",
            "            return calls or None\n        calls.append((m.group(1), arguments))",
            "            return calls + [(m.group(1), '')] if m is not None and m.group(1) in names else calls or None\n"

@@ -11,7 +11,7 @@ import urllib.request
 
 import openai
 import pytest
-from test_serve import engine_settled, scrape, start_server
+from serve_helpers import engine_settled, scrape, start_server
 from tiny_models import write_char_tokenizer
 
 import fastspec
@@ -193,7 +193,7 @@ def test_a_chat_without_max_tokens_fits_a_small_kv_pool(tiny_llm):
 def test_a_body_nested_past_what_json_reads_is_a_400_and_the_server_keeps_serving(served):
     """JSON nested deeper than Python's json reads (it raises RecursionError, no JSONDecodeError) is the client's
     bad body: OpenAI's 400, not a 500 "internal error"."""
-    from test_serve import raw
+    from serve_helpers import raw
 
     client, url, _, service = served
     for deep in (b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000):

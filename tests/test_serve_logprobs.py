@@ -6,7 +6,7 @@ answer's; a stop string that takes several tokens leaves logprobs for exactly th
 
 import openai
 import pytest
-from test_serve import engine_settled, start_server
+from serve_helpers import engine_settled, start_server
 
 import fastspec
 

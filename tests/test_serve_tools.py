@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import openai
 import pytest
-from test_serve import MODEL, engine_settled, served  # noqa: F401  (the served fixture: serial and overlap)
+from serve_helpers import MODEL, engine_settled, served  # noqa: F401  (the served fixture: serial and overlap)
 
 import fastspec
 from fastspec.sampling import SamplingParams

@@ -1,0 +1,114 @@
+"""`fastspec serve`'s refusals: bad requests get OpenAI's error object (status, type, param) and the server keeps
+serving; overload is a 503; the command's own bad flags are one line before it listens."""
+
+import socket
+
+import openai
+import pytest
+from serve_helpers import MODEL, engine_settled, raw, served  # noqa: F401  (the fixture)
+from typer.testing import CliRunner
+
+from fastspec.cli import app
+
+pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
+    client, url, _, service = served
+    message = [{"role": "user", "content": "abc"}]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-9", messages=message)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=MODEL, messages=message, max_tokens=-3)
+    with pytest.raises(openai.BadRequestError, match="unknown field"):
+        client.chat.completions.create(model=MODEL, messages=message, extra_body={"frobnicate": 1})
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="abc", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match=r"logit_bias values must be in \[-100, 100\]"):
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=2, logit_bias={"5": 101})
+    with pytest.raises(openai.BadRequestError, match="one grammar per request: response_format and regex"):
+        client.chat.completions.create(model=MODEL, messages=message, response_format={"type": "json_object"},
+                                       extra_body={"regex": "a+"})
+    for past_int64 in ({"seed": 2**64}, {"seed": -2**63 - 1}, {"top_k": 2**63}):  # (each once a 500 whose slot
+        with pytest.raises(openai.BadRequestError, match="seed|top-k"):  # leaked, or an engine stopped for all)
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=2, extra_body=past_int64)
+    status, body = raw(url, "POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 2}')  # no model: the
+    assert status == 200 and body["model"] == MODEL  # served one, as SGLang and vLLM take it
+    status, bad = raw(url, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and bad["error"]["type"] == "invalid_request_error"
+    assert raw(url, "GET", "/v1/nowhere")[0] == 404
+    assert raw(url, "GET", "/health")[1]["status"] == "ok"
+    assert raw(url, "GET", "/v1/models")[1]["data"][0]["id"] == MODEL
+    assert client.models.list().data[0].id == MODEL
+    assert client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0).choices[0].text
+    assert engine_settled(service)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
+    """OpenAI answers a field of the wrong type with a 400 whose param names it: a model that is no string is not an
+    unknown model (404), and fields fastspec does not use (user, stream_options' keys) are checked all the same;
+    stream_options without stream true is a 400, as OpenAI's. What the openai client sends for these fields is
+    taken."""
+    from fastspec.serve import protocol
+    from fastspec.serve.api_error import APIError
+
+    base = {"model": MODEL} | ({"messages": [{"role": "user", "content": "abc"}]} if chat else {"prompt": "abc"})
+    bad = [("model", None), ("model", 5), ("model", ["x"]), ("user", 5), ("user", {}), ("top_p", 5), ("temperature",
+           "1"), ("stream_options", {"include_usage": "x"}), ("stream_options", {"include_usage": 1}),
+           ("stream_options", {"include_obfuscation": "no"}), ("stream_options", {"usage": True}),
+           ("logit_bias", {"5": "1"}), ("logit_bias", {"5": True}), ("max_tokens", "8")]
+    bad += [("max_completion_tokens", 2.5), ("parallel_tool_calls", "yes")] if chat else [("echo", "yes")]
+    for field, value in bad:
+        with pytest.raises(APIError) as e:
+            protocol.parse_request(base | {"stream": field == "stream_options", field: value}, chat, MODEL)
+        assert (e.value.status, e.value.param) == (400, field), (field, value, str(e.value))
+    for stream in (False, None):  # (OpenAI's rule: stream_options only with stream true; null is no options)
+        with pytest.raises(APIError, match="stream_options is only allowed when stream is true") as e:
+            protocol.parse_request(base | {"stream": stream, "stream_options": {"include_usage": True}}, chat, MODEL)
+        assert (e.value.status, e.value.param) == (400, "stream_options")
+    assert not protocol.parse_request(base | {"stream_options": None}, chat, MODEL).include_usage
+    with pytest.raises(APIError) as e:
+        protocol.parse_request(base | {"model": "gpt-9"}, chat, MODEL)
+    assert e.value.status == 404
+    good = {"user": "u-1", "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False},
+            "logit_bias": {"5": -100, "6": 2.5}, "max_tokens": 8, "seed": None, "top_p": None}
+    parsed = protocol.parse_request(base | good | ({"parallel_tool_calls": False} if chat else {}), chat, MODEL)
+    assert parsed.include_usage and parsed.params.max_new_tokens == 8
+    assert dict(parsed.params.logit_bias) == {5: -100, 6: 2.5}
+
+
+def test_overload_is_a_503_not_a_crash(served):
+    client, _, _, service = served
+    service.max_queued = 1
+    try:
+        long = client.completions.create(model=MODEL, prompt="abc", max_tokens=240, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+        next(iter(long))
+        with pytest.raises(openai.InternalServerError, match="overloaded"):
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=3)
+        long.close()
+    finally:
+        service.max_queued = 64
+    assert engine_settled(service)
+    assert client.completions.create(model=MODEL, prompt="abc", max_tokens=3).choices[0].text is not None
+
+
+def test_cli_port_in_use_and_model_errors_are_one_line_before_listening(tiny_dirs, tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    result = CliRunner().invoke(app, ["serve", "--model", str(tiny_dirs["llama"][0]), "--port", str(port)])
+    assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    taken.close()
+    missing = CliRunner().invoke(app, ["serve", "--model", str(tmp_path / "missing"), "--port", "0"])
+    assert missing.exit_code == 2 and missing.stderr.startswith("error:")
+    assert len(missing.stderr.strip().splitlines()) == 1
+    parser = CliRunner().invoke(app, ["serve", "--model", str(tiny_dirs["llama"][0]), "--tool-call-parser", "xml"])
+    assert parser.exit_code == 2 and len(parser.stderr.strip().splitlines()) == 1
+    assert ("--tool-call-parser must be one of hermes, llama3, mistral, pythonic, deepseek_v3, got 'xml'"
+            in parser.stderr)

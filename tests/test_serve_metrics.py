@@ -1,0 +1,104 @@
+"""What measures a server: `/metrics` (parsed by prometheus_client) moves by what a request did, and
+`fastspec bench --url` measures a running server, also one behind a path prefix."""
+
+import json
+import threading
+
+import pytest
+from serve_helpers import MODEL, PROMPTS, engine_settled, scrape, served  # noqa: F401  (the fixture)
+from typer.testing import CliRunner
+
+from fastspec.cli import app
+
+pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
+
+def test_bench_url_measures_a_running_server(served):
+    from fastspec.benchmark.serving import run_serving
+
+    _, url, _, service = served
+    summary = run_serving(url, PROMPTS, max_tokens=6, request_rate=50.0, max_concurrency=4)
+    assert summary["model"] == MODEL and summary["completed"] == len(PROMPTS) and summary["failed"] == 0
+    assert summary["output_tok_s"] > 0 and 0 < summary["ttft_ms"]["median"] <= summary["e2e_latency_ms"]["p99"]
+    assert summary["itl_ms"]["p99"] >= summary["itl_ms"]["median"] > 0
+    out = CliRunner().invoke(app, ["bench", "--url", url, "--num-prompts", "5", "--max-new-tokens", "4", "--json"])
+    assert out.exit_code == 0, out.stderr
+    cli = json.loads(out.stdout, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))  # (JSON.parse's rule)
+    assert cli["completed"] == 5 and cli["request_rate"] is None and cli["max_concurrency"] == 16  # all at once
+    down = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--num-prompts", "1"])
+    assert down.exit_code == 2 and "cannot reach a server" in down.stderr
+    assert engine_settled(service)
+
+
+def test_bench_url_keeps_a_path_prefix_as_vllms_bench_does():
+    """A server behind a reverse proxy at a path prefix: `--url http://h:p/llm` sends /llm/v1/..., as vLLM's and
+    SGLang's bench clients do with a base URL (an OpenAI client's base_url, ending in /v1, is the same server);
+    a URL that is no base URL is one line. A stand-in server that answers only under the prefix."""
+    import http.server
+
+    from fastspec.benchmark.serving import run_serving
+
+    class Prefixed(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            found = self.path == "/llm/v1/models"
+            self._send(200 if found else 404, b'{"data": [{"id": "proxied"}]}' if found else b"{}")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            if self.path != "/llm/v1/chat/completions":
+                return self._send(404, b"{}")
+            chunks = [{"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"delta": {"content": "b"}}]},
+                      {"choices": [], "usage": {"completion_tokens": 2}}]
+            events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
+            self._send(200, b"".join(events))
+
+        def _send(self, status, body):
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Prefixed)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = "http://127.0.0.1:%d" % server.server_address[1]
+    try:
+        for url in (base + "/llm", base + "/llm/", base + "/llm/v1"):
+            summary = run_serving(url, ["x", "y"], max_tokens=2, request_rate=float("inf"), max_concurrency=2)
+            assert summary["model"] == "proxied" and summary["completed"] == 2 and summary["failed"] == 0, url
+        for bad in (base + "/llm?x=1", "http://127.0.0.1:port/llm", "https:/llm"):
+            out = CliRunner().invoke(app, ["bench", "--url", bad, "--num-prompts", "1"])
+            assert out.exit_code == 2 and "--url must look like http://HOST:PORT[/PREFIX]" in out.stderr, bad
+        wrong = CliRunner().invoke(app, ["bench", "--url", base + "/other", "--num-prompts", "1"])
+        assert wrong.exit_code == 2 and "answered /other/v1/models with status 404" in wrong.stderr
+    finally:
+        server.shutdown()
+
+def test_metrics_parse_and_move_by_what_a_request_did(served):
+    client, url, _, service = served
+    assert engine_settled(service)
+    label = (("model_name", MODEL),)
+    before = scrape(url)
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello!"}],
+                                         max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert engine_settled(service)
+    after = scrape(url)
+
+    def moved(name, labels=label):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    meta = got.model_extra["meta_info"]
+    assert moved("fastspec:prompt_tokens_total") == got.usage.prompt_tokens
+    assert moved("fastspec:generation_tokens_total") == got.usage.completion_tokens == 6
+    assert moved("fastspec:num_requests_total", (("finish_reason", "length"), *label)) == 1
+    assert moved("fastspec:spec_verify_rounds_total") == meta["spec_verify_ct"] >= 1
+    assert moved("fastspec:spec_accepted_tokens_total") == meta["spec_accepted_tokens"]
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert moved(f"fastspec:{histogram}_count") == 1 and moved(f"fastspec:{histogram}_sum") > 0
+    assert after[("fastspec:num_running_reqs", label)] == after[("fastspec:num_queue_reqs", label)] == 0
+    assert 0 <= after[("fastspec:token_usage", label)] < 1 and 0 <= after[("fastspec:cache_hit_rate", label)] <= 1
+    rounds, accepted = after[("fastspec:spec_verify_rounds_total", label)], after[
+        ("fastspec:spec_accepted_tokens_total", label)]
+    assert after[("fastspec:spec_accept_length", label)] == pytest.approx((accepted + rounds) / rounds)
