@@ -44,7 +44,7 @@ class TextDelta:
 @dataclass(frozen=True)
 class Completion:
     prompt_ids: list[int]
-    output_ids: list[int]
+    output_ids: list[int]  # the text's tokens (after a stop string: the fewest whose decode holds the text kept)
     text: str | None  # None: token-id prompts to a model without a tokenizer
     finish_reason: str
     metrics: SpecMetrics

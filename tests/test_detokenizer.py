@@ -101,8 +101,12 @@ def test_stop_strings_across_tokens_and_bursts(tok, data, text, sizes):
     kept, stopped = shown_before_stop(full, stop)
     assert detok.stopped == stopped
     assert detok.text == (kept if stopped else full)
-    if stopped:  # fewest tokens whose decode contains the kept text
+    if stopped:  # fewest tokens whose decode contains the kept text; generated: the fewest that hold a stop string
         assert detok.num_tokens_kept == next(n for n in range(len(ids) + 1) if tok.decode(ids[:n]).startswith(kept))
+        assert detok.num_tokens_generated == next(n for n in range(len(ids) + 1)
+                                                  if any(s in tok.decode(ids[:n]) for s in stop))
+    else:
+        assert detok.num_tokens_generated == detok.num_tokens_kept == len(ids)
 
 
 def test_stop_hand_worked(tok):
@@ -110,6 +114,7 @@ def test_stop_hand_worked(tok):
     detok = IncrementalDetokenizer(tok, stop=("###",))
     assert [detok.add([a]), detok.add([space_hash]), detok.add([hashes, space_b])] == ["a", " ", ""]
     assert detok.stopped and detok.text == "a " and detok.num_tokens_kept == 2 and detok.add([a]) == ""
+    assert detok.num_tokens_generated == 3  # through "##", which completed the stop string (" b" came after it)
     detok = IncrementalDetokenizer(tok, stop=("###",))
     assert [detok.add([a, space_hash]), detok.add([space_b]), detok.finish()] == ["a ", "# b", ""]
     detok = IncrementalDetokenizer(tok, stop=("###",))

@@ -49,11 +49,53 @@ def test_stop_strings_and_max_tokens_end_where_generate_ends(served):
     assert want.finish_reason == "stop" and stop not in want.text
     got = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=0, stop=[stop])
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == "stop"
-    assert got.usage.completion_tokens == len(want.output_ids)
+    assert got.usage.completion_tokens == generated_through(llm, full.output_ids, stop)
     chunks = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=0, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in chunks) == want.text
     one = client.completions.create(model=MODEL, prompt="abc", max_tokens=1, temperature=0)
     assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
+    assert engine_settled(service)
+
+
+def generated_through(llm, output_ids: list[int], stop: str) -> int:
+    """The output tokens plain decoding generates until `stop` appears: through the one that completes it."""
+    return next(n for n in range(1, len(output_ids) + 1) if stop in llm.decode(output_ids[:n]))
+
+
+@pytest.mark.parametrize("mid", [False, True], ids=["first-token", "mid-answer"])
+def test_usage_counts_a_stop_strings_tokens_and_logprobs_cover_the_text_shown(served, mid):
+    """The tokens of a stop string were generated (the client's max_tokens paid for them): usage counts them, as
+    OpenAI and vLLM do, though their text is trimmed; logprobs come with text, so they cover the tokens shown
+    (LLM.generate's Completion.output_ids). A stop on the first token: no text, one token counted, no logprobs."""
+    client, _, llm, service = served
+    no_special = {0: -100.0, 1: -100.0, 2: -100.0}  # (every token a character: a stop string of `size` tokens)
+    for chat in (False, True):
+        full = greedy(llm, "abc", 12, chat=chat, ignore_eos=True, logit_bias=no_special)
+        ids = full.output_ids  # mid-answer: the first token unlike the first, and the next, end it
+        at, size = (next(i for i, t in enumerate(ids) if t != ids[0]), 2) if mid else (0, 1)
+        stop = llm.decode(ids[at:at + size])
+        want = greedy(llm, "abc", 12, chat=chat, ignore_eos=True, logit_bias=no_special, stop=(stop,), logprobs=1)
+        generated = generated_through(llm, ids, stop)
+        assert (len(want.output_ids), generated, want.finish_reason) == (at, at + size, "stop")
+        asked = dict(messages=[{"role": "user", "content": "abc"}], logprobs=True) if chat else dict(prompt="abc",
+                                                                                                   logprobs=1)
+        ask = asked | dict(model=MODEL, max_tokens=12, temperature=0, stop=[stop], extra_body={"ignore_eos": True},
+                           logit_bias={"0": -100, "1": -100, "2": -100})
+        create = client.chat.completions.create if chat else client.completions.create
+        got = create(**ask)
+        text = got.choices[0].message.content if chat else got.choices[0].text
+        assert (text, got.usage.completion_tokens) == (want.text, generated)
+        entries = got.choices[0].logprobs.content or [] if chat else got.choices[0].logprobs.token_logprobs
+        logprobs = [e.logprob for e in entries] if chat else entries
+        assert logprobs == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+        text, shown, usage = "", 0, None
+        for c in create(**ask, stream=True, stream_options={"include_usage": True}):
+            usage = c.usage.completion_tokens if c.usage else usage
+            for choice in c.choices:
+                lp = choice.logprobs
+                text += (choice.delta.content or "") if chat else choice.text
+                shown += len((lp.content or []) if chat else lp.tokens) if lp else 0
+        assert (text, shown, usage) == (want.text, len(want.output_ids), generated)
     assert engine_settled(service)
 
 

@@ -2,7 +2,7 @@
 tokens, held by a regex to text whose characters (emoji, CJK) take several tokens each. Each token's `bytes` are its
 own (together: the answer's UTF-8), a token that is no whole character is named by its bytes, so completions'
 top_logprobs keep every alternative asked for; text_offset stays inside the text and the stream's equal the
-answer's; a stop string that takes several tokens leaves logprobs for exactly the tokens usage counts."""
+answer's; a stop string that takes several tokens leaves logprobs for the tokens shown, and usage counts it."""
 
 import openai
 import pytest
@@ -70,17 +70,32 @@ def test_completion_logprobs_keep_every_alternative_and_offsets_inside_the_text(
     assert engine_settled(service)
 
 
+def counts(pieces: list[bytes], stop: str) -> tuple[int, int]:
+    """(tokens shown, tokens generated) of an answer of these tokens cut at `stop`: the fewest whose text starts with
+    the text before it, the fewest whose text holds it."""
+    upto = [b"".join(pieces[:n]) for n in range(len(pieces) + 1)]
+    kept = ANSWER[: ANSWER.index(stop)].encode()
+    return (next(n for n, b in enumerate(upto) if b.startswith(kept)),
+            next(n for n, b in enumerate(upto) if stop.encode() in b))
+
+
 @pytest.mark.parametrize("stop", ["🎉", "語 ✓", " ✓ d"])
-def test_a_stop_string_over_several_tokens_leaves_logprobs_for_the_tokens_counted(served, stop):
+def test_a_stop_string_over_several_tokens_leaves_logprobs_for_the_tokens_shown(served, stop):
+    """usage counts the stop string's tokens (generated, their text trimmed); logprobs cover the tokens shown."""
     client, service = served
     want = ANSWER[: ANSWER.index(stop)]
+    full = client.completions.create(prompt="Emoji:", logprobs=1, **ask()).choices[0].logprobs.tokens
+    shown, generated = counts([token_bytes(t) for t in full], stop)
+    assert shown < generated
     got = client.completions.create(prompt="Emoji:", logprobs=1, stop=[stop], **ask())
     assert (got.choices[0].text, got.choices[0].finish_reason) == (want, "stop")
-    assert len(got.choices[0].logprobs.tokens) == got.usage.completion_tokens
-    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Emoji?"}], logprobs=True, stop=stop,
-                                          **ask())
+    assert (len(got.choices[0].logprobs.tokens), got.usage.completion_tokens) == (shown, generated)
+    messages = [{"role": "user", "content": "Emoji?"}]
+    full = client.chat.completions.create(messages=messages, logprobs=True, **ask()).choices[0].logprobs.content
+    chat = client.chat.completions.create(messages=messages, logprobs=True, stop=stop, **ask())
     assert chat.choices[0].message.content == want
-    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    assert (len(chat.choices[0].logprobs.content), chat.usage.completion_tokens) == counts(
+        [bytes(e.bytes) for e in full], stop)
     text, tokens, usage = "", 0, None
     for c in client.completions.create(prompt="Emoji:", logprobs=1, stop=[stop], stream=True,
                                        stream_options={"include_usage": True}, **ask()):
@@ -88,7 +103,7 @@ def test_a_stop_string_over_several_tokens_leaves_logprobs_for_the_tokens_counte
         for choice in c.choices:
             text += choice.text
             tokens += len(choice.logprobs.tokens) if choice.logprobs else 0
-    assert (text, tokens, usage) == (want, got.usage.completion_tokens, got.usage.completion_tokens)
+    assert (text, tokens, usage) == (want, shown, generated)
     assert engine_settled(service)
 
 

@@ -32,7 +32,7 @@ class Event:
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
     logprobs: tuple | None  # TokenLogprob per new kept token
-    completion_tokens: int  # kept output tokens so far
+    completion_tokens: int  # output tokens generated so far (a stop string's too, though its text is trimmed)
     metrics: SpecMetrics
     error: APIError | None = None  # the engine failed (a 500) or the server is shutting down (a 503): it ends so
     prompt_logprobs: tuple | None = None  # TokenLogprob per prompt token after the first (asked for): with the first
@@ -42,7 +42,7 @@ class Event:
 class _Live:
     detok: IncrementalDetokenizer
     deliver: Callable[[Event], None]
-    tokens: int = 0
+    tokens: int = 0  # output tokens generated (usage's completion_tokens)
     ending: frozenset = frozenset()  # tokens that end it and are no text (special tokens kept: EOS, stop ids)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_at: float | None = None  # when its first token was handed out
@@ -177,8 +177,8 @@ class EngineService:
             reason = "stop"
         if reason is not None:
             text += d.finish()
-        before = live.tokens
-        live.tokens = d.num_tokens_kept if d.stopped else live.tokens + len(out.new_ids)
+        before = live.tokens  # (a stop string: its tokens were generated, and count; tokens past it do not)
+        live.tokens = d.num_tokens_generated if d.stopped else live.tokens + len(out.new_ids)
         logprobs = None if out.logprobs is None else self._shown_logprobs(live, out.logprobs, reason is not None)
         if self.metrics is not None and live.counted:
             self._report(live, live.tokens - before, reason, out.metrics)
@@ -191,9 +191,10 @@ class EngineService:
     @staticmethod
     def _shown_logprobs(live: _Live, new: tuple, finished: bool) -> tuple:
         """The logprobs of the tokens whose text is handed out now: those of a token whose text is held back wait
-        for it, and a stop string's tokens, never shown, get none (a finished request's: one per kept token)."""
+        for it, and a stop string's tokens, never shown, get none (a finished request's: one per kept token, so
+        after a stop string fewer than the generated tokens usage counts)."""
         held = live.held + tuple(new)
-        shown = live.tokens if finished else live.detok.num_tokens_shown
+        shown = live.tokens if finished and not live.detok.stopped else live.detok.num_tokens_shown
         count = max(0, shown - live.logprobs_sent)
         live.held, live.logprobs_sent = held[count:], live.logprobs_sent + count
         return held[:count]

@@ -3,7 +3,7 @@ leave as text deltas that never split a UTF-8 character and never show text that
 
 Owns: the decode window, stop-string matching and trimming, and how many output tokens the kept text needs.
 Does not own: tokenisation (tokenizer.py), EOS / max-token rules (scheduler.py), nor dropping the tokens after a
-stop (the engine does, from `num_tokens_kept`).
+stop (LLM and serve do, from `num_tokens_kept`; serve's usage counts `num_tokens_generated`).
 
 Why a window: decode(suffix) is not the suffix of decode(all) for many tokenizers (SentencePiece drops the first
 token's leading space; a byte-level token may hold half a character, which decodes to U+FFFD). So each call
@@ -134,6 +134,7 @@ class IncrementalDetokenizer:
         self._stopped = False
         self._finished = False
         self._num_tokens_kept: int | None = None  # set when a stop string is found
+        self._num_tokens_through_stop: int | None = None  # likewise: through the token that completed it
 
     def add(self, ids: list[int]) -> str:
         """The new text that is safe to show after appending `ids` ("" once stopped)."""
@@ -168,6 +169,15 @@ class IncrementalDetokenizer:
         return len(self._decoder.ids) - self._decoder.num_prompt
 
     @property
+    def num_tokens_generated(self) -> int:
+        """Output tokens the model generated for this text: all of them until a stop string, then the fewest whose
+        decode contains the stop string (through the token that completed it; tokens a speculative round accepted
+        past it are not counted, so the count is plain decoding's)."""
+        if self._num_tokens_through_stop is not None:
+            return self._num_tokens_through_stop
+        return len(self._decoder.ids) - self._decoder.num_prompt
+
+    @property
     def num_tokens_shown(self) -> int:
         """Output tokens the text handed out so far needs (the fewest whose decode starts with it): a token whose
         text is held back (part of a character, or what may begin a stop string) is not among them yet."""
@@ -177,9 +187,11 @@ class IncrementalDetokenizer:
 
     def _emit(self, delta: str, final: bool) -> str:
         pending = self._held + delta  # a stop can only start here: shown text never ends in a stop prefix
-        cut = _find_stop(pending, self._stop)
-        if cut is not None:
+        found = _find_stop(pending, self._stop)
+        if found is not None:
+            cut, end = found
             out, self._held, self._stopped = pending[:cut], "", True
+            self._num_tokens_through_stop = self._decoder.tokens_covering(self.text + pending[:end])
             self._num_tokens_kept = self._decoder.tokens_covering(self.text + out)
         else:
             keep = 0 if final else _stop_prefix_len(pending, self._stop)
@@ -191,12 +203,12 @@ class IncrementalDetokenizer:
         return out
 
 
-def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:
-    """Start of the stop occurrence in `text` that ends first (ties: the longest), None if there is none.
+def _find_stop(text: str, stop: tuple[str, ...]) -> tuple[int, int] | None:
+    """(start, end) of the stop occurrence in `text` that ends first (ties: the longest), None if there is none.
     Ending first is what a char-by-char stream would see first, so the cut does not depend on the bursts:
     with stops ("abcdef", "cd"), "abcdef" is cut at "cd" whether it arrives whole or one char at a time."""
     found = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in stop) if i >= 0]
-    return min(found)[1] if found else None
+    return min(found)[::-1] if found else None
 
 
 def _stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
