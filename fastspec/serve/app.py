@@ -86,7 +86,10 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
             tools, params, keep_special = _tool_grammar(tools, tool_text, params)
             parsed = replace(parsed, tools=tools)
         prompts = await asyncio.to_thread(_encode, service, parsed)  # (a long prompt: the other streams go on)
-        choices = [(ids, parsed.choice_params(_default_length(service, parsed, params, ids))) for ids in prompts]
+        lengths = [_default_length(service, parsed, params, ids) for ids in prompts]
+        for i, (ids, p) in enumerate(zip(prompts, lengths)):
+            _check_context(service, parsed, ids, p.max_new_tokens, None if len(prompts) == 1 else i)
+        choices = [(ids, parsed.choice_params(p)) for ids, p in zip(prompts, lengths)]
         if len(prompts) * parsed.n > service.max_queued:
             raise APIError(f"{len(prompts) * parsed.n} choices: more than this server ever holds open "
                            f"(--max-queued-requests {service.max_queued})", param="n")
@@ -144,10 +147,27 @@ def _default_length(service: EngineService, parsed: ParsedRequest, params: Sampl
                     prompt_ids: list[int]) -> SamplingParams:
     """Without max_tokens: the default (chat's: the rest of the context, capped), within what the context and the
     KV pool leave (a chat that asked for no length is not refused for one it did not ask for)."""
-    if parsed.max_tokens_given:
+    if parsed.max_tokens_field is not None:
         return params
     room = service.engine.room_for(len(prompt_ids))
     return replace(params, max_new_tokens=max(1, min(params.max_new_tokens, room)))
+
+
+def _check_context(service: EngineService, parsed: ParsedRequest, prompt_ids: list[int], max_new_tokens: int,
+                   index: int | None) -> None:
+    """A request past the context length is a 400 naming the request's own field, as OpenAI's (param, code
+    context_length_exceeded): the messages / prompt when they leave no room for a token, else the length field.
+    `index`: the prompt's in a batch."""
+    ctx = service.engine.worker.max_context_len
+    field = "messages" if parsed.chat else "prompt"
+    what = field if index is None else f"prompt {index} of the batch"
+    if len(prompt_ids) >= ctx:
+        raise APIError(f"{what}: {len(prompt_ids)} tokens, no room for an answer in the context length {ctx}",
+                       param=field, code="context_length_exceeded")
+    if len(prompt_ids) + max_new_tokens > ctx:
+        name = parsed.max_tokens_field or "max_tokens"  # (None: the default never asks past the context)
+        raise APIError(f"{what} ({len(prompt_ids)} tokens) + {name} ({max_new_tokens}) exceeds the context length "
+                       f"{ctx}: at most {ctx - len(prompt_ids)}", param=name, code="context_length_exceeded")
 
 
 def _submit_choices(service: EngineService, choices: list[tuple[list[int], list[SamplingParams]]], loop,

@@ -37,7 +37,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: bool  # report logprobs (chat: `logprobs: true`; completions: `logprobs: n`)
-    max_tokens_given: bool  # False: the chat default applies once the prompt's length is known
+    max_tokens_field: str | None  # the field that set the length (max_tokens / max_completion_tokens); None: the
+    # default applies once the prompt's length is known
     n: int = 1  # choices: n requests over the same prompt (seeded: choice i draws with seed + i)
     tools: Tools | None = None  # chat: the tools the answer may call (fastspec.serve.tools)
     echo: bool = False  # completions: each choice's text (and logprobs) start with its prompt's
@@ -103,7 +104,7 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     else:
         top = _get(body, "logprobs", int, None)
         want_logprobs = top is not None
-    max_tokens, given, prompt_only = _max_tokens(body, echo)
+    max_tokens, length_field, prompt_only = _max_tokens(body, echo)
     include_usage = _stream_options(body)
     _get(body, "user", str, None)  # (taken and unused, as OpenAI's abuse-monitoring id)
     try:
@@ -125,21 +126,22 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         field = message.split(" must ")[0].replace("-", "_").replace(" ", "_")  # ("top-p must be in ...": top_p)
         raise APIError(message, param=field if field in body else None) from None
     return ParsedRequest(chat, messages, prompts, params, _get(body, "stream", bool, False), include_usage,
-                         want_logprobs, given, n, tools, echo, prompt_only)
+                         want_logprobs, length_field, n, tools, echo, prompt_only)
 
 
-def _max_tokens(body: dict, echo: bool) -> tuple[int | None, bool, bool]:
-    """(max tokens or None, whether given, whether the prompt alone is scored: max_tokens 0 with echo, where one
-    token is made and not shown). Chat's max_completion_tokens comes before max_tokens; each given one is checked."""
+def _max_tokens(body: dict, echo: bool) -> tuple[int | None, str | None, bool]:
+    """(max tokens or None, the field that gave it or None, whether the prompt alone is scored: max_tokens 0 with
+    echo, where one token is made and not shown). Chat's max_completion_tokens comes before max_tokens; each given
+    one is checked."""
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < (0 if echo else 1)):
             least = ">= 0 with echo" if echo else ">= 1"
             raise APIError(f"{name} must be an integer {least}, got {value!r}", param=name)
-    value = body.get("max_completion_tokens")
-    value = body.get("max_tokens") if value is None else value
+    field = next((name for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None), None)
+    value = None if field is None else body[field]
     prompt_only = echo and value == 0
-    return (1 if prompt_only else value), value is not None, prompt_only
+    return (1 if prompt_only else value), field, prompt_only
 
 
 def _stream_options(body: dict) -> bool:
