@@ -94,6 +94,46 @@ def test_a_request_past_the_context_names_its_own_field(served):
     assert engine_settled(service)
 
 
+@pytest.mark.parametrize("message, error", [
+    ({"role": "user", "content": "x", "foo": 1}, r"unknown field\(s\) in messages\[1\] \(user\): foo"),
+    ({"role": "user", "content": "x", "tool_call_id": "c1"}, r"messages\[1\] \(user\): tool_call_id"),
+    ({"role": "tool", "content": "4", "tool_call_id": "c1", "name": "f"}, r"messages\[1\] \(tool\): name"),
+    ({"role": "system", "content": "x", "refusal": "no"}, r"messages\[1\] \(system\): refusal"),
+    ({"role": "assistant", "content": None, "audio": {"id": "a1"}}, r"messages\[1\]: audio is not supported"),
+    ({"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+     r"messages\[1\]: function_call is not supported"),
+    ({"role": "user", "content": "x", "name": 5}, r"messages\[1\]\.name must be of type str, got int")])
+def test_unknown_keys_inside_messages_are_a_400_naming_them(message, error):
+    """A message holds the keys OpenAI's schema gives its role, as a request holds OpenAI's fields: any other is a
+    400 naming it (it was taken and dropped); OpenAI's that fastspec does not serve (audio, function_call) are
+    refused, not dropped."""
+    from fastspec.serve import protocol
+    from fastspec.serve.api_error import APIError
+
+    with pytest.raises(APIError, match=error) as e:
+        protocol.parse_request({"messages": [{"role": "user", "content": "hi"}, message]}, True, MODEL)
+    assert (e.value.status, e.value.param) == (400, "messages")
+
+
+def test_the_message_keys_openai_allows_are_taken():
+    """name (every role but tool), an assistant's refusal and tool_calls, a tool's tool_call_id: the template sees
+    the name, and a refusal with null content is what the assistant said."""
+    from fastspec.serve import protocol
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "developer", "content": "be brief", "name": "ops"},
+                {"role": "user", "content": "hi", "name": "ann"},
+                {"role": "assistant", "content": None, "refusal": "I can't.", "name": "bot"},
+                {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
+                {"role": "tool", "content": "4", "tool_call_id": "c1"}]
+    got = protocol.parse_request({"messages": messages}, True, MODEL).messages
+    assert got[:3] == [{"role": "system", "content": "be brief", "name": "ops"},
+                       {"role": "user", "content": "hi", "name": "ann"},
+                       {"role": "assistant", "content": "I can't.", "name": "bot"}]
+    assert got[3]["content"] == "" and got[3]["tool_calls"][0]["function"] == {"name": "f", "arguments": {}}
+    assert got[4] == {"role": "tool", "content": "4", "tool_call_id": "c1"}
+
+
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
     """OpenAI answers a field of the wrong type with a 400 whose param names it: a model that is no string is not an

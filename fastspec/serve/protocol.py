@@ -183,32 +183,54 @@ def _number(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
+MESSAGE_FIELDS = {  # OpenAI's message objects by role (an unknown key is a 400, as an unknown top-level field)
+    "system": {"role", "content", "name"}, "developer": {"role", "content", "name"},
+    "user": {"role", "content", "name"},
+    "assistant": {"role", "content", "name", "refusal", "tool_calls", "audio", "function_call"},
+    "tool": {"role", "content", "tool_call_id"}}
+UNSUPPORTED_MESSAGE_FIELDS = ("audio", "function_call")  # OpenAI's, not served: refused rather than dropped
+
+
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("messages must be a non-empty list", param="messages")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
-            raise APIError("each message needs a role: system, developer, user, assistant or tool", param="messages")
-        extra = {}
-        if m["role"] == "tool":
-            if not isinstance(m.get("tool_call_id"), str):
-                raise APIError("a tool message needs the tool_call_id it answers", param="messages")
-            extra["tool_call_id"] = m["tool_call_id"]
-        if m["role"] == "assistant" and m.get("tool_calls") is not None:
-            extra["tool_calls"] = _tool_calls(m["tool_calls"])
-            m = m | {"content": m.get("content") or ""}
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError("only text content parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError("message content must be a string or a list of text parts", param="messages")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content} | extra)
-    return out
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(m, i: int) -> dict:
+    """Message i as the chat template reads it ({role, content} and name, tool_call_id, tool_calls where given)."""
+    if not isinstance(m, dict) or m.get("role") not in MESSAGE_FIELDS:
+        raise APIError("each message needs a role: system, developer, user, assistant or tool", param="messages")
+    unknown = sorted(set(m) - MESSAGE_FIELDS[m["role"]])
+    if unknown:
+        raise APIError(f"unknown field(s) in messages[{i}] ({m['role']}): {', '.join(unknown)}", param="messages")
+    unsupported = [k for k in UNSUPPORTED_MESSAGE_FIELDS if m.get(k) is not None]
+    if unsupported:
+        raise APIError(f"messages[{i}]: {', '.join(unsupported)} is not supported", param="messages")
+    extra = {}
+    for name in ("name", "refusal"):
+        if m.get(name) is not None and not isinstance(m[name], str):
+            raise APIError(f"messages[{i}].{name} must be of type str, got {_kind(m[name])}", param="messages")
+    if m.get("name") is not None:
+        extra["name"] = m["name"]
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise APIError("a tool message needs the tool_call_id it answers", param="messages")
+        extra["tool_call_id"] = m["tool_call_id"]
+    if m["role"] == "assistant" and m.get("content") is None:  # (a refusal's text is what the assistant said)
+        m = m | {"content": m.get("refusal") or ("" if m.get("tool_calls") is not None else None)}
+    if m["role"] == "assistant" and m.get("tool_calls") is not None:
+        extra["tool_calls"] = _tool_calls(m["tool_calls"])
+    content = m.get("content")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise APIError("only text content parts are supported", param="messages")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError("message content must be a string or a list of text parts", param="messages")
+    return {"role": "system" if m["role"] == "developer" else m["role"], "content": content} | extra
 
 
 def _tool_calls(calls) -> list[dict]:
