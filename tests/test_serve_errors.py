@@ -134,6 +134,37 @@ def test_the_message_keys_openai_allows_are_taken():
     assert got[4] == {"role": "tool", "content": "4", "tool_call_id": "c1"}
 
 
+def test_a_strict_response_format_is_held_as_strict_tools_are():
+    """response_format json_schema with strict true: every object closed and every property required, and an object
+    that allows more keys a 400 naming response_format (as a strict tool's parameters); strict false or absent: the
+    schema as given."""
+    import json
+
+    from fastspec.serve import protocol
+    from fastspec.serve.api_error import APIError
+
+    def parse(schema, **spec):
+        body = {"messages": [{"role": "user", "content": "hi"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema} | spec}}
+        return protocol.parse_request(body, True, MODEL).params.json_schema
+
+    point = {"type": "object", "properties": {"x": {"type": "integer"}, "tag": {
+        "type": "object", "properties": {"k": {"type": "string"}}}}}
+    assert json.loads(parse(point, strict=True)) == {
+        "type": "object", "properties": {"x": {"type": "integer"}, "tag": {
+            "type": "object", "properties": {"k": {"type": "string"}}, "additionalProperties": False,
+            "required": ["k"]}}, "additionalProperties": False, "required": ["x", "tag"]}
+    assert json.loads(parse(json.dumps(point), strict=True)) == json.loads(parse(point, strict=True))
+    assert json.loads(parse(point)) == json.loads(parse(point, strict=False)) == point
+    open_tag = point | {"properties": point["properties"] | {"tag": {"type": "object", "additionalProperties": True}}}
+    for schema, spec, error in ((open_tag, {"strict": True}, "strict needs closed objects, but schema.tag allows keys"),
+                                (point, {"strict": "yes"}, "strict must be of type bool, got str"),
+                                ("{not json", {"strict": True}, "not valid JSON")):
+        with pytest.raises(APIError, match=error) as e:
+            parse(schema, **spec)
+        assert (e.value.status, e.value.param) == (400, "response_format")
+
+
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
 def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
     """OpenAI answers a field of the wrong type with a 400 whose param names it: a model that is no string is not an

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve.api_error import APIError
-from fastspec.serve.tools import Tools, parse_tools
+from fastspec.serve.tools import Tools, close_objects, parse_tools
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
           "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs", "response_format",
@@ -284,6 +284,23 @@ def _response_format(body: dict) -> str | None:
     if fmt.get("type") == "json_object":
         return json.dumps({"type": "object"})
     if fmt.get("type") == "json_schema" and isinstance(fmt.get("json_schema"), dict):
-        schema = fmt["json_schema"].get("schema", {"type": "object"})
-        return schema if isinstance(schema, str) else json.dumps(schema)
+        return _schema_text(fmt["json_schema"])
     raise APIError("response_format must be text, json_object or json_schema {schema}", param="response_format")
+
+
+def _schema_text(spec: dict) -> str:
+    """A json_schema response format's schema as text; with `strict: true` held as a strict tool's parameters are
+    (fastspec.serve.tools.close_objects): every property required, and an object that allows more keys a 400."""
+    schema, strict = spec.get("schema", {"type": "object"}), spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise APIError(f"response_format.json_schema.strict must be of type bool, got {_kind(strict)}",
+                       param="response_format")
+    if not strict:
+        return schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        return json.dumps(close_objects(json.loads(schema) if isinstance(schema, str) else schema, strict=True,
+                                        where="schema"))
+    except json.JSONDecodeError as e:
+        raise APIError(f"response_format's schema is not valid JSON: {e}", param="response_format") from None
+    except ValueError as e:
+        raise APIError(f"response_format: strict needs closed objects, but {e}", param="response_format") from None
