@@ -13,3 +13,8 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def type_name(value) -> str:
+    """A JSON value's type as an error names it ("null" for None)."""
+    return "null" if value is None else type(value).__name__

@@ -3,8 +3,8 @@ response and stream-chunk objects: fastspec.serve.responses).
 
 Owns: which fields each endpoint takes (an unknown one is a 400, as OpenAI answers), their types and ranges,
 OpenAI's defaults (temperature 1, completions max_tokens 16), the error object. Does not own: running
-requests (service.py) or HTTP (app.py). Extra fields SGLang and vLLM accept ride along: top_k, min_p,
-repetition_penalty, ignore_eos, regex, ebnf.
+requests (service.py), HTTP (app.py) or the messages' keys (messages.py). Extra fields SGLang and vLLM accept ride
+along: top_k, min_p, repetition_penalty, ignore_eos, regex, ebnf.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 
 from fastspec.errors import FastspecError
 from fastspec.sampling.params import SamplingParams
-from fastspec.serve.api_error import APIError
+from fastspec.serve.api_error import APIError, type_name
+from fastspec.serve.messages import parse_messages
 from fastspec.serve.tools import Tools, close_objects, parse_tools
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
@@ -69,7 +70,7 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         raise APIError(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
     model = body.get("model", model_name)  # (omitted: the served model, as SGLang and vLLM take it)
     if not isinstance(model, str):
-        raise APIError(f"model must be of type str, got {_kind(model)}", param="model")
+        raise APIError(f"model must be of type str, got {type_name(model)}", param="model")
     if model != model_name:
         raise APIError(f"the model '{model}' does not exist (this server serves '{model_name}')", status=404,
                        param="model", code="model_not_found")
@@ -81,7 +82,7 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     echo = not chat and _get(body, "echo", bool, False)
     if not chat and _get(body, "suffix", str, None):
         raise APIError("suffix is not supported", param="suffix")
-    messages, prompts = (_messages(body), None) if chat else (None, _prompts(body))
+    messages, prompts = (parse_messages(body), None) if chat else (None, _prompts(body))
     if prompts is not None and len(prompts) * n > MAX_REQUESTS:
         raise APIError(f"{len(prompts)} prompts x n {n} = {len(prompts) * n} choices: at most {MAX_REQUESTS} in one "
                        "request", param="prompt")
@@ -155,13 +156,9 @@ def _stream_options(body: dict) -> bool:
         raise APIError(f"unknown field(s) in stream_options: {', '.join(unknown)}", param="stream_options")
     for name in ("include_usage", "include_obfuscation"):
         if options.get(name) is not None and not isinstance(options[name], bool):
-            raise APIError(f"stream_options.{name} must be of type bool, got {_kind(options[name])}",
+            raise APIError(f"stream_options.{name} must be of type bool, got {type_name(options[name])}",
                            param="stream_options")
     return bool(options.get("include_usage"))
-
-
-def _kind(value) -> str:
-    return "null" if value is None else type(value).__name__
 
 
 def _get(body: dict, name: str, kind, default):
@@ -170,7 +167,7 @@ def _get(body: dict, name: str, kind, default):
         return default
     if isinstance(value, bool) and kind is int or not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise APIError(f"{name} must be of type {names}, got {_kind(value)}", param=name)
+        raise APIError(f"{name} must be of type {names}, got {type_name(value)}", param=name)
     return value
 
 
@@ -179,76 +176,8 @@ def _number(body: dict, name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise APIError(f"{name} must be a number, got {_kind(value)}", param=name)
+        raise APIError(f"{name} must be a number, got {type_name(value)}", param=name)
     return float(value)
-
-
-MESSAGE_FIELDS = {  # OpenAI's message objects by role (an unknown key is a 400, as an unknown top-level field)
-    "system": {"role", "content", "name"}, "developer": {"role", "content", "name"},
-    "user": {"role", "content", "name"},
-    "assistant": {"role", "content", "name", "refusal", "tool_calls", "audio", "function_call"},
-    "tool": {"role", "content", "tool_call_id"}}
-UNSUPPORTED_MESSAGE_FIELDS = ("audio", "function_call")  # OpenAI's, not served: refused rather than dropped
-
-
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError("messages must be a non-empty list", param="messages")
-    return [_message(m, i) for i, m in enumerate(messages)]
-
-
-def _message(m, i: int) -> dict:
-    """Message i as the chat template reads it ({role, content} and name, tool_call_id, tool_calls where given)."""
-    if not isinstance(m, dict) or m.get("role") not in MESSAGE_FIELDS:
-        raise APIError("each message needs a role: system, developer, user, assistant or tool", param="messages")
-    unknown = sorted(set(m) - MESSAGE_FIELDS[m["role"]])
-    if unknown:
-        raise APIError(f"unknown field(s) in messages[{i}] ({m['role']}): {', '.join(unknown)}", param="messages")
-    unsupported = [k for k in UNSUPPORTED_MESSAGE_FIELDS if m.get(k) is not None]
-    if unsupported:
-        raise APIError(f"messages[{i}]: {', '.join(unsupported)} is not supported", param="messages")
-    extra = {}
-    for name in ("name", "refusal"):
-        if m.get(name) is not None and not isinstance(m[name], str):
-            raise APIError(f"messages[{i}].{name} must be of type str, got {_kind(m[name])}", param="messages")
-    if m.get("name") is not None:
-        extra["name"] = m["name"]
-    if m["role"] == "tool":
-        if not isinstance(m.get("tool_call_id"), str):
-            raise APIError("a tool message needs the tool_call_id it answers", param="messages")
-        extra["tool_call_id"] = m["tool_call_id"]
-    if m["role"] == "assistant" and m.get("content") is None:  # (a refusal's text is what the assistant said)
-        m = m | {"content": m.get("refusal") or ("" if m.get("tool_calls") is not None else None)}
-    if m["role"] == "assistant" and m.get("tool_calls") is not None:
-        extra["tool_calls"] = _tool_calls(m["tool_calls"])
-    content = m.get("content")
-    if isinstance(content, list):  # content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise APIError("only text content parts are supported", param="messages")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise APIError("message content must be a string or a list of text parts", param="messages")
-    return {"role": "system" if m["role"] == "developer" else m["role"], "content": content} | extra
-
-
-def _tool_calls(calls) -> list[dict]:
-    """An assistant message's earlier tool calls, for the chat template (arguments as a dict, as templates read
-    them)."""
-    if not isinstance(calls, list):
-        raise APIError("tool_calls must be a list", param="messages")
-    out = []
-    for c in calls:
-        f = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise APIError("each tool call needs a function name", param="messages")
-        try:
-            args = json.loads(f.get("arguments") or "{}") if isinstance(f.get("arguments"), str) else f["arguments"]
-        except json.JSONDecodeError:
-            raise APIError("a tool call's arguments must be a JSON object", param="messages") from None
-        out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
-    return out
 
 
 def _prompts(body: dict) -> tuple[str | list[int], ...]:
@@ -293,7 +222,7 @@ def _schema_text(spec: dict) -> str:
     (fastspec.serve.tools.close_objects): every property required, and an object that allows more keys a 400."""
     schema, strict = spec.get("schema", {"type": "object"}), spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise APIError(f"response_format.json_schema.strict must be of type bool, got {_kind(strict)}",
+        raise APIError(f"response_format.json_schema.strict must be of type bool, got {type_name(strict)}",
                        param="response_format")
     if not strict:
         return schema if isinstance(schema, str) else json.dumps(schema)
