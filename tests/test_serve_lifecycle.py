@@ -113,6 +113,40 @@ def test_a_prompt_being_tokenized_does_not_stop_the_server(served, monkeypatch):
     assert engine_settled(service)
 
 
+def test_the_grammar_tokenizer_is_built_off_the_event_loop(served, monkeypatch):
+    """llguidance's reading of the tokenizer (logprobs' token bytes, grammars) is built on the first request that
+    needs it, off the event loop: while it is being built (held here until released) the server answers others."""
+    from functools import cached_property
+
+    from fastspec.sampling.grammar import GrammarCompiler
+
+    client, url, llm, service = served
+    entered, release = threading.Event(), threading.Event()
+    build = GrammarCompiler.tokenizer.func
+
+    def held(compiler):
+        entered.set()
+        release.wait(30)
+        return build(compiler)
+    slow_build = cached_property(held)
+    slow_build.__set_name__(GrammarCompiler, "tokenizer")
+    monkeypatch.setattr(GrammarCompiler, "tokenizer", slow_build)
+    service.engine.grammars.__dict__.pop("tokenizer", None)  # (as if no request had needed it yet)
+    got = []
+    slow = threading.Thread(target=lambda: got.append(client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=2, logprobs=1, temperature=0)))
+    slow.start()
+    try:
+        assert entered.wait(30)
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            assert response.status == 200
+    finally:
+        release.set()
+        slow.join(30)
+    assert len(got[0].choices[0].logprobs.tokens) == got[0].usage.completion_tokens  # (answered, with logprobs)
+    assert engine_settled(service)
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fastspec.errors import FastspecError
+from fastspec.sampling.grammar import grammar_kind
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve import protocol as api
 from fastspec.serve import responses
@@ -80,6 +81,8 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
     try:
         parsed = api.parse_request(api.parse_body(await request.body()), chat, model_name)
         params, keep_special = parsed.params, False
+        if parsed.logprobs or parsed.tools is not None or grammar_kind(params) is not None:
+            await asyncio.to_thread(_read_token_bytes, service)  # (once; ~0.5 s for a large vocabulary)
         if parsed.tools is not None:
             _check_schemas(service, parsed.tools)
             tools = replace(parsed.tools, spaced=tool_text.spaced)
@@ -107,6 +110,15 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
     if parsed.stream:
         return StreamingResponse(reply.stream(), media_type="text/event-stream")
     return await reply.collect(request)
+
+
+def _read_token_bytes(service: EngineService) -> None:
+    """llguidance's reading of the tokenizer, which grammars and logprobs' token bytes use: built by the first
+    request that needs it, here off the event loop (a FastspecError is said where it matters: a grammar's 400)."""
+    try:
+        service.engine.grammars.tokenizer
+    except FastspecError:
+        pass
 
 
 def _check_schemas(service: EngineService, tools: Tools) -> None:
