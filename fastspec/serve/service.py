@@ -31,7 +31,7 @@ class Event:
 
     text: str
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    logprobs: tuple | None  # TokenLogprob per new kept token
+    logprobs: tuple | None  # TokenLogprob per token whose text is handed out now (a stop string's get none)
     completion_tokens: int  # output tokens generated so far (a stop string's too, though its text is trimmed)
     metrics: SpecMetrics
     error: APIError | None = None  # the engine failed (a 500) or the server is shutting down (a 503): it ends so
