@@ -102,7 +102,8 @@ def test_a_request_past_the_context_names_its_own_field(served):
     ({"role": "assistant", "content": None, "audio": {"id": "a1"}}, r"messages\[1\]: audio is not supported"),
     ({"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
      r"messages\[1\]: function_call is not supported"),
-    ({"role": "user", "content": "x", "name": 5}, r"messages\[1\]\.name must be of type str, got int")])
+    ({"role": "user", "content": "x", "name": 5}, r"messages\[1\]\.name must be of type str, got int")],
+    ids=["unknown", "user-tool_call_id", "tool-name", "system-refusal", "audio", "function_call", "name-type"])
 def test_unknown_keys_inside_messages_are_a_400_naming_them(message, error):
     """A message holds the keys OpenAI's schema gives its role, as a request holds OpenAI's fields: any other is a
     400 naming it (it was taken and dropped); OpenAI's that fastspec does not serve (audio, function_call) are
