@@ -27,8 +27,9 @@ def chat(
     seed: Optional[int] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
 ):
-    """Chat in the terminal: /reset, /system TEXT, /stats, /exit; Ctrl-C stops an answer. Without a terminal on
-    stdin: one user message per line, plain answers on stdout. The conversation is saved in the cache's chats/."""
+    """Chat in the terminal: /reset, /system TEXT, /stats, /help, /exit (in any case; any other line is a message,
+    and a leading // sends a message starting with /); Ctrl-C stops an answer. Without a terminal on stdin: one user
+    message per line, plain answers on stdout. The conversation is saved in the cache's chats/."""
     from fastspec.cli.common import Notes, prepare_progress
     from fastspec.llm import LLM
     from fastspec.text.conversation import ChatSession
@@ -102,10 +103,12 @@ def save_chat(session, directory) -> None:
 
 def run_chat(session, io) -> None:
     """One loop for both front ends: read a line, run a /command or stream an answer, show the turn's status."""
+    from fastspec.text.conversation import is_command, message_text
+
     while (text := io.read()) is not None:
         if not text:
             continue
-        if text.startswith("/"):
+        if is_command(text):
             message = session.command(text)
             if message is None:
                 return
@@ -113,7 +116,7 @@ def run_chat(session, io) -> None:
             continue
         with stop_on_ctrl_c() as interrupted:
             try:
-                for delta in session.respond(text, should_stop=interrupted.is_set):
+                for delta in session.respond(message_text(text), should_stop=interrupted.is_set):
                     io.write(delta)
             except FastspecError as e:
                 io.info(f"error: {e}")

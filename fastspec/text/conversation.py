@@ -21,7 +21,21 @@ from fastspec.text.tokenizer import valid_text
 from fastspec.utils.files import write_new
 from fastspec.utils.metrics import SpecMetrics
 
-HELP = "/reset  clear the conversation · /system TEXT  set the system prompt · /stats  session totals · /exit"
+HELP = ("/reset  clear the conversation · /system TEXT  set the system prompt · /stats  session totals · /help · /exit"
+        " · //TEXT  sends /TEXT")
+COMMANDS = ("/reset", "/system", "/stats", "/help", "/exit")
+
+
+def is_command(line: str) -> bool:
+    """Whether a typed line is a command: its first word is one of COMMANDS, in any case (`/EXIT`). Any other line is
+    a message, one starting with `/` too (`/usr/bin/env is what?`)."""
+    return line.split(maxsplit=1)[0].lower() in COMMANDS if line.strip() else False
+
+
+def message_text(line: str) -> str:
+    """The message a line that is no command sends: a leading `//` sends the rest from its second `/` (`//reset
+    now` sends `/reset now`), the way to start a message with a command's word."""
+    return line[1:] if line.startswith("//") else line
 
 
 @dataclass(frozen=True)
@@ -64,8 +78,9 @@ class ChatSession:
         self.notes: list[str] = []  # for the user, once: the conversation outgrew the context
 
     def command(self, line: str) -> str | None:
-        """Handle a slash command; returns a message to show, or None for /exit."""
+        """Handle a slash command (a line `is_command` takes); returns a message to show, or None for /exit."""
         name, _, arg = line.strip().partition(" ")
+        name = name.lower()
         if name == "/exit":
             return None
         if name == "/reset":
@@ -78,6 +93,8 @@ class ChatSession:
             return f"system prompt {'set' if self.system else 'cleared'}"
         if name == "/stats":
             return self.stats()
+        if name == "/help":
+            return HELP
         return f"unknown command {name}; {HELP}"
 
     def warm_up(self) -> None:
