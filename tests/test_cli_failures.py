@@ -159,3 +159,31 @@ def test_chat_with_stdin_closed_is_one_line():
                             capture_output=True, timeout=600)
     line = one_error_line(result.stderr)
     assert result.returncode == 2 and "stdin is closed" in line
+
+
+@pytest.mark.parametrize("args", [["generate", "--prompt", "hi"], ["chat"], ["bench", "--json"], ["tune"],
+                                  ["export-draft", "head", "out"]])
+def test_a_closed_stdout_is_one_line_before_anything_is_loaded(args):
+    """`fastspec generate >&-`: the answers have nowhere to go, so every command that writes them says so at once
+    (exit 2), before reading a model; generate was a traceback after the whole run, bench and tune printed nothing."""
+    result = subprocess.run([sys.executable, "-m", "fastspec.cli", *args], preexec_fn=lambda: os.close(1),
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600)
+    line = one_error_line(result.stderr)
+    assert result.returncode == 2 and line == f"error: stdout is closed: fastspec {args[0]} writes its answers there"
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_reader_that_went_away_ends_the_command_quietly_with_sigpipes_code(command, tmp_path):
+    """`fastspec ... | head -0`: the reader closed the pipe before the answer; the command ends with nothing on stderr
+    and 141, as a process SIGPIPE ends (generate exited 1, chat 0). chat keeps the message and the answer begun."""
+    args = ["--prompt", "Say hi."] if command == "generate" else []
+    proc = subprocess.Popen([sys.executable, "-m", "fastspec.cli", command, *args, "--max-new-tokens", "6",
+                             "--max-total-tokens", "2048"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "FASTSPEC_CACHE": str(tmp_path)})
+    proc.stdout.close()
+    _, err = proc.communicate(b"Say hi.\nSay bye.\n", timeout=600)
+    assert proc.returncode == 141 and err == b""
+    if command == "chat":
+        (saved,) = (tmp_path / "chats").iterdir()
+        messages = json.loads(saved.read_text())["messages"]
+        assert messages[0] == {"role": "user", "content": "Say hi."} and messages[1]["role"] == "assistant"

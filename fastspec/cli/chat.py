@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import sys
 from typing import Annotated, Optional
@@ -51,9 +50,7 @@ def chat(
             run_chat(session, io)
         if session.refused and not sys.stdin.isatty():  # a script learns that a message got no answer
             raise typer.Exit(2)
-    except BrokenPipeError:  # the reader went away mid-answer: keep the conversation, exit quietly
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (so the interpreter's final flush cannot fail)
-    finally:
+    finally:  # (a reader that went away too: user_errors then ends the command quietly)
         save_chat(session, cache_root() / "chats")
 
 
@@ -114,9 +111,11 @@ def run_chat(session, io) -> None:
                 return
             io.info(message)
             continue
-        with stop_on_ctrl_c() as interrupted:
+        # (closing: an answer cut by a failed write still joins the history before the chat is saved)
+        with stop_on_ctrl_c() as interrupted, contextlib.closing(
+                session.respond(message_text(text), interrupted.is_set)) as answer:
             try:
-                for delta in session.respond(message_text(text), should_stop=interrupted.is_set):
+                for delta in answer:
                     io.write(delta)
             except FastspecError as e:
                 io.info(f"error: {e}")

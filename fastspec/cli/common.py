@@ -16,13 +16,22 @@ import typer
 from fastspec.errors import FastspecError
 
 
-def user_errors(fn):
-    """Turn user-fixable failures into one line on stderr and a non-zero exit."""
+READER_GONE = 128 + 13  # the exit code of a process SIGPIPE ends (`yes | head -1`): a reader that went away
+
+
+def user_errors(fn, answers: bool = False):
+    """Turn user-fixable failures into one line on stderr and a non-zero exit. `answers`: the command writes its
+    answers on stdout, so a closed stdout (`>&-`) is refused before it starts (one line, exit 2), and a reader that
+    goes away (a closed pipe: `| head -1`) ends it quietly with exit 141, as SIGPIPE ends other tools."""
+
+    name = fn.__name__.replace("_", "-")
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         log_to_terminal()
         try:
+            if answers and sys.stdout is None:
+                raise FastspecError(f"stdout is closed: fastspec {name} writes its answers there")
             return fn(*args, **kwargs)
         except FastspecError as e:
             typer.echo(f"error: {e}", err=True)
@@ -30,8 +39,22 @@ def user_errors(fn):
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130) from None
+        except BrokenPipeError:
+            stdout_to_devnull()
+            raise typer.Exit(READER_GONE) from None
 
     return wrapper
+
+
+def stdout_to_devnull() -> None:
+    """stdout refused a write: what is still buffered goes nowhere, so the interpreter's last flush cannot fail
+    again (`Exception ignored ... BrokenPipeError`)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (AttributeError, OSError, ValueError):  # (no file descriptor: a test's stdout)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
 
 
 class _Stderr(logging.Handler):
@@ -109,12 +132,12 @@ def stop_on_ctrl_c():
 def stdout_refusals(unsaved=lambda: None):
     """Around writing answers to stdout: stdout refusing them (a full disk) becomes one line, the text `unsaved()`
     returns appended so that it is not lost, and stdout /dev/null (the interpreter's last flush cannot fail again).
-    A closed pipe (BrokenPipeError: the reader went away) passes through, for the caller to end quietly."""
+    A closed pipe (BrokenPipeError: the reader went away) passes through, for user_errors to end quietly."""
     try:
         yield
     except BrokenPipeError:
         raise
     except OSError as e:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        stdout_to_devnull()
         kept = unsaved()
         raise FastspecError(f"cannot write to stdout ({e.strerror or e})" + (f": {kept}" if kept else "")) from None

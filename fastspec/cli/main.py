@@ -2,7 +2,8 @@
 frozen configs and delegate. Rich output lives only in this package and in fastspec.benchmark.
 
 Every FastspecError, and every usage error (a flag's value of the wrong type, a missing or unknown flag), becomes
-`error: <one line>` on stderr with exit code 2; Ctrl-C exits 130. No tracebacks.
+`error: <one line>` on stderr with exit code 2; Ctrl-C exits 130; a reader that went away (a closed pipe) 141, quietly.
+No tracebacks.
 """
 
 from __future__ import annotations
@@ -97,13 +98,13 @@ def _root() -> None:
     """fastspec: lossless speculative decoding (EAGLE, EAGLE-3, STANDALONE, NGRAM)."""
 
 
-COMMANDS = (  # (name, function, takes the shared model flags, its line in `fastspec --help`)
-    ("generate", generate, True, "One completion per --prompt or --input-ids, text or --json."),
-    ("bench", bench, True, "Speculative vs plain tok/s; --url measures a running server."),
-    ("chat", chat, True, "Chat in the terminal; piped, one message per line."),
-    ("train-draft", train_draft, False, "Train an EAGLE-3 draft head for a target."),
-    ("tune", tune, True, "Choose the draft tree per batch size (the others load it)."),
-    ("serve", serve, True, "Serve the model over the OpenAI HTTP API."),
-    ("export-draft", export_draft, False, "Write a draft head in the SGLang or vLLM speculators format."))
-for name, command, shared_flags, line in COMMANDS:
-    app.command(name, short_help=line)(user_errors(model_options(command) if shared_flags else command))
+COMMANDS = (  # (name, function, takes the shared model flags, writes answers on stdout, its line in `fastspec --help`)
+    ("generate", generate, True, True, "One completion per --prompt or --input-ids, text or --json."),
+    ("bench", bench, True, True, "Speculative vs plain tok/s; --url measures a running server."),
+    ("chat", chat, True, True, "Chat in the terminal; piped, one message per line."),
+    ("train-draft", train_draft, False, False, "Train an EAGLE-3 draft head for a target."),
+    ("tune", tune, True, True, "Choose the draft tree per batch size (the others load it)."),
+    ("serve", serve, True, False, "Serve the model over the OpenAI HTTP API."),
+    ("export-draft", export_draft, False, True, "Write a draft head in the SGLang or vLLM speculators format."))
+for name, command, shared_flags, answers, line in COMMANDS:
+    app.command(name, short_help=line)(user_errors(model_options(command) if shared_flags else command, answers))
