@@ -316,7 +316,9 @@ for args in (["chat", "--page-size", "3"], ["generate", "--prompt", "hi", "--dty
              ["serve", "--max-queued-requests", "0"],
              ["chat", "--speculative-algorithm", "NGRAM", "--speculative-ngram-min-bfs-breadth", "0"],
              ["chat", "--temperature", "-1"], ["generate"], ["generate", "--prompt", ""],
-             ["generate", "--input-ids", "1,x"], ["generate", "--prompt", "hi", "--top-p", "2"],
+             ["generate", "--input-ids", "1,x"], ["generate", "--input-ids", "-1"],
+             ["generate", "--input-ids", "1", "--stop-token-ids", "2,-3"],
+             ["generate", "--prompt", "hi", "--top-p", "2"],
              ["generate", "--prompt", "hi", "--json-schema", "[1]"]):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and result.stderr.startswith("error:"), (args, result.output)

@@ -108,6 +108,14 @@ def parse_ids(text: str, flag: str = "--input-ids") -> list[int]:
         raise FastspecError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
+def parse_token_ids(text: str, flag: str = "--input-ids") -> list[int]:
+    """parse_ids for token ids: each >= 0 too (whether each is in the vocabulary is known once the model is read)."""
+    ids = parse_ids(text, flag)
+    if min(ids) < 0:
+        raise FastspecError(f"{flag} takes token ids >= 0, got {min(ids)}")
+    return ids
+
+
 def parse_bias(text: str | None) -> tuple[tuple[int, float], ...]:
     """"5:2.5,17:-100" -> ((5, 2.5), (17, -100.0)); a malformed pair is a one-line error."""
     if not text:

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import Notes, parse_bias, parse_ids, prepare_progress, stdout_refusals, stop_on_ctrl_c
+from fastspec.cli.common import (Notes, parse_bias, parse_token_ids, prepare_progress, stdout_refusals,
+                                 stop_on_ctrl_c)
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -41,7 +42,7 @@ def generate(
     from fastspec.llm import LLM
 
     params = sampling_params(**locals())
-    prompts = [parse_ids(input_ids)] if input_ids is not None else list(prompt)
+    prompts = [parse_token_ids(input_ids)] if input_ids is not None else list(prompt)
     notes = Notes()
     kwargs = options.llm_kwargs()
     kwargs["max_running_requests"] = min(kwargs["max_running_requests"], len(prompts))  # the batch is all it runs
@@ -87,8 +88,8 @@ def check_flags(prompt, input_ids, chat, as_json, **flags) -> None:
         raise FastspecError("--chat applies to --prompt, not to --input-ids")
     if input_ids is None and any(p == "" for p in prompt):
         raise FastspecError("empty prompt")
-    if input_ids is not None:
-        parse_ids(input_ids)
+    if input_ids is not None:  # (each in the vocabulary: checked once the model is read)
+        parse_token_ids(input_ids)
     sampling_params(**flags)
 
 
@@ -101,7 +102,7 @@ def sampling_params(temperature, top_k, top_p, seed, max_new_tokens, ignore_eos,
                           ignore_eos=ignore_eos, stop=tuple(stop or ()), logprobs=logprobs,
                           repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
                           presence_penalty=presence_penalty, min_p=min_p, logit_bias=parse_bias(logit_bias),
-                          stop_token_ids=tuple(parse_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids
+                          stop_token_ids=tuple(parse_token_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids
                           else (), json_schema=read_grammar_arg(json_schema), regex=read_grammar_arg(regex),
                           ebnf=read_grammar_arg(ebnf))
 
