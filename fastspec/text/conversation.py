@@ -2,7 +2,8 @@
 
 No terminal I/O here (fastspec.cli.chat renders); an answer is a generator of text deltas the caller prints, and a
 `should_stop()` callback (Ctrl-C) ends it early while keeping the partial answer in the history.
-Each turn encodes the whole conversation; the engine's prefix cache starts it on the KV of the turns before.
+Each turn encodes the whole conversation; the engine's prefix cache starts it on the KV of the turns before (a
+conversation past the context leaves out its oldest turns a quarter of the context at a time, so that stays true).
 """
 
 from __future__ import annotations
@@ -145,14 +146,21 @@ class ChatSession:
                 self.messages = messages + [{"role": "assistant", "content": "".join(answer)}]
 
     def _prompt(self, messages: list[dict]) -> tuple[list[int], int]:
-        """(the tokens an answer to `messages` is asked with, how many of its first messages they leave out): the
-        fewest whole turns, oldest first and never fewer than before, that leave the answer its max-new-tokens in
-        the context (the system prompt and the latest message always sent; alone too long, the engine refuses)."""
+        """(the tokens an answer to `messages` is asked with, how many of its first messages they leave out). While
+        the answer has its max-new-tokens in the context, the messages left out before stay the same; once it does
+        not, whole turns go, oldest first, until a quarter of the context is free beyond the answer's room too (or,
+        short of that, the fewest that leave the room), so that the turns that follow extend this prompt, whose KV
+        the prefix cache holds, rather than each leaving out one more turn and reading the whole prompt again. The
+        system prompt and the latest message are always sent (alone too long, the engine refuses)."""
         system = [{"role": "system", "content": self.system}] if self.system else []
+        slack, fewest = self.llm.engine.room_for(0) // 4, None
         for unseen in range(self.unseen, len(messages), 2):  # (a user message and its answer at a time)
             ids = self.llm.tokenizer.encode_chat(system + messages[unseen:])
-            if unseen == len(messages) - 1 or self.llm.engine.room_for(len(ids)) >= self.params.max_new_tokens:
+            room = self.llm.engine.room_for(len(ids)) - self.params.max_new_tokens
+            if room >= (0 if unseen == self.unseen else slack):
                 return ids, unseen
+            fewest = fewest or ((ids, unseen) if room >= 0 else None)
+        return fewest or (ids, len(messages) - 1)
 
     def take_notes(self) -> list[str]:
         notes, self.notes = self.notes, []
