@@ -298,9 +298,11 @@ except fastspec.FastspecError as e:
 
 
 def test_help_and_flag_errors_import_no_torch():
-    """Each command's `--help` shows every flag's name whole in 80 columns, and it and a bad flag (shared or a
-    command's own) answer without importing torch (seconds on a CPU box): one line, exit 2."""
+    """Each command's `--help` shows every flag's name whole in 80 columns, each flag's help in a few lines (the detail
+    is in docs/cli.md), and it and a bad flag (shared or a command's own, a negative token id) answer without
+    importing torch (seconds on a CPU box): one line, exit 2."""
     code = """
+import re
 import sys
 from typer.testing import CliRunner
 from fastspec.cli import app
@@ -311,6 +313,8 @@ for name, command in typer.main.get_command(app).commands.items():
     assert shown.exit_code == 0 and "Usage:" in shown.output, (name, shown.output[-500:])
     for flag in (f for p in command.params for f in p.opts + p.secondary_opts):
         assert f" {flag}" in shown.output, (name, flag)  # whole, at 80 columns
+    helps = re.split("\\n  (?=-)", shown.output.partition("Options:")[2])  # one flag's lines each
+    assert max(len(h.splitlines()) for h in helps) <= 8, (name, max(helps, key=len))  # the detail: docs/cli.md
 for args in (["chat", "--page-size", "3"], ["generate", "--prompt", "hi", "--dtype", "float64"],
              ["bench", "--model", "/no/such/model"], ["serve", "--tool-call-parser", "xml"],
              ["serve", "--max-queued-requests", "0"],
