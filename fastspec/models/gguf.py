@@ -1,12 +1,12 @@
 """GGUF -> Hugging Face directory conversion for the llama, qwen2, qwen3 and phi3 architectures (phi3 as a Llama:
 its fused QKV and gate_up rows split).
 
-Owns: reading GGUF metadata and tensors, undoing llama.cpp's rope row permutation of a llama's q/k, and writing the
-directory atomically (the tokenizer: gguf_tokenizer): every tensor of a block format as its blocks only (BLOCKS_FILE:
-what --quantization gguf runs, see gguf_packed; a float load dequantises them, gguf_blocks.stored_floats), the others
+Owns: reading GGUF tensors, undoing llama.cpp's rope row permutation of a llama's q/k, and writing the directory
+atomically (the tokenizer: gguf_tokenizer): every tensor of a block format as its blocks only (BLOCKS_FILE: what
+--quantization gguf runs, see gguf_packed; a float load dequantises them, gguf_blocks.stored_floats), the others
 dequantised (through `gguf.quants`) in model.safetensors, and each tensor's GGUF type.
-Does not own: the rope scaling a file describes (gguf_rope), which GGUF to convert or where to cache it
-(embedded.py), nor loading the result (loader.py).
+Does not own: the configs its metadata maps to (gguf_config; the rope scaling a file describes: gguf_rope), which
+GGUF to convert or where to cache it (embedded.py), nor loading the result (loader.py).
 """
 
 import json
@@ -26,7 +26,8 @@ from safetensors.torch import save_file
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import BLOCKS_FILE, FORMATS, blocks_state
 from fastspec.models.gguf_kquants import READERS, read
-from fastspec.models.gguf_rope import LONGROPE, ROPE_FACTORS, f32, rope_scaling
+from fastspec.models.gguf_config import generation_config, meta, model_config, reader_meta
+from fastspec.models.gguf_rope import LONGROPE, ROPE_FACTORS
 from fastspec.models.gguf_tokenizer import adds_bos, build_tokenizer, special_id
 
 CONVERTER_VERSION = 6  # bump when the output layout changes, so cached conversions are redone
@@ -79,12 +80,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
     out_dir."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_reader(gguf_path)
-    arch = _meta(reader, "general.architecture")
+    arch = meta(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise FastspecError(f"{gguf_path}: GGUF architecture '{arch}' is not supported "
                             f"(supported: {', '.join(ARCHITECTURES)})")
     tensors, blocks, kinds = _read_tensors(reader, gguf_path, dtype, arch)
-    config = _model_config(reader, dtype, arch)
+    config = model_config(reader, dtype, arch, ARCHITECTURES[arch])
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
@@ -100,7 +101,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
         (tmp / BLOCKS_FILE).chmod(0o644)
         del blocks
         _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", _generation_config(reader, config))
+        _write_json(tmp / "generation_config.json", generation_config(reader, config))
         _write_tokenizer(reader, tmp)
         stat = gguf_path.stat()
         files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
@@ -166,20 +167,6 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
         raise FastspecError(f"{path}: not a valid GGUF file ({e})") from None
 
 
-def _meta(reader, key: str, default=KeyError):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is KeyError:
-            raise FastspecError(f"GGUF metadata is missing '{key}'")
-        return default
-    return field.contents()
-
-
-def _reader_meta(reader):
-    """`meta(key, default)` over one reader: what gguf_tokenizer reads keys through."""
-    return lambda key, default=KeyError: _meta(reader, key, default)
-
-
 def _hf_name(name: str, arch: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
@@ -194,8 +181,8 @@ def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[di
     blocks (blocks_state: loaders dequantise them, gguf_blocks.stored_floats), HF name -> GGUF type name); q / k rows
     in HF's rope order (llama.cpp pairs a llama's rows for its rope; the others rotate halves, as HF does), a fused
     tensor's rows split into the weights it stacks."""
-    n_head = _meta(reader, f"{arch}.attention.head_count")
-    n_kv_head = _meta(reader, f"{arch}.attention.head_count_kv", n_head)
+    n_head = meta(reader, f"{arch}.attention.head_count")
+    n_kv_head = meta(reader, f"{arch}.attention.head_count_kv", n_head)
     spec = ARCHITECTURES[arch]
     tensors, blocks, kinds = {}, {}, {}
     for t in reader.tensors:
@@ -233,64 +220,18 @@ def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[di
     return tensors, blocks, kinds
 
 
-# ---- config ----
-
-def _model_config(reader, dtype: torch.dtype, arch: str) -> dict:
-    def m(key: str, default=KeyError):
-        return _meta(reader, f"{arch}.{key}", default)
-
-    hidden, n_head = m("embedding_length"), m("attention.head_count")
-    head_dim = m("attention.key_length", hidden // n_head)
-    if m("rope.dimension_count", head_dim) != head_dim:
-        raise FastspecError("GGUF uses partial rotary embeddings (rope.dimension_count != head_dim)")
-    theta = f32(m("rope.freq_base", 10000.0))
-    spec = ARCHITECTURES[arch]
-    shapes = {t.name: t.shape for t in reader.tensors}  # GGUF order: [columns, rows]
-    config = {
-        "architectures": [spec.hf_class], "model_type": spec.model_type, "hidden_act": "silu",
-        "hidden_size": hidden, "intermediate_size": m("feed_forward_length"),
-        "num_hidden_layers": m("block_count"), "num_attention_heads": n_head,
-        "num_key_value_heads": m("attention.head_count_kv", n_head), "head_dim": head_dim,
-        "rms_norm_eps": f32(m("attention.layer_norm_rms_epsilon")),
-        "rope_theta": theta, "rope_scaling": rope_scaling(m, _rope_factors(reader), head_dim, theta),
-        "max_position_embeddings": m("context_length"),
-        "vocab_size": int(shapes["token_embd.weight"][-1]),
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "attention_bias": arch == "qwen2", "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-    window = m("attention.sliding_window", None)
-    if window:  # (Phi-3 mini 4k's 2047): the context is capped at it, see ModelConfig.context_limit
-        config["sliding_window"] = int(window)
-    for key in ("bos", "eos", "pad"):
-        config[f"{key}_token_id"] = special_id(_reader_meta(reader), key)
-    return config
-
-
-def _rope_factors(reader) -> torch.Tensor | None:
-    factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
-    return None if factors is None else torch.from_numpy(np.array(factors.data, dtype=np.float32)).flatten()
-
-
-def _generation_config(reader, config: dict) -> dict:
-    """bos / eos / pad for generate(); an end-of-turn token distinct from eos also stops generation."""
-    eos, eot = config["eos_token_id"], _meta(reader, "tokenizer.ggml.eot_token_id", None)
-    stop = [eos, eot] if eot is not None and eos is not None and eot != eos else eos
-    return {"bos_token_id": config["bos_token_id"], "eos_token_id": stop, "pad_token_id": config["pad_token_id"]}
-
-
 def _write_tokenizer(reader, out_dir: Path) -> None:
-    meta = _reader_meta(reader)
-    build_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
-    tokens = meta("tokenizer.ggml.tokens")
+    m = reader_meta(reader)
+    build_tokenizer(m).save(str(out_dir / "tokenizer.json"))
+    tokens = m("tokenizer.ggml.tokens")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-              "add_bos_token": adds_bos(meta), "add_eos_token": bool(meta("tokenizer.ggml.add_eos_token", False)),
-              "model_max_length": meta(f"{meta('general.architecture')}.context_length")}
+              "add_bos_token": adds_bos(m), "add_eos_token": bool(m("tokenizer.ggml.add_eos_token", False)),
+              "model_max_length": m(f"{m('general.architecture')}.context_length")}
     for key in ("bos", "eos", "pad", "unk"):
-        token_id = special_id(meta, key)
+        token_id = special_id(m, key)
         if token_id is not None:
             config[f"{key}_token"] = tokens[token_id]
-    template = meta("tokenizer.chat_template", None)
+    template = m("tokenizer.chat_template", None)
     if template is not None:
         config["chat_template"] = template
     _write_json(out_dir / "tokenizer_config.json", config)

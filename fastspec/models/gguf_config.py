@@ -1,0 +1,70 @@
+"""GGUF metadata -> the Hugging Face configs a converted directory holds (config.json, generation_config.json): the
+architecture's keys in HF's names, its rope scaling (gguf_rope) and special tokens (gguf_tokenizer).
+Does not own: the tensors (gguf.py), the tokenizer files (gguf_tokenizer), nor writing anything."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fastspec.errors import FastspecError
+from fastspec.models.gguf_rope import ROPE_FACTORS, f32, rope_scaling
+from fastspec.models.gguf_tokenizer import special_id
+
+
+def meta(reader, key: str, default=KeyError):
+    field = reader.fields.get(key)
+    if field is None:
+        if default is KeyError:
+            raise FastspecError(f"GGUF metadata is missing '{key}'")
+        return default
+    return field.contents()
+
+
+def reader_meta(reader):
+    """`meta(key, default)` over one reader: what gguf_tokenizer reads keys through."""
+    return lambda key, default=KeyError: meta(reader, key, default)
+
+
+def model_config(reader, dtype: torch.dtype, arch: str, spec) -> dict:
+    """config.json of a `arch` GGUF that converts as `spec` (gguf.Arch): its metadata in HF's names."""
+    def m(key: str, default=KeyError):
+        return meta(reader, f"{arch}.{key}", default)
+
+    hidden, n_head = m("embedding_length"), m("attention.head_count")
+    head_dim = m("attention.key_length", hidden // n_head)
+    if m("rope.dimension_count", head_dim) != head_dim:
+        raise FastspecError("GGUF uses partial rotary embeddings (rope.dimension_count != head_dim)")
+    theta = f32(m("rope.freq_base", 10000.0))
+    shapes = {t.name: t.shape for t in reader.tensors}  # GGUF order: [columns, rows]
+    config = {
+        "architectures": [spec.hf_class], "model_type": spec.model_type, "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": m("feed_forward_length"),
+        "num_hidden_layers": m("block_count"), "num_attention_heads": n_head,
+        "num_key_value_heads": m("attention.head_count_kv", n_head), "head_dim": head_dim,
+        "rms_norm_eps": f32(m("attention.layer_norm_rms_epsilon")),
+        "rope_theta": theta, "rope_scaling": rope_scaling(m, rope_factors(reader), head_dim, theta),
+        "max_position_embeddings": m("context_length"),
+        "vocab_size": int(shapes["token_embd.weight"][-1]),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": arch == "qwen2", "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    window = m("attention.sliding_window", None)
+    if window:  # (Phi-3 mini 4k's 2047): the context is capped at it, see ModelConfig.context_limit
+        config["sliding_window"] = int(window)
+    for key in ("bos", "eos", "pad"):
+        config[f"{key}_token_id"] = special_id(reader_meta(reader), key)
+    return config
+
+
+def rope_factors(reader) -> torch.Tensor | None:
+    factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
+    return None if factors is None else torch.from_numpy(np.array(factors.data, dtype=np.float32)).flatten()
+
+
+def generation_config(reader, config: dict) -> dict:
+    """bos / eos / pad for generate(); an end-of-turn token distinct from eos also stops generation."""
+    eos, eot = config["eos_token_id"], meta(reader, "tokenizer.ggml.eot_token_id", None)
+    stop = [eos, eot] if eot is not None and eos is not None and eot != eos else eos
+    return {"bos_token_id": config["bos_token_id"], "eos_token_id": stop, "pad_token_id": config["pad_token_id"]}
