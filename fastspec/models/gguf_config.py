@@ -27,7 +27,7 @@ def reader_meta(reader):
 
 
 def model_config(reader, dtype: torch.dtype, arch: str, spec) -> dict:
-    """config.json of a `arch` GGUF that converts as `spec` (gguf.Arch): its metadata in HF's names."""
+    """config.json of an `arch` GGUF that converts as `spec` (gguf.Arch): its metadata in HF's names."""
     def m(key: str, default=KeyError):
         return meta(reader, f"{arch}.{key}", default)
 
