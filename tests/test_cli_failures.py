@@ -57,6 +57,25 @@ def test_chat_into_a_full_disk_is_one_line_and_the_conversation_is_saved(tmp_pat
     assert json.loads(saved.read_text())["messages"][0] == {"role": "user", "content": "Say hi."}
 
 
+@pytest.mark.skipif(not FULL.is_char_device(), reason="needs /dev/full")
+def test_bench_and_export_into_a_full_disk_are_one_line_that_keeps_what_they_made(tmp_path):
+    """bench's figures go into its one error line; export-draft's head is written whatever stdout says (tune, the
+    same way, saves its tuned file before it prints the table). They were tracebacks."""
+    from fastspec.models.embedded import DEFAULT_MODEL, embedded_head
+
+    with FULL.open("w") as full:
+        bench = run_cli("bench", "--batch-sizes", "1", "--num-prompts", "1", "--max-new-tokens", "8", "--trials", "1",
+                        "--warmup", "0", "--max-total-tokens", "2048", "--json", stdout=full)
+        export = run_cli("export-draft", str(embedded_head(DEFAULT_MODEL)), str(tmp_path / "head"), "--format",
+                         "sglang", stdout=full)
+    line = one_error_line(bench.stderr)
+    assert bench.returncode == 2 and line.startswith("error: cannot write to stdout (No space left on device): ")
+    assert json.loads(line.split(": ", 2)[2])["results"][0]["batch_size"] == 1
+    assert one_error_line(export.stderr) == ("error: cannot write to stdout (No space left on device): "
+                                             f"{tmp_path / 'head'} is written")
+    assert export.returncode == 2 and (tmp_path / "head" / "model.safetensors").is_file()
+
+
 def test_a_cache_that_cannot_be_written_is_one_line(tmp_path):
     """The embedded model is converted into the cache on first use: a cache that cannot take it (here a file stands
     where its directory should be, as a read-only or full one refuses) is named in one line, not a traceback."""

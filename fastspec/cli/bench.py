@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import Notes, parse_ids, prepare_progress
+from fastspec.cli.common import Notes, parse_ids, prepare_progress, stdout_refusals
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -77,10 +77,12 @@ def bench(
               "topk": spec.engine.spec.topk, "num_draft_tokens": spec.engine.spec.num_draft_tokens,
               "dtype": spec.engine.config.dtype, "max_new_tokens": max_new_tokens, "num_prompts": len(ids),
               "trials": trials, "graphs": spec.engine.config.graph_mode}
-    if as_json:
-        typer.echo(json.dumps({"config": config, "results": [r.as_dict() for r in results]}))
-    else:
-        print_bench_table(config, results)
+    measured = json.dumps({"config": config, "results": [r.as_dict() for r in results]})
+    with stdout_refusals(lambda: measured):  # (a full disk: the figures on stderr's one line)
+        if as_json:
+            typer.echo(measured)
+        else:
+            print_bench_table(config, results)
 
 
 def print_bench_table(config: dict, results) -> None:

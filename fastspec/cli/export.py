@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from fastspec.cli.common import stdout_refusals
+
 FORMATS = ("sglang", "speculators")
 
 
@@ -61,7 +63,8 @@ def export_draft(
                               "config.json": lambda f: f.write(text.encode())})
     except OSError as e:
         raise FastspecError(f"cannot write {out}: {e.strerror or e}") from None
-    typer.echo(f"wrote {out} ({format})")
+    with stdout_refusals(lambda: f"{out} is written"):
+        typer.echo(f"wrote {out} ({format})")
 
 
 def verifier_record(spec: str, head_config, head: Path) -> dict:

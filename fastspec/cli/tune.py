@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from fastspec.cli.common import stdout_refusals
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -92,14 +93,16 @@ def tune(
     ids = [llm.encode(t, chat=True) for t in texts[:num_prompts]]
     with console.status("tuning") as status:
         result = run(llm, ids, cfg, say=lambda text: status.update(text))
-    print_table(result)
     print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, llm.engine.config.device)
-    tuned_file.save_tuned(path, print_, result.tiers())
+    tuned_file.save_tuned(path, print_, result.tiers())  # (first: a stdout that refuses the table loses nothing)
+    with stdout_refusals(lambda: f"the tuned file {path} is written"):
+        print_table(result)
     console.print(f"wrote {path} · schedule {describe_schedule(schedule_from(result.winners))}", markup=False,
                   soft_wrap=True)  # (a path split across lines cannot be copied)
     _plot(result, plot or path.with_suffix(".png"), console)
     if emit:
-        print(sglang_flags(result.tiers(), algorithm, draft_dir))
+        with stdout_refusals():
+            print(sglang_flags(result.tiers(), algorithm, draft_dir))
 
 
 def check_sizes(batch_sizes: str, sizes: tuple[int, ...], num_prompts: int, max_new_tokens: int,
