@@ -221,8 +221,11 @@ def test_byte_level_pre_tokenizers_match_transformers(tmp_path, pre):
 
 @pytest.mark.parametrize("add_space_prefix, add_bos", [(None, None), (True, False)])  # (False: transformers ignores it)
 def test_sentencepiece_vocabulary_matches_transformers(tmp_path, add_space_prefix, add_bos):
+    """Where transformers' rebuild agrees with llama.cpp: not before a leading space or after a special token, where
+    llama.cpp prefixes a space and transformers does not (test_gguf_llamacpp holds llama.cpp's own answers)."""
     model = tiny_model("llama", vocab_size=len(SPM_TOKENS))
-    assert_same_tokenizer(write_gguf(tmp_path / "m.gguf", model, vocab=spm_vocab(add_space_prefix, add_bos)))
+    texts = [t for t in TEXTS if not t.startswith(" ") and "<" not in t]
+    assert_same_tokenizer(write_gguf(tmp_path / "m.gguf", model, vocab=spm_vocab(add_space_prefix, add_bos)), texts)
 
 
 def test_sentencepiece_merges_best_piece_first_with_byte_fallback(tmp_path):

@@ -6,7 +6,7 @@ its merges recovered from the pieces' scores, the added (control and user-define
 Does not own: the model's weights or config (gguf.py), nor the chat template (written beside it as it is stored).
 """
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from fastspec.errors import FastspecError
 
@@ -82,8 +82,9 @@ def _byte_level(meta) -> Tokenizer:
 
 
 def _sentencepiece(meta) -> Tokenizer:
-    """SentencePiece BPE: spaces as SPACE (and one before the text unless add_space_prefix is false), then pieces
-    merged best score first; a character no piece spells falls back to its UTF-8 bytes (<0x..> pieces)."""
+    """SentencePiece BPE: spaces as SPACE (and one before each stretch of text between added tokens unless
+    add_space_prefix is false), then pieces merged best score first; a character no piece spells falls back to its
+    UTF-8 bytes (<0x..> pieces)."""
     tokens = meta("tokenizer.ggml.tokens")
     scores = meta("tokenizer.ggml.scores", None)
     if scores is None:
@@ -94,8 +95,10 @@ def _sentencepiece(meta) -> Tokenizer:
                                      merges=sentencepiece_merges(tokens, scores, types),
                                      unk_token=None if unk is None else tokens[unk], fuse_unk=True, byte_fallback=True))
     prefix = bool(meta("tokenizer.ggml.add_space_prefix", True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first" if prefix else "never",
-                                                       split=False)
+    # a normalizer sees each stretch of text between added tokens: llama.cpp prefixes every one of them (after a
+    # special token too) and whatever it starts with, " hi" -> "▁▁hi" (Metaspace's "first" only the first, only once)
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE)] * prefix
+                                                + [normalizers.Replace(" ", SPACE)])
     tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
                                           + [decoders.Strip(" ", 1, 0)] * prefix)
     return tokenizer

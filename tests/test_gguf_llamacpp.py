@@ -1,0 +1,69 @@
+"""GGUF files read as llama.cpp reads them: tokenization worked by hand from llama.cpp's rules (hermetic), and, where
+llama-cpp-python is importable, llama.cpp itself as the oracle on the same tiny files (skipped cleanly without it).
+
+Oracles: llama.cpp's `tokenize` on tricky strings (leading spaces, unicode, digits, special tokens) for every
+vocabulary form the converter accepts.
+"""
+
+import pytest
+from gguf_writers import SPM_TOKENS, bpe_vocab, spm_vocab, tiny_model, write_gguf
+from transformers import AutoTokenizer
+
+from fastspec.models.gguf import convert_gguf
+
+
+def llama_cpp_or_skip():
+    """The llama_cpp module, or a skip: it is optional (an ImportError, or a built library that fails to load)."""
+    try:
+        import llama_cpp
+        import llama_cpp._logger
+    except Exception as e:
+        pytest.skip(f"llama-cpp-python is unavailable ({type(e).__name__})")
+    llama_cpp._logger.set_verbose(False)
+    return llama_cpp
+
+
+def converted_tokenizer(tmp_path, vocab, name="m"):
+    model = tiny_model("llama", vocab_size=len(SPM_TOKENS))  # (wide enough for either vocabulary)
+    path = write_gguf(tmp_path / f"{name}.gguf", model, vocab=vocab)
+    return path, AutoTokenizer.from_pretrained(convert_gguf(path, tmp_path / f"{name}-hf"))
+
+
+# ---- SentencePiece: llama.cpp's space prefix, worked by hand ----
+
+@pytest.mark.parametrize("text, pieces", [
+    (" hello", ["▁", "▁hello"]),  # the prefix is added to text that starts with a space too: "▁▁hello"
+    ("  hello world", ["▁▁", "▁hello", "▁world"]),
+    ("   ", ["▁▁", "▁▁"]),
+    ("<s>hello</s>", ["<s>", "▁hello", "</s>"]),  # and to the text after every special token
+    ("<tool>hi", ["<tool>", "▁h", "<0x69>"]),
+    ("hello<tool> world", ["▁hello", "<tool>", "▁", "▁world"]),
+])
+def test_sentencepiece_prefixes_a_space_as_llama_cpp_does(tmp_path, text, pieces):
+    """llama.cpp (as SentencePiece and Llama 2's own tokenizer) puts one space before the text and before the text
+    that follows each special token, whatever that text starts with."""
+    _, tok = converted_tokenizer(tmp_path, spm_vocab())
+    assert tok.convert_ids_to_tokens(tok.encode(text, add_special_tokens=False)) == pieces
+    assert tok.encode(text)[0] == 1  # (bos added: the file does not say otherwise)
+    if "<" not in text:  # (llama.cpp decodes "<tool>hi" as "<tool> hi" too: only the first space goes)
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+# ---- llama.cpp itself ----
+
+TRICKY = ["hello", " hello", "  hello world", "hello  world", "\thello\n\nworld ", "12345 678", "the 12the",
+          "héllo wörld", "日本語", "😀 emoji", "<|im_start|>user\nhi<|im_end|>", "x<custom>y", " <custom> ",
+          "<|endoftext|>", "ab ab", "Hello World", "don't I'll", "a\r\nb", "   ", "", "é", "▁hello", "<s>hello</s>",
+          "<tool>hi", "hello<tool> world", "!!!", "a  b   c"]
+VOCABS = {**{f"bpe-{pre}": bpe_vocab(pre) for pre in ("default", "smollm", "llama-bpe", "qwen2", "tekken")},
+          "bpe-no-bos": bpe_vocab("smollm", add_bos=False),
+          **{f"spm-{prefix}-{bos}": spm_vocab(prefix, bos) for prefix in (None, True, False) for bos in (None, False)}}
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_tokenization_equals_llama_cpps(tmp_path, vocab):
+    llama_cpp = llama_cpp_or_skip()
+    path, tok = converted_tokenizer(tmp_path, VOCABS[vocab])
+    theirs = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in TRICKY:
+        assert tok.encode(text) == theirs.tokenize(text.encode(), add_bos=True, special=True), text
