@@ -101,6 +101,29 @@ def bpe_vocab(pre: str = "smollm", add_bos: bool = True, add_eos: bool = False):
     return write
 
 
+# merges across the edges where llama.cpp's pre-tokenizers split differently: digits, punctuation, apostrophes, spaces
+SPLIT_MERGES = [*MERGES, "3 4", "4 5", "12 3", "Ġ 6", "Ġ 1", "' t", "n '", ", ,", "Ġ ,", "Ġ '", "( (", "Ġ (",
+                "! !", "Ġ !", "Ġ Ġ", "ĠĠ Ġ", "Ċ Ċ", "Ġ Ċ", "a b", "Ġ a", "Ġa b", ". .", "Ġ ."]
+SPLIT_TOKENS = TOKENS + list(dict.fromkeys(m.replace(" ", "") for m in SPLIT_MERGES[len(MERGES):]))
+
+
+def split_bpe_vocab(pre: str | None, add_bos: bool | None = None):
+    """A byte-level BPE vocabulary (SPLIT_TOKENS, SPLIT_MERGES) whose tokens tell llama.cpp's pre-tokenizers apart;
+    None leaves a key out."""
+    def write(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        if pre is not None:
+            w.add_tokenizer_pre(pre)
+        w.add_token_list(SPLIT_TOKENS)
+        w.add_token_types(TYPES + [1] * (len(SPLIT_TOKENS) - len(TOKENS)))
+        w.add_token_merges(SPLIT_MERGES)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
+    return write
+
+
 SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "!", "a", "b", "▁h", "he", "ll", "▁he", "llo", "▁hello", "▁w",
               "or", "▁wor", "ld", "▁world", "ab", "▁ab", "▁▁", "é"]  # best first
 SPM_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES + ["<tool>"]

@@ -243,7 +243,7 @@ def test_sentencepiece_merges_best_piece_first_with_byte_fallback(tmp_path):
 
 
 def test_unsupported_tokenizers_are_refused(tmp_path):
-    with pytest.raises(FastspecError, match="pre-tokenizer 'falcon' is not supported .supported: default, gpt2"):
+    with pytest.raises(FastspecError, match="pre-tokenizer 'falcon' is not supported .supported: default, gpt-2, gpt2"):
         convert_gguf(write_gguf(tmp_path / "m.gguf", tiny_model("llama"), vocab=bpe_vocab("falcon")), tmp_path / "a")
 
     def t5(w):

@@ -6,7 +6,7 @@ vocabulary form the converter accepts.
 """
 
 import pytest
-from gguf_writers import SPM_TOKENS, bpe_vocab, spm_vocab, tiny_model, write_gguf
+from gguf_writers import SPLIT_TOKENS, SPM_TOKENS, bpe_vocab, split_bpe_vocab, spm_vocab, tiny_model, write_gguf
 from transformers import AutoTokenizer
 
 from fastspec.models.gguf import convert_gguf
@@ -24,7 +24,7 @@ def llama_cpp_or_skip():
 
 
 def converted_tokenizer(tmp_path, vocab, name="m"):
-    model = tiny_model("llama", vocab_size=len(SPM_TOKENS))  # (wide enough for either vocabulary)
+    model = tiny_model("llama", vocab_size=max(len(SPM_TOKENS), len(SPLIT_TOKENS)))  # (wide enough for any vocabulary)
     path = write_gguf(tmp_path / f"{name}.gguf", model, vocab=vocab)
     return path, AutoTokenizer.from_pretrained(convert_gguf(path, tmp_path / f"{name}-hf"))
 
@@ -49,14 +49,42 @@ def test_sentencepiece_prefixes_a_space_as_llama_cpp_does(tmp_path, text, pieces
         assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
+# ---- byte-level BPE: llama.cpp's pre-tokenizer names and rules, worked by hand ----
+
+@pytest.mark.parametrize("pre, text, pieces", [
+    # llama.cpp's "default" (and a file without tokenizer.ggml.pre): punctuation runs, then GPT-2's split, then
+    # digits in threes
+    ("default", "don't", ["d", "o", "n", "'", "t"]),
+    (None, "12 123 1234", ["12", "Ġ", "123", "Ġ", "123", "4"]),
+    (None, " 6,, ,", ["Ġ", "6", ",,", "Ġ", ","]),
+    ("gpt-2", "don't 1234", ["d", "o", "n", "'t", "Ġ", "12", "34"]),  # llama.cpp's name for GPT-2's split
+    ("smaug-bpe", "ab ab  ab", ["ab", "Ġ", "ab", "Ġ", "Ġ", "ab"]),  # merges, unlike Llama 3's whole words
+    ("llama-bpe", "ab ab  ab", ["ab", "Ġab", "Ġ", "Ġab"]),
+])
+def test_byte_level_splits_as_llama_cpp_does(tmp_path, pre, text, pieces):
+    _, tok = converted_tokenizer(tmp_path, split_bpe_vocab(pre, add_bos=False))
+    assert tok.convert_ids_to_tokens(tok.encode(text)) == pieces
+
+
+@pytest.mark.parametrize("pre, bos", [("llama-bpe", True), ("llama3", True), ("llama-v3", True), ("tekken", True),
+                                      ("smaug-bpe", False), ("qwen2", False), ("smollm", False), (None, False)])
+def test_bos_is_added_by_llama_cpps_default_for_the_pre_tokenizer(tmp_path, pre, bos):
+    """A file without tokenizer.ggml.add_bos_token: llama.cpp adds bos for Llama 3's and Tekken's vocabularies."""
+    _, tok = converted_tokenizer(tmp_path, split_bpe_vocab(pre))
+    assert tok.encode("he") == [1] * bos + [SPLIT_TOKENS.index("he")]
+
+
 # ---- llama.cpp itself ----
 
-TRICKY = ["hello", " hello", "  hello world", "hello  world", "\thello\n\nworld ", "12345 678", "the 12the",
-          "héllo wörld", "日本語", "😀 emoji", "<|im_start|>user\nhi<|im_end|>", "x<custom>y", " <custom> ",
-          "<|endoftext|>", "ab ab", "Hello World", "don't I'll", "a\r\nb", "   ", "", "é", "▁hello", "<s>hello</s>",
-          "<tool>hi", "hello<tool> world", "!!!", "a  b   c"]
+TRICKY = ["don't n't", "1234 5678 123456", " 6 66", ",,, ,", "a  \n\n b", "x (( ((", "hi!! !", " ...", "ab ab  ab",
+          "it's  'tis", "hello", " hello", "  hello world", "hello  world", "\thello\n\nworld ", "12345 678",
+          "the 12the", "héllo wörld", "日本語", "😀 emoji", "<|im_start|>user\nhi<|im_end|>", "x<custom>y",
+          " <custom> ", "<|endoftext|>", "ab ab", "Hello World", "don't I'll", "a\r\nb", "   ", "", "é", "▁hello",
+          "<s>hello</s>", "<tool>hi", "hello<tool> world", "!!!", "a  b   c"]
 VOCABS = {**{f"bpe-{pre}": bpe_vocab(pre) for pre in ("default", "smollm", "llama-bpe", "qwen2", "tekken")},
           "bpe-no-bos": bpe_vocab("smollm", add_bos=False),
+          **{f"split-{pre}": split_bpe_vocab(pre) for pre in (None, "default", "gpt-2", "smollm", "llama-bpe", "llama3",
+                                                               "llama-v3", "smaug-bpe", "qwen2", "tekken")},
           **{f"spm-{prefix}-{bos}": spm_vocab(prefix, bos) for prefix in (None, True, False) for bos in (None, False)}}
 
 

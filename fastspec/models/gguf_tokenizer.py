@@ -1,8 +1,9 @@
 """A GGUF file's tokenizer rebuilt as a Hugging Face `tokenizers` one, from llama.cpp's metadata keys.
 
 Owns: byte-level BPE (`tokenizer.ggml.model` "gpt2") with the pre-tokenizers llama.cpp names (`tokenizer.ggml.pre`:
-GPT-2, SmolLM, Llama 3, Qwen2, Tekken), SentencePiece BPE ("llama": Llama 2, Mistral, TinyLlama vocabularies) with
-its merges recovered from the pieces' scores, the added (control and user-defined) tokens and bos / eos framing.
+llama.cpp's default, GPT-2, SmolLM, Llama 3, Smaug, Qwen2, Tekken), SentencePiece BPE ("llama": Llama 2, Mistral,
+TinyLlama vocabularies) with its merges recovered from the pieces' scores, the added (control and user-defined) tokens
+and bos / eos framing.
 Does not own: the model's weights or config (gguf.py), nor the chat template (written beside it as it is stored).
 """
 
@@ -26,10 +27,14 @@ _TEKKEN_SPLIT = (  # Mistral NeMo's: words split at case changes
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-          "qwen2": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT}  # tokenizer.ggml.pre -> the regex split before BPE
-IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "tekken")  # a whole word in the vocabulary wins
-PRE_TOKENIZERS = ("default", "gpt2", "smollm", *SPLITS)
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")  # each splits the last's
+SPLITS = {"default": _DEFAULT_SPLITS, "llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+          "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT,
+          "tekken": _TEKKEN_SPLIT}  # tokenizer.ggml.pre -> the regex split(s) before BPE (llama.cpp's)
+IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3", "tekken")  # a whole word in the vocabulary wins
+ADDS_BOS = ("llama-bpe", "llama3", "llama-v3", "tekken")  # llama.cpp adds bos where the file does not say
+PRE_TOKENIZERS = tuple(dict.fromkeys(("default", "gpt-2", "gpt2", "smollm", *SPLITS)))  # (none in the file: default)
 
 
 def build_tokenizer(meta) -> Tokenizer:
@@ -51,8 +56,10 @@ def build_tokenizer(meta) -> Tokenizer:
 
 
 def adds_bos(meta) -> bool:
-    """llama.cpp prepends bos to a SentencePiece vocabulary whose file does not say otherwise."""
-    return bool(meta("tokenizer.ggml.add_bos_token", meta("tokenizer.ggml.model") == "llama"))
+    """llama.cpp prepends bos to a SentencePiece vocabulary, and a Llama 3 or Tekken one, whose file does not say
+    otherwise."""
+    default = meta("tokenizer.ggml.model") == "llama" or meta("tokenizer.ggml.pre", "default") in ADDS_BOS
+    return bool(meta("tokenizer.ggml.add_bos_token", default))
 
 
 def special_id(meta, key: str) -> int | None:
@@ -74,8 +81,9 @@ def _byte_level(meta) -> Tokenizer:
     if pre == "smollm":  # digits split one by one, then the GPT-2 regex
         byte_level = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     elif pre in SPLITS:
-        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
-                                              byte_level])
+        regexes = SPLITS[pre] if isinstance(SPLITS[pre], tuple) else (SPLITS[pre],)
+        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+                                             + [byte_level])
     tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
