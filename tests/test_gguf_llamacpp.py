@@ -5,11 +5,17 @@ Oracles: llama.cpp's `tokenize` on tricky strings (leading spaces, unicode, digi
 vocabulary form the converter accepts.
 """
 
+import json
+import re
+
 import pytest
+import torch
 from gguf_writers import SPLIT_TOKENS, SPM_TOKENS, bpe_vocab, split_bpe_vocab, spm_vocab, tiny_model, write_gguf
 from transformers import AutoTokenizer
 
+from fastspec.errors import FastspecError
 from fastspec.models.gguf import convert_gguf
+from fastspec.models.reference import transformers_model
 
 
 def llama_cpp_or_skip():
@@ -27,6 +33,29 @@ def converted_tokenizer(tmp_path, vocab, name="m"):
     model = tiny_model("llama", vocab_size=max(len(SPM_TOKENS), len(SPLIT_TOKENS)))  # (wide enough for any vocabulary)
     path = write_gguf(tmp_path / f"{name}.gguf", model, vocab=vocab)
     return path, AutoTokenizer.from_pretrained(convert_gguf(path, tmp_path / f"{name}-hf"))
+
+
+# ---- metadata ----
+
+def test_per_layer_arrays_of_one_value_read_as_that_value(tmp_path):
+    """llama.cpp reads head_count, head_count_kv and feed_forward_length as one value or one per layer."""
+    model = tiny_model("llama")
+    arrays = {"attention.head_count": [4, 4], "attention.head_count_kv": [2, 2], "feed_forward_length": [96, 96]}
+    out = convert_gguf(write_gguf(tmp_path / "a.gguf", model, per_layer=arrays), tmp_path / "a")
+    plain = convert_gguf(write_gguf(tmp_path / "p.gguf", model), tmp_path / "p")
+    assert json.loads((out / "config.json").read_text()) == json.loads((plain / "config.json").read_text())
+    ids = torch.arange(3, 15)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(transformers_model(out)(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("key, values", [("attention.head_count", [4, 2]), ("attention.head_count_kv", [2, 1]),
+                                         ("feed_forward_length", [96, 64])])
+def test_per_layer_values_that_differ_are_refused_in_one_line(tmp_path, key, values):
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama"), per_layer={key: values})
+    line = f"{path}: llama.{key} differs between layers ({values}): not supported"
+    with pytest.raises(FastspecError, match=f"^{re.escape(line)}$"):
+        convert_gguf(path, tmp_path / "hf")
 
 
 # ---- SentencePiece: llama.cpp's space prefix, worked by hand ----

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import BLOCKS_FILE, FORMATS, blocks_state
 from fastspec.models.gguf_kquants import READERS, read
-from fastspec.models.gguf_config import generation_config, meta, model_config, reader_meta
+from fastspec.models.gguf_config import arch_meta, generation_config, meta, model_config, reader_meta
 from fastspec.models.gguf_rope import LONGROPE, ROPE_FACTORS
 from fastspec.models.gguf_tokenizer import adds_bos, build_tokenizer, special_id
 
@@ -85,7 +85,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
         raise FastspecError(f"{gguf_path}: GGUF architecture '{arch}' is not supported "
                             f"(supported: {', '.join(ARCHITECTURES)})")
     tensors, blocks, kinds = _read_tensors(reader, gguf_path, dtype, arch)
-    config = model_config(reader, dtype, arch, ARCHITECTURES[arch])
+    config = model_config(reader, dtype, arch, ARCHITECTURES[arch], gguf_path)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
@@ -181,8 +181,9 @@ def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[di
     blocks (blocks_state: loaders dequantise them, gguf_blocks.stored_floats), HF name -> GGUF type name); q / k rows
     in HF's rope order (llama.cpp pairs a llama's rows for its rope; the others rotate halves, as HF does), a fused
     tensor's rows split into the weights it stacks."""
-    n_head = meta(reader, f"{arch}.attention.head_count")
-    n_kv_head = meta(reader, f"{arch}.attention.head_count_kv", n_head)
+    m = arch_meta(reader, arch, path)
+    n_head = m("attention.head_count")
+    n_kv_head = m("attention.head_count_kv", n_head)
     spec = ARCHITECTURES[arch]
     tensors, blocks, kinds = {}, {}, {}
     for t in reader.tensors:

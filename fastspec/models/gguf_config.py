@@ -4,12 +4,16 @@ Does not own: the tensors (gguf.py), the tokenizer files (gguf_tokenizer), nor w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_rope import ROPE_FACTORS, f32, rope_scaling
 from fastspec.models.gguf_tokenizer import special_id
+
+PER_LAYER = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")  # one value or one per layer
 
 
 def meta(reader, key: str, default=KeyError):
@@ -26,11 +30,21 @@ def reader_meta(reader):
     return lambda key, default=KeyError: meta(reader, key, default)
 
 
-def model_config(reader, dtype: torch.dtype, arch: str, spec) -> dict:
-    """config.json of an `arch` GGUF that converts as `spec` (gguf.Arch): its metadata in HF's names."""
+def arch_meta(reader, arch: str, path: Path):
+    """`m(key, default)` over one reader's `{arch}.` keys; a per-layer array (PER_LAYER) of one value reads as it."""
     def m(key: str, default=KeyError):
-        return meta(reader, f"{arch}.{key}", default)
+        value = meta(reader, f"{arch}.{key}", default)
+        if key in PER_LAYER and isinstance(value, list):
+            if len(set(value)) != 1:
+                raise FastspecError(f"{path}: {arch}.{key} differs between layers ({value}): not supported")
+            value = value[0]
+        return value
+    return m
 
+
+def model_config(reader, dtype: torch.dtype, arch: str, spec, path: Path) -> dict:
+    """config.json of an `arch` GGUF (at `path`) that converts as `spec` (gguf.Arch): its metadata in HF's names."""
+    m = arch_meta(reader, arch, path)
     hidden, n_head = m("embedding_length"), m("attention.head_count")
     head_dim = m("attention.key_length", hidden // n_head)
     if m("rope.dimension_count", head_dim) != head_dim:
