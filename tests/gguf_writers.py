@@ -169,7 +169,7 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base((cfg.rope_parameters or {}).get("rope_theta", 10000.0))
     w.add_rope_dimension_count(head_dim)
     if getattr(cfg, "sliding_window", None):
         w.add_sliding_window(cfg.sliding_window)
