@@ -218,3 +218,30 @@ def test_embedded_reconverts_when_package_file_changes(tmp_path, monkeypatch):
     assert (embedded_model_dir("fake") / "model.safetensors").stat().st_ino != first  # re-converted
     loaded = LlamaForCausalLM.from_pretrained(out)
     torch.testing.assert_close(loaded.model.norm.weight, tiny_llama(True, seed=1).model.norm.weight)
+
+
+# ---- the conversion cache of a .gguf path ----
+
+def test_a_gguf_path_converts_once_per_file(tmp_path, monkeypatch):
+    """Two files of one name in different folders (one with a space) are two conversions; a symlink to a file shares
+    the file's; a file rewritten after its conversion is converted again."""
+    from fastspec.models.sources import resolve_model_dir
+
+    monkeypatch.setenv("FASTSPEC_MODEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "dir a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write_gguf(tmp_path / "dir a" / "m.gguf", tiny_llama(True, seed=0))
+    second = write_gguf(tmp_path / "b" / "m.gguf", tiny_llama(True, seed=1))
+    (tmp_path / "link.gguf").symlink_to(first)
+    a, b = resolve_model_dir(str(first)), resolve_model_dir(str(second))
+    assert a != b
+    torch.testing.assert_close(LlamaForCausalLM.from_pretrained(b).model.norm.weight,
+                               tiny_llama(True, seed=1).model.norm.weight)
+    assert resolve_model_dir(str(tmp_path / "link.gguf")) == a
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
+    write_gguf(first, tiny_llama(True, seed=2))
+    os.utime(first, ns=(1, 1))  # a different mtime even on coarse clocks
+    again = resolve_model_dir(str(first))
+    assert again != a
+    torch.testing.assert_close(LlamaForCausalLM.from_pretrained(again).model.norm.weight,
+                               tiny_llama(True, seed=2).model.norm.weight)

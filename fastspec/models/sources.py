@@ -172,9 +172,9 @@ def _converted_gguf(path: Path) -> Path:
     from fastspec.models.embedded import is_current_conversion, models_root
     from fastspec.models.gguf import convert_gguf
 
-    stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = models_root() / "gguf" / f"{path.stem}-{key}"
+    stat, real = path.stat(), path.resolve()  # (a symlink shares its file's conversion)
+    key = hashlib.sha1(f"{real}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = models_root() / "gguf" / f"{real.stem}-{key}"
     if is_current_conversion(out, path):
         return out
     log.warning("%s: converting it into %s (once: later starts read that)", path.name, out)
