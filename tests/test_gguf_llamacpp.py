@@ -64,6 +64,20 @@ def test_per_layer_values_that_differ_are_refused_in_one_line(tmp_path, key, val
         convert_gguf(path, tmp_path / "hf")
 
 
+def end_ids(tmp_path, name="m") -> list[int]:
+    stop = json.loads((tmp_path / f"{name}-hf" / "generation_config.json").read_text())["eos_token_id"]
+    return sorted(stop if isinstance(stop, list) else [stop])
+
+
+def test_generation_ends_on_llama_cpps_end_of_generation_tokens(tmp_path):
+    """llama.cpp ends generation on eos, eot and the tokens whose text ends a turn or a text (<|endoftext|>,
+    <|im_end|>, <|eot_id|>, ...) whatever the file names eos: so does the converted model."""
+    converted_tokenizer(tmp_path, bpe_vocab())
+    assert end_ids(tmp_path) == [0, 2]  # eos <|im_end|>, and <|endoftext|>
+    converted_tokenizer(tmp_path, spm_vocab(), "spm")
+    assert end_ids(tmp_path, "spm") == [2]  # </s>
+
+
 # ---- SentencePiece: llama.cpp's space prefix, worked by hand ----
 
 @pytest.mark.parametrize("text, pieces", [
@@ -182,3 +196,13 @@ def test_logits_and_greedy_tokens_equal_llama_cpps(tmp_path, monkeypatch, name):
     top2 = theirs[len(prompt) - 1:].topk(2, -1).values  # [new, 2]: llama.cpp's best two at each answer position
     near_tie = next((i for i, (a, b) in enumerate(top2.tolist()) if a - b < 2 * tolerance), len(greedy))
     assert list(answer[:near_tie]) == greedy[:near_tie]
+
+
+@pytest.mark.parametrize("vocab", ["bpe-smollm", "spm-None-None", "split-llama-bpe"])
+def test_end_of_generation_tokens_equal_llama_cpps(tmp_path, vocab):
+    llama_cpp = llama_cpp_or_skip()
+    path, tok = converted_tokenizer(tmp_path, VOCABS[vocab])
+    theirs = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    vocabulary = llama_cpp.llama_model_get_vocab(theirs.model)
+    eog = [i for i in range(len(tok)) if llama_cpp.llama_vocab_is_eog(vocabulary, i)]
+    assert end_ids(tmp_path) == eog

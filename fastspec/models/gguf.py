@@ -30,7 +30,7 @@ from fastspec.models.gguf_config import arch_meta, generation_config, meta, mode
 from fastspec.models.gguf_rope import LONGROPE, ROPE_FACTORS
 from fastspec.models.gguf_tokenizer import adds_bos, build_tokenizer, special_id
 
-CONVERTER_VERSION = 6  # bump when the output layout changes, so cached conversions are redone
+CONVERTER_VERSION = 7  # bump when the output layout changes, so cached conversions are redone
 SOURCE_MARKER = "fastspec_source.json"
 BLOCK_KINDS = (*FORMATS, *READERS)  # GGUF types also stored as blocks
 

@@ -13,6 +13,8 @@ from fastspec.errors import FastspecError
 from fastspec.models.gguf_rope import ROPE_FACTORS, f32, rope_scaling
 from fastspec.models.gguf_tokenizer import special_id
 
+END_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
+             "<EOT>", "_<EOT>", "</s>", "<end_of_utterance>", "<｜end▁of▁sentence｜>"}  # llama.cpp's end-of-generation
 PER_LAYER = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")  # one value or one per layer
 
 
@@ -78,7 +80,11 @@ def rope_factors(reader) -> torch.Tensor | None:
 
 
 def generation_config(reader, config: dict) -> dict:
-    """bos / eos / pad for generate(); an end-of-turn token distinct from eos also stops generation."""
-    eos, eot = config["eos_token_id"], meta(reader, "tokenizer.ggml.eot_token_id", None)
-    stop = [eos, eot] if eot is not None and eos is not None and eot != eos else eos
-    return {"bos_token_id": config["bos_token_id"], "eos_token_id": stop, "pad_token_id": config["pad_token_id"]}
+    """bos / eos / pad for generate(); as in llama.cpp, eot, eom and the tokens whose text ends a turn or a text
+    (END_TEXTS) also stop generation."""
+    named = [config["eos_token_id"], *(meta(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eot", "eom"))]
+    tokens = meta(reader, "tokenizer.ggml.tokens")
+    stop = list(dict.fromkeys([i for i in named if i is not None]
+                              + [i for i, token in enumerate(tokens) if token in END_TEXTS]))
+    return {"bos_token_id": config["bos_token_id"], "eos_token_id": stop[0] if len(stop) == 1 else stop or None,
+            "pad_token_id": config["pad_token_id"]}
