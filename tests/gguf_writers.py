@@ -148,11 +148,13 @@ def spm_vocab(add_space_prefix: bool | None = None, add_bos: bool | None = None)
 
 
 def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_bos=True, add_eos=False, vocab=None,
-               rope_factors=None, yarn=None, extra_tensors=None, raw_kinds=None, per_layer=None):
+               rope_factors=None, yarn=None, extra_tensors=None, raw_kinds=None, per_layer=None,
+               rope_attn_factor=None):
     """`model` as a GGUF of general.architecture `arch` (its own by default) with `vocab` (a bpe_vocab / spm_vocab
     writer; bpe_vocab("smollm") by default), matrices in `qtype`; rope_factors: a rope_freqs tensor [head_dim / 2];
-    yarn: (factor, original context length); the model config's sliding_window, where set; extra_tensors: name ->
-    float32 array, written as they are; raw_kinds: name -> a GGML type the gguf package cannot quantise to, the
+    yarn: (factor, original context length); rope_attn_factor: rope.scaling.attn_factor (llama.cpp's factor on the
+    rope's cos / sin); the model config's sliding_window, where set; extra_tensors: name -> float32 array, written as
+    they are; raw_kinds: name -> a GGML type the gguf package cannot quantise to, the
     tensor written as zero bytes of that type; per_layer: feed_forward_length / attention.head_count(_kv) -> one
     value per layer (an array, as llama.cpp reads them) instead of the model's."""
     cfg = model.config
@@ -177,6 +179,8 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(yarn[0])
         w.add_rope_scaling_orig_ctx_len(yarn[1])
+    if rope_attn_factor is not None:
+        w.add_float32(f"{arch or cfg.model_type}.rope.scaling.attn_factor", rope_attn_factor)
     w.add_vocab_size(cfg.vocab_size)
     (vocab or bpe_vocab(add_bos=add_bos, add_eos=add_eos))(w)
     for name, array in gguf_tensors(model).items():

@@ -4,10 +4,11 @@ cleanly without it).
 
 Oracles: llama.cpp's `tokenize` on tricky strings (leading spaces, unicode, digits, special tokens) for every
 vocabulary form the converter accepts; llama.cpp's logits and greedy tokens on files of each architecture (tied and
-untied, F32 / BF16 / block types, a rope base and norm eps of their own).
+untied, F32 / BF16 / block types, a rope base and norm eps of their own, YaRN's attn_factor).
 """
 
 import json
+import math
 import re
 
 import gguf
@@ -76,6 +77,23 @@ def test_generation_ends_on_llama_cpps_end_of_generation_tokens(tmp_path):
     assert end_ids(tmp_path) == [0, 2]  # eos <|im_end|>, and <|endoftext|>
     converted_tokenizer(tmp_path, spm_vocab(), "spm")
     assert end_ids(tmp_path, "spm") == [2]  # </s>
+
+
+def test_yarns_attn_factor_scales_its_attention_factor(tmp_path):
+    """llama.cpp multiplies YaRN's magnitude scale (1 + 0.1 ln factor) by rope.scaling.attn_factor; HF's
+    attention_factor replaces that scale, so it is the product."""
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("qwen2"), yarn=(4.0, 32), rope_attn_factor=2.0)
+    scaling = json.loads((convert_gguf(path, tmp_path / "hf") / "config.json").read_text())["rope_scaling"]
+    assert scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                       "attention_factor": pytest.approx(2 * (1 + 0.1 * math.log(4)), rel=1e-6)}
+
+
+def test_an_attn_factor_without_yarn_is_refused_in_one_line(tmp_path):
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama"), rope_attn_factor=2.0)
+    with pytest.raises(FastspecError, match=r"^GGUF rope.scaling.attn_factor 2.0 without YaRN is not supported$"):
+        convert_gguf(path, tmp_path / "hf")
+    path = write_gguf(tmp_path / "one.gguf", tiny_model("llama"), rope_attn_factor=1.0)  # (1: no scaling)
+    assert json.loads((convert_gguf(path, tmp_path / "one") / "config.json").read_text())["rope_scaling"] is None
 
 
 # ---- SentencePiece: llama.cpp's space prefix, worked by hand ----
@@ -147,11 +165,12 @@ def test_tokenization_equals_llama_cpps(tmp_path, vocab):
 
 
 Q = gguf.GGMLQuantizationType
-FILES = {  # name -> (arch, tied, the matrices' type, the model's config beyond tiny_model's)
-    "llama-f32-theta-eps": ("llama", True, Q.F32, {"rope_theta": 500000.0, "rms_norm_eps": 1e-6}),
-    "qwen2-tied-q8_0": ("qwen2", True, Q.Q8_0, {}),  # the lm_head from a Q8_0 embedding
-    "qwen3-bf16": ("qwen3", False, Q.BF16, {"head_dim": 64}),
-    "phi3-q4_1": ("phi3", False, Q.Q4_1, {}),
+FILES = {  # name -> (arch, tied, the matrices' type, the model's config beyond tiny_model's, write_gguf's arguments)
+    "llama-f32-theta-eps": ("llama", True, Q.F32, {"rope_theta": 500000.0, "rms_norm_eps": 1e-6}, {}),
+    "qwen2-tied-q8_0": ("qwen2", True, Q.Q8_0, {}, {}),  # the lm_head from a Q8_0 embedding
+    "qwen3-bf16": ("qwen3", False, Q.BF16, {"head_dim": 64}, {}),
+    "phi3-q4_1": ("phi3", False, Q.Q4_1, {}, {}),
+    "qwen2-yarn-attn-factor": ("qwen2", False, Q.F32, {}, {"yarn": (4.0, 16), "rope_attn_factor": 1.5}),
 }
 
 
@@ -172,11 +191,12 @@ def llama_cpp_answer(llama_cpp, path, prompt: list[int], new: int):
 
 @pytest.mark.parametrize("name", FILES)
 def test_logits_and_greedy_tokens_equal_llama_cpps(tmp_path, monkeypatch, name):
-    """fastspec's dequantised model scores the ids as llama.cpp does: within 0.2 % of the logits' spread for F32
-    (float rounding), 10 % for the others (llama.cpp rounds activations to 8 bits or 16 for their dot products, ~4 %);
-    greedy decoding on the file's own blocks gives llama.cpp's tokens up to the first near tie of llama.cpp's."""
+    """fastspec's dequantised model scores the ids as llama.cpp does: within 0.5 % of the logits' spread for F32
+    (llama.cpp keeps its KV cache in float16: 0.1-0.3 % measured), 10 % for the others (llama.cpp rounds
+    activations to 8 bits or 16 for their dot products, ~4 %); greedy decoding on the file's own blocks gives
+    llama.cpp's tokens up to the first near tie of llama.cpp's."""
     llama_cpp = llama_cpp_or_skip()
-    arch, tied, kind, config = FILES[name]
+    arch, tied, kind, config, written = FILES[name]
     monkeypatch.setenv("FASTSPEC_MODEL_CACHE", str(tmp_path / "cache"))
     model = tiny_model(arch, tied, hidden_size=256, intermediate_size=512, **config)
     torch.manual_seed(1)
@@ -184,12 +204,12 @@ def test_logits_and_greedy_tokens_equal_llama_cpps(tmp_path, monkeypatch, name):
         for p_name, p in model.named_parameters():
             if p.ndim == 2:
                 p.normal_(0, 1.0 if "embed" in p_name else p.shape[1] ** -0.5)
-    path = write_gguf(tmp_path / f"{name}.gguf", model, qtype=kind)
+    path = write_gguf(tmp_path / f"{name}.gguf", model, qtype=kind, **written)
     prompt = np.random.default_rng(0).integers(3, len(TOKENS), 8).tolist()
     greedy, theirs = llama_cpp_answer(llama_cpp, path, prompt, 12)
     with torch.no_grad():
         ours = transformers_model(convert_gguf(path, tmp_path / "hf"))(torch.tensor([prompt + greedy])).logits[0]
-    tolerance = (0.002 if kind == Q.F32 else 0.1) * float(theirs.std())
+    tolerance = (0.005 if kind == Q.F32 else 0.1) * float(theirs.std())
     assert float((ours - theirs).abs().max()) < tolerance
     llm = fastspec.LLM(str(path), speculative_algorithm="NONE", max_total_tokens=256)
     answer = llm.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].output_ids

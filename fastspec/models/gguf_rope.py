@@ -1,4 +1,5 @@
-"""The rope scaling a GGUF file describes, as Hugging Face's `rope_scaling`: linear and YaRN from its metadata keys,
+"""The rope scaling a GGUF file describes, as Hugging Face's `rope_scaling`: linear and YaRN (with its attn_factor)
+from its metadata keys,
 Llama 3's from the per-frequency divisors of its rope_freqs tensor (fitted, then checked against every divisor).
 Phi-3's LongRoPE factor tensors are named here so the conversion can refuse them.
 """
@@ -10,7 +11,7 @@ import torch
 
 from fastspec.errors import FastspecError
 from fastspec.models.model_config import RopeScaling
-from fastspec.models.rope import rope_inv_freq
+from fastspec.models.rope import rope_inv_freq, yarn_mscale
 
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3's per-frequency divisors: read into the config's rope scaling
 LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 128k / Phi-3.5 / Phi-4-mini
@@ -24,16 +25,23 @@ def f32(value: float) -> float:
 def rope_scaling(m, factors: torch.Tensor | None, head_dim: int, theta: float) -> dict | None:
     """HF's rope_scaling for a GGUF whose `{arch}.` keys m(key, default) reads: linear or YaRN as its metadata says,
     Llama 3's from its rope_freqs `factors` ([head_dim / 2], or None)."""
-    if factors is not None:
+    kind = "llama3" if factors is not None else m("rope.scaling.type", "none")
+    attn_factor = f32(m("rope.scaling.attn_factor", 1.0))  # llama.cpp's factor on the cos / sin of any rope
+    if attn_factor != 1.0 and kind != "yarn":
+        raise FastspecError(f"GGUF rope.scaling.attn_factor {attn_factor} without YaRN is not supported")
+    if kind == "llama3":
         return llama3_scaling(factors, head_dim, theta)
-    kind = m("rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": f32(m("rope.scaling.factor"))}
     if kind == "yarn":
-        return {"rope_type": "yarn", "factor": f32(m("rope.scaling.factor")),
-                "original_max_position_embeddings": m("rope.scaling.original_context_length")}
+        factor = f32(m("rope.scaling.factor"))
+        scaling = {"rope_type": "yarn", "factor": factor,
+                   "original_max_position_embeddings": m("rope.scaling.original_context_length")}
+        if attn_factor != 1.0:  # llama.cpp multiplies YaRN's own scale by it; HF's attention_factor replaces that
+            scaling["attention_factor"] = attn_factor * yarn_mscale(factor)
+        return scaling
     raise FastspecError(f"GGUF rope scaling '{kind}' is not supported (supported: linear, yarn, llama3)")
 
 
