@@ -154,9 +154,9 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
     writer; bpe_vocab("smollm") by default), matrices in `qtype`; rope_factors: a rope_freqs tensor [head_dim / 2];
     yarn: (factor, original context length); rope_attn_factor: rope.scaling.attn_factor (llama.cpp's factor on the
     rope's cos / sin); the model config's sliding_window, where set; extra_tensors: name -> float32 array, written as
-    they are; raw_kinds: name -> a GGML type the gguf package cannot quantise to, the
-    tensor written as zero bytes of that type; per_layer: feed_forward_length / attention.head_count(_kv) -> one
-    value per layer (an array, as llama.cpp reads them) instead of the model's."""
+    they are; raw_kinds: name -> a GGML type the gguf package cannot quantise to, the tensor written as zero bytes of
+    that type; per_layer: feed_forward_length / attention.head_count(_kv) -> one value per layer (an array, as
+    llama.cpp reads them) instead of the model's."""
     cfg = model.config
     w = gguf.GGUFWriter(path, arch or cfg.model_type)
     w.add_block_count(cfg.num_hidden_layers)

@@ -1,6 +1,6 @@
 """The rope scaling a GGUF file describes, as Hugging Face's `rope_scaling`: linear and YaRN (with its attn_factor)
-from its metadata keys,
-Llama 3's from the per-frequency divisors of its rope_freqs tensor (fitted, then checked against every divisor).
+from its metadata keys, Llama 3's from the per-frequency divisors of its rope_freqs tensor (fitted, then checked
+against every divisor).
 Phi-3's LongRoPE factor tensors are named here so the conversion can refuse them.
 """
 
