@@ -70,30 +70,6 @@ def test_a_request_past_the_context_names_its_own_field(served):
     assert engine_settled(service)
 
 
-def test_a_request_past_the_context_names_its_own_field(served):
-    """The context-length refusal names the request's field (OpenAI's param, code context_length_exceeded): the
-    length field it sent, or the messages / prompt when they alone leave no room (a chat that sent no max_tokens
-    is not told about one). Never the CLI's --max-new-tokens."""
-    client, _, llm, service = served
-    ctx = llm.engine.worker.max_context_len
-    long, short = "x" * ctx, [{"role": "user", "content": "abc"}]
-    cases = [(client.chat.completions.create, dict(messages=[{"role": "user", "content": long}]), "messages"),
-             (client.chat.completions.create, dict(messages=short, max_tokens=ctx), "max_tokens"),
-             (client.chat.completions.create, dict(messages=short, max_completion_tokens=ctx), "max_completion_tokens"),
-             (client.completions.create, dict(prompt=long, max_tokens=4), "prompt"),
-             (client.completions.create, dict(prompt=long), "prompt"),
-             (client.completions.create, dict(prompt="abc", max_tokens=ctx), "max_tokens"),
-             (client.completions.create, dict(prompt=["abc", long], max_tokens=2), "prompt")]
-    for create, ask, param in cases:
-        with pytest.raises(openai.BadRequestError) as e:
-            create(model=MODEL, **ask)
-        error = e.value.body
-        assert (error["param"], error["code"]) == (param, "context_length_exceeded"), ask
-        assert f"context length {ctx}" in error["message"] and "max-new-tokens" not in error["message"]
-        assert param in error["message"] and ("batch" in error["message"]) == (len(ask.get("prompt", "")) == 2)
-    assert engine_settled(service)
-
-
 @pytest.mark.parametrize("message, error", [
     ({"role": "user", "content": "x", "foo": 1}, r"unknown field\(s\) in messages\[1\] \(user\): foo"),
     ({"role": "user", "content": "x", "tool_call_id": "c1"}, r"messages\[1\] \(user\): tool_call_id"),
