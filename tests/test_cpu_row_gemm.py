@@ -116,17 +116,10 @@ def test_without_the_library_each_is_its_twin(monkeypatch):
     torch.testing.assert_close(row_dots(x, rows), fast_dots, atol=1e-4, rtol=1e-5)
 
 
-def test_the_dtype_probe_times_both_dtypes_once_per_shape(monkeypatch):
-    """one_row_speedup (--dtype auto's measurement on the CPU): float32's best time over the 16-bit one's, from
-    row_gemm runs over weights of the given shape, cut to 16M weights; measured once per dtype and shape."""
-    import fastspec.kernels.cpu_row_gemm as module
-
-    calls = []
-    real = module.row_gemm
-    monkeypatch.setattr(module, "row_gemm", lambda x, w: calls.append((w.dtype, tuple(w.shape))) or real(x, w))
-    module.one_row_speedup.cache_clear()
-    speedup = module.one_row_speedup(torch.bfloat16, 1 << 20, 64)
-    assert speedup > 0 and speedup == module.one_row_speedup(torch.bfloat16, 1 << 20, 64)
-    assert set(calls) == {(torch.bfloat16, (1 << 18, 64)), (torch.float32, (1 << 18, 64))}
-    assert len(calls) == 12  # a first call each, then 5 alternating timed runs each
-    module.one_row_speedup.cache_clear()
+def test_bf16_dot_is_read_from_the_cpus_flags(monkeypatch):
+    """--dtype auto's rule on the CPU (a bfloat16 checkpoint stays bfloat16 where the CPU has AVX512-BF16): the
+    flags line of /proc/cpuinfo, and only with the library built."""
+    monkeypatch.setattr(cpu_library, "_cpu_signature", lambda: "x86_64model name : X\nflags : fpu avx2 avx512_bf16 x")
+    assert cpu_library.has_bf16_dot() == cpu_library.available()
+    monkeypatch.setattr(cpu_library, "_cpu_signature", lambda: "x86_64model name : avx512_bf16\nflags : fpu avx2")
+    assert not cpu_library.has_bf16_dot()

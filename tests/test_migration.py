@@ -182,11 +182,11 @@ def test_sglang_flags_fastspec_takes_parse_and_reach_the_engine(monkeypatch):
     assert bad.exit_code == 2 and bad.stderr == "error: max_context_len (--context-length) must be >= 1, got 0\n"
 
 
-def test_dtype_auto_on_the_cpu_is_measured_and_on_cuda_the_checkpoints_16_bits(tiny_dirs, tmp_path, monkeypatch):
+def test_dtype_auto_follows_the_cpus_bf16_instructions_and_on_cuda_the_checkpoints_16_bits(tiny_dirs, tmp_path, monkeypatch):
     """SGLang's and vLLM's default --dtype auto (was refused: 'unknown dtype'). On CUDA the checkpoint's 16-bit
-    dtype, bfloat16 for a float32 one. On the CPU float32, but a checkpoint stored in 16 bits keeps its dtype where
-    a decode step's product over its weights measures >= 1.3x float32's, or where a float32 copy would not fit in
-    memory (the measurement and the memory are stubbed here; the rule is what is tested). Weights that cannot fit in
+    dtype, bfloat16 for a float32 one. On the CPU float32, but a checkpoint stored in bfloat16 keeps its dtype where
+    the CPU has bfloat16 dot products, any 16-bit one where a float32 copy would not fit in memory (the CPU's flags
+    and the memory are stubbed here; the rule is what is tested). Weights that cannot fit in
     the memory free at all: one line before loading (a process killed for memory midway, before)."""
     import json
     import shutil
@@ -195,7 +195,7 @@ def test_dtype_auto_on_the_cpu_is_measured_and_on_cuda_the_checkpoints_16_bits(t
     from typer.testing import CliRunner
 
     import fastspec
-    import fastspec.kernels.cpu_row_gemm as row_gemm
+    from fastspec.kernels import cpu_library
     import fastspec.memory.kv_pool as kv_pool
     from fastspec.cli import app
     from fastspec.config import EngineConfig, resolve_dtype
@@ -210,15 +210,18 @@ def test_dtype_auto_on_the_cpu_is_measured_and_on_cuda_the_checkpoints_16_bits(t
     shutil.copytree(tiny_dirs["llama"][0], model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}))
-    speedup = {"value": 2.0}
-    monkeypatch.setattr(row_gemm, "one_row_speedup", lambda dtype, rows, cols: speedup["value"])
+    bf16_dot = {"value": True}
+    monkeypatch.setattr(cpu_library, "has_bf16_dot", lambda: bf16_dot["value"])
     bf16, fp32 = resolve_sources(str(model_dir), "NONE"), resolve_sources(str(tiny_dirs["llama"][0]), "NONE")
     assert resolve_model_dtype("auto", "cpu", bf16) == "bfloat16" and resolve_model_dtype("auto", "cpu", fp32) == \
         "float32"
     assert resolve_model_dtype("float32", "cpu", bf16) == "float32"  # as asked
     llm = fastspec.LLM(str(model_dir), device="cpu", max_total_tokens=512)
     assert llm.engine.config.dtype == "bfloat16" and llm.engine.model.lm_head.weight.dtype == torch.bfloat16
-    speedup["value"] = 1.2
+    (model_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "float16", "dtype": "float16"}))
+    assert resolve_model_dtype("auto", "cpu", resolve_sources(str(model_dir), "NONE")) == "float32"
+    (model_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    bf16_dot["value"] = False
     assert resolve_model_dtype("auto", "cpu", bf16) == "float32"
     monkeypatch.setattr(kv_pool, "available_bytes", lambda device: 2 * sum(  # just a float32 copy: no KV room
         f.stat().st_size for f in model_dir.glob("*.safetensors")))

@@ -33,7 +33,7 @@ class ModelOptions:
     revision: Annotated[Optional[str], typer.Option(help="Hub id --model: the branch, tag or commit (default main).")] = None
     load_format: Annotated[str, typer.Option(help="auto | dummy (random weights built on the device from config.json alone, none read: for benchmarks).")] = "auto"
     quantization: Annotated[str, typer.Option(help="auto | gguf | fp8 | int8 | int4 | none | the checkpoint's method: how the weights are stored and multiplied (docs/cli.md).")] = "auto"
-    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16. auto: on the CPU float32, or a 16-bit checkpoint's own dtype where it measures >= 1.3x faster or float32 would not fit in memory; on CUDA the checkpoint's 16-bit dtype, bfloat16 for a float32 checkpoint (SGLang documents float16 there).")] = "auto"
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16. auto: on the CPU float32, but a bfloat16 checkpoint stays bfloat16 where the CPU has AVX512-BF16 (and any 16-bit one where float32 would not fit in memory); on CUDA the checkpoint's 16-bit dtype, bfloat16 for a float32 checkpoint (SGLang documents float16 there).")] = "auto"
     kv_cache_dtype: Annotated[str, typer.Option(help="How the KV cache is stored: auto (= --dtype; bfloat16 for quantised weights on the CPU in float32) | bfloat16 (bf16) | float16 (fp16) | float32 | fp8_e4m3 (fp8) | fp8_e5m2 (docs/cli.md).")] = "auto"
     device: Annotated[str, typer.Option(help="auto | cpu | cuda[:N] (auto: cuda when torch sees a GPU).")] = "auto"
     page_size: Annotated[int, typer.Option(help="KV page size in tokens.")] = 1

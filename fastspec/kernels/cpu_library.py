@@ -126,6 +126,13 @@ def _cpu_signature() -> str:
     return platform.machine() + "\n".join(dict.fromkeys(lines))
 
 
+def has_bf16_dot() -> bool:
+    """Whether the library multiplies bfloat16 weights with the CPU's bfloat16 dot products (AVX512-BF16's
+    VDPBF16PS; AMX CPUs have it too): there a bfloat16 decode step reads half float32's bytes at no widening cost."""
+    return available() and any(line.startswith("flags") and " avx512_bf16" in line
+                               for line in _cpu_signature().splitlines())
+
+
 def call(kernel, *args):
     """kernel(*args); under torch's profiler also an operator `cpu_fused::<name>`, so `fastspec bench --profile`
     sees the kernels (a ctypes call is otherwise host time to it)."""

@@ -12,9 +12,6 @@ the C library the linears stay torch's.
 
 from __future__ import annotations
 
-import functools
-import time
-
 import torch
 from torch import nn
 
@@ -134,22 +131,3 @@ def _swap(model: nn.Module) -> None:
         else:
             _swap(child)
 
-
-@functools.cache
-def one_row_speedup(dtype: torch.dtype, rows: int, cols: int) -> float:
-    """How much faster a decode step's one-row product over [rows, cols] weights runs with `dtype` weights than
-    with float32's through row_gemm (> 1: faster): the best of 5 alternating runs each, on at most 16M weights (a
-    larger matrix is cut to that many rows). Half the bytes pay where the CPU widens 16-bit values cheaply. Measured
-    once per process and shape."""
-    rows = max(1, min(rows, (1 << 24) // max(cols, 1)))
-    best = {}
-    for d in (torch.float32, dtype):
-        w, x = torch.full((rows, cols), 0.01, dtype=d), torch.full((1, cols), 0.5, dtype=d)
-        best[d] = [w, x, float("inf")]
-        row_gemm(x, w)  # (the library's first call builds or loads it)
-    for _ in range(5):
-        for d, run in best.items():
-            start = time.perf_counter()
-            row_gemm(run[1], run[0])
-            run[2] = min(run[2], time.perf_counter() - start)
-    return best[torch.float32][2] / best[dtype][2]

@@ -76,29 +76,21 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
 
 def resolve_model_dtype(dtype: str, device: str, sources: ModelSources) -> str:
     """--dtype with auto decided for these models (config.resolve_dtype). On the CPU a float checkpoint stored in
-    16 bits runs in its own dtype where a float32 copy would not fit in the memory available, or where a decode
-    step's product over its weights measures at least 1.3x float32's (half the bytes read; a CPU without cheap
-    16-bit widening loses that; bfloat16 measured 1.6-2.0x on an AVX-512 EPYC, float16 1.05-1.2x: the threshold
-    sits away from both, so a choice does not flip with the noise of a run); else, and for quantised or dequantised
-    weights (float32: the exact reference), in float32."""
+    bfloat16 keeps its dtype where fastspec's GEMM multiplies it with the CPU's bfloat16 dot products (AVX512-BF16,
+    AMX: half the bytes a decode step reads, 1.6-2.0x float32's one-row product by bench/bench_dtype_probe.py on an
+    EPYC with them; without them the widening costs what the bytes save), and any 16-bit checkpoint keeps its dtype
+    where a float32 copy would not fit in memory; else, and for quantised or dequantised weights (float32: the exact
+    reference), float32. Decided by the CPU's flags, not timed at start-up: a busy machine measures anything."""
     stored = sources.config.torch_dtype
     if (dtype != "auto" or device != "cpu" or stored not in ("bfloat16", "float16") or sources.scheme is not None
             or sources.quantization is not None):
         return resolve_dtype(dtype, device, stored)
-    import torch
-
     from fastspec.kernels import cpu_library
     from fastspec.memory.kv_pool import available_bytes
 
     if 2 * _stored_bytes(sources.model_dir) > 0.8 * available_bytes("cpu"):
         return stored  # float32 would not fit (with room left for the KV cache)
-    if not cpu_library.available():
-        return "float32"  # torch's own 16-bit GEMMs: slow on CPUs without bf16 / AMX instructions
-    from fastspec.kernels.cpu_row_gemm import one_row_speedup
-
-    c = sources.config
-    return stored if one_row_speedup(getattr(torch, stored), 2 * c.intermediate_size, c.hidden_size) >= 1.3 \
-        else "float32"
+    return stored if stored == "bfloat16" and cpu_library.has_bf16_dot() else "float32"
 
 
 def check_weights_fit(sources: ModelSources, dtype: str, device: str) -> None:
