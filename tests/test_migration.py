@@ -182,7 +182,7 @@ def test_sglang_flags_fastspec_takes_parse_and_reach_the_engine(monkeypatch):
     assert bad.exit_code == 2 and bad.stderr == "error: max_context_len (--context-length) must be >= 1, got 0\n"
 
 
-def test_dtype_auto_follows_the_cpus_bf16_instructions_and_on_cuda_the_checkpoints_16_bits(tiny_dirs, tmp_path, monkeypatch):
+def test_dtype_auto_reads_the_cpus_bf16_instructions_and_cudas_checkpoint_dtype(tiny_dirs, tmp_path, monkeypatch):
     """SGLang's and vLLM's default --dtype auto (was refused: 'unknown dtype'). On CUDA the checkpoint's 16-bit
     dtype, bfloat16 for a float32 one. On the CPU float32, but a checkpoint stored in bfloat16 keeps its dtype where
     the CPU has bfloat16 dot products, any 16-bit one where a float32 copy would not fit in memory (the CPU's flags
