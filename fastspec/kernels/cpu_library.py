@@ -45,7 +45,7 @@ SIGNATURES = {  # name -> (argument types, result type)
     "block_gemm": ((_P, _I, _I, _P, _P, _I, _P, _I, _I, _P), _C),
     "amx_q4_enable": ((_C,), _C),
     "row_gemm": ((_P, _I, _I, _P, _I, _C, _P), None),
-    "row_dots": ((_P, _I, _I, _P, _I, _C, _P), None),
+    "row_dots": ((_P, _I, _I, _P, _P, _I, _C, _P), None),
     "eagle_tree": ((_P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P), None),
     "greedy_walk": ((_P, _P, _P, _P, _P, _I, _I, _I, _P, _P, _P), None),
     "decoder_stack": ((_I, _P, _P, _P, _C, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _P, _P, _I, _I, _F,

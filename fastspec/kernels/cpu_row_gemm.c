@@ -161,13 +161,16 @@ void row_gemm(const void *x, int64_t M, int64_t K, const void *w, int64_t N, int
     }
 }
 
-/* y[m, r] = x[m] . w[m, r]: each row against its own R weight rows (an lm_head's candidate tokens rescored), every
- * output the same dot product row_gemm computes for that row and weight row */
-void row_dots(const void *x, int64_t M, int64_t K, const void *w, int64_t R, int code, float *y) {
-    const int64_t row = K * (code ? 2 : 4);
+/* y[m, r] = x[m] . w[a, r] with a = at[m] (at NULL: a = m): each row against its own R weight rows (an lm_head's
+ * candidate tokens rescored; the weight of the MoE expert a token's choice names), every output the same dot product
+ * row_gemm computes for that row and weight row. Threads split the rows' tiles of NR outputs (a decode step's few
+ * rows still fill them). */
+void row_dots(const void *x, int64_t M, int64_t K, const void *w, const int64_t *at, int64_t R, int code, float *y) {
+    const int64_t row = K * (code ? 2 : 4), tiles = (R + NR - 1) / NR;
 #pragma omp parallel for schedule(static) if (M * R * K >= ROW_GEMM_PARALLEL_WORK)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t r = 0; r < R; r += NR)
-            tile_of(1, R - r < NR ? (int)(R - r) : NR, (const char *)x + m * row, (const char *)w + (m * R + r) * row,
-                    K, R, code, y + m * R + r);
+    for (int64_t i = 0; i < M * tiles; i++) {
+        const int64_t m = i / tiles, r = i % tiles * NR, a = at ? at[m] : m;
+        tile_of(1, R - r < NR ? (int)(R - r) : NR, (const char *)x + m * row, (const char *)w + (a * R + r) * row, K,
+                R, code, y + m * R + r);
+    }
 }

@@ -36,31 +36,34 @@ def row_gemm(x: torch.Tensor,       # [M, K] in w's dtype
     return y
 
 
-def row_dots(x: torch.Tensor,     # [M, K]
-             w: torch.Tensor,     # [M, R, K] in x's dtype: each row's own R weight rows
-             ) -> torch.Tensor:   # float32 [M, R]
-    """x[m] . w[m, r] for each row's own weight rows (candidate tokens of an lm_head), each the dot product row_gemm
-    computes for that row and weight row; without the library the twin, torch's batched product."""
+def row_dots(x: torch.Tensor,                 # [M, K]
+             w: torch.Tensor,                 # [M, R, K] in x's dtype: each row's own R weight rows; with at, [E, R, K]
+             at: torch.Tensor | None = None,  # int64 [M]: row m's weight rows are w[at[m]]
+             ) -> torch.Tensor:               # float32 [M, R]
+    """x[m] . w[m, r] (with `at`: x[m] . w[at[m], r]) for each row's own weight rows (candidate tokens of an lm_head,
+    the expert a MoE token chose), each the dot product row_gemm computes for that row and weight row; without the
+    library the twin, torch's batched product over the gathered weights."""
     lib = cpu_library.library()
     if lib is None:
-        return torch.bmm(w.float(), x.float()[:, :, None]).squeeze(-1)
+        return torch.bmm((w if at is None else w[at]).float(), x.float()[:, :, None]).squeeze(-1)
     x, w = x.contiguous(), w.contiguous()
-    y = torch.empty(w.shape[:2])
+    at = None if at is None else at.to(torch.int64).contiguous()
+    y = torch.empty(x.shape[0], w.shape[1])
     if y.numel():
-        cpu_library.call(lib.row_dots, x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[1],
-                         DTYPE_CODES[w.dtype], y.data_ptr())
+        cpu_library.call(lib.row_dots, x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(),
+                         None if at is None else at.data_ptr(), w.shape[1], DTYPE_CODES[w.dtype], y.data_ptr())
     return y
 
 
 @torch.library.custom_op("fastspec::row_dots", mutates_args=())
-def row_dots_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def row_dots_op(x: torch.Tensor, w: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
     """row_dots as an opaque op for torch.compile."""
-    return row_dots(x, w)
+    return row_dots(x, w, at)
 
 
 @row_dots_op.register_fake
-def _(x, w):
-    return x.new_empty(w.shape[0], w.shape[1], dtype=torch.float32)
+def _(x, w, at=None):
+    return x.new_empty(x.shape[0], w.shape[1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fastspec::row_gemm", mutates_args=())
@@ -109,6 +112,16 @@ def head_matmul(x: torch.Tensor,      # [T, H, K]
     """x[:, h] @ w[h].T for each head h through row_linear (MLA's absorbed products: a token's outputs whatever
     tokens share the call)."""
     return torch.stack([row_linear(x[:, h], w[h], None) for h in range(w.shape[0])], 1)
+
+
+def expert_linear(x: torch.Tensor,     # [P, K]
+                  w: torch.Tensor,     # [E, N, K] float32 | bfloat16 | float16: experts' stacked weights
+                  at: torch.Tensor,    # int64 [P]: the expert of each row
+                  ) -> torch.Tensor:   # [P, N] in x's dtype
+    """x[p] @ w[at[p]].T for each row, row_linear's product for that row and expert (row_dots, reading only the
+    chosen experts' weights: a MoE step's gathered experts)."""
+    dots = row_dots_op if torch.compiler.is_compiling() else row_dots
+    return dots(x.to(w.dtype), w.detach(), at).to(x.dtype)
 
 
 def takes(weight: torch.Tensor) -> bool:

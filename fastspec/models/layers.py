@@ -44,11 +44,33 @@ def by_rows(fn, x: torch.Tensor) -> torch.Tensor:  # an elementwise op (silu, si
     """fn(x) with each row's values whatever rows share the call. torch's CPU kernels run an elementwise op over the
     flat tensor as a vector loop and a scalar tail, which round exp otherwise, so where a row fell decided its bits
     (a router's 8 experts, a 12-wide expert); padded to 64 values a row, nothing falls in a tail (while torch runs
-    the op on up to 2 threads, which split it at a multiple of 32)."""
-    pad = -x.shape[-1] % 64
-    if x.device.type != "cpu" or not pad:
+    the op on up to 2 threads, which split it at a multiple of 32). Under torch.compile silu and sigmoid stay torch's
+    kernels (an opaque op): Inductor's own exp rounds otherwise, so a compiled step's expert or MLP computed other bits
+    than the eager one's."""
+    if x.device.type != "cpu":
         return fn(x)
-    return fn(F.pad(x, (0, pad)))[..., : x.shape[-1]]
+    if torch.compiler.is_compiling() and fn in _ROW_FNS:
+        return by_rows_op(x, _ROW_FNS[fn])
+    return _padded(fn, x)
+
+
+def _padded(fn, x: torch.Tensor) -> torch.Tensor:
+    pad = -x.shape[-1] % 64
+    return fn(F.pad(x, (0, pad)))[..., : x.shape[-1]] if pad else fn(x)
+
+
+_ROW_FNS = {F.silu: "silu", torch.sigmoid: "sigmoid"}
+
+
+@torch.library.custom_op("fastspec::by_rows", mutates_args=())
+def by_rows_op(x: torch.Tensor, fn: str) -> torch.Tensor:
+    """by_rows of a named elementwise op, opaque to torch.compile."""
+    return _padded({name: f for f, name in _ROW_FNS.items()}[fn], x).contiguous()
+
+
+@by_rows_op.register_fake
+def _(x, fn):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def merged_linear(*parts: nn.Module) -> nn.Module | None:

@@ -5,12 +5,14 @@ learned correction bias used only to choose; groups ranked by the sum of their t
 renormalised), always in float32. The routed experts' weights are stacked [E, ...] (`stack_experts` turns a
 checkpoint's per-expert keys into that layout).
 
-Two ways to run the experts: eagerly, only the chosen experts on their tokens (a host sync per layer: token
-counts); inside a compiled or captured graph, every expert on every token weighted by a dense [T, E] routing
-matrix (static shapes, no sync, E / top_k times the work: fine for the tiny models tests compile, a fused MoE
-kernel is what a GPU wants). Both are tested against each other and against transformers. On the CPU every product
-is fastspec's row-invariant GEMM and a token's experts are summed in expert order in both ways, so a token computes
-bit for bit the same whatever tokens share the call (a verify's rows and a decode step's).
+Three ways to run the experts: eagerly, only the chosen experts on their tokens (a host sync per layer: token
+counts); inside a compiled or captured graph (static shapes, no sync), where the graph's T rows make fewer (token,
+choice) pairs than experts (T * top_k < E: a decode step), each pair through its own expert's weights gathered by
+index (only the chosen experts' bytes read), else every expert on every token weighted by a dense [T, E] routing
+matrix (E / top_k times the work, no more bytes than gathering). No fused MoE kernel. The three are tested against
+each other, the eager one against transformers too. On the CPU every product is fastspec's row-invariant GEMM and a
+token's experts are summed in expert order in every way, so a token computes bit for bit the same whatever tokens
+share the call (a verify's rows and a decode step's).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastspec.kernels.cpu_row_gemm import row_linear
+from fastspec.kernels.cpu_row_gemm import expert_linear, row_linear
 from fastspec.models.layers import MLP, by_rows
 from fastspec.models.model_config import ModelConfig, MoEConfig
 
@@ -80,9 +82,11 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         # x [T, H]; weights float32 [T, k]; index [T, k] -> [T, H]
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if torch.compiler.is_compiling() or capturing:
-            return self.forward_dense(x, weights, index)
-        return self.forward_sparse(x, weights, index)
+        if not (torch.compiler.is_compiling() or capturing):
+            return self.forward_sparse(x, weights, index)
+        if index.numel() < self.gate_proj.shape[0]:  # T * k < E (static per graph): fewer experts' bytes than all E
+            return self.forward_gathered(x, weights, index)
+        return self.forward_dense(x, weights, index)
 
     def forward_dense(self, x, weights, index) -> torch.Tensor:
         """Every expert on every token; unchosen experts weigh 0. Static shapes."""
@@ -93,6 +97,30 @@ class Experts(nn.Module):
         h = F.silu(torch.einsum("th,eih->eti", x, self.gate_proj)) * torch.einsum("th,eih->eti", x, self.up_proj)
         y = torch.einsum("eti,ehi->eth", h, self.down_proj)  # [E, T, H]
         return torch.einsum("te,eth->th", dense.to(x.dtype), y)
+
+    def forward_gathered(self, x, weights, index) -> torch.Tensor:
+        """Each (token, choice) pair through its own expert's weights, gathered by index: static shapes, no sync, and
+        only the chosen experts' weights read (T * k experts' bytes, where dense reads all E)."""
+        if x.device.type != "cpu":
+            return self.gathered_batched(x, weights, index)
+        T, k = index.shape
+        index, order = index.sort(1)  # a token's choices by expert id: the order forward_sparse adds them in
+        at, pair_weights = index.flatten(), weights.gather(1, order).flatten()  # [T * k]
+        xs = x.repeat_interleave(k, 0)  # [T * k, H]: row p is token p // k
+        h = by_rows(F.silu, expert_linear(xs, self.gate_proj, at)) * expert_linear(xs, self.up_proj, at)
+        y = (expert_linear(h, self.down_proj, at) * pair_weights[:, None].to(x.dtype)).view(T, k, -1)
+        out = torch.zeros_like(x)
+        for j in range(k):  # from zeros, in expert order: forward_sparse's index_add_ per expert, bit for bit
+            out = out + y[:, j]
+        return out
+
+    def gathered_batched(self, x, weights, index) -> torch.Tensor:
+        """forward_gathered as batched products over the gathered weights [T, k, I, H] (the GPU's; on the CPU the
+        BLAS's rounding, not row-invariant)."""
+        gate, up, down = self.gate_proj[index], self.up_proj[index], self.down_proj[index]  # [T, k, I, H], [T, k, H, I]
+        h = F.silu(torch.einsum("th,tkih->tki", x, gate)) * torch.einsum("th,tkih->tki", x, up)
+        y = torch.einsum("tki,tkhi->tkh", h, down)  # [T, k, H]
+        return torch.einsum("tk,tkh->th", weights.to(x.dtype), y)
 
     def forward_sparse(self, x, weights, index) -> torch.Tensor:
         """Each chosen expert on its own tokens (host sync: how many tokens each expert got)."""
@@ -119,8 +147,8 @@ class Experts(nn.Module):
 
 class LinearExperts(nn.Module):
     """E gated MLPs as modules, one [gate | up] and one down linear each (a quantised checkpoint's experts, each
-    linear in its stored form or bound to a kernel: fastspec.models.quant_layers); the same two ways to run as
-    Experts."""
+    linear in its stored form or bound to a kernel: fastspec.models.quant_layers): sparse eagerly, dense inside graphs
+    (per-expert modules cannot be gathered by index)."""
 
     def __init__(self, gate_up: list[nn.Module], down: list[nn.Module]):
         super().__init__()
