@@ -147,6 +147,50 @@ def test_the_grammar_tokenizer_is_built_off_the_event_loop(served, monkeypatch):
     assert engine_settled(service)
 
 
+HELD = {"type": "object", "title": "held", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_a_grammar_compiles_off_the_event_loop_and_a_bad_one_is_still_a_400(served, monkeypatch, where):
+    """A request's grammar (a response_format's JSON schema compiled with the request; a tool's parameters checked
+    first) compiles off the event loop: while one compiles (held here until released) the server answers others.
+    A schema that does not compile is still a 400 before anything streams."""
+    client, url, llm, service = served
+    entered, release = threading.Event(), threading.Event()
+    compile_ = service.engine.grammars.compile
+
+    def held(params):
+        if '"held"' in (params.json_schema or ""):
+            entered.set()
+            release.wait(30)
+        return compile_(params)
+    monkeypatch.setattr(service.engine.grammars, "compile", held)
+    messages = [{"role": "user", "content": "abc"}]
+    if where == "tools":
+        ask = dict(tools=[{"type": "function", "function": {"name": "f", "parameters": HELD}}])
+    else:
+        ask = dict(response_format={"type": "json_schema", "json_schema": {"name": "h", "schema": HELD}})
+    got = []
+    slow = threading.Thread(target=lambda: got.append(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0, **ask)))
+    slow.start()
+    try:
+        assert entered.wait(30)
+        with urllib.request.urlopen(url + "/health", timeout=10) as response:
+            assert response.status == 200
+        assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2, timeout=10).choices
+    finally:
+        release.set()
+        slow.join(30)
+    assert got and got[0].choices[0].finish_reason in ("length", "stop", "tool_calls")
+    bad = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+    bad_ask = dict(tools=[{"type": "function", "function": {"name": "f", "parameters": bad}}]) if where == "tools" \
+        else dict(response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": bad}})
+    with pytest.raises(openai.BadRequestError, match="invalid json schema"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream=True, **bad_ask)
+    assert engine_settled(service)
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)

@@ -28,7 +28,7 @@ from fastspec.serve.api_error import APIError
 from fastspec.serve.prometheus import CONTENT_TYPE
 from fastspec.serve.protocol import ParsedRequest
 from fastspec.serve.reply import Reply, error_response
-from fastspec.serve.service import EngineService, Event
+from fastspec.serve.service import Checked, EngineService, Event
 from fastspec.serve.tool_formats import needs_special_text
 from fastspec.serve.tools import Tools, template_parser, writes_spaces
 
@@ -84,7 +84,7 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
         if parsed.logprobs or parsed.tools is not None or grammar_kind(params) is not None:
             await asyncio.to_thread(_read_token_bytes, service)  # (once; ~0.5 s for a large vocabulary)
         if parsed.tools is not None:
-            _check_schemas(service, parsed.tools)
+            await asyncio.to_thread(_check_schemas, service, parsed.tools)  # (compiles: a large schema is slow)
             tools = replace(parsed.tools, spaced=tool_text.spaced)
             tools, params, keep_special = _tool_grammar(tools, tool_text, params)
             parsed = replace(parsed, tools=tools)
@@ -96,10 +96,11 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
         if len(prompts) * parsed.n > service.max_queued:
             raise APIError(f"{len(prompts) * parsed.n} choices: more than this server ever holds open "
                            f"(--max-queued-requests {service.max_queued})", param="n")
+        checked = await asyncio.to_thread(_check_choices, service, choices, keep_special)  # (grammars compile)
         if parsed.n > 1 and service.engine.config.radix_cache and params.prompt_logprobs is None:
             for ids, _ in choices:  # (a choice asking for prompt logprobs reads no cached prefix)
                 await _cache_prompt(service, ids, params)
-        rids = _submit_choices(service, choices, loop, events, keep_special)
+        rids = _submit_choices(service, checked, loop, events)
     except APIError as e:
         return error_response(e)
     echoes = None if not parsed.echo else [
@@ -182,15 +183,20 @@ def _check_context(service: EngineService, parsed: ParsedRequest, prompt_ids: li
                        f"{ctx}: at most {ctx - len(prompt_ids)}", param=name, code="context_length_exceeded")
 
 
-def _submit_choices(service: EngineService, choices: list[tuple[list[int], list[SamplingParams]]], loop,
-                    events: asyncio.Queue, keep_special: bool = False) -> list[int]:
-    """One engine request per (prompt ids, each choice's params) pair's choice, numbered in order; their events go
-    into `events` as (choice index, Event). All or none."""
+def _check_choices(service: EngineService, choices: list[tuple[list[int], list[SamplingParams]]],
+                   keep_special: bool) -> list[Checked]:
+    """Each choice of each (prompt ids, each choice's params) pair checked by the service, its grammar compiled, in
+    order (APIError 400 for the first that can never run): run off the event loop."""
+    return [service.check(ids, p, keep_special) for ids, params in choices for p in params]
+
+
+def _submit_choices(service: EngineService, checked: list[Checked], loop, events: asyncio.Queue) -> list[int]:
+    """The checked choices queued as engine requests, numbered in order; their events go into `events` as
+    (choice index, Event). All or none."""
     rids = []
-    runs = [(ids, p) for ids, params in choices for p in params]
     try:
-        for i, (ids, p) in enumerate(runs):
-            rids.append(service.submit(ids, p, partial(_post, loop, events, i), keep_special))
+        for i, c in enumerate(checked):
+            rids.append(service.enqueue(c, partial(_post, loop, events, i)))
     except APIError:
         for rid in rids:
             service.abort(rid)

@@ -4,7 +4,8 @@ running batch at the next step (`Engine.run` with a poll), and come back as text
 Owns: request ids, the bound on open requests (overload = a 503, never an unbounded queue), detokenizing with
 stop strings (a stop string aborts the request in the engine, as LLM.stream does), aborts from clients that
 went away, and the engine's health. Only the engine thread touches the engine after start; the HTTP side only
-makes checked requests (Engine.request reads the config) and puts them in the inbox.
+makes checked requests (Engine.request reads the config and compiles the grammar: `check`, off the event loop) and
+puts them in the inbox (`enqueue`, in the order the HTTP side hands them).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ class Event:
     metrics: SpecMetrics
     error: APIError | None = None  # the engine failed (a 500) or the server is shutting down (a 503): it ends so
     prompt_logprobs: tuple | None = None  # TokenLogprob per prompt token after the first (asked for): with the first
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A request `EngineService.check` accepted, not queued yet: the engine's (its grammar compiled) and its
+    detokenizer."""
+
+    request: object  # Engine.request's (serve is on the engine's floor: it holds the engine, imports none of it)
+    detok: IncrementalDetokenizer
+    ending: frozenset  # tokens that end it and are no text (special tokens kept: EOS, stop ids)
 
 
 @dataclass
@@ -81,19 +92,22 @@ class EngineService:
     def open_requests(self) -> int:
         return self._open
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, deliver: Callable[[Event], None],
-               keep_special: bool = False, counted: bool = True) -> int:
-        """Queue a request (APIError 400: it can never run; 503: too many open requests, or stopped); returns its
-        id. `deliver(Event)` is called from the engine thread after every step that made progress. `keep_special`:
-        the text keeps special tokens (a tool-call format's markers), all but the EOS that ends it. `counted`:
-        /metrics counts it (False: a request the server makes for itself)."""
-        rid = next(self._ids)
+    def check(self, prompt_ids: list[int], params: SamplingParams, keep_special: bool = False) -> Checked:
+        """The request checked and its grammar compiled (APIError 400: it can never run), not queued yet: a large
+        JSON schema takes long to compile, so the HTTP side calls this off the event loop. `keep_special`: the
+        text keeps special tokens (a tool-call format's markers), all but the EOS that ends it."""
         try:
-            request = self.engine.request(rid, prompt_ids, params)
+            request = self.engine.request(next(self._ids), prompt_ids, params)
             detok = IncrementalDetokenizer(self.llm.tokenizer, prompt_ids, params.stop, not keep_special)
         except FastspecError as e:
             raise APIError(str(e)) from None
         ending = frozenset(self.engine.worker.eos_ids) | set(params.stop_token_ids) if keep_special else frozenset()
+        return Checked(request, detok, ending)
+
+    def enqueue(self, checked: Checked, deliver: Callable[[Event], None], counted: bool = True) -> int:
+        """Queue a checked request (APIError 503: too many open requests, or stopped); returns its id.
+        `deliver(Event)` is called from the engine thread after every step that made progress. `counted`:
+        /metrics counts it (False: a request the server makes for itself)."""
         with self._lock:  # (the engine thread, stopping, empties the inbox under it: nothing is left behind)
             if not self.healthy:
                 raise APIError(f"the engine has stopped: {self.error}", status=503, kind="server_error")
@@ -101,8 +115,14 @@ class EngineService:
                 raise APIError(f"the server is overloaded ({self._open} open requests; --max-queued-requests "
                                f"{self.max_queued}): retry later", status=503, kind="server_error")
             self._open += 1
-            self._inbox.put(("add", request, _Live(detok, deliver, ending=ending, counted=counted)))
-        return rid
+            live = _Live(checked.detok, deliver, ending=checked.ending, counted=counted)
+            self._inbox.put(("add", checked.request, live))
+        return checked.request.rid
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, deliver: Callable[[Event], None],
+               keep_special: bool = False, counted: bool = True) -> int:
+        """`check` then `enqueue`, on the caller's thread."""
+        return self.enqueue(self.check(prompt_ids, params, keep_special), deliver, counted)
 
     def call(self, fn: Callable, timeout: float = 60.0):
         """fn() run by the engine thread between two steps (e.g. a cache flush, a leak check); its result."""
