@@ -70,6 +70,12 @@ def test_a_request_past_the_context_names_its_own_field(served):
     assert engine_settled(service)
 
 
+def _called(**changed) -> dict:
+    """An assistant message with one tool call, OpenAI's keys changed or added as given."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}} | changed
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
 @pytest.mark.parametrize("message, error", [
     ({"role": "user", "content": "x", "foo": 1}, r"unknown field\(s\) in messages\[1\] \(user\): foo"),
     ({"role": "user", "content": "x", "tool_call_id": "c1"}, r"messages\[1\] \(user\): tool_call_id"),
@@ -78,12 +84,20 @@ def test_a_request_past_the_context_names_its_own_field(served):
     ({"role": "assistant", "content": None, "audio": {"id": "a1"}}, r"messages\[1\]: audio is not supported"),
     ({"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
      r"messages\[1\]: function_call is not supported"),
-    ({"role": "user", "content": "x", "name": 5}, r"messages\[1\]\.name must be of type str, got int")],
-    ids=["unknown", "user-tool_call_id", "tool-name", "system-refusal", "audio", "function_call", "name-type"])
+    ({"role": "user", "content": "x", "name": 5}, r"messages\[1\]\.name must be of type str, got int"),
+    (_called(index=0), r"unknown field\(s\) in messages\[1\]\.tool_calls\[0\]: index$"),
+    (_called(function={"name": "f", "arguments": "{}", "strict": True}),
+     r"unknown field\(s\) in messages\[1\]\.tool_calls\[0\]\.function: strict$"),
+    (_called(type="custom"), r"messages\[1\]\.tool_calls\[0\]\.type must be function, got 'custom'"),
+    (_called(function={"name": "f", "arguments": "[1]"}),
+     r"messages\[1\]\.tool_calls\[0\]\.function\.arguments must be a JSON object")],
+    ids=["unknown", "user-tool_call_id", "tool-name", "system-refusal", "audio", "function_call", "name-type",
+         "call-key", "function-key", "call-type", "arguments-list"])
 def test_unknown_keys_inside_messages_are_a_400_naming_them(message, error):
     """A message holds the keys OpenAI's schema gives its role, as a request holds OpenAI's fields: any other is a
     400 naming it (it was taken and dropped); OpenAI's that fastspec does not serve (audio, function_call) are
-    refused, not dropped."""
+    refused, not dropped. So are the keys of an assistant's tool_calls items (id, type, function) and of their
+    function (name, arguments)."""
     from fastspec.serve import protocol
     from fastspec.serve.api_error import APIError
 
@@ -97,17 +111,19 @@ def test_the_message_keys_openai_allows_are_taken():
     the name, and a refusal with null content is what the assistant said."""
     from fastspec.serve import protocol
 
-    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    bare = {"id": "c2", "function": {"name": "g"}}  # (no type, no arguments: OpenAI's defaults, not a 500)
     messages = [{"role": "developer", "content": "be brief", "name": "ops"},
                 {"role": "user", "content": "hi", "name": "ann"},
                 {"role": "assistant", "content": None, "refusal": "I can't.", "name": "bot"},
-                {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
+                {"role": "assistant", "content": None, "tool_calls": [call, bare], "refusal": None},
                 {"role": "tool", "content": "4", "tool_call_id": "c1"}]
     got = protocol.parse_request({"messages": messages}, True, MODEL).messages
     assert got[:3] == [{"role": "system", "content": "be brief", "name": "ops"},
                        {"role": "user", "content": "hi", "name": "ann"},
                        {"role": "assistant", "content": "I can't.", "name": "bot"}]
-    assert got[3]["content"] == "" and got[3]["tool_calls"][0]["function"] == {"name": "f", "arguments": {}}
+    assert got[3]["content"] == "" and [c["function"] for c in got[3]["tool_calls"]] == [
+        {"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]
     assert got[4] == {"role": "tool", "content": "4", "tool_call_id": "c1"}
 
 

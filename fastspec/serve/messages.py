@@ -14,6 +14,7 @@ MESSAGE_FIELDS = {  # OpenAI's message objects by role (an unknown key is a 400,
     "assistant": {"role", "content", "name", "refusal", "tool_calls", "audio", "function_call"},
     "tool": {"role", "content", "tool_call_id"}}
 UNSUPPORTED_MESSAGE_FIELDS = ("audio", "function_call")  # OpenAI's, not served: refused rather than dropped
+TOOL_CALL_FIELDS, FUNCTION_FIELDS = {"id", "type", "function"}, {"name", "arguments"}  # an assistant's tool_calls item
 
 
 def parse_messages(body: dict) -> list[dict]:
@@ -47,7 +48,7 @@ def _message(m, i: int) -> dict:
     if m["role"] == "assistant" and m.get("content") is None:  # (a refusal's text is what the assistant said)
         m = m | {"content": m.get("refusal") or ("" if m.get("tool_calls") is not None else None)}
     if m["role"] == "assistant" and m.get("tool_calls") is not None:
-        extra["tool_calls"] = _tool_calls(m["tool_calls"])
+        extra["tool_calls"] = _tool_calls(m["tool_calls"], i)
     content = m.get("content")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -59,19 +60,28 @@ def _message(m, i: int) -> dict:
     return {"role": "system" if m["role"] == "developer" else m["role"], "content": content} | extra
 
 
-def _tool_calls(calls) -> list[dict]:
-    """An assistant message's earlier tool calls, for the chat template (arguments as a dict, as templates read
-    them)."""
+def _tool_calls(calls, i: int) -> list[dict]:
+    """Message i's earlier tool calls, for the chat template (arguments as a dict, as templates read them); a key
+    OpenAI's tool call object does not have (id, type, function {name, arguments}) is a 400 naming it."""
     if not isinstance(calls, list):
         raise APIError("tool_calls must be a list", param="messages")
     out = []
-    for c in calls:
+    for j, c in enumerate(calls):
         f = c.get("function") if isinstance(c, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise APIError("each tool call needs a function name", param="messages")
+        where = f"messages[{i}].tool_calls[{j}]"
+        for keys, allowed, at in ((c, TOOL_CALL_FIELDS, where), (f, FUNCTION_FIELDS, f"{where}.function")):
+            if unknown := sorted(set(keys) - allowed):
+                raise APIError(f"unknown field(s) in {at}: {', '.join(unknown)}", param="messages")
+        if c.get("type") not in (None, "function"):
+            raise APIError(f"{where}.type must be function, got {c['type']!r}", param="messages")
+        args = f.get("arguments") or "{}"  # (OpenAI's is JSON text; a dict, as some clients send, is taken)
         try:
-            args = json.loads(f.get("arguments") or "{}") if isinstance(f.get("arguments"), str) else f["arguments"]
+            args = json.loads(args) if isinstance(args, str) else args
         except json.JSONDecodeError:
-            raise APIError("a tool call's arguments must be a JSON object", param="messages") from None
+            args = None
+        if not isinstance(args, dict):
+            raise APIError(f"{where}.function.arguments must be a JSON object", param="messages")
         out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
     return out
