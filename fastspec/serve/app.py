@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -31,6 +32,9 @@ from fastspec.serve.reply import Reply, error_response
 from fastspec.serve.service import Checked, EngineService, Event
 from fastspec.serve.tool_formats import needs_special_text
 from fastspec.serve.tools import Tools, template_parser, writes_spaces
+
+_log = logging.getLogger(__name__)
+
 
 def build_app(service: EngineService, model_name: str, tool_parser: str | None = None) -> Starlette:
     """`tool_parser`: how answers carry tool calls (fastspec.serve.tools.PARSERS; None: as the chat template
@@ -168,19 +172,31 @@ def _default_length(service: EngineService, parsed: ParsedRequest, params: Sampl
 
 def _check_context(service: EngineService, parsed: ParsedRequest, prompt_ids: list[int], max_new_tokens: int,
                    index: int | None) -> None:
-    """A request past the context length is a 400 naming the request's own field, as OpenAI's (param, code
-    context_length_exceeded): the messages / prompt when they leave no room for a token, else the length field.
-    `index`: the prompt's in a batch."""
+    """A request past the context length, or past what the KV pool can ever hold, is a 400 naming the request's own
+    field, as OpenAI's (param, code context_length_exceeded): the messages / prompt when they leave no room for a
+    token, else the length field. The pool's server-side remedy (--max-total-tokens) goes to the server's log, not
+    to the client. `index`: the prompt's in a batch."""
     ctx = service.engine.worker.max_context_len
     field = "messages" if parsed.chat else "prompt"
     what = field if index is None else f"prompt {index} of the batch"
+    name = parsed.max_tokens_field or "max_tokens"  # (None: the default never asks past the context or the pool)
     if len(prompt_ids) >= ctx:
         raise APIError(f"{what}: {len(prompt_ids)} tokens, no room for an answer in the context length {ctx}",
                        param=field, code="context_length_exceeded")
     if len(prompt_ids) + max_new_tokens > ctx:
-        name = parsed.max_tokens_field or "max_tokens"  # (None: the default never asks past the context)
         raise APIError(f"{what} ({len(prompt_ids)} tokens) + {name} ({max_new_tokens}) exceeds the context length "
                        f"{ctx}: at most {ctx - len(prompt_ids)}", param=name, code="context_length_exceeded")
+    room = service.engine.room_for(len(prompt_ids))  # (within the context: the pool's limit)
+    if max_new_tokens <= room:
+        return
+    ceiling = service.engine.worker.memory.ceiling
+    _log.warning("refused a request of %d prompt + %d new tokens: more than the KV pool of %d tokens holds "
+                 "(raise --max-total-tokens to serve it)", len(prompt_ids), max_new_tokens, ceiling)
+    if room < 1:
+        raise APIError(f"{what}: {len(prompt_ids)} tokens, no room for an answer in this server's KV pool "
+                       f"({ceiling} tokens)", param=field, code="context_length_exceeded")
+    raise APIError(f"{what} ({len(prompt_ids)} tokens) + {name} ({max_new_tokens}) is more than this server's KV "
+                   f"pool holds ({ceiling} tokens): at most {room}", param=name, code="context_length_exceeded")
 
 
 def _check_choices(service: EngineService, choices: list[tuple[list[int], list[SamplingParams]]],
