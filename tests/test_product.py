@@ -1,5 +1,6 @@
-"""The product surface on the embedded model: scripted chat over stdin, `fastspec bench --json`, stop strings
-through the engine, bad input. (Interactive terminal use is exercised by hand with tmux.)"""
+"""The product surface on the embedded model: scripted chat over stdin, chat sessions interrupted and saved, stop
+strings through the engine, generate and streams stopped midway, the public face, bad input without torch
+(`fastspec bench`: test_product_bench.py). (Interactive terminal use is exercised by hand with tmux.)"""
 
 import json
 import os
@@ -8,11 +9,8 @@ import sys
 
 import pytest
 from conftest import all_slots_free
-from typer.testing import CliRunner
 
 import fastspec
-from fastspec.benchmark.profile import CATEGORIES
-from fastspec.cli import app
 from fastspec.sampling import SamplingParams
 
 pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
@@ -107,44 +105,6 @@ def test_stop_strings_trim_exactly():
     assert all_slots_free(llm.engine)
 
 
-def test_bench_json_shape():
-    result = CliRunner().invoke(app, ["bench", "--batch-sizes", "1,2", "--max-new-tokens", "6", "--num-prompts", "2",
-                                      "--trials", "1", "--warmup", "0", "--speculative-algorithm", "NGRAM",
-                                      "--max-total-tokens", "4096", "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.stdout)
-    assert [r["batch_size"] for r in report["results"]] == [1, 2]
-    for r in report["results"]:
-        assert r["baseline_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["tau"] >= 1
-        assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["baseline_tok_s"], rel=0.01)
-    assert report["config"]["algorithm"] == "NGRAM"
-
-
-def test_bench_table_fits_80_columns_with_every_figure_whole(capsys, monkeypatch):
-    """An 80-column terminal shows each figure whole (rich cut them to `1234…` before): acceptance at four depths in
-    percent, the round's split in tenths of a millisecond."""
-    from types import SimpleNamespace
-
-    from fastspec.cli.bench import print_bench_table
-
-    monkeypatch.setenv("COLUMNS", "80")
-    row = SimpleNamespace(batch_size=16, baseline_tok_s=1234.5, spec_tok_s=12345.6, speedup=10.0, tau=2.31,
-                          spec_tok_s_per_request=771.6, acceptance_by_depth=[0.91, 0.72, 0.55, 0.41, 0.3],
-                          ms_per_round={"draft": 0.48, "verify": 12.91, "draft_extend": 0.49, "host": 0.12})
-    print_bench_table({"algorithm": "EAGLE3", "num_steps": 5, "topk": 4, "num_draft_tokens": 8}, [row])
-    out = capsys.readouterr().out
-    assert max(map(len, out.splitlines())) <= 80 and "…" not in out
-    for figure in ("1234.5", "12345.6", "10.00x", "771.6", "2.31", "91 72 55 41", "0.5·12.9·0.5·0.1"):
-        assert figure in out, figure
-
-
-def test_bench_reports_the_bad_jsonl_line(tmp_path):
-    bad = tmp_path / "p.jsonl"
-    bad.write_text('{"prompt": "hi"}\n{"prompt": 3}\n')
-    result = CliRunner().invoke(app, ["bench", "--prompts", str(bad), "--max-total-tokens", "1024"])
-    assert result.exit_code == 2 and f"{bad}:2:" in result.stderr
-
-
 def test_chat_prompt_longer_than_the_context_keeps_going(tmp_path):
     """The long message gets one error line and the next is answered; the saved record keeps the refused message
     and the exit code tells a script that one got no answer."""
@@ -196,87 +156,6 @@ def test_abandoned_stream_returns_every_slot():
     next(stream), next(stream)  # prefill and one round, then the consumer walks away
     stream.close()
     assert all_slots_free(llm.engine)
-
-
-def test_bench_profile_splits_a_plain_step_and_a_round_by_category():
-    result = CliRunner().invoke(app, ["bench", "--profile", "--batch-sizes", "1", "--max-total-tokens", "4096",
-                                      "--json"])
-    assert result.exit_code == 0, result.output
-    plain, spec = json.loads(result.stdout)["profile"]
-    assert (plain["name"], spec["name"]) == ("plain step", "speculative round")
-    for p in (plain, spec):
-        assert p["device"] == "cpu" and p["batch_size"] == 1 and p["ms_per_step"] > 0 and p["launches_per_step"] > 0
-        by = p["ms_by_category"]
-        assert list(by) == list(CATEGORIES)
-        assert by["gemm"] > 0 and by["attention"] >= 0  # (a small category's difference of two runs reads as 0 on
-        # a loaded machine: the split's arithmetic over each category is test_profile_step_is_the_difference...'s)
-        assert sum(by.values()) <= p["ms_per_step"] * 1.05  # operator self times are parts of the wall time
-        # the host's share is the wall time the categories leave, but for rounding and for a category whose
-        # difference came out negative on a busy machine (it reads as 0, so the categories leave less)
-        left = max(0.0, 1 - sum(by.values()) / p["ms_per_step"])
-        assert left - 0.005 <= p["host_share"] <= left + 0.05
-    assert plain["gemm_kernels"]["target"] and "draft" not in plain["gemm_kernels"]
-    assert sum(spec["gemm_kernels"]["draft"].values()) >= 3  # the EAGLE-3 head's fc, attention and MLP projections
-    assert plain["steps"] == 16  # the two profiled runs are 16 tokens apart
-    assert spec["steps"] == int(spec["steps"]) and 1 <= spec["steps"] <= 16  # whole rounds, a token at least each
-
-
-def test_profile_step_is_the_difference_of_two_runs_per_step(monkeypatch):
-    """profile_step's arithmetic over two scripted recordings (short, long): (wall s, device-busy s, seconds by
-    category, launches, verify rounds)."""
-    from collections import Counter
-    from types import SimpleNamespace
-
-    import torch
-
-    from fastspec.benchmark import profile
-
-    runs = {4: (0.30, 0.20, Counter(gemm=0.10, attention=0.05, sampling=0.01, copies=0.04), 400, 6),
-            20: (1.10, 0.84, Counter(gemm=0.50, attention=0.21, sampling=0.05, copies=0.02, other=0.06), 1200, 22)}
-    monkeypatch.setattr(profile, "_generate", lambda *args: None)
-    monkeypatch.setattr(profile, "_recorded", lambda llm, prompt, bs, tokens: runs[tokens])
-    for enabled, per in ((False, 16), (True, 8)):  # plain: the 16 tokens asked for; speculative: 16 rounds / bs 2
-        worker = SimpleNamespace(model=torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2)),
-                                 draft_model=torch.nn.Linear(2, 2, dtype=torch.bfloat16))
-        engine = SimpleNamespace(spec=SimpleNamespace(enabled=enabled), config=SimpleNamespace(device="cpu"),
-                                 worker=worker)
-        p = profile.profile_step(SimpleNamespace(engine=engine), [1, 2, 3], bs=2, steps=16)
-        assert (p.device, p.steps) == ("cpu", per)
-        assert p.ms_per_step == pytest.approx(800 / per, abs=1e-3) and p.launches_per_step == 800 / per
-        expected = {"gemm": 400, "attention": 160, "norm/elementwise": 0, "copies": 0, "sampling": 40, "other": 60}
-        assert p.ms_by_category == pytest.approx({c: ms / per for c, ms in expected.items()}, abs=1e-3)  # copies < 0
-        assert p.host_share == pytest.approx(1 - 0.64 / 0.80, abs=1e-3)  # wall time without a recorded operator
-        draft = {"draft": {"F.linear bfloat16": 1}} if enabled else {}
-        assert p.gemm_kernels == {"target": {"F.linear float32": 2}} | draft
-
-
-def test_profile_step_takes_each_lengths_fastest_run(monkeypatch):
-    """A stall in one short run (a busy machine) would make the difference negative: each length's fastest of its
-    three runs is used."""
-    from collections import Counter
-    from types import SimpleNamespace
-
-    import torch
-
-    from fastspec.benchmark import profile
-
-    walls = iter([2.0, 1.1, 0.3, 1.2, 0.35, 1.15])  # short, long, short, long, ...: the first short run stalled
-    monkeypatch.setattr(profile, "_generate", lambda *args: None)
-    monkeypatch.setattr(profile, "_recorded", lambda llm, prompt, bs, tokens: (next(walls), 0.1, Counter(), 10, 0))
-    worker = SimpleNamespace(model=torch.nn.Linear(2, 2), draft_model=None)
-    engine = SimpleNamespace(spec=SimpleNamespace(enabled=False), config=SimpleNamespace(device="cpu"), worker=worker)
-    p = profile.profile_step(SimpleNamespace(engine=engine), [1, 2, 3], bs=1, steps=16)
-    assert p.ms_per_step == pytest.approx((1.1 - 0.3) / 16 * 1e3, abs=1e-3)
-
-
-@pytest.mark.parametrize("flags, named", [(["--profile"], "--profile is"), (["--batch-sizes", "1"], "--batch-sizes is"),
-                                          (["--trials", "3", "--quantization", "none"], "--trials, --quantization are"),
-                                          (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm is")])
-def test_bench_url_refuses_the_flags_of_a_model_loaded_here(flags, named):
-    """--url measures the server's model: a flag for a model loaded here is one line before any request, not ignored."""
-    result = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", *flags])
-    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.output
-    assert named + " for a model loaded here; --url measures the server's model" in result.stderr
 
 
 def test_the_public_face_names_the_error_users_catch():
