@@ -181,6 +181,32 @@ def test_a_context_past_the_trained_positions_is_one_line():
         ModelConfig.from_hf(qwen).context_len(513)
 
 
+def test_a_yarn_rope_serves_its_original_length_times_its_factor():
+    """YaRN stretches the rope over original_max_position_embeddings x factor positions (vLLM's derived length):
+    Qwen's documented YaRN (factor 4 over 32768, max_position_embeddings left at 40960) serves 131072 tokens, by
+    default and when asked; it was refused past 40960 with a message asking for the rope_scaling it had (found
+    reading context_len against Qwen3's and DeepSeek-V3's configs). Llama 3's rope_scaling does not lengthen
+    max_position_embeddings (already the long one), nor does a YaRN whose product is below it."""
+    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 40960}
+    yarn = ModelConfig.from_hf(base | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32768}})
+    assert yarn.context_limit == 131072 and yarn.context_len(None) == yarn.context_len(131072) == 131072
+    with pytest.raises(FastspecError, match="max_context_len 131073 exceeds the 131072 positions the model's YaRN "
+                                            r"rope covers \(original_max_position_embeddings 32768 x factor 4\)"):
+        yarn.context_len(131073)
+    short = ModelConfig.from_hf(base | {"rope_scaling": {"type": "yarn", "factor": 1.0,
+                                                          "original_max_position_embeddings": 4096}})
+    assert short.context_limit == 40960
+    llama3 = ModelConfig.from_hf(base | {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 131072,
+                                         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 8192}})
+    assert llama3.context_limit == 131072
+    with pytest.raises(FastspecError, match="max_context_len 131073 exceeds the model's max_position_embeddings"):
+        llama3.context_len(131073)
+
+
 @pytest.mark.parametrize("head_dim, partial, scaling", [(64, 1.0, None), (80, 1.0, None), (128, 0.5, None),
                                                         (64, 1.0, "yarn")])
 def test_rope_table_is_the_computed_cos_sin_bit_for_bit(head_dim, partial, scaling):

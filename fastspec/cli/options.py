@@ -40,7 +40,7 @@ class ModelOptions:
     max_total_tokens: Annotated[Optional[int], typer.Option(help="KV pool size in tokens, allocated at start (default: a fraction of free memory; on CPU that is only the limit: the pool starts small and grows as needed).")] = None
     max_running_requests: Annotated[int, typer.Option(help="Most requests decoded at once.")] = 48
     chunked_prefill_size: Annotated[int, typer.Option(help="Prompt tokens per prefill step.")] = 2048
-    context_length: Annotated[Optional[int], typer.Option(help="The longest prompt + answer a request may have (default: the model's max_position_embeddings, or its sliding window where shorter).")] = None
+    context_length: Annotated[Optional[int], typer.Option(help="The longest prompt + answer a request may have (default: the model's max_position_embeddings (a YaRN rope's original length x factor where longer), or its sliding window where shorter).")] = None
     graphs: Annotated[str, typer.Option(help="auto | cuda | compile | eager: how the draft loop, draft extend and verify run (auto: cuda on a GPU, eager on CPU).", rich_help_panel=GRAPHS)] = "auto"
     cuda_graph_max_bs: Annotated[Optional[int], typer.Option(help="Largest graph batch bucket.", rich_help_panel=GRAPHS)] = None
     cuda_graph_bs: Annotated[Optional[str], typer.Option(help="Explicit graph batch buckets, e.g. 1,2,4,8.", rich_help_panel=GRAPHS)] = None

@@ -98,16 +98,30 @@ class ModelConfig:
     fc_norm: bool = False  # EAGLE-3: an RMSNorm over the three target features before fc (`norm_before_fc`)
 
     @property
+    def positions(self) -> int:
+        """The positions the model's rope covers: max_position_embeddings, or a YaRN rope's original length x factor
+        where that is longer (vLLM's derived length: Qwen's YaRN leaves max_position_embeddings at its pretrained
+        value)."""
+        s = self.rope_scaling
+        yarn = 0 if s is None or s.rope_type != "yarn" else int(s.original_max_position_embeddings * s.factor)
+        return max(self.max_position_embeddings, yarn)
+
+    @property
     def context_limit(self) -> int:
-        """The longest context served exactly: max_position_embeddings, or a sliding window's width where that is
+        """The longest context served exactly: the rope's positions, or a sliding window's width where that is
         shorter (fastspec attends to the whole context; within W tokens that is what the window sees)."""
-        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+        return min(self.positions, self.sliding_window or self.positions)
 
     def context_len(self, requested: int | None) -> int:
         """The context an engine serves: `requested` (None: context_limit); past the trained positions or a sliding
         window, a one-line error (as SGLang and vLLM refuse a context length past max_position_embeddings)."""
         length = requested or self.context_limit
-        if length > self.max_position_embeddings:
+        if length > self.positions > self.max_position_embeddings:
+            s = self.rope_scaling
+            raise FastspecError(f"max_context_len {length} exceeds the {self.positions} positions the model's YaRN "
+                                f"rope covers (original_max_position_embeddings {s.original_max_position_embeddings} x "
+                                f"factor {s.factor:g})")
+        if length > self.positions:
             raise FastspecError(f"max_context_len {length} exceeds the model's max_position_embeddings "
                                 f"{self.max_position_embeddings}: positions past it were never trained (a longer "
                                 "context needs the checkpoint's config.json to declare rope_scaling for it)")
