@@ -207,6 +207,27 @@ def test_a_yarn_rope_serves_its_original_length_times_its_factor():
         llama3.context_len(131073)
 
 
+@pytest.mark.parametrize("top_level", [False, True])
+def test_a_yarn_rope_without_its_original_length_takes_transformers_default(tmp_path, top_level):
+    """A YaRN rope_scaling without original_max_position_embeddings stretches max_position_embeddings (or a
+    top-level original_max_position_embeddings, Phi-3's spelling), as transformers reads it: fastspec took 8192,
+    another rope (other logits) and, with the context derived from it, 8192 x factor positions (found checking
+    the YaRN context length against transformers' rope parameters)."""
+    hf = make_hf_model("qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(config.get(key), dict):
+            config[key].pop("original_max_position_embeddings", None)
+    if top_level:  # (transformers prefers it to max_position_embeddings)
+        config["original_max_position_embeddings"], config["max_position_embeddings"] = 256, 1024
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_target(tmp_path, torch.float32)
+    logits = model.compute_logits(PoolRunner(model).extend([0], [PROMPTS[0]]).final)
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[0]), atol=2e-5, rtol=1e-4)
+    assert read_config(tmp_path).context_limit == 1024
+
+
 @pytest.mark.parametrize("head_dim, partial, scaling", [(64, 1.0, None), (80, 1.0, None), (128, 0.5, None),
                                                         (64, 1.0, "yarn")])
 def test_rope_table_is_the_computed_cos_sin_bit_for_bit(head_dim, partial, scaling):

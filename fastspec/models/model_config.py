@@ -256,8 +256,11 @@ def _rope_fields(hf: dict) -> dict:
     if kind not in ROPE_TYPES:
         raise FastspecError(f"unsupported rope scaling type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
     extra = {k: float(scaling[k]) for k in _ROPE_FLOATS if scaling.get(k) is not None}
-    if "original_max_position_embeddings" in scaling:
-        extra["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    # unstated: a top-level one (Phi-3's spelling), else max_position_embeddings (transformers' defaults)
+    original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or \
+        hf.get("max_position_embeddings")
+    if original is not None:
+        extra["original_max_position_embeddings"] = int(original)
     if "truncate" in scaling:
         extra["truncate"] = bool(scaling["truncate"])
     factor = scaling.get("factor")
