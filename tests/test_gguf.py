@@ -245,3 +245,29 @@ def test_a_gguf_path_converts_once_per_file(tmp_path, monkeypatch):
     assert again != a
     torch.testing.assert_close(LlamaForCausalLM.from_pretrained(again).model.norm.weight,
                                tiny_llama(True, seed=2).model.norm.weight)
+
+
+def test_the_weights_check_counts_a_conversions_blocks_and_bin_weights(tmp_path, monkeypatch):
+    """check_weights_fit (and --dtype auto's memory test) counted only the top-level *.safetensors: a converted
+    GGUF keeps its matrices in gguf_blocks/, so a GGUF model too large for memory was let through to be killed while
+    loading (the embedded model counted 0.15 MB of its 115), as was a pytorch_model.bin checkpoint (0 bytes). Found
+    reading _stored_bytes against the embedded model's converted directory."""
+    import fastspec.memory.kv_pool as kv_pool
+    from fastspec.models.gguf_blocks import BLOCKS_FILE
+    from fastspec.models.loader import read_state_dict
+    from fastspec.models.sources import check_weights_fit, resolve_sources
+
+    out = convert_gguf(write_gguf(tmp_path / "q.gguf", tiny_llama(tied=False), qtype=gguf.GGMLQuantizationType.Q8_0),
+                       tmp_path / "hf")
+    bins = tmp_path / "bin"
+    bins.mkdir()
+    (bins / "config.json").write_text((out / "config.json").read_text())
+    torch.save(read_state_dict(out), bins / "pytorch_model.bin")
+    for directory, need in ((out, (out / BLOCKS_FILE).stat().st_size),
+                            (bins, (bins / "pytorch_model.bin").stat().st_size)):
+        sources = resolve_sources(str(directory), "NONE")
+        monkeypatch.setattr(kv_pool, "available_bytes", lambda device: need - 1)
+        with pytest.raises(FastspecError, match=r"the weights need .* GiB as float32 and cpu has"):
+            check_weights_fit(sources, "float32", "cpu")
+        monkeypatch.setattr(kv_pool, "available_bytes", lambda device: 10 * need)
+        check_weights_fit(sources, "float32", "cpu")

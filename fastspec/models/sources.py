@@ -20,7 +20,7 @@ from fastspec.errors import FastspecError
 from fastspec.models import hub
 from fastspec.models.draft_loader import check_draft_fits, read_draft_config
 from fastspec.models.hub import check_model_spec
-from fastspec.models.loader import check_target, read_config
+from fastspec.models.loader import check_target, read_config, weight_files
 from fastspec.models.model_config import LLAMA_FAMILY, ModelConfig
 from fastspec.models.mtp_loader import check_mtp_fits, drafts_with_mtp, mtp_draft
 from fastspec.models.quant_config import QuantScheme
@@ -114,7 +114,12 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _stored_bytes(model_dir: Path) -> int:
-    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    """The bytes of the weight files the loader reads: *.safetensors (else pytorch_model*.bin) and a converted
+    GGUF's blocks."""
+    from fastspec.models.gguf_blocks import BLOCKS_FILE
+
+    blocks = model_dir / BLOCKS_FILE
+    return sum(f.stat().st_size for f in weight_files(model_dir)) + (blocks.stat().st_size if blocks.is_file() else 0)
 
 
 def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_dir: Path,
