@@ -126,10 +126,11 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False,
-                 should_stop: Callable[[], bool] = lambda: False) -> list[Completion]:
+                 should_stop: Callable[[], bool] = lambda: False, **foreign) -> list[Completion]:
         """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams (None: the defaults)
         or one each (vLLM's names: `llm.generate(prompts, sampling_params=...)`). `should_stop()` (asked after every
         step; Ctrl-C) ends every request with what it has, reason "abort"."""
+        check_call_keywords(self.generate, foreign)
         ids, params = self._inputs(prompts, sampling_params, chat)
         if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
             text = self.decode if (self.engine.model_dir / "tokenizer.json").is_file() else lambda ids: None
@@ -145,9 +146,10 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             tools: list[dict] | None = None) -> list[Completion]:
+             tools: list[dict] | None = None, **foreign) -> list[Completion]:
         """One conversation (a list of {"role": ..., "content": ...} messages) or a list of them, each through the
         model's chat template (`tools`: OpenAI-style function dicts for it); one Completion per conversation."""
+        check_call_keywords(self.chat, foreign)
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
             messages = [messages]
         if not isinstance(messages, (list, tuple)) or not all(
@@ -156,9 +158,10 @@ class LLM:
                                 "conversations")
         return self.generate([self.encode_chat(list(c), tools) for c in messages], sampling_params)
 
-    def stream(self, prompts, sampling_params=None, chat: bool = False) -> Iterator[list[TextDelta]]:
+    def stream(self, prompts, sampling_params=None, chat: bool = False, **foreign) -> Iterator[list[TextDelta]]:
         """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
         start a stop string is held back until it is ruled out)."""
+        check_call_keywords(self.stream, foreign)
         ids, params = self._inputs(prompts, sampling_params, chat)
         streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
         yield from self.stream_ids(ids, params, streams)
@@ -251,6 +254,24 @@ def check_options(options: dict) -> None:
                                              if key.startswith("speculative_ngram_") else None)
                 or (f"did you mean {close[0]}?" if close else f"its options are {', '.join(names)}"))
         raise FastspecError(f"LLM has no option {key!r}; {hint}")
+
+
+# keywords of vLLM's LLM.generate / chat and SGLang's Engine.generate that fastspec's take otherwise or not at all
+FOREIGN_KEYWORDS = {
+    "use_tqdm": "fastspec shows no progress bar: leave it out", "lora_request": "fastspec serves no LoRA adapters",
+    "prompt": "use prompts (a string or a list of them)", "input_ids": "pass token-id lists as the prompts",
+    "prompt_token_ids": "pass token-id lists as the prompts", "stream": "use LLM.stream",
+    "return_logprob": "use SamplingParams(logprobs=...)",
+    "chat_template": "fastspec uses the model's own chat template"}
+
+
+def check_call_keywords(method, foreign: dict) -> None:
+    """A keyword generate / chat / stream do not take: one FastspecError naming fastspec's own, not a TypeError."""
+    names = [n for n in inspect.signature(method).parameters if n != "foreign"]
+    for key in foreign:
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = FOREIGN_KEYWORDS.get(key) or (f"did you mean {close[0]}?" if close else f"it takes {', '.join(names)}")
+        raise FastspecError(f"LLM.{method.__name__} has no keyword {key!r}; {hint}")
 
 
 def _path_or_name(value, name: str) -> str | None:

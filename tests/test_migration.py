@@ -95,6 +95,26 @@ def test_llm_options_of_the_wrong_type_are_one_line(tiny_dirs, kwargs, message):
         fastspec.LLM(str(tiny_dirs["llama"][0]), max_total_tokens=512, **kwargs)
 
 
+def test_a_foreign_keyword_of_generate_chat_or_stream_is_one_line(tiny_dirs):
+    """vLLM's `llm.generate(prompts, sampling_params, use_tqdm=False)` (and SGLang's Engine.generate keywords) were
+    TypeErrors naming LLM.generate (found calling the three methods with vLLM's and SGLang's keywords): each is one
+    line naming fastspec's own, a misspelling the keyword it is closest to."""
+    import fastspec
+
+    llm = fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm="NONE", max_total_tokens=512)
+    one = [{"role": "user", "content": "hi"}]
+    for method, prompts, key, hint in [
+            ("generate", [[1, 5]], "use_tqdm", "shows no progress bar"),
+            ("generate", [[1, 5]], "prompt", "use prompts"),
+            ("generate", [[1, 5]], "input_ids", "pass token-id lists as the prompts"),
+            ("generate", [[1, 5]], "lora_request", "no LoRA"), ("generate", [[1, 5]], "stream", "use LLM.stream"),
+            ("generate", [[1, 5]], "sampling_param", "did you mean sampling_params?"),
+            ("chat", one, "use_tqdm", "shows no progress bar"), ("chat", one, "chat_template", "own chat template"),
+            ("stream", [[1, 5]], "use_tqdm", "shows no progress bar")]:
+        with pytest.raises(FastspecError, match=f"^LLM.{method} has no keyword '{key}'; .*{hint}"):
+            list(getattr(llm, method)(prompts, SamplingParams(max_new_tokens=2), **{key: False}))
+
+
 def test_llm_chat_takes_a_conversation_or_a_list_of_them(tiny_dirs, tmp_path):
     """vLLM's LLM.chat: each conversation through the chat template, answered as generate answers its ids."""
     import json
