@@ -259,3 +259,20 @@ def test_dtype_auto_reads_the_cpus_bf16_instructions_and_cudas_checkpoint_dtype(
     assert result.exit_code == 0 and len(json.loads(result.stdout)["output_ids"]) == 3, result.output
     bad = CliRunner().invoke(app, ["generate", "--prompt", "hi", "--dtype", "int8"])
     assert bad.exit_code == 2 and "unknown dtype 'int8'; choose one of auto, float32, bfloat16, float16" in bad.stderr
+
+
+def test_the_weights_check_counts_a_standalone_drafts_weights(tiny_dirs, monkeypatch):
+    """A STANDALONE draft is loaded beside the target: the weights' check counted the target only, so a pair that
+    cannot fit together passed it and was killed loading the draft (found reading check_weights_fit against
+    assemble's draft loading). An MTP draft, the target's own checkpoint, is not counted twice."""
+    import fastspec.memory.kv_pool as kv_pool
+    from fastspec.models.sources import check_weights_fit, resolve_sources
+
+    target, draft = tiny_dirs["llama"][0], tiny_dirs["qwen2"][0]
+    sources = resolve_sources(str(target), "STANDALONE", str(draft))
+    both = sum(f.stat().st_size for d in (target, draft) for f in d.glob("*.safetensors"))
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device: both - 1)
+    with pytest.raises(FastspecError, match=r"and its draft: the weights need"):
+        check_weights_fit(sources, "float32", "cpu")
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device: both)
+    check_weights_fit(sources, "float32", "cpu")

@@ -95,19 +95,25 @@ def resolve_model_dtype(dtype: str, device: str, sources: ModelSources) -> str:
 
 def check_weights_fit(sources: ModelSources, dtype: str, device: str) -> None:
     """A target whose weights cannot fit in the memory `device` has free: one line before loading (it would be
-    killed for memory midway on a CPU, or fail in torch on a GPU). The need is the checkpoint's bytes, scaled to
-    `dtype` for float weights (an online quantisation holds them in it first), a lower bound for quantised ones."""
+    killed for memory midway on a CPU, or fail in torch on a GPU). The need is the checkpoint's bytes and its
+    draft's, scaled to `dtype` for float weights (an online quantisation holds them in it first), a lower bound for
+    quantised ones."""
     from fastspec.memory.kv_pool import available_bytes
 
-    need = _stored_bytes(sources.model_dir)
-    stored = sources.config.torch_dtype
-    if sources.scheme is None and stored in _ITEMSIZE:
-        need = need * _ITEMSIZE[dtype] // _ITEMSIZE[stored]
+    need = _need(sources.model_dir, sources.config, sources.scheme, dtype)
+    drafted = sources.draft_dir not in (None, sources.model_dir)  # (an MTP draft is the target's own checkpoint)
+    if drafted:
+        need += _need(sources.draft_dir, sources.draft_config, sources.draft_scheme, dtype)
     free = available_bytes(device)
     if need > free:
-        raise FastspecError(f"{sources.model_dir}: the weights need {need / 2**30:.1f} GiB as {dtype} and {device} has "
-                            f"{free / 2**30:.1f} GiB free; pass a smaller --dtype or --quantization int8 / int4, or "
-                            "free memory")
+        raise FastspecError(f"{sources.model_dir}{' and its draft' if drafted else ''}: the weights need "
+                            f"{need / 2**30:.1f} GiB as {dtype} and {device} has {free / 2**30:.1f} GiB free; pass a "
+                            "smaller --dtype or --quantization int8 / int4, or free memory")
+
+
+def _need(directory: Path, config: ModelConfig, scheme: QuantScheme | None, dtype: str) -> int:
+    need, stored = _stored_bytes(directory), config.torch_dtype
+    return need * _ITEMSIZE[dtype] // _ITEMSIZE[stored] if scheme is None and stored in _ITEMSIZE else need
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
