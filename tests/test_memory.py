@@ -331,20 +331,23 @@ def test_available_bytes_reads_meminfo_then_falls_back(monkeypatch, tmp_path):
 @pytest.mark.parametrize("version", ["v2", "v1", "v1 at the mount's root"])
 def test_available_bytes_is_at_most_what_the_memory_cgroup_allows(monkeypatch, tmp_path, version):
     """A container's memory limit (docker --memory) below the host's MemAvailable: the room is the limit less the
-    usage, reclaimable file pages counted free; no limit ('max', or v1's huge number) leaves MemAvailable."""
+    usage, file pages counted free, active ones too (the kernel reclaims them before it kills, and MemAvailable
+    counts them: a checkpoint read by two earlier runs sits there as active pages charged to the container, and the
+    third run of a model over half the limit was refused by the weights' check); no limit ('max', or v1's huge
+    number) leaves MemAvailable."""
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemAvailable:   20000000 kB\n")
     root, proc = tmp_path / "cgroup", tmp_path / "proc-cgroup"
     if version == "v2":
         proc.write_text("0::/box\n")
         where, files = root / "box", {"memory.max": "4000000000\n", "memory.current": "1500000000\n",
-                                      "memory.stat": "anon 1000\ninactive_file 500000000\n"}
+                                      "memory.stat": "anon 1000\nactive_file 250000000\ninactive_file 500000000\n"}
         unlimited = {"memory.max": "max\n"}
     else:
         proc.write_text("12:pids:/x\n4:memory:/docker/abc\n0::/\n")
         where = root / "memory" / ("docker/abc" if version == "v1" else "")
         files = {"memory.limit_in_bytes": "4000000000\n", "memory.usage_in_bytes": "1500000000\n",
-                 "memory.stat": "cache 9\ntotal_inactive_file 500000000\n"}
+                 "memory.stat": "cache 9\nactive_file 7\ntotal_active_file 250000000\ntotal_inactive_file 500000000\n"}
         unlimited = {"memory.limit_in_bytes": "9223372036854771712\n"}
     where.mkdir(parents=True)
     for name, text in files.items():
@@ -352,9 +355,10 @@ def test_available_bytes_is_at_most_what_the_memory_cgroup_allows(monkeypatch, t
     monkeypatch.setattr(kv_pool_module, "MEMINFO_PATH", str(meminfo))
     monkeypatch.setattr(kv_pool_module, "PROC_CGROUP_PATH", str(proc))
     monkeypatch.setattr(kv_pool_module, "CGROUP_ROOT", str(root))
-    assert kv_pool_module.available_bytes("cpu") == 4000000000 - 1500000000 + 500000000
+    assert kv_pool_module.available_bytes("cpu") == 4000000000 - 1500000000 + 500000000 + 250000000
     for name, text in unlimited.items():
         (where / name).write_text(text)
     assert kv_pool_module.available_bytes("cpu") == 20000000 * 1024
     monkeypatch.setattr(kv_pool_module, "PROC_CGROUP_PATH", str(tmp_path / "missing"))
     assert kv_pool_module.available_bytes("cpu") == 20000000 * 1024
+

@@ -74,8 +74,9 @@ def _mem_available() -> int:
 
 
 def _cgroup_room() -> int | None:
-    """What this process's memory cgroup still allows: its limit less what it uses beyond reclaimable file pages
-    (cgroup v2, or v1's memory controller); None where no limit is set or none can be read."""
+    """What this process's memory cgroup still allows: its limit less what it uses beyond its file pages, active
+    or inactive, which the kernel reclaims before it kills (as MemAvailable counts them; cgroup v2, or v1's memory
+    controller); None where no limit is set or none can be read."""
     try:
         with open(PROC_CGROUP_PATH) as f:
             lines = f.read().splitlines()
@@ -96,8 +97,8 @@ def _cgroup_room() -> int | None:
 
 def _room_in(where: str, v2: bool) -> int | None:
     """The room one cgroup directory allows (None: no limit; -1: not readable)."""
-    names = ("memory.max", "memory.current", "inactive_file") if v2 else (
-        "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    names = ("memory.max", "memory.current", "active_file", "inactive_file") if v2 else (
+        "memory.limit_in_bytes", "memory.usage_in_bytes", "total_active_file", "total_inactive_file")
     try:
         with open(os.path.join(where, names[0])) as f:
             limit = f.read().strip()
@@ -109,7 +110,7 @@ def _room_in(where: str, v2: bool) -> int | None:
             stat = dict(line.split()[:2] for line in f if line.strip())
     except (OSError, ValueError):
         return -1
-    return max(0, int(limit) - used + int(stat.get(names[2], 0)))
+    return max(0, int(limit) - used + int(stat.get(names[2], 0)) + int(stat.get(names[3], 0)))
 
 
 class KVPool:
