@@ -143,6 +143,29 @@ def test_attention_bias_is_read_as_transformers_reads_it(tmp_path, family):
         load_target(tmp_path, torch.float32)
 
 
+def test_a_zero_bias_the_config_gives_its_layer_none_of_loads(tmp_path):
+    """GPTQ-for-LLaMa (and AutoGPTQ's early exports) saved a zero .bias beside every quantised linear of a Llama:
+    the stray-bias refusal refused such a checkpoint dequantised (--quantization none), though a zero bias changes
+    nothing (found loading a GPTQ Llama with its zero biases both ways). It loads, packed or dequantised, as the
+    checkpoint without them; a non-zero one is still refused."""
+    from quant_writers import write_quantised
+    from safetensors.torch import load_file, save_file
+
+    oracle = write_quantised(make_hf_model("llama"), tmp_path / "q", "gptq")
+    state = load_file(tmp_path / "q" / "model.safetensors")
+    for name in [n for n in state if n.endswith(".qweight")]:
+        state[name.replace(".qweight", ".bias")] = torch.zeros(state[name].shape[1], dtype=torch.float16)
+    save_file(state, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    for quantization in (None, "gptq"):
+        model = load_target(tmp_path / "q", torch.float32, quantization=quantization)
+        logits = model.compute_logits(PoolRunner(model).extend([0], [PROMPTS[0]]).final)
+        torch.testing.assert_close(logits, hf_logits(oracle, PROMPTS[0]), atol=1e-3, rtol=1e-3)
+    state["model.layers.0.self_attn.o_proj.bias"][3] = 0.5
+    save_file(state, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(FastspecError, match="model.layers.0.self_attn.o_proj.bias is a bias the config gives"):
+        load_target(tmp_path / "q", torch.float32)
+
+
 def test_a_sliding_window_caps_the_context_at_its_width(tmp_path):
     """fastspec attends to the whole context, which is what a sliding window of W keys sees while a context is at
     most W long: a windowed Mistral serves W tokens by default, greedy as transformers' own (window applied) within

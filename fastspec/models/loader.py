@@ -148,7 +148,8 @@ def load_into(model: nn.Module, state: dict[str, torch.Tensor], skip: tuple[str,
                                     "checkpoint declares no quantisation for it (quantization_config)")
             tensor.copy_(state[name])
     for name in state:  # a bias the config gives the layer none of would be dropped: other outputs, silently
-        if name.endswith(".bias") and name not in own and f"{name[:-5]}.weight" in own and not name.startswith(skip):
+        stray = name.endswith(".bias") and name not in own and f"{name[:-5]}.weight" in own
+        if stray and not name.startswith(skip) and state[name].any():  # (GPTQ-for-LLaMa saved zero ones: no change)
             raise FastspecError(f"{source}: {name} is a bias the config gives its layer none of (attention_bias / "
                                 "mlp_bias in config.json)")
 
