@@ -248,11 +248,16 @@ def test_dtype_auto_reads_the_cpus_bf16_instructions_and_cudas_checkpoint_dtype(
     assert resolve_model_dtype("auto", "cpu", bf16) == "bfloat16"
     monkeypatch.setattr(kv_pool, "available_bytes", lambda device: 3 * sum(  # room for bfloat16's, not float32's
         f.stat().st_size for f in model_dir.glob("*.safetensors")) // 2)
-    with pytest.raises(FastspecError, match=r"the weights need 0\.0 GiB as float32 and cpu has 0\.0 GiB free; pass a "
-                                            "smaller --dtype or --quantization int8 / int4"):
+    hint = r"pass --dtype bfloat16 \(--quantization int8 / int4 rounds the weights after loading them in --dtype\)"
+    with pytest.raises(FastspecError, match=r"the weights need 0\.0 GiB as float32 and cpu has 0\.0 GiB free; " + hint):
         fastspec.LLM(str(model_dir), device="cpu", dtype="float32", max_total_tokens=512)
+    with pytest.raises(FastspecError, match="as float32 .*" + hint):  # (the hint said --quantization would do)
+        fastspec.LLM(str(model_dir), device="cpu", quantization="int8", max_total_tokens=512)
     assert fastspec.LLM(str(model_dir), device="cpu", dtype="bfloat16", max_total_tokens=512).engine.config.dtype == \
         "bfloat16"
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device: 1)
+    with pytest.raises(FastspecError, match="as bfloat16 .*; use a quantised checkpoint"):
+        fastspec.LLM(str(model_dir), device="cpu", dtype="bfloat16", max_total_tokens=512)
     monkeypatch.undo()
     result = CliRunner().invoke(app, ["generate", "--model", str(model_dir), "--input-ids", "1,5,9", "--dtype", "auto",
                                       "--max-new-tokens", "3", "--device", "cpu", "--json"])

@@ -106,9 +106,11 @@ def check_weights_fit(sources: ModelSources, dtype: str, device: str) -> None:
         need += _need(sources.draft_dir, sources.draft_config, sources.draft_scheme, dtype)
     free = available_bytes(device)
     if need > free:
+        hint = ("pass --dtype bfloat16 (--quantization int8 / int4 rounds the weights after loading them in --dtype)"
+                if dtype == "float32" else "use a quantised checkpoint (GGUF, GPTQ, AWQ: loaded as stored)")
         raise FastspecError(f"{sources.model_dir}{' and its draft' if drafted else ''}: the weights need "
-                            f"{need / 2**30:.1f} GiB as {dtype} and {device} has {free / 2**30:.1f} GiB free; pass a "
-                            "smaller --dtype or --quantization int8 / int4, or free memory")
+                            f"{need / 2**30:.1f} GiB as {dtype} and {device} has {free / 2**30:.1f} GiB free; {hint}, "
+                            "or free memory")
 
 
 def _need(directory: Path, config: ModelConfig, scheme: QuantScheme | None, dtype: str) -> int:
