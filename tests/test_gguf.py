@@ -251,8 +251,11 @@ def test_the_weights_check_counts_a_conversions_blocks_and_bin_weights(tmp_path,
     """check_weights_fit (and --dtype auto's memory test) counted only the top-level *.safetensors: a converted
     GGUF keeps its matrices in gguf_blocks/, so a GGUF model too large for memory was let through to be killed while
     loading (the embedded model counted 0.15 MB of its 115), as was a pytorch_model.bin checkpoint (0 bytes). Found
-    reading _stored_bytes against the embedded model's converted directory."""
+    reading _stored_bytes against the embedded model's converted directory. A GGUF counts its blocks' quants (what
+    the packed kernels hold at least), not the blocks file, whose float32 scales are repacked smaller."""
     import fastspec.memory.kv_pool as kv_pool
+    from safetensors.torch import load_file
+
     from fastspec.models.gguf_blocks import BLOCKS_FILE
     from fastspec.models.loader import read_state_dict
     from fastspec.models.sources import check_weights_fit, resolve_sources
@@ -263,7 +266,9 @@ def test_the_weights_check_counts_a_conversions_blocks_and_bin_weights(tmp_path,
     bins.mkdir()
     (bins / "config.json").write_text((out / "config.json").read_text())
     torch.save(read_state_dict(out), bins / "pytorch_model.bin")
-    for directory, need in ((out, (out / BLOCKS_FILE).stat().st_size),
+    quants = sum(t.nbytes for name, t in load_file(out / BLOCKS_FILE).items() if name.endswith(".q"))
+    assert quants < (out / BLOCKS_FILE).stat().st_size
+    for directory, need in ((out, quants + (out / "model.safetensors").stat().st_size),
                             (bins, (bins / "pytorch_model.bin").stat().st_size)):
         sources = resolve_sources(str(directory), "NONE")
         monkeypatch.setattr(kv_pool, "available_bytes", lambda device: need - 1)

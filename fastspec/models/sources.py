@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,12 +123,21 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _stored_bytes(model_dir: Path) -> int:
-    """The bytes of the weight files the loader reads: *.safetensors (else pytorch_model*.bin) and a converted
-    GGUF's blocks."""
+    """The bytes of the weight files the loader reads: *.safetensors (else pytorch_model*.bin), and a converted
+    GGUF's blocks' quants (the packed kernels hold at least those; the blocks file's float32 scales and offsets are
+    repacked smaller, so its size would overstate them)."""
+    return sum(f.stat().st_size for f in weight_files(model_dir)) + _block_quant_bytes(model_dir)
+
+
+def _block_quant_bytes(model_dir: Path) -> int:
+    from safetensors import safe_open
+
     from fastspec.models.gguf_blocks import BLOCKS_FILE
 
-    blocks = model_dir / BLOCKS_FILE
-    return sum(f.stat().st_size for f in weight_files(model_dir)) + (blocks.stat().st_size if blocks.is_file() else 0)
+    if not (model_dir / BLOCKS_FILE).is_file():
+        return 0
+    with safe_open(str(model_dir / BLOCKS_FILE), "pt") as blocks:  # (the header only: 1-byte quants, 4-bit packed)
+        return sum(math.prod(blocks.get_slice(k).get_shape()) for k in blocks.keys() if k.endswith(".q"))
 
 
 def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_dir: Path,
