@@ -98,6 +98,11 @@ def test_bad_configs_give_one_line_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "vocab_size": 3}))
     with pytest.raises(FastspecError, match="missing or malformed field 'hidden_size'"):
         read_config(tmp_path)
+    llama = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+             "num_hidden_layers": 1, "num_attention_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(llama | {"num_attention_heads": None, "bos_token_id": None}))
+    with pytest.raises(FastspecError, match=r"malformed field .*\(null fields: num_attention_heads, bos_token_id\)"):
+        read_config(tmp_path)
 
 
 def test_corrupt_safetensors_is_a_clear_error(tmp_path):

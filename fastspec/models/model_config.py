@@ -193,7 +193,9 @@ class ModelConfig:
                 **(bamba_fields(hf) if arch == "BambaForCausalLM" else {}),
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise FastspecError(f"{source}: missing or malformed field {e}") from None
+            nulls = ", ".join(k for k, v in hf.items() if v is None)  # (int(None): the error names no field)
+            what = f"{e}" if isinstance(e, KeyError) or not nulls else f"{e} (null fields: {nulls})"
+            raise FastspecError(f"{source}: missing or malformed field {what}") from None
         config = cls(**fields)
         config.validate(source)
         return config
