@@ -72,9 +72,9 @@ def check_dtype(name: str, auto: bool = False) -> None:
 
 def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str) -> str:
     """--dtype with `auto` decided by the rule alone: float32 on the CPU (exact; models.sources.resolve_model_dtype
-    measures whether a 16-bit checkpoint's own dtype pays there); on CUDA the checkpoint's own 16-bit dtype, bfloat16
-    for a float32 one (SGLang documents float16 there; bfloat16 keeps float32's range, which models trained in it
-    rely on)."""
+    keeps a 16-bit checkpoint's own dtype where the CPU's bf16 instructions or its memory call for it); on CUDA the
+    checkpoint's own 16-bit dtype, bfloat16 for a float32 one (SGLang documents float16 there; bfloat16 keeps
+    float32's range, which models trained in it rely on)."""
     if dtype != "auto":
         return dtype
     if not device.startswith("cuda"):

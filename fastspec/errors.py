@@ -1,5 +1,7 @@
 """User-facing errors: one class whose message is printed as a single line by the CLI (no traceback)."""
 
+import difflib
+
 
 class FastspecError(Exception):
     """A problem the user can fix (bad flag, bad model directory, missing package...).
@@ -13,3 +15,10 @@ def first_line(error: BaseException, limit: int | None = 120) -> str:
     what a one-line FastspecError quotes of an exception from a library."""
     line = next((s.strip() for s in str(error).splitlines() if s.strip()), "") or type(error).__name__
     return line[:limit]
+
+
+def name_hint(key: str, names: list[str], foreign: dict[str, str], listing: str) -> str:
+    """What to tell of a keyword `key` that is none of `names`: `foreign`'s line for it (another project's name),
+    else the closest of `names`, else `listing` and every name."""
+    close = difflib.get_close_matches(key, names, n=1)
+    return foreign.get(key) or (f"did you mean {close[0]}?" if close else f"{listing} {', '.join(names)}")

@@ -6,7 +6,6 @@ Owns tokenisation and chat templating around the engine (which speaks token ids 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import os
 import sys
@@ -17,7 +16,7 @@ from numbers import Integral
 
 from fastspec.config import EngineConfig
 from fastspec.engine.engine import Engine, collect
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, name_hint
 from fastspec.models.embedded import default_speculation
 from fastspec.models.sources import resolve_model_dtype, resolve_sources
 from fastspec.sampling.params import SamplingParams
@@ -249,10 +248,9 @@ def check_options(options: dict) -> None:
     for key in options:
         if key in names:
             continue
-        close = difflib.get_close_matches(key, names, n=1)
         hint = (FOREIGN_OPTIONS.get(key) or (f"use ngram={{{key[len('speculative_ngram_'):]!r}: ...}}"
                                              if key.startswith("speculative_ngram_") else None)
-                or (f"did you mean {close[0]}?" if close else f"its options are {', '.join(names)}"))
+                or name_hint(key, names, {}, "its options are"))
         raise FastspecError(f"LLM has no option {key!r}; {hint}")
 
 
@@ -269,8 +267,7 @@ def check_call_keywords(method, foreign: dict) -> None:
     """A keyword generate / chat / stream do not take: one FastspecError naming fastspec's own, not a TypeError."""
     names = [n for n in inspect.signature(method).parameters if n != "foreign"]
     for key in foreign:
-        close = difflib.get_close_matches(key, names, n=1)
-        hint = FOREIGN_KEYWORDS.get(key) or (f"did you mean {close[0]}?" if close else f"it takes {', '.join(names)}")
+        hint = name_hint(key, names, FOREIGN_KEYWORDS, "it takes")
         raise FastspecError(f"LLM.{method.__name__} has no keyword {key!r}; {hint}")
 
 

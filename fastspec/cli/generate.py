@@ -59,10 +59,11 @@ def generate(
     with stdout_refusals(lambda: result or json.dumps(texts, ensure_ascii=False)):
         if as_json:
             typer.echo(result)
-        for i, text in enumerate([] if as_json else texts):
-            if len(outputs) > 1:
-                typer.echo(f"--- answer {i + 1} of {len(outputs)} ---")
-            typer.echo(text)
+        else:
+            for i, text in enumerate(texts):
+                if len(outputs) > 1:
+                    typer.echo(f"--- answer {i + 1} of {len(outputs)} ---")
+                typer.echo(text)
         sys.stdout.flush()  # (a refusal surfaces here, not in the interpreter's last flush)
     if interrupted.is_set():
         raise typer.Exit(130)

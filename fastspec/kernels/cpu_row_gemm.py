@@ -143,4 +143,3 @@ def _swap(model: nn.Module) -> None:
             setattr(model, name, RowLinear(child))
         else:
             _swap(child)
-

@@ -89,7 +89,7 @@ def resolve_model_dtype(dtype: str, device: str, sources: ModelSources) -> str:
     from fastspec.kernels import cpu_library
     from fastspec.memory.kv_pool import available_bytes
 
-    if 2 * _stored_bytes(sources.model_dir) > 0.8 * available_bytes("cpu"):
+    if _need(sources.model_dir, sources.config, None, "float32") > 0.8 * available_bytes("cpu"):
         return stored  # float32 would not fit (with room left for the KV cache)
     return stored if stored == "bfloat16" and cpu_library.has_bf16_dot() else "float32"
 

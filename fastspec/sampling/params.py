@@ -4,14 +4,13 @@ sampling flags before torch is imported."""
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from numbers import Integral, Real
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, name_hint
 
 KINDS = ("json_schema", "regex", "ebnf", "lark")  # the structured-output fields, at most one set
 GREEDY_BELOW = 1e-6  # a temperature below this samples greedily, as SGLang's does
@@ -71,9 +70,7 @@ class SamplingParams:
         names = [f.name for f in fields(cls)]
         for key in kwargs:
             if key not in names:
-                close = difflib.get_close_matches(key, names, n=1)
-                hint = FOREIGN_FIELDS.get(key) or (f"did you mean {close[0]}?" if close else
-                                                   f"its fields are {', '.join(names)}")
+                hint = name_hint(key, names, FOREIGN_FIELDS, "its fields are")
                 raise FastspecError(f"SamplingParams has no {key!r}; {hint}")
         return super().__new__(cls)
 
