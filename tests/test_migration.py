@@ -212,6 +212,7 @@ def test_dtype_auto_reads_the_cpus_bf16_instructions_and_cudas_checkpoint_dtype(
     import shutil
 
     import torch
+    from safetensors.torch import load_file, save_file
     from typer.testing import CliRunner
 
     import fastspec
@@ -228,6 +229,8 @@ def test_dtype_auto_reads_the_cpus_bf16_instructions_and_cudas_checkpoint_dtype(
     assert resolve_dtype("float16", "cuda", "bfloat16") == "float16"  # as asked
     model_dir = tmp_path / "bf16"
     shutil.copytree(tiny_dirs["llama"][0], model_dir)
+    tensors = load_file(model_dir / "model.safetensors")  # a checkpoint stored in bfloat16, config and tensors
+    save_file({k: v.bfloat16() for k, v in tensors.items()}, model_dir / "model.safetensors")
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}))
     bf16_dot = {"value": True}

@@ -184,3 +184,30 @@ def test_int4_rounding_names_the_linears_it_leaves_float(tiny_dirs, caplog):
         count = quantise_online(model, "int4")
     assert "4 linears whose inputs are not a multiple of 32 stay float (layers.0.self_attn.q_b_proj" in caplog.text
     assert count > 3 * 8 * 3  # three MoE layers of 8 experts, each gate / up / down
+
+
+def test_the_weights_check_counts_a_dequantised_checkpoint_unpacked(awq_dir, tiny_dirs, tmp_path, monkeypatch):
+    """`--quantization none` unpacks an AWQ / GPTQ checkpoint into float: the weights' check counted its packed bytes
+    (8 int4 values a word), so a load 8x past memory was let through to be killed midway (found reading
+    check_weights_fit's callers). A float checkpoint whose config.json names another dtype than its tensors' is
+    counted from the tensors."""
+    import fastspec.memory.kv_pool as kv_pool
+    from fastspec.models.sources import check_weights_fit, resolve_sources
+
+    float_bytes = (tiny_dirs["llama"][0] / "model.safetensors").stat().st_size  # the same model, float32
+    packed = (awq_dir / "model.safetensors").stat().st_size
+    assert packed < float_bytes // 2
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device: float_bytes // 2)
+    check_weights_fit(resolve_sources(str(awq_dir), "NONE"), "float32", "cpu")  # as stored: fits
+    with pytest.raises(FastspecError, match="the weights need .* as float32"):
+        check_weights_fit(resolve_sources(str(awq_dir), "NONE", quantization=None), "float32", "cpu")
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device: float_bytes * 11 // 10)  # (+ unpacked zeros)
+    check_weights_fit(resolve_sources(str(awq_dir), "NONE", quantization=None), "float32", "cpu")
+
+    fp16 = edited_copy(tiny_dirs["llama"][0], tmp_path, state=lambda s: s.update({k: v.half() for k, v in s.items()}),
+                       config=lambda c: c.update(torch_dtype="float32"))
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device: float_bytes * 3 // 8)
+    with pytest.raises(FastspecError, match="as bfloat16"):  # half of float32's bytes: was counted as a quarter
+        check_weights_fit(resolve_sources(str(fp16), "NONE"), "bfloat16", "cpu")
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device: float_bytes * 5 // 8)
+    check_weights_fit(resolve_sources(str(fp16), "NONE"), "bfloat16", "cpu")

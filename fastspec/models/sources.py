@@ -101,10 +101,11 @@ def check_weights_fit(sources: ModelSources, dtype: str, device: str) -> None:
     quantised ones."""
     from fastspec.memory.kv_pool import available_bytes
 
-    need = _need(sources.model_dir, sources.config, sources.scheme, dtype)
+    need = _need(sources.model_dir, sources.config, sources.scheme, dtype, sources.quantization is None)
     drafted = sources.draft_dir not in (None, sources.model_dir)  # (an MTP draft is the target's own checkpoint)
     if drafted:
-        need += _need(sources.draft_dir, sources.draft_config, sources.draft_scheme, dtype)
+        need += _need(sources.draft_dir, sources.draft_config, sources.draft_scheme, dtype,
+                      sources.draft_quantization is None)
     free = available_bytes(device)
     if need > free:
         hint = ("pass --dtype bfloat16 (--quantization int8 / int4 rounds the weights after loading them in --dtype)"
@@ -114,12 +115,47 @@ def check_weights_fit(sources: ModelSources, dtype: str, device: str) -> None:
                             "or free memory")
 
 
-def _need(directory: Path, config: ModelConfig, scheme: QuantScheme | None, dtype: str) -> int:
-    need, stored = _stored_bytes(directory), config.torch_dtype
+def _need(directory: Path, config: ModelConfig, scheme: QuantScheme | None, dtype: str,
+          dequantised: bool = False) -> int:
+    """The bytes `directory`'s weights take loaded in `dtype`: a float checkpoint's scaled from the dtype its tensors
+    are stored in, a quantised one's as stored (a lower bound) or, `dequantised` (--quantization none), each of its
+    values in `dtype`."""
+    shapes = _headers(directory)
+    if scheme is not None and dequantised and shapes is not None:
+        # int32 words hold 32 / bits values (GPTQ / AWQ / compressed-tensors packing; their packed zero points and
+        # g_idx are counted alike: a group's share too many); every other element one value
+        return sum(math.prod(shape) * (32 // scheme.bits if code == "I32" else 1)
+                   for code, shape in shapes) * _ITEMSIZE[dtype]
+    need, stored = _stored_bytes(directory), _stored_dtype(shapes, config)
     return need * _ITEMSIZE[dtype] // _ITEMSIZE[stored] if scheme is None and stored in _ITEMSIZE else need
 
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _headers(model_dir: Path) -> list[tuple[str, list[int]]] | None:
+    """(dtype code, shape) of each tensor in `model_dir`'s *.safetensors, from their headers; None for .bin files."""
+    from safetensors import safe_open
+
+    files = weight_files(model_dir)
+    if not files or files[0].suffix != ".safetensors":
+        return None
+    shapes = []
+    for path in files:
+        with safe_open(str(path), "pt") as handle:
+            shapes += [(s.get_dtype(), s.get_shape()) for s in map(handle.get_slice, handle.keys())]
+    return shapes
+
+
+def _stored_dtype(shapes: list | None, config: ModelConfig) -> str | None:
+    """The float dtype most of the checkpoint's values are stored in: config.json's torch_dtype may disagree with
+    the tensors (an fp16 export whose config says float32 would be counted at twice its size); config's where the
+    headers can't say."""
+    values: dict[str, int] = {}
+    for code, shape in shapes or ():
+        values[code] = values.get(code, 0) + math.prod(shape)
+    return _SAFETENSORS_DTYPES.get(max(values, key=values.get), config.torch_dtype) if values else config.torch_dtype
 
 
 def _stored_bytes(model_dir: Path) -> int:
