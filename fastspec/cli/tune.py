@@ -87,13 +87,15 @@ def tune(
                                          num_draft_tokens=cfg.max_draft_tokens, speculative_fallback=False,
                                          radix_cache=False, max_running_requests=max(max(sizes), 2))
     llm = LLM(**kwargs, on_prepare=prepare_progress())
-    model_dir, draft_dir = llm.sources.model_dir, llm.sources.draft_dir
-    path, weights = tuned_location(llm.sources, options.dtype, options.kv_cache_dtype, device)
+    model_dir, draft_dir, config = llm.sources.model_dir, llm.sources.draft_dir, llm.engine.config
+    # the label the engine was built with (resolving --dtype auto again, after loading, could read less free memory)
+    weights = tuned_file.weights_label(config.dtype, config.quantization, config.kv_cache_torch_name)
+    path = tuned_file.tuned_path(model_dir, draft_dir, weights, config.device)
     console = Console(stderr=True)
     ids = [llm.encode(t, chat=True) for t in texts[:num_prompts]]
     with console.status("tuning") as status:
         result = run(llm, ids, cfg, say=lambda text: status.update(text))
-    print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, llm.engine.config.device)
+    print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, config.device)
     tuned_file.save_tuned(path, print_, result.tiers())  # (first: a stdout that refuses the table loses nothing)
     with stdout_refusals(lambda: f"the tuned file {path} is written"):
         print_table(result)
