@@ -246,45 +246,6 @@ def test_shutdown_ends_requests_in_flight_with_503s_and_no_cancelled_tasks(tiny_
         service.submit([5, 6], SamplingParams(max_new_tokens=2), lambda event: None)
 
 
-def test_a_chat_without_max_tokens_fits_a_small_kv_pool_and_more_than_it_holds_is_a_400_naming_the_field(
-        tiny_llm, caplog):
-    """Chat's default length (the rest of the context, capped) is capped by what the KV pool holds too: a chat that
-    asked for no length on a server whose pool is smaller than the context runs to the pool's end (it was a 400,
-    "a request of 4 prompt + 252 new tokens does not fit in the KV pool of 64 tokens"). A length asked for beyond
-    it, or a prompt the pool cannot hold with an answer, is OpenAI's 400 naming the request's field (param, code
-    context_length_exceeded), as past the context; the server's flag (--max-total-tokens) is said in its log, not
-    to the client (it was param null, "raise --max-total-tokens")."""
-    small = fastspec.LLM(str(tiny_llm.engine.model_dir), max_total_tokens=64, overlap_schedule="off")
-    server, thread, service, url, client = start(small, max_queued=4)
-    hi = [{"role": "user", "content": "hi"}]
-    try:
-        answer = client.chat.completions.create(model=MODEL, messages=hi, extra_body={"ignore_eos": True})
-        prompt = answer.usage.prompt_tokens
-        assert answer.choices[0].finish_reason == "length"
-        room = small.engine.room_for(prompt)
-        assert answer.usage.completion_tokens == room == 64 - 1 - prompt  # (1: a round's)
-        asks = [("max_tokens", dict(messages=hi, max_tokens=room + 1)),
-                ("max_completion_tokens", dict(messages=hi, max_completion_tokens=60)),
-                ("messages", dict(messages=[{"role": "user", "content": "x" * 70}])),
-                ("prompt", dict(prompt="x" * 70, max_tokens=1))]
-        for param, ask in asks:
-            create = client.chat.completions.create if "messages" in ask else client.completions.create
-            with caplog.at_level(logging.WARNING, logger="fastspec.serve.app"):
-                caplog.clear()
-                with pytest.raises(openai.BadRequestError, match="this server's KV pool") as e:
-                    create(model=MODEL, **ask)
-            error = e.value.body
-            assert (error["param"], error["code"]) == (param, "context_length_exceeded"), ask
-            assert "max-total-tokens" not in error["message"]
-            assert [r.getMessage() for r in caplog.records if "raise --max-total-tokens" in r.getMessage()], ask
-        assert client.chat.completions.create(model=MODEL, messages=hi, max_tokens=room).choices
-        assert engine_settled(service)
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        service.stop()
-
-
 def test_a_body_nested_past_what_json_reads_is_a_400_and_the_server_keeps_serving(served):
     """JSON nested deeper than Python's json reads (it raises RecursionError, no JSONDecodeError) is the client's
     bad body: OpenAI's 400, not a 500 "internal error"."""

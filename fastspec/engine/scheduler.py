@@ -62,11 +62,6 @@ class Request:
         """What max_new_tokens still allows it to produce."""
         return self.params.max_new_tokens - len(self.produced)
 
-    def max_tokens(self, page_size: int, headroom: int) -> int:
-        """The most KV this request can ever hold: prompt + all output (whole pages) + a round's headroom."""
-        tokens = len(self.prompt_ids) + self.params.max_new_tokens
-        return -(-tokens // page_size) * page_size + headroom
-
 
 class Scheduler:
     def __init__(self, max_running: int, page_size: int, headroom: int = 0):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -26,15 +25,13 @@ from fastspec.sampling.params import SamplingParams
 from fastspec.serve import protocol as api
 from fastspec.serve import responses
 from fastspec.serve.api_error import APIError
+from fastspec.serve.lengths import PoolRefusals, check_length, default_length
 from fastspec.serve.prometheus import CONTENT_TYPE
 from fastspec.serve.protocol import ParsedRequest
 from fastspec.serve.reply import Reply, error_response
 from fastspec.serve.service import Checked, EngineService, Event
 from fastspec.serve.tool_formats import needs_special_text
 from fastspec.serve.tools import Tools, template_parser, writes_spaces
-
-_log = logging.getLogger(__name__)
-
 
 def build_app(service: EngineService, model_name: str, tool_parser: str | None = None) -> Starlette:
     """`tool_parser`: how answers carry tool calls (fastspec.serve.tools.PARSERS; None: as the chat template
@@ -61,12 +58,15 @@ def build_app(service: EngineService, model_name: str, tool_parser: str | None =
 
     tok = service.llm.tokenizer
     tool_text = _ToolText(tool_parser or template_parser(tok.chat_template), tok.special_tokens(), writes_spaces(tok))
-    chat, text = (partial(_complete, service, model_name, tool_text, c) for c in (True, False))
+    refusals = PoolRefusals()  # (the KV pool's refusals in the server's log: at most one line a minute)
+    chat, text = (partial(_complete, service, model_name, tool_text, refusals, c) for c in (True, False))
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/completions", text, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/flush_cache", flush_cache, methods=["POST"]), Route("/metrics", metrics, methods=["GET"])]
     handlers = {HTTPException: _http_error, Exception: _internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    app.state.pool_refusals = refusals
+    return app
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ class _ToolText:
     spaced: bool
 
 
-async def _complete(service: EngineService, model_name: str, tool_text: _ToolText, chat: bool,
-                    request: Request) -> Response:
+async def _complete(service: EngineService, model_name: str, tool_text: _ToolText, refusals: PoolRefusals,
+                    chat: bool, request: Request) -> Response:
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     try:
         parsed = api.parse_request(api.parse_body(await request.body()), chat, model_name)
@@ -93,9 +93,9 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
             tools, params, keep_special = _tool_grammar(tools, tool_text, params)
             parsed = replace(parsed, tools=tools)
         prompts = await asyncio.to_thread(_encode, service, parsed)  # (a long prompt: the other streams go on)
-        lengths = [_default_length(service, parsed, params, ids) for ids in prompts]
+        lengths = [default_length(service.engine, parsed, params, ids) for ids in prompts]
         for i, (ids, p) in enumerate(zip(prompts, lengths)):
-            _check_context(service, parsed, ids, p.max_new_tokens, None if len(prompts) == 1 else i)
+            check_length(service.engine, refusals, parsed, len(ids), p.max_new_tokens, None if len(prompts) == 1 else i)
         choices = [(ids, parsed.choice_params(p)) for ids, p in zip(prompts, lengths)]
         if len(prompts) * parsed.n > service.max_queued:
             raise APIError(f"{len(prompts) * parsed.n} choices: more than this server ever holds open "
@@ -158,45 +158,6 @@ def _encode(service: EngineService, parsed: ParsedRequest) -> list[list[int]]:
         return [p if isinstance(p, list) else service.llm.encode(p) for p in parsed.prompts]
     except FastspecError as e:
         raise APIError(str(e)) from None
-
-
-def _default_length(service: EngineService, parsed: ParsedRequest, params: SamplingParams,
-                    prompt_ids: list[int]) -> SamplingParams:
-    """Without max_tokens: the default (chat's: the rest of the context, capped), within what the context and the
-    KV pool leave (a chat that asked for no length is not refused for one it did not ask for)."""
-    if parsed.max_tokens_field is not None:
-        return params
-    room = service.engine.room_for(len(prompt_ids))
-    return replace(params, max_new_tokens=max(1, min(params.max_new_tokens, room)))
-
-
-def _check_context(service: EngineService, parsed: ParsedRequest, prompt_ids: list[int], max_new_tokens: int,
-                   index: int | None) -> None:
-    """A request past the context length, or past what the KV pool can ever hold, is a 400 naming the request's own
-    field, as OpenAI's (param, code context_length_exceeded): the messages / prompt when they leave no room for a
-    token, else the length field. The pool's server-side remedy (--max-total-tokens) goes to the server's log, not
-    to the client. `index`: the prompt's in a batch."""
-    ctx = service.engine.worker.max_context_len
-    field = "messages" if parsed.chat else "prompt"
-    what = field if index is None else f"prompt {index} of the batch"
-    name = parsed.max_tokens_field or "max_tokens"  # (None: the default never asks past the context or the pool)
-    if len(prompt_ids) >= ctx:
-        raise APIError(f"{what}: {len(prompt_ids)} tokens, no room for an answer in the context length {ctx}",
-                       param=field, code="context_length_exceeded")
-    if len(prompt_ids) + max_new_tokens > ctx:
-        raise APIError(f"{what} ({len(prompt_ids)} tokens) + {name} ({max_new_tokens}) exceeds the context length "
-                       f"{ctx}: at most {ctx - len(prompt_ids)}", param=name, code="context_length_exceeded")
-    room = service.engine.room_for(len(prompt_ids))  # (within the context: the pool's limit)
-    if max_new_tokens <= room:
-        return
-    ceiling = service.engine.worker.memory.ceiling
-    _log.warning("refused a request of %d prompt + %d new tokens: more than the KV pool of %d tokens holds "
-                 "(raise --max-total-tokens to serve it)", len(prompt_ids), max_new_tokens, ceiling)
-    if room < 1:
-        raise APIError(f"{what}: {len(prompt_ids)} tokens, no room for an answer in this server's KV pool "
-                       f"({ceiling} tokens)", param=field, code="context_length_exceeded")
-    raise APIError(f"{what} ({len(prompt_ids)} tokens) + {name} ({max_new_tokens}) is more than this server's KV "
-                   f"pool holds ({ceiling} tokens): at most {room}", param=name, code="context_length_exceeded")
 
 
 def _check_choices(service: EngineService, choices: list[tuple[list[int], list[SamplingParams]]],

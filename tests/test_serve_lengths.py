@@ -1,0 +1,114 @@
+"""How long a served request may be, on a server whose KV pool (64 tokens) is smaller than the context: the
+default length fits the pool, a request past it is OpenAI's 400 naming its own field (from the engine's one length
+check, Engine.check_length), and a client that keeps sending such requests does not flood the server's log."""
+
+import logging
+import shutil
+
+import openai
+import pytest
+from serve_helpers import engine_settled, start_server
+from tiny_models import write_char_tokenizer
+
+import fastspec
+from fastspec.errors import FastspecError, RequestTooLong
+
+MODEL = "tiny-lengths"
+REFUSED = "raise --max-total-tokens"  # (the server's remedy: in its log, never told to the client)
+
+
+@pytest.fixture(scope="module")
+def small(tiny_dirs, tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("lengths") / "llama"
+    shutil.copytree(tiny_dirs["llama"][0], model_dir)
+    write_char_tokenizer(model_dir)
+    (model_dir / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    llm = fastspec.LLM(str(model_dir), max_total_tokens=64, overlap_schedule="off")
+    server, thread, service, url, client = start_server(llm, MODEL, max_queued=4)
+    yield client, llm, service, server.config.app.state.pool_refusals
+    server.should_exit = True
+    thread.join(10)
+    service.stop()
+
+
+def test_a_chat_without_max_tokens_fits_a_small_kv_pool_and_more_than_it_holds_is_a_400_naming_the_field(
+        small, caplog):
+    """Chat's default length (the rest of the context, capped) is capped by what the KV pool holds too: a chat that
+    asked for no length on a server whose pool is smaller than the context runs to the pool's end (it was a 400,
+    "a request of 4 prompt + 252 new tokens does not fit in the KV pool of 64 tokens"). A length asked for beyond
+    it, or a prompt the pool cannot hold with an answer, is OpenAI's 400 naming the request's field (param, code
+    context_length_exceeded), as past the context; the server's flag (--max-total-tokens) is said in its log, not
+    to the client (it was param null, "raise --max-total-tokens")."""
+    client, llm, service, refusals = small
+    hi = [{"role": "user", "content": "hi"}]
+    answer = client.chat.completions.create(model=MODEL, messages=hi, extra_body={"ignore_eos": True})
+    prompt = answer.usage.prompt_tokens
+    assert answer.choices[0].finish_reason == "length"
+    room = llm.engine.room_for(prompt)
+    assert answer.usage.completion_tokens == room == 64 - 1 - prompt  # (1: a round's)
+    asks = [("max_tokens", dict(messages=hi, max_tokens=room + 1), f"at most {room}"),
+            ("max_completion_tokens", dict(messages=hi, max_completion_tokens=60), f"at most {room}"),
+            ("messages", dict(messages=[{"role": "user", "content": "x" * 70}]), "no room for an answer"),
+            ("prompt", dict(prompt="x" * 70, max_tokens=1), "no room for an answer")]
+    for param, ask, says in asks:
+        create = client.chat.completions.create if "messages" in ask else client.completions.create
+        refusals.last = None  # (as if this were the server's first refusal: it is logged)
+        with caplog.at_level(logging.WARNING, logger="fastspec.serve.lengths"):
+            caplog.clear()
+            with pytest.raises(openai.BadRequestError, match="this server's KV pool") as e:
+                create(model=MODEL, **ask)
+        error = e.value.body
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded"), ask
+        assert says in error["message"] and "max-total-tokens" not in error["message"]
+        assert [r.getMessage() for r in caplog.records if REFUSED in r.getMessage()], ask
+    assert client.chat.completions.create(model=MODEL, messages=hi, max_tokens=room).choices
+    assert engine_settled(service)
+
+
+def test_a_client_sending_requests_past_the_pool_does_not_flood_the_servers_log(small, caplog):
+    """Each request past the KV pool is a 400, but the server's log says so once, then at most once a minute with
+    a count of the refusals since its last line (it logged a line per request: one client could fill the log)."""
+    client, _, service, refusals = small
+    refusals.last = None
+    with caplog.at_level(logging.WARNING, logger="fastspec.serve.lengths"):
+        caplog.clear()
+        for _ in range(10):
+            with pytest.raises(openai.BadRequestError, match="this server's KV pool"):
+                client.completions.create(model=MODEL, prompt="abc", max_tokens=62)
+        lines = [r.getMessage() for r in caplog.records if REFUSED in r.getMessage()]
+        assert len(lines) == 1 and "more refused" not in lines[0]
+        refusals.last -= refusals.interval  # (as if its line were a minute old)
+        with pytest.raises(openai.BadRequestError, match="this server's KV pool"):
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=62)
+        lines = [r.getMessage() for r in caplog.records if REFUSED in r.getMessage()]
+    assert len(lines) == 2 and "(9 more refused since the last such line)" in lines[1]
+    with pytest.raises(openai.BadRequestError, match="context length"):  # (past the context: the client's to fix,
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=10**6)  # never the server's log)
+    assert len([r for r in caplog.records if REFUSED in r.getMessage()]) == 2
+    assert engine_settled(service)
+
+
+def test_the_engine_checks_both_limits_in_one_place_and_says_which(small):
+    """Engine.check_length is the one length check: `request` refuses by it (its text, the CLI's, unchanged) and a
+    server names its fields from the refusal's numbers: which limit, its size, and the most new tokens the prompt
+    leaves there (room_for's, to the token)."""
+    _, llm, _, _ = small
+    engine, ctx = llm.engine, llm.engine.worker.max_context_len
+    room = engine.room_for(5)
+    engine.check_length(5, room)  # (exactly what fits)
+    with pytest.raises(RequestTooLong) as e:
+        engine.check_length(5, room + 1)
+    assert (e.value.limit, e.value.capacity, e.value.room) == ("kv_pool", 64, room)
+    with pytest.raises(FastspecError, match=rf"^a request of 5 prompt \+ {room + 1} new tokens does not fit in the "
+                                            r"KV pool of 64 tokens \(it needs 65: a decode round's headroom; "
+                                            r"raise --max-total-tokens\)$"):
+        engine.request(0, [1] * 5, fastspec.SamplingParams(max_new_tokens=room + 1))
+    with pytest.raises(RequestTooLong) as e:
+        engine.check_length(5, ctx)
+    assert (e.value.limit, e.value.capacity, e.value.room) == ("context", ctx, ctx - 5)
+    with pytest.raises(FastspecError, match=rf"^prompt \(5 tokens\) \+ max-new-tokens \({ctx}\) exceeds the "
+                                            rf"context length {ctx}$"):
+        engine.request(0, [1] * 5, fastspec.SamplingParams(max_new_tokens=ctx))
+    with pytest.raises(RequestTooLong) as e:
+        engine.check_length(70, 1)
+    assert (e.value.limit, e.value.room) == ("kv_pool", room - 65)
