@@ -113,37 +113,88 @@ def test_a_prompt_being_tokenized_does_not_stop_the_server(served, monkeypatch):
     assert engine_settled(service)
 
 
-def test_the_grammar_tokenizer_is_built_off_the_event_loop(served, monkeypatch):
-    """llguidance's reading of the tokenizer (logprobs' token bytes, grammars) is built on the first request that
-    needs it, off the event loop: while it is being built (held here until released) the server answers others."""
-    from functools import cached_property
+def _first_build(monkeypatch, service, fails: bool):
+    """As if no request had needed llguidance's tokenizer yet: a fresh compiler whose build (llguidance's
+    LLTokenizer; raising ValueError where it `fails`, as on a tokenizer it cannot read) waits for `release` and
+    counts itself in `builds`. (builds, entered, release)."""
+    import llguidance
 
     from fastspec.sampling.grammar import GrammarCompiler
 
-    client, url, llm, service = served
-    entered, release = threading.Event(), threading.Event()
-    build = GrammarCompiler.tokenizer.func
+    old, real = service.engine.grammars, llguidance.LLTokenizer
+    builds, entered, release = [], threading.Event(), threading.Event()
 
-    def held(compiler):
+    def held(*args, **kwargs):
+        builds.append(1)
         entered.set()
         release.wait(30)
-        return build(compiler)
-    slow_build = cached_property(held)
-    slow_build.__set_name__(GrammarCompiler, "tokenizer")
-    monkeypatch.setattr(GrammarCompiler, "tokenizer", slow_build)
-    service.engine.grammars.__dict__.pop("tokenizer", None)  # (as if no request had needed it yet)
-    got = []
-    slow = threading.Thread(target=lambda: got.append(client.completions.create(
-        model=MODEL, prompt="abc", max_tokens=2, logprobs=1, temperature=0)))
-    slow.start()
+        if fails:
+            raise ValueError("no such tokenizer")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(llguidance, "LLTokenizer", held)
+    monkeypatch.setattr(service.engine, "grammars", GrammarCompiler(old.model_dir, old.vocab_size, old.eos_ids))
+    return builds, entered, release
+
+
+def _together(served, monkeypatch, entered, release, first: dict, second: dict) -> list:
+    """Two first requests together: the first enters the build, the server answers others meanwhile, the second
+    arrives while it is held; each one's answer or APIStatusError, in order."""
+    from fastspec.serve import app
+
+    client, url, _, _ = served
+    got, arrived, parse = [None, None], threading.Event(), app.api.parse_request
+    monkeypatch.setattr(app.api, "parse_request", lambda *a: (arrived.set(), parse(*a))[1])
+
+    def ask(i, kwargs):
+        try:
+            got[i] = client.completions.create(model=MODEL, prompt="abc", max_tokens=2, temperature=0, **kwargs)
+        except openai.APIStatusError as e:
+            got[i] = e
+    threads = [threading.Thread(target=ask, args=(i, kw)) for i, kw in enumerate((first, second))]
+    threads[0].start()
     try:
         assert entered.wait(30)
         with urllib.request.urlopen(url + "/health", timeout=10) as response:
             assert response.status == 200
+        arrived.clear()
+        threads[1].start()
+        assert arrived.wait(30)
     finally:
         release.set()
-        slow.join(30)
+        for t in threads:
+            t.join(30)
+    return got
+
+
+def test_the_grammar_tokenizer_is_built_once_off_the_event_loop(served, monkeypatch):
+    """llguidance's reading of the tokenizer (logprobs' token bytes, grammars) is built by the first request that
+    needs it, off the event loop (while it is built the server answers others), and once: a second request arriving
+    meanwhile waits for that build and is served with it (each could build it)."""
+    service = served[3]
+    builds, entered, release = _first_build(monkeypatch, service, fails=False)
+    with_logprobs, with_regex = dict(logprobs=1), dict(extra_body={"regex": "[a-z]{2}"})
+    got = _together(served, monkeypatch, entered, release, with_logprobs, with_regex)
     assert len(got[0].choices[0].logprobs.tokens) == got[0].usage.completion_tokens  # (answered, with logprobs)
+    assert len(got[1].choices[0].text) == 2 and got[1].choices[0].text.isalpha()  # (held to its regex)
+    assert len(builds) == 1
+    assert engine_settled(service)
+
+
+def test_a_grammar_tokenizer_that_cannot_be_built_is_said_to_each_request_and_not_built_again(served, monkeypatch):
+    """A tokenizer llguidance cannot read: every grammar is the same one-line 400 and logprobs fall back to the
+    tokens' text, for the two first requests together and every later one, from one attempt (each request tried
+    again, and a logprobs answer on the event loop once per event)."""
+    client, _, _, service = served
+    builds, entered, release = _first_build(monkeypatch, service, fails=True)
+    with_logprobs, with_regex = dict(logprobs=1), dict(extra_body={"regex": "[a-z]{2}"})
+    got = _together(served, monkeypatch, entered, release, with_regex, with_logprobs)
+    again = [client.completions.create(model=MODEL, prompt="abc", max_tokens=2, logprobs=1, stream=True)]
+    with pytest.raises(openai.BadRequestError, match="structured output cannot use this tokenizer"):
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=2, **with_regex)
+    assert got[0].status_code == 400 and "structured output cannot use this tokenizer" in got[0].message
+    assert len(got[1].choices[0].logprobs.tokens) == got[1].usage.completion_tokens
+    assert [c for chunk in again[0] for c in chunk.choices]
+    assert len(builds) == 1
     assert engine_settled(service)
 
 

@@ -18,7 +18,8 @@ verified, never inserted unverified).
 
 from __future__ import annotations
 
-from functools import cached_property
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -38,9 +39,34 @@ class GrammarCompiler:
 
     def __init__(self, model_dir: Path, vocab_size: int, eos_ids):
         self.model_dir, self.vocab_size, self.eos_ids = Path(model_dir), vocab_size, sorted(eos_ids)
+        self._lock = threading.Lock()
+        self._tokenizer: Future | None = None  # llguidance's tokenizer, or the FastspecError it could not be built with
 
-    @cached_property
+    @property
     def tokenizer(self):
+        """llguidance's reading of the tokenizer, built once by its first caller: callers meanwhile (a server's
+        first requests) wait for that build and share it; a tokenizer it cannot read is the same one-line
+        FastspecError to every caller, never read again."""
+        with self._lock:
+            first = self._tokenizer is None
+            if first:
+                self._tokenizer = Future()
+        if first:
+            try:
+                self._tokenizer.set_result(self._read_tokenizer())
+            except FastspecError as e:
+                self._tokenizer.set_result(e)
+            except BaseException as e:  # (a bug: the callers waiting hear it, and the next caller tries again)
+                self._tokenizer.set_exception(e)
+                with self._lock:
+                    self._tokenizer = None
+                raise
+        built = self._tokenizer.result()
+        if isinstance(built, FastspecError):
+            raise FastspecError(str(built))
+        return built
+
+    def _read_tokenizer(self):
         import llguidance
         from tokenizers import Tokenizer
 

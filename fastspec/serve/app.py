@@ -118,8 +118,9 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
 
 
 def _read_token_bytes(service: EngineService) -> None:
-    """llguidance's reading of the tokenizer, which grammars and logprobs' token bytes use: built by the first
-    request that needs it, here off the event loop (a FastspecError is said where it matters: a grammar's 400)."""
+    """llguidance's reading of the tokenizer, which grammars and logprobs' token bytes use: built once, by the first
+    request that needs it (others arriving meanwhile wait for it), here off the event loop (a FastspecError is said
+    where it matters: a grammar's 400)."""
     try:
         service.engine.grammars.tokenizer
     except FastspecError:
