@@ -52,6 +52,9 @@ def test_stop_strings_and_max_tokens_end_where_generate_ends(served):
     assert got.usage.completion_tokens == generated_through(llm, full.output_ids, stop)
     chunks = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=0, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in chunks) == want.text
+    others = [s for s in (f"<{i}>" for i in range(20)) if s not in full.text][:7]  # (more than OpenAI's 4: as vLLM
+    many = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=0, stop=[*others, stop])
+    assert many.choices[0].text == want.text  # and SGLang take them, and lm-eval's tasks send them; it was a 400)
     one = client.completions.create(model=MODEL, prompt="abc", max_tokens=1, temperature=0)
     assert one.usage.completion_tokens == 1 and one.choices[0].finish_reason == "length"
     assert engine_settled(service)

@@ -40,8 +40,18 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert status == 400 and bad["error"]["type"] == "invalid_request_error"
     assert raw(url, "GET", "/v1/nowhere")[0] == 404
     assert raw(url, "GET", "/health")[1]["status"] == "ok"
-    assert raw(url, "GET", "/v1/models")[1]["data"][0]["id"] == MODEL
+    for past_vocab, param in ((dict(prompt="abc", logit_bias={"999": 5}), "logit_bias"),
+                              (dict(prompt=[999]), "prompt")):
+        with pytest.raises(openai.BadRequestError, match="must be in") as e:  # (the engine's refusal: param was null)
+            client.completions.create(model=MODEL, max_tokens=2, **past_vocab)
+        assert e.value.body["param"] == param
+    listed = raw(url, "GET", "/v1/models")[1]["data"][0]
+    assert listed["id"] == MODEL and listed["created"] > 1_600_000_000  # (when it started, as vLLM's: it was 0)
     assert client.models.list().data[0].id == MODEL
+    assert client.models.retrieve(MODEL).model_dump(exclude_none=True) == listed  # (was a bare 404 "Not Found")
+    with pytest.raises(openai.NotFoundError, match="does not exist") as e:
+        client.models.retrieve("gpt-9")
+    assert e.value.body["code"] == "model_not_found"
     assert client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0).choices[0].text
     assert engine_settled(service)
 
@@ -163,7 +173,8 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
     """OpenAI answers a field of the wrong type with a 400 whose param names it: a model that is no string is not an
     unknown model (404), and fields fastspec does not use (user, stream_options' keys) are checked all the same;
     stream_options without stream true is a 400, as OpenAI's. What the openai client sends for these fields is
-    taken."""
+    taken, and chat's fields for OpenAI's own platform (metadata, store, service_tier, prompt_cache_key,
+    safety_identifier: they were unknown fields) are checked and unused, as vLLM takes them."""
     from fastspec.serve import protocol
     from fastspec.serve.api_error import APIError
 
@@ -172,7 +183,10 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
            "1"), ("stream_options", {"include_usage": "x"}), ("stream_options", {"include_usage": 1}),
            ("stream_options", {"include_obfuscation": "no"}), ("stream_options", {"usage": True}),
            ("logit_bias", {"5": "1"}), ("logit_bias", {"5": True}), ("max_tokens", "8")]
-    bad += [("max_completion_tokens", 2.5), ("parallel_tool_calls", "yes")] if chat else [("echo", "yes")]
+    bad += [("max_completion_tokens", 2.5), ("parallel_tool_calls", "yes"), ("metadata", "x"), ("metadata", {"k": 1}),
+            ("store", "no"), ("service_tier", 1), ("prompt_cache_key", 1), ("safety_identifier", [])] if chat else [
+        ("echo", "yes"), ("store", False)]
+    bad += [("stop", ["a"] * 65), ("stop", ""), ("stop", ["a", ""])]
     for field, value in bad:
         with pytest.raises(APIError) as e:
             protocol.parse_request(base | {"stream": field == "stream_options", field: value}, chat, MODEL)
@@ -187,7 +201,9 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
     assert e.value.status == 404
     good = {"user": "u-1", "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False},
             "logit_bias": {"5": -100, "6": 2.5}, "max_tokens": 8, "seed": None, "top_p": None}
-    parsed = protocol.parse_request(base | good | ({"parallel_tool_calls": False} if chat else {}), chat, MODEL)
+    platform = {"parallel_tool_calls": False, "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+                "prompt_cache_key": "p", "safety_identifier": "s"}  # (OpenAI's own: taken and unused, as vLLM does)
+    parsed = protocol.parse_request(base | good | (platform if chat else {}), chat, MODEL)
     assert parsed.include_usage and parsed.params.max_new_tokens == 8
     assert dict(parsed.params.logit_bias) == {5: -100, 6: 2.5}
 

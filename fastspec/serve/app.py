@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -36,11 +37,17 @@ from fastspec.serve.tools import Tools, template_parser, writes_spaces
 def build_app(service: EngineService, model_name: str, tool_parser: str | None = None) -> Starlette:
     """`tool_parser`: how answers carry tool calls (fastspec.serve.tools.PARSERS; None: as the chat template
     asks)."""
-    ctx = service.engine.worker.max_context_len
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "fastspec",
+            "max_model_len": service.engine.worker.max_context_len}  # (created: when the server started)
 
     async def models(_: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                                         "owned_by": "fastspec", "max_model_len": ctx}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: Request) -> JSONResponse:  # (the openai client's models.retrieve)
+        if request.path_params["model"] == model_name:
+            return JSONResponse(card)
+        return error_response(APIError(f"the model '{request.path_params['model']}' does not exist (this server "
+                                       f"serves '{model_name}')", 404, param="model", code="model_not_found"))
 
     async def health(_: Request) -> Response:
         if service.healthy:
@@ -61,7 +68,8 @@ def build_app(service: EngineService, model_name: str, tool_parser: str | None =
     refusals = PoolRefusals()  # (the KV pool's refusals in the server's log: at most one line a minute)
     chat, text = (partial(_complete, service, model_name, tool_text, refusals, c) for c in (True, False))
     routes = [Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/completions", text, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/v1/models", models, methods=["GET"]), Route("/v1/models/{model:path}", model, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
               Route("/flush_cache", flush_cache, methods=["POST"]), Route("/metrics", metrics, methods=["GET"])]
     handlers = {HTTPException: _http_error, Exception: _internal_error}
     app = Starlette(routes=routes, exception_handlers=handlers)

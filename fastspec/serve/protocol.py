@@ -21,11 +21,15 @@ from fastspec.serve.tools import Tools, close_objects, parse_tools
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
           "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs", "response_format",
           "top_k", "min_p", "repetition_penalty", "ignore_eos", "regex", "ebnf"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                        "parallel_tool_calls"}
+PLATFORM_FIELDS = {"metadata": dict, "store": bool, "service_tier": str, "prompt_cache_key": str,
+                   "safety_identifier": str}  # chat: OpenAI's own platform's (stored completions, tiers, caching
+# keys), no part of the answer: type-checked and unused, as vLLM and SGLang take them
+CHAT_FIELDS = COMMON | set(PLATFORM_FIELDS) | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                               "tool_choice", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_CHOICES = 16  # n: each choice is a request of its own in the running batch
 MAX_REQUESTS = 256  # completions: a request's prompts x n (each a request of its own)
+MAX_STOPS = 64  # stop strings (OpenAI's limit is 4; vLLM and SGLang set none, and lm-eval's tasks may send more)
 DEFAULT_CHAT_MAX_TOKENS = 1024  # OpenAI's chat default is "the rest of the context"; capped so the KV pool holds it
 
 
@@ -95,8 +99,8 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         schema = tools.grammar()
     stop = _get(body, "stop", (str, list), None)
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if not all(isinstance(s, str) for s in stop) or len(stop) > 4:
-        raise APIError("stop must be a string or a list of at most 4 strings", param="stop")
+    if not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOPS:
+        raise APIError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", param="stop")
     if chat:
         want_logprobs = _get(body, "logprobs", bool, False)
         top = _get(body, "top_logprobs", int, 0)
@@ -108,6 +112,10 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     max_tokens, length_field, prompt_only = _max_tokens(body, echo)
     include_usage = _stream_options(body)
     _get(body, "user", str, None)  # (taken and unused, as OpenAI's abuse-monitoring id)
+    for name, kind in PLATFORM_FIELDS.items() if chat else ():
+        _get(body, name, kind, None)
+    if chat and not all(isinstance(v, str) for v in _get(body, "metadata", dict, {}).values()):
+        raise APIError("metadata must map keys to strings", param="metadata")
     try:
         params = SamplingParams(
             temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),

@@ -26,6 +26,9 @@ from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.utils.metrics import SpecMetrics
 
 
+_PARAMS = (("input token ids", "prompt"), ("logit bias", "logit_bias"))  # Engine.request's refusals: the field
+
+
 @dataclass(frozen=True)
 class Event:
     """What one engine step produced for one request."""
@@ -100,7 +103,8 @@ class EngineService:
             request = self.engine.request(next(self._ids), prompt_ids, params)
             detok = IncrementalDetokenizer(self.llm.tokenizer, prompt_ids, params.stop, not keep_special)
         except FastspecError as e:
-            raise APIError(str(e)) from None
+            param = next((p for start, p in _PARAMS if str(e).startswith(start)), None)
+            raise APIError(str(e), param=param) from None
         ending = frozenset(self.engine.worker.eos_ids) | set(params.stop_token_ids) if keep_special else frozenset()
         return Checked(request, detok, ending)
 
