@@ -166,14 +166,16 @@ def _together(served, monkeypatch, entered, release, first: dict, second: dict) 
     return got
 
 
+LOGPROBS, REGEX = dict(logprobs=1), dict(extra_body={"regex": "[a-z]{2}"})  # (each needs llguidance's tokenizer)
+
+
 def test_the_grammar_tokenizer_is_built_once_off_the_event_loop(served, monkeypatch):
     """llguidance's reading of the tokenizer (logprobs' token bytes, grammars) is built by the first request that
     needs it, off the event loop (while it is built the server answers others), and once: a second request arriving
     meanwhile waits for that build and is served with it (each could build it)."""
     service = served[3]
     builds, entered, release = _first_build(monkeypatch, service, fails=False)
-    with_logprobs, with_regex = dict(logprobs=1), dict(extra_body={"regex": "[a-z]{2}"})
-    got = _together(served, monkeypatch, entered, release, with_logprobs, with_regex)
+    got = _together(served, monkeypatch, entered, release, LOGPROBS, REGEX)
     assert len(got[0].choices[0].logprobs.tokens) == got[0].usage.completion_tokens  # (answered, with logprobs)
     assert len(got[1].choices[0].text) == 2 and got[1].choices[0].text.isalpha()  # (held to its regex)
     assert len(builds) == 1
@@ -186,14 +188,14 @@ def test_a_grammar_tokenizer_that_cannot_be_built_is_said_to_each_request_and_no
     again, and a logprobs answer on the event loop once per event)."""
     client, _, _, service = served
     builds, entered, release = _first_build(monkeypatch, service, fails=True)
-    with_logprobs, with_regex = dict(logprobs=1), dict(extra_body={"regex": "[a-z]{2}"})
-    got = _together(served, monkeypatch, entered, release, with_regex, with_logprobs)
-    again = [client.completions.create(model=MODEL, prompt="abc", max_tokens=2, logprobs=1, stream=True)]
-    with pytest.raises(openai.BadRequestError, match="structured output cannot use this tokenizer"):
-        client.completions.create(model=MODEL, prompt="abc", max_tokens=2, **with_regex)
+    got = _together(served, monkeypatch, entered, release, REGEX, LOGPROBS)
     assert got[0].status_code == 400 and "structured output cannot use this tokenizer" in got[0].message
     assert len(got[1].choices[0].logprobs.tokens) == got[1].usage.completion_tokens
-    assert [c for chunk in again[0] for c in chunk.choices]
+    streamed = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=2, stream=True, logprobs=1,
+                                              extra_body={"ignore_eos": True}))
+    assert sum(len(c.choices[0].logprobs.tokens) for c in streamed if c.choices and c.choices[0].logprobs) == 2
+    with pytest.raises(openai.BadRequestError, match="structured output cannot use this tokenizer"):
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=2, **REGEX)
     assert len(builds) == 1
     assert engine_settled(service)
 

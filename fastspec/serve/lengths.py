@@ -19,15 +19,15 @@ _log = logging.getLogger(__name__)
 
 class PoolRefusals:
     """The KV pool's refusals told in the server's log: the first at once, then at most one line per `interval`
-    seconds, which counts the refusals since the last line (each client still gets its 400)."""
+    seconds, which counts the refusals since the last line (each client still gets its 400). The event loop's."""
 
-    def __init__(self, interval: float = 60.0, clock=time.monotonic):
-        self.interval, self.clock = interval, clock
-        self.last: float | None = None  # when the last line was logged
+    def __init__(self, interval: float = 60.0):
+        self.interval = interval
+        self.last: float | None = None  # time.monotonic() when the last line was logged
         self.held = 0  # refusals since then, not logged
 
     def refused(self, e: RequestTooLong) -> None:
-        now = self.clock()
+        now = time.monotonic()
         if self.last is not None and now - self.last < self.interval:
             self.held += 1
             return
