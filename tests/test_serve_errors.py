@@ -174,7 +174,8 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
     unknown model (404), and fields fastspec does not use (user, stream_options' keys) are checked all the same;
     stream_options without stream true is a 400, as OpenAI's. What the openai client sends for these fields is
     taken, and chat's fields for OpenAI's own platform (metadata, store, service_tier, prompt_cache_key,
-    safety_identifier: they were unknown fields) are checked and unused, as vLLM takes them."""
+    safety_identifier; reasoning_effort, verbosity, prediction, modalities ["text"]: they were unknown fields) are
+    checked and unused, as vLLM takes them; audio output and web search are refused."""
     from fastspec.serve import protocol
     from fastspec.serve.api_error import APIError
 
@@ -184,7 +185,9 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
            ("stream_options", {"include_obfuscation": "no"}), ("stream_options", {"usage": True}),
            ("logit_bias", {"5": "1"}), ("logit_bias", {"5": True}), ("max_tokens", "8")]
     bad += [("max_completion_tokens", 2.5), ("parallel_tool_calls", "yes"), ("metadata", "x"), ("metadata", {"k": 1}),
-            ("store", "no"), ("service_tier", 1), ("prompt_cache_key", 1), ("safety_identifier", [])] if chat else [
+            ("store", "no"), ("service_tier", 1), ("prompt_cache_key", 1), ("safety_identifier", []),
+            ("reasoning_effort", 1), ("verbosity", []), ("prediction", "x"), ("modalities", "text"),
+            ("modalities", ["text", "audio"]), ("web_search_options", {})] if chat else [
         ("echo", "yes"), ("store", False)]
     bad += [("stop", ["a"] * 65), ("stop", ""), ("stop", ["a", ""])]
     for field, value in bad:
@@ -202,7 +205,9 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
     good = {"user": "u-1", "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False},
             "logit_bias": {"5": -100, "6": 2.5}, "max_tokens": 8, "seed": None, "top_p": None}
     platform = {"parallel_tool_calls": False, "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
-                "prompt_cache_key": "p", "safety_identifier": "s"}  # (OpenAI's own: taken and unused, as vLLM does)
+                "prompt_cache_key": "p", "safety_identifier": "s", "reasoning_effort": "low", "verbosity": "low",
+                "prediction": {"type": "content", "content": "x"}, "modalities": ["text"],
+                "web_search_options": None}  # (OpenAI's own: taken and unused, as vLLM does)
     parsed = protocol.parse_request(base | good | (platform if chat else {}), chat, MODEL)
     assert parsed.include_usage and parsed.params.max_new_tokens == 8
     assert dict(parsed.params.logit_bias) == {5: -100, 6: 2.5}

@@ -22,10 +22,12 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_
           "presence_penalty", "frequency_penalty", "logit_bias", "user", "logprobs", "response_format",
           "top_k", "min_p", "repetition_penalty", "ignore_eos", "regex", "ebnf"}
 PLATFORM_FIELDS = {"metadata": dict, "store": bool, "service_tier": str, "prompt_cache_key": str,
-                   "safety_identifier": str}  # chat: OpenAI's own platform's (stored completions, tiers, caching
-# keys), no part of the answer: type-checked and unused, as vLLM and SGLang take them
+                   "safety_identifier": str, "reasoning_effort": str, "verbosity": str, "prediction": dict,
+                   "modalities": list}  # chat: OpenAI's own platform's (stored completions, tiers, caching keys)
+# and its reasoning models' hints (effort, verbosity, a predicted output): no part of this model's answer,
+# type-checked and unused, as vLLM and SGLang take them. modalities: text only; web_search_options: refused
 CHAT_FIELDS = COMMON | set(PLATFORM_FIELDS) | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                               "tool_choice", "parallel_tool_calls"}
+                                               "tool_choice", "parallel_tool_calls", "web_search_options"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_CHOICES = 16  # n: each choice is a request of its own in the running batch
 MAX_REQUESTS = 256  # completions: a request's prompts x n (each a request of its own)
@@ -116,6 +118,10 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         _get(body, name, kind, None)
     if chat and not all(isinstance(v, str) for v in _get(body, "metadata", dict, {}).values()):
         raise APIError("metadata must map keys to strings", param="metadata")
+    if chat and any(m != "text" for m in _get(body, "modalities", list, [])):
+        raise APIError("modalities: this server answers in text only", param="modalities")
+    if chat and body.get("web_search_options") is not None:  # (an answer without the search asked for misleads)
+        raise APIError("web_search_options: this server does not search the web", param="web_search_options")
     try:
         params = SamplingParams(
             temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
