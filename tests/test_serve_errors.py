@@ -45,6 +45,12 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
         with pytest.raises(openai.BadRequestError, match="must be in") as e:  # (the engine's refusal: param was null)
             client.completions.create(model=MODEL, max_tokens=2, **past_vocab)
         assert e.value.body["param"] == param
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "no-such-type"}}}
+    for grammar, param in ((dict(extra_body={"regex": "(a"}), "regex"), (dict(extra_body={"ebnf": "root ::= ("}),
+                           "ebnf"), (dict(response_format=bad_schema), "response_format")):
+        with pytest.raises(openai.BadRequestError, match="invalid") as e:  # (a grammar's compile: param was null)
+            client.chat.completions.create(model=MODEL, messages=message, max_tokens=2, **grammar)
+        assert e.value.body["param"] == param
     listed = raw(url, "GET", "/v1/models")[1]["data"][0]
     assert listed["id"] == MODEL and listed["created"] > 1_600_000_000  # (when it started, as vLLM's: it was 0)
     assert client.models.list().data[0].id == MODEL

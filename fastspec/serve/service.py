@@ -26,7 +26,10 @@ from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.utils.metrics import SpecMetrics
 
 
-_PARAMS = (("input token ids", "prompt"), ("logit bias", "logit_bias"))  # Engine.request's refusals: the field
+_PARAMS = (("input token ids", "prompt"), ("logit bias", "logit_bias"),  # Engine.request's refusals: the field
+           *((f"{start} {kind}", field) for start in ("invalid", "the") for kind, field in (  # (grammars': a tool
+               ("regex", "regex"), ("ebnf", "ebnf"), ("json schema", "response_format"), ("lark", "tools"))))
+# call's json schemas compiled before, by name: _check_schemas)
 
 
 @dataclass(frozen=True)
