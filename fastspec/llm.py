@@ -5,6 +5,7 @@ Owns tokenisation and chat templating around the engine (which speaks token ids 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -128,16 +129,19 @@ class LLM:
                  should_stop: Callable[[], bool] = lambda: False, **foreign) -> list[Completion]:
         """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams (None: the defaults)
         or one each (vLLM's names: `llm.generate(prompts, sampling_params=...)`). `should_stop()` (asked after every
-        step; Ctrl-C) ends every request with what it has, reason "abort"."""
+        step; Ctrl-C) ends every request with what it has, reason "abort". The engine's stream is closed however
+        this ends (Ctrl-C in the middle too), so its KV is back and the next call may run."""
         check_call_keywords(self.generate, foreign)
         ids, params = self._inputs(prompts, sampling_params, chat)
-        if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
-            text = self.decode if (self.engine.model_dir / "tokenizer.json").is_file() else lambda ids: None
-            got = collect(self._until(self.engine.stream(ids, params), len(ids), should_stop), params)
-            return [Completion(ids[i], got.ids[i], text(got.ids[i]), got.final[i].finish_reason, got.final[i].metrics,
-                               got.logprobs[i], got.prompt_logprobs[i]) for i in range(len(ids))]
-        streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
-        got = collect(self._until(self.stream_ids(ids, params, streams), len(ids), should_stop), params)
+        with contextlib.closing(self.engine.stream(ids, params)) as steps:
+            if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
+                got = collect(self._until(steps, len(ids), should_stop), params)
+                text = self.decode if (self.engine.model_dir / "tokenizer.json").is_file() else lambda ids: None
+                return [Completion(ids[i], got.ids[i], text(got.ids[i]), got.final[i].finish_reason,
+                                   got.final[i].metrics, got.logprobs[i], got.prompt_logprobs[i])
+                        for i in range(len(ids))]
+            streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
+            got = collect(self._until(self._deltas(steps, streams), len(ids), should_stop), params)
         kept = {i: got.final[i].kept_tokens for i in range(len(ids))}
         return [Completion(ids[i], got.ids[i][: kept[i]], streams[i].text, got.final[i].finish_reason,
                            got.final[i].metrics, None if got.logprobs[i] is None else got.logprobs[i][: kept[i]],
@@ -159,14 +163,17 @@ class LLM:
 
     def stream(self, prompts, sampling_params=None, chat: bool = False, **foreign) -> Iterator[list[TextDelta]]:
         """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
-        start a stop string is held back until it is ruled out)."""
+        start a stop string is held back until it is ruled out). Until it is finished or closed, the LLM runs
+        nothing else (see Engine.run)."""
         check_call_keywords(self.stream, foreign)
         ids, params = self._inputs(prompts, sampling_params, chat)
         streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
-        yield from self.stream_ids(ids, params, streams)
+        with contextlib.closing(self.engine.stream(ids, params)) as steps:
+            yield from self._deltas(steps, streams)
 
-    def stream_ids(self, ids, params, streams) -> Iterator[list[TextDelta]]:
-        for step in self.engine.stream(ids, params):
+    def _deltas(self, steps, streams) -> Iterator[list[TextDelta]]:
+        """The engine's `steps` as text deltas, one IncrementalDetokenizer per request."""
+        for step in steps:
             deltas = []
             for out in step:
                 stream = streams[out.index]

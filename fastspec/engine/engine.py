@@ -8,6 +8,7 @@ Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -36,6 +37,8 @@ class Engine:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fastspec-worker") if self.overlap else None
         self._last: Future | None = None  # the last thing submitted to the worker (a step or a release)
         self._free_before = 0  # free KV in the pool before the step in flight (after the last one handed out)
+        self._aborted: set[int] = set()  # request ids `abort` named, finished before the next step
+        self._running = threading.Lock()  # held while a stream runs: one at a time (see `run`)
         self.load = EngineLoad(0, 0, self.worker.available_kv())
         w = self.worker
         self.grammars = GrammarCompiler(w.model_dir, w.model.config.vocab_size, w.eos_ids)  # structured output
@@ -97,11 +100,27 @@ class Engine:
             ) -> Iterator[list[StepOutput]]:
         """`stream` over Requests made by `request`; with `poll`, requests also arrive while it runs (a server):
         `poll(idle)` is called before every step and returns the requests that arrived (it may block while
-        `idle`, nothing being left to run), or None to stop (what still runs is released)."""
+        `idle`, nothing being left to run), or None to stop (what still runs is released). Streams run one at a
+        time: two would share the drafter's and `abort`'s request ids, so another while one is open (another
+        thread's, or a stream not yet finished or closed) is a FastspecError. A server's run (`poll`) is not one
+        of them: it owns the engine while it serves (its tests read the LLM directly between requests)."""
+        if poll is not None:
+            yield from self._steps(reqs, poll)
+            return
+        if not self._running.acquire(blocking=False):
+            raise FastspecError("this LLM is already running a generate or stream (another thread's, or a stream not "
+                                "yet finished or closed): it runs one at a time; close() the stream, or give each "
+                                "thread an LLM of its own")
+        try:
+            yield from self._steps(reqs, None)
+        finally:
+            self._running.release()
+
+    def _steps(self, reqs: list[Request], poll) -> Iterator[list[StepOutput]]:
         scheduler = Scheduler(self.config.max_running_requests, self.config.page_size, self.worker.round_headroom())
         for r in reqs:
             scheduler.add(r)
-        self._aborted: set[int] = set()
+        self._aborted.clear()
         inflight = None  # (the running requests it was launched with, Future[StepResult]) under overlap
         try:
             while True:

@@ -1,0 +1,84 @@
+"""fastspec.LLM driven as a vLLM / SGLang offline-engine user drives it: one generate or stream at a time (a second,
+from another thread or while a stream is open, refused in one line), Ctrl-C in the middle of a generate."""
+
+import threading
+
+import pytest
+from conftest import all_slots_free
+from tiny_models import write_chat_target
+
+import fastspec
+from fastspec import SamplingParams
+from fastspec.errors import FastspecError
+
+PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
+PROMPTS = [[3, 4, 5, 6], [7, 8]]
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    """A tiny llama with a word-level tokenizer, so stop strings, streams and chat run."""
+    return write_chat_target(tmp_path_factory.mktemp("chat-target"))
+
+
+@pytest.fixture(scope="module")
+def llm(chat_dir):
+    return fastspec.LLM(str(chat_dir), speculative_algorithm="NGRAM", max_total_tokens=512)
+
+
+def ids(completions) -> list[list[int]]:
+    return [c.output_ids for c in completions]
+
+
+def test_one_generate_or_stream_at_a_time(llm, chat_dir):
+    """While a stream is open, a generate from this thread or another is a FastspecError naming why (both ran over
+    the one worker: another thread's failed inside the NGRAM drafter); the open stream goes on, and once it is done
+    every slot is back and the answers are what they were. `abort` before any stream is a no-op (it was an
+    AttributeError)."""
+    fastspec.LLM(str(chat_dir), speculative_algorithm="NONE", max_total_tokens=256).abort(0)
+    expected = ids(llm.generate(PROMPTS, PARAMS))
+    stream = llm.stream(PROMPTS, PARAMS)
+    first = next(stream)
+    refused = []
+
+    def other_thread():
+        try:
+            llm.generate(PROMPTS, PARAMS)
+        except FastspecError as e:
+            refused.append(str(e))
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert len(refused) == 1 and "already running a generate or stream" in refused[0]
+    with pytest.raises(FastspecError, match=r"already running a generate or stream .*close\(\) the stream"):
+        llm.generate(PROMPTS, PARAMS)
+    got = [[], []]
+    for step in [first, *stream]:
+        for delta in step:
+            got[delta.index] += delta.new_ids
+    assert got == expected
+    assert all_slots_free(llm.engine)
+    early = llm.stream(PROMPTS, PARAMS)
+    next(early)
+    early.close()  # walked away from: its slots are back and the next call runs
+    assert ids(llm.generate(PROMPTS, PARAMS)) == expected
+
+
+@pytest.mark.parametrize("stop", [(), ("w89",)])  # token ids alone, and through the detokenizer (stop strings)
+def test_ctrl_c_in_a_generate_leaves_the_llm_usable(llm, stop):
+    """KeyboardInterrupt raised between steps (here from should_stop, in the frames that read the engine's stream):
+    the stream is closed at once, though the traceback (a REPL keeps the last one) holds those frames, so every
+    slot is back and the next generate runs (the slots were held until the traceback was dropped)."""
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, stop=stop)
+    expected = ids(llm.generate(PROMPTS, params))
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        llm.generate(PROMPTS, params, should_stop=ctrl_c)
+    assert all_slots_free(llm.engine)
+    assert ids(llm.generate(PROMPTS, params)) == expected
+    assert caught.traceback  # (held to here)
+
