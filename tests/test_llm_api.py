@@ -1,6 +1,10 @@
 """fastspec.LLM driven as a vLLM / SGLang offline-engine user drives it: one generate or stream at a time (a second,
-from another thread or while a stream is open, refused in one line), Ctrl-C in the middle of a generate."""
+from another thread or while a stream is open, refused in one line), Ctrl-C in the middle of a generate, a script
+that exits with a stream open."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -82,3 +86,21 @@ def test_ctrl_c_in_a_generate_leaves_the_llm_usable(llm, stop):
     assert ids(llm.generate(PROMPTS, params)) == expected
     assert caught.traceback  # (held to here)
 
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_script_that_exits_with_a_stream_open_exits_cleanly(chat_dir, overlap):
+    """A script that ends with a stream still open (it kept one, or returned from inside its loop): the stream is
+    closed at exit, its requests released while the interpreter is whole. Left to the interpreter's last collection,
+    torch aborted the process (exit status 134, an internal assert in THPVariable_clear); under overlap the worker's
+    thread has already stopped then, so the releases run in the main thread."""
+    code = f"""
+import fastspec
+llm = fastspec.LLM({str(chat_dir)!r}, speculative_algorithm="NGRAM", max_total_tokens=512, overlap_schedule={overlap!r})
+stream = llm.stream([[3, 4, 5]], fastspec.SamplingParams(max_new_tokens=8, ignore_eos=True))
+next(stream)
+print("left with a stream open")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)})
+    assert (done.returncode, done.stdout) == (0, "left with a stream open\n"), done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr

@@ -8,7 +8,10 @@ Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -23,6 +26,19 @@ from fastspec.sampling.draw import request_seed
 from fastspec.sampling.grammar import GrammarCompiler
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import SpecConfig
+
+
+OPEN_STREAMS = weakref.WeakSet()  # every stream (Engine.run without `poll`) not yet finished or closed
+
+
+@atexit.register
+def close_open_streams() -> None:
+    """At exit, close the streams still open (a script that ends inside `for step in stream`, or keeps one): their
+    requests are released while the interpreter is whole. Left to its last collection, torch aborted the process
+    (an internal assert in THPVariable_clear, exit status 134). One another thread is running is left to it."""
+    for steps in list(OPEN_STREAMS):
+        if not steps.gi_running:
+            steps.close()
 
 
 class Engine:
@@ -105,8 +121,12 @@ class Engine:
         thread's, or a stream not yet finished or closed) is a FastspecError. A server's run (`poll`) is not one
         of them: it owns the engine while it serves (its tests read the LLM directly between requests)."""
         if poll is not None:
-            yield from self._steps(reqs, poll)
-            return
+            return self._steps(reqs, poll)  # (its thread stops it: not closed at exit)
+        steps = self._one_at_a_time(reqs)
+        OPEN_STREAMS.add(steps)
+        return steps
+
+    def _one_at_a_time(self, reqs: list[Request]) -> Iterator[list[StepOutput]]:
         if not self._running.acquire(blocking=False):
             raise FastspecError("this LLM is already running a generate or stream (another thread's, or a stream not "
                                 "yet finished or closed): it runs one at a time; close() the stream, or give each "
@@ -220,12 +240,15 @@ class Engine:
         return outputs
 
     def _submit(self, fn, *args) -> Future:
-        """Run `fn` in the worker's thread under overlap (in order, after what was submitted before), else now."""
-        if self._thread is None:
+        """Run `fn` in the worker's thread under overlap (in order, after what was submitted before), else now. At
+        exit (close_open_streams) the interpreter has already run the thread's last task and ended it: now, too."""
+        future = None
+        if self._thread is not None:
+            with contextlib.suppress(RuntimeError):  # (only "cannot schedule new futures after ... shutdown")
+                future = self._thread.submit(fn, *args)
+        if future is None:
             future = Future()
             future.set_result(fn(*args))
-        else:
-            future = self._thread.submit(fn, *args)
         self._last = future
         return future
 
