@@ -34,3 +34,10 @@ def name_hint(key: str, names: list[str], foreign: dict[str, str], listing: str)
     else the closest of `names`, else `listing` and every name."""
     close = difflib.get_close_matches(key, names, n=1)
     return foreign.get(key) or (f"did you mean {close[0]}?" if close else f"{listing} {', '.join(names)}")
+
+
+def no_attribute(obj: object, name: str, foreign: dict[str, str]) -> AttributeError:
+    """What `obj.__getattr__` raises for a `name` it lacks: Python's AttributeError (hasattr, copy and pickle rely on
+    its type), with `foreign`'s line for another project's name (vLLM's `.outputs`) added to its one line."""
+    hint = foreign.get(name)
+    return AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}" + (f"; {hint}" if hint else ""))

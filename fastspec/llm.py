@@ -11,45 +11,21 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import cached_property
 from numbers import Integral
 
 from fastspec.config import EngineConfig
 from fastspec.engine.engine import Engine, collect
-from fastspec.errors import FastspecError, name_hint
+from fastspec.errors import FastspecError, name_hint, no_attribute
 from fastspec.models.embedded import default_speculation
 from fastspec.models.sources import resolve_model_dtype, resolve_sources
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import CLI_FLAGS, Schedule, SpecConfig, check_spec_flags
 from fastspec.speculative.tuned import find_schedule, weights_label
+from fastspec.text.completion import Completion, TextDelta
 from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.text.tokenizer import Tokenizer
-from fastspec.utils.metrics import SpecMetrics
 from fastspec.utils.threads import apply_threads
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    index: int  # which prompt
-    text: str  # new text safe to show
-    finish_reason: str | None
-    metrics: SpecMetrics
-    new_ids: list[int]
-    kept_tokens: int | None  # after a stop string: how many output tokens the kept text covers
-    logprobs: tuple | None = None  # TokenLogprob per new id, when asked for
-    prompt_logprobs: tuple | None = None  # TokenLogprob per prompt token after the first: with the first tokens
-
-
-@dataclass(frozen=True)
-class Completion:
-    prompt_ids: list[int]
-    output_ids: list[int]  # the text's tokens (after a stop string: the fewest whose decode holds the text kept)
-    text: str | None  # None: token-id prompts to a model without a tokenizer
-    finish_reason: str
-    metrics: SpecMetrics
-    logprobs: list | None = None  # TokenLogprob per output id (the target's), when SamplingParams.logprobs is set
-    prompt_logprobs: tuple | None = None  # TokenLogprob per prompt token after the first, when asked for
 
 
 class LLM:
@@ -124,7 +100,7 @@ class LLM:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.tokenizer.encode_chat(messages, tools)
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: str | list[str] | list[list[int]] = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False,
                  should_stop: Callable[[], bool] = lambda: False, **foreign) -> list[Completion]:
         """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams (None: the defaults)
@@ -147,7 +123,7 @@ class LLM:
                            got.final[i].metrics, None if got.logprobs[i] is None else got.logprobs[i][: kept[i]],
                            got.prompt_logprobs[i]) for i in range(len(ids))]
 
-    def chat(self, messages: list[dict] | list[list[dict]],
+    def chat(self, messages: list[dict] | list[list[dict]] = None,
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list[dict] | None = None, **foreign) -> list[Completion]:
         """One conversation (a list of {"role": ..., "content": ...} messages) or a list of them, each through the
@@ -161,7 +137,7 @@ class LLM:
                                 "conversations")
         return self.generate([self.encode_chat(list(c), tools) for c in messages], sampling_params)
 
-    def stream(self, prompts, sampling_params=None, chat: bool = False, **foreign) -> Iterator[list[TextDelta]]:
+    def stream(self, prompts=None, sampling_params=None, chat: bool = False, **foreign) -> Iterator[list[TextDelta]]:
         """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
         start a stop string is held back until it is ruled out). Until it is finished or closed, the LLM runs
         nothing else (see Engine.run)."""
@@ -195,6 +171,9 @@ class LLM:
     def abort(self, index: int) -> None:
         self.engine.abort(index)
 
+    def __getattr__(self, name: str):
+        raise no_attribute(self, name, FOREIGN_METHODS)
+
     def _until(self, steps: Iterator[list], n: int, should_stop: Callable[[], bool]) -> Iterator[list]:
         """`steps` of a stream of `n` requests, every one aborted once should_stop() says so."""
         stopped = False
@@ -210,13 +189,18 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not all(_is_prompt(p) for p in prompts):
-            raise FastspecError("prompts must be a string, a list of strings or a list of token-id lists")
+            dicts = isinstance(prompts, dict) or isinstance(prompts, (list, tuple)) and any(
+                isinstance(p, dict) for p in prompts)
+            hint = " (not vLLM's {'prompt': text} / {'prompt_token_ids': ids} dicts: give the text or the ids)"
+            raise FastspecError("prompts must be a string, a list of strings or a list of token-id lists"
+                                + (hint if dicts else ""))
         if chat and any(not isinstance(p, str) for p in prompts):
             raise FastspecError("chat=True applies the chat template to text prompts, not to token ids")
         params = SamplingParams() if params is None else params
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if not all(isinstance(p, SamplingParams) for p in params):
-            raise FastspecError("sampling_params must be a SamplingParams or a list of them, one per prompt")
+            hint = " (SGLang's dict d: SamplingParams(**d))" if any(isinstance(p, dict) for p in params) else ""
+            raise FastspecError(f"sampling_params must be a SamplingParams or a list of them, one per prompt{hint}")
         if len(params) != len(prompts):
             raise FastspecError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one each")
         return [[int(t) for t in p] if not isinstance(p, str) else self.encode(p, chat) for p in prompts], params
@@ -261,13 +245,23 @@ def check_options(options: dict) -> None:
         raise FastspecError(f"LLM has no option {key!r}; {hint}")
 
 
+_TEMPLATED = ("for another prompt, template it yourself (text = llm.tokenizer.apply_chat_template(messages, "
+              "add_generation_prompt=False)) and give LLM.generate its ids (llm.tokenizer.encode(text, "
+              "add_special_tokens=False): the template holds the special tokens)")
 # keywords of vLLM's LLM.generate / chat and SGLang's Engine.generate that fastspec's take otherwise or not at all
 FOREIGN_KEYWORDS = {
     "use_tqdm": "fastspec shows no progress bar: leave it out", "lora_request": "fastspec serves no LoRA adapters",
     "prompt": "use prompts (a string or a list of them)", "input_ids": "pass token-id lists as the prompts",
     "prompt_token_ids": "pass token-id lists as the prompts", "stream": "use LLM.stream",
     "return_logprob": "use SamplingParams(logprobs=...)",
-    "chat_template": "fastspec uses the model's own chat template"}
+    "chat_template": "fastspec uses the model's own chat template",
+    "add_generation_prompt": f"LLM.chat always adds it; {_TEMPLATED}", "continue_final_message": _TEMPLATED}
+# methods of vLLM's LLM and SGLang's Engine that fastspec.LLM spells otherwise or does not have
+FOREIGN_METHODS = {
+    "get_tokenizer": "use llm.tokenizer (or llm.encode / llm.decode)", "llm_engine": "the engine is llm.engine",
+    "shutdown": "nothing to shut down: an LLM's threads and memory go with it (del llm)",
+    "reset_prefix_cache": "use llm.engine.flush_cache()", "flush_cache": "use llm.engine.flush_cache()",
+    "async_generate": "LLM.stream yields as it goes; `fastspec serve` answers many clients at once"}
 
 
 def check_call_keywords(method, foreign: dict) -> None:

@@ -1,8 +1,10 @@
 """fastspec.LLM driven as a vLLM / SGLang offline-engine user drives it: one generate or stream at a time (a second,
-from another thread or while a stream is open, refused in one line), Ctrl-C in the middle of a generate, a script
-that exits with a stream open."""
+from another thread or while a stream is open, refused in one line), Ctrl-C in the middle of a generate, and other
+projects' names (keywords without the prompts, dict prompts and params, a Completion's vLLM fields, the LLM's
+methods) answered with fastspec's own."""
 
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -85,6 +87,36 @@ def test_ctrl_c_in_a_generate_leaves_the_llm_usable(llm, stop):
     assert all_slots_free(llm.engine)
     assert ids(llm.generate(PROMPTS, params)) == expected
     assert caught.traceback  # (held to here)
+
+
+def test_other_projects_names_are_answered_in_one_line(llm):
+    """vLLM's and SGLang's spellings: a keyword given without the prompts (was a TypeError about the missing
+    argument), their dict prompts and params, a Completion's RequestOutput fields and the LLM's methods (were bare
+    AttributeErrors) each name fastspec's own; a name no one has stays Python's plain AttributeError."""
+    with pytest.raises(FastspecError, match="generate has no keyword 'prompt_token_ids'; pass token-id lists as the"):
+        llm.generate(prompt_token_ids=PROMPTS)
+    with pytest.raises(FastspecError, match="generate has no keyword 'prompt'; use prompts"):
+        llm.generate(prompt="w3 w4", sampling_params=PARAMS)
+    with pytest.raises(FastspecError, match="chat has no keyword 'continue_final_message'; for another prompt"):
+        llm.chat([{"role": "user", "content": "w3"}], PARAMS, continue_final_message=True)
+    for prompts in ([{"prompt_token_ids": [3, 4]}], {"prompt": "w3 w4"}):
+        with pytest.raises(FastspecError, match=r"token-id lists \(not vLLM's \{'prompt': text\}"):
+            llm.generate(prompts, PARAMS)
+    with pytest.raises(FastspecError, match=r"one per prompt \(SGLang's dict d: SamplingParams\(\*\*d\)\)"):
+        llm.generate("w3 w4", {"max_new_tokens": 2})
+    completion = llm.generate([[3, 4]], PARAMS)[0]
+    with pytest.raises(AttributeError, match=r"^'Completion' object has no attribute 'outputs'; a Completion is its "
+                                             r"prompt's one answer \(vLLM's .outputs\[0\]\): read .text"):
+        completion.outputs
+    with pytest.raises(AttributeError, match="no attribute 'token_ids'; use output_ids$"):
+        completion.token_ids
+    with pytest.raises(AttributeError, match="^'Completion' object has no attribute 'nope'$"):
+        completion.nope
+    assert not hasattr(completion, "outputs") and pickle.loads(pickle.dumps(completion)) == completion
+    with pytest.raises(AttributeError, match=r"^'LLM' object has no attribute 'get_tokenizer'; use llm.tokenizer"):
+        llm.get_tokenizer()
+    with pytest.raises(AttributeError, match="^'LLM' object has no attribute 'nope'$"):
+        llm.nope
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
