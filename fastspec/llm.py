@@ -100,7 +100,7 @@ class LLM:
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return self.tokenizer.encode_chat(messages, tools)
 
-    def generate(self, prompts: str | list[str] | list[list[int]] = None,
+    def generate(self, prompts: str | list[str] | list[list[int]] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False,
                  should_stop: Callable[[], bool] = lambda: False, **foreign) -> list[Completion]:
         """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams (None: the defaults)
@@ -123,7 +123,7 @@ class LLM:
                            got.final[i].metrics, None if got.logprobs[i] is None else got.logprobs[i][: kept[i]],
                            got.prompt_logprobs[i]) for i in range(len(ids))]
 
-    def chat(self, messages: list[dict] | list[list[dict]] = None,
+    def chat(self, messages: list[dict] | list[list[dict]] | None = None,
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list[dict] | None = None, **foreign) -> list[Completion]:
         """One conversation (a list of {"role": ..., "content": ...} messages) or a list of them, each through the

@@ -8,10 +8,8 @@ Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -19,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from fastspec.config import EngineConfig
 from fastspec.engine.outputs import EngineLoad, GenerateOutput, StepOutput, collect
 from fastspec.engine.scheduler import Request, Scheduler
+from fastspec.engine.streams import one_at_a_time
 from fastspec.engine.worker import Worker
 from fastspec.errors import FastspecError, RequestTooLong
 from fastspec.models.sources import ModelSources
@@ -26,19 +25,6 @@ from fastspec.sampling.draw import request_seed
 from fastspec.sampling.grammar import GrammarCompiler
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import SpecConfig
-
-
-OPEN_STREAMS = weakref.WeakSet()  # every stream (Engine.run without `poll`) not yet finished or closed
-
-
-@atexit.register
-def close_open_streams() -> None:
-    """At exit, close the streams still open (a script that ends inside `for step in stream`, or keeps one): their
-    requests are released while the interpreter is whole. Left to its last collection, torch aborted the process
-    (an internal assert in THPVariable_clear, exit status 134). One another thread is running is left to it."""
-    for steps in list(OPEN_STREAMS):
-        if not steps.gi_running:
-            steps.close()
 
 
 class Engine:
@@ -118,23 +104,12 @@ class Engine:
         `poll(idle)` is called before every step and returns the requests that arrived (it may block while
         `idle`, nothing being left to run), or None to stop (what still runs is released). Streams run one at a
         time: two would share the drafter's and `abort`'s request ids, so another while one is open (another
-        thread's, or a stream not yet finished or closed) is a FastspecError. A server's run (`poll`) is not one
-        of them: it owns the engine while it serves (its tests read the LLM directly between requests)."""
+        thread's, or a stream not yet finished or closed) is a FastspecError. A server's run (`poll`) is not counted:
+        its thread owns the engine while it serves, and whoever reads the LLM directly meanwhile does so between
+        its requests."""
         if poll is not None:
             return self._steps(reqs, poll)  # (its thread stops it: not closed at exit)
-        steps = self._one_at_a_time(reqs)
-        OPEN_STREAMS.add(steps)
-        return steps
-
-    def _one_at_a_time(self, reqs: list[Request]) -> Iterator[list[StepOutput]]:
-        if not self._running.acquire(blocking=False):
-            raise FastspecError("this LLM is already running a generate or stream (another thread's, or a stream not "
-                                "yet finished or closed): it runs one at a time; close() the stream, or give each "
-                                "thread an LLM of its own")
-        try:
-            yield from self._steps(reqs, None)
-        finally:
-            self._running.release()
+        return one_at_a_time(self._running, self._steps(reqs, None))
 
     def _steps(self, reqs: list[Request], poll) -> Iterator[list[StepOutput]]:
         scheduler = Scheduler(self.config.max_running_requests, self.config.page_size, self.worker.round_headroom())
@@ -241,7 +216,7 @@ class Engine:
 
     def _submit(self, fn, *args) -> Future:
         """Run `fn` in the worker's thread under overlap (in order, after what was submitted before), else now. At
-        exit (close_open_streams) the interpreter has already run the thread's last task and ended it: now, too."""
+        exit (fastspec.engine.streams) the interpreter has already run the thread's last task and ended it: now."""
         future = None
         if self._thread is not None:
             with contextlib.suppress(RuntimeError):  # (only "cannot schedule new futures after ... shutdown")

@@ -25,7 +25,7 @@ class TextDelta:
 VLLM_FIELDS = {
     "outputs": "a Completion is its prompt's one answer (vLLM's .outputs[0]): read .text, .output_ids, .finish_reason",
     "token_ids": "use output_ids", "prompt_token_ids": "use prompt_ids",
-    "prompt": "the prompt is kept as its tokens: prompt_ids", "stop_reason": "finish_reason is stop or length",
+    "prompt": "the prompt is kept as its tokens: prompt_ids", "stop_reason": "finish_reason says stop, length or abort",
     "cumulative_logprob": "sum the logprob of each of .logprobs (SamplingParams(logprobs=0) asks for them)",
     "finished": "a Completion is always finished (finish_reason: stop, length or abort)",
     "request_id": "completions come back in the order of their prompts", "index": "one answer per prompt, in order",
