@@ -1,7 +1,7 @@
 """fastspec.LLM driven as a vLLM / SGLang offline-engine user drives it: one generate or stream at a time (a second,
-from another thread or while a stream is open, refused in one line), Ctrl-C in the middle of a generate, and other
-projects' names (keywords without the prompts, dict prompts and params, a Completion's vLLM fields, the LLM's
-methods) answered with fastspec's own."""
+from another thread or while a stream is open, refused in one line), Ctrl-C in the middle of a generate, a script
+that exits with a stream open, and other projects' names (keywords without the prompts, dict prompts and params, a
+Completion's vLLM fields, the LLM's methods) answered with fastspec's own."""
 
 import os
 import pickle
@@ -121,8 +121,8 @@ def test_other_projects_names_are_answered_in_one_line(llm):
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_a_script_that_exits_with_a_stream_open_exits_cleanly(chat_dir, overlap):
-    """A script that ends with a stream still open (it kept one, or returned from inside its loop): the stream is
-    closed at exit, its requests released while the interpreter is whole. Left to the interpreter's last collection,
+    """A script that ends with a stream still open (kept in a variable, not run to its end): the stream is closed at
+    exit, its requests released while the interpreter is whole. Left to the interpreter's last collection,
     torch aborted the process (exit status 134, an internal assert in THPVariable_clear); under overlap the worker's
     thread has already stopped then, so the releases run in the main thread."""
     code = f"""
