@@ -39,8 +39,9 @@ def ids(completions) -> list[list[int]]:
 def test_one_generate_or_stream_at_a_time(llm, chat_dir):
     """While a stream is open, a generate from this thread or another is a FastspecError naming why (both ran over
     the one worker: another thread's failed inside the NGRAM drafter); the open stream goes on, and once it is done
-    every slot is back and the answers are what they were. `abort` before any stream is a no-op (it was an
-    AttributeError)."""
+    every slot is back and the answers are what they were. A stream closed early leaves the engine's load (a
+    server's /metrics) reading the pool as it is (it read the closed stream's last step: 2 running). `abort`
+    before any stream is a no-op (it was an AttributeError)."""
     fastspec.LLM(str(chat_dir), speculative_algorithm="NONE", max_total_tokens=256).abort(0)
     expected = ids(llm.generate(PROMPTS, PARAMS))
     stream = llm.stream(PROMPTS, PARAMS)
@@ -67,7 +68,8 @@ def test_one_generate_or_stream_at_a_time(llm, chat_dir):
     assert all_slots_free(llm.engine)
     early = llm.stream(PROMPTS, PARAMS)
     next(early)
-    early.close()  # walked away from: its slots are back and the next call runs
+    early.close()  # walked away from: its slots are back (the load says so too) and the next call runs
+    assert (llm.engine.load.running, llm.engine.load.free_kv) == (0, llm.engine.worker.available_kv())
     assert ids(llm.generate(PROMPTS, PARAMS)) == expected
 
 
@@ -84,6 +86,7 @@ def test_ctrl_c_in_a_generate_leaves_the_llm_usable(llm, stop):
 
     with pytest.raises(KeyboardInterrupt) as caught:
         llm.generate(PROMPTS, params, should_stop=ctrl_c)
+    assert (llm.engine.load.running, llm.engine.load.free_kv) == (0, llm.engine.worker.available_kv())
     assert all_slots_free(llm.engine)
     assert ids(llm.generate(PROMPTS, params)) == expected
     assert caught.traceback  # (held to here)

@@ -154,6 +154,7 @@ class Engine:
             self._drain(raise_errors=False)
             for r in scheduler.running:
                 self.worker.release(r)
+            self.load = EngineLoad(0, 0, self.worker.available_kv())  # (a stream left early read its last step's)
 
     def _launch(self, scheduler: Scheduler, ahead: bool):
         """Start the next step: a prefill chunk if a request is prefilling, else a decode round. Admission,
