@@ -83,13 +83,17 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
     return out
 
 
-def bpe_vocab(pre: str = "smollm", add_bos: bool = True, add_eos: bool = False):
-    """The writer of a byte-level BPE vocabulary (TOKENS, MERGES) with llama.cpp pre-tokenizer `pre`."""
+def bpe_vocab(pre: str = "smollm", add_bos: bool = True, add_eos: bool = False, extra: tuple[str, ...] = (),
+              ids: dict | None = None):
+    """The writer of a byte-level BPE vocabulary (TOKENS, MERGES, then the control tokens `extra`) with llama.cpp
+    pre-tokenizer `pre`; ids: tokenizer.ggml.<key>_token_id -> id, beside bos / eos / pad / unk."""
     def write(w: gguf.GGUFWriter) -> None:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre)
-        w.add_token_list(TOKENS)
-        w.add_token_types(TYPES)
+        w.add_token_list(TOKENS + list(extra))
+        w.add_token_types(TYPES + [3] * len(extra))
+        for key, token_id in (ids or {}).items():
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", token_id)
         w.add_token_merges(MERGES)
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)

@@ -79,6 +79,24 @@ def test_generation_ends_on_llama_cpps_end_of_generation_tokens(tmp_path):
     assert end_ids(tmp_path, "spm") == [2]  # </s>
 
 
+FIM = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+END_VOCABS = {  # name -> (extra control tokens, tokenizer.ggml.<key>_token_id, the ends worked by hand)
+    # Qwen2.5-Coder's FIM tokens: llama.cpp guesses its pad / repo / separator tokens by text and ends on them
+    "coder": (FIM + ("<|eom_id|>",), {}, [0, 2, 268, 269, 270, 271]),
+    "coder-named": (FIM, {"fim_pad": 5, "fim_rep": 6, "fim_sep": 7}, [0, 2, 5, 6, 7]),  # named: no guess by text
+    "end": (("<|end|>", "<|return|>"), {}, [0, 2, 265, 266]),
+    "harmony": (("<|end|>", "<|return|>", "<|call|>"), {}, [0, 2, 266, 267]),  # gpt-oss's: <|end|> ends no answer
+}
+
+
+@pytest.mark.parametrize("name", END_VOCABS)
+def test_fim_and_tool_call_ends_are_llama_cpps(tmp_path, name):
+    extra, ids, ends = END_VOCABS[name]
+    assert len(TOKENS) == 265
+    converted_tokenizer(tmp_path, bpe_vocab(extra=extra, ids=ids))
+    assert end_ids(tmp_path) == ends
+
+
 def test_yarns_attn_factor_scales_its_attention_factor(tmp_path):
     """llama.cpp multiplies YaRN's magnitude scale (1 + 0.1 ln factor) by rope.scaling.attn_factor; HF's
     attention_factor replaces that scale, so it is the product."""
@@ -218,10 +236,11 @@ def test_logits_and_greedy_tokens_equal_llama_cpps(tmp_path, monkeypatch, name):
     assert list(answer[:near_tie]) == greedy[:near_tie]
 
 
-@pytest.mark.parametrize("vocab", ["bpe-smollm", "spm-None-None", "split-llama-bpe"])
+@pytest.mark.parametrize("vocab", ["bpe-smollm", "spm-None-None", "split-llama-bpe", *END_VOCABS])
 def test_end_of_generation_tokens_equal_llama_cpps(tmp_path, vocab):
     llama_cpp = llama_cpp_or_skip()
-    path, tok = converted_tokenizer(tmp_path, VOCABS[vocab])
+    extra, ids, _ = END_VOCABS.get(vocab, ((), {}, None))
+    path, tok = converted_tokenizer(tmp_path, VOCABS[vocab] if vocab in VOCABS else bpe_vocab(extra=extra, ids=ids))
     theirs = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     vocabulary = llama_cpp.llama_model_get_vocab(theirs.model)
     eog = [i for i in range(len(tok)) if llama_cpp.llama_vocab_is_eog(vocabulary, i)]

@@ -14,7 +14,13 @@ from fastspec.models.gguf_rope import ROPE_FACTORS, f32, rope_scaling
 from fastspec.models.gguf_tokenizer import special_id
 
 END_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
-             "<EOT>", "_<EOT>", "</s>", "<end_of_utterance>", "<｜end▁of▁sentence｜>"}  # llama.cpp's end-of-generation
+             "<EOT>", "_<EOT>", "</s>", "<eos>", "[EOS]", "<end_of_utterance>", "<｜end▁of▁sentence｜>", "<|return|>",
+             "<|call|>", "<|flush|>", "<|calls|>"}  # llama.cpp's end-of-generation texts
+NOT_END_BESIDE = (("<|return|>", "<|call|>"), ("<|flush|>", "<|calls|>"))  # with both, <|end|> ends no generation
+FIM_ENDS = {  # llama.cpp also ends on the FIM pad / repo / separator token: tokenizer.ggml key -> the texts it guesses
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",)}
 PER_LAYER = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")  # one value or one per layer
 
 
@@ -80,11 +86,23 @@ def rope_factors(reader) -> torch.Tensor | None:
 
 
 def generation_config(reader, config: dict) -> dict:
-    """bos / eos / pad for generate(); as in llama.cpp, eot, eom and the tokens whose text ends a turn or a text
-    (END_TEXTS) also stop generation."""
-    named = [config["eos_token_id"], *(meta(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eot", "eom"))]
-    tokens = meta(reader, "tokenizer.ggml.tokens")
-    stop = list(dict.fromkeys([i for i in named if i is not None]
-                              + [i for i, token in enumerate(tokens) if token in END_TEXTS]))
+    """bos / eos / pad for generate(); eos_token_id lists every token llama.cpp ends generation on (end_ids)."""
+    stop = end_ids(reader_meta(reader), config["eos_token_id"])
     return {"bos_token_id": config["bos_token_id"], "eos_token_id": stop[0] if len(stop) == 1 else stop or None,
             "pad_token_id": config["pad_token_id"]}
+
+
+def end_ids(m, eos: int | None) -> list[int]:
+    """llama.cpp's end-of-generation set over metadata `m(key, default)`: eos, the file's eot / eom / FIM pad / repo /
+    separator tokens (a FIM one the file does not name: the first token whose text llama.cpp takes for it), and every
+    token whose text ends a turn or a text (END_TEXTS; <|end|> not beside NOT_END_BESIDE's pairs)."""
+    tokens = m("tokenizer.ggml.tokens")
+    named = [eos, *(m(f"tokenizer.ggml.{k}_token_id", None) for k in ("eot", "eom"))]
+    for key, texts in FIM_ENDS.items():
+        named.append(m(f"tokenizer.ggml.{key}_token_id", None))
+        if named[-1] is None:
+            named[-1] = next((i for i, token in enumerate(tokens) if token in texts), None)
+    present = set(tokens)
+    ends = END_TEXTS - {"<|end|>"} if any(set(pair) <= present for pair in NOT_END_BESIDE) else END_TEXTS
+    return list(dict.fromkeys([i for i in named if i is not None]
+                              + [i for i, token in enumerate(tokens) if token in ends]))
