@@ -153,14 +153,14 @@ def spm_vocab(add_space_prefix: bool | None = None, add_bos: bool | None = None)
 
 def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_bos=True, add_eos=False, vocab=None,
                rope_factors=None, yarn=None, extra_tensors=None, raw_kinds=None, per_layer=None,
-               rope_attn_factor=None):
+               rope_attn_factor=None, value_length=None):
     """`model` as a GGUF of general.architecture `arch` (its own by default) with `vocab` (a bpe_vocab / spm_vocab
     writer; bpe_vocab("smollm") by default), matrices in `qtype`; rope_factors: a rope_freqs tensor [head_dim / 2];
     yarn: (factor, original context length); rope_attn_factor: rope.scaling.attn_factor (llama.cpp's factor on the
     rope's cos / sin); the model config's sliding_window, where set; extra_tensors: name -> float32 array, written as
     they are; raw_kinds: name -> a GGML type the gguf package cannot quantise to, the tensor written as zero bytes of
     that type; per_layer: feed_forward_length / attention.head_count(_kv) -> one value per layer (an array, as
-    llama.cpp reads them) instead of the model's."""
+    llama.cpp reads them) instead of the model's; value_length: attention.value_length (with key_length) as given."""
     cfg = model.config
     w = gguf.GGUFWriter(path, arch or cfg.model_type)
     w.add_block_count(cfg.num_hidden_layers)
@@ -171,9 +171,9 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
     w.add_head_count(per_layer.get("attention.head_count", cfg.num_attention_heads))
     w.add_head_count_kv(per_layer.get("attention.head_count_kv", cfg.num_key_value_heads))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or value_length is not None:
         w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
+        w.add_value_length(value_length or head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base((cfg.rope_parameters or {}).get("rope_theta", 10000.0))
     w.add_rope_dimension_count(head_dim)

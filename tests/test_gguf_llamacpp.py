@@ -65,6 +65,16 @@ def test_per_layer_values_that_differ_are_refused_in_one_line(tmp_path, key, val
         convert_gguf(path, tmp_path / "hf")
 
 
+def test_a_value_length_other_than_the_key_length_is_refused_in_one_line(tmp_path):
+    """llama.cpp reads attention.value_length apart from key_length; fastspec's attention has one head_dim."""
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("qwen3"), value_length=16)
+    line = f"{path}: qwen3.attention.value_length 16 differs from key_length 32: not supported"
+    with pytest.raises(FastspecError, match=f"^{re.escape(line)}$"):
+        convert_gguf(path, tmp_path / "hf")
+    path = write_gguf(tmp_path / "same.gguf", tiny_model("llama"), value_length=16)  # (both 16: hidden / heads)
+    assert json.loads((convert_gguf(path, tmp_path / "same") / "config.json").read_text())["head_dim"] == 16
+
+
 def end_ids(tmp_path, name="m") -> list[int]:
     stop = json.loads((tmp_path / f"{name}-hf" / "generation_config.json").read_text())["eos_token_id"]
     return sorted(stop if isinstance(stop, list) else [stop])

@@ -55,6 +55,10 @@ def model_config(reader, dtype: torch.dtype, arch: str, spec, path: Path) -> dic
     m = arch_meta(reader, arch, path)
     hidden, n_head = m("embedding_length"), m("attention.head_count")
     head_dim = m("attention.key_length", hidden // n_head)
+    value_dim = m("attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise FastspecError(f"{path}: {arch}.attention.value_length {value_dim} differs from key_length {head_dim}: "
+                            "not supported")
     if m("rope.dimension_count", head_dim) != head_dim:
         raise FastspecError("GGUF uses partial rotary embeddings (rope.dimension_count != head_dim)")
     theta = f32(m("rope.freq_base", 10000.0))
