@@ -1,6 +1,8 @@
 """Tiny random Hugging Face models written to GGUF the way llama.cpp lays them out: llama (q / k rows paired for
-its rope), qwen2 (q / k / v biases), qwen3 (q / k norms, a head_dim that is not hidden / heads) and phi3 (fused QKV
-and gate_up, as Phi-3's checkpoints and llama.cpp keep them; a sliding window), with a byte-level
+its rope), qwen2 (q / k / v biases), qwen3 (q / k norms, a head_dim that is not hidden / heads), phi3 (fused QKV
+and gate_up, as Phi-3's checkpoints and llama.cpp keep them; a sliding window), qwen3moe and Mixtral (llama.cpp's
+`llama` with an expert_count: experts stacked [E, ...] as ffn_gate_exps / ffn_up_exps / ffn_down_exps, the router
+ffn_gate_inp), with a byte-level
 BPE vocabulary (any llama.cpp pre-tokenizer name) or a SentencePiece one, and Llama 3's rope factors or YaRN's keys.
 transformers' own GGUF loader reads these files back as the same model (test_gguf_archs), which checks the layout."""
 
@@ -15,8 +17,12 @@ from transformers import (
     Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -31,7 +37,13 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
 FUSED_NAMES = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # phi3's (its fused up: gate first)
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, {}), "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
             "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 32}),
-            "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": None, "bos_token_id": 0, "eos_token_id": 0})}
+            "phi3": (Phi3Config, Phi3ForCausalLM, {"pad_token_id": None, "bos_token_id": 0, "eos_token_id": 0}),
+            "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"head_dim": 32, "num_experts": 4,
+                                                                "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                                                "norm_topk_prob": True}),
+            "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2})}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}  # llama.cpp's general.architecture where not model_type
+EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}  # stacked [E, ...]
 
 
 def tiny_model(arch: str = "llama", tied: bool = True, seed: int = 0, **config):
@@ -63,7 +75,7 @@ def llamacpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:  # w: [n_hea
 
 def gguf_tensors(model) -> dict[str, np.ndarray]:
     cfg, out = model.config, {}
-    llama = cfg.model_type == "llama"  # qwen2 / qwen3 use NEOX rope in llama.cpp: rows stay in HF's order
+    llama = cfg.model_type in ("llama", "mixtral")  # qwen2 / qwen3 use NEOX rope in llama.cpp: rows stay in HF's order
     for name, p in model.state_dict().items():
         w = p.detach().clone()
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -72,10 +84,15 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
             w = llamacpp_permute(w, cfg.num_attention_heads)
         if llama and name.endswith("k_proj.weight"):
             w = llamacpp_permute(w, cfg.num_key_value_heads)
+        if name.startswith("model.layers.") and ".mlp.experts." in name:  # transformers' [E, ...]; gate_up: gate first
+            layer, proj = name.removeprefix("model.layers.").split(".")[0], name.rsplit(".", 1)[1]
+            for key, part in zip(EXPERTS[proj], w.chunk(len(EXPERTS[proj]), 1)):
+                out[f"blk.{layer}.{key}.weight"] = part.numpy().astype(np.float32)
+            continue
         if name.startswith("model.layers."):
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
-            key = f"blk.{layer}.{(LAYER_NAMES | FUSED_NAMES)[module]}.{kind}"
+            key = f"blk.{layer}.{(LAYER_NAMES | FUSED_NAMES | {'mlp.gate': 'ffn_gate_inp'})[module]}.{kind}"
         else:
             key = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                    "lm_head.weight": "output.weight"}[name]
@@ -153,16 +170,18 @@ def spm_vocab(add_space_prefix: bool | None = None, add_bos: bool | None = None)
 
 def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_bos=True, add_eos=False, vocab=None,
                rope_factors=None, yarn=None, extra_tensors=None, raw_kinds=None, per_layer=None,
-               rope_attn_factor=None, value_length=None):
+               rope_attn_factor=None, value_length=None, extra_meta=None):
     """`model` as a GGUF of general.architecture `arch` (its own by default) with `vocab` (a bpe_vocab / spm_vocab
     writer; bpe_vocab("smollm") by default), matrices in `qtype`; rope_factors: a rope_freqs tensor [head_dim / 2];
     yarn: (factor, original context length); rope_attn_factor: rope.scaling.attn_factor (llama.cpp's factor on the
     rope's cos / sin); the model config's sliding_window, where set; extra_tensors: name -> float32 array, written as
     they are; raw_kinds: name -> a GGML type the gguf package cannot quantise to, the tensor written as zero bytes of
     that type; per_layer: feed_forward_length / attention.head_count(_kv) -> one value per layer (an array, as
-    llama.cpp reads them) instead of the model's; value_length: attention.value_length (with key_length) as given."""
+    llama.cpp reads them) instead of the model's; value_length: attention.value_length (with key_length) as given;
+    extra_meta: metadata key -> an unsigned integer, written beside the others."""
     cfg = model.config
-    w = gguf.GGUFWriter(path, arch or cfg.model_type)
+    arch = arch or GGUF_ARCH.get(cfg.model_type, cfg.model_type)
+    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -184,15 +203,24 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
         w.add_rope_scaling_factor(yarn[0])
         w.add_rope_scaling_orig_ctx_len(yarn[1])
     if rope_attn_factor is not None:
-        w.add_float32(f"{arch or cfg.model_type}.rope.scaling.attn_factor", rope_attn_factor)
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", rope_attn_factor)
     w.add_vocab_size(cfg.vocab_size)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    for key, value in (extra_meta or {}).items():
+        w.add_uint32(key, value)
     (vocab or bpe_vocab(add_bos=add_bos, add_eos=add_eos))(w)
     for name, array in gguf_tensors(model).items():
         if name in (raw_kinds or {}):
             block, size = gguf.constants.GGML_QUANT_SIZES[raw_kinds[name]]
             raw = np.zeros((*array.shape[:-1], array.shape[-1] // block * size), dtype=np.uint8)
             w.add_tensor(name, raw, raw_dtype=raw_kinds[name])
-        elif array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        elif array.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32 and "ffn_gate_inp" not in name:  # (a router
+            # stays F32, as llama-quantize leaves it)
             w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, array)

@@ -1,5 +1,7 @@
-"""GGUF -> Hugging Face directory conversion for the llama, qwen2, qwen3 and phi3 architectures (phi3 as a Llama:
-its fused QKV and gate_up rows split).
+"""GGUF -> Hugging Face directory conversion for the llama, qwen2, qwen3, phi3 and qwen3moe architectures (phi3 as a
+Llama: its fused QKV and gate_up rows split; a llama with an expert_count as Mixtral): a MoE's experts, stacked [E, ...]
+in one GGUF tensor per projection, are written as transformers' per-expert weights (each expert's blocks, where they
+are of a block type).
 
 Owns: reading GGUF tensors, undoing llama.cpp's rope row permutation of a llama's q/k, and writing the directory
 atomically (the tokenizer: gguf_tokenizer): every tensor of a block format as its blocks only (BLOCKS_FILE: what
@@ -54,10 +56,16 @@ _PHI3_FUSED = {  # blk.N tensor -> the HF weights its rows stack, and their row 
 }
 
 
+def _experts(block: str, gate: str, up: str, down: str) -> dict:  # blk.N's stacked experts -> HF names of expert {e}
+    return {"ffn_gate_inp.weight": f"{block}.gate.weight", **{
+        f"ffn_{part}_exps.weight": f"{block}.experts.{{e}}.{name}.weight"
+        for part, name in (("gate", gate), ("up", up), ("down", down))}}
+
+
 class Arch(NamedTuple):
     hf_class: str
     model_type: str
-    extra: dict  # its blk.N tensors beyond llama's -> HF names
+    extra: dict  # its blk.N tensors beyond llama's -> HF names (an expert's with {e}: one GGUF tensor holds all E)
     fused: dict  # its blk.N tensors that stack several HF weights by rows (_PHI3_FUSED's form)
     paired_rope_rows: bool  # llama.cpp pairs q / k rows for its rope (a llama); the others rotate halves, as HF
 
@@ -67,7 +75,18 @@ ARCHITECTURES = {  # general.architecture -> how it converts
     "qwen2": Arch("Qwen2ForCausalLM", "qwen2", _QWEN2_BIASES, {}, False),
     "qwen3": Arch("Qwen3ForCausalLM", "qwen3", _QWEN3_NORMS, {}, False),
     "phi3": Arch("LlamaForCausalLM", "llama", {}, _PHI3_FUSED, False),
+    "qwen3moe": Arch("Qwen3MoeForCausalLM", "qwen3_moe",
+                     _QWEN3_NORMS | _experts("mlp", "gate_proj", "up_proj", "down_proj"), {}, False),
 }
+MIXTRAL = Arch("MixtralForCausalLM", "mixtral", _experts("block_sparse_moe", "w1", "w3", "w2"), {}, True)  # a llama
+# with experts (llama.cpp's name for Mixtral), written with transformers' Mixtral names
+
+
+def arch_spec(reader, arch: str) -> Arch:
+    """How a GGUF of general.architecture `arch` converts: a llama with an expert_count is Mixtral."""
+    return MIXTRAL if arch == "llama" and meta(reader, "llama.expert_count", 0) else ARCHITECTURES[arch]
+
+
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -76,8 +95,8 @@ _GLOBAL_NAMES = {
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Convert a llama / qwen2 / qwen3 / phi3 GGUF into a HF model directory at `out_dir` (replaced atomically); returns
-    out_dir."""
+    """Convert a llama / qwen2 / qwen3 / phi3 / qwen3moe GGUF into a HF model directory at `out_dir` (replaced
+    atomically); returns out_dir."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = _open_reader(gguf_path)
     arch = meta(reader, "general.architecture")
@@ -85,7 +104,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
         raise FastspecError(f"{gguf_path}: GGUF architecture '{arch}' is not supported "
                             f"(supported: {', '.join(ARCHITECTURES)})")
     tensors, blocks, kinds = _read_tensors(reader, gguf_path, dtype, arch)
-    config = model_config(reader, dtype, arch, ARCHITECTURES[arch], gguf_path)
+    config = model_config(reader, dtype, arch, arch_spec(reader, arch), gguf_path)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
@@ -167,10 +186,10 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
         raise FastspecError(f"{path}: not a valid GGUF file ({e})") from None
 
 
-def _hf_name(name: str, arch: str) -> str:
+def _hf_name(name: str, arch: str, spec: Arch) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    parts, extra = name.split(".", 2), ARCHITECTURES[arch].extra
+    parts, extra = name.split(".", 2), spec.extra
     if parts[0] == "blk" and len(parts) == 3 and (parts[2] in _LAYER_NAMES or parts[2] in extra):
         return f"model.layers.{parts[1]}.{_LAYER_NAMES.get(parts[2]) or extra[parts[2]]}"
     raise FastspecError(f"GGUF tensor '{name}' is not part of a {arch} model")
@@ -184,7 +203,7 @@ def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[di
     m = arch_meta(reader, arch, path)
     n_head = m("attention.head_count")
     n_kv_head = m("attention.head_count_kv", n_head)
-    spec = ARCHITECTURES[arch]
+    spec = arch_spec(reader, arch)
     tensors, blocks, kinds = {}, {}, {}
     for t in reader.tensors:
         if t.name == ROPE_FACTORS:
@@ -197,8 +216,11 @@ def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[di
             edges = np.cumsum([0, *sizes(int(t.shape[-1]), n_head, n_kv_head)])
             pieces = [(f"model.layers.{layer}.{n}", lambda x, a=a, b=b: x[a:b].contiguous())
                       for n, a, b in zip(names, edges[:-1], edges[1:])]
+        elif "{e}" in spec.extra.get(part, ""):  # [E, rows, columns]: expert e is t.data[e]
+            _read_experts(t, f"model.layers.{layer}.{spec.extra[part]}", path, dtype, (tensors, blocks, kinds))
+            continue
         else:
-            name = _hf_name(t.name, arch)
+            name = _hf_name(t.name, arch, spec)
             heads = n_head if name.endswith("q_proj.weight") else n_kv_head if name.endswith("k_proj.weight") else None
             rows = (lambda x, h=heads: unpermute_rope_rows(x, h)) if heads and spec.paired_rope_rows else None
             pieces = [(name, rows)]
@@ -209,16 +231,35 @@ def _read_tensors(reader, path: Path, dtype: torch.dtype, arch: str) -> tuple[di
                 blocks.update(blocks_state(name, b if rows is None else b.map_rows(rows)))
                 kinds[name] = kind
             continue
-        try:
-            array = dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise FastspecError(f"{path}: tensor {t.name} has type {kind}, which gguf {version('gguf')} cannot "
-                                "dequantise: not supported") from None
-        weight = torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: F32 data is a read-only mmap
+        weight = _dequantised(t, path)
         for name, rows in pieces:
             tensors[name] = (weight if rows is None else rows(weight)).to(dtype).contiguous()
             kinds[name] = kind
     return tensors, blocks, kinds
+
+
+def _read_experts(t, template: str, path: Path, dtype: torch.dtype, into: tuple[dict, dict, dict]) -> None:
+    """A stacked experts tensor [E, rows, columns] as expert e's weight `template.format(e=e)`: its blocks, or its
+    floats in `dtype`, as any other weight's."""
+    tensors, blocks, kinds = into
+    kind = t.tensor_type.name
+    floats = None if kind in BLOCK_KINDS else _dequantised(t, path)
+    for e in range(t.data.shape[0]):
+        name = template.format(e=e)
+        if floats is None:
+            blocks.update(blocks_state(name, read(t.data[e], kind)))
+        else:
+            tensors[name] = floats[e].to(dtype).contiguous()
+        kinds[name] = kind
+
+
+def _dequantised(t, path: Path) -> torch.Tensor:
+    try:
+        array = dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+        raise FastspecError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf {version('gguf')} "
+                            "cannot dequantise: not supported") from None
+    return torch.from_numpy(np.array(array, dtype=np.float32))  # a copy: F32 data is a read-only mmap
 
 
 def _write_tokenizer(reader, out_dir: Path) -> None:

@@ -1,5 +1,6 @@
 """GGUF metadata -> the Hugging Face configs a converted directory holds (config.json, generation_config.json): the
-architecture's keys in HF's names, its rope scaling (gguf_rope) and special tokens (gguf_tokenizer).
+architecture's keys in HF's names (a MoE's expert keys too), its rope scaling (gguf_rope) and special tokens
+(gguf_tokenizer).
 Does not own: the tensors (gguf.py), the tokenizer files (gguf_tokenizer), nor writing anything."""
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def model_config(reader, dtype: torch.dtype, arch: str, spec, path: Path) -> dic
     shapes = {t.name: t.shape for t in reader.tensors}  # GGUF order: [columns, rows]
     config = {
         "architectures": [spec.hf_class], "model_type": spec.model_type, "hidden_act": "silu",
-        "hidden_size": hidden, "intermediate_size": m("feed_forward_length"),
+        "hidden_size": hidden, "intermediate_size": m("feed_forward_length", None) or m("expert_feed_forward_length"),
         "num_hidden_layers": m("block_count"), "num_attention_heads": n_head,
         "num_key_value_heads": m("attention.head_count_kv", n_head), "head_dim": head_dim,
         "rms_norm_eps": f32(m("attention.layer_norm_rms_epsilon")),
@@ -76,12 +77,30 @@ def model_config(reader, dtype: torch.dtype, arch: str, spec, path: Path) -> dic
         "attention_bias": arch == "qwen2", "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if m("expert_count", 0):
+        config |= moe_fields(m, spec.model_type, path)
     window = m("attention.sliding_window", None)
     if window:  # (Phi-3 mini 4k's 2047): the context is capped at it, see ModelConfig.context_limit
         config["sliding_window"] = int(window)
     for key in ("bos", "eos", "pad"):
         config[f"{key}_token_id"] = special_id(reader_meta(reader), key)
     return config
+
+
+def moe_fields(m, model_type: str, path: Path) -> dict:
+    """config.json's MoE fields of a qwen3moe or Mixtral GGUF (metadata `m`): softmax routing over expert_count experts
+    of which expert_used_count are used, their weights renormalised (llama.cpp renormalises both), every layer MoE; no
+    shared experts and no other gating (a file that asks for them is refused)."""
+    shared, gating = m("expert_shared_count", 0), m("expert_gating_func", 1)  # (llama.cpp's 1: softmax)
+    if shared or gating != 1 or f32(m("expert_weights_scale", 1.0)) != 1.0:
+        raise FastspecError(f"{path}: GGUF experts with shared experts ({shared}), gating function {gating} or a "
+                            "weights scale are not supported")
+    if model_type == "mixtral":  # its experts are intermediate_size wide, their weights always renormalised
+        expert_width = m("expert_feed_forward_length", None) or m("feed_forward_length")
+        return {"num_local_experts": m("expert_count"), "num_experts_per_tok": m("expert_used_count"),
+                "intermediate_size": expert_width}
+    return {"num_experts": m("expert_count"), "num_experts_per_tok": m("expert_used_count"), "norm_topk_prob": True,
+            "moe_intermediate_size": m("expert_feed_forward_length"), "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def rope_factors(reader) -> torch.Tensor | None:

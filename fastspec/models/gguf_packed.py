@@ -8,6 +8,8 @@ bfloat16 / float32 activations) only all-4-bit ones; an embedding of a block for
 (BlockEmbedding, exact); the lm_head is a fast approximate GEMM whose best tokens are rescored exactly from the same
 table (RefinedHead); every other weight (an F16 or codebook projection, or one torch's kernel cannot take) is read
 dequantised and kept in the fast float dtype (CastLinear), with one note naming the types. Norms load as converted.
+A MoE layer's experts (Qwen3-MoE, Mixtral) are each such a pair of projections (gate_up, down), run as LinearExperts;
+its router is float32.
 The first packed load also stores the packed weights beside the blocks, per torch version (PackedCache; torch's int4
 layout is its own): later starts read them as they are.
 The converted float32 model is the reference twin: with float32 activations the packed model computes the same
@@ -32,6 +34,7 @@ from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.models.causal_lm import CausalLM
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
+from fastspec.models.moe import LinearExperts, MoE, is_moe_layer
 from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.packed_layers import (
     ROW_TILE,
@@ -45,6 +48,9 @@ from fastspec.models.packed_layers import (
 
 log = logging.getLogger(__name__)
 
+EXPERT_NAMES = {  # a converted GGUF's MoE block and its experts' gate / up / down names, as transformers' checkpoints
+    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
 PROJECTIONS = {  # each layer's linears -> the checkpoint weights each stacks, inside model.layers.N
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "self_attn.o_proj": ("self_attn.o_proj",),
@@ -153,12 +159,17 @@ def load_packed_target(model: CausalLM, model_dir: Path, dtype: torch.dtype, dev
     with torch.device(device):
         model.rope = RotaryEmbedding(config)
     for i, layer in enumerate(model.model.layers):
+        moe = is_moe_layer(config, i)
         linears = {name: _projection(weights, cache, f"model.layers.{i}.{name}",
                                      [f"model.layers.{i}.{p}.weight" for p in parts], activation, dtype).to(device)
-                   for name, parts in PROJECTIONS.items()}
+                   for name, parts in PROJECTIONS.items() if not (moe and name.startswith("mlp."))}
         layer.self_attn.fuse(linears["self_attn.qkv_proj"])
-        layer.mlp.fuse(linears["mlp.gate_up_proj"])
-        layer.self_attn.o_proj, layer.mlp.down_proj = linears["self_attn.o_proj"], linears["mlp.down_proj"]
+        layer.self_attn.o_proj = linears["self_attn.o_proj"]
+        if moe:
+            _build_moe(layer.mlp, weights, cache, f"model.layers.{i}", config, activation, dtype, device)
+        else:
+            layer.mlp.fuse(linears["mlp.gate_up_proj"])
+            layer.mlp.down_proj = linears["mlp.down_proj"]
         norms = {"input_layernorm": layer.input_layernorm, "post_attention_layernorm": layer.post_attention_layernorm}
         if layer.self_attn.q_norm is not None:  # Qwen3's per-head norms of q and k
             norms |= {"self_attn.q_norm": layer.self_attn.q_norm, "self_attn.k_norm": layer.self_attn.k_norm}
@@ -188,6 +199,20 @@ def _projection(weights: StoredWeights, cache: PackedCache, name: str, parts: li
         return cache.linear(name, lambda: merge_rows([weights.get_blocks(n) for n in parts]), activation, bias)
     floats = [weights.get_float(n, float_dtype(activation)) for n in parts]
     return CastLinear(floats[0] if len(floats) == 1 else torch.cat(floats), bias)
+
+
+def _build_moe(moe: MoE, weights: StoredWeights, cache: PackedCache, layer: str, config, activation: torch.dtype,
+               dtype: torch.dtype, device) -> None:
+    """A MoE layer's router (float32, as every router) and experts: each expert's gate_up and down a projection as
+    any other (packed where its blocks allow), run as LinearExperts."""
+    block, gate, up, down = EXPERT_NAMES[config.architecture]
+    moe.gate.weight = _parameter(weights.get_float(f"{layer}.{block}.gate.weight"), torch.float32, device)
+    expert = [f"{layer}.{block}.experts.{e}" for e in range(config.moe.num_experts)]
+    gate_up = [_projection(weights, cache, f"{p}.gate_up_proj", [f"{p}.{gate}.weight", f"{p}.{up}.weight"],
+                           activation, dtype).to(device) for p in expert]
+    downs = [_projection(weights, cache, f"{p}.down_proj", [f"{p}.{down}.weight"], activation, dtype).to(device)
+             for p in expert]
+    moe.experts = LinearExperts(gate_up, downs)
 
 
 def _table(weights: StoredWeights, name: str, dtype: torch.dtype) -> nn.Module:

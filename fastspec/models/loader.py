@@ -185,7 +185,7 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
         fill_random(model, config.initializer_range)
         return model.eval().requires_grad_(False)
     skip = ("lm_head.",) if config.tie_word_embeddings else ()
-    load_into(model, stack_experts(_renamed(read_state_dict(model_dir))), skip, str(model_dir))
+    load_into(model, stack_experts(renamed(read_state_dict(model_dir))), skip, str(model_dir))
     return model.eval().requires_grad_(False)
 
 
@@ -193,7 +193,7 @@ _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
 _MIXTRAL_PROJ = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 
 
-def _renamed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def renamed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's names where they differ from fastspec's (as stored, before any is decoded or stacked): Bamba's
     final norm; Mixtral's MoE block (`block_sparse_moe.gate`, experts' w1 / w3 / w2: gate / up / down, with every
     quantised tensor beside them) named as Qwen3-MoE's (`mlp.gate`, `mlp.experts.{e}.gate_proj`), as transformers
@@ -212,7 +212,7 @@ def _load_quantised(model_dir: Path, config: ModelConfig, capture_layers: tuple[
     every weight dequantised to `dtype` and loaded as a float model."""
     with skip_init(), torch.device("meta"):  # (init on meta would import torch's decompositions: ~1 s)
         skeleton = CausalLM(config, capture_layers)
-    state, forms, experts = split_quantised(_renamed(read_state_dict(model_dir)), scheme, skeleton, dtype, keep,
+    state, forms, experts = split_quantised(renamed(read_state_dict(model_dir)), scheme, skeleton, dtype, keep,
                                             str(model_dir))
     state = stack_experts(state)
     skip = ("lm_head.",) if config.tie_word_embeddings else ()
