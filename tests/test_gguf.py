@@ -247,6 +247,36 @@ def test_a_gguf_path_converts_once_per_file(tmp_path, monkeypatch):
                                tiny_llama(True, seed=2).model.norm.weight)
 
 
+def test_a_new_conversion_removes_the_earlier_versions_of_its_file_only(tmp_path, monkeypatch):
+    """Every version of a .gguf file (rewritten or downloaded again: another size or time) had a conversion of its own
+    and none was ever removed: the cache grew by a model per version. After a successful conversion the earlier
+    versions' conversions of the same file go; another file's (of the same name too), an entry without a readable
+    marker and a `.`-prefixed directory (a conversion another process may be writing) stay."""
+    from fastspec.models.gguf import SOURCE_MARKER
+    from fastspec.models.sources import resolve_model_dir
+
+    monkeypatch.setenv("FASTSPEC_MODEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "b").mkdir()
+    path, other = tmp_path / "m.gguf", tmp_path / "b" / "m.gguf"
+    first, theirs = (resolve_model_dir(str(write_gguf(p, tiny_llama(True, seed=i))))
+                     for i, p in enumerate((path, other)))
+    writing = first.parent / f".{first.name}.tmp-12345"  # (a conversion in progress: no marker yet)
+    damaged = first.parent / "m-000000000000"
+    for entry in (writing, damaged):
+        entry.mkdir()
+        (entry / "config.json").write_text("{}")
+    (damaged / SOURCE_MARKER).write_text("[not a marker")
+    write_gguf(path, tiny_llama(True, seed=2))
+    os.utime(path, ns=(1, 1))  # a different mtime even on coarse clocks
+    second = resolve_model_dir(str(path))
+    assert second != first and not first.exists()
+    assert sorted(e.name for e in first.parent.iterdir()) == sorted([second.name, theirs.name, writing.name,
+                                                                     damaged.name])
+    torch.testing.assert_close(LlamaForCausalLM.from_pretrained(second).model.norm.weight,
+                               tiny_llama(True, seed=2).model.norm.weight)
+    assert resolve_model_dir(str(other)) == theirs and resolve_model_dir(str(path)) == second  # (both still current)
+
+
 def test_the_weights_check_counts_a_conversions_blocks_and_bin_weights(tmp_path, monkeypatch):
     """check_weights_fit (and --dtype auto's memory test) counted only the top-level *.safetensors: a converted
     GGUF keeps its matrices in gguf_blocks/, so a GGUF model too large for memory was let through to be killed while

@@ -1,7 +1,7 @@
 """Embedded default models: GGUF files shipped inside pip packages, converted once into a local cache.
 
-Owns: the table of embedded models, where converted models live and the "convert once, reuse after" check (the
-cache's root is fastspec.utils.cache's; `cache_root` is re-exported here).
+Owns: the table of embedded models, where converted models live, the "convert once, reuse after" check and the
+removal of a file's stale conversions (the cache's root is fastspec.utils.cache's; `cache_root` is re-exported here).
 Does not own: the conversion itself (gguf.py) nor loading the converted directory (loader.py).
 The package is located with `find_spec` and never imported (its own dependencies need not be installed).
 """
@@ -9,6 +9,8 @@ The package is located with `find_spec` and never imported (its own dependencies
 import json
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -90,19 +92,48 @@ def is_current_conversion(out_dir: Path, gguf_path: Path) -> bool:
     """True when out_dir was converted from this very GGUF (same path, size, mtime) by this converter and every
     file it wrote is still there at its size; False for a missing, foreign or damaged marker or a missing or cut
     file (the caller converts again)."""
-    from fastspec.models.gguf import CONVERTER_VERSION, SOURCE_MARKER
+    from fastspec.models.gguf import CONVERTER_VERSION
 
-    try:
-        marker = json.loads((out_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(marker, dict):
+    marker = _marker(out_dir)
+    if marker is None:
         return False
     stat, files = gguf_path.stat(), marker.get("files")
     return (marker.get("gguf") == str(gguf_path.resolve()) and marker.get("size") == stat.st_size
             and marker.get("mtime_ns") == stat.st_mtime_ns and marker.get("dtype") == "float32"
             and marker.get("converter_version") == CONVERTER_VERSION and isinstance(files, dict) and bool(files)
             and all(_has_size(out_dir / name, size) for name, size in files.items()))
+
+
+def remove_stale_conversions(out_dir: Path, gguf_path: Path) -> None:
+    """After `out_dir` was converted from `gguf_path`: remove the other finished conversions beside it of the same file
+    (its earlier versions: same resolved path, another size or time, which can never be current again), each moved
+    aside first so that no reader sees half of one. Another file's conversions, damaged or foreign entries and any
+    `.`-prefixed directory (a conversion another process may be writing) are left alone."""
+    source = str(gguf_path.resolve())
+    for entry in out_dir.parent.iterdir():
+        if entry == out_dir or entry.name.startswith(".") or not entry.is_dir():
+            continue
+        marker = _marker(entry)
+        if marker is None or marker.get("gguf") != source:
+            continue
+        try:
+            aside = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{entry.name}.old-"))
+            os.replace(entry, aside / "dir")
+        except OSError:  # (gone already, or a cache we may not change: left as it is)
+            continue
+        log.info("removed %s, the conversion of an earlier version of %s", entry, gguf_path.name)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _marker(out_dir: Path) -> dict | None:
+    """A converted directory's source marker (gguf.SOURCE_MARKER), or None when it is missing or damaged."""
+    from fastspec.models.gguf import SOURCE_MARKER
+
+    try:
+        marker = json.loads((out_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
 
 
 def _has_size(path: Path, size) -> bool:

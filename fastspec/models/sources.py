@@ -220,7 +220,9 @@ def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
 
 
 def _converted_gguf(path: Path) -> Path:
-    from fastspec.models.embedded import is_current_conversion, models_root
+    """The conversion of the .gguf file at `path` (converted once per path, size and time; converting a new version
+    removes the earlier versions' conversions)."""
+    from fastspec.models.embedded import is_current_conversion, models_root, remove_stale_conversions
     from fastspec.models.gguf import convert_gguf
 
     stat, real = path.stat(), path.resolve()  # (a symlink shares its file's conversion)
@@ -229,7 +231,9 @@ def _converted_gguf(path: Path) -> Path:
     if is_current_conversion(out, path):
         return out
     log.warning("%s: converting it into %s (once: later starts read that)", path.name, out)
-    return convert_gguf(path, out)
+    convert_gguf(path, out)
+    remove_stale_conversions(out, path)
+    return out
 
 
 def resolve_draft_dir(spec: str, revision: str | None, target: ModelConfig, algorithm: str) -> Path:
