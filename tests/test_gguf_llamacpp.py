@@ -124,6 +124,32 @@ def test_an_attn_factor_without_yarn_is_refused_in_one_line(tmp_path):
     assert json.loads((convert_gguf(path, tmp_path / "one") / "config.json").read_text())["rope_scaling"] is None
 
 
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+@pytest.mark.parametrize("template, add_bos, bos_count", [
+    ("{% for m in messages %}<tool>{{ m['content'] }}{% endfor %}", None, 1),  # (SentencePiece: bos unless told not)
+    ("{{ bos_token }}{% for m in messages %}<tool>{{ m['content'] }}{% endfor %}", None, 1),  # not two
+    ("{% for m in messages %}<tool>{{ m['content'] }}{% endfor %}", False, 0),
+    ("{{ bos_token }}{% for m in messages %}<tool>{{ m['content'] }}{% endfor %}", False, 1),
+])
+def test_a_chat_prompt_gets_bos_as_llama_cpp_gives_it(tmp_path, template, add_bos, bos_count):
+    """llama.cpp renders the template, drops a bos it starts with when the vocabulary adds one, and tokenizes the
+    text as any prompt (bos added where add_bos_token, or its SentencePiece default, says): a chat prompt starts
+    with one bos whenever the file or the template asks for it (transformers' apply_chat_template adds none of its
+    own, so a template without {{ bos_token }} lost the bos the model's raw prompts all get)."""
+    from fastspec.text.tokenizer import Tokenizer
+
+    def vocab(w):
+        spm_vocab(add_bos=add_bos)(w)
+        w.add_chat_template(template)
+    path = write_gguf(tmp_path / "m.gguf", tiny_model("llama", vocab_size=len(SPM_TOKENS)), vocab=vocab)
+    tok = Tokenizer(convert_gguf(path, tmp_path / "hf"))
+    body = tok.encode("<tool>hello", add_special_tokens=False)
+    assert tok.encode_chat(CHAT) == [1] * bos_count + body
+    assert tok.encode("<tool>hello") == [1] * (add_bos is None) + body  # (a raw prompt, as before)
+
+
 # ---- SentencePiece: llama.cpp's space prefix, worked by hand ----
 
 @pytest.mark.parametrize("text, pieces", [

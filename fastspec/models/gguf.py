@@ -32,7 +32,7 @@ from fastspec.models.gguf_config import arch_meta, generation_config, meta, mode
 from fastspec.models.gguf_rope import LONGROPE, ROPE_FACTORS
 from fastspec.models.gguf_tokenizer import adds_bos, build_tokenizer, special_id
 
-CONVERTER_VERSION = 7  # bump when the output layout changes, so cached conversions are redone
+CONVERTER_VERSION = 8  # bump when the output layout changes, so cached conversions are redone
 SOURCE_MARKER = "fastspec_source.json"
 BLOCK_KINDS = (*FORMATS, *READERS)  # GGUF types also stored as blocks
 
@@ -268,7 +268,8 @@ def _write_tokenizer(reader, out_dir: Path) -> None:
     tokens = m("tokenizer.ggml.tokens")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
               "add_bos_token": adds_bos(m), "add_eos_token": bool(m("tokenizer.ggml.add_eos_token", False)),
-              "model_max_length": m(f"{m('general.architecture')}.context_length")}
+              "model_max_length": m(f"{m('general.architecture')}.context_length"),
+              "fastspec_chat_special_tokens": True}  # text.tokenizer.CHAT_SPECIAL_TOKENS: chat as llama.cpp frames it
     for key in ("bos", "eos", "pad", "unk"):
         token_id = special_id(m, key)
         if token_id is not None:

@@ -16,6 +16,9 @@ from pathlib import Path
 from fastspec.errors import FastspecError, first_line
 
 
+CHAT_SPECIAL_TOKENS = "fastspec_chat_special_tokens"  # tokenizer_config.json: frame a chat prompt as llama.cpp does
+
+
 class Tokenizer:
     def __init__(self, model_dir: Path):
         from tokenizers import Tokenizer as RustTokenizer
@@ -64,7 +67,18 @@ class Tokenizer:
             raise FastspecError(f"chat template failed: {e}") from None
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+        """The rendered template's tokens as transformers' apply_chat_template gives them (no bos / eos of the
+        tokenizer's own); a converted GGUF's (CHAT_SPECIAL_TOKENS) as llama.cpp frames a chat prompt: the tokenizer's
+        bos / eos added where it adds them to any text, a bos / eos the template writes at that end dropped (one,
+        not two)."""
+        text = self.apply_chat_template(messages, tools=tools)
+        if not self.config.get(CHAT_SPECIAL_TOKENS):
+            return self.encode(text, add_special_tokens=False)
+        if self.config.get("add_bos_token") and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token):]
+        if self.config.get("add_eos_token") and self.eos_token and text.endswith(self.eos_token):
+            text = text[:-len(self.eos_token)]
+        return self.encode(text, add_special_tokens=True)
 
     @cached_property
     def _template(self):
