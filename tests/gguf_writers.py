@@ -73,7 +73,9 @@ def llamacpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:  # w: [n_hea
     return w[order]
 
 
-def gguf_tensors(model) -> dict[str, np.ndarray]:
+def gguf_tensors(model, one_per_expert: bool = False) -> dict[str, np.ndarray]:
+    """`model`'s tensors under llama.cpp's names; experts stacked [E, ...], or one tensor per expert
+    (blk.N.ffn_gate.E.weight, ...: llama.cpp's early Mixtral files) with `one_per_expert`."""
     cfg, out = model.config, {}
     llama = cfg.model_type in ("llama", "mixtral")  # qwen2 / qwen3 use NEOX rope in llama.cpp: rows stay in HF's order
     for name, p in model.state_dict().items():
@@ -87,7 +89,11 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
         if name.startswith("model.layers.") and ".mlp.experts." in name:  # transformers' [E, ...]; gate_up: gate first
             layer, proj = name.removeprefix("model.layers.").split(".")[0], name.rsplit(".", 1)[1]
             for key, part in zip(EXPERTS[proj], w.chunk(len(EXPERTS[proj]), 1)):
-                out[f"blk.{layer}.{key}.weight"] = part.numpy().astype(np.float32)
+                if one_per_expert:
+                    out |= {f"blk.{layer}.{key.removesuffix('_exps')}.{e}.weight": part[e].numpy().astype(np.float32)
+                            for e in range(part.shape[0])}
+                else:
+                    out[f"blk.{layer}.{key}.weight"] = part.numpy().astype(np.float32)
             continue
         if name.startswith("model.layers."):
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
@@ -170,7 +176,7 @@ def spm_vocab(add_space_prefix: bool | None = None, add_bos: bool | None = None)
 
 def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_bos=True, add_eos=False, vocab=None,
                rope_factors=None, yarn=None, extra_tensors=None, raw_kinds=None, per_layer=None,
-               rope_attn_factor=None, value_length=None, extra_meta=None):
+               rope_attn_factor=None, value_length=None, extra_meta=None, one_per_expert=False):
     """`model` as a GGUF of general.architecture `arch` (its own by default) with `vocab` (a bpe_vocab / spm_vocab
     writer; bpe_vocab("smollm") by default), matrices in `qtype`; rope_factors: a rope_freqs tensor [head_dim / 2];
     yarn: (factor, original context length); rope_attn_factor: rope.scaling.attn_factor (llama.cpp's factor on the
@@ -178,7 +184,7 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
     they are; raw_kinds: name -> a GGML type the gguf package cannot quantise to, the tensor written as zero bytes of
     that type; per_layer: feed_forward_length / attention.head_count(_kv) -> one value per layer (an array, as
     llama.cpp reads them) instead of the model's; value_length: attention.value_length (with key_length) as given;
-    extra_meta: metadata key -> an unsigned integer, written beside the others."""
+    extra_meta: metadata key -> an unsigned integer, written beside the others; one_per_expert: see gguf_tensors."""
     cfg = model.config
     arch = arch or GGUF_ARCH.get(cfg.model_type, cfg.model_type)
     w = gguf.GGUFWriter(path, arch)
@@ -214,7 +220,7 @@ def write_gguf(path, model, arch=None, qtype=gguf.GGMLQuantizationType.F32, add_
     for key, value in (extra_meta or {}).items():
         w.add_uint32(key, value)
     (vocab or bpe_vocab(add_bos=add_bos, add_eos=add_eos))(w)
-    for name, array in gguf_tensors(model).items():
+    for name, array in gguf_tensors(model, one_per_expert).items():
         if name in (raw_kinds or {}):
             block, size = gguf.constants.GGML_QUANT_SIZES[raw_kinds[name]]
             raw = np.zeros((*array.shape[:-1], array.shape[-1] // block * size), dtype=np.uint8)

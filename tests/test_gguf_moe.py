@@ -43,6 +43,22 @@ def test_moe_files_convert_to_the_model_they_were_written_from(tmp_path, arch, t
         torch.testing.assert_close(logits(converted, prompt), logits(model, prompt), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0])
+def test_a_mixtral_file_of_one_tensor_per_expert_converts_as_a_stacked_one(tmp_path, qtype):
+    """llama.cpp's early Mixtral files (blk.N.ffn_gate.E.weight, ... one tensor per expert; llama.cpp itself no longer
+    loads them): the same weights as the stacked file's."""
+    from fastspec.models.loader import read_state_dict
+
+    model = tiny_model("mixtral")
+    one, stacked = (convert_gguf(write_gguf(tmp_path / f"{name}.gguf", model, qtype=qtype, one_per_expert=split),
+                                 tmp_path / name) for name, split in (("one", True), ("stacked", False)))
+    ones, stacks = read_state_dict(one), read_state_dict(stacked)
+    assert ones.keys() == stacks.keys() and all(torch.equal(ones[k], stacks[k]) for k in ones)
+    if qtype == Q.F32:
+        torch.testing.assert_close(logits(transformers_model(one), PROMPTS[0]), logits(model, PROMPTS[0]),
+                                   atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("arch", MOE)
 def test_fastspec_runs_a_moe_file_as_transformers_runs_its_model(tmp_path, arch):
     """Float32 weights, exact activations: fastspec's greedy tokens on the .gguf path are the source model's."""

@@ -1,7 +1,7 @@
 """GGUF -> Hugging Face directory conversion for the llama, qwen2, qwen3, phi3 and qwen3moe architectures (phi3 as a
 Llama: its fused QKV and gate_up rows split; a llama with an expert_count as Mixtral): a MoE's experts, stacked [E, ...]
-in one GGUF tensor per projection, are written as transformers' per-expert weights (each expert's blocks, where they
-are of a block type).
+in one GGUF tensor per projection (or one per expert, as llama.cpp's early Mixtral files), are written as
+transformers' per-expert weights (each expert's blocks, where they are of a block type).
 
 Owns: reading GGUF tensors, undoing llama.cpp's rope row permutation of a llama's q/k, and writing the directory
 atomically (the tokenizer: gguf_tokenizer): every tensor of a block format as its blocks only (BLOCKS_FILE: what
@@ -13,6 +13,7 @@ GGUF to convert or where to cache it (embedded.py), nor loading the result (load
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from importlib.metadata import version
@@ -186,12 +187,18 @@ def _open_reader(path: Path) -> gguf.GGUFReader:
         raise FastspecError(f"{path}: not a valid GGUF file ({e})") from None
 
 
+_ONE_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")  # blk.N's expert e alone (early Mixtral files)
+
+
 def _hf_name(name: str, arch: str, spec: Arch) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts, extra = name.split(".", 2), spec.extra
     if parts[0] == "blk" and len(parts) == 3 and (parts[2] in _LAYER_NAMES or parts[2] in extra):
         return f"model.layers.{parts[1]}.{_LAYER_NAMES.get(parts[2]) or extra[parts[2]]}"
+    one = _ONE_EXPERT.fullmatch(parts[-1]) if parts[0] == "blk" and len(parts) == 3 else None
+    if one and f"ffn_{one[1]}_exps.weight" in extra:
+        return f"model.layers.{parts[1]}.{extra[f'ffn_{one[1]}_exps.weight'].format(e=int(one[2]))}"
     raise FastspecError(f"GGUF tensor '{name}' is not part of a {arch} model")
 
 
