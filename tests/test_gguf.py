@@ -7,6 +7,7 @@ BPE tokenizations, and the real embedded SmolLM2-135M answering "Paris".
 
 import json
 import os
+import shutil
 
 import gguf
 import pytest
@@ -251,7 +252,9 @@ def test_a_new_conversion_removes_the_earlier_versions_of_its_file_only(tmp_path
     """Every version of a .gguf file (rewritten or downloaded again: another size or time) had a conversion of its own
     and none was ever removed: the cache grew by a model per version. After a successful conversion the earlier
     versions' conversions of the same file go; another file's (of the same name too), an entry without a readable
-    marker and a `.`-prefixed directory (a conversion another process may be writing) stay."""
+    marker, a `.`-prefixed directory (a conversion another process may be writing) and, when a process that read
+    the first version finishes late, the file's current conversion stay."""
+    from fastspec.models.embedded import is_current_conversion, remove_stale_conversions
     from fastspec.models.gguf import SOURCE_MARKER
     from fastspec.models.sources import resolve_model_dir
 
@@ -275,6 +278,11 @@ def test_a_new_conversion_removes_the_earlier_versions_of_its_file_only(tmp_path
     torch.testing.assert_close(LlamaForCausalLM.from_pretrained(second).model.norm.weight,
                                tiny_llama(True, seed=2).model.norm.weight)
     assert resolve_model_dir(str(other)) == theirs and resolve_model_dir(str(path)) == second  # (both still current)
+    shutil.copytree(second, first)  # a process that read the first version finishes its conversion only now
+    marker = json.loads((first / SOURCE_MARKER).read_text())
+    (first / SOURCE_MARKER).write_text(json.dumps(marker | {"size": 1, "mtime_ns": 2}))
+    remove_stale_conversions(first, path)
+    assert is_current_conversion(second, path)  # the file's current conversion stays
 
 
 def test_the_weights_check_counts_a_conversions_blocks_and_bin_weights(tmp_path, monkeypatch):

@@ -106,15 +106,20 @@ def is_current_conversion(out_dir: Path, gguf_path: Path) -> bool:
 
 def remove_stale_conversions(out_dir: Path, gguf_path: Path) -> None:
     """After `out_dir` was converted from `gguf_path`: remove the other finished conversions beside it of the same file
-    (its earlier versions: same resolved path, another size or time, which can never be current again), each moved
-    aside first so that no reader sees half of one. Another file's conversions, damaged or foreign entries and any
-    `.`-prefixed directory (a conversion another process may be writing) are left alone."""
-    source = str(gguf_path.resolve())
+    at another size or time than the file has now (its earlier versions, which can never be current again), each moved
+    aside first so that no reader sees half of one. A conversion of the file as it is now stays (one finished late by
+    a process that read an earlier version must not remove it), as do another file's conversions, damaged or foreign
+    entries and any `.`-prefixed directory (a conversion another process may be writing)."""
+    try:
+        source, stat = str(gguf_path.resolve()), gguf_path.stat()
+    except OSError:  # (the file went meanwhile: nothing tells which conversion is stale)
+        return
     for entry in out_dir.parent.iterdir():
         if entry == out_dir or entry.name.startswith(".") or not entry.is_dir():
             continue
         marker = _marker(entry)
-        if marker is None or marker.get("gguf") != source:
+        now = marker is not None and (marker.get("size"), marker.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns)
+        if marker is None or marker.get("gguf") != source or now:
             continue
         try:
             aside = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{entry.name}.old-"))
