@@ -29,8 +29,7 @@ from fastspec.models.kv_scales import read_kv_scales
 from fastspec.models.layers import fuse_projections
 from fastspec.models.loader import load_target
 from fastspec.models.mtp_loader import drafts_with_mtp, load_mtp
-from fastspec.models.quant_layers import bind_linears
-from fastspec.models.quantise import ONLINE, quantise_target
+from fastspec.models.quantise import ONLINE, bind_model, quantise_target
 from fastspec.models.sources import DRAFTED, ModelSources
 from fastspec.spec_config import SpecConfig
 
@@ -69,7 +68,7 @@ def load_models(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -
     if config.quantization not in (None, "gguf"):  # gguf_packed built its kernels already
         quantise_target(models.target, config.quantization, act, online)
     if isinstance(draft, nn.Module):
-        bind_linears(draft, act)  # a quantised STANDALONE draft's stored linears
+        bind_model(draft, act)  # a quantised STANDALONE draft's (or MTP layer's) stored linears
         if cpu and config.quantization is not None:  # on fastspec's kernels where the target is, else the float dtype
             from fastspec.models.packed_layers import cast_linears, float_dtype, pack_linears
 

@@ -6,12 +6,15 @@
                   fastspec's Triton block-scaled GEMM (CUDA with fp8 tensor cores)
   TinyGemmLinear  4-bit blocks through torch's tinygemm kernel (bfloat16 activations)
   ByteLinear      any form as bytes decoded inside a Triton GEMM (8-bit and other 4-bit blocks, block fp8 on a GPU
-                  without fp8 tensor cores)
+                  without fp8 tensor cores), its weight a ByteWeight (the codes; stacked for a MoE layer's experts:
+                  fastspec.models.byte_experts)
 Each names the kernel it runs (`gemm_kernel`, for bench --profile). The Triton ones run in Triton's interpreter on
 CPU for the tests (FASTSPEC_TRITON_QUANT=1).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -110,42 +113,85 @@ class TinyGemmLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+@dataclass(frozen=True)
+class ByteWeight:
+    """A stored form in the Triton byte GEMM's codes (fastspec.kernels.triton_quant): w[n, k] = v[n, k] *
+    scale[n, k // cols] + offset[n, k // cols], v decoded from `w`'s bytes by `fmt`. Stacked (`stack`): one more
+    leading dimension, the experts of a MoE layer."""
+
+    w: torch.Tensor  # uint8 [N, K] (E4M3 / INT8) or [N, K / 2] (UINT4: input 2j in the low nibble)
+    scale: torch.Tensor  # float32 [N, ceil(K / cols)]
+    offset: torch.Tensor | None  # float32 like scale, None: no offset
+    cols: int
+    fmt: int
+
+    @staticmethod
+    def takes(form: QuantWeight) -> bool:
+        """Whether the byte GEMM's K tiles (16, 32 or 64 inputs) fit `form`'s scale columns and inputs."""
+        cols = form.cols if isinstance(form, Fp8Weight) else form.blocks.group
+        return cols % 16 == 0 and form.shape[1] % 16 == 0
+
+    @staticmethod
+    def of(form: QuantWeight) -> ByteWeight:
+        """`form`'s values in byte codes over its stored column order (an IntWeight's `perm` is the caller's:
+        PermutedLinear), its bytes shared where they are codes already (e4m3, int8)."""
+        from fastspec.kernels import triton_quant  # Triton: CUDA builds of torch, or the dev extra
+
+        if isinstance(form, Fp8Weight):
+            return ByteWeight(form.weight.view(torch.uint8).contiguous(), form.scale.float().contiguous(), None,
+                              form.cols, triton_quant.E4M3)
+        b = form.blocks
+        w = b.q.view(torch.uint8) if b.bits == 8 else (b.q[:, 0::2] | b.q[:, 1::2] << 4)
+        fmt = triton_quant.INT8 if b.bits == 8 else triton_quant.UINT4
+        offset = None if not b.offset.any() else b.offset.float().contiguous()
+        return ByteWeight(w.contiguous(), b.scale.float().contiguous(), offset, b.group, fmt)
+
+    @staticmethod
+    def stack(parts: list[ByteWeight]) -> ByteWeight | None:
+        """The parts stacked [E, ...] (an absent offset as zeros where others have one), or None where their codes,
+        scale widths or shapes differ."""
+        if len({(p.fmt, p.cols, p.w.shape, p.scale.shape) for p in parts}) != 1:
+            return None
+        offsets = [p.offset for p in parts]
+        offset = None if all(o is None for o in offsets) else torch.stack(
+            [torch.zeros_like(p.scale) if o is None else o for p, o in zip(parts, offsets)])
+        return ByteWeight(torch.stack([p.w for p in parts]), torch.stack([p.scale for p in parts]), offset,
+                          parts[0].cols, parts[0].fmt)
+
+    @property
+    def code(self) -> str:
+        return ("e4m3", "int8", "uint4")[self.fmt]
+
+
 class ByteLinear(nn.Module):
-    """y = x @ w.T (+ b) for a weight kept as bytes (e4m3, int8 or two 4-bit values each) with a scale and an offset
-    per row and `cols` inputs, decoded inside a Triton GEMM (fastspec.kernels.triton_quant; its torch twin where
-    Triton does not run): the CUDA kernel for the 8- and 4-bit blocks tinygemm does not take, and for fp8 on a GPU
-    without fp8 tensor cores."""
+    """y = x @ w.T (+ b) for a weight kept as bytes (ByteWeight: e4m3, int8 or two 4-bit values each) with a scale
+    and an offset per row and `cols` inputs, decoded inside a Triton GEMM (fastspec.kernels.triton_quant; its torch
+    twin where Triton does not run): the CUDA kernel for the 8- and 4-bit blocks tinygemm does not take, and for fp8
+    on a GPU without fp8 tensor cores."""
 
     def __init__(self, form: QuantWeight, bias: torch.Tensor | None = None):
         super().__init__()
-        from fastspec.kernels import triton_quant  # Triton: CUDA builds of torch, or the dev extra
+        from fastspec.kernels import triton_quant
 
         self.out_features, self.in_features = form.shape
-        if isinstance(form, Fp8Weight):
-            w, scale, offset, self.cols, self.fmt = form.weight.view(torch.uint8), form.scale, None, form.cols, 0
-        else:
-            b = form.blocks
-            self.cols, self.fmt = b.group, triton_quant.INT8 if b.bits == 8 else triton_quant.UINT4
-            w = b.q.view(torch.uint8) if b.bits == 8 else (b.q[:, 0::2] | b.q[:, 1::2] << 4)
-            scale, offset = b.scale, (None if not b.offset.any() else b.offset)
+        byte = ByteWeight.of(form)
+        self.cols, self.fmt, self.code = byte.cols, byte.fmt, byte.code
         triton_quant.block_k(self.cols, self.in_features)  # refuses a shape no K tile fits
-        self.register_buffer("w", w.contiguous())  # uint8 [N, K] or [N, K/2]
-        self.register_buffer("scale", scale.float().contiguous())  # [N, K/cols]
-        self.register_buffer("offset", None if offset is None else offset.float().contiguous())
+        self.register_buffer("w", byte.w)  # uint8 [N, K] or [N, K/2]
+        self.register_buffer("scale", byte.scale)  # [N, K/cols]
+        self.register_buffer("offset", byte.offset)
         self.register_buffer("bias", bias)
 
     @staticmethod
     def takes(form: QuantWeight) -> bool:
-        cols = form.cols if isinstance(form, Fp8Weight) else form.blocks.group
-        return cols % 16 == 0 and form.shape[1] % 16 == 0
+        return ByteWeight.takes(form)
 
     @property
     def gemm_kernel(self) -> str:
         from fastspec.kernels import triton_quant
 
-        code = {triton_quant.E4M3: "e4m3", triton_quant.INT8: "int8", triton_quant.UINT4: "uint4"}[self.fmt]
         twin = "" if triton_quant.kernel_for(self.w.device) == "triton" else "'s torch twin"
-        return f"fastspec Triton byte GEMM{twin} ({code} weights)"
+        return f"fastspec Triton byte GEMM{twin} ({self.code} weights)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features)

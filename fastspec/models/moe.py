@@ -148,7 +148,8 @@ class Experts(nn.Module):
 class LinearExperts(nn.Module):
     """E gated MLPs as modules, one [gate | up] and one down linear each (a quantised checkpoint's experts, each
     linear in its stored form or bound to a kernel: fastspec.models.quant_layers): sparse eagerly, dense inside graphs
-    (per-expert modules cannot be gathered by index)."""
+    (per-expert modules cannot be gathered by index). Where the experts share one byte code, on CUDA they are stacked
+    instead (fastspec.models.byte_experts: gathered inside graphs)."""
 
     def __init__(self, gate_up: list[nn.Module], down: list[nn.Module]):
         super().__init__()

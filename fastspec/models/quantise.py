@@ -1,7 +1,8 @@
 """The step after fusing a target's projections (`quantise_target`): a float checkpoint's linears rounded at load
 where the user asked for it (--quantization fp8 / int8 / int4: `quantise_online`), every stored-form linear bound to
-its device's kernel (quant_layers.bind), and on CPU beside packed kernels the lm_head refined (an approximate GEMM
-whose best tokens are rescored exactly). Does not read checkpoints (quant_loader) nor own the modules (quant_layers,
+its device's kernel (`bind_model`: quant_layers.bind; a MoE layer's experts stacked as byte codes on CUDA,
+byte_experts), and on CPU beside packed kernels the lm_head refined (an approximate GEMM whose best tokens are
+rescored exactly). Does not read checkpoints (quant_loader) nor own the modules (quant_layers,
 packed_layers).
 """
 
@@ -12,6 +13,7 @@ import logging
 import torch
 from torch import nn
 
+from fastspec.models.byte_experts import stack_linear_experts
 from fastspec.models.gguf_blocks import BLOCK, Blocks, quantise_rows
 from fastspec.models.moe import Experts, LinearExperts
 from fastspec.models.packed_layers import ROW_TILE, TENSOR_LINEARS, RefinedHead, int4_linear
@@ -30,9 +32,16 @@ def quantise_target(model: nn.Module, method: str, activation: torch.dtype | Non
     packed_layers.fast_activation, None elsewhere), the lm_head refined beside packed kernels on CPU. Returns how
     many linears were rounded."""
     count = quantise_online(model, method) if online else 0
-    bind_linears(model, activation)
+    bind_model(model, activation)
     refine_head(model, activation)
     return count
+
+
+def bind_model(model: nn.Module, activation: torch.dtype | None) -> None:
+    """`model`'s stored-form weights (in place) as they run on their device: MoE experts stacked as byte codes where
+    wanted (byte_experts), then every QuantLinear left bound (quant_layers.bind)."""
+    stack_linear_experts(model)
+    bind_linears(model, activation)
 
 
 def quantise_online(model: nn.Module, method: str) -> int:
