@@ -167,6 +167,27 @@ def test_only_experts_sharing_one_code_are_stacked_and_only_where_wanted(monkeyp
                                                                        "one byte code"]
 
 
+def test_each_layers_linears_are_let_go_as_its_stack_replaces_them(monkeypatch):
+    """Stacking holds one layer twice at a time, not the whole model: when the second layer is stacked, the first
+    layer's per-expert linears are gone."""
+    import gc
+    import weakref
+
+    from fastspec.models import byte_experts
+
+    monkeypatch.setenv("FASTSPEC_TRITON_QUANT", "twin")
+    model = torch.nn.ModuleList([linear_experts("int8", 4, seed=s) for s in range(3)])
+    seen, stack = [], byte_experts.stack_bytes
+
+    def spy(experts):
+        gc.collect()
+        assert all(ref() is None for ref in seen)  # every layer stacked before this one let go
+        seen.append(weakref.ref(experts))
+        return stack(experts)
+    monkeypatch.setattr(byte_experts, "stack_bytes", spy)
+    assert stack_linear_experts(model) == 3 and len(seen) == 3
+
+
 @pytest.mark.parametrize("family, method", [("qwen3_moe", "fp8_block"), ("deepseek_v3", "gptq8"),
                                             ("qwen3_moe", "awq")])
 def test_compiled_rounds_over_stacked_experts_give_eager_greedy_tokens(monkeypatch, tiny_dirs, tmp_path, family,

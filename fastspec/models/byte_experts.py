@@ -130,19 +130,20 @@ def stack_wanted(device: torch.device) -> bool:
 
 def stack_linear_experts(model: nn.Module) -> int:
     """`model`'s LinearExperts (in place) as ByteExperts where stack_wanted and stack_bytes say so; returns how many
-    were stacked. A layer left as it is runs every expert inside graphs: logged once."""
-    stacked, left = 0, []
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, LinearExperts) or not stack_wanted(next(child.buffers()).device):
-                continue
-            byte = stack_bytes(child)
-            if byte is None:
-                left.append(f"{parent_name}.{name}")
-                continue
-            setattr(parent, name, byte)
-            stacked += 1
+    were stacked. A layer left as it is runs every expert inside graphs: logged once. One layer at a time: each
+    layer's per-expert linears are let go as its stack replaces them (not all held until the last is stacked)."""
+    names = [name for name, m in model.named_modules()
+             if isinstance(m, LinearExperts) and stack_wanted(next(m.buffers()).device)]
+    left = []
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        byte = stack_bytes(getattr(parent, attr))
+        if byte is None:
+            left.append(name)
+        else:
+            setattr(parent, attr, byte)
     if left:
         log.warning("%d MoE layers' quantised experts do not share one byte code (%s, ...): inside graphs they run "
                     "every expert on every token", len(left), left[0])
-    return stacked
+    return len(names) - len(left)
