@@ -63,12 +63,16 @@ def served_marked(embedded_dir, tmp_path_factory):
     model = tmp_path_factory.mktemp("marked") / "smollm2"
     model.mkdir()
     for f in embedded_dir.iterdir():
-        if f.name != "tokenizer.json":
+        if f.name not in ("tokenizer.json", "generation_config.json"):
             (model / f.name).symlink_to(f)
     text = (embedded_dir / "tokenizer.json").read_text()
     assert text.count('"<reponame>"') == 2 and text.count('"<file_sep>"') == 2  # added token and vocab entry
     (model / "tokenizer.json").write_text(text.replace('"<reponame>"', '"<tool_call>"').replace(
         '"<file_sep>"', '"</tool_call>"'))
+    marks = {json.loads(text)["model"]["vocab"][t] for t in ("<reponame>", "<file_sep>")}
+    generation = json.loads((embedded_dir / "generation_config.json").read_text())  # (llama.cpp ends on FIM tokens:
+    generation["eos_token_id"] = [i for i in generation["eos_token_id"] if i not in marks]  # not as tool marks)
+    (model / "generation_config.json").write_text(json.dumps(generation))
     (model / "chat_template.jinja").write_text(HERMES_TEMPLATE)
     llm = fastspec.LLM(str(model), speculative_algorithm="EAGLE3", draft_model=str(embedded_head(DEFAULT_MODEL)),
                        max_total_tokens=4096, speculative_fallback=False)
