@@ -74,11 +74,13 @@ class LLM:
                                   accept_threshold_single=accept_threshold_single,
                                   accept_threshold_acc=accept_threshold_acc, ngram=ngram, device=config.device)
         untuned = schedule is None and num_steps is None and topk is None and num_draft_tokens is None
+        self.tuned_schedule: Schedule | None = None  # what a tuned file set (() = plain at every batch size)
         if tuned and untuned and spec.algorithm in ("EAGLE", "EAGLE3"):
             weights = weights_label(config.dtype, config.quantization, config.kv_cache_torch_name)
             found = find_schedule(sources.model_dir, sources.draft_dir, weights, config.device, say or _to_stderr)
             if found is not None:
                 schedule, all_off = found
+                self.tuned_schedule = schedule
                 spec = SpecConfig() if all_off else spec  # tuned: plain decoding at every batch size
         if schedule:
             spec = spec.with_schedule(schedule)

@@ -130,3 +130,17 @@ def test_bench_url_refuses_the_flags_of_a_model_loaded_here(flags, named):
     result = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", *flags])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.output
     assert named + " for a model loaded here; --url measures the server's model" in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--request-rate", "4"], "--request-rate is for --url (a running server)"),
+    (["--max-concurrency", "2", "--request-rate", "3"], "--request-rate, --max-concurrency are for --url"),
+    (["--speculative-accept-threshold-acc", "0.9"], "--speculative-accept-threshold-acc is not used: fastspec bench "
+                                                    "decodes greedily"),
+    (["--profile", "--trials", "3", "--num-prompts", "2"], "--num-prompts, --trials are not used by --profile"),
+    (["--prompts", "p.jsonl", "--prompt-set", "chat"], "--prompts and --prompt-set both name the prompts")])
+def test_bench_refuses_a_flag_it_would_ignore(flags, message):
+    """A local run took --request-rate / --max-concurrency, lossy thresholds (greedy decoding never reads them),
+    --profile's unused counts and --prompt-set beside --prompts, and measured as if they were not given."""
+    result = CliRunner().invoke(app, ["bench", *flags])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.output

@@ -209,6 +209,8 @@ def test_from_tuned_takes_quantization_none_on_a_quantised_target(chat_target, h
     (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 8, got 0"),
     (["--speculative-num-steps", "2"], "--speculative-num-steps: fastspec tune chooses the tree shapes itself; drop"),
+    (["--speculative-accept-threshold-single", "0.5"],  # (greedy acceptance never reads it; the file would not say)
+     "--speculative-accept-threshold-single: fastspec tune measures greedy decoding"),
     (["--emit", "sglang", "--from-tuned", "--speculative-eagle-topk", "1"],
      "--speculative-eagle-topk: fastspec tune chooses the tree shapes itself (--from-tuned: the tuned file's)")])
 def test_each_bad_tune_flag_is_named_in_one_line(flags, message):
@@ -218,6 +220,33 @@ def test_each_bad_tune_flag_is_named_in_one_line(flags, message):
 
     result = CliRunner().invoke(app, ["tune", *flags])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.output
+
+
+@pytest.mark.parametrize("tiers, shapes", [([[1, [3, 2, 5]], [2, None]], ["3/2/5", "plain"]),
+                                           ([[2, None]], ["plain", "plain"])])
+def test_bench_names_the_shape_a_tuned_schedule_runs_at_each_batch_size(chat_target, head, prompt_file, tmp_path,
+                                                                         monkeypatch, tiers, shapes):  # noqa: F811
+    """bench's title and JSON named one shape (the schedule's maxima) for every batch size, and NONE where the
+    tuned file decodes plainly at every batch size, while each batch size ran its own."""
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+    from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    save_tuned(tuned_path(chat_target, head, "float32", "cpu"), fingerprint(chat_target, head, "float32", "cpu"),
+               [{"max_batch_size": bs, "params": params} for bs, params in tiers])
+    args = ["bench", "--model", str(chat_target), "--speculative-algorithm", "EAGLE3", "--draft", str(head),
+            "--prompts", str(prompt_file), "--batch-sizes", "1,2", "--num-prompts", "2", "--max-new-tokens", "8",
+            "--trials", "1", "--warmup", "0"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["config"]["algorithm"] == "EAGLE3" and report["config"]["tuned"] is True
+    assert [r["shape"] for r in report["results"]] == shapes
+    assert [r["tau"] >= 1 for r in report["results"]] == [s != "plain" for s in shapes]
+    title = " ".join(CliRunner().invoke(app, args).stdout.split())  # (wrapped to the table's width)
+    assert f"fastspec bench · EAGLE3 tuned (bs 1: {shapes[0]} · bs 2: {shapes[1]}) vs no speculation" in title
 
 
 def test_the_schedule_is_printed_as_shapes_per_batch_size():

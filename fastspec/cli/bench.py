@@ -43,6 +43,17 @@ def bench(
         raise FastspecError("batch sizes, --num-prompts, --trials and --max-new-tokens must be >= 1")
     if warmup < 0:
         raise FastspecError(f"--warmup must be >= 0, got {warmup}")
+    if prompts and prompt_set != "all":
+        raise FastspecError("--prompts and --prompt-set both name the prompts: give one")
+    if url is None:  # a flag this run would ignore is refused, as --url refuses a local model's
+        _refuse_set("for --url (a running server); without it a model is loaded here", request_rate=request_rate,
+                    max_concurrency=max_concurrency)
+        _refuse_set("not used: fastspec bench decodes greedily, where acceptance is exact whatever the thresholds",
+                    options, speculative_accept_threshold_single=options.speculative_accept_threshold_single,
+                    speculative_accept_threshold_acc=options.speculative_accept_threshold_acc)
+    if url is None and profile:
+        _refuse_set("not used by --profile (it times 16-token runs of the first prompt, the fastest of 3)",
+                    max_new_tokens=max_new_tokens, num_prompts=num_prompts, trials=trials, warmup=warmup)
     texts = read_jsonl_prompts(prompts) if prompts else load_prompts(prompt_set)
     if not prompts:  # spread the first num_prompts over every set
         texts = texts[::max(1, len(texts) // num_prompts)]
@@ -73,8 +84,9 @@ def bench(
         results = run_bench(baseline, spec, ids, sizes, max_new_tokens, trials, warmup,
                             on_progress=lambda text: status.update(text))
     notes.show()
-    config = {"model": options.model, "algorithm": spec.engine.spec.algorithm, "num_steps": spec.engine.spec.num_steps,
-              "topk": spec.engine.spec.topk, "num_draft_tokens": spec.engine.spec.num_draft_tokens,
+    run = spec.engine.spec  # a tuned schedule: the maxima of its shapes; each result names the shape it ran
+    config = {"model": options.model, "algorithm": _algorithm(spec, options), "num_steps": run.num_steps,
+              "topk": run.topk, "num_draft_tokens": run.num_draft_tokens, "tuned": spec.tuned_schedule is not None,
               "dtype": spec.engine.config.dtype, "max_new_tokens": max_new_tokens, "num_prompts": len(ids),
               "trials": trials, "graphs": spec.engine.config.graph_mode}
     measured = json.dumps({"config": config, "results": [r.as_dict() for r in results]})
@@ -85,14 +97,27 @@ def bench(
             print_bench_table(config, results)
 
 
+def _algorithm(spec, options: ModelOptions) -> str:
+    """The algorithm asked for, also where a tuned file decodes plainly at every batch size (the engine runs NONE)."""
+    from fastspec.models.embedded import default_speculation
+
+    if spec.engine.spec.enabled or spec.tuned_schedule is None:
+        return spec.engine.spec.algorithm
+    asked, _ = default_speculation(options.model, options.speculative_algorithm, options.speculative_draft_model_path)
+    return {"NEXTN": "EAGLE"}.get(asked.upper(), asked.upper())
+
+
 def print_bench_table(config: dict, results) -> None:
     """One row per batch size, in 80 columns: acceptance at the first four draft depths in percent, and the round's
     milliseconds split as the caption says (the JSON keeps every depth and every figure)."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"fastspec bench · {config['algorithm']} (steps {config['num_steps']}, topk "
-                        f"{config['topk']}, draft tokens {config['num_draft_tokens']}) vs no speculation",
+    if config.get("tuned"):  # the shape each batch size ran, as the tuned file switches them
+        shapes = "tuned (" + " · ".join(f"bs {r.batch_size}: {r.shape}" for r in results) + ")"
+    else:
+        shapes = f"(steps {config['num_steps']}, topk {config['topk']}, draft tokens {config['num_draft_tokens']})"
+    table = Table(title=f"fastspec bench · {config['algorithm']} {shapes} vs no speculation",
                   caption="tok/s: plain, speculative, per request · accept %: per draft depth, up to 4 · ms/round: "
                           "draft·verify·extend·host", box=None, pad_edge=False)
     for column in ("batch", "plain", "spec", "speedup", "per req", "tau", "accept %", "ms/round"):
@@ -145,16 +170,25 @@ SHORT = {"gemm": "gemm", "attention": "attn", "norm/elementwise": "norm", "copie
 
 def _check_offline_flags_unset(options: ModelOptions, **given) -> None:
     """--url measures the server's model as it runs: a flag for a model loaded here is refused, not ignored."""
+    from dataclasses import fields
+
+    model = {f.name: getattr(options, f.name) for f in fields(ModelOptions) if f.name != "threads"}
+    _refuse_set("for a model loaded here; --url measures the server's model as it runs", options, **given, **model)
+
+
+def _refuse_set(why: str, options: ModelOptions | None = None, **given) -> None:
+    """One line naming each of `given` (bench's parameters, or ModelOptions' fields with `options`) that is set away
+    from its default: `why` says why this run would ignore it."""
     import inspect
     from dataclasses import fields
 
-    defaults = inspect.signature(bench).parameters
-    changed = [name for name, value in given.items() if value != defaults[name].default]
-    changed += [f.name for f in fields(ModelOptions) if f.name != "threads" and getattr(options, f.name) != f.default]
+    defaults = {name: p.default for name, p in inspect.signature(bench).parameters.items()}
+    defaults |= {f.name: f.default for f in fields(ModelOptions)} if options is not None else {}
+    changed = [name for name, value in given.items() if value != defaults[name]]
     if changed:
         flags = ", ".join("--" + name.replace("_", "-") for name in changed)
-        raise FastspecError(f"{flags} {'are' if len(changed) > 1 else 'is'} for a model loaded here; --url measures "
-                            "the server's model as it runs")
+        verb = "are" if len(changed) > 1 else "is"
+        raise FastspecError(f"{flags} {verb} {why}")
 
 
 def bench_url(url: str, prompts: list[str], max_tokens: int, rate: float, concurrency: int, as_json: bool) -> None:

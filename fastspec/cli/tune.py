@@ -51,6 +51,13 @@ def tune(
     if given:
         raise FastspecError(f"{given[0]}: fastspec tune chooses the tree shapes itself"
                             + (" (--from-tuned: the tuned file's)" if from_tuned else "") + "; drop it")
+    lossy = [flag for flag, value in (("--speculative-accept-threshold-single",
+                                       options.speculative_accept_threshold_single),
+                                      ("--speculative-accept-threshold-acc", options.speculative_accept_threshold_acc))
+             if value != 1.0]
+    if lossy:  # (the tuned file would not record them either: chat would use the shapes tuned under them)
+        raise FastspecError(f"{lossy[0]}: fastspec tune measures greedy decoding, where acceptance is exact whatever "
+                            "the thresholds; drop it")
     sizes = tuple(parse_ids(batch_sizes, "--batch-sizes"))
     check_sizes(batch_sizes, sizes, num_prompts, max_new_tokens, budget)
     if plot is not None and not plot.parent.is_dir():
