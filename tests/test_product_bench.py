@@ -23,7 +23,17 @@ def test_bench_json_shape():
     for r in report["results"]:
         assert r["baseline_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["tau"] >= 1
         assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["baseline_tok_s"], rel=0.01)
-    assert report["config"]["algorithm"] == "NGRAM"
+    assert report["config"]["algorithm"] == "NGRAM" and "no speculation" not in result.stderr
+
+
+def test_bench_says_when_no_speculation_was_asked_for():
+    """--speculative-algorithm NONE benches plain against plain: the table read as a speedup (noise) and tau 0.00
+    with nothing said (found by the QA pass of bench)."""
+    result = CliRunner().invoke(app, ["bench", "--batch-sizes", "1", "--max-new-tokens", "4", "--num-prompts", "1",
+                                      "--trials", "1", "--warmup", "0", "--speculative-algorithm", "NONE",
+                                      "--max-total-tokens", "1024", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "NONE: no speculation, so both columns decode plainly" in result.stderr
 
 
 def test_bench_table_fits_80_columns_with_every_figure_whole(capsys, monkeypatch):

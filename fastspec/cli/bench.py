@@ -72,6 +72,9 @@ def bench(
         kwargs["speculative_fallback"] = False
     notes = Notes()
     spec = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)
+    if not spec.engine.spec.enabled and spec.tuned_schedule is None:  # (a tuned all-plain file is a measured choice)
+        notes(f"{spec.engine.spec.algorithm}: no speculation, so both columns decode plainly (their ratio is the "
+              "run-to-run noise); give --speculative-algorithm and a draft to compare")
     base_kwargs = kwargs | {"speculative_algorithm": "NONE", "draft_model": None, "token_map": None, "ngram": None}
     baseline = LLM(**{k: v for k, v in base_kwargs.items() if k not in ("num_steps", "topk", "num_draft_tokens")})
     ids = [spec.encode(t, chat=True) for t in texts[:num_prompts]]
