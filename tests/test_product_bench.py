@@ -154,3 +154,26 @@ def test_bench_refuses_a_flag_it_would_ignore(flags, message):
     --profile's unused counts and --prompt-set beside --prompts, and measured as if they were not given."""
     result = CliRunner().invoke(app, ["bench", *flags])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.output
+
+
+def test_bench_runs_only_full_batches(monkeypatch):
+    """3 prompts at batch size 2 ran a batch of 2 and one of 1, yet per-request tok/s and rounds were divided by 2
+    (found by the QA pass of bench): the prompts are cycled to fill every batch."""
+    from types import SimpleNamespace
+
+    from fastspec.benchmark import offline
+    from fastspec.spec_config import SpecConfig
+    from fastspec.utils.metrics import SpecMetrics
+
+    batches = []
+
+    def generate(prompts, params):
+        batches.append(len(prompts))
+        return [SimpleNamespace(output_ids=[1], metrics=SpecMetrics()) for _ in prompts]
+
+    engine = SimpleNamespace(generate=generate, flush_cache=lambda: None, spec=SpecConfig(),
+                             times=SimpleNamespace(reset=lambda: None))
+    monkeypatch.setattr(offline, "_phase_split", lambda *args: {})
+    llm = SimpleNamespace(engine=engine)
+    offline.run_bench(llm, llm, [[1], [2], [3]], [2, 4], max_new_tokens=4, trials=1, warmup=0)
+    assert batches == [2, 2, 2, 2, 4, 4]  # bs 2: 4 prompts in 2 batches, each engine; bs 4: one batch of 4 each

@@ -50,7 +50,8 @@ def run_bench(baseline, spec, prompts: list[list[int]], batch_sizes: list[int], 
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     results = []
     for bs in batch_sizes:
-        batch_prompts = [prompts[i % len(prompts)] for i in range(max(len(prompts), bs))]
+        whole = -(-len(prompts) // bs) * bs  # every batch full (prompts cycled): the figures per request and per
+        batch_prompts = [prompts[i % len(prompts)] for i in range(whole)]  # round divide by bs
         warm = SamplingParams(max_new_tokens=min(8, max_new_tokens), ignore_eos=True)
         for _ in range(warmup):
             timed_run(baseline, batch_prompts[:bs], bs, warm), timed_run(spec, batch_prompts[:bs], bs, warm)
