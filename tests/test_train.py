@@ -275,6 +275,19 @@ def test_a_directory_that_is_not_a_run_is_neither_resumed_into_nor_overwritten(c
     assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
 
 
+def test_resume_with_no_run_to_continue_is_a_one_line_error(chat_target, prompt_file, tmp_path):
+    """--resume on an --out that holds no run (a mistyped path) started the whole run over, silently (found by the
+    QA pass of train-draft); transformers' Trainer refuses alike. Nothing is created."""
+    for out in (tmp_path / "typo", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        result = CliRunner().invoke(app, ["train-draft", "--out", str(out), "--model", str(chat_target), "--prompts",
+                                          str(prompt_file), "--resume"])
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert "--resume: no train-draft run in" in result.stderr and "drop --resume" in result.stderr
+        assert not (out / "train").exists()
+
+
 def test_resuming_with_another_target_is_a_one_line_error(chat_target, prompt_file, tiny_dirs, tmp_path):
     """A run (its answers, features and head) belongs to the target it was made for."""
     out = tmp_path / "head"

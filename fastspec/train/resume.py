@@ -34,6 +34,8 @@ def check_out(cfg: TrainConfig) -> None:
         if not work.is_dir():
             action = "resume into" if cfg.resume else "overwrite"
             raise FastspecError(f"--out {out} is not a train-draft directory; refusing to {action} it")
+    elif cfg.resume:  # (a mistyped --out would start the long run over, silently; transformers' Trainer refuses too)
+        raise FastspecError(f"--resume: no train-draft run in {out} to continue; drop --resume to start one")
 
 
 def prepare_out(cfg: TrainConfig) -> Path:
