@@ -25,7 +25,7 @@ from torch import nn
 
 from fastspec.models.cuda_linears import ByteWeight
 from fastspec.models.layers import by_rows
-from fastspec.models.moe import LinearExperts
+from fastspec.models.moe import LinearExperts, sparse_experts
 from fastspec.models.quant_layers import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -59,19 +59,7 @@ class ByteExperts(nn.Module):
         return self.forward_dense(x, weights, index)
 
     def forward_sparse(self, x, weights, index) -> torch.Tensor:
-        """Each chosen expert on its own tokens (host sync: how many tokens each expert got)."""
-        k = index.shape[1]
-        order = index.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(index.flatten(), minlength=self.num_experts).tolist()
-        out, start = torch.zeros_like(x), 0
-        for e, n in enumerate(counts):
-            if n:
-                pairs = order[start:start + n]
-                start += n
-                tokens = pairs // k
-                y = self._expert(e, x.index_select(0, tokens))
-                out.index_add_(0, tokens, y * weights.flatten()[pairs, None].to(x.dtype))
-        return out
+        return sparse_experts(x, weights, index, self.num_experts, self._expert)
 
     def forward_dense(self, x, weights, index) -> torch.Tensor:
         """Every expert on every token; unchosen experts weigh 0. Static shapes."""

@@ -18,6 +18,7 @@ share the call (a verify's rows and a decode step's).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,24 @@ class Router(nn.Module):
         best = group_rank.topk(m.topk_group, dim=-1)[1]  # [T, topk_group]
         groups = torch.zeros_like(group_rank, dtype=torch.bool).scatter(1, best, True)
         return groups.repeat_interleave(m.num_experts // m.n_group, dim=1)
+
+
+def sparse_experts(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, num_experts: int,
+                   expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Each chosen expert on its own tokens, `expert(e, rows)` -> its outputs, added per expert in expert order
+    (host sync: how many tokens each expert got). x [T, H]; weights float32 [T, k]; index [T, k] -> [T, H]."""
+    k, out = index.shape[1], torch.zeros_like(x)
+    order = index.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
+    counts = torch.bincount(index.flatten(), minlength=num_experts).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            pairs = order[start:start + n]
+            start += n
+            tokens = pairs // k
+            y = expert(e, x.index_select(0, tokens))
+            out.index_add_(0, tokens, y * weights.flatten()[pairs, None].to(x.dtype))
+    return out
 
 
 class Experts(nn.Module):
@@ -123,22 +142,7 @@ class Experts(nn.Module):
         return torch.einsum("tk,tkh->th", weights.to(x.dtype), y)
 
     def forward_sparse(self, x, weights, index) -> torch.Tensor:
-        """Each chosen expert on its own tokens (host sync: how many tokens each expert got)."""
-        k = index.shape[1]
-        order = index.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(index.flatten(), minlength=self.gate_proj.shape[0]).tolist()
-        flat_weights = weights.flatten()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            pairs = order[start:start + n]
-            start += n
-            tokens = pairs // k
-            y = self._expert(e, x.index_select(0, tokens))
-            out.index_add_(0, tokens, y * flat_weights[pairs, None].to(x.dtype))
-        return out
+        return sparse_experts(x, weights, index, self.gate_proj.shape[0], self._expert)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # x [T, H] -> expert e's output [T, H]
         mm = (lambda a, w: row_linear(a, w, None)) if x.device.type == "cpu" else (lambda a, w: a @ w.T)
@@ -160,18 +164,7 @@ class LinearExperts(nn.Module):
         if torch.compiler.is_compiling() or capturing:  # every expert on every token, unchosen ones weighed 0
             dense = torch.zeros(x.shape[0], len(self.down), device=x.device).scatter(1, index, weights).to(x.dtype)
             return sum(self._expert(e, x) * dense[:, e, None] for e in range(len(self.down)))
-        k, out = index.shape[1], torch.zeros_like(x)
-        order = index.flatten().argsort(stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(index.flatten(), minlength=len(self.down)).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                pairs = order[start:start + n]
-                start += n
-                tokens = pairs // k
-                y = self._expert(e, x.index_select(0, tokens))
-                out.index_add_(0, tokens, y * weights.flatten()[pairs, None].to(x.dtype))
-        return out
+        return sparse_experts(x, weights, index, len(self.down), self._expert)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up[e](x).chunk(2, -1)
