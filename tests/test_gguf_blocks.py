@@ -11,7 +11,7 @@ from gguf.quants import dequantize, quantize
 
 from fastspec.kernels import cpu_library
 from fastspec.models.gguf import unpermute_rope_rows
-from fastspec.models.gguf_blocks import merge_rows, read_blocks
+from fastspec.models.gguf_blocks import Blocks, merge_rows, read_blocks
 from fastspec.models.packed_layers import BlockLinear, Int4Linear, fast_activation
 
 
@@ -75,8 +75,8 @@ def test_rows_move_with_their_scales():
 def test_a_format_or_shape_it_cannot_take_is_refused():
     with pytest.raises(ValueError, match="Q6_K is not a block format"):
         read_blocks(np.zeros((2, 210), dtype=np.uint8), "Q6_K")
-    with pytest.raises(ValueError, match="N % 16 == 0"):
-        Int4Linear.from_blocks(read_blocks(quantised("Q4_0", 6, 64), "Q4_0"))
+    with pytest.raises(ValueError, match=r"K % 32 == 0, got \[6, 48\]"):
+        Int4Linear.from_blocks(Blocks(torch.zeros(6, 48, dtype=torch.uint8), torch.ones(6, 3), torch.zeros(6, 3), 4))
     with pytest.raises(ValueError, match="4-bit"):
         Int4Linear.from_blocks(read_blocks(quantised("Q8_0", 8, 64), "Q8_0"))
 

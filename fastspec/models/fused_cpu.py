@@ -77,10 +77,10 @@ def dense_plan(attn) -> TorchAttnPlan | None:
 
 def _gemm(linear, h: torch.Tensor) -> torch.Tensor:
     """linear(h) for h [T, K] already in the activation dtype: a packed linear's kernel called directly (its forward's
-    reshapes and casts would be four no-op dispatches per GEMM)."""
-    if type(linear) is Int4Linear and linear.bias is None and h.dtype == linear.activation:
+    reshapes and casts would be four no-op dispatches per GEMM); a padded one's forward drops its zero rows."""
+    if type(linear) is Int4Linear and linear.bias is None and not linear.padded and h.dtype == linear.activation:
         return INT4_MM(h, linear.packed, BLOCK, linear.scale_zero)
-    if type(linear) is BlockLinear and linear.bias is None and h.dtype == torch.float32:
+    if type(linear) is BlockLinear and linear.bias is None and not linear.padded and h.dtype == torch.float32:
         return cpu_q4.matmul(h, linear.packed, linear.scales, linear.levels)
     return linear(h)
 
@@ -198,8 +198,8 @@ def _stack_table(model) -> torch.Tensor | None:
     packed weights and scales, its post-attention norm, the next layer's input norm), its linears' bit widths, their
     input orders (a PermutedLinear's; 0: none), 4-bit levels (0: none), QKV's bias and the q / k head norms' weights
     (0: none) and the linears' weight groups (values per scale), or None where a layer is not that (another kernel,
-    a bias beside another GEMM than QKV, norms with different eps, KV not at the layer's own index). Built once per
-    model: a loaded model's tensors do not move."""
+    a padded linear, a bias beside another GEMM than QKV, norms with different eps, KV not at the layer's own index).
+    Built once per model: a loaded model's tensors do not move."""
     if model not in _TABLES:
         layers, rows = model.model.layers, []
         for i, layer in enumerate(layers):
@@ -210,7 +210,8 @@ def _stack_table(model) -> torch.Tensor | None:
             norms = (layer.post_attention_layernorm, layers[i + 1].input_layernorm if i + 1 < len(layers) else None)
             heads = (a.q_norm, a.k_norm)  # Qwen3's, or None
             bias = linears[0].bias
-            if (any(type(m) is not BlockLinear for m in linears) or any(m.bias is not None for m in linears[1:])
+            if (any(type(m) is not BlockLinear or m.padded for m in linears)
+                    or any(m.bias is not None for m in linears[1:])
                     or (bias is not None and bias.dtype != torch.float32)
                     or a.layer_id != i
                     or any(n is not None and n.eps != layers[0].input_layernorm.eps for n in norms + heads)):

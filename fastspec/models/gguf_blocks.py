@@ -57,10 +57,13 @@ class Blocks:
         return w
 
     def pad_rows(self, multiple: int) -> Blocks:
-        """The same weight with zero rows appended up to a multiple of `multiple` rows (a kernel's tile)."""
+        """The same weight with zero rows appended up to a multiple of `multiple` rows (a kernel's tile): scales and
+        offsets 0, values the last row's (a zero row then adds no value a packing sees: no level, no wider range)."""
         extra = -self.q.shape[0] % multiple
-        return self if not extra else Blocks(*(F.pad(t, (0, 0, 0, extra)) for t in (self.q, self.scale, self.offset)),
-                                             self.bits)
+        if not extra:
+            return self
+        q = torch.cat([self.q, self.q[-1:].expand(extra, -1)])
+        return Blocks(q, *(F.pad(t, (0, 0, 0, extra)) for t in (self.scale, self.offset)), self.bits)
 
     def map_rows(self, fn) -> Blocks:
         """The same weight with its rows rearranged by `fn` ([N, x] -> [N, x], e.g. undoing the rope row order):

@@ -37,7 +37,6 @@ from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_ro
 from fastspec.models.moe import LinearExperts, MoE, is_moe_layer
 from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.packed_layers import (
-    ROW_TILE,
     BlockEmbedding,
     BlockLinear,
     CastLinear,
@@ -76,6 +75,10 @@ class StoredWeights:
         if name not in self.stored:
             return None
         return 4 if self.blocks.get_slice(f"{name}.q").get_dtype() == "U8" else 8
+
+    def rows(self, name: str) -> int:
+        """The rows of the weight `name` stored as blocks (read from its header, not its data)."""
+        return self.blocks.get_slice(f"{name}.q").get_shape()[0]
 
     def get_blocks(self, name: str):
         return blocks_from_state(self.blocks.get_tensor, name)
@@ -116,9 +119,11 @@ class PackedCache:
             self.stored = None
         self.new: dict[str, torch.Tensor] = {}
 
-    def linear(self, name: str, blocks, activation: torch.dtype, bias: torch.Tensor | None = None) -> nn.Module:
-        """The packed linear `name` for `activation` (packed_layers.int4_linear): from the cache, else packed from
-        `blocks()` (its Blocks: 4-bit, or with int16 activations any width); `bias` as given (not cached)."""
+    def linear(self, name: str, blocks, rows: int, activation: torch.dtype,
+               bias: torch.Tensor | None = None) -> nn.Module:
+        """The packed linear `name` of `rows` outputs for `activation` (packed_layers.int4_linear): from the cache,
+        else packed from `blocks()` (its Blocks: 4-bit, or with int16 activations any width; the packing pads its rows
+        to the kernel's tile, which the module drops); `bias` as given (not cached)."""
         ours = activation == torch.int16
         keys = [f"{name}.blocks_packed", f"{name}.blocks_scales"] if ours else [f"{name}.packed", f"{name}.scale_zero"]
         if all(k in self.names for k in keys):
@@ -128,7 +133,8 @@ class PackedCache:
             keys += [f"{name}.blocks_levels"] if ours else []  # (a BlockLinear's third tensor, where it has one)
             tensors = (BlockLinear if ours else Int4Linear).pack(blocks())
             self.new.update(zip(keys, tensors))
-        return BlockLinear(*tensors, bias=bias) if ours else Int4Linear(*tensors, activation, bias)
+        return (BlockLinear(*tensors, bias=bias, out_features=rows) if ours
+                else Int4Linear(*tensors, activation, bias, out_features=rows))
 
     def save(self) -> None:
         if not self.new:
@@ -196,7 +202,8 @@ def _projection(weights: StoredWeights, cache: PackedCache, name: str, parts: li
     dequantised floats; their biases, where they have them, in the residual `dtype`."""
     bits, bias = [weights.bits(n) for n in parts], weights.bias(parts, dtype)
     if all(b == 4 for b in bits) or (activation == torch.int16 and all(bits)):
-        return cache.linear(name, lambda: merge_rows([weights.get_blocks(n) for n in parts]), activation, bias)
+        return cache.linear(name, lambda: merge_rows([weights.get_blocks(n) for n in parts]),
+                            sum(weights.rows(n) for n in parts), activation, bias)
     floats = [weights.get_float(n, float_dtype(activation)) for n in parts]
     return CastLinear(floats[0] if len(floats) == 1 else torch.cat(floats), bias)
 
@@ -226,7 +233,8 @@ def _head(weights: StoredWeights, cache: PackedCache, model: CausalLM, activatio
           dtype: torch.dtype) -> nn.Module:
     """The lm_head: with float32 activations the exact linear; else a RefinedHead over the table (the embedding
     when tied): packed int4 over its blocks when they are 4-bit, else over a 4-bit rounding of it (cached like the
-    projections), with the best tokens rescored exactly."""
+    projections; 4-bit blocks are the same packed weight as the exact linear's), with the best tokens rescored
+    exactly. Either way [..., V] logits, V the table's rows."""
     tied = model.config.tie_word_embeddings
     name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     if activation == torch.float32:
@@ -235,7 +243,7 @@ def _head(weights: StoredWeights, cache: PackedCache, model: CausalLM, activatio
     four_bit = weights.bits(name) == 4
     rows = table.num_embeddings
     blocks = (lambda: weights.get_blocks(name)) if four_bit else (lambda: quantise_rows(table, rows))
-    return RefinedHead(cache.linear("lm_head", lambda: blocks().pad_rows(ROW_TILE), activation), table)
+    return RefinedHead(cache.linear("lm_head", blocks, rows, activation), table)
 
 
 def _parameter(tensor: torch.Tensor, dtype: torch.dtype, device) -> nn.Parameter:

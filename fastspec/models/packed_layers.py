@@ -18,7 +18,7 @@ from fastspec.kernels import cpu_fused, cpu_library, cpu_q4, cpu_row_gemm
 from fastspec.kernels.cpu_row_gemm import row_dots, row_dots_op, row_linear
 from fastspec.models.gguf_blocks import BLOCK, Blocks, as_8bit_16, quantise_rows, round_8bit
 
-ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows
+ROW_TILE = 16  # torch's int4 CPU packing takes weights of a multiple of 16 rows (others are padded with zero rows)
 TENSOR_LINEARS = ("kv_b_proj",)  # linears whose weight a model reads as a tensor (MLA absorbs it into q and o)
 
 
@@ -29,15 +29,17 @@ class Int4Linear(nn.Module):
     The kernel reads w = (q - 8) * scale + zero, so zero = offset + 8 * scale holds Q4_0 and Q4_1 exactly.
     `activation`: the dtype x is cast to for the kernel. With bfloat16 (scales in bfloat16 too) it is the fast
     one; with float32 it is exact to float32 rounding and many times slower (bench/bench_packed.py measures both).
+    `out_features`: the weight's rows, where `packed` has zero rows after them (`pack` pads N to ROW_TILE).
     """
 
     def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, activation: torch.dtype = torch.bfloat16,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, out_features: int | None = None):
         super().__init__()
-        self.out_features, self.in_features = packed.shape[0], 2 * packed.shape[1]
+        self.out_features, self.in_features = out_features or packed.shape[0], 2 * packed.shape[1]
+        self.padded = self.out_features < packed.shape[0]  # the kernel's output has rows forward drops
         self.activation = activation
-        self.register_buffer("packed", packed)  # uint8 [N, K/2]
-        self.register_buffer("scale_zero", scale_zero.to(activation))  # [K/32, N, 2]
+        self.register_buffer("packed", packed)  # uint8 [N', K/2]  (N' >= N: see pack)
+        self.register_buffer("scale_zero", scale_zero.to(activation))  # [K/32, N', 2]
         self.register_buffer("bias", bias)
 
     @property
@@ -47,16 +49,17 @@ class Int4Linear(nn.Module):
     @classmethod
     def from_blocks(cls, blocks: Blocks, activation: torch.dtype = torch.bfloat16,
                     bias: torch.Tensor | None = None) -> Int4Linear:
-        return cls(*cls.pack(blocks), activation, bias)
+        return cls(*cls.pack(blocks), activation, bias, blocks.q.shape[0])
 
     @staticmethod
     def pack(blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
-        """(packed uint8 [N, K/2], scale_zero float32 [K/32, N, 2]) of a 4-bit weight, in torch's int4 CPU layout."""
+        """(packed uint8 [N', K/2], scale_zero float32 [K/32, N', 2]) of a 4-bit weight, in torch's int4 CPU layout;
+        N' = N rounded up to ROW_TILE (zero rows)."""
         if blocks.bits != 4:
             raise ValueError("Int4Linear takes a 4-bit weight")
-        n, k = blocks.q.shape
-        if k % BLOCK or n % ROW_TILE:
-            raise ValueError(f"a packed int4 weight needs K % 32 == 0 and N % 16 == 0, got [{n}, {k}]")
+        if blocks.q.shape[1] % BLOCK:
+            raise ValueError(f"a packed int4 weight needs K % 32 == 0, got {list(blocks.q.shape)}")
+        blocks = blocks.pad_rows(ROW_TILE)
         zero = blocks.offset + 8 * blocks.scale
         scale_zero = torch.stack([blocks.scale, zero], -1).transpose(0, 1).contiguous()
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.to(torch.int32), 2), scale_zero
@@ -67,6 +70,7 @@ class Int4Linear(nn.Module):
             y = int4_matmul(flat, self.packed, self.scale_zero)
         else:  # eager: the op itself (calling a custom op loads the compiler stack, ~150 MB resident)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, BLOCK, self.scale_zero)
+        y = y[:, :self.out_features].contiguous() if self.padded else y  # [M, N]
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -75,16 +79,18 @@ class BlockLinear(nn.Module):
     """y = x @ w.T for a 4-, 5-, 6- or 8-bit weight kept as its blocks (a scale and an offset per 32 or 16 values) in
     fastspec's own layout, run by the C kernels of fastspec.kernels.cpu_q4: x is rounded to int16 per group of 32
     inside them, scales and offsets are kept as float16. The fast path where it beats torch's kernel (fast_activation
-    measures both); never the exact reference."""
+    measures both); never the exact reference. `out_features` as Int4Linear's (`pack` pads N to cpu_q4.TILE)."""
 
     activation = torch.int16  # what x is rounded to (the module itself takes and returns float32, any float dtype)
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, out_features: int | None = None):
         super().__init__()
-        self.out_features, self.in_features = packed.shape[0] * cpu_q4.TILE, cpu_q4.in_features(packed)
-        self.register_buffer("packed", packed)  # uint8 [N/16, K/32, 256 | 320 | 384] (4 / 5 / 6-bit); int8 (8-bit)
-        self.register_buffer("scales", scales)  # float16 [N/16, K/g, 2, 16]  (g: 32 at 4 bits, else 16 or 32)
+        rows = packed.shape[0] * cpu_q4.TILE
+        self.out_features, self.in_features = out_features or rows, cpu_q4.in_features(packed)
+        self.padded = self.out_features < rows  # the kernel's output has rows forward drops
+        self.register_buffer("packed", packed)  # uint8 [N'/16, K/32, 256 | 320 | 384] (4 / 5 / 6-bit); int8 (8-bit)
+        self.register_buffer("scales", scales)  # float16 [N'/16, K/g, 2, 16]  (g: 32 at 4 bits, else 16 or 32)
         self.register_buffer("levels", levels)  # int8 [16]: the values a 4-bit weight's nibbles index, or None
         self.register_buffer("bias", bias)
 
@@ -97,7 +103,7 @@ class BlockLinear(nn.Module):
 
     @classmethod
     def from_blocks(cls, blocks: Blocks, bias: torch.Tensor | None = None) -> BlockLinear:
-        return cls(*cls.pack(blocks), bias=bias)
+        return cls(*cls.pack(blocks), bias=bias, out_features=blocks.q.shape[0])
 
     @staticmethod
     def pack(blocks: Blocks) -> tuple[torch.Tensor, ...]:
@@ -105,7 +111,8 @@ class BlockLinear(nn.Module):
         values (IQ4_NL / IQ4_XS) as 4-bit indices into them (cpu_q4.as_levels), others of 32 in the fewest bits (5,
         6 or 8) they fit exactly with their scales per 32 (cpu_q4.narrow: Q5_0 / Q5_1 / Q5_K take 5, Q8_0 8); blocks
         of 16 as values with a scale per 16, in the fewest bits they fit (Q6_K, Q2_K / Q3_K and mixes with Q4_K take 5
-        or 6)."""
+        or 6). N is rounded up to cpu_q4.TILE with zero rows."""
+        blocks = blocks.pad_rows(cpu_q4.TILE)
         if blocks.bits == 4 and blocks.group == 32:
             return cpu_q4.pack(blocks.q, blocks.scale, blocks.offset, 4)
         indexed = cpu_q4.as_levels(blocks.q) if blocks.group == 32 else None
@@ -122,6 +129,7 @@ class BlockLinear(nn.Module):
             y = block_matmul(flat, self.packed, self.scales, self.levels)
         else:
             y = cpu_q4.matmul(flat, self.packed, self.scales, self.levels)
+        y = y[:, :self.out_features].contiguous() if self.padded else y  # [M, N]
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -194,7 +202,7 @@ class RefinedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., H] -> [..., V] float32
         flat = x.reshape(-1, x.shape[-1])  # [M, H]
-        logits = self.approx(flat).float()[:, :self.table.num_embeddings]  # [M, V] (approx's rows may be padded)
+        logits = self.approx(flat).float()  # [M, V]
         if torch.compiler.is_compiling():
             top = logits.topk(self.refine, -1).indices  # [M, refine]
         else:  # the set, unsorted: a third of torch's topk's time over a 49k vocabulary on CPU

@@ -16,7 +16,7 @@ from torch import nn
 from fastspec.models.byte_experts import stack_linear_experts
 from fastspec.models.gguf_blocks import BLOCK, Blocks, quantise_rows
 from fastspec.models.moe import Experts, LinearExperts
-from fastspec.models.packed_layers import ROW_TILE, TENSOR_LINEARS, RefinedHead, int4_linear
+from fastspec.models.packed_layers import TENSOR_LINEARS, RefinedHead, int4_linear
 from fastspec.kernels.fp8_block import FP8, FP8_MAX
 from fastspec.models.quant_layers import QuantLinear, bind_linears
 from fastspec.models.quant_weights import Fp8Weight, IntWeight, QuantWeight
@@ -102,5 +102,5 @@ def refine_head(model: nn.Module, activation: torch.dtype | None) -> None:
     table = model.model.embed_tokens if tied else nn.Embedding.from_pretrained(model.lm_head.weight.detach().float())
     if table.embedding_dim % BLOCK:
         return
-    approx = int4_linear(quantise_rows(table, table.num_embeddings).pad_rows(ROW_TILE), activation)
+    approx = int4_linear(quantise_rows(table, table.num_embeddings), activation)
     model.lm_head = RefinedHead(approx, table)
