@@ -92,18 +92,20 @@ def test_packed_modules_compile_as_opaque_ops():
 
 def test_pack_linears_rounds_each_linear_to_4_bits_or_casts_it():
     """A draft head beside a target on fastspec's kernels: linears the kernel takes become 4-bit BlockLinears over
-    their weight rounded as Q4_1 rounds (each value within half a step of its group's 15), with the bias, the rest
-    CastLinears."""
+    their weight rounded as Q4_1 rounds (each value within half a step of its group's 15), with the bias (any rows:
+    24 are padded to the kernel's 16-row tile inside), the rest (inputs not a multiple of 32) CastLinears."""
     from fastspec.kernels import cpu_q4
     from fastspec.models.packed_layers import BlockLinear, pack_linears
 
     g = torch.Generator().manual_seed(4)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 24, bias=False))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 24, bias=False),
+                                torch.nn.Linear(24, 8))
     w, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
     x = torch.randn(3, 64, generator=g)
     expected = model(x)
     pack_linears(model, torch.float32, 4)
-    assert [type(m) for m in model] == [BlockLinear, torch.nn.ReLU, CastLinear]  # 24 rows: not a multiple of 16
+    assert [type(m) for m in model] == [BlockLinear, torch.nn.ReLU, BlockLinear, CastLinear]
+    assert model[2].out_features == 24 and model[2].padded and model[2](x[:, :32]).shape == (3, 24)
     assert cpu_q4.bits(model[0].packed) == 4 and torch.equal(model[0].bias, bias)
     q, scale, offset = cpu_q4.unpack(model[0].packed, model[0].scales)
     rounded = (q.float().unflatten(-1, (-1, 32)) * scale[..., None] + offset[..., None]).flatten(-2)

@@ -1,8 +1,9 @@
 """Quantised checkpoints as their producers lay them out, beyond the per-method oracles of
 test_quantised_checkpoints: compressed-tensors checkpoints written by compressed-tensors' own ModelCompressor (the
 config.json llm-compressor saves, `re:` ignore entries) against transformers' own decompressed load; AutoAWQ's
-quant_config.json; and the inputs that must be one line: packed words of another dtype, AWQ tensors that disagree,
-packed weights without a config, int4 rounding a hidden size that does not take its groups."""
+quant_config.json; a fused QKV of rows not a multiple of the CPU kernels' tile; and the inputs that must be one line:
+packed words of another dtype, AWQ tensors that disagree, packed weights without a config, int4 rounding a hidden size
+that does not take its groups."""
 
 import json
 import logging
@@ -13,6 +14,7 @@ import torch
 
 import fastspec
 from fastspec.errors import FastspecError
+from fastspec.kernels import cpu_library
 from fastspec.sampling import SamplingParams
 from quant_writers import write_quantised
 from test_quantised_checkpoints import hf_greedy
@@ -211,3 +213,38 @@ def test_the_weights_check_counts_a_dequantised_checkpoint_unpacked(awq_dir, tin
         check_weights_fit(resolve_sources(str(fp16), "NONE"), "bfloat16", "cpu")
     monkeypatch.setattr(kv_pool, "available_bytes", lambda device: float_bytes * 5 // 8)
     check_weights_fit(resolve_sources(str(fp16), "NONE"), "bfloat16", "cpu")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "int4"])
+@pytest.mark.parametrize("activation", [torch.float32, torch.bfloat16, pytest.param(
+    torch.int16, marks=pytest.mark.skipif(not cpu_library.available(), reason="no C compiler"))])
+def test_a_packed_qkv_of_rows_not_a_multiple_of_16_is_packed(tmp_path, monkeypatch, method, activation):
+    """3 heads and 1 KV head of 24 (a fused QKV of 120 rows): the CPU kernels pad it to their 16-row tile inside (it
+    ran as a dequantised float linear before, when they took only multiples of 16); the logits are the vocabulary
+    wide (265), and the greedy tokens those of transformers over the exactly dequantised checkpoint (GPTQ / AWQ) on
+    float32 activations, nearly always on the fast ones (teacher-forced)."""
+    from gguf_writers import tiny_model
+
+    from fastspec.models import packed_layers
+    from fastspec.models.quant_layers import gemm_kernel
+
+    monkeypatch.setattr(packed_layers, "fast_activation", lambda: activation)
+    hf = tiny_model("qwen3", tied=False, head_dim=24, num_attention_heads=3, num_key_value_heads=1)
+    if method == "int4":  # online rounding: its oracle is the rounded model (test_quantise); shapes only here
+        hf.save_pretrained(tmp_path / "m")
+        oracle = None
+    else:
+        oracle = write_quantised(hf, tmp_path / "m", method)
+    got, llm = tokens(tmp_path / "m", new=8, quantization=method, kv_cache_dtype="float32")
+    model = llm.engine.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.out_features == 120 and gemm_kernel(qkv).startswith(("torch int4", "fastspec CPU block"))
+    assert model.lm_head(torch.zeros(1, 64)).shape == (1, 265)
+    if oracle is None:
+        return
+    if activation == torch.float32:
+        assert got == [hf_greedy(oracle, p, 8) for p in PROMPTS]
+    with torch.inference_mode():
+        same = sum(int((oracle(torch.tensor([p + g])).logits[0, len(p) - 1:-1].argmax(-1) == torch.tensor(g)).sum())
+                   for p, g in zip(PROMPTS, got))
+    assert same >= 0.9 * 8 * len(PROMPTS)

@@ -252,12 +252,11 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, bits: int = 8) -> nn.Modu
     """Every nn.Linear of `model` (in place) as a BlockLinear over its weight rounded to `bits`: 4 per 32 values as
     Q4_1 rounds (gguf_blocks.quantise_rows), 8 per 16 (round_8bit); a draft beside a target on fastspec's kernels,
     which only proposes tokens: the output stays exact. Or as a CastLinear in `dtype` where the kernel cannot take
-    its shape."""
+    its inputs (K % 32)."""
     def block(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        n, k = weight.shape
-        if n % cpu_q4.TILE or k % cpu_q4.GROUP:
+        if weight.shape[1] % cpu_q4.GROUP:
             return CastLinear(weight.to(dtype), bias)
-        rounded = quantise_rows(lambda ids: weight[ids], n) if bits == 4 else round_8bit(weight)
+        rounded = quantise_rows(lambda ids: weight[ids], weight.shape[0]) if bits == 4 else round_8bit(weight)
         return BlockLinear.from_blocks(rounded, bias)
     return _replace_linears(model, block)
 

@@ -21,7 +21,7 @@ from torch import nn
 from fastspec.kernels import cpu_q4, fp8_block
 from fastspec.models.cuda_linears import ByteLinear, Fp8BlockLinear, Fp8Linear, TinyGemmLinear
 from fastspec.models.gguf_blocks import BLOCK, Blocks, round_8bit
-from fastspec.models.packed_layers import ROW_TILE, BlockLinear, CastLinear, float_dtype, int4_linear
+from fastspec.models.packed_layers import BlockLinear, CastLinear, float_dtype, int4_linear
 from fastspec.models.quant_weights import Fp8Weight, IntWeight, QuantWeight, merge
 
 
@@ -111,16 +111,15 @@ def bind(linear: QuantLinear, activation: torch.dtype | None) -> nn.Module:
         return inner if isinstance(form, Fp8Weight) or form.perm is None else PermutedLinear(form.perm, inner)
     if device.type != "cpu" or activation is None:
         return linear
-    n, k = form.shape
-    tiles = n % ROW_TILE == 0 and k % cpu_q4.GROUP == 0
+    whole_groups = form.shape[1] % cpu_q4.GROUP == 0  # inputs the kernels take (any N: they pad it to their tile)
     if isinstance(form, Fp8Weight):
-        if activation == torch.int16 and tiles:  # an 8-bit grid per 16 values over the e4m3 ones
+        if activation == torch.int16 and whole_groups:  # an 8-bit grid per 16 values over the e4m3 ones
             return BlockLinear.from_blocks(round_8bit(form.dequantise()), bias)
         return CastLinear(form.dequantise(float_dtype(activation)), bias)
     blocks, inner = form.blocks, None
-    if tiles and blocks.bits == 4 and blocks.group % BLOCK == 0:
+    if whole_groups and blocks.bits == 4 and blocks.group % BLOCK == 0:
         inner = int4_linear(_regroup(blocks, BLOCK), activation, bias)
-    elif tiles and activation == torch.int16 and blocks.group % 16 == 0:
+    elif whole_groups and activation == torch.int16 and blocks.group % 16 == 0:
         inner = BlockLinear.from_blocks(_regroup(blocks, 16) if blocks.bits == 8 else blocks, bias)
     if inner is None:
         return CastLinear(form.dequantise(float_dtype(activation)), bias)
