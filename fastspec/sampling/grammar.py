@@ -51,17 +51,18 @@ class GrammarCompiler:
             first = self._tokenizer is None
             if first:
                 self._tokenizer = Future()
+            future = self._tokenizer  # (read here: a failed build empties the attribute for the next caller)
         if first:
             try:
-                self._tokenizer.set_result(self._read_tokenizer())
+                future.set_result(self._read_tokenizer())
             except FastspecError as e:
-                self._tokenizer.set_result(e)
+                future.set_result(e)
             except BaseException as e:  # (a bug: the callers waiting hear it, and the next caller tries again)
-                self._tokenizer.set_exception(e)
+                future.set_exception(e)
                 with self._lock:
                     self._tokenizer = None
                 raise
-        built = self._tokenizer.result()
+        built = future.result()
         if isinstance(built, FastspecError):
             raise FastspecError(str(built))
         return built
