@@ -11,6 +11,7 @@ from fastspec.models.causal_lm import eagle3_capture_layers
 from fastspec.models.layers import MLP, fuse_projections
 from fastspec.models.loader import load_target, read_config
 from fastspec.models.model_config import ModelConfig
+from fastspec.models.sources import check_weights_fit, resolve_sources
 
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [7, 7, 21], [90, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 40]]
 
@@ -112,6 +113,10 @@ def test_corrupt_safetensors_is_a_clear_error(tmp_path):
     weights.write_bytes(weights.read_bytes()[: 1000])
     with pytest.raises(FastspecError, match="corrupt or truncated"):
         load_target(tmp_path, torch.float32)
+    # start-up's weights check reads the headers before any load: the same line (it was a SafetensorError traceback)
+    sources = resolve_sources(str(tmp_path), None)
+    with pytest.raises(FastspecError, match=r"model\.safetensors: corrupt or truncated weights file \(Error while"):
+        check_weights_fit(sources, "float32", "cpu")
 
 
 def test_sharded_checkpoint_loads(tmp_path, tiny_dirs):

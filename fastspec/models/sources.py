@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastspec.config import resolve_dtype
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, first_line
 from fastspec.models import hub
 from fastspec.models.draft_loader import check_draft_fits, read_draft_config
 from fastspec.models.hub import check_model_spec
@@ -135,7 +135,8 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def _headers(model_dir: Path) -> list[tuple[str, list[int]]] | None:
-    """(dtype code, shape) of each tensor in `model_dir`'s *.safetensors, from their headers; None for .bin files."""
+    """(dtype code, shape) of each tensor in `model_dir`'s *.safetensors, from their headers; None for .bin files. A
+    file whose header cannot be read (a download cut short) is the loader's one line, here before any load."""
     from safetensors import safe_open
 
     files = weight_files(model_dir)
@@ -143,8 +144,11 @@ def _headers(model_dir: Path) -> list[tuple[str, list[int]]] | None:
         return None
     shapes = []
     for path in files:
-        with safe_open(str(path), "pt") as handle:
-            shapes += [(s.get_dtype(), s.get_shape()) for s in map(handle.get_slice, handle.keys())]
+        try:
+            with safe_open(str(path), "pt") as handle:
+                shapes += [(s.get_dtype(), s.get_shape()) for s in map(handle.get_slice, handle.keys())]
+        except Exception as e:  # (safetensors' errors have no common base class)
+            raise FastspecError(f"{path}: corrupt or truncated weights file ({first_line(e, None)})") from None
     return shapes
 
 
