@@ -135,8 +135,7 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def _headers(model_dir: Path) -> list[tuple[str, list[int]]] | None:
-    """(dtype code, shape) of each tensor in `model_dir`'s *.safetensors, from their headers; None for .bin files. A
-    file whose header cannot be read (a download cut short) is the loader's one line, here before any load."""
+    """(dtype code, shape) of each tensor in `model_dir`'s *.safetensors, from their headers; None for .bin files."""
     from safetensors import safe_open
 
     files = weight_files(model_dir)
@@ -147,7 +146,7 @@ def _headers(model_dir: Path) -> list[tuple[str, list[int]]] | None:
         try:
             with safe_open(str(path), "pt") as handle:
                 shapes += [(s.get_dtype(), s.get_shape()) for s in map(handle.get_slice, handle.keys())]
-        except Exception as e:  # (safetensors' errors have no common base class)
+        except Exception as e:  # (a download cut short: the loader's line, before it; no common error class)
             raise FastspecError(f"{path}: corrupt or truncated weights file ({first_line(e, None)})") from None
     return shapes
 
