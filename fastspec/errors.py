@@ -13,8 +13,8 @@ class FastspecError(Exception):
 class RequestTooLong(FastspecError):
     """A request that can never run: its prompt + max_new_tokens past `limit` ("context": the context length;
     "kv_pool": what the KV pool ever holds) of `capacity` tokens. `room`: the most new tokens its prompt leaves
-    there (< 1: the prompt alone fills it). The message is the engine's line (the CLI's flags); a server names its
-    own request fields from the numbers (Engine.check_length raises it)."""
+    under both limits (< 1: the prompt alone fills one). The message is the engine's line (the CLI's flags); a server
+    names its own request fields from the numbers (Engine.check_length raises it)."""
 
     def __init__(self, message: str, limit: str, capacity: int, prompt_len: int, max_new_tokens: int, room: int):
         super().__init__(message)

@@ -105,7 +105,9 @@ def test_the_engine_checks_both_limits_in_one_place_and_says_which(small):
         engine.request(0, [1] * 5, fastspec.SamplingParams(max_new_tokens=room + 1))
     with pytest.raises(RequestTooLong) as e:
         engine.check_length(5, ctx)
-    assert (e.value.limit, e.value.capacity, e.value.room) == ("context", ctx, ctx - 5)
+    assert (e.value.limit, e.value.capacity, e.value.room) == ("context", ctx, room)  # (not ctx - 5: the pool's
+    # smaller room, which a client retrying with it gets: found by the QA pass of today's changes)
+    assert room < ctx - 5
     with pytest.raises(FastspecError, match=rf"^prompt \(5 tokens\) \+ max-new-tokens \({ctx}\) exceeds the "
                                             rf"context length {ctx}$"):
         engine.request(0, [1] * 5, fastspec.SamplingParams(max_new_tokens=ctx))

@@ -17,7 +17,7 @@ def bench(
     options: ModelOptions,
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,4,8",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 128,
-    num_prompts: Annotated[int, typer.Option(help="Prompts per batch size (cycled up to the batch size).")] = 8,
+    num_prompts: Annotated[int, typer.Option(help="Prompts per batch size (cycled to fill every batch).")] = 8,
     prompts: Annotated[Optional[str], typer.Option(help="JSONL file, one {\"prompt\": ...} per line.")] = None,
     prompt_set: Annotated[str, typer.Option(help="Built-in held-out prompts: a set name or all (evenly sampled).")]
     = "all",

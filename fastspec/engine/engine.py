@@ -80,7 +80,8 @@ class Engine:
     # ---- public API -------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerateOutput]:
-        got = collect(self.stream(prompts, params), params)
+        with contextlib.closing(self.stream(prompts, params)) as steps:  # (however it ends: the KV and lock back)
+            got = collect(steps, params)
         return [GenerateOutput(list(p), got.ids[i], got.final[i].finish_reason, got.final[i].metrics, got.logprobs[i],
                                got.prompt_logprobs[i]) for i, p in enumerate(prompts)]
 
@@ -282,11 +283,10 @@ class Engine:
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         """The one check of a request's length (`request` makes it; a server, to name its own fields): past the
         context length or past what the KV pool can ever hold is a RequestTooLong saying which, and the room left."""
-        ctx = self.worker.max_context_len
+        ctx, room = self.worker.max_context_len, self.room_for(prompt_len)  # (room: what both limits leave)
         if prompt_len + max_new_tokens > ctx:
             raise RequestTooLong(f"prompt ({prompt_len} tokens) + max-new-tokens ({max_new_tokens}) exceeds the "
-                                 f"context length {ctx}", "context", ctx, prompt_len, max_new_tokens, ctx - prompt_len)
-        room = self.room_for(prompt_len)
+                                 f"context length {ctx}", "context", ctx, prompt_len, max_new_tokens, room)
         if max_new_tokens <= room:
             return
         ceiling, page, headroom = self.worker.memory.ceiling, self.config.page_size, self.worker.round_headroom()
