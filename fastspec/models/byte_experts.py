@@ -25,7 +25,7 @@ from torch import nn
 
 from fastspec.models.cuda_linears import ByteWeight
 from fastspec.models.layers import by_rows
-from fastspec.models.moe import LinearExperts, sparse_experts
+from fastspec.models.moe import LinearExperts, add_pairs, dense_experts, expert_pairs, in_graph, sparse_experts
 from fastspec.models.quant_layers import QuantLinear
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,7 @@ class ByteExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         # x [T, H]; weights float32 [T, k]; index [T, k] -> [T, H]
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not (torch.compiler.is_compiling() or capturing):
+        if not in_graph(x):
             return self.forward_sparse(x, weights, index)
         if index.numel() < self.num_experts:  # T * k < E (static per graph): fewer experts' bytes than all E
             return self.forward_gathered(x, weights, index)
@@ -63,24 +62,17 @@ class ByteExperts(nn.Module):
 
     def forward_dense(self, x, weights, index) -> torch.Tensor:
         """Every expert on every token; unchosen experts weigh 0. Static shapes."""
-        dense = torch.zeros(x.shape[0], self.num_experts, device=x.device).scatter(1, index, weights).to(x.dtype)
-        return sum(self._expert(e, x) * dense[:, e, None] for e in range(self.num_experts))
+        return dense_experts(x, weights, index, self.num_experts, self._expert)
 
     def forward_gathered(self, x, weights, index) -> torch.Tensor:
         """Each (token, choice) pair through its own expert's bytes: one expert-indexed call per projection, static
         shapes, no sync. E.g. T = 2, k = 2, index [[5, 1], [3, 5]]: pairs (rows 0 0 1 1, experts 1 5 3 5)."""
         T, k = index.shape
-        index, order = index.sort(1)  # a token's choices by expert id: the order forward_sparse adds them in
-        experts, pair_weights = index.flatten(), weights.gather(1, order).flatten()  # [T * k]
+        experts, pair_weights = expert_pairs(weights, index)  # [T * k]
         rows = torch.arange(T, device=x.device).repeat_interleave(k)  # pair p is token p // k
         gate, up = self._gathered("gate_up", x, rows, experts).chunk(2, -1)  # [T * k, I] each
         h = by_rows(F.silu, gate) * up
-        y = self._gathered("down", h, torch.arange(T * k, device=x.device), experts)  # [T * k, H]
-        y = (y * pair_weights[:, None].to(x.dtype)).view(T, k, -1)
-        out = torch.zeros_like(x)
-        for j in range(k):  # from zeros, in expert order: forward_sparse's index_add_ per expert
-            out = out + y[:, j]
-        return out
+        return add_pairs(self._gathered("down", h, torch.arange(T * k, device=x.device), experts), pair_weights, x)
 
     def _gathered(self, part: str, x, rows, experts) -> torch.Tensor:  # -> [P, N] in x's dtype
         w, scale, offset = (getattr(self, f"{part}_{name}") for name in ("w", "scale", "offset"))

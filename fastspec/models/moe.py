@@ -89,6 +89,37 @@ def sparse_experts(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, 
     return out
 
 
+def dense_experts(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, num_experts: int,
+                  expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Every expert on every token, unchosen ones weighed 0 by a dense [T, E] routing matrix, added in expert order
+    (static shapes, no sync: what a graph runs where gathering would read all E experts anyway)."""
+    dense = torch.zeros(x.shape[0], num_experts, device=x.device).scatter(1, index, weights).to(x.dtype)
+    return sum(expert(e, x) * dense[:, e, None] for e in range(num_experts))
+
+
+def in_graph(x: torch.Tensor) -> bool:
+    """Whether this call is traced by torch.compile or captured into a CUDA graph: static shapes, no host sync."""
+    return torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def expert_pairs(weights: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert [T * k], routing weight [T * k]) of each (token, choice) pair, pair p token p // k, a token's choices
+    by expert id: the order sparse_experts adds them in."""
+    index, order = index.sort(1)
+    return index.flatten(), weights.gather(1, order).flatten()
+
+
+def add_pairs(y: torch.Tensor, pair_weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each token's pair outputs y [T * k, H] weighed and added from zeros in expert order -> [T, H] (sparse_experts'
+    index_add_ per expert, bit for bit)."""
+    T = x.shape[0]
+    y = (y * pair_weights[:, None].to(x.dtype)).view(T, -1, y.shape[-1])
+    out = torch.zeros_like(x)
+    for j in range(y.shape[1]):
+        out = out + y[:, j]
+    return out
+
+
 class Experts(nn.Module):
     """E gated MLPs stacked: gate_proj, up_proj [E, I, H]; down_proj [E, H, I]."""
 
@@ -100,8 +131,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         # x [T, H]; weights float32 [T, k]; index [T, k] -> [T, H]
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not (torch.compiler.is_compiling() or capturing):
+        if not in_graph(x):
             return self.forward_sparse(x, weights, index)
         if index.numel() < self.gate_proj.shape[0]:  # T * k < E (static per graph): fewer experts' bytes than all E
             return self.forward_gathered(x, weights, index)
@@ -109,10 +139,9 @@ class Experts(nn.Module):
 
     def forward_dense(self, x, weights, index) -> torch.Tensor:
         """Every expert on every token; unchosen experts weigh 0. Static shapes."""
-        dense = torch.zeros(x.shape[0], self.gate_proj.shape[0], device=x.device).scatter(1, index, weights)
         if x.device.type == "cpu":  # expert by expert, summed in expert order: what forward_sparse adds, bit for bit
-            dense = dense.to(x.dtype)
-            return sum(self._expert(e, x) * dense[:, e, None] for e in range(self.gate_proj.shape[0]))
+            return dense_experts(x, weights, index, self.gate_proj.shape[0], self._expert)
+        dense = torch.zeros(x.shape[0], self.gate_proj.shape[0], device=x.device).scatter(1, index, weights)
         h = F.silu(torch.einsum("th,eih->eti", x, self.gate_proj)) * torch.einsum("th,eih->eti", x, self.up_proj)
         y = torch.einsum("eti,ehi->eth", h, self.down_proj)  # [E, T, H]
         return torch.einsum("te,eth->th", dense.to(x.dtype), y)
@@ -122,16 +151,10 @@ class Experts(nn.Module):
         only the chosen experts' weights read (T * k experts' bytes, where dense reads all E)."""
         if x.device.type != "cpu":
             return self.gathered_batched(x, weights, index)
-        T, k = index.shape
-        index, order = index.sort(1)  # a token's choices by expert id: the order forward_sparse adds them in
-        at, pair_weights = index.flatten(), weights.gather(1, order).flatten()  # [T * k]
-        xs = x.repeat_interleave(k, 0)  # [T * k, H]: row p is token p // k
+        at, pair_weights = expert_pairs(weights, index)  # [T * k]
+        xs = x.repeat_interleave(index.shape[1], 0)  # [T * k, H]: row p is token p // k
         h = by_rows(F.silu, expert_linear(xs, self.gate_proj, at)) * expert_linear(xs, self.up_proj, at)
-        y = (expert_linear(h, self.down_proj, at) * pair_weights[:, None].to(x.dtype)).view(T, k, -1)
-        out = torch.zeros_like(x)
-        for j in range(k):  # from zeros, in expert order: forward_sparse's index_add_ per expert, bit for bit
-            out = out + y[:, j]
-        return out
+        return add_pairs(expert_linear(h, self.down_proj, at), pair_weights, x)
 
     def gathered_batched(self, x, weights, index) -> torch.Tensor:
         """forward_gathered as batched products over the gathered weights [T, k, I, H] (the GPU's; on the CPU the
@@ -160,10 +183,8 @@ class LinearExperts(nn.Module):
         self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if torch.compiler.is_compiling() or capturing:  # every expert on every token, unchosen ones weighed 0
-            dense = torch.zeros(x.shape[0], len(self.down), device=x.device).scatter(1, index, weights).to(x.dtype)
-            return sum(self._expert(e, x) * dense[:, e, None] for e in range(len(self.down)))
+        if in_graph(x):
+            return dense_experts(x, weights, index, len(self.down), self._expert)
         return sparse_experts(x, weights, index, len(self.down), self._expert)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
