@@ -120,8 +120,10 @@ def _need(directory: Path, config: ModelConfig, scheme: QuantScheme | None, dtyp
     """The bytes `directory`'s weights take loaded in `dtype`: a float checkpoint's scaled from the dtype its tensors
     are stored in, a quantised one's as stored (a lower bound) or, `dequantised` (--quantization none), each of its
     values in `dtype`."""
+    if scheme is not None and not dequantised:
+        return _stored_bytes(directory)
     shapes = _headers(directory)
-    if scheme is not None and dequantised and shapes is not None:
+    if scheme is not None and shapes is not None:
         # int32 words hold 32 / bits values (GPTQ / AWQ / compressed-tensors packing; their packed zero points and
         # g_idx are counted alike: a group's share too many); every other element one value
         return sum(math.prod(shape) * (32 // scheme.bits if code == "I32" else 1)
