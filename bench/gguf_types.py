@@ -84,7 +84,7 @@ def write_results(out: str, rows: list[dict]) -> None:
     """The rows, with the kernels' activation and the versions, as JSON at `out`."""
     import llama_cpp
 
-    from fastspec.models.packed_layers import fast_activation
+    from fastspec.models.activation_choice import fast_activation
 
     Path(out).parent.mkdir(exist_ok=True)
     Path(out).write_text(json.dumps({"activation": str(fast_activation()), "torch": torch.__version__,

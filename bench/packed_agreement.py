@@ -69,7 +69,8 @@ def main() -> None:
     import fastspec
     from fastspec.models.layers import fuse_projections
     from fastspec.models.loader import load_target
-    from fastspec.models.packed_layers import CastLinear, RefinedHead, fast_activation
+    from fastspec.models.activation_choice import fast_activation
+    from fastspec.models.packed_layers import CastLinear, RefinedHead
     from fastspec.models.sources import resolve_model_dir
     from fastspec.sampling import SamplingParams
 

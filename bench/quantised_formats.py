@@ -68,7 +68,7 @@ def main() -> None:
     from quant_writers import write_quantised
 
     import fastspec
-    from fastspec.models.packed_layers import fast_activation
+    from fastspec.models.activation_choice import fast_activation
     from fastspec.models.reference import transformers_model
     from fastspec.models.sources import resolve_model_dir
 

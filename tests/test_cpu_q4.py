@@ -18,7 +18,8 @@ from test_gguf_kquants import random_rows
 from fastspec.kernels import cpu_library, cpu_q4
 from fastspec.models.gguf_blocks import Blocks, as_8bit_16, merge_rows, read_blocks
 from fastspec.models.gguf_kquants import READERS, read, read_q6_k
-from fastspec.models.packed_layers import BlockLinear, fast_activation, int4_linear
+from fastspec.models.activation_choice import fast_activation
+from fastspec.models.packed_layers import BlockLinear, int4_linear
 
 needs_library = pytest.mark.skipif(not cpu_library.available(), reason="no C compiler for the CPU kernels")
 

@@ -12,7 +12,8 @@ from gguf.quants import dequantize, quantize
 from fastspec.kernels import cpu_library
 from fastspec.models.gguf import unpermute_rope_rows
 from fastspec.models.gguf_blocks import Blocks, merge_rows, read_blocks
-from fastspec.models.packed_layers import BlockLinear, Int4Linear, fast_activation
+from fastspec.models.activation_choice import fast_activation
+from fastspec.models.packed_layers import BlockLinear, Int4Linear
 
 
 def quantised(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:

@@ -25,7 +25,7 @@ from test_gguf_kquants import (
 
 import fastspec
 from fastspec.kernels import cpu_library, cpu_q4
-from fastspec.models import packed_layers
+from fastspec.models import activation_choice, packed_layers
 from fastspec.models.gguf import convert_gguf
 from fastspec.models.gguf_blocks import read_blocks
 from fastspec.models.gguf_kquants import read
@@ -125,7 +125,7 @@ def test_greedy_tokens_and_logprobs_of_a_packed_odd_vocabulary(tmp_path, monkeyp
     log-softmax over the 265 logits (to 1e-3: padded logits would take a share of the softmax)."""
     if not library:
         monkeypatch.setattr(cpu_library, "library", lambda: None)
-    monkeypatch.setattr(packed_layers, "fast_activation", lambda: activation)
+    monkeypatch.setattr(activation_choice, "fast_activation", lambda: activation)
     path = odd_vocabulary_file(tmp_path / "m.gguf", arch, "Q4_0", tied=False, **config)
     llm = fastspec.LLM(str(path), speculative_algorithm="NONE", quantization="gguf", max_total_tokens=512,
                        kv_cache_dtype="float32")  # (auto: bfloat16 beside packed weights)
@@ -152,6 +152,6 @@ def test_greedy_tokens_and_logprobs_of_a_packed_odd_vocabulary(tmp_path, monkeyp
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_speculation_on_padded_packed_weights_is_lossless(tmp_path, monkeypatch, activation):
     """NGRAM, every round speculating, on the FEW_KV_HEADS Q4_0 file (QKV and lm_head padded): plain greedy's tokens."""
-    monkeypatch.setattr(packed_layers, "fast_activation", lambda: activation)
+    monkeypatch.setattr(activation_choice, "fast_activation", lambda: activation)
     path = odd_vocabulary_file(tmp_path / "m.gguf", "qwen3", "Q4_0", tied=False, **FEW_KV_HEADS)
     assert_speculation_is_lossless(path, "NGRAM", 64, tmp_path / "head")

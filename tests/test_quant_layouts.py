@@ -225,10 +225,10 @@ def test_a_packed_qkv_of_rows_not_a_multiple_of_16_is_packed(tmp_path, monkeypat
     float32 activations, nearly always on the fast ones (teacher-forced)."""
     from gguf_writers import tiny_model
 
-    from fastspec.models import packed_layers
+    from fastspec.models import activation_choice
     from fastspec.models.quant_layers import gemm_kernel
 
-    monkeypatch.setattr(packed_layers, "fast_activation", lambda: activation)
+    monkeypatch.setattr(activation_choice, "fast_activation", lambda: activation)
     hf = tiny_model("qwen3", tied=False, head_dim=24, num_attention_heads=3, num_key_value_heads=1)
     if method == "int4":  # online rounding: its oracle is the rounded model (test_quantise); shapes only here
         hf.save_pretrained(tmp_path / "m")

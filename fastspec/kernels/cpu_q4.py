@@ -3,7 +3,7 @@ w = q * scale + offset per group (32 values of a 4-bit weight, 16 or 32 of a 5-,
 x rounded to int16 per group of 32 (scale max |x| / 32767); exact integer dot products, one float multiply-add per
 group. Not exact, but closer to it than bfloat16 activations (an int8 rounding, llama.cpp's Q8 scheme, moved the
 embedded model's greedy choice at ~6 % of positions), and measured against torch's int4 kernel by
-packed_layers.fast_activation. `pack` lays a weight out for them (`narrow` picks the fewest bits an 8-bit weight
+activation_choice.fast_activation. `pack` lays a weight out for them (`narrow` picks the fewest bits an 8-bit weight
 fits), `matmul` runs them (the torch twin where the C library is not built, and for the tests). Knows nothing about
 models.
 """

@@ -62,7 +62,7 @@ def load_models(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -
     cpu, draft = config.device == "cpu", models.draft
     act = None  # CPU: the packed kernels' activations, measured here when something runs on them
     if cpu and (config.quantization is not None or sources.draft_quantization is not None):
-        from fastspec.models.packed_layers import fast_activation
+        from fastspec.models.activation_choice import fast_activation
 
         act = fast_activation()
     if config.quantization not in (None, "gguf"):  # gguf_packed built its kernels already
@@ -70,7 +70,8 @@ def load_models(sources: ModelSources, spec: SpecConfig, config: EngineConfig) -
     if isinstance(draft, nn.Module):
         bind_model(draft, act)  # a quantised STANDALONE draft's (or MTP layer's) stored linears
         if cpu and config.quantization is not None:  # on fastspec's kernels where the target is, else the float dtype
-            from fastspec.models.packed_layers import cast_linears, float_dtype, pack_linears
+            from fastspec.models.activation_choice import float_dtype
+            from fastspec.models.packed_layers import cast_linears, pack_linears
 
             if act == torch.int16:  # an EAGLE head in 4 bits (half the bytes, the same acceptance), others in 8
                 mtp = drafts_with_mtp(spec.algorithm, sources.draft_config)

@@ -32,6 +32,7 @@ from torch import nn
 
 from fastspec.errors import FastspecError
 from fastspec.kernels.cpu_linear import trim_host_heap
+from fastspec.models.activation_choice import float_dtype
 from fastspec.models.causal_lm import CausalLM
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
 from fastspec.models.moe import LinearExperts, MoE, is_moe_layer
@@ -42,7 +43,6 @@ from fastspec.models.packed_layers import (
     CastLinear,
     Int4Linear,
     RefinedHead,
-    float_dtype,
 )
 
 log = logging.getLogger(__name__)

@@ -171,7 +171,7 @@ def load_target(model_dir: Path, dtype: torch.dtype, device="cpu", capture_layer
         raise FastspecError(f"capture layers {capture_layers} outside 0..{config.num_layers}")
     if quantization == "gguf":
         from fastspec.models.gguf_packed import load_packed_target  # the gguf package: only for this path
-        from fastspec.models.packed_layers import fast_activation
+        from fastspec.models.activation_choice import fast_activation
 
         with skip_init(), torch.device("meta"):  # a skeleton: every weight is built from the stored blocks
             skeleton = CausalLM(config, capture_layers)

@@ -1,14 +1,11 @@
 """The modules a model kept on its quantised blocks runs: Int4Linear (torch's int4 CPU matmul), BlockLinear
 (fastspec's int16 x 4- to 8-bit CPU kernels), BlockEmbedding (rows dequantised on lookup), RefinedHead (an lm_head
-whose best tokens are rescored exactly), CastLinear (a float weight kept in the fast float dtype), and the
-per-machine choice of the 4-bit kernel's activations (`fast_activation`). Math only: which weight becomes which
-module is gguf_packed's.
+whose best tokens are rescored exactly), CastLinear (a float weight kept in the fast float dtype). Math only: which
+weight becomes which module is gguf_packed's; which activation dtype this machine runs them in, activation_choice's.
 """
 
 from __future__ import annotations
 
-import functools
-import time
 
 import torch
 import torch.nn.functional as F
@@ -270,41 +267,3 @@ def _replace_linears(model: nn.Module, make) -> nn.Module:
         else:
             _replace_linears(child, make)
     return model
-
-
-def fast_activation() -> torch.dtype:
-    """The activations of the fastest 4-bit CPU matmul on this machine: torch.int16 (fastspec's kernel, where the C
-    library builds), torch.bfloat16 or torch.float32 (torch's int4 kernel; bfloat16 is about 10x faster than float32
-    where the CPU has bf16 instructions, slower where it is emulated). Measured once per process, see `_seconds`."""
-    candidates = (torch.bfloat16, torch.float32, *((torch.int16,) if cpu_library.available() else ()))
-    return min(candidates, key=_seconds)
-
-
-def float_dtype(activation: torch.dtype) -> torch.dtype:
-    """The dtype float weights next to 4-bit ones are kept in (CastLinear, a draft head): the activation dtype itself
-    where it is a float one, else the faster of bfloat16 and float32 for torch's int4 kernel (a proxy for whether
-    this CPU has bf16 instructions)."""
-    if activation.is_floating_point:
-        return activation
-    return min((torch.bfloat16, torch.float32), key=_seconds)
-
-
-@functools.cache
-def _seconds(activation: torch.dtype, reps: int = 16) -> float:
-    """One token through a [1536, 576] 4-bit weight with `activation`: the fastest of `reps` calls on one thread (a
-    busy second core would stall a 2-thread call), ~20 ms."""
-    q = torch.randint(0, 16, (1536, 576), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    blocks = Blocks(q, torch.full((1536, 18), 0.01), torch.zeros(1536, 18), 4)
-    linear, x = int4_linear(blocks, activation), torch.randn(1, 576)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        linear(x)  # warm-up
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            linear(x)
-            times.append(time.perf_counter() - start)
-        return min(times)
-    finally:
-        torch.set_num_threads(threads)

@@ -21,7 +21,8 @@ from torch import nn
 from fastspec.kernels import cpu_q4, fp8_block
 from fastspec.models.cuda_linears import ByteLinear, Fp8BlockLinear, Fp8Linear, TinyGemmLinear
 from fastspec.models.gguf_blocks import BLOCK, Blocks, round_8bit
-from fastspec.models.packed_layers import BlockLinear, CastLinear, float_dtype, int4_linear
+from fastspec.models.activation_choice import float_dtype
+from fastspec.models.packed_layers import BlockLinear, CastLinear, int4_linear
 from fastspec.models.quant_weights import Fp8Weight, IntWeight, QuantWeight, merge
 
 
@@ -87,7 +88,7 @@ class PermutedLinear(nn.Module):
 
 
 def bind(linear: QuantLinear, activation: torch.dtype | None) -> nn.Module:
-    """The module `linear` runs as where it lives: on CPU (`activation`: packed_layers.fast_activation) a packed
+    """The module `linear` runs as where it lives: on CPU (`activation`: activation_choice.fast_activation) a packed
     kernel where one takes its shape; on CUDA where the GPU has fp8 tensor cores Fp8Linear for a per-channel fp8
     weight and Fp8BlockLinear for block fp8, TinyGemmLinear for 4-bit groups of 32 to 256, ByteLinear for the rest
     (8-bit, other 4-bit groups, fp8 without fp8 tensor cores); on CPU with FASTSPEC_TRITON_QUANT=1 (the Triton

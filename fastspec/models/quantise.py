@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def quantise_target(model: nn.Module, method: str, activation: torch.dtype | None, online: bool) -> int:
     """A fused target's linears as `method` runs them: rounded at load where `online` (a float checkpoint and an
     online method), each bound to its device's module (quant_layers.bind; `activation` on CPU:
-    packed_layers.fast_activation, None elsewhere), the lm_head refined beside packed kernels on CPU. Returns how
+    activation_choice.fast_activation, None elsewhere), the lm_head refined beside packed kernels on CPU. Returns how
     many linears were rounded."""
     count = quantise_online(model, method) if online else 0
     bind_model(model, activation)
