@@ -18,6 +18,7 @@ import os
 import platform
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_q4.h", "cpu_rows.h", "cpu_vec.h"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 THREADS = (("-fopenmp",), ("-fopenmp-simd",))  # OpenMP threads, else (a compiler without it) the calling thread
+COMPILE_SECONDS = 900  # a command's limit, for a hung compiler: a busy 2-core machine takes minutes over one file
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # name -> (argument types, result type)
     "add_rms_norm": ((_P, _P, _C, _P, _F, _I, _I, _P, _P, _C), None),
@@ -70,7 +72,7 @@ def library() -> ctypes.CDLL | None:
             _build(path)
             lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
-        log.info("fused CPU kernels unavailable (%s); running their torch twins", str(e).splitlines()[0])
+        log.info("fused CPU kernels unavailable (%s); running their torch twins", _why(e))
         return None
     return _typed(lib)
 
@@ -80,6 +82,29 @@ def build_for(march: str, path: Path) -> ctypes.CDLL:
     tests reach the paths this CPU's own build does not take."""
     _build(path, tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS))
     return _typed(ctypes.CDLL(str(path)))
+
+
+def _why(e: OSError | subprocess.SubprocessError) -> str:
+    """A failed build in one line: the file and the compiler's first error, not its whole command line."""
+    if not isinstance(e, subprocess.CalledProcessError | subprocess.TimeoutExpired):
+        return str(e).splitlines()[0]
+    step = next((Path(arg).name for arg in e.cmd if arg.endswith(".c")), "linking")
+    if isinstance(e, subprocess.TimeoutExpired):
+        return f"{e.cmd[0]} took over {e.timeout:g} s on {step}"
+    said = (e.stderr or b"").decode(errors="replace").splitlines()
+    return f"{e.cmd[0]} failed on {step}: " + next((line for line in said if "error" in line), said[0] if said else
+                                                   f"exit status {e.returncode}")
+
+
+def _compile_all(commands: list[list[str]]) -> None:
+    """Run the compiler commands side by side, one per core (cpu_attention.c's 20 specialisations take most of the
+    time: the library is ready about when it is). Raises the first failure (CalledProcessError, or
+    TimeoutExpired past COMPILE_SECONDS) once every command has ended."""
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        runs = [pool.submit(subprocess.run, command, check=True, capture_output=True, timeout=COMPILE_SECONDS)
+                for command in commands]
+    for run in runs:
+        run.result()
 
 
 def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -100,11 +125,9 @@ def _build(path: Path, flags: tuple[str, ...] = FLAGS) -> None:
             # compiled and linked apart: -ffast-math at link time would add crtfastmath, whose constructor turns on
             # flush-to-zero for the whole process (every subnormal float in torch would become 0)
             try:
-                for source, obj in zip(SOURCES, objects):
-                    subprocess.run([cc, *flags, *threads, "-c", str(source), "-o", obj], check=True,
-                                   capture_output=True, timeout=120)
+                _compile_all([[cc, *flags, *threads, "-c", str(s), "-o", o] for s, o in zip(SOURCES, objects)])
                 subprocess.run([cc, "-shared", *threads, *objects, "-o", tmp, "-lm"], check=True,
-                               capture_output=True, timeout=120)
+                               capture_output=True, timeout=COMPILE_SECONDS)
                 break
             except subprocess.CalledProcessError:
                 if threads == THREADS[-1]:
