@@ -21,7 +21,8 @@ from fastspec.errors import FastspecError
 from fastspec.models import embedded
 from fastspec.models import gguf as gguf_mod
 from fastspec.models.embedded import EmbeddedModel, cache_root, embedded_model_dir, models_root
-from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
+from fastspec.models.gguf import convert_gguf
+from fastspec.models.gguf_read import unpermute_rope_rows
 from fastspec.models.reference import transformers_model
 
 # ---- rope layout: the oracle for unpermute_rope_rows ----

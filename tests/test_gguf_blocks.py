@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from gguf.quants import dequantize, quantize
 
 from fastspec.kernels import cpu_library
-from fastspec.models.gguf import unpermute_rope_rows
+from fastspec.models.gguf_read import unpermute_rope_rows
 from fastspec.models.gguf_blocks import Blocks, merge_rows, read_blocks
 from fastspec.models.activation_choice import fast_activation
 from fastspec.models.packed_layers import BlockLinear, Int4Linear

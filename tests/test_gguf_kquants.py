@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastspec.kernels import cpu_library, cpu_q4
-from fastspec.models.gguf import convert_gguf, unpermute_rope_rows
+from fastspec.models.gguf import convert_gguf
+from fastspec.models.gguf_read import unpermute_rope_rows
 from fastspec.models.gguf_kquants import DEQUANTISED, READERS, read, read_q4_k, read_q6_k
 from fastspec.models.loader import read_state_dict
 from fastspec.models.packed_layers import BlockLinear, Int4Linear

@@ -1,7 +1,7 @@
 """GGUF metadata -> the Hugging Face configs a converted directory holds (config.json, generation_config.json): the
 architecture's keys in HF's names (a MoE's expert keys too), its rope scaling (gguf_rope) and special tokens
 (gguf_tokenizer).
-Does not own: the tensors (gguf.py), the tokenizer files (gguf_tokenizer), nor writing anything."""
+Does not own: the tensors (gguf_read, gguf_names), the tokenizer files (gguf_tokenizer), nor writing anything."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def arch_meta(reader, arch: str, path: Path):
 
 
 def model_config(reader, dtype: torch.dtype, arch: str, spec, path: Path) -> dict:
-    """config.json of an `arch` GGUF (at `path`) that converts as `spec` (gguf.Arch): its metadata in HF's names."""
+    """config.json of an `arch` GGUF (at `path`) converting as `spec` (gguf_names.Arch): its metadata in HF's names."""
     m = arch_meta(reader, arch, path)
     hidden, n_head = m("embedding_length"), m("attention.head_count")
     head_dim = m("attention.key_length", hidden // n_head)
