@@ -29,7 +29,13 @@ _PHI3_FUSED = {  # blk.N tensor -> the HF weights its rows stack, and their row 
 }
 
 
-def _experts(block: str, gate: str, up: str, down: str) -> dict:  # blk.N's stacked experts -> HF names of expert {e}
+EXPERT_NAMES = {  # a MoE class's block and its experts' gate / up / down names, as transformers' checkpoints
+    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def _experts(hf_class: str) -> dict:  # blk.N's router and stacked experts -> HF names (expert e's with {e})
+    block, gate, up, down = EXPERT_NAMES[hf_class]
     return {"ffn_gate_inp.weight": f"{block}.gate.weight", **{
         f"ffn_{part}_exps.weight": f"{block}.experts.{{e}}.{name}.weight"
         for part, name in (("gate", gate), ("up", up), ("down", down))}}
@@ -48,11 +54,10 @@ ARCHITECTURES = {  # general.architecture -> how it converts
     "qwen2": Arch("Qwen2ForCausalLM", "qwen2", _QWEN2_BIASES, {}, False),
     "qwen3": Arch("Qwen3ForCausalLM", "qwen3", _QWEN3_NORMS, {}, False),
     "phi3": Arch("LlamaForCausalLM", "llama", {}, _PHI3_FUSED, False),
-    "qwen3moe": Arch("Qwen3MoeForCausalLM", "qwen3_moe",
-                     _QWEN3_NORMS | _experts("mlp", "gate_proj", "up_proj", "down_proj"), {}, False),
+    "qwen3moe": Arch("Qwen3MoeForCausalLM", "qwen3_moe", _QWEN3_NORMS | _experts("Qwen3MoeForCausalLM"), {}, False),
 }
-MIXTRAL = Arch("MixtralForCausalLM", "mixtral", _experts("block_sparse_moe", "w1", "w3", "w2"), {}, True)  # a llama
-# with experts (llama.cpp's name for Mixtral), written with transformers' Mixtral names
+# a llama with experts (llama.cpp's name for Mixtral), written with transformers' Mixtral names
+MIXTRAL = Arch("MixtralForCausalLM", "mixtral", _experts("MixtralForCausalLM"), {}, True)
 
 
 def arch_spec(reader, arch: str) -> Arch:

@@ -35,6 +35,7 @@ from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.models.activation_choice import float_dtype
 from fastspec.models.causal_lm import CausalLM
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
+from fastspec.models.gguf_names import EXPERT_NAMES
 from fastspec.models.moe import LinearExperts, MoE, is_moe_layer
 from fastspec.models.rope import RotaryEmbedding
 from fastspec.models.packed_layers import (
@@ -47,9 +48,6 @@ from fastspec.models.packed_layers import (
 
 log = logging.getLogger(__name__)
 
-EXPERT_NAMES = {  # a converted GGUF's MoE block and its experts' gate / up / down names, as transformers' checkpoints
-    "Qwen3MoeForCausalLM": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    "MixtralForCausalLM": ("block_sparse_moe", "w1", "w3", "w2")}
 PROJECTIONS = {  # each layer's linears -> the checkpoint weights each stacks, inside model.layers.N
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "self_attn.o_proj": ("self_attn.o_proj",),
