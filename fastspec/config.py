@@ -71,7 +71,7 @@ def check_dtype(name: str, auto: bool = False) -> None:
 
 
 def resolve_dtype(dtype: str, device: str, checkpoint_dtype: str) -> str:
-    """--dtype with `auto` decided by the rule alone: float32 on the CPU (exact; models.sources.resolve_model_dtype
+    """--dtype with `auto` decided by the rule alone: float32 on the CPU (exact; models.weights_fit.resolve_model_dtype
     keeps a 16-bit checkpoint's own dtype where the CPU's bf16 instructions or its memory call for it); on CUDA the
     checkpoint's own 16-bit dtype, bfloat16 for a float32 one (SGLang documents float16 there; bfloat16 keeps
     float32's range, which models trained in it rely on)."""
@@ -99,7 +99,7 @@ class EngineConfig:
     # (models.sources.resolve_quantization); None ("none"): the weights dequantised to dtype (the exact reference);
     # gguf: a GGUF model on its own blocks; fp8 / int8 / int4: a float checkpoint's projections rounded at load
     quantization: str | None = "auto"
-    dtype: str = "auto"  # auto: decided with the checkpoint (models.sources.resolve_model_dtype, by LLM / Worker)
+    dtype: str = "auto"  # auto: decided with the checkpoint (models.weights_fit.resolve_model_dtype, by LLM / Worker)
     kv_cache_dtype: str = "auto"  # the KV pools' storage (auto: kv_torch_dtype); attention computes in dtype
     device: str = "auto"  # auto: cuda when torch sees a GPU (resolved here), else cpu
     page_size: int = 1

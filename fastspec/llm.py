@@ -18,7 +18,8 @@ from fastspec.config import EngineConfig
 from fastspec.engine.engine import Engine, collect
 from fastspec.errors import FastspecError, name_hint, no_attribute
 from fastspec.models.embedded import default_speculation
-from fastspec.models.sources import resolve_model_dtype, resolve_sources
+from fastspec.models.sources import resolve_sources
+from fastspec.models.weights_fit import resolve_model_dtype
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import CLI_FLAGS, Schedule, SpecConfig, check_spec_flags
 from fastspec.speculative.tuned import find_schedule, weights_label

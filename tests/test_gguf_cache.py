@@ -158,7 +158,8 @@ def test_the_weights_check_counts_a_conversions_blocks_and_bin_weights(tmp_path,
 
     from fastspec.models.gguf_blocks import BLOCKS_FILE
     from fastspec.models.loader import read_state_dict
-    from fastspec.models.sources import check_weights_fit, resolve_sources
+    from fastspec.models.sources import resolve_sources
+    from fastspec.models.weights_fit import check_weights_fit
 
     out = convert_gguf(write_gguf(tmp_path / "q.gguf", tiny_llama(tied=False), qtype=gguf.GGMLQuantizationType.Q8_0),
                        tmp_path / "hf")

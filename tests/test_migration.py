@@ -220,7 +220,8 @@ def test_dtype_auto_reads_the_cpus_bf16_instructions_and_cudas_checkpoint_dtype(
     import fastspec.memory.kv_pool as kv_pool
     from fastspec.cli import app
     from fastspec.config import EngineConfig, resolve_dtype
-    from fastspec.models.sources import resolve_model_dtype, resolve_sources
+    from fastspec.models.sources import resolve_sources
+    from fastspec.models.weights_fit import resolve_model_dtype
 
     assert EngineConfig(device="cpu").dtype == "auto"  # decided with the checkpoint
     assert [resolve_dtype("auto", device, stored) for device, stored in (
@@ -274,7 +275,8 @@ def test_the_weights_check_counts_a_standalone_drafts_weights(tiny_dirs, monkeyp
     cannot fit together passed it and was killed loading the draft (found reading check_weights_fit against
     assemble's draft loading). An MTP draft, the target's own checkpoint, is not counted twice."""
     import fastspec.memory.kv_pool as kv_pool
-    from fastspec.models.sources import check_weights_fit, resolve_sources
+    from fastspec.models.sources import resolve_sources
+    from fastspec.models.weights_fit import check_weights_fit
 
     target, draft = tiny_dirs["llama"][0], tiny_dirs["qwen2"][0]
     sources = resolve_sources(str(target), "STANDALONE", str(draft))

@@ -11,7 +11,8 @@ from fastspec.models.causal_lm import eagle3_capture_layers
 from fastspec.models.layers import MLP, fuse_projections
 from fastspec.models.loader import load_target, read_config
 from fastspec.models.model_config import ModelConfig
-from fastspec.models.sources import check_weights_fit, resolve_sources
+from fastspec.models.sources import resolve_sources
+from fastspec.models.weights_fit import check_weights_fit
 
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [7, 7, 21], [90, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 40]]
 

@@ -194,7 +194,8 @@ def test_the_weights_check_counts_a_dequantised_checkpoint_unpacked(awq_dir, tin
     check_weights_fit's callers). A float checkpoint whose config.json names another dtype than its tensors' is
     counted from the tensors."""
     import fastspec.memory.kv_pool as kv_pool
-    from fastspec.models.sources import check_weights_fit, resolve_sources
+    from fastspec.models.sources import resolve_sources
+    from fastspec.models.weights_fit import check_weights_fit
 
     float_bytes = (tiny_dirs["llama"][0] / "model.safetensors").stat().st_size  # the same model, float32
     packed = (awq_dir / "model.safetensors").stat().st_size

@@ -132,7 +132,7 @@ def check_sizes(batch_sizes: str, sizes: tuple[int, ...], num_prompts: int, max_
 def tuned_location(sources, dtype: str | None, kv_cache_dtype: str, device: str) -> tuple[Path, str]:
     """(where the tuned file of these sources on `device` lives, its weights label)."""
     from fastspec.config import kv_cache_dtype_name
-    from fastspec.models.sources import resolve_model_dtype
+    from fastspec.models.weights_fit import resolve_model_dtype
     from fastspec.speculative import tuned as tuned_file
 
     dtype = resolve_model_dtype(dtype, device, sources)

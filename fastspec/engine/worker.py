@@ -37,7 +37,8 @@ from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
 from fastspec.kernels.cpu_attention import CpuTorchBackend
 from fastspec.models.assemble import load_models, pack_round_rows
 from fastspec.models.mla import mla_softmax_scale
-from fastspec.models.sources import ModelSources, check_weights_fit, resolve_model_dtype, resolve_sources
+from fastspec.models.sources import ModelSources, resolve_sources
+from fastspec.models.weights_fit import check_weights_fit, resolve_model_dtype
 from fastspec.spec_config import SpecConfig, SpecParams
 from fastspec.speculative.backlog import DraftBacklog
 from fastspec.speculative.drafter import Drafter, build_drafters
