@@ -1,16 +1,15 @@
 """Embedded default models: GGUF files shipped inside pip packages, converted once into a local cache.
 
-Owns: the table of embedded models, where converted models live, the "convert once, reuse after" check and the
-removal of a file's stale conversions (the cache's root is fastspec.utils.cache's; `cache_root` is re-exported here).
-Does not own: the conversion itself (gguf.py) nor loading the converted directory (loader.py).
+Owns: the table of embedded models, where converted models live and the removal of a file's stale conversions (the
+cache's root is fastspec.utils.cache's; `cache_root` is re-exported here).
+Does not own: the conversion itself nor the "convert once, reuse after" check (gguf.py), nor loading the converted
+directory (loader.py).
 The package is located with `find_spec` and never imported (its own dependencies need not be installed).
 """
 
-import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -67,8 +66,9 @@ def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
         raise FastspecError(f"unknown embedded model '{name}' (known: {known})")
     gguf_path = find_embedded_gguf(name)
     out_dir = models_root() / name
+    from fastspec.models.gguf import convert_gguf, is_current_conversion  # (torch, tokenizers, gguf)
+
     if not is_current_conversion(out_dir, gguf_path):
-        from fastspec.models.gguf import convert_gguf  # torch, tokenizers, gguf: only to convert
 
         log.info("converting the embedded model %s into %s (once)", name, out_dir.parent)
         convert_gguf(gguf_path, out_dir)
@@ -90,61 +90,33 @@ def find_embedded_gguf(name: str) -> Path:
     raise missing
 
 
-def is_current_conversion(out_dir: Path, gguf_path: Path) -> bool:
-    """True when out_dir was converted from this very GGUF (same path, size, mtime) by this converter and every
-    file it wrote is still there at its size; False for a missing, foreign or damaged marker or a missing or cut
-    file (the caller converts again)."""
-    from fastspec.models.gguf import CONVERTER_VERSION
-
-    marker = _marker(out_dir)
-    if marker is None:
-        return False
-    stat, files = gguf_path.stat(), marker.get("files")
-    return (marker.get("gguf") == str(gguf_path.resolve()) and marker.get("size") == stat.st_size
-            and marker.get("mtime_ns") == stat.st_mtime_ns and marker.get("dtype") == "float32"
-            and marker.get("converter_version") == CONVERTER_VERSION and isinstance(files, dict) and bool(files)
-            and all(_has_size(out_dir / name, size) for name, size in files.items()))
-
-
 def remove_stale_conversions(out_dir: Path, gguf_path: Path) -> None:
     """After `out_dir` was converted from `gguf_path`: remove the other finished conversions beside it of the same file
     at another size or time than the file has now (its earlier versions, which can never be current again), each moved
-    aside first so that no reader sees half of one. A conversion of the file as it is now stays (one finished late by
-    a process that read an earlier version must not remove it), as do another file's conversions, damaged or foreign
-    entries and any `.`-prefixed directory (a conversion another process may be writing)."""
+    aside first (under the directory's lock, gguf_cache) so that no reader sees half of one. A conversion of the file
+    as it is now stays (one finished late by a process that read an earlier version must not remove it), as do another
+    file's conversions, damaged or foreign entries and any `.`-prefixed entry (gguf_cache's)."""
+    from fastspec.models.gguf import read_marker
+    from fastspec.models.gguf_cache import locked, move_aside
+
     try:
         source, stat = str(gguf_path.resolve()), gguf_path.stat()
     except OSError:  # (the file went meanwhile: nothing tells which conversion is stale)
         return
-    for entry in out_dir.parent.iterdir():
-        if entry == out_dir or entry.name.startswith(".") or not entry.is_dir():
-            continue
-        marker = _marker(entry)
-        now = marker is not None and (marker.get("size"), marker.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns)
-        if marker is None or marker.get("gguf") != source or now:
-            continue
-        try:
-            aside = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{entry.name}.old-"))
-            os.replace(entry, aside / "dir")
-        except OSError:  # (gone already, or a cache we may not change: left as it is)
-            continue
-        log.info("removed %s, the conversion of an earlier version of %s", entry, gguf_path.name)
-        shutil.rmtree(aside, ignore_errors=True)
-
-
-def _marker(out_dir: Path) -> dict | None:
-    """A converted directory's source marker (gguf.SOURCE_MARKER), or None when it is missing or damaged."""
-    from fastspec.models.gguf import SOURCE_MARKER
-
-    try:
-        marker = json.loads((out_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
-
-
-def _has_size(path: Path, size) -> bool:
-    try:
-        return path.stat().st_size == size
-    except OSError:
-        return False
+    aside = []
+    with locked(out_dir.parent):
+        for entry in out_dir.parent.iterdir():
+            if entry == out_dir or entry.name.startswith(".") or not entry.is_dir():
+                continue
+            marker = read_marker(entry)
+            if marker is None or marker.get("gguf") != source:
+                continue
+            if (marker.get("size"), marker.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns):
+                continue  # (the file as it is now)
+            try:
+                aside.append(move_aside(entry))
+            except OSError:  # (gone already, or a cache we may not change: left as it is)
+                continue
+            log.info("removed %s, the conversion of an earlier version of %s", entry, gguf_path.name)
+    for entry in aside:
+        shutil.rmtree(entry, ignore_errors=True)

@@ -3,18 +3,16 @@ Llama: its fused QKV and gate_up rows split; a llama with an expert_count as Mix
 in one GGUF tensor per projection (or one per expert, as llama.cpp's early Mixtral files), are written as
 transformers' per-expert weights (each expert's blocks, where they are of a block type).
 
-Owns: writing the directory atomically (the tokenizer: gguf_tokenizer): every tensor of a block format as its blocks
-only (BLOCKS_FILE: what --quantization gguf runs, see gguf_packed; a float load dequantises them,
-gguf_blocks.stored_floats), the others dequantised in model.safetensors, and each tensor's GGUF type.
+Owns: writing the directory, published atomically (the tokenizer: gguf_tokenizer; how processes share the cache:
+gguf_cache): every tensor of a block format as its blocks only (BLOCKS_FILE: what --quantization gguf runs, see
+gguf_packed; a float load dequantises them, gguf_blocks.stored_floats), the others dequantised in model.safetensors,
+and each tensor's GGUF type; its SOURCE_MARKER and the "convert once, reuse after" check (is_current_conversion).
 Does not own: reading the tensors (gguf_read; their names: gguf_names), the configs its metadata maps to (gguf_config;
 the rope scaling a file describes: gguf_rope), which GGUF to convert or where to cache it (embedded.py), nor loading
 the result (loader.py).
 """
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from safetensors.torch import save_file
 
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import BLOCKS_FILE
+from fastspec.models.gguf_cache import publish, staging
 from fastspec.models.gguf_config import generation_config, meta, model_config, reader_meta
 from fastspec.models.gguf_names import ARCHITECTURES, arch_spec
 from fastspec.models.gguf_read import open_reader, read_tensors
@@ -32,8 +31,9 @@ SOURCE_MARKER = "fastspec_source.json"
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Convert a llama / qwen2 / qwen3 / phi3 / qwen3moe GGUF into a HF model directory at `out_dir` (replaced
-    atomically); returns out_dir."""
+    """Convert a llama / qwen2 / qwen3 / phi3 / qwen3moe GGUF into a HF model directory at `out_dir`, published
+    atomically (gguf_cache: a conversion of this very file published meanwhile by another process is kept, not
+    replaced under its readers); returns out_dir."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_reader(gguf_path)
     arch = meta(reader, "general.architecture")
@@ -44,32 +44,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
     config = model_config(reader, dtype, arch, arch_spec(reader, arch), gguf_path)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    except OSError as e:
+        with staging(out_dir) as tmp:
+            tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "model.safetensors").chmod(0o644)
+            del tensors
+            (tmp / BLOCKS_FILE).parent.mkdir(mode=0o755)
+            save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": "pt", "kinds": json.dumps(kinds)})
+            (tmp / BLOCKS_FILE).chmod(0o644)
+            del blocks
+            _write_json(tmp / "config.json", config)
+            _write_json(tmp / "generation_config.json", generation_config(reader, config))
+            _write_tokenizer(reader, tmp)
+            _write_marker(tmp, gguf_path, config["torch_dtype"])
+            publish(tmp, out_dir, lambda d: is_current_conversion(d, gguf_path, config["torch_dtype"]))
+    except OSError as e:  # (a full disk)
         raise _unwritable(out_dir, e) from None
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "model.safetensors").chmod(0o644)
-        del tensors
-        (tmp / BLOCKS_FILE).parent.mkdir(mode=0o755)
-        save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": "pt", "kinds": json.dumps(kinds)})
-        (tmp / BLOCKS_FILE).chmod(0o644)
-        del blocks
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation_config(reader, config))
-        _write_tokenizer(reader, tmp)
-        stat = gguf_path.stat()
-        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
-        _write_json(tmp / SOURCE_MARKER, {"gguf": str(gguf_path.resolve()), "size": stat.st_size,
-                                          "mtime_ns": stat.st_mtime_ns, "dtype": config["torch_dtype"],
-                                          "converter_version": CONVERTER_VERSION, "files": files})
-        _swap_into_place(tmp, out_dir)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):  # (a full disk)
-            raise _unwritable(out_dir, e) from None
-        raise
     return out_dir
 
 
@@ -96,18 +86,45 @@ def _write_tokenizer(reader, out_dir: Path) -> None:
     _write_json(out_dir / "tokenizer_config.json", config)
 
 
-# ---- writing ----
-
 def _write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _swap_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished `tmp` to `out_dir`; an existing `out_dir` is moved aside first, then deleted."""
-    old = None
-    if out_dir.exists():
-        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
-        os.replace(out_dir, old / "dir")
-    os.replace(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _write_marker(tmp: Path, gguf_path: Path, dtype: str) -> None:
+    """SOURCE_MARKER: the file converted (path, size, time), the dtype, the converter and every file written with
+    its size (what is_current_conversion checks)."""
+    stat = gguf_path.stat()
+    files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+    _write_json(tmp / SOURCE_MARKER, {"gguf": str(gguf_path.resolve()), "size": stat.st_size,
+                                      "mtime_ns": stat.st_mtime_ns, "dtype": dtype,
+                                      "converter_version": CONVERTER_VERSION, "files": files})
+
+
+def is_current_conversion(out_dir: Path, gguf_path: Path, dtype: str = "float32") -> bool:
+    """True when out_dir was converted from this very GGUF (same path, size, mtime) in `dtype` by this converter and
+    every file it wrote is still there at its size; False for a missing, foreign or damaged marker or a missing or cut
+    file (the caller converts again)."""
+    marker = read_marker(out_dir)
+    if marker is None:
+        return False
+    stat, files = gguf_path.stat(), marker.get("files")
+    return (marker.get("gguf") == str(gguf_path.resolve()) and marker.get("size") == stat.st_size
+            and marker.get("mtime_ns") == stat.st_mtime_ns and marker.get("dtype") == dtype
+            and marker.get("converter_version") == CONVERTER_VERSION and isinstance(files, dict) and bool(files)
+            and all(_has_size(out_dir / name, size) for name, size in files.items()))
+
+
+def read_marker(out_dir: Path) -> dict | None:
+    """A converted directory's SOURCE_MARKER, or None when it is missing or damaged."""
+    try:
+        marker = json.loads((out_dir / SOURCE_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _has_size(path: Path, size) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False

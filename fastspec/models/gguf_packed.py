@@ -11,7 +11,7 @@ dequantised and kept in the fast float dtype (CastLinear), with one note naming 
 A MoE layer's experts (Qwen3-MoE, Mixtral) are each such a pair of projections (gate_up, down), run as LinearExperts;
 its router is float32.
 The first packed load also stores the packed weights beside the blocks, per torch version (PackedCache; torch's int4
-layout is its own): later starts read them as they are.
+layout is its own): later starts read them as they are; another torch version's no start has read for UNUSED_S go.
 The converted float32 model is the reference twin: with float32 activations the packed model computes the same
 weights to float32 rounding; int16 or bfloat16 ones are the fast kernels (tests: logits, teacher-forced agreement,
 lossless speculation on the packed target).
@@ -19,10 +19,12 @@ lossless speculation on the packed target).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import tempfile
+import re
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +37,7 @@ from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.models.activation_choice import float_dtype
 from fastspec.models.causal_lm import CausalLM
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
+from fastspec.models.gguf_cache import held_temp
 from fastspec.models.gguf_names import EXPERT_NAMES
 from fastspec.models.moe import LinearExperts, MoE, is_moe_layer
 from fastspec.models.rope import RotaryEmbedding
@@ -99,12 +102,15 @@ class StoredWeights:
 
 
 PACKED_LAYOUT = 2  # raised whenever BlockLinear.pack lays a weight out otherwise: older caches are packed again
+UNUSED_S = 14 * 24 * 3600  # another torch version's packed cache no start has read for this long is removed
+_PACKED = re.compile(r"int4-cpu-torch-.+\.safetensors")  # every torch version's and layout's
+_PACKED_TEMP = re.compile(r"\.int4-.+\.tmp")  # one being written (gguf_cache.held_temp)
 
 
 class PackedCache:
     """The packed weights of one converted model for this torch version and PACKED_LAYOUT (torch's int4 layout is its
-    own; the int16 kernels' is fastspec's): read when stored, else collected while packing and written once at the
-    end (atomically, replacing this torch's caches of other layouts; a read-only cache is left as it is)."""
+    own; the int16 kernels' is fastspec's): read when stored (its time touched: the last use), else collected while
+    packing and written once at the end (atomically; a read-only cache is left as it is)."""
 
     def __init__(self, model_dir: Path):
         self.prefix = f"int4-cpu-torch-{torch.__version__}"
@@ -115,6 +121,9 @@ class PackedCache:
             self.names = set(self.stored.keys())
         except Exception:  # none yet, or damaged (safetensors' errors have no common base): packed and written anew
             self.stored = None
+        if self.stored is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
         self.new: dict[str, torch.Tensor] = {}
 
     def linear(self, name: str, blocks, rows: int, activation: torch.dtype,
@@ -135,23 +144,25 @@ class PackedCache:
                 else Int4Linear(*tensors, activation, bias, out_features=rows))
 
     def save(self) -> None:
-        if not self.new:
-            return
-        kept = {k: self.stored.get_tensor(k) for k in self.names}
-        tmp = None
-        try:  # a cache that is not writable: the next start packs again
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".int4-", suffix=".tmp")
-            os.close(fd)
-            save_file(kept | self.new, tmp)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path)
-            stale = [f"{self.prefix}.safetensors", *(f"{self.prefix}-layout{n}.safetensors" for n in
-                                                     range(2, PACKED_LAYOUT))]
-            for name in stale:
-                (self.path.parent / name).unlink(missing_ok=True)
-        except OSError:
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
+        """Write the packed weights packed now beside the stored ones (one file, atomically), then remove the packed
+        caches no start reads: this torch's other layouts, and other torch versions' unused for UNUSED_S (a cache
+        that is not writable: the next start packs again)."""
+        if self.new:
+            kept = {k: self.stored.get_tensor(k) for k in self.names}
+            try:
+                with held_temp(self.path.parent, ".int4-", _PACKED_TEMP) as tmp:
+                    save_file(kept | self.new, str(tmp))
+                    os.chmod(tmp, 0o644)
+                    os.replace(tmp, self.path)
+            except OSError:
+                return
+        now, ours = time.time(), re.compile(re.escape(self.prefix) + r"(-layout\d+)?\.safetensors")
+        for entry in self.path.parent.iterdir():
+            if entry == self.path or not _PACKED.fullmatch(entry.name):
+                continue
+            with contextlib.suppress(OSError):  # (gone already, or not ours to remove)
+                if ours.fullmatch(entry.name) or now - entry.stat().st_mtime > UNUSED_S:
+                    entry.unlink()
 
 
 def load_packed_target(model: CausalLM, model_dir: Path, dtype: torch.dtype, device="cpu",

@@ -120,8 +120,8 @@ def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
 def _converted_gguf(path: Path) -> Path:
     """The conversion of the .gguf file at `path` (converted once per path, size and time; converting a new version
     removes the earlier versions' conversions)."""
-    from fastspec.models.embedded import is_current_conversion, models_root, remove_stale_conversions
-    from fastspec.models.gguf import convert_gguf
+    from fastspec.models.embedded import models_root, remove_stale_conversions
+    from fastspec.models.gguf import convert_gguf, is_current_conversion
 
     stat, real = path.stat(), path.resolve()  # (a symlink shares its file's conversion)
     key = hashlib.sha1(f"{real}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
