@@ -123,7 +123,8 @@ def end_ids(m, eos: int | None) -> list[int]:
     named = [eos, *(m(f"tokenizer.ggml.{k}_token_id", None) for k in ("eot", "eom"))]
     for key, texts in FIM_ENDS.items():
         named.append(m(f"tokenizer.ggml.{key}_token_id", None))
-        if named[-1] is None:
+        if named[-1] is None:  # llama.cpp takes the first candidate in its std::unordered_map's order (text -> id),
+            # which the C++ library decides and no rule reproduces; a file with several: the lowest id, deterministic
             named[-1] = next((i for i, token in enumerate(tokens) if token in texts), None)
     present = set(tokens)
     ends = END_TEXTS - {"<|end|>"} if any(set(pair) <= present for pair in NOT_END_BESIDE) else END_TEXTS
