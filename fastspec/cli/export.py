@@ -20,8 +20,9 @@ def export_draft(
     out: Annotated[Path, typer.Argument(help="Directory to write (created; must be empty or absent).")],
     format: Annotated[str, typer.Option(help="sglang (LlamaForCausalLMEagle3, midlayer.*) or speculators "
                                              "(Eagle3DraftModel, layers.0.*, for vLLM).")] = "speculators",
-    verifier: Annotated[Optional[str], typer.Option(help="The target's hub id, path or embedded model's name, "
-                                                         "recorded by the speculators format (vLLM reads it).")] = None,
+    verifier: Annotated[Optional[str], typer.Option(help="The target, as --model takes it (an embedded model's name, "
+                                                         "a directory, a .gguf file or a hub id), recorded by the "
+                                                         "speculators format (vLLM reads it).")] = None,
 ) -> None:
     """Write a draft head in another format (round trip: the same drafts)."""
     from safetensors.torch import save
@@ -37,7 +38,8 @@ def export_draft(
     if format not in FORMATS:
         raise FastspecError(f"--format must be {' or '.join(FORMATS)}, got {format!r}")
     if format == "speculators" and not verifier:
-        raise FastspecError("--format speculators records the target: give --verifier (its hub id or path)")
+        raise FastspecError("--format speculators records the target: give --verifier (the target, as --model "
+                            "takes it)")
     if format == "sglang" and verifier:
         raise FastspecError("--verifier is recorded by --format speculators only: the sglang format has no place "
                             "for it")
@@ -68,29 +70,27 @@ def export_draft(
 
 
 def verifier_record(spec: str, head_config, head: Path) -> dict:
-    """speculators' `verifier` ({"name_or_path", "architectures"}). Where the target's config is on this machine (a
-    directory, stored absolute, or a hub id in the hub cache) the head is checked against it and its architectures
-    are read from it; a hub id not cached is kept as given, as vLLM resolves it where it runs."""
+    """speculators' `verifier` ({"name_or_path", "architectures"}); `spec` is whatever --model takes, resolved in its
+    order (resolve_model_dir: an embedded name, a hub id, a directory or a .gguf file, converted once). A hub id is not
+    downloaded: checked where the hub cache holds its config, else kept as given (vLLM resolves it where it runs).
+    Recorded as what another engine loads: an embedded model's repository, a hub id as given, else the absolute path
+    (a .gguf file's own); the head is checked against the target's config wherever it is on this machine."""
     from fastspec.errors import FastspecError
     from fastspec.models import hub
     from fastspec.models.draft_loader import check_draft_fits
-    from fastspec.models.loader import read_config
-
     from fastspec.models.embedded import EMBEDDED_MODELS
+    from fastspec.models.loader import read_config
     from fastspec.models.sources import resolve_model_dir
 
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        directory, name = path, str(path.resolve())
-    elif spec in EMBEDDED_MODELS:  # its converted directory here; its repository for the engine that loads the head
+    hub.check_model_spec(spec, "--verifier")
+    if spec in EMBEDDED_MODELS:  # its converted directory here; its repository for the engine that loads the head
         directory, name = resolve_model_dir(spec), EMBEDDED_MODELS[spec].hub_id
     elif hub.is_hub_id(spec):
         directory, name = hub.cached_config(spec), spec
         if directory is None:
             return {"name_or_path": spec, "architectures": []}
     else:
-        raise FastspecError(f"--verifier {spec} is neither a model directory, an embedded model's name nor a hub id "
-                            "(org/name)")
+        directory, name = resolve_model_dir(spec), str(Path(spec).expanduser().resolve())
     target = read_config(directory)
     if target.is_draft:  # (a head would otherwise be refused for whatever of it fits no target)
         raise FastspecError(f"--verifier {spec}: {target.architecture} is a draft head, not a target model")
