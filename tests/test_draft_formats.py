@@ -216,7 +216,8 @@ def test_export_round_trips_through_speculators_and_back(tiny_dirs, draft_dirs, 
     run = CliRunner().invoke
     result = run(app, ["export-draft", str(head), str(tmp_path / "spec"), "--verifier", "tiny-org/target"])
     assert result.exit_code == 0, result.output
-    assert run(app, ["export-draft", str(tmp_path / "spec"), str(tmp_path / "back"), "--format", "sglang"]).exit_code == 0
+    back = run(app, ["export-draft", str(tmp_path / "spec"), str(tmp_path / "back"), "--format", "sglang"])
+    assert back.exit_code == 0, back.output
     config = json.loads((tmp_path / "spec" / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DraftModel"] and config["norm_before_residual"] is True
     assert config["speculators_config"]["verifier"]["name_or_path"] == "tiny-org/target"
