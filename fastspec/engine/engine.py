@@ -15,14 +15,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from fastspec.config import EngineConfig
+from fastspec.engine.intake import Intake
 from fastspec.engine.outputs import EngineLoad, GenerateOutput, StepOutput, collect
 from fastspec.engine.scheduler import Request, Scheduler
 from fastspec.engine.streams import one_at_a_time
 from fastspec.engine.worker import Worker
-from fastspec.errors import FastspecError, RequestTooLong
 from fastspec.models.sources import ModelSources
-from fastspec.sampling.draw import request_seed
-from fastspec.sampling.grammar import GrammarCompiler
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import SpecConfig
 
@@ -42,8 +40,7 @@ class Engine:
         self._aborted: set[int] = set()  # request ids `abort` named, finished before the next step
         self._running = threading.Lock()  # held while a stream runs: one at a time (see `run`)
         self.load = EngineLoad(0, 0, self.worker.available_kv())
-        w = self.worker
-        self.grammars = GrammarCompiler(w.model_dir, w.model.config.vocab_size, w.eos_ids)  # structured output
+        self.intake = Intake(self.worker, config.page_size)  # a request's checks before it runs
 
     # what the worker owns, read by the front ends, the tuner and the tests
     model_dir = property(lambda self: self.worker.model_dir)
@@ -55,6 +52,7 @@ class Engine:
     drafters = property(lambda self: self.worker.drafters)
     spec = property(lambda self: self.worker.spec)
     times = property(lambda self: self.worker.times)
+    grammars = property(lambda self: self.intake.grammars)  # structured output
 
     @property
     def policy(self):
@@ -273,40 +271,12 @@ class Engine:
         self._aborted.clear()
         return done
 
+    # a request's checks (fastspec.engine.intake): the front ends make their requests and name their fields by them
     def room_for(self, prompt_len: int) -> int:
-        """The most new tokens a prompt of `prompt_len` tokens may ask for: what both the context and the KV pool
-        leave (< 1: none). The KV a request can ever hold is its prompt + all output in whole pages + a round's
-        headroom. A server's default length is capped by it."""
-        fits = (self.worker.memory.ceiling - self.worker.round_headroom()) // self.config.page_size
-        return min(self.worker.max_context_len, fits * self.config.page_size) - prompt_len
+        return self.intake.room_for(prompt_len)
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        """The one check of a request's length (`request` makes it; a server, to name its own fields): past the
-        context length or past what the KV pool can ever hold is a RequestTooLong saying which, and the room left."""
-        ctx, room = self.worker.max_context_len, self.room_for(prompt_len)  # (room: what both limits leave)
-        if prompt_len + max_new_tokens > ctx:
-            raise RequestTooLong(f"prompt ({prompt_len} tokens) + max-new-tokens ({max_new_tokens}) exceeds the "
-                                 f"context length {ctx}", "context", ctx, prompt_len, max_new_tokens, room)
-        if max_new_tokens <= room:
-            return
-        ceiling, page, headroom = self.worker.memory.ceiling, self.config.page_size, self.worker.round_headroom()
-        need = -(-(prompt_len + max_new_tokens) // page) * page + headroom
-        pages = f"whole pages of {page} and " if page > 1 else ""  # (a speculative round's headroom can be most)
-        raise RequestTooLong(f"a request of {prompt_len} prompt + {max_new_tokens} new tokens does not fit in the KV "
-                             f"pool of {ceiling} tokens (it needs {need}: {pages}a decode round's headroom; raise "
-                             f"--max-total-tokens)", "kv_pool", ceiling, prompt_len, max_new_tokens, room)
+        self.intake.check_length(prompt_len, max_new_tokens)
 
     def request(self, rid: int, prompt: list[int], params: SamplingParams) -> Request:
-        """A checked request for `run` (FastspecError: empty, too long for the context or the pool, bad ids or
-        grammar); `rid` names it in the StepOutputs and for `abort`."""
-        if not prompt:
-            raise FastspecError("empty prompt")
-        self.check_length(len(prompt), params.max_new_tokens)
-        vocab = self.worker.model.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise FastspecError(f"input token ids must be in [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise FastspecError(f"logit bias token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise FastspecError(f"stop token ids must be in [0, {vocab})")
-        return Request(rid, list(prompt), params, request_seed(params.seed), grammar=self.grammars.compile(params))
+        return self.intake.request(rid, prompt, params)

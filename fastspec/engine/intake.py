@@ -1,0 +1,57 @@
+"""What a request may be before it runs: its length within the context and what the KV pool can ever hold, its
+token ids within the vocabulary, its grammar compiled (Engine.request). Reads the worker's limits; runs nothing
+and holds no request."""
+
+from __future__ import annotations
+
+from fastspec.engine.scheduler import Request
+from fastspec.errors import FastspecError, RequestTooLong
+from fastspec.sampling.draw import request_seed
+from fastspec.sampling.grammar import GrammarCompiler
+from fastspec.sampling.params import SamplingParams
+
+
+class Intake:
+    """The checks of one engine's requests, and its grammar compiler (structured output)."""
+
+    def __init__(self, worker, page_size: int):
+        self.worker, self.page_size = worker, page_size
+        self.grammars = GrammarCompiler(worker.model_dir, worker.model.config.vocab_size, worker.eos_ids)
+
+    def room_for(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of `prompt_len` tokens may ask for: what both the context and the KV pool
+        leave (< 1: none). The KV a request can ever hold is its prompt + all output in whole pages + a round's
+        headroom. A server's default length is capped by it."""
+        fits = (self.worker.memory.ceiling - self.worker.round_headroom()) // self.page_size
+        return min(self.worker.max_context_len, fits * self.page_size) - prompt_len
+
+    def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        """The one check of a request's length (`request` makes it; a server, to name its own fields): past the
+        context length or past what the KV pool can ever hold is a RequestTooLong saying which, and the room left."""
+        ctx, room = self.worker.max_context_len, self.room_for(prompt_len)  # (room: what both limits leave)
+        if prompt_len + max_new_tokens > ctx:
+            raise RequestTooLong(f"prompt ({prompt_len} tokens) + max-new-tokens ({max_new_tokens}) exceeds the "
+                                 f"context length {ctx}", "context", ctx, prompt_len, max_new_tokens, room)
+        if max_new_tokens <= room:
+            return
+        ceiling, page, headroom = self.worker.memory.ceiling, self.page_size, self.worker.round_headroom()
+        need = -(-(prompt_len + max_new_tokens) // page) * page + headroom
+        pages = f"whole pages of {page} and " if page > 1 else ""  # (a speculative round's headroom can be most)
+        raise RequestTooLong(f"a request of {prompt_len} prompt + {max_new_tokens} new tokens does not fit in the KV "
+                             f"pool of {ceiling} tokens (it needs {need}: {pages}a decode round's headroom; raise "
+                             f"--max-total-tokens)", "kv_pool", ceiling, prompt_len, max_new_tokens, room)
+
+    def request(self, rid: int, prompt: list[int], params: SamplingParams) -> Request:
+        """A checked request for `run` (FastspecError: empty, too long for the context or the pool, bad ids or
+        grammar); `rid` names it in the StepOutputs and for `abort`."""
+        if not prompt:
+            raise FastspecError("empty prompt")
+        self.check_length(len(prompt), params.max_new_tokens)
+        vocab = self.worker.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise FastspecError(f"input token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise FastspecError(f"logit bias token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise FastspecError(f"stop token ids must be in [0, {vocab})")
+        return Request(rid, list(prompt), params, request_seed(params.seed), grammar=self.grammars.compile(params))
