@@ -10,6 +10,16 @@ class FastspecError(Exception):
     """
 
 
+class BadField(FastspecError):
+    """A request refused for one of its fields, which `field` names as the engine's request has it: "prompt", or
+    the SamplingParams field ("logit_bias", "stop_token_ids", a grammar's "json_schema" / "regex" / "ebnf" /
+    "lark"). A front end names its own field by it, never by the message's words (a server: OpenAI's param)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 class RequestTooLong(FastspecError):
     """A request that can never run: its prompt + max_new_tokens past `limit` ("context": the context length;
     "kv_pool": what the KV pool ever holds) of `capacity` tokens. `room`: the most new tokens its prompt leaves

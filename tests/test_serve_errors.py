@@ -9,6 +9,10 @@ from serve_helpers import MODEL, engine_settled, raw, served  # noqa: F401  (the
 from typer.testing import CliRunner
 
 from fastspec.cli import app
+from fastspec.errors import BadField
+from fastspec.sampling.params import KINDS
+from fastspec.serve.service import PARAMS
+from fastspec.serve.tools import Tools
 
 pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
 
@@ -40,17 +44,6 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert status == 400 and bad["error"]["type"] == "invalid_request_error"
     assert raw(url, "GET", "/v1/nowhere")[0] == 404
     assert raw(url, "GET", "/health")[1]["status"] == "ok"
-    for past_vocab, param in ((dict(prompt="abc", logit_bias={"999": 5}), "logit_bias"),
-                              (dict(prompt=[999]), "prompt")):
-        with pytest.raises(openai.BadRequestError, match="must be in") as e:  # (the engine's refusal: param was null)
-            client.completions.create(model=MODEL, max_tokens=2, **past_vocab)
-        assert e.value.body["param"] == param
-    bad_schema = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "no-such-type"}}}
-    for grammar, param in ((dict(extra_body={"regex": "(a"}), "regex"), (dict(extra_body={"ebnf": "root ::= ("}),
-                           "ebnf"), (dict(response_format=bad_schema), "response_format")):
-        with pytest.raises(openai.BadRequestError, match="invalid") as e:  # (a grammar's compile: param was null)
-            client.chat.completions.create(model=MODEL, messages=message, max_tokens=2, **grammar)
-        assert e.value.body["param"] == param
     listed = raw(url, "GET", "/v1/models")[1]["data"][0]
     assert listed["id"] == MODEL and listed["created"] > 1_600_000_000  # (when it started, as vLLM's: it was 0)
     assert client.models.list().data[0].id == MODEL
@@ -59,6 +52,51 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
         client.models.retrieve("gpt-9")
     assert e.value.body["code"] == "model_not_found"
     assert client.completions.create(model=MODEL, prompt="abc", max_tokens=3, temperature=0).choices[0].text
+    assert engine_settled(service)
+
+
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "no-such-type"}}}
+REFUSALS = [  # (chat, what the request asks, the engine's message starts with, OpenAI's param)
+    (False, dict(prompt=[999]), "input token ids must be in", "prompt"),
+    (False, dict(prompt="abc", logit_bias={"999": 5}), "logit bias token ids must be in", "logit_bias"),
+    (True, dict(extra_body={"regex": "(a"}), "invalid regex", "regex"),
+    (True, dict(extra_body={"regex": ""}), "the regex matches only the empty output", "regex"),
+    (True, dict(extra_body={"ebnf": "root ::= ("}), "invalid ebnf", "ebnf"),
+    (True, dict(response_format=BAD_SCHEMA), "invalid json schema", "response_format"),
+    (True, dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "invalid lark", "tools"),
+]
+
+
+@pytest.mark.parametrize("reworded", [False, True], ids=["as-said", "reworded"])
+def test_each_engine_refusal_names_its_param_by_the_field_it_carries(served, monkeypatch, reworded):
+    """Each kind of the engine's refusals (Engine.request: the prompt's and logit bias's token ids, every grammar's
+    compile) reaches the client as a 400 naming the request's field (OpenAI's param) through the HTTP app, its
+    message the engine's. The param comes from the field the refusal carries, not from its words: reworded (here
+    by a wrapper round Engine.request), every refusal still names its param. The tools' `auto` grammar (Lark) is
+    the server's own, so a broken one is given here to reach the compile."""
+    client, _, _, service = served
+    monkeypatch.setattr(Tools, "auto_grammar", lambda self, parser, specials: 'start: "(')
+    if reworded:
+        request = service.engine.request
+
+        def reworded_request(rid, prompt, params):
+            try:
+                return request(rid, prompt, params)
+            except BadField as e:
+                raise BadField(f"refused, in other words: {e}", e.field) from None
+        monkeypatch.setattr(service.engine, "request", reworded_request)
+    message = [{"role": "user", "content": "abc"}]
+    for chat, ask, says, param in REFUSALS:
+        with pytest.raises(openai.BadRequestError) as e:
+            if chat:
+                client.chat.completions.create(model=MODEL, messages=message, max_tokens=2, **ask)
+            else:
+                client.completions.create(model=MODEL, max_tokens=2, **ask)
+        error = e.value.body
+        assert error["param"] == param, (ask, error)
+        start = "refused, in other words: " if reworded else ""
+        assert error["message"].startswith(start + says), (ask, error)
+    assert set(KINDS) <= set(PARAMS)  # every grammar field has its param
     assert engine_settled(service)
 
 

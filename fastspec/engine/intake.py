@@ -5,7 +5,7 @@ and holds no request."""
 from __future__ import annotations
 
 from fastspec.engine.scheduler import Request
-from fastspec.errors import FastspecError, RequestTooLong
+from fastspec.errors import BadField, RequestTooLong
 from fastspec.sampling.draw import request_seed
 from fastspec.sampling.grammar import GrammarCompiler
 from fastspec.sampling.params import SamplingParams
@@ -42,16 +42,16 @@ class Intake:
                              f"--max-total-tokens)", "kv_pool", ceiling, prompt_len, max_new_tokens, room)
 
     def request(self, rid: int, prompt: list[int], params: SamplingParams) -> Request:
-        """A checked request for `run` (FastspecError: empty, too long for the context or the pool, bad ids or
-        grammar); `rid` names it in the StepOutputs and for `abort`."""
+        """A checked request for `run` (a BadField naming the field: empty, bad ids or grammar; a RequestTooLong: too
+        long for the context or the pool); `rid` names it in the StepOutputs and for `abort`."""
         if not prompt:
-            raise FastspecError("empty prompt")
+            raise BadField("empty prompt", "prompt")
         self.check_length(len(prompt), params.max_new_tokens)
         vocab = self.worker.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
-            raise FastspecError(f"input token ids must be in [0, {vocab})")
+            raise BadField(f"input token ids must be in [0, {vocab})", "prompt")
         if any(t >= vocab for t, _ in params.logit_bias):
-            raise FastspecError(f"logit bias token ids must be in [0, {vocab})")
+            raise BadField(f"logit bias token ids must be in [0, {vocab})", "logit_bias")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise FastspecError(f"stop token ids must be in [0, {vocab})")
+            raise BadField(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
         return Request(rid, list(prompt), params, request_seed(params.seed), grammar=self.grammars.compile(params))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fastspec.errors import FastspecError
+from fastspec.errors import BadField, FastspecError
 from fastspec.sampling.params import KINDS
 from fastspec.utils.transfer import to_device
 
@@ -81,8 +81,8 @@ class GrammarCompiler:
             raise FastspecError(f"{path}: structured output cannot use this tokenizer ({e})") from None
 
     def compile(self, params) -> Grammar | None:
-        """The request's grammar at its start (None without one); a one-line FastspecError for a grammar that
-        does not compile or that no token can start."""
+        """The request's grammar at its start (None without one); a one-line BadField naming its field (`kind`) for
+        a grammar that does not compile or that no token can start (a tokenizer it cannot read: a FastspecError)."""
         kind = grammar_kind(params)
         if kind is None:
             return None
@@ -101,16 +101,16 @@ class GrammarCompiler:
 
                 grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(source))
         except Exception as e:  # the converters raise on malformed input; the matcher reports the rest
-            raise FastspecError(f"invalid {kind.replace('_', ' ')}: {_brief(str(e))}") from None
+            raise BadField(f"invalid {kind.replace('_', ' ')}: {_brief(str(e))}", kind) from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise FastspecError(f"invalid {kind.replace('_', ' ')}: {_brief(matcher.get_error())}")
+            raise BadField(f"invalid {kind.replace('_', ' ')}: {_brief(matcher.get_error())}", kind)
         state = Grammar(matcher, self.vocab_size, self.eos_ids)
         allowed = state.masks([[]])[0]
         allowed[self.eos_ids] = False  # llguidance offers EOS where no token can go on
         if not bool(allowed.any()):  # (accepting at once: only the empty output, e.g. `root ::= `; else none)
             what = "matches only the empty output" if matcher.is_accepting() else "allows no token to start the output"
-            raise FastspecError(f"the {kind.replace('_', ' ')} {what}")
+            raise BadField(f"the {kind.replace('_', ' ')} {what}", kind)
         return state
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from fastspec.errors import FastspecError
+from fastspec.errors import BadField, FastspecError
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve.api_error import APIError
 from fastspec.serve.prometheus import ServerMetrics
@@ -26,10 +26,11 @@ from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.utils.metrics import SpecMetrics
 
 
-_PARAMS = (("input token ids", "prompt"), ("logit bias", "logit_bias"),  # Engine.request's refusals: the field
-           *((f"{start} {kind}", field) for start in ("invalid", "the") for kind, field in (  # (grammars': a tool
-               ("regex", "regex"), ("ebnf", "ebnf"), ("json schema", "response_format"), ("lark", "tools"))))
-# call's json schemas compiled before, by name: _check_schemas)
+# The engine's field of a request it refused (BadField.field) -> the OpenAI request's field that carries it (param).
+# A tool call's json schemas compile before, by tool name (app._check_schemas); a request's lark grammar is the tools'
+# own (`auto`). stop_token_ids: no request sets them (a refusal of one names no field).
+PARAMS = {"prompt": "prompt", "logit_bias": "logit_bias", "regex": "regex", "ebnf": "ebnf",
+          "json_schema": "response_format", "lark": "tools"}
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,7 @@ class EngineService:
             request = self.engine.request(next(self._ids), prompt_ids, params)
             detok = IncrementalDetokenizer(self.llm.tokenizer, prompt_ids, params.stop, not keep_special)
         except FastspecError as e:
-            param = next((p for start, p in _PARAMS if str(e).startswith(start)), None)
-            raise APIError(str(e), param=param) from None
+            raise APIError(str(e), param=PARAMS.get(e.field) if isinstance(e, BadField) else None) from None
         ending = frozenset(self.engine.worker.eos_ids) | set(params.stop_token_ids) if keep_special else frozenset()
         return Checked(request, detok, ending)
 
