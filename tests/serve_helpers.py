@@ -1,6 +1,7 @@
 """What the serve tests share: a tiny Llama with a character tokenizer and a random EAGLE-3 head, served on
-127.0.0.1 at a free port by a uvicorn thread (the `served` fixture: overlap off and on, one server per test module),
-plain HTTP requests, and the checks that the engine settled with every KV slot free."""
+127.0.0.1 at a free port by a uvicorn thread (the `served` fixture: overlap off and on, one server per test module;
+`twin`: the same LLM again, not served, for direct calls), plain HTTP requests, and the checks that the engine
+settled with every KV slot free."""
 
 import http.client
 import json
@@ -42,14 +43,25 @@ def served(tiny_dirs, draft_dirs, tmp_path_factory, request):
     shutil.copytree(tiny_dirs["llama"][0], model_dir)
     write_char_tokenizer(model_dir)
     (model_dir / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
-    llm = fastspec.LLM(str(model_dir), speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]),
-                       num_steps=3, topk=2, num_draft_tokens=4, max_total_tokens=4096, max_running_requests=16,
-                       overlap_schedule=request.param)
+    llm = _served_llm(model_dir, draft_dirs, request.param)
     server, thread, service, url, client = start_server(llm, MODEL, max_queued=64)
     yield client, url, llm, service
     server.should_exit = True
     thread.join(10)
     service.stop()
+
+
+@pytest.fixture(scope="module")
+def twin(served, draft_dirs):
+    """An LLM as the served one is, not served: what a direct generate answers (the served LLM refuses one)."""
+    config = served[2].engine.config
+    return _served_llm(served[2].engine.model_dir, draft_dirs, config.overlap_schedule)
+
+
+def _served_llm(model_dir, draft_dirs, overlap: str):
+    return fastspec.LLM(str(model_dir), speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]),
+                        num_steps=3, topk=2, num_draft_tokens=4, max_total_tokens=4096, max_running_requests=16,
+                        overlap_schedule=overlap)
 
 
 def raw(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:

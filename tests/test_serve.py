@@ -8,17 +8,17 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from serve_helpers import MODEL, PROMPTS, engine_settled, greedy, served  # noqa: F401  (the fixture)
+from serve_helpers import MODEL, PROMPTS, engine_settled, greedy, served, twin  # noqa: F401  (the fixtures)
 
 from fastspec.sampling import SamplingParams
 
 pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
 
 
-def test_chat_and_completion_equal_generate_streamed_or_not(served):
+def test_chat_and_completion_equal_generate_streamed_or_not(served, twin):
     client, _, llm, service = served
     for prompt in PROMPTS[:4]:
-        want = greedy(llm, prompt, 12, chat=True)
+        want = greedy(twin, prompt, 12, chat=True)
         got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
                                              max_tokens=12, temperature=0)
         assert got.choices[0].message.content == want.text
@@ -31,21 +31,21 @@ def test_chat_and_completion_equal_generate_streamed_or_not(served):
                                                      stream_options={"include_usage": True}))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
         assert chunks[-1].usage.completion_tokens == len(want.output_ids)
-        plain = greedy(llm, prompt, 9, chat=False)
+        plain = greedy(twin, prompt, 9, chat=False)
         done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=0)
         assert done.choices[0].text == plain.text and done.choices[0].finish_reason == "length"
         streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=9, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in streamed) == plain.text
     ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0)
-    assert ids.choices[0].text == llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5))[0].text
+    assert ids.choices[0].text == twin.generate([[5, 6, 7]], SamplingParams(max_new_tokens=5))[0].text
     assert engine_settled(service)
 
 
-def test_stop_strings_and_max_tokens_end_where_generate_ends(served):
+def test_stop_strings_and_max_tokens_end_where_generate_ends(served, twin):
     client, _, llm, service = served
-    full = greedy(llm, "abc", 20, chat=False)
+    full = greedy(twin, "abc", 20, chat=False)
     stop = full.text[4:6]  # a string the greedy answer contains
-    want = greedy(llm, "abc", 20, chat=False, stop=(stop,))
+    want = greedy(twin, "abc", 20, chat=False, stop=(stop,))
     assert want.finish_reason == "stop" and stop not in want.text
     got = client.completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=0, stop=[stop])
     assert got.choices[0].text == want.text and got.choices[0].finish_reason == "stop"
@@ -66,18 +66,18 @@ def generated_through(llm, output_ids: list[int], stop: str) -> int:
 
 
 @pytest.mark.parametrize("mid", [False, True], ids=["first-token", "mid-answer"])
-def test_usage_counts_a_stop_strings_tokens_and_logprobs_cover_the_text_shown(served, mid):
+def test_usage_counts_a_stop_strings_tokens_and_logprobs_cover_the_text_shown(served, twin, mid):
     """The tokens of a stop string were generated (the client's max_tokens paid for them): usage counts them, as
     OpenAI and vLLM do, though their text is trimmed; logprobs come with text, so they cover the tokens shown
     (LLM.generate's Completion.output_ids). A stop on the first token: no text, one token counted, no logprobs."""
     client, _, llm, service = served
     no_special = {0: -100.0, 1: -100.0, 2: -100.0}  # (every token a character: a stop string of `size` tokens)
     for chat in (False, True):
-        full = greedy(llm, "abc", 12, chat=chat, ignore_eos=True, logit_bias=no_special)
+        full = greedy(twin, "abc", 12, chat=chat, ignore_eos=True, logit_bias=no_special)
         ids = full.output_ids  # mid-answer: the first token unlike the first, and the next, end it
         at, size = (next(i for i, t in enumerate(ids) if t != ids[0]), 2) if mid else (0, 1)
         stop = llm.decode(ids[at:at + size])
-        want = greedy(llm, "abc", 12, chat=chat, ignore_eos=True, logit_bias=no_special, stop=(stop,), logprobs=1)
+        want = greedy(twin, "abc", 12, chat=chat, ignore_eos=True, logit_bias=no_special, stop=(stop,), logprobs=1)
         generated = generated_through(llm, ids, stop)
         assert (len(want.output_ids), generated, want.finish_reason) == (at, at + size, "stop")
         asked = dict(messages=[{"role": "user", "content": "abc"}], logprobs=True) if chat else dict(prompt="abc",
@@ -116,9 +116,9 @@ def test_a_stop_string_in_the_last_token_allowed_finishes_with_stop(served):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
 
 
-def test_logprobs_and_grammar_through_the_api(served):
-    client, _, llm, _ = served
-    want = greedy(llm, "What?", 6, chat=True, logprobs=2)
+def test_logprobs_and_grammar_through_the_api(served, twin):
+    client, _, _, _ = served
+    want = greedy(twin, "What?", 6, chat=True, logprobs=2)
     got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What?"}], max_tokens=6,
                                          temperature=0, logprobs=True, top_logprobs=2)
     entries = got.choices[0].logprobs.content
@@ -126,15 +126,15 @@ def test_logprobs_and_grammar_through_the_api(served):
     assert all(len(e.top_logprobs) == 2 for e in entries)
     regex = client.completions.create(model=MODEL, prompt="Q", max_tokens=8, temperature=0,
                                       extra_body={"regex": "[a-d]{3}"})
-    assert regex.choices[0].text == greedy(llm, "Q", 8, chat=False, regex="[a-d]{3}").text
+    assert regex.choices[0].text == greedy(twin, "Q", 8, chat=False, regex="[a-d]{3}").text
     assert len(regex.choices[0].text) == 3 and set(regex.choices[0].text) <= set("abcd")
 
 
-def test_32_concurrent_streams_complete_and_free_every_slot(served):
-    client, _, llm, service = served
+def test_32_concurrent_streams_complete_and_free_every_slot(served, twin):
+    client, _, _, service = served
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
     lengths = [4 + i % 9 for i in range(32)]
-    want = [greedy(llm, p, n, chat=True).text for p, n in zip(prompts, lengths)]
+    want = [greedy(twin, p, n, chat=True).text for p, n in zip(prompts, lengths)]
 
     def one(i):
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],

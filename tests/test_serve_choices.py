@@ -3,21 +3,21 @@ and `echo` scoring the prompt as lm-evaluation-harness asks."""
 
 import openai
 import pytest
-from serve_helpers import MODEL, PROMPTS, engine_settled, greedy, served  # noqa: F401  (the fixture)
+from serve_helpers import MODEL, PROMPTS, engine_settled, greedy, served, twin  # noqa: F401  (the fixtures)
 
 from fastspec.sampling import SamplingParams
 
 pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
 
 
-def test_a_batch_of_prompts_is_one_request_of_their_choices(served):
+def test_a_batch_of_prompts_is_one_request_of_their_choices(served, twin):
     """prompt as a list of strings or of token-id lists (OpenAI's batch): choice p * n + i is prompt p's i-th, what a
     request of that prompt alone gets, streamed or not; usage counts every prompt."""
     client, _, llm, service = served
     texts = ["abc", PROMPTS[1]]
     got = client.completions.create(model=MODEL, prompt=texts, max_tokens=6, temperature=0)
     assert [c.index for c in got.choices] == [0, 1]
-    assert [c.text for c in got.choices] == [greedy(llm, p, 6, chat=False).text for p in texts]
+    assert [c.text for c in got.choices] == [greedy(twin, p, 6, chat=False).text for p in texts]
     assert got.usage.prompt_tokens == sum(len(llm.encode(p)) for p in texts)
     sampled = dict(model=MODEL, max_tokens=5, temperature=1.0, seed=3, n=2, extra_body={"ignore_eos": True})
     ids = [[5, 6, 7], [8, 9]]
@@ -35,13 +35,13 @@ def test_a_batch_of_prompts_is_one_request_of_their_choices(served):
     assert engine_settled(service)
 
 
-def test_echo_scores_the_prompt_as_lm_eval_asks(served):
+def test_echo_scores_the_prompt_as_lm_eval_asks(served, twin):
     """echo with logprobs (lm-evaluation-harness's loglikelihood requests: token-id prompts in a batch, max_tokens 0
     or 1): each choice's text and logprobs start with its prompt's, the first token's logprob null, the others the
     target's (LLM's prompt_logprobs), then the answer's; max_tokens 0 answers nothing; streamed alike."""
     client, _, llm, service = served
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    want = llm.generate(prompts, SamplingParams(max_new_tokens=2, logprobs=2, prompt_logprobs=2))
+    want = twin.generate(prompts, SamplingParams(max_new_tokens=2, logprobs=2, prompt_logprobs=2))
     scored = client.completions.create(model=MODEL, prompt=prompts, max_tokens=0, echo=True, logprobs=2,
                                        temperature=0)
     assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == 7
@@ -64,7 +64,7 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(served):
                for o in (c.choices[0].logprobs.text_offset if c.choices[0].logprobs else [])]
     assert offsets == answered.choices[0].logprobs.text_offset  # streamed: each chunk's count on from the text before
     text = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, echo=True, temperature=0)
-    assert text.choices[0].text == "abc" + greedy(llm, "abc", 3, chat=False).text
+    assert text.choices[0].text == "abc" + greedy(twin, "abc", 3, chat=False).text
     streamed = client.completions.create(model=MODEL, prompt="abc", max_tokens=3, echo=True, temperature=0,
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
@@ -73,12 +73,12 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(served):
     assert engine_settled(service)
 
 
-def test_n_choices_streamed_or_not_share_the_prompts_kv(served):
+def test_n_choices_streamed_or_not_share_the_prompts_kv(served, twin):
     """n = 3: greedy choices all equal generate's; seeded sampled choice i equals one request seeded seed + i, and
     its streamed deltas (by choice index) join to the same text; the choices reuse the prompt's cached KV."""
-    client, _, llm, service = served
+    client, _, _, service = served
     messages = [{"role": "user", "content": "What is 1+1?"}]
-    want = greedy(llm, messages[0]["content"], 8, chat=True)
+    want = greedy(twin, messages[0]["content"], 8, chat=True)
     reused = service.call(lambda: service.engine.worker.reused_tokens)
     got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, n=3)
     assert [c.index for c in got.choices] == [0, 1, 2] and {c.message.content for c in got.choices} == {want.text}

@@ -15,6 +15,7 @@ from serve_helpers import engine_settled, scrape, start_server
 from tiny_models import write_char_tokenizer
 
 import fastspec
+from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
 from fastspec.serve.api_error import APIError
 
@@ -23,6 +24,17 @@ MODEL = "tiny-lifecycle"
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_dirs, tmp_path_factory):
+    """The LLM the module's server (`served`) serves."""
+    return _tiny_llm(tiny_dirs, tmp_path_factory)
+
+
+@pytest.fixture
+def own_llm(tiny_dirs, tmp_path_factory):
+    """An LLM of the test's own, for a server it starts and stops (a served LLM runs nothing else)."""
+    return _tiny_llm(tiny_dirs, tmp_path_factory)
+
+
+def _tiny_llm(tiny_dirs, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("lifecycle") / "llama"
     shutil.copytree(tiny_dirs["llama"][0], model_dir)
     write_char_tokenizer(model_dir)
@@ -253,12 +265,12 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_shutdown_ends_requests_in_flight_with_503s_and_no_cancelled_tasks(tiny_llm):
+def test_shutdown_ends_requests_in_flight_with_503s_and_no_cancelled_tasks(own_llm):
     """Stopping the server (Ctrl-C, SIGTERM) with a stream and a plain request running: both end at once with
     OpenAI's error object, a 503 saying the server is shutting down (the stream: an error event, then [DONE]);
     uvicorn's graceful wait has no task left to cancel, so it logs no error and no traceback. The engine is held
     between two steps while the stop is asked for, so both are surely in flight."""
-    server, thread, service, url, client = start(tiny_llm, max_queued=8)
+    server, thread, service, url, client = start(own_llm, max_queued=8)
     records = _Records()
     logging.getLogger("uvicorn.error").addHandler(records)
     long = dict(model=MODEL, prompt="abc", max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
@@ -312,3 +324,34 @@ def test_a_body_nested_past_what_json_reads_is_a_400_and_the_server_keeps_servin
             assert "nested too deeply" in body["error"]["message"]
     assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2).choices[0].text is not None
     assert engine_settled(service)
+
+
+def test_a_served_llm_refuses_direct_calls_until_its_server_stops(own_llm):
+    """While a server drives an LLM, a direct generate, stream or chat would step its engine from a second loop: each
+    is a one-line FastspecError telling the caller to send requests to the server, and the server keeps serving.
+    Once the server stops the LLM runs directly again, with the answer it served; a server cannot start on an LLM
+    whose stream is open (it would share the engine with that stream)."""
+    params = SamplingParams(max_new_tokens=4)
+    server, thread, service, url, client = start(own_llm, max_queued=4)
+    try:
+        served = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0).choices[0].text
+        for call in (lambda: own_llm.generate(["abc"], params), lambda: next(own_llm.stream(["abc"], params)),
+                     lambda: own_llm.chat([{"role": "user", "content": "abc"}], params),
+                     lambda: own_llm.engine.generate([[5, 6]], [params])):
+            with pytest.raises(FastspecError, match="^this LLM is being served: send requests to the server") as e:
+                call()
+            assert "\n" not in str(e.value)
+        assert client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0).choices[0].text \
+            == served
+        assert engine_settled(service)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        service.stop()
+    assert own_llm.generate(["abc"], params)[0].text == served
+    stream = own_llm.stream(["abc"], params)
+    next(stream)
+    with pytest.raises(FastspecError, match="already running a generate or stream"):
+        start(own_llm, max_queued=4)
+    stream.close()
+    assert own_llm.generate(["abc"], params)[0].text == served

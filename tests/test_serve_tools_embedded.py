@@ -121,10 +121,11 @@ def test_auto_calls_on_the_embedded_model_parse_fit_and_equal_target_only(served
     params = SamplingParams(max_new_tokens=64, logit_bias={opening: 100},
                             lark=tools.auto_grammar("hermes", llm.tokenizer.special_tokens()))
     ids = llm.encode_chat(ask["messages"], [CITY])
+    assert engine_settled(service)
+    service.stop()  # (a served LLM runs no direct call: it does once its server has stopped)
     plain = fastspec.LLM(str(llm.engine.model_dir), speculative_algorithm="NONE", max_total_tokens=4096)
     want, spoken = (x.generate([ids], params)[0] for x in (plain, llm))
     assert spoken.output_ids == want.output_ids and want.output_ids[0] == opening
-    assert engine_settled(service)
 
 
 def _function(name: str, parameters: dict, strict: bool = False) -> dict:

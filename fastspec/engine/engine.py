@@ -9,7 +9,6 @@ Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -18,7 +17,7 @@ from fastspec.config import EngineConfig
 from fastspec.engine.intake import Intake
 from fastspec.engine.outputs import EngineLoad, GenerateOutput, StepOutput, collect
 from fastspec.engine.scheduler import Request, Scheduler
-from fastspec.engine.streams import one_at_a_time
+from fastspec.engine.streams import OneRun
 from fastspec.engine.worker import Worker
 from fastspec.models.sources import ModelSources
 from fastspec.sampling.params import SamplingParams
@@ -38,7 +37,7 @@ class Engine:
         self._last: Future | None = None  # the last thing submitted to the worker (a step or a release)
         self._free_before = 0  # free KV in the pool before the step in flight (after the last one handed out)
         self._aborted: set[int] = set()  # request ids `abort` named, finished before the next step
-        self._running = threading.Lock()  # held while a stream runs: one at a time (see `run`)
+        self._runs = OneRun()  # a stream or a server's loop, one at a time (see `run`)
         self.load = EngineLoad(0, 0, self.worker.available_kv())
         self.intake = Intake(self.worker, config.page_size)  # a request's checks before it runs
 
@@ -101,14 +100,13 @@ class Engine:
             ) -> Iterator[list[StepOutput]]:
         """`stream` over Requests made by `request`; with `poll`, requests also arrive while it runs (a server):
         `poll(idle)` is called before every step and returns the requests that arrived (it may block while
-        `idle`, nothing being left to run), or None to stop (what still runs is released). Streams run one at a
+        `idle`, nothing being left to run), or None to stop (what still runs is released). Runs go one at a
         time: two would share the drafter's and `abort`'s request ids, so another while one is open (another
-        thread's, or a stream not yet finished or closed) is a FastspecError. A server's run (`poll`) is not counted:
-        its thread owns the engine while it serves, and whoever reads the LLM directly meanwhile does so between
-        its requests."""
+        thread's, a stream not yet finished or closed, or a server's: `poll`, held until it stops) is a
+        FastspecError at its first step."""
         if poll is not None:
-            return self._steps(reqs, poll)  # (its thread stops it: not closed at exit)
-        return one_at_a_time(self._running, self._steps(reqs, None))
+            return self._runs.serve(self._steps(reqs, poll))
+        return self._runs.stream(self._steps(reqs, None))
 
     def _steps(self, reqs: list[Request], poll) -> Iterator[list[StepOutput]]:
         scheduler = Scheduler(self.config.max_running_requests, self.config.page_size, self.worker.round_headroom())

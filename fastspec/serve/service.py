@@ -1,11 +1,12 @@
 """The engine on a thread of its own, fed by a queue: requests arrive from the HTTP side at any time, join the
 running batch at the next step (`Engine.run` with a poll), and come back as text deltas through a callback.
 
-Owns: request ids, the bound on open requests (overload = a 503, never an unbounded queue), detokenizing with
-stop strings (a stop string aborts the request in the engine, as LLM.stream does), aborts from clients that
-went away, and the engine's health. Only the engine thread touches the engine after start; the HTTP side only
-makes checked requests (Engine.request reads the config and compiles the grammar: `check`, off the event loop) and
-puts them in the inbox (`enqueue`, in the order the HTTP side hands them).
+Owns: the engine while it serves (a direct LLM.generate / stream / chat meanwhile is refused), request ids, the
+bound on open requests (overload = a 503, never an unbounded queue), detokenizing with stop strings (a stop string
+aborts the request in the engine, as LLM.stream does), aborts from clients that went away, and the engine's
+health. Only the engine thread touches the engine after start; the HTTP side only makes checked requests
+(Engine.request reads the config and compiles the grammar: `check`, off the event loop) and puts them in the
+inbox (`enqueue`, in the order the HTTP side hands them).
 """
 
 from __future__ import annotations
@@ -81,9 +82,15 @@ class EngineService:
         self.error: str | None = None
         self.aborted = 0  # requests ended because their client went away
         self._thread = threading.Thread(target=self._run, name="fastspec-engine", daemon=True)
+        self._holding = threading.Event()  # the engine thread holds the engine (or could not take it: `error`)
 
     def start(self) -> EngineService:
+        """Start the engine thread; returned once it holds the engine, so that a direct LLM.generate / stream / chat
+        is refused from now until `stop` (FastspecError: the LLM is running a stream already)."""
         self._thread.start()
+        self._holding.wait()
+        if self.error is not None:
+            raise FastspecError(self.error)
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -149,8 +156,12 @@ class EngineService:
                 for out in step:
                     self._handle(out)
             self._end_open("the server is shutting down", 503)
+        except FastspecError as e:  # its own line (the LLM was running a stream: the server never started)
+            self._end_open(str(e), 500)
         except Exception as e:  # a bug in a step: every open request ends with the error, /health says so
             self._end_open(f"{type(e).__name__}: {e}", 500)
+        finally:
+            self._holding.set()
 
     def _end_open(self, error: str, status: int) -> None:
         """The engine thread is done: every open request, running or still in the inbox, ends with `error`."""
@@ -171,6 +182,7 @@ class EngineService:
 
     def _poll(self, idle: bool) -> list | None:
         """What arrived since the last step; blocks while the engine is idle until something does."""
+        self._holding.set()
         arrived = []
         while True:
             try:
