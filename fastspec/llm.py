@@ -95,6 +95,11 @@ class LLM:
         """Loaded on first use: token-id prompts need none (tiny test models ship no tokenizer)."""
         return Tokenizer(self.engine.model_dir)
 
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether text can be read and written: without a tokenizer, token-id prompts still run (text None)."""
+        return (self.engine.model_dir / "tokenizer.json").is_file()
+
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if not chat:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -115,7 +120,7 @@ class LLM:
         with contextlib.closing(self.engine.stream(ids, params)) as steps:
             if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
                 got = collect(self._until(steps, len(ids), should_stop), params)
-                text = self.decode if (self.engine.model_dir / "tokenizer.json").is_file() else lambda ids: None
+                text = self.decode if self.has_tokenizer else lambda ids: None
                 return [Completion(ids[i], got.ids[i], text(got.ids[i]), got.final[i].finish_reason,
                                    got.final[i].metrics, got.logprobs[i], got.prompt_logprobs[i])
                         for i in range(len(ids))]
@@ -143,9 +148,16 @@ class LLM:
     def stream(self, prompts=None, sampling_params=None, chat: bool = False, **foreign) -> Iterator[list[TextDelta]]:
         """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
         start a stop string is held back until it is ruled out). Until it is finished or closed, the LLM runs
-        nothing else (see Engine.run)."""
+        nothing else (see Engine.run). Token-id prompts to a model without a tokenizer (and without stop strings,
+        which are text) yield deltas of token ids, their text None, as generate's Completions have."""
         check_call_keywords(self.stream, foreign)
         ids, params = self._inputs(prompts, sampling_params, chat)
+        if not self.has_tokenizer and not any(p.stop for p in params):
+            with contextlib.closing(self.engine.stream(ids, params)) as steps:
+                for step in steps:
+                    yield [TextDelta(out.index, None, out.finish_reason, out.metrics, out.new_ids, None, out.logprobs,
+                                     out.prompt_logprobs) for out in step]
+            return
         streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
         with contextlib.closing(self.engine.stream(ids, params)) as steps:
             yield from self._deltas(steps, streams)

@@ -12,7 +12,7 @@ from fastspec.utils.metrics import SpecMetrics
 @dataclass(frozen=True)
 class TextDelta:
     index: int  # which prompt
-    text: str  # new text safe to show
+    text: str | None  # new text safe to show (None: token-id prompts to a model without a tokenizer)
     finish_reason: str | None
     metrics: SpecMetrics
     new_ids: list[int]
