@@ -12,7 +12,6 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from functools import cached_property
-from numbers import Integral
 
 from fastspec.config import EngineConfig
 from fastspec.engine.engine import Engine, collect
@@ -25,6 +24,7 @@ from fastspec.spec_config import CLI_FLAGS, Schedule, SpecConfig, check_spec_fla
 from fastspec.speculative.tuned import find_schedule, weights_label
 from fastspec.text.completion import Completion, TextDelta
 from fastspec.text.detokenizer import IncrementalDetokenizer
+from fastspec.text.inputs import as_prompts
 from fastspec.text.tokenizer import Tokenizer
 from fastspec.utils.threads import apply_threads
 
@@ -111,10 +111,11 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[list[int]] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False,
                  should_stop: Callable[[], bool] = lambda: False, **foreign) -> list[Completion]:
-        """Prompts as text (optionally chat-templated) or as token-id lists; one SamplingParams (None: the defaults)
-        or one each (vLLM's names: `llm.generate(prompts, sampling_params=...)`). `should_stop()` (asked after every
-        step; Ctrl-C) ends every request with what it has, reason "abort". The engine's stream is closed however
-        this ends (Ctrl-C in the middle too), so its KV is back and the next call may run."""
+        """Prompts as text (optionally chat-templated) or as token ids (lists, or numpy / torch integer arrays: see
+        fastspec.text.inputs); one SamplingParams (None: the defaults) or one each (vLLM's names:
+        `llm.generate(prompts, sampling_params=...)`). `should_stop()` (asked after every step; Ctrl-C) ends every
+        request with what it has, reason "abort". The engine's stream is closed however this ends (Ctrl-C in the
+        middle too), so its KV is back and the next call may run."""
         check_call_keywords(self.generate, foreign)
         ids, params = self._inputs(prompts, sampling_params, chat)
         with contextlib.closing(self.engine.stream(ids, params)) as steps:
@@ -201,14 +202,7 @@ class LLM:
 
     def _inputs(self, prompts, params, chat) -> tuple[list[list[int]], list[SamplingParams]]:
         """(token ids per prompt, params per prompt), or one FastspecError naming what is malformed."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not all(_is_prompt(p) for p in prompts):
-            dicts = isinstance(prompts, dict) or isinstance(prompts, (list, tuple)) and any(
-                isinstance(p, dict) for p in prompts)
-            hint = " (not vLLM's {'prompt': text} / {'prompt_token_ids': ids} dicts: give the text or the ids)"
-            raise FastspecError("prompts must be a string, a list of strings or a list of token-id lists"
-                                + (hint if dicts else ""))
+        prompts = as_prompts(prompts)
         if chat and any(not isinstance(p, str) for p in prompts):
             raise FastspecError("chat=True applies the chat template to text prompts, not to token ids")
         params = SamplingParams() if params is None else params
@@ -218,7 +212,7 @@ class LLM:
             raise FastspecError(f"sampling_params must be a SamplingParams or a list of them, one per prompt{hint}")
         if len(params) != len(prompts):
             raise FastspecError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one each")
-        return [[int(t) for t in p] if not isinstance(p, str) else self.encode(p, chat) for p in prompts], params
+        return [p if not isinstance(p, str) else self.encode(p, chat) for p in prompts], params
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -296,12 +290,6 @@ def _path_or_name(value, name: str) -> str | None:
     what = {"model": "a directory, a hub id, a .gguf file or an embedded model's name",
             "draft_model": "a directory or a hub id"}.get(name, "a file")
     raise FastspecError(f"{name} must be {what}, got {type(value).__name__}")
-
-
-def _is_prompt(p) -> bool:
-    """Text, or a list of token ids (ints; numpy's too, not bools)."""
-    return isinstance(p, str) or isinstance(p, (list, tuple)) and all(
-        isinstance(t, Integral) and not isinstance(t, bool) for t in p)
 
 
 def _to_stderr(message: str) -> None:
