@@ -36,7 +36,7 @@ class LLM:
                  accept_threshold_acc: float = 1.0, token_map: str | None = None, ngram=None, on_prepare=None,
                  schedule: Schedule | None = None, tuned: bool = True, say: Callable[[str], None] | None = None,
                  revision: str | None = None, draft_revision: str | None = None, threads: int | None = 0,
-                 **engine_options):
+                 tokenizer: str | os.PathLike | None = None, **engine_options):
         """`speculative_algorithm`: NONE, EAGLE (alias NEXTN), EAGLE3, STANDALONE or NGRAM; unset: EAGLE3 with the
         shipped head on an embedded model, NONE otherwise. Tree shape: `schedule` (per batch size, see
         SpecConfig.schedule), else explicit num_steps / topk / num_draft_tokens, else (`tuned`) the schedule
@@ -46,13 +46,15 @@ class LLM:
         snapshot, or downloaded into the hub cache unless HF_HUB_OFFLINE is set. `load_format="dummy"` (an engine
         option): random weights from the model's config.json alone (see fastspec.models.dummy). `threads`: torch's
         CPU thread count (fastspec's C kernels share it), 0 = auto as the CLI's `--threads` (every core no other
-        process keeps busy, measured once per process), None = leave torch's setting alone.
+        process keeps busy, measured once per process), None = leave torch's setting alone. `tokenizer`: a directory
+        or hub id whose tokenizer (and chat template) replaces the model's own, e.g. for a checkpoint shipped without
+        one; its ids must fit the model's vocabulary.
 
         Checks run cheapest first: the flags, then the models' configs (fastspec.models.sources), and only then
         the tuned file."""
         model = EngineConfig.model if model is None else model
-        model, draft_model, token_map = (_path_or_name(value, name) for value, name in (
-            (model, "model"), (draft_model, "draft_model"), (token_map, "token_map")))
+        model, draft_model, token_map, tokenizer = (_path_or_name(value, name) for value, name in (
+            (model, "model"), (draft_model, "draft_model"), (token_map, "token_map"), (tokenizer, "tokenizer")))
         for name, value in (("revision", revision), ("draft_revision", draft_revision)):
             if value is not None and not isinstance(value, str):
                 raise FastspecError(f"{name} must be a branch, tag or commit, got {value!r}")
@@ -66,7 +68,8 @@ class LLM:
         algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
         self.sources = sources = resolve_sources(
             model, algorithm, draft_model, revision=revision, draft_revision=draft_revision,
-            quantization=config.quantization, device=config.device, load_format=config.load_format)
+            quantization=config.quantization, device=config.device, load_format=config.load_format,
+            tokenizer=tokenizer)
         config = dataclasses.replace(config, model=str(sources.model_dir), quantization=sources.quantization,
                                      dtype=resolve_model_dtype(config.dtype, config.device, sources))
         draft = None if sources.draft_dir is None else str(sources.draft_dir)
@@ -93,12 +96,12 @@ class LLM:
     @cached_property
     def tokenizer(self) -> Tokenizer:
         """Loaded on first use: token-id prompts need none (tiny test models ship no tokenizer)."""
-        return Tokenizer(self.engine.model_dir)
+        return Tokenizer(self.sources.tokenizer_dir)
 
     @property
     def has_tokenizer(self) -> bool:
         """Whether text can be read and written: without a tokenizer, token-id prompts still run (text None)."""
-        return (self.engine.model_dir / "tokenizer.json").is_file()
+        return (self.sources.tokenizer_dir / "tokenizer.json").is_file()
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if not chat:
@@ -224,8 +227,7 @@ _SEED = "seeds are per request: SamplingParams(seed=...)"
 # keywords of SGLang's Engine and vLLM's LLM that fastspec.LLM spells otherwise or does not take (SGLang's
 # speculative_* names are its CLI flags: CLI_FLAGS, read backwards)
 FOREIGN_OPTIONS = {
-    "model_path": "use model", "tokenizer": "fastspec uses the model's own tokenizer",
-    "tokenizer_path": "fastspec uses the model's own tokenizer", "tp_size": _ONE_DEVICE,
+    "model_path": "use model", "tokenizer_path": "use tokenizer", "tp_size": _ONE_DEVICE,
     "tensor_parallel_size": _ONE_DEVICE, "dp_size": _ONE_DEVICE, "data_parallel_size": _ONE_DEVICE,
     "pp_size": _ONE_DEVICE, "pipeline_parallel_size": _ONE_DEVICE, "mem_fraction_static": _KV_SIZE,
     "gpu_memory_utilization": _KV_SIZE, "context_length": "use max_context_len", "max_model_len": "use max_context_len",
@@ -288,7 +290,7 @@ def _path_or_name(value, name: str) -> str | None:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     what = {"model": "a directory, a hub id, a .gguf file or an embedded model's name",
-            "draft_model": "a directory or a hub id"}.get(name, "a file")
+            "draft_model": "a directory or a hub id", "tokenizer": "a directory or a hub id"}.get(name, "a file")
     raise FastspecError(f"{name} must be {what}, got {type(value).__name__}")
 
 

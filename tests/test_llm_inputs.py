@@ -1,14 +1,22 @@
 """fastspec.LLM's inputs as a vLLM user gives them: token ids streamed from a checkpoint without a tokenizer, prompts
-as numpy / torch arrays."""
+as numpy / torch arrays, and a tokenizer given apart from the model (LLM(tokenizer=...), --tokenizer)."""
+
+import json
+import re
 
 import numpy as np
 import pytest
 import torch
-from tiny_models import make_hf_model
+from fake_hub import add_snapshot, commit_id
+from tiny_models import make_hf_model, write_word_tokenizer
+from tokenizers import Tokenizer
+from typer.testing import CliRunner
 
 import fastspec
 from fastspec import SamplingParams
+from fastspec.cli import app
 from fastspec.errors import FastspecError
+from fastspec.text.tokenizer import resolve_tokenizer_dir
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
 PROMPTS = [[3, 4, 5, 6], [7, 8, 9, 10]]
@@ -72,3 +80,72 @@ def test_numpy_and_torch_prompts_are_token_id_lists(bare_llm):
                              (np.int64(3), "prompts must be a string, a list of strings or a list of token-id lists")):
         with pytest.raises(FastspecError, match=f"^{message}"):
             bare_llm.generate(prompts, PARAMS)
+
+
+TEMPLATE = ("{% for m in messages %}{% if m.role == 'user' %}<user>{% else %}<bot>{% endif %} {{ m.content }} </s> "
+            "{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def words_dir(tmp_path_factory):
+    """A tokenizer of its own (no model): word-level, `wN` is id N, with a chat template that tells roles apart."""
+    return write_word_tokenizer(tmp_path_factory.mktemp("words") / "tokenizer", template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def words_llm(bare_dir, words_dir):
+    return fastspec.LLM(str(bare_dir), tokenizer=words_dir, speculative_algorithm="NGRAM", max_total_tokens=512)
+
+
+def test_a_tokenizer_given_apart_from_the_model_reads_and_writes_its_text(bare_llm, words_llm, words_dir):
+    """LLM(tokenizer=dir) on a checkpoint without one: text prompts are its ids (wN -> N), the answer is the ids the
+    model gives those ids and their text in that tokenizer, streamed or not."""
+    theirs = Tokenizer.from_file(str(words_dir / "tokenizer.json"))
+    expected = bare_llm.generate(PROMPTS, PARAMS)
+    got = words_llm.generate(["w3 w4 w5 w6", "w7 w8 w9 w10"], PARAMS)
+    assert [c.prompt_ids for c in got] == PROMPTS
+    assert [c.output_ids for c in got] == [c.output_ids for c in expected]
+    assert [c.text for c in got] == [theirs.decode(c.output_ids) for c in expected]
+    streamed = ["", ""]
+    for step in words_llm.stream(["w3 w4 w5 w6", "w7 w8 w9 w10"], PARAMS):
+        for delta in step:
+            streamed[delta.index] += delta.text
+    assert [s.strip() for s in streamed] == [c.text for c in got]
+    # grammars read it too (this word-level one llguidance cannot use; the model's own: "needs the model's tokenizer")
+    with pytest.raises(FastspecError, match=re.escape(f"{words_dir / 'tokenizer.json'}: structured output cannot")):
+        words_llm.generate([[3, 4]], SamplingParams(max_new_tokens=1, regex="w(41|42)"))
+
+
+def test_a_tokenizer_that_names_nothing_or_does_not_fit_is_one_line(bare_dir, words_dir, tmp_path, monkeypatch):
+    """A path that is neither a directory nor a hub id, a directory without tokenizer.json, or a tokenizer with ids
+    past the model's vocabulary (97): a FastspecError before any weight is read. A hub id is its tokenizer files
+    in the hub cache (offline and not cached: one line too). SGLang's tokenizer_path names fastspec's keyword."""
+    big = write_word_tokenizer(tmp_path / "big", words=[f"w{i}" for i in range(3, 120)])
+    for tokenizer, message in ((tmp_path / "nope", "is neither a directory nor a Hugging Face hub id"),
+                               (bare_dir, "has no tokenizer.json"),
+                               (big, "does not fit the model: it has token ids up to 121, the model's vocabulary 97"),
+                               ("tiny-org/uncached", "tiny-org/uncached's tokenizer.json is not in the Hugging Face "
+                                                     "cache .* and HF_HUB_OFFLINE is set")):
+        with pytest.raises(FastspecError, match=f"^(tokenizer {tokenizer} )?{message}"):
+            fastspec.LLM(str(bare_dir), tokenizer=str(tokenizer), max_total_tokens=256)
+    with pytest.raises(FastspecError, match="LLM has no option 'tokenizer_path'; use tokenizer$"):
+        fastspec.LLM(str(bare_dir), tokenizer_path=str(words_dir))
+    cache = tmp_path / "hub"
+    snapshot = add_snapshot(cache, "tiny-org/words", words_dir, commit_id(1))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert resolve_tokenizer_dir("tiny-org/words", 97) == snapshot
+
+
+def test_the_cli_takes_a_tokenizer(bare_dir, words_dir, words_llm):
+    """--tokenizer (SGLang's --tokenizer-path too) on the model commands: generate's text prompt is read with it and
+    its answer written with it, as the LLM's; one that names nothing is a one-line usage error before any loading."""
+    expected = words_llm.generate(["w3 w4 w5"], PARAMS)[0]
+    args = ["generate", "--model", str(bare_dir), "--prompt", "w3 w4 w5", "--max-new-tokens", "8", "--ignore-eos",
+            "--max-total-tokens", "512", "--speculative-algorithm", "NGRAM", "--json"]
+    done = CliRunner().invoke(app, [*args, "--tokenizer-path", str(words_dir)])
+    assert done.exit_code == 0, done.output
+    record = json.loads(done.stdout)
+    assert (record["output_ids"], record["text"]) == (expected.output_ids, expected.text)
+    refused = CliRunner().invoke(app, [*args, "--tokenizer", str(bare_dir / "nope")])
+    assert refused.exit_code != 0 and "is neither a directory nor a Hugging Face hub id" in refused.output
+

@@ -144,7 +144,8 @@ def _first_build(monkeypatch, service, fails: bool):
             raise ValueError("no such tokenizer")
         return real(*args, **kwargs)
     monkeypatch.setattr(llguidance, "LLTokenizer", held)
-    monkeypatch.setattr(service.engine.intake, "grammars", GrammarCompiler(old.model_dir, old.vocab_size, old.eos_ids))
+    monkeypatch.setattr(service.engine.intake, "grammars", GrammarCompiler(old.tokenizer_dir, old.vocab_size,
+                                                                          old.eos_ids))
     return builds, entered, release
 
 

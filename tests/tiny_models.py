@@ -104,18 +104,25 @@ WORDS = [f"w{i}" for i in range(3, 90)]
 def write_chat_target(directory: Path, seed: int = 0, family: str = "llama") -> Path:
     """A tiny target (llama, or a DeepSeek family with its MTP layer) with a word-level tokenizer (ids 0..89) and
     a chat template, saved in `directory`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     if family.startswith("deepseek"):
         write_deepseek(directory, family, seed=seed)
     else:
         make_hf_model(family, seed=seed).save_pretrained(directory)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {w: i for i, w in enumerate(WORDS, start=3)}
-    vocab |= {"<user>": 90, "<bot>": 91}
+    return write_word_tokenizer(directory)
+
+
+def write_word_tokenizer(directory: Path, template: str = "{% for m in messages %}<user> {{ m.content }} "
+                                                          "{% endfor %}<bot>", words: list[str] = WORDS) -> Path:
+    """A word-level tokenizer (<unk> <s> </s>, then `words` from id 3, then <user> <bot>; split at whitespace) with
+    the chat `template`, saved in `directory`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {w: i for i, w in enumerate(words, start=3)}
+    vocab |= {"<user>": len(vocab), "<bot>": len(vocab) + 1}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
-    template = "{% for m in messages %}<user> {{ m.content }} {% endfor %}<bot>"
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "</s>"}))
     return directory
 

@@ -44,7 +44,6 @@ FOREIGN_FLAGS = {
     "--trust-remote-code": "not needed: fastspec runs its own code for each architecture, never a checkpoint's",
     "--random-seed": "seeds are per request: --seed (generate, chat), a request's seed (serve)",
     "--log-level": "fastspec has no log levels", "--log-level-http": "fastspec has no log levels",
-    **dict.fromkeys(("--tokenizer-path", "--tokenizer"), "fastspec uses the model's own tokenizer"),
     "--chat-template": "fastspec uses the model's own chat template",
     "--speculative-config": "use --speculative-algorithm, --speculative-draft-model-path, --speculative-num-steps, ...",
     "--speculative-model": "use --speculative-draft-model-path",

@@ -31,6 +31,7 @@ ENGINE_FLAGS = ("model", "load_format", "quantization", "dtype", "kv_cache_dtype
 class ModelOptions:
     model: Annotated[str, typer.Option("--model", "-m", "--model-path", help="Embedded model name, HF directory, .gguf file or Hugging Face hub id (org/name: from the hub cache, else downloaded unless HF_HUB_OFFLINE is set).")] = DEFAULT_MODEL
     revision: Annotated[Optional[str], typer.Option(help="Hub id --model: the branch, tag or commit (default main).")] = None
+    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", "--tokenizer-path", help="Use this tokenizer and chat template instead of the model's own: a directory with tokenizer.json, or a hub id.")] = None
     load_format: Annotated[str, typer.Option(help="auto | dummy (random weights built on the device from config.json alone, none read: for benchmarks).")] = "auto"
     quantization: Annotated[str, typer.Option(help="auto | gguf | fp8 | int8 | int4 | none | the checkpoint's method: how the weights are stored and multiplied (docs/cli.md).")] = "auto"
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16. auto: on the CPU float32, but a bfloat16 checkpoint stays bfloat16 where the CPU has AVX512-BF16 (and any 16-bit one where float32 would not fit in memory); on CUDA the checkpoint's 16-bit dtype, bfloat16 for a float32 checkpoint (SGLang documents float16 there).")] = "auto"
@@ -76,6 +77,7 @@ class ModelOptions:
         from fastspec.config import EngineConfig
         from fastspec.models.hub import check_model_spec
         from fastspec.spec_config import check_spec_flags
+        from fastspec.text.tokenizer import check_tokenizer_spec
 
         if self.disable_overlap_schedule and self.overlap_schedule == "on":
             raise FastspecError("--disable-overlap-schedule contradicts --overlap-schedule on: give one of them")
@@ -90,6 +92,8 @@ class ModelOptions:
                          token_map=self.speculative_token_map, draft_revision=self.speculative_draft_model_revision,
                          ngram=ngram)
         check_model_spec(self.model)
+        if self.tokenizer is not None:
+            check_tokenizer_spec(self.tokenizer)
         if self.speculative_draft_model_path is not None:
             check_model_spec(self.speculative_draft_model_path, "--speculative-draft-model-path")
         if self.speculative_token_map is not None and not Path(self.speculative_token_map).expanduser().is_file():
@@ -125,7 +129,7 @@ class ModelOptions:
                     accept_threshold_single=self.speculative_accept_threshold_single,
                     accept_threshold_acc=self.speculative_accept_threshold_acc,
                     token_map=self.speculative_token_map, ngram=ngram, revision=self.revision,
-                    draft_revision=self.speculative_draft_model_revision)
+                    draft_revision=self.speculative_draft_model_revision, tokenizer=self.tokenizer)
 
 
 def model_options(fn):

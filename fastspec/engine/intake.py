@@ -16,7 +16,7 @@ class Intake:
 
     def __init__(self, worker, page_size: int):
         self.worker, self.page_size = worker, page_size
-        self.grammars = GrammarCompiler(worker.model_dir, worker.model.config.vocab_size, worker.eos_ids)
+        self.grammars = GrammarCompiler(worker.sources.tokenizer_dir, worker.model.config.vocab_size, worker.eos_ids)
 
     def room_for(self, prompt_len: int) -> int:
         """The most new tokens a prompt of `prompt_len` tokens may ask for: what both the context and the KV pool

@@ -21,6 +21,7 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name: one slash, no 
 CONFIG_FILES = ["config.json"]
 MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # no .bin, .gguf, .onnx
 BIN_FILES = ["pytorch_model*.bin"]  # fetched only for a repo without safetensors (EAGLE heads published as .bin)
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"]
 
 
 def is_hub_id(spec: str) -> bool:
@@ -71,6 +72,31 @@ def fetch(repo_id: str, revision: str | None = None, config_only: bool = False) 
     if not (path / "config.json").is_file():
         raise FastspecError(f"{where} has no config.json: not a Hugging Face model")
     return path if config_only else _checked(path, where)
+
+
+def fetch_tokenizer(repo_id: str) -> Path:
+    """The local snapshot of `repo_id` (main) holding its tokenizer files (TOKENIZER_FILES; no config, no
+    weights): from the cache when it holds tokenizer.json, else downloaded unless HF_HUB_OFFLINE is set."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = _cached_snapshot(repo_id, None, TOKENIZER_FILES)
+    except Exception as e:  # not cached (huggingface_hub's errors differ across versions): download below
+        if not offline() and not _is_missing(e):
+            raise FastspecError(f"{repo_id}: {first_line(e, 200)}") from None
+        path = None
+    if path is None or not (path / "tokenizer.json").is_file():
+        if offline():
+            raise FastspecError(f"{repo_id}'s tokenizer.json is not in the Hugging Face cache {hub_cache()} and "
+                                "HF_HUB_OFFLINE is set (download it where the hub is reachable, or give a directory)")
+        try:
+            path = Path(snapshot_download(repo_id, cache_dir=hub_cache(), allow_patterns=TOKENIZER_FILES))
+        except Exception as e:
+            raise FastspecError(f"{repo_id}: not in the Hugging Face cache {hub_cache()}, and downloading its "
+                                f"tokenizer failed: {first_line(e, 200)}") from None
+    if not (path / "tokenizer.json").is_file():
+        raise FastspecError(f"{repo_id} has no tokenizer.json")
+    return path
 
 
 def cached_config(repo_id: str) -> Path | None:

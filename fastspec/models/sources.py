@@ -41,6 +41,7 @@ class ModelSources:
     eos_ids: frozenset[int]  # config.json's and generation_config.json's
     scheme: QuantScheme | None  # a quantised checkpoint's method and layout (None: float weights)
     quantization: str | None  # EngineConfig.quantization with `auto` decided (resolve_quantization)
+    tokenizer_dir: Path  # tokenizer.json's: the model's own directory, or the tokenizer named apart from it
     draft_dir: Path | None = None  # EAGLE / EAGLE3 / STANDALONE: the draft (an MTP draft: the target's own dir)
     draft_config: ModelConfig | None = None  # as read_draft_config reads it
     draft_scheme: QuantScheme | None = None  # a STANDALONE / MTP draft checkpoint's quantisation (None: float)
@@ -49,16 +50,22 @@ class ModelSources:
 
 def resolve_sources(model: str, algorithm: str | None, draft_model: str | None = None, *, revision: str | None = None,
                     draft_revision: str | None = None, quantization: str | None = "auto", device: str = "cpu",
-                    load_format: str = "auto") -> ModelSources:
+                    load_format: str = "auto", tokenizer: str | None = None) -> ModelSources:
     """`algorithm` as the user named it (NEXTN: EAGLE with the checkpoint's MTP layer). Hub ids are fetched (the
-    draft's config first, so a head that cannot fit is refused before its weights download)."""
+    draft's config first, so a head that cannot fit is refused before its weights download). `tokenizer`: one to
+    use instead of the model's own (fastspec.text.tokenizer.resolve_tokenizer_dir)."""
+    from fastspec.text.tokenizer import check_tokenizer_spec, resolve_tokenizer_dir
+
     named, algorithm, asked = algorithm, check_spec_flags(algorithm), quantization
+    if tokenizer is not None:
+        check_tokenizer_spec(tokenizer)  # (before the model is fetched or converted)
     model_dir = resolve_model_dir(model, revision)
     config = read_config(model_dir)
     check_target(config, model_dir)
     scheme = checkpoint_scheme(model_dir)
     quantization = resolve_quantization(quantization, model_dir, scheme, device, load_format, algorithm)
     check_int4_rounding(quantization, config, model_dir)
+    tokenizer_dir = model_dir if tokenizer is None else resolve_tokenizer_dir(tokenizer, config.vocab_size)
     draft_dir = draft_config = draft_scheme = None
     if algorithm in DRAFTED:
         draft = mtp_draft(str(model_dir), model_dir, config, named, draft_model)
@@ -71,7 +78,7 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
         draft_scheme = checkpoint_scheme(draft_dir) if stored else None
     keep_draft = draft_scheme is not None and asked is not None and load_format != "dummy"  # unless --quantization none
     return ModelSources(model_dir, config, generation_eos_ids(model_dir, config.eos_token_ids), scheme, quantization,
-                        draft_dir, draft_config, draft_scheme, "auto" if keep_draft else None)
+                        tokenizer_dir, draft_dir, draft_config, draft_scheme, "auto" if keep_draft else None)
 
 
 def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_dir: Path,

@@ -37,8 +37,8 @@ def grammar_kind(params) -> str | None:
 class GrammarCompiler:
     """Builds each request's matcher for one model: the tokenizer's token bytes are read once, on first use."""
 
-    def __init__(self, model_dir: Path, vocab_size: int, eos_ids):
-        self.model_dir, self.vocab_size, self.eos_ids = Path(model_dir), vocab_size, sorted(eos_ids)
+    def __init__(self, tokenizer_dir: Path, vocab_size: int, eos_ids):
+        self.tokenizer_dir, self.vocab_size, self.eos_ids = Path(tokenizer_dir), vocab_size, sorted(eos_ids)
         self._lock = threading.Lock()
         self._tokenizer: Future | None = None  # llguidance's tokenizer, or the FastspecError it could not be built with
 
@@ -71,7 +71,7 @@ class GrammarCompiler:
         import llguidance
         from tokenizers import Tokenizer
 
-        path = self.model_dir / "tokenizer.json"
+        path = self.tokenizer_dir / "tokenizer.json"
         if not path.is_file():
             raise FastspecError(f"structured output needs the model's tokenizer ({path} does not exist)")
         try:
