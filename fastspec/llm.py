@@ -108,8 +108,9 @@ class LLM:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return self.encode_chat([{"role": "user", "content": prompt}])
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return self.tokenizer.encode_chat(messages, tools)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool | None = None, continue_final_message: bool = False) -> list[int]:
+        return self.tokenizer.encode_chat(messages, tools, add_generation_prompt, continue_final_message)
 
     def generate(self, prompts: str | list[str] | list[list[int]] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False,
@@ -137,9 +138,12 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]] | None = None,
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             tools: list[dict] | None = None, **foreign) -> list[Completion]:
+             tools: list[dict] | None = None, add_generation_prompt: bool | None = None,
+             continue_final_message: bool = False, **foreign) -> list[Completion]:
         """One conversation (a list of {"role": ..., "content": ...} messages) or a list of them, each through the
-        model's chat template (`tools`: OpenAI-style function dicts for it); one Completion per conversation."""
+        model's chat template (`tools`: OpenAI-style function dicts for it); one Completion per conversation.
+        `continue_final_message`: the model continues the last message (an assistant's answer begun) instead of
+        answering it in a new one (see Tokenizer.apply_chat_template)."""
         check_call_keywords(self.chat, foreign)
         if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
             messages = [messages]
@@ -147,7 +151,8 @@ class LLM:
                 isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in messages):
             raise FastspecError("messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such "
                                 "conversations")
-        return self.generate([self.encode_chat(list(c), tools) for c in messages], sampling_params)
+        return self.generate([self.encode_chat(list(c), tools, add_generation_prompt, continue_final_message)
+                              for c in messages], sampling_params)
 
     def stream(self, prompts=None, sampling_params=None, chat: bool = False, **foreign) -> Iterator[list[TextDelta]]:
         """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
@@ -256,17 +261,13 @@ def check_options(options: dict) -> None:
         raise FastspecError(f"LLM has no option {key!r}; {hint}")
 
 
-_TEMPLATED = ("for another prompt, template it yourself (text = llm.tokenizer.apply_chat_template(messages, "
-              "add_generation_prompt=False)) and give LLM.generate its ids (llm.tokenizer.encode(text, "
-              "add_special_tokens=False): the template holds the special tokens)")
 # keywords of vLLM's LLM.generate / chat and SGLang's Engine.generate that fastspec's take otherwise or not at all
 FOREIGN_KEYWORDS = {
     "use_tqdm": "fastspec shows no progress bar: leave it out", "lora_request": "fastspec serves no LoRA adapters",
     "prompt": "use prompts (a string or a list of them)", "input_ids": "pass token-id lists as the prompts",
     "prompt_token_ids": "pass token-id lists as the prompts", "stream": "use LLM.stream",
     "return_logprob": "use SamplingParams(logprobs=...)",
-    "chat_template": "fastspec uses the model's own chat template",
-    "add_generation_prompt": f"LLM.chat always adds it; {_TEMPLATED}", "continue_final_message": _TEMPLATED}
+    "chat_template": "fastspec uses the model's own chat template"}
 # methods of vLLM's LLM and SGLang's Engine that fastspec.LLM spells otherwise or does not have
 FOREIGN_METHODS = {
     "get_tokenizer": "use llm.tokenizer (or llm.encode / llm.decode)", "llm_engine": "the engine is llm.engine",

@@ -100,8 +100,8 @@ def test_other_projects_names_are_answered_in_one_line(llm):
         llm.generate(prompt_token_ids=PROMPTS)
     with pytest.raises(FastspecError, match="generate has no keyword 'prompt'; use prompts"):
         llm.generate(prompt="w3 w4", sampling_params=PARAMS)
-    with pytest.raises(FastspecError, match="chat has no keyword 'continue_final_message'; for another prompt"):
-        llm.chat([{"role": "user", "content": "w3"}], PARAMS, continue_final_message=True)
+    with pytest.raises(FastspecError, match="chat has no keyword 'chat_template'; fastspec uses the model's own"):
+        llm.chat([{"role": "user", "content": "w3"}], PARAMS, chat_template="{{ messages }}")
     for prompts in ([{"prompt_token_ids": [3, 4]}], {"prompt": "w3 w4"}):
         with pytest.raises(FastspecError, match=r"token-id lists \(not vLLM's \{'prompt': text\}"):
             llm.generate(prompts, PARAMS)

@@ -1,5 +1,6 @@
 """fastspec.LLM's inputs as a vLLM user gives them: token ids streamed from a checkpoint without a tokenizer, prompts
-as numpy / torch arrays, and a tokenizer given apart from the model (LLM(tokenizer=...), --tokenizer)."""
+as numpy / torch arrays, a tokenizer given apart from the model (LLM(tokenizer=...), --tokenizer), and a chat's
+last message continued (continue_final_message, in LLM.chat and serve)."""
 
 import json
 import re
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from fake_hub import add_snapshot, commit_id
+from serve_helpers import raw, start_server
 from tiny_models import make_hf_model, write_word_tokenizer
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
@@ -16,6 +18,7 @@ import fastspec
 from fastspec import SamplingParams
 from fastspec.cli import app
 from fastspec.errors import FastspecError
+from fastspec.text.tokenizer import Tokenizer as FastTokenizer
 from fastspec.text.tokenizer import resolve_tokenizer_dir
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -149,3 +152,75 @@ def test_the_cli_takes_a_tokenizer(bare_dir, words_dir, words_llm):
     refused = CliRunner().invoke(app, [*args, "--tokenizer", str(bare_dir / "nope")])
     assert refused.exit_code != 0 and "is neither a directory nor a Hugging Face hub id" in refused.output
 
+
+CONVERSATIONS = [[{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5 w6"}],
+                 [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w5 w6 "}],  # (seen before)
+                 [{"role": "user", "content": "w7"}]]
+
+
+def transformers_template(directory, template: str, messages: list[dict], **kwargs) -> str:
+    from transformers import PreTrainedTokenizerFast
+
+    theirs = PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"), chat_template=template)
+    return theirs.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def test_chat_continues_the_final_message_as_transformers_templates_it(bare_llm, words_llm, words_dir, tmp_path):
+    """continue_final_message (vLLM's LLM.chat keyword): the prompt is transformers' apply_chat_template(...,
+    continue_final_message=True) text, which ends inside the last message (no end of turn, no new turn), also where
+    that text appeared before and where the template trims it; the answer is the model's for those ids.
+    add_generation_prompt=False alone ends after the last turn. Both at once, or a template that does not show the
+    content, are one-line refusals; the caller's messages are left as they were."""
+    theirs = Tokenizer.from_file(str(words_dir / "tokenizer.json"))
+    for messages in CONVERSATIONS:
+        text = transformers_template(words_dir, TEMPLATE, messages, continue_final_message=True,
+                                     add_generation_prompt=False)
+        assert words_llm.tokenizer.apply_chat_template(messages, continue_final_message=True) == text
+        ids = theirs.encode(text, add_special_tokens=False).ids
+        for kwargs in ({}, {"add_generation_prompt": False}):
+            got = words_llm.chat(messages, PARAMS, continue_final_message=True, **kwargs)[0]
+            assert got.prompt_ids == ids and got.output_ids == bare_llm.generate([ids], PARAMS)[0].output_ids
+        ended = transformers_template(words_dir, TEMPLATE, messages, add_generation_prompt=False)
+        assert words_llm.encode_chat(messages, add_generation_prompt=False) == theirs.encode(
+            ended, add_special_tokens=False).ids
+    assert words_llm.encode_chat(CONVERSATIONS[0])[-1] == 91  # (by default: a new assistant turn, <bot>)
+    trimmed = "{% for m in messages %}<user> {{ m.content | trim }}</s>{% endfor %}"
+    directory = write_word_tokenizer(tmp_path / "trimmed", template=trimmed)
+    assert (FastTokenizer(directory).apply_chat_template(CONVERSATIONS[1], continue_final_message=True)
+            == transformers_template(directory, trimmed, CONVERSATIONS[1], continue_final_message=True,
+                                     add_generation_prompt=False) == "<user> w5 w6</s><user> w5 w6")
+    original = [dict(m) for m in CONVERSATIONS[0]]
+    with pytest.raises(FastspecError, match="^continue_final_message continues the last message, "
+                                            "add_generation_prompt starts a new one: give add_generation_prompt=False"):
+        words_llm.chat(CONVERSATIONS[0], PARAMS, continue_final_message=True, add_generation_prompt=True)
+    hidden = write_word_tokenizer(tmp_path / "hidden", template="{% for m in messages %}<user>{% endfor %}")
+    with pytest.raises(FastspecError, match="^continue_final_message: the chat template does not show the last "):
+        FastTokenizer(hidden).apply_chat_template(CONVERSATIONS[0], continue_final_message=True)
+    assert CONVERSATIONS[0] == original
+
+
+def test_serve_takes_continue_final_message(words_llm):
+    """vLLM's chat-completion extras continue_final_message and add_generation_prompt: the answer is LLM.chat's
+    continuation of the last message; a wrong type or both set is a 400 naming them."""
+    expected = words_llm.chat(CONVERSATIONS[0], PARAMS, continue_final_message=True)[0]
+    # (serve's text is detokenized as it streams, after the prompt's last words: here " w.." for "w..")
+    streamed = "".join(d.text for step in words_llm.stream([expected.prompt_ids], PARAMS) for d in step)
+    assert streamed.strip() == expected.text
+    server, thread, service, url, _ = start_server(words_llm, "words", max_queued=8)
+    try:
+        body = {"messages": CONVERSATIONS[0], "max_tokens": 8, "ignore_eos": True, "temperature": 0}
+        continued = {"continue_final_message": True}
+        for extra in (continued, continued | {"add_generation_prompt": False}):
+            status, data = raw(url, "POST", "/v1/chat/completions", json.dumps(body | extra).encode())
+            assert status == 200, data
+            assert data["choices"][0]["message"]["content"] == streamed
+            assert data["usage"]["prompt_tokens"] == len(expected.prompt_ids)
+        for extra, message in (({"continue_final_message": "yes"}, "continue_final_message must be of type bool"),
+                               ({"continue_final_message": True, "add_generation_prompt": True},
+                                "continue_final_message continues the last message, add_generation_prompt starts")):
+            status, data = raw(url, "POST", "/v1/chat/completions", json.dumps(body | extra).encode())
+            assert status == 400 and data["error"]["message"].startswith(message), data
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        service.stop()

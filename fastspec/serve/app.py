@@ -163,7 +163,8 @@ def _encode(service: EngineService, parsed: ParsedRequest) -> list[list[int]]:
     try:
         if parsed.chat:
             offered = parsed.tools is not None and parsed.tools.choice != "none"
-            return [service.llm.encode_chat(parsed.messages, list(parsed.tools.functions) if offered else None)]
+            return [service.llm.encode_chat(parsed.messages, list(parsed.tools.functions) if offered else None,
+                                            parsed.add_generation_prompt, parsed.continue_final_message)]
         return [p if isinstance(p, list) else service.llm.encode(p) for p in parsed.prompts]
     except FastspecError as e:
         raise APIError(str(e)) from None

@@ -4,7 +4,8 @@ response and stream-chunk objects: fastspec.serve.responses).
 Owns: which fields each endpoint takes (an unknown one is a 400, as OpenAI answers), their types and ranges,
 OpenAI's defaults (temperature 1, completions max_tokens 16), the error object. Does not own: running
 requests (service.py), HTTP (app.py) or the messages' keys (messages.py). Extra fields SGLang and vLLM accept ride
-along: top_k, min_p, repetition_penalty, ignore_eos, regex, ebnf.
+along: top_k, min_p, repetition_penalty, ignore_eos, regex, ebnf; chat's add_generation_prompt and
+continue_final_message (the answer continues the last message: Tokenizer.apply_chat_template).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ PLATFORM_FIELDS = {"metadata": dict, "store": bool, "service_tier": str, "prompt
 # and its reasoning models' hints (effort, verbosity, a predicted output): no part of this model's answer,
 # type-checked and unused, as vLLM and SGLang take them. modalities: text only; web_search_options: refused
 CHAT_FIELDS = COMMON | set(PLATFORM_FIELDS) | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                               "tool_choice", "parallel_tool_calls", "web_search_options"}
+                                               "tool_choice", "parallel_tool_calls", "web_search_options",
+                                               "add_generation_prompt", "continue_final_message"}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 MAX_CHOICES = 16  # n: each choice is a request of its own in the running batch
 MAX_REQUESTS = 256  # completions: a request's prompts x n (each a request of its own)
@@ -50,6 +52,8 @@ class ParsedRequest:
     tools: Tools | None = None  # chat: the tools the answer may call (fastspec.serve.tools)
     echo: bool = False  # completions: each choice's text (and logprobs) start with its prompt's
     prompt_only: bool = False  # completions: max_tokens 0 with echo: the prompt scored, nothing generated
+    add_generation_prompt: bool | None = None  # chat: as given (None: unless continue_final_message)
+    continue_final_message: bool = False  # chat: the answer continues the last message
 
     def choice_params(self, params: SamplingParams) -> list[SamplingParams]:
         """Each choice's parameters: with a seed, choice i's is seed + i (reproducible and not all the same)."""
@@ -141,7 +145,9 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         field = message.split(" must ")[0].replace("-", "_").replace(" ", "_")  # ("top-p must be in ...": top_p)
         raise APIError(message, param=field if field in body else None) from None
     return ParsedRequest(chat, messages, prompts, params, _get(body, "stream", bool, False), include_usage,
-                         want_logprobs, length_field, n, tools, echo, prompt_only)
+                         want_logprobs, length_field, n, tools, echo, prompt_only,
+                         _get(body, "add_generation_prompt", bool, None) if chat else None,
+                         chat and _get(body, "continue_final_message", bool, False))
 
 
 def _max_tokens(body: dict, echo: bool) -> tuple[int | None, str | None, bool]:

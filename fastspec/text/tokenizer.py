@@ -59,24 +59,36 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """`tools`: OpenAI-style function dicts, passed to the template as transformers passes them."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool | None = None,
+                            tools: list[dict] | None = None, continue_final_message: bool = False) -> str:
+        """`tools`: OpenAI-style function dicts, passed to the template as transformers passes them.
+        `continue_final_message`: the text ends inside the last message, right after its content (no end of turn),
+        for the model to continue it (transformers' and vLLM's flag); `add_generation_prompt` (None: unless
+        continuing) opens a new assistant turn instead, so both at once are refused."""
         if not self.chat_template:
             raise FastspecError("the model's tokenizer has no chat template")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        if continue_final_message:
+            if add_generation_prompt:
+                raise FastspecError("continue_final_message continues the last message, add_generation_prompt starts "
+                                    "a new one: give add_generation_prompt=False")
+            messages = _marked_final_message(messages)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                          **({} if tools is None else {"tools": tools}))
         except Exception as e:  # template errors are the model author's or the user's input, not ours
             raise FastspecError(f"chat template failed: {e}") from None
+        return _cut_at_mark(text) if continue_final_message else text
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool | None = None, continue_final_message: bool = False) -> list[int]:
         """The rendered template's tokens as transformers' apply_chat_template gives them (no bos / eos of the
         tokenizer's own); a converted GGUF's (CHAT_SPECIAL_TOKENS) as llama.cpp frames a chat prompt: the tokenizer's
         bos / eos added where it adds them to any text, a bos / eos the template writes at that end dropped (one,
         not two)."""
-        text = self.apply_chat_template(messages, tools=tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message)
         if not self.config.get(CHAT_SPECIAL_TOKENS):
             return self.encode(text, add_special_tokens=False)
         if self.config.get("add_bos_token") and self.bos_token and text.startswith(self.bos_token):
@@ -124,6 +136,28 @@ def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
         raise FastspecError(f"tokenizer {spec} does not fit the model: it has token ids up to {largest}, the model's "
                             f"vocabulary {vocab_size}")
     return directory
+
+
+# appended to the message to continue: where it lands in the rendered text is where that message's content ends
+# (its trailing space is gone where the template trims the content: then so is the content's own trailing space)
+CONTINUE_MARK = "<fastspec-continue-here> "
+
+
+def _marked_final_message(messages: list[dict]) -> list[dict]:
+    """`messages` with CONTINUE_MARK after the last message's text (a copy: the caller's are left as they were)."""
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict) or not isinstance(last.get("content"), str):
+        raise FastspecError("continue_final_message needs a last message whose content is text")
+    return [*messages[:-1], {**last, "content": last["content"] + CONTINUE_MARK}]
+
+
+def _cut_at_mark(text: str) -> str:
+    """The rendered `text` up to the mark: the last message's content, without what the template writes after it."""
+    at = text.rfind(CONTINUE_MARK.strip())
+    if at < 0:
+        raise FastspecError("continue_final_message: the chat template does not show the last message's content, "
+                            "so there is nothing to continue")
+    return text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
 
 
 def _read_json(path: Path) -> dict:
