@@ -19,7 +19,7 @@ from fastspec import SamplingParams
 from fastspec.cli import app
 from fastspec.errors import FastspecError
 from fastspec.text.tokenizer import Tokenizer as FastTokenizer
-from fastspec.text.tokenizer import resolve_tokenizer_dir
+from fastspec.models.hub import resolve_tokenizer_dir
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
 PROMPTS = [[3, 4, 5, 6], [7, 8, 9, 10]]

@@ -75,9 +75,8 @@ class ModelOptions:
         """Every check these flags allow without reading a model, a tuned file or a checkpoint, so that bad
         input fails first, in one line, whatever the cache holds."""
         from fastspec.config import EngineConfig
-        from fastspec.models.hub import check_model_spec
+        from fastspec.models.hub import check_model_spec, check_tokenizer_spec
         from fastspec.spec_config import check_spec_flags
-        from fastspec.text.tokenizer import check_tokenizer_spec
 
         if self.disable_overlap_schedule and self.overlap_schedule == "on":
             raise FastspecError("--disable-overlap-schedule contradicts --overlap-schedule on: give one of them")

@@ -32,7 +32,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_q4.h", "cpu_rows.h", "cpu_vec.h"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC")
 THREADS = (("-fopenmp",), ("-fopenmp-simd",))  # OpenMP threads, else (a compiler without it) the calling thread
-COMPILE_SECONDS = 900  # a command's limit, for a hung compiler: a busy 2-core machine takes minutes over one file
+COMPILE_SECONDS = 900  # a command's limit, for a hung compiler: a busy machine takes minutes over one file
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SIGNATURES = {  # name -> (argument types, result type)
     "add_rms_norm": ((_P, _P, _C, _P, _F, _I, _I, _P, _P, _C), None),

@@ -173,3 +173,32 @@ def check_model_spec(spec: str, flag: str = "model", head: bool = False) -> None
         raise FastspecError(f"{flag} {spec} is a file, not a model directory ({kinds}a directory with config.json)")
     if not (path / "config.json").is_file():
         raise FastspecError(f"{flag} directory {spec} has no config.json")
+
+
+def check_tokenizer_spec(spec: str) -> None:
+    """Refuse a tokenizer (given apart from the model) that names nothing, before anything is read: it is a hub id
+    (looked up when resolved) or a directory holding tokenizer.json."""
+    path = Path(spec).expanduser()
+    if not is_hub_id(spec) and not (path / "tokenizer.json").is_file():
+        what = "has no tokenizer.json" if path.is_dir() else "is neither a directory nor a Hugging Face hub id"
+        raise FastspecError(f"tokenizer {spec} {what}")
+
+
+def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
+    """The directory of a tokenizer given apart from the model (vLLM's `tokenizer`, for a checkpoint shipped
+    without one): a local directory, or a hub id's tokenizer files (fetch_tokenizer). Its ids must fit the model's
+    `vocab_size` embedding rows: a larger one is refused (its tokens would index past them)."""
+    from tokenizers import Tokenizer
+
+    check_tokenizer_spec(spec)
+    directory = fetch_tokenizer(spec) if is_hub_id(spec) else Path(spec).expanduser()
+    path = directory / "tokenizer.json"
+    try:
+        ids = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()
+    except Exception as e:
+        raise FastspecError(f"{path}: cannot load the tokenizer ({first_line(e, None)})") from None
+    largest = max(ids, default=-1)
+    if largest >= vocab_size:
+        raise FastspecError(f"tokenizer {spec} does not fit the model: it has token ids up to {largest}, the model's "
+                            f"vocabulary {vocab_size}")
+    return directory

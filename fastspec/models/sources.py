@@ -53,19 +53,17 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
                     load_format: str = "auto", tokenizer: str | None = None) -> ModelSources:
     """`algorithm` as the user named it (NEXTN: EAGLE with the checkpoint's MTP layer). Hub ids are fetched (the
     draft's config first, so a head that cannot fit is refused before its weights download). `tokenizer`: one to
-    use instead of the model's own (fastspec.text.tokenizer.resolve_tokenizer_dir)."""
-    from fastspec.text.tokenizer import check_tokenizer_spec, resolve_tokenizer_dir
-
+    use instead of the model's own (hub.resolve_tokenizer_dir)."""
     named, algorithm, asked = algorithm, check_spec_flags(algorithm), quantization
     if tokenizer is not None:
-        check_tokenizer_spec(tokenizer)  # (before the model is fetched or converted)
+        hub.check_tokenizer_spec(tokenizer)  # (before the model is fetched or converted)
     model_dir = resolve_model_dir(model, revision)
     config = read_config(model_dir)
     check_target(config, model_dir)
     scheme = checkpoint_scheme(model_dir)
     quantization = resolve_quantization(quantization, model_dir, scheme, device, load_format, algorithm)
     check_int4_rounding(quantization, config, model_dir)
-    tokenizer_dir = model_dir if tokenizer is None else resolve_tokenizer_dir(tokenizer, config.vocab_size)
+    tokenizer_dir = model_dir if tokenizer is None else hub.resolve_tokenizer_dir(tokenizer, config.vocab_size)
     draft_dir = draft_config = draft_scheme = None
     if algorithm in DRAFTED:
         draft = mtp_draft(str(model_dir), model_dir, config, named, draft_model)

@@ -39,11 +39,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def max_id(self) -> int:
-        """The largest id the tokenizer can give (added tokens too): a model's vocabulary must hold it."""
-        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch lets go of the GIL while it runs (encode holds it): a long prompt being tokenized does not
         # stop the process's other threads (a server's engine steps and its other clients' streams)
@@ -110,32 +105,6 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
-
-
-def check_tokenizer_spec(spec: str) -> None:
-    """Refuse a tokenizer (given apart from the model) that names nothing, before anything is read: it is a hub id
-    (looked up when resolved) or a directory holding tokenizer.json."""
-    from fastspec.models.hub import is_hub_id
-
-    path = Path(spec).expanduser()
-    if not is_hub_id(spec) and not (path / "tokenizer.json").is_file():
-        what = "has no tokenizer.json" if path.is_dir() else "is neither a directory nor a Hugging Face hub id"
-        raise FastspecError(f"tokenizer {spec} {what}")
-
-
-def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
-    """The directory of a tokenizer given apart from the model (vLLM's `tokenizer`, for a checkpoint shipped
-    without one): a local directory, or a hub id's tokenizer files (fastspec.models.hub.fetch_tokenizer). Its ids
-    must fit the model's `vocab_size` embedding rows: a larger one is refused (its tokens would index past them)."""
-    from fastspec.models import hub
-
-    check_tokenizer_spec(spec)
-    directory = hub.fetch_tokenizer(spec) if hub.is_hub_id(spec) else Path(spec).expanduser()
-    largest = Tokenizer(directory).max_id
-    if largest >= vocab_size:
-        raise FastspecError(f"tokenizer {spec} does not fit the model: it has token ids up to {largest}, the model's "
-                            f"vocabulary {vocab_size}")
-    return directory
 
 
 # appended to the message to continue: where it lands in the rendered text is where that message's content ends
