@@ -140,6 +140,22 @@ def test_an_answer_ended_at_once_without_chat_says_why(monkeypatch, chat):
     assert ("--chat applies its chat template" in result.stderr) != chat
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("sampling, flags", [
+    ([], ["--speculative-accept-threshold-acc", "0.5"]),
+    (["--temperature", "0.7", "--top-k", "1"], ["--speculative-accept-threshold-single", "0.3",
+                                                "--speculative-accept-threshold-acc", "0.5"])])
+def test_lossy_thresholds_are_refused_where_decoding_is_greedy(command, sampling, flags):
+    """Greedy acceptance (temperature 0, or top-k 1) is exact whatever the thresholds: generate and chat ran as if
+    they were not given, where bench and tune refuse them."""
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    result = CliRunner().invoke(app, [command, *prompt, *sampling, *flags], input="hi\n")
+    named = ", ".join(flag for flag in flags if flag.startswith("--"))
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert (f"{named} {'are' if ', ' in named else 'is'} not used: fastspec {command} decodes greedily here "
+            "(--temperature 0 or --top-k 1), where acceptance is exact whatever the thresholds") in result.stderr
+
+
 def test_missing_model_directory_files(tmp_path):
     result = CliRunner().invoke(app, ["generate", "--model", str(tmp_path), "--prompt", "hi"])
     assert result.exit_code == 2 and "has no config.json" in result.stderr

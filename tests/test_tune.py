@@ -132,7 +132,11 @@ def test_tune_end_to_end_on_the_tiny_target(chat_target, head, tmp_path, monkeyp
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 8, got 0"),
     (["--speculative-num-steps", "2"], "--speculative-num-steps: fastspec tune chooses the tree shapes itself; drop"),
     (["--speculative-accept-threshold-single", "0.5"],  # (greedy acceptance never reads it; the file would not say)
-     "--speculative-accept-threshold-single: fastspec tune measures greedy decoding"),
+     "--speculative-accept-threshold-single is not used: fastspec tune measures greedy decoding"),
+    (["--speculative-fallback"], "--speculative-fallback: fastspec tune measures with it off (it times each tree"),
+    (["--radix-cache"], "--radix-cache: fastspec tune measures with it off (its runs repeat the same prompts"),
+    (["--batch-sizes", "1,4", "--max-running-requests", "2"],
+     "--max-running-requests 2 is below the largest --batch-sizes, 4: tune runs batches of each size"),
     (["--emit", "sglang", "--from-tuned", "--speculative-eagle-topk", "1"],
      "--speculative-eagle-topk: fastspec tune chooses the tree shapes itself (--from-tuned: the tuned file's)")])
 def test_each_bad_tune_flag_is_named_in_one_line(flags, message):

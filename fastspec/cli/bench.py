@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import Notes, parse_ids, prepare_progress, stdout_refusals
+from fastspec.cli.common import Notes, parse_ids, prepare_progress, refuse_lossy_thresholds, stdout_refusals
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -48,9 +48,7 @@ def bench(
     if url is None:  # a flag this run would ignore is refused, as --url refuses a local model's
         _refuse_set("for --url (a running server); without it a model is loaded here", request_rate=request_rate,
                     max_concurrency=max_concurrency)
-        _refuse_set("not used: fastspec bench decodes greedily, where acceptance is exact whatever the thresholds",
-                    options, speculative_accept_threshold_single=options.speculative_accept_threshold_single,
-                    speculative_accept_threshold_acc=options.speculative_accept_threshold_acc)
+        refuse_lossy_thresholds(options, "fastspec bench decodes greedily")
     if url is None and profile:
         _refuse_set("not used by --profile (it times 16-token runs of the first prompt, the fastest of 3)",
                     max_new_tokens=max_new_tokens, num_prompts=num_prompts, trials=trials, warmup=warmup)
@@ -90,7 +88,8 @@ def bench(
     run = spec.engine.spec  # a tuned schedule: the maxima of its shapes; each result names the shape it ran
     config = {"model": options.model, "algorithm": _algorithm(spec, options), "num_steps": run.num_steps,
               "topk": run.topk, "num_draft_tokens": run.num_draft_tokens, "tuned": spec.tuned_schedule is not None,
-              "dtype": spec.engine.config.dtype, "max_new_tokens": max_new_tokens, "num_prompts": len(ids),
+              "dtype": spec.engine.config.dtype, "max_new_tokens": max_new_tokens,
+              "num_prompts": len(ids),  # the prompts given; each result's `requests`: those it ran, cycled
               "trials": trials, "graphs": spec.engine.config.graph_mode}
     measured = json.dumps({"config": config, "results": [r.as_dict() for r in results]})
     with stdout_refusals(lambda: measured):  # (a full disk: the figures on stderr's one line)

@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fastspec.cli.common import stdout_refusals, stop_on_ctrl_c
+from fastspec.cli.common import refuse_lossy_thresholds, stdout_refusals, stop_on_ctrl_c
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -35,6 +35,8 @@ def chat(
     from fastspec.utils.cache import cache_root
 
     params = sampling_params(temperature, top_k, top_p, seed, max_new_tokens)
+    if params.greedy:
+        refuse_lossy_thresholds(options, "fastspec chat decodes greedily here (--temperature 0 or --top-k 1)")
     notes = Notes()
     kwargs = options.llm_kwargs()
     kwargs["cuda_graph_bs"] = kwargs["cuda_graph_bs"] or (1,)  # a chat runs one request: its graphs, before the prompt

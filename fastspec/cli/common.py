@@ -97,6 +97,26 @@ def prepare_progress():
     return lambda name, bs: console.print(f"[dim]preparing graph {name}: batch bucket {bs}[/dim]")
 
 
+def given(context: typer.Context, name: str) -> bool:
+    """Whether the command line (or an environment variable) set the parameter `name` of the command `context`
+    runs, also to its default value: `--radix-cache` typed is given, left out is not."""
+    source = context.get_parameter_source(name)  # (typer may carry its own click: its enum, compared by name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def refuse_lossy_thresholds(options, why: str) -> None:
+    """One line naming the lossy acceptance thresholds set (ModelOptions `options`) where the command decodes
+    greedily: `why` says so (greedy acceptance is exact whatever the thresholds, so they would change nothing)."""
+    flags = [flag for flag, value in (("--speculative-accept-threshold-single",
+                                       options.speculative_accept_threshold_single),
+                                      ("--speculative-accept-threshold-acc", options.speculative_accept_threshold_acc))
+             if value != 1.0]
+    if flags:
+        verb = "are" if len(flags) > 1 else "is"
+        raise FastspecError(f"{', '.join(flags)} {verb} not used: {why}, where acceptance is exact whatever the "
+                            "thresholds")
+
+
 def parse_ids(text: str, flag: str = "--input-ids") -> list[int]:
     """"1, 4,8" -> [1, 4, 8]; an empty list or an empty entry ("1,,2", "1,2,") is a one-line error."""
     items = text.replace(" ", "").split(",")

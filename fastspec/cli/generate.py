@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import (Notes, parse_bias, parse_token_ids, prepare_progress, stdout_refusals,
-                                 stop_on_ctrl_c)
+from fastspec.cli.common import (Notes, parse_bias, parse_token_ids, prepare_progress, refuse_lossy_thresholds,
+                                 stdout_refusals, stop_on_ctrl_c)
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -42,6 +42,8 @@ def generate(
     from fastspec.llm import LLM
 
     params = sampling_params(**locals())
+    if params.greedy:
+        refuse_lossy_thresholds(options, "fastspec generate decodes greedily here (--temperature 0 or --top-k 1)")
     prompts = [parse_token_ids(input_ids)] if input_ids is not None else list(prompt)
     notes = Notes()
     kwargs = options.llm_kwargs()

@@ -8,12 +8,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import stdout_refusals
+from fastspec.cli.common import refuse_lossy_thresholds, stdout_refusals
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
 
 def tune(
+    context: typer.Context,
     options: ModelOptions,
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes to tune, e.g. 1,4,8.")] = "1,4,8",
     budget: Annotated[float, typer.Option(help="Seconds for the whole tuning (the end-to-end stage shrinks).")]
@@ -28,7 +29,8 @@ def tune(
     plot: Annotated[Optional[Path], typer.Option(help="PNG of tok/s vs batch size (default: next to the file).")]
     = None,
 ):
-    """Choose (num_steps, topk, num_draft_tokens) per batch size from replayed acceptance and measured costs."""
+    """Choose (num_steps, topk, num_draft_tokens) per batch size from replayed acceptance and measured costs
+    (measured without the speculative fallback and the prefix cache)."""
     from rich.console import Console
 
     from fastspec.cli.common import parse_ids, prepare_progress
@@ -51,15 +53,11 @@ def tune(
     if given:
         raise FastspecError(f"{given[0]}: fastspec tune chooses the tree shapes itself"
                             + (" (--from-tuned: the tuned file's)" if from_tuned else "") + "; drop it")
-    lossy = [flag for flag, value in (("--speculative-accept-threshold-single",
-                                       options.speculative_accept_threshold_single),
-                                      ("--speculative-accept-threshold-acc", options.speculative_accept_threshold_acc))
-             if value != 1.0]
-    if lossy:  # (the tuned file would not record them either: chat would use the shapes tuned under them)
-        raise FastspecError(f"{lossy[0]}: fastspec tune measures greedy decoding, where acceptance is exact whatever "
-                            "the thresholds; drop it")
+    # (the tuned file would not record them either: chat would use the shapes tuned under them)
+    refuse_lossy_thresholds(options, "fastspec tune measures greedy decoding")
     sizes = tuple(parse_ids(batch_sizes, "--batch-sizes"))
     check_sizes(batch_sizes, sizes, num_prompts, max_new_tokens, budget)
+    running = engine_flags(context, options, sizes)
     if plot is not None and not plot.parent.is_dir():
         raise FastspecError(f"--plot {plot}: no such directory {plot.parent}")
     algorithm, draft = default_speculation(options.model, options.speculative_algorithm,
@@ -92,7 +90,7 @@ def tune(
     kwargs = options.llm_kwargs() | dict(speculative_algorithm=algorithm, draft_model=draft, tuned=False,
                                          num_steps=cfg.max_steps, topk=max(cfg.topks),
                                          num_draft_tokens=cfg.max_draft_tokens, speculative_fallback=False,
-                                         radix_cache=False, max_running_requests=max(max(sizes), 2))
+                                         radix_cache=False, max_running_requests=running)
     llm = LLM(**kwargs, on_prepare=prepare_progress())
     model_dir, draft_dir, config = llm.sources.model_dir, llm.sources.draft_dir, llm.engine.config
     # the label the engine was built with (resolving --dtype auto again, after loading, could read less free memory)
@@ -127,6 +125,28 @@ def check_sizes(batch_sizes: str, sizes: tuple[int, ...], num_prompts: int, max_
         raise FastspecError(f"--max-new-tokens must be >= 8, got {max_new_tokens}")
     if not budget > 0:
         raise FastspecError(f"--budget must be > 0, got {budget:g}")
+
+
+FIXED_OFF = {  # the engine flags tune runs with off, and why: typed on (`--radix-cache`) they are refused
+    "speculative_fallback": "it times each tree shape and plain decoding itself, and the fallback would switch the "
+                            "shape being timed",
+    "radix_cache": "its runs repeat the same prompts, and cached prefills would be timed as free"}
+
+
+def engine_flags(context: typer.Context, options: ModelOptions, sizes: tuple[int, ...]) -> int:
+    """The engine's max_running_requests for tuning `sizes`: --max-running-requests when given (at least the largest
+    batch size, or one line), else the largest (2 at least). A flag of FIXED_OFF typed on is refused in one line."""
+    from fastspec.cli.common import given
+
+    for name, why in FIXED_OFF.items():
+        if getattr(options, name) and given(context, name):
+            raise FastspecError(f"--{name.replace('_', '-')}: fastspec tune measures with it off ({why}); drop it")
+    if not given(context, "max_running_requests"):
+        return max(max(sizes), 2)
+    if options.max_running_requests < max(sizes):
+        raise FastspecError(f"--max-running-requests {options.max_running_requests} is below the largest "
+                            f"--batch-sizes, {max(sizes)}: tune runs batches of each size")
+    return options.max_running_requests
 
 
 def tuned_location(sources, dtype: str | None, kv_cache_dtype: str, device: str) -> tuple[Path, str]:
