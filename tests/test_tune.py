@@ -112,6 +112,14 @@ def test_tune_end_to_end_on_the_tiny_target(chat_target, head, tmp_path, monkeyp
         final = {c.params: c.measured for c in tried[-2:]}  # the last shape and plain: their medians
         assert None in final and len(final) == 2
         assert winner.measured == final[winner.params] == max(final.values())
+        # the final rematch runs full length, the halving rounds before it fewer tokens; each row says which
+        assert [c.measured_tokens for c in tried[-2:]] == [16, 16] and min(c.measured_tokens for c in tried) == 8
+        finalist = next(c for c in tried[-2:] if c.params is not None)  # its tau: a full-length run's, as the
+        batch = [PROMPTS[i % len(PROMPTS)] for i in range(bs)]  # engine counts it alone
+        alone = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head),
+                             schedule=((1 << 30, finalist.params),), tuned=False)
+        outs = alone.engine.generate(batch, [SamplingParams(max_new_tokens=16, ignore_eos=True)] * bs)
+        assert finalist.measured_tau == pytest.approx(sum((o.metrics for o in outs[1:]), outs[0].metrics).tau)
     # the chosen schedule is lossless on new prompts
     schedule = schedule_from(result.winners)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)

@@ -175,16 +175,17 @@ def print_table(result) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="fastspec tune: candidates confirmed end to end (last measurement of each)")
+    table = Table(title="fastspec tune: candidates confirmed end to end (the last measurement of each: the final "
+                        "rematch's median for the chosen shape and plain, a shorter halving run for the rest)")
     for col in ("bs", "shape (steps/topk/N)", "replayed tau", "measured tau", "predicted tok/s", "measured tok/s",
-                "chosen"):
+                "tokens", "chosen"):
         table.add_column(col, justify="right")
     last = {(c.bs, c.params): c for c in result.confirmed}
     for (bs, params), c in sorted(last.items(), key=lambda kv: (kv[0][0], -(kv[1].measured or 0))):
         shape = "plain" if params is None else params.shape
         chosen = "✓" if result.winners[bs].params == params else ""
         table.add_row(str(bs), shape, f"{c.tau:.2f}", f"{c.measured_tau or 0:.2f}", f"{c.predicted:.1f}",
-                      f"{c.measured or 0:.1f}", chosen)
+                      f"{c.measured or 0:.1f}", str(c.measured_tokens or "-"), chosen)
     Console().print(table)
 
 

@@ -51,15 +51,17 @@ class Candidate:
     params: SpecParams | None  # None: no speculation
     tau: float  # replayed (1.0 for plain)
     predicted: float  # tok/s
-    measured: float | None = None
-    measured_tau: float | None = None
+    measured: float | None = None  # tok/s of the latest measurement (the final rematch's: the median of its runs)
+    measured_tau: float | None = None  # tau of the run behind `measured` (the rematch's: its median run)
+    measured_tokens: int | None = None  # new tokens per request of those runs (halving rounds run fewer)
 
     def row(self) -> dict:
         p = self.params
         return {"bs": self.bs, "params": None if p is None else [p.num_steps, p.topk, p.num_draft_tokens],
                 "tau": round(self.tau, 3), "predicted_tok_s": round(self.predicted, 2),
                 "measured_tok_s": None if self.measured is None else round(self.measured, 2),
-                "measured_tau": None if self.measured_tau is None else round(self.measured_tau, 3)}
+                "measured_tau": None if self.measured_tau is None else round(self.measured_tau, 3),
+                "measured_tokens": self.measured_tokens}
 
 
 @dataclass
@@ -168,17 +170,19 @@ def _halve(llm, prompts, bs: int, candidates: list[Candidate], cfg: TuneConfig, 
     while len(spec) > 1 and tokens < cfg.max_new_tokens and time.perf_counter() - start < budget / 2:
         for c in spec:
             c.measured, c.measured_tau = _run(llm, batch, c, tokens)
+            c.measured_tokens = tokens
             log.append(replace(c))
         spec = sorted(spec, key=lambda c: -c.measured)[:max(1, len(spec) // 2)]
         tokens *= 2
     finalists = spec[:1] + [plain]
-    runs: dict[int, list[float]] = {id(c): [] for c in finalists}
+    runs: dict[int, list[tuple[float, float]]] = {id(c): [] for c in finalists}  # (tok/s, tau) per run
     for trial in range(cfg.final_trials):
         for c in finalists if trial % 2 == 0 else finalists[::-1]:
-            rate, c.measured_tau = _run(llm, batch, c, cfg.max_new_tokens)
-            runs[id(c)].append(rate)
+            runs[id(c)].append(_run(llm, batch, c, cfg.max_new_tokens))
     for c in finalists:
-        c.measured = statistics.median(runs[id(c)])
+        c.measured = statistics.median(rate for rate, _ in runs[id(c)])
+        c.measured_tau = statistics.median_low(runs[id(c)])[1]  # the median run's (the low one of an even count)
+        c.measured_tokens = cfg.max_new_tokens
         log.append(replace(c))
     return max(finalists, key=lambda c: c.measured)
 
