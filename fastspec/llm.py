@@ -21,7 +21,7 @@ from fastspec.models.sources import resolve_sources
 from fastspec.models.weights_fit import resolve_model_dtype
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import CLI_FLAGS, Schedule, SpecConfig, check_spec_flags
-from fastspec.speculative.tuned import find_schedule, weights_label
+from fastspec.speculative.tuned import find_schedule, settings, weights_label
 from fastspec.text.completion import Completion, TextDelta
 from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.text.inputs import as_prompts
@@ -41,7 +41,8 @@ class LLM:
         shipped head on an embedded model, NONE otherwise. Tree shape: `schedule` (per batch size, see
         SpecConfig.schedule), else explicit num_steps / topk / num_draft_tokens, else (`tuned`) the schedule
         `fastspec tune` measured for this target, draft and machine, else SGLang's per-architecture defaults.
-        `say` receives notes on a tuned file that exists but is not used (default: stderr). `model` and
+        `say` receives notes on a tuned file that exists but is not used, or was measured under other engine
+        settings (default: stderr). `model` and
         `draft_model` may be Hugging Face hub ids (`org/name`, at `revision` / `draft_revision`): the cached
         snapshot, or downloaded into the hub cache unless HF_HUB_OFFLINE is set. `load_format="dummy"` (an engine
         option): random weights from the model's config.json alone (see fastspec.models.dummy). `threads`: torch's
@@ -81,7 +82,8 @@ class LLM:
         self.tuned_schedule: Schedule | None = None  # what a tuned file set (() = plain at every batch size)
         if tuned and untuned and spec.algorithm in ("EAGLE", "EAGLE3"):
             weights = weights_label(config.dtype, config.quantization, config.kv_cache_torch_name)
-            found = find_schedule(sources.model_dir, sources.draft_dir, weights, config.device, say or _to_stderr)
+            found = find_schedule(sources.model_dir, sources.draft_dir, weights, config.device, say or _to_stderr,
+                                  settings(config))
             if found is not None:
                 schedule, all_off = found
                 self.tuned_schedule = schedule

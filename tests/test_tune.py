@@ -4,6 +4,7 @@ choices and its flags. The tuned file it writes, and how commands load it: test_
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -178,3 +179,39 @@ def test_tune_tries_deeper_and_wider_trees_on_a_gpu_and_refuses_a_budget_spent_b
         tune(llm, PROMPTS[:2], cfg)
     took = float(re.search(r"costs took ([0-9.]+) s", str(refused.value)).group(1))
     assert took > 0  # (whole seconds said "took 0 s" of a budget it had overrun)
+
+
+def test_tune_runs_under_the_engine_flags_it_can_honour_and_records_its_settings(chat_target, head, prompt_file,
+                                                                                tmp_path, monkeypatch):  # noqa: F811
+    """--max-running-requests (at least the largest batch size) sizes tune's engine; the fallback and the prefix
+    cache typed off are what it measures with anyway (typed on: refused in one line, above). The tuned file records
+    the graphs, page size and attention backend its costs were measured under, and the table each row's run
+    length. (A budget no loaded machine spends: the end-to-end stage's few 8-token runs end it.)"""
+    from typer.testing import CliRunner
+
+    import fastspec.llm
+    from fastspec.cli import app
+    from fastspec.speculative.tuned import tuned_path
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "200")
+    built = []
+
+    class Recorded(fastspec.llm.LLM):
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(fastspec.llm, "LLM", Recorded)
+    result = CliRunner().invoke(app, [
+        "tune", "--model", str(chat_target), "--speculative-algorithm", "EAGLE3", "--draft", str(head), "--prompts",
+        str(prompt_file), "--num-prompts", "2", "--batch-sizes", "1,2", "--max-new-tokens", "8", "--budget", "3600",
+        "--max-running-requests", "3", "--disable-radix-cache", "--no-speculative-fallback", "--page-size", "2"])
+    assert result.exit_code == 0, result.output
+    assert [(k["max_running_requests"], k["radix_cache"], k["speculative_fallback"], k["page_size"])
+            for k in built] == [(3, False, False, 2)]
+    saved = json.loads(tuned_path(chat_target, head, "float32", "cpu").read_text())
+    assert saved["settings"] == {"graphs": "eager", "page_size": 2, "attention_backend": "torch"}
+    assert all(t["measured_tokens"] == 8 for t in saved["tiers"])
+    header = next(line for line in result.stdout.splitlines() if "measured tau" in line)
+    assert "tokens" in header and "chosen" in header

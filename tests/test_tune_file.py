@@ -168,3 +168,27 @@ def test_a_draft_the_schedule_never_uses_at_the_engines_batch_sizes_is_not_loade
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     plain = fastspec.LLM(model=str(chat_target), speculative_algorithm="NONE").generate(PROMPTS[:1], params)
     assert alone.generate(PROMPTS[:1], params)[0].output_ids == plain[0].output_ids
+
+
+def test_a_file_measured_under_other_engine_settings_is_used_with_one_note(chat_target, head, tmp_path,
+                                                                           monkeypatch):  # noqa: F811
+    """The graphs, page size and attention backend shift a round's cost, not what is decoded: a file measured under
+    others still sets the schedule, and one note names each that differs. A file written before it recorded them
+    (or recording them damaged) says nothing of them."""
+    from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    path, print_ = tuned_path(chat_target, head, "float32", "cpu"), fingerprint(chat_target, head, "float32", "cpu")
+    tiers = [{"max_batch_size": 1, "params": [3, 2, 5]}]
+    kwargs = dict(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head))
+    for recorded, note in (({"graphs": "compile", "page_size": 2, "attention_backend": "torch"},
+                            "--graphs compile (here eager), --page-size 2 (here 1): its shapes may not be the fastest"),
+                           ({"graphs": "eager", "page_size": 1, "attention_backend": "torch"}, None),
+                           (None, None), ("damaged", None)):
+        save_tuned(path, print_, tiers, recorded)
+        said = []
+        llm = fastspec.LLM(**kwargs, say=said.append)
+        assert llm.tuned_schedule == ((1, SpecParams(3, 2, 5)),)
+        assert said == ([] if note is None else [f"tuned file {path} was measured with {note} here; fastspec tune "
+                                                 "with this run's flags measures them"]), said
+        assert ("settings" in json.loads(path.read_text())) == (recorded is not None)

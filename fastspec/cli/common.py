@@ -74,8 +74,8 @@ def log_to_terminal() -> None:
 
 
 class Notes:
-    """Notes from building an LLM (a tuned file that is there but not used), shown once the command has accepted
-    its input: a rejected command prints its one error line and nothing else."""
+    """Notes from building an LLM (a tuned file that is there but not used, or measured under other settings),
+    shown once the command has accepted its input: a rejected command prints its one error line and nothing else."""
 
     def __init__(self):
         self.lines: list[str] = []

@@ -101,7 +101,8 @@ def tune(
     with console.status("tuning") as status:
         result = run(llm, ids, cfg, say=lambda text: status.update(text))
     print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, config.device)
-    tuned_file.save_tuned(path, print_, result.tiers())  # (first: a stdout that refuses the table loses nothing)
+    # (written first: a stdout that refuses the table loses nothing)
+    tuned_file.save_tuned(path, print_, result.tiers(), tuned_file.settings(config))
     with stdout_refusals(lambda: f"the tuned file {path} is written"):
         print_table(result)
     console.print(f"wrote {path} · schedule {describe_schedule(schedule_from(result.winners))}", markup=False,

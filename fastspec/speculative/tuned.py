@@ -2,7 +2,9 @@
 
 A tuned file is only valid for the hardware, target, draft and dtype it was measured on; `load_schedule`
 ignores, with one note, a file whose fingerprint differs or that is damaged (unreadable, or naming a tree shape
-that cannot exist); `read_tuned` refuses such a file with a FastspecError. Lives in
+that cannot exist); `read_tuned` refuses such a file with a FastspecError. The engine settings its round costs
+were measured under (`settings`: graphs, page size, attention backend) only shift which shape is fastest, never
+what is decoded: a file measured under others is used, with one note. Lives in
 <cache>/tuned/<target>--<draft>--<dtype>-<device>.json, each model named by `model_name`. Written by
 fastspec.tune; knows nothing about tuning itself.
 """
@@ -55,10 +57,17 @@ def model_name(directory: Path) -> str:
     return f"{name}-{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
 
 
-def save_tuned(path: Path, print_: dict, tiers: list[dict]) -> None:
-    """tiers: [{"max_batch_size", "params": [num_steps, topk, num_draft_tokens] or null, ...measurements}].
+def settings(config) -> dict:
+    """The engine settings (of an EngineConfig, resolved) that a round's cost depends on beyond the fingerprint."""
+    return {"graphs": config.graph_mode, "page_size": config.page_size, "attention_backend": config.attention_backend}
+
+
+def save_tuned(path: Path, print_: dict, tiers: list[dict], measured_under: dict | None = None) -> None:
+    """tiers: [{"max_batch_size", "params": [num_steps, topk, num_draft_tokens] or null, ...measurements}];
+    measured_under: the `settings` the costs were measured under (None: unknown, as in files written before them).
     Written atomically: a reader sees the old file or the new one, never half of one (also with two tunes at once)."""
-    text = json.dumps({"version": VERSION, "fingerprint": print_, "tiers": tiers}, indent=1) + "\n"
+    text = json.dumps({"version": VERSION, "fingerprint": print_, "tiers": tiers}
+                      | ({} if measured_under is None else {"settings": measured_under}), indent=1) + "\n"
     write_atomic(path, lambda f: f.write(text.encode()))
 
 
@@ -104,9 +113,21 @@ def staleness(data: dict, print_: dict) -> str | None:
     return f"measured with a different {', '.join(differs) or 'version'}"
 
 
-def load_schedule(path: Path, print_: dict, say=lambda message: None) -> tuple[Schedule, bool] | None:
+def other_settings(data: dict, here: dict) -> str | None:
+    """The settings a tuned file's costs were measured under that differ from `here`, as flags: "--graphs eager
+    (here cuda)"; None when none differs. A setting the file does not record (an older file) is unknown: not said."""
+    recorded = data.get("settings")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    differs = [f"--{k.replace('_', '-')} {recorded[k]} (here {v})" for k, v in here.items()
+               if k in recorded and recorded[k] != v]
+    return ", ".join(differs) or None
+
+
+def load_schedule(path: Path, print_: dict, say=lambda message: None,
+                  here: dict | None = None) -> tuple[Schedule, bool] | None:
     """(schedule, every tier off) from the tuned file at `path` if it exists, is sound and matches `print_`;
-    else None, after one note through `say` when a file is there but not used."""
+    else None, after one note through `say` when a file is there but not used. A file measured under settings
+    other than `here` is used, after one note naming them."""
     if not Path(path).exists():
         return None
     try:
@@ -117,6 +138,9 @@ def load_schedule(path: Path, print_: dict, say=lambda message: None) -> tuple[S
     if (stale := staleness(data, print_)) is not None:
         say(f"ignoring tuned file {path}: {stale}")
         return None
+    if here is not None and (other := other_settings(data, here)) is not None:
+        say(f"tuned file {path} was measured with {other}: its shapes may not be the fastest here; fastspec tune "
+            "with this run's flags measures them")
     schedule = schedule_of(data["tiers"])
     return schedule, not schedule
 
@@ -151,9 +175,9 @@ def dir_digest(directory: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def find_schedule(model_dir: Path, draft_dir: Path, dtype: str, device: str,
-                  say=lambda message: None) -> tuple[Schedule, bool] | None:
+def find_schedule(model_dir: Path, draft_dir: Path, dtype: str, device: str, say=lambda message: None,
+                  here: dict | None = None) -> tuple[Schedule, bool] | None:
     """The tuned schedule for this target, draft, dtype (weights_label: with its quantization) and machine, if
-    `fastspec tune` wrote one."""
+    `fastspec tune` wrote one; `here`: the engine's `settings`, a note if the file was measured under others."""
     return load_schedule(tuned_path(model_dir, draft_dir, dtype, device),
-                         fingerprint(model_dir, draft_dir, dtype, device), say)
+                         fingerprint(model_dir, draft_dir, dtype, device), say, here)
