@@ -14,12 +14,14 @@ pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these ag
 
 
 def test_bench_json_shape():
-    result = CliRunner().invoke(app, ["bench", "--batch-sizes", "1,2", "--max-new-tokens", "6", "--num-prompts", "2",
+    result = CliRunner().invoke(app, ["bench", "--batch-sizes", "1,2", "--max-new-tokens", "6", "--num-prompts", "3",
                                       "--trials", "1", "--warmup", "0", "--speculative-algorithm", "NGRAM",
                                       "--max-total-tokens", "4096", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert [r["batch_size"] for r in report["results"]] == [1, 2]
+    # the prompts given, and the requests each batch size ran (cycled to fill every batch: 3 prompts -> 2 batches of 2)
+    assert report["config"]["num_prompts"] == 3 and [r["requests"] for r in report["results"]] == [3, 4]
     for r in report["results"]:
         assert r["baseline_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["tau"] >= 1
         assert r["speedup"] == pytest.approx(r["spec_tok_s"] / r["baseline_tok_s"], rel=0.01)
@@ -175,5 +177,6 @@ def test_bench_runs_only_full_batches(monkeypatch):
                              times=SimpleNamespace(reset=lambda: None))
     monkeypatch.setattr(offline, "_phase_split", lambda *args: {})
     llm = SimpleNamespace(engine=engine)
-    offline.run_bench(llm, llm, [[1], [2], [3]], [2, 4], max_new_tokens=4, trials=1, warmup=0)
+    results = offline.run_bench(llm, llm, [[1], [2], [3]], [2, 4], max_new_tokens=4, trials=1, warmup=0)
     assert batches == [2, 2, 2, 2, 4, 4]  # bs 2: 4 prompts in 2 batches, each engine; bs 4: one batch of 4 each
+    assert [r.requests for r in results] == [4, 4]  # what --json reports beside the 3 prompts given

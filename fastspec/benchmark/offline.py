@@ -19,6 +19,7 @@ from fastspec.utils.metrics import SpecMetrics
 @dataclass(frozen=True)
 class BenchResult:
     batch_size: int
+    requests: int  # requests each trial ran: the prompts cycled to fill every batch of batch_size
     shape: str  # the tree the speculative engine runs at this batch size, "steps/topk/draft tokens", or "plain"
     baseline_tok_s: float  # all requests' tokens / wall time
     spec_tok_s: float
@@ -64,7 +65,7 @@ def run_bench(baseline, spec, prompts: list[list[int]], batch_sizes: list[int], 
                 seconds, tokens, m = timed_run(llm, batch_prompts, bs, params)
                 rates[name].append(tokens / seconds)
                 metrics = metrics + m if name == "spec" else metrics
-        results.append(_result(bs, shape_at(spec.engine.spec, bs), rates, metrics,
+        results.append(_result(bs, whole, shape_at(spec.engine.spec, bs), rates, metrics,
                                _phase_split(spec, batch_prompts, bs, params)))
     return results
 
@@ -84,11 +85,11 @@ def _phase_split(spec, prompts: list[list[int]], bs: int, params: SamplingParams
     return times.synced_split(lambda: timed_run(spec, prompts, bs, params), device)
 
 
-def _result(bs: int, shape: str, rates: dict, metrics: SpecMetrics, split: dict) -> BenchResult:
+def _result(bs: int, requests: int, shape: str, rates: dict, metrics: SpecMetrics, split: dict) -> BenchResult:
     base, spec = statistics.median(rates["baseline"]), statistics.median(rates["spec"])
     rounds = max(metrics.verify_rounds, 1) / bs  # rounds of the whole batch (every request verifies each round)
     skip = ("prefill", "plain_round", "decode")  # not parts of a speculative round
     per_round = {k: round(v / rounds * 1000, 2) for k, v in split.items() if k not in skip}
-    return BenchResult(bs, shape, round(base, 2), round(spec, 2), round(spec / base, 3), round(base / bs, 2),
+    return BenchResult(bs, requests, shape, round(base, 2), round(spec, 2), round(spec / base, 3), round(base / bs, 2),
                        round(spec / bs, 2), round(metrics.tau, 3), [round(a, 3) for a in metrics.acceptance_by_depth],
                        per_round)
