@@ -75,7 +75,7 @@ def main(root: Path) -> None:
         train_draft(TrainConfig(out=head, model=str(target), prompts=prompts, max_new_tokens=24, draft_vocab_size=40,
                                 ttt_steps=3, epochs=4, lr=3e-3, batch_tokens=128, val_fraction=0.2, bf16=False))
     subprocess.run([sys.executable, "-m", "fastspec.cli", "tune", "--model", str(target), "--draft", str(head),
-                    "--speculative-algorithm", "EAGLE3", "--batch-sizes", "1,2", "--budget", "30",
+                    "--speculative-algorithm", "EAGLE3", "--batch-sizes", "1,2", "--budget", "300",
                     "--num-prompts", "4", "--max-new-tokens", "16", "--prompts", str(prompts)], env=env, check=True)
     # the tiny target keeps the file tune wrote; the embedded model (converted into `cache` here) gets the damage
     fill(cache, embedded_model_dir(), embedded_head(DEFAULT_MODEL), embedded_label())
