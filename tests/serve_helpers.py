@@ -58,6 +58,16 @@ def twin(served, draft_dirs):
     return _served_llm(served[2].engine.model_dir, draft_dirs, config.overlap_schedule)
 
 
+def plain_char_llm(tiny_dirs, tmp_path_factory):
+    """A tiny Llama of its own with a character tokenizer and a chat template, decoding plainly without overlap (a
+    server the test starts and stops; the modules that serve it share one per module)."""
+    model_dir = tmp_path_factory.mktemp("plain") / "llama"
+    shutil.copytree(tiny_dirs["llama"][0], model_dir)
+    write_char_tokenizer(model_dir)
+    (model_dir / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['content'] }}>{% endfor %}")
+    return fastspec.LLM(str(model_dir), max_total_tokens=4096, max_running_requests=16, overlap_schedule="off")
+
+
 def _served_llm(model_dir, draft_dirs, overlap: str):
     return fastspec.LLM(str(model_dir), speculative_algorithm="EAGLE3", draft_model=str(draft_dirs["llama"]["eagle3"]),
                         num_steps=3, topk=2, num_draft_tokens=4, max_total_tokens=4096, max_running_requests=16,
