@@ -183,5 +183,39 @@ def test_a_served_llm_refuses_direct_calls_until_its_server_stops(own_llm):
     next(stream)
     with pytest.raises(FastspecError, match="already running a generate or stream"):
         start(own_llm, max_queued=4)
+    with pytest.raises(FastspecError, match="^this LLM is running a generate or stream: its speculation policy may "
+                                            "change only between runs"):
+        own_llm.engine.policy = None
     stream.close()
+    own_llm.engine.policy = None  # (between runs: taken)
     assert own_llm.generate(["abc"], params)[0].text == served
+
+
+def test_a_served_engines_other_calls_run_on_its_thread_or_are_refused(served, monkeypatch):
+    """While a server drives an LLM, its engine's other calls never touch it from a second thread: a prefix-cache
+    flush from another thread is run by the server's engine thread between two steps (and empties the cache); a
+    change of speculation policy or tree shapes (a run plans its KV with those it started with) and an abort (the
+    server's requests are its own) are one-line FastspecErrors; the server keeps serving."""
+    client, _, llm, service = served
+    engine = llm.engine
+    assert engine_settled(service)
+    client.completions.create(model=MODEL, prompt="abcdef", max_tokens=4, temperature=0)
+    while service.open_requests:
+        time.sleep(0.01)
+    assert service.call(engine.allocator.num_free) < engine.pool.capacity  # the prompt's KV is in the prefix cache
+    threads, flush = [], engine.worker.flush_cache
+    monkeypatch.setattr(engine.worker, "flush_cache", lambda: (threads.append(threading.current_thread().name),
+                                                               flush()))
+    engine.flush_cache()
+    assert threads == ["fastspec-engine"]
+    assert service.call(engine.allocator.num_free) == engine.pool.capacity
+    between = "may change only between runs"
+    for call, what in ((lambda: setattr(engine, "policy", None), f"its speculation policy {between}"),
+                       (lambda: engine.use_schedule(((1 << 30, None),)), f"its tree shapes {between}"),
+                       (lambda: llm.abort(0), "its requests end when their clients go away"),
+                       (lambda: engine.abort(0), "its requests end when their clients go away")):
+        with pytest.raises(FastspecError, match=f"^this LLM is being served: {what}") as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2).choices
+    assert engine_settled(service)

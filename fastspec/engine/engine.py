@@ -17,8 +17,9 @@ from fastspec.config import EngineConfig
 from fastspec.engine.intake import Intake
 from fastspec.engine.outputs import EngineLoad, GenerateOutput, StepOutput, collect
 from fastspec.engine.scheduler import Request, Scheduler
-from fastspec.engine.streams import OneRun
+from fastspec.engine.streams import SERVED_ABORT, OneRun
 from fastspec.engine.worker import Worker
+from fastspec.errors import FastspecError
 from fastspec.models.sources import ModelSources
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import SpecConfig
@@ -59,11 +60,14 @@ class Engine:
 
     @policy.setter
     def policy(self, policy) -> None:  # tests drive the fallback with a scripted policy
-        self.worker.use_policy(policy)
+        with self._runs.between_runs("its speculation policy"):
+            self.worker.use_policy(policy)
 
     def use_schedule(self, schedule, on_prepare=None) -> None:
-        """Switch to per-batch-size tree shapes between streams (`fastspec tune` tries candidates this way)."""
-        self.worker.use_schedule(schedule, on_prepare)
+        """Switch to per-batch-size tree shapes between runs (`fastspec tune` tries candidates this way): a run
+        plans each round's KV with the shapes it started with."""
+        with self._runs.between_runs("its tree shapes"):
+            self.worker.use_schedule(schedule, on_prepare)
 
     def check_kv(self, running: list[Request] = ()) -> None:
         """Leak check: free slots + slots held by `running` and the prefix cache == capacity (AssertionError
@@ -71,8 +75,13 @@ class Engine:
         self.worker.check_kv(running)
 
     def flush_cache(self) -> None:
-        """Empty the prefix cache (its slots go back to the allocator)."""
-        self.worker.flush_cache()
+        """Empty the prefix cache (its slots go back to the allocator). In a run, between two steps: a server's thread
+        runs another thread's call, and under overlap the worker's thread runs it after the step in flight (which
+        may be handing KV to the cache)."""
+        route = self._runs.server_route()
+        if route is not None:
+            return route(self.flush_cache)
+        self._submit(self.worker.flush_cache).result()
 
     # ---- public API -------------------------------------------------------------------------------------
 
@@ -96,16 +105,17 @@ class Engine:
         reqs = [self.request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
         yield from self.run(reqs)
 
-    def run(self, reqs: list[Request], poll: Callable[[bool], list[Request] | None] | None = None
-            ) -> Iterator[list[StepOutput]]:
+    def run(self, reqs: list[Request], poll: Callable[[bool], list[Request] | None] | None = None,
+            call: Callable | None = None) -> Iterator[list[StepOutput]]:
         """`stream` over Requests made by `request`; with `poll`, requests also arrive while it runs (a server):
         `poll(idle)` is called before every step and returns the requests that arrived (it may block while
-        `idle`, nothing being left to run), or None to stop (what still runs is released). Runs go one at a
+        `idle`, nothing being left to run), or None to stop (what still runs is released); `call(fn)` runs fn on
+        the server's thread between two steps (another thread's flush_cache goes through it). Runs go one at a
         time: two would share the drafter's and `abort`'s request ids, so another while one is open (another
         thread's, a stream not yet finished or closed, or a server's: `poll`, held until it stops) is a
         FastspecError at its first step."""
         if poll is not None:
-            return self._runs.serve(self._steps(reqs, poll))
+            return self._runs.serve(self._steps(reqs, poll), call)
         return self._runs.stream(self._steps(reqs, None))
 
     def _steps(self, reqs: list[Request], poll) -> Iterator[list[StepOutput]]:
@@ -254,7 +264,10 @@ class Engine:
             self.preemptions += 1
 
     def abort(self, index: int) -> None:
-        """Finish request `index` of the current stream before its next step; its KV is released."""
+        """Finish request `index` of the current stream before its next step; its KV is released. A served engine's
+        requests are the server's: only its thread aborts them."""
+        if self._runs.server_route() is not None:
+            raise FastspecError(SERVED_ABORT)
         self._aborted.add(index)
 
     def _apply_aborts(self, scheduler: Scheduler) -> list[StepOutput]:

@@ -152,7 +152,7 @@ class EngineService:
 
     def _run(self) -> None:
         try:
-            for step in self.engine.run([], poll=self._poll):
+            for step in self.engine.run([], poll=self._poll, call=self.call):
                 for out in step:
                     self._handle(out)
             self._end_open("the server is shutting down", 503)
