@@ -10,7 +10,7 @@ import pytest
 import torch
 from fake_hub import add_snapshot, commit_id
 from serve_helpers import raw, start_server
-from tiny_models import make_hf_model, write_word_tokenizer
+from tiny_models import WORDS, make_hf_model, write_word_tokenizer
 from tokenizers import Tokenizer
 from typer.testing import CliRunner
 
@@ -19,7 +19,7 @@ from fastspec import SamplingParams
 from fastspec.cli import app
 from fastspec.errors import FastspecError
 from fastspec.text.tokenizer import Tokenizer as FastTokenizer
-from fastspec.models.hub import resolve_tokenizer_dir
+from fastspec.models.hub import resolve_tokenizer_dir, tokenizer_eos_ids
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
 PROMPTS = [[3, 4, 5, 6], [7, 8, 9, 10]]
@@ -137,6 +137,26 @@ def test_a_tokenizer_that_names_nothing_or_does_not_fit_is_one_line(bare_dir, wo
     snapshot = add_snapshot(cache, "tiny-org/words", words_dir, commit_id(1))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     assert resolve_tokenizer_dir("tiny-org/words", 97) == snapshot
+
+
+def test_a_tokenizer_given_apart_ends_an_answer_with_its_own_eos(bare_dir, bare_llm, tmp_path):
+    """A tokenizer given apart from the model ends an answer on its own eos token as well as the model's (vLLM stops
+    on the tokenizer's eos too): here the word the model greedily writes at some step is that tokenizer's eos, so
+    the answer stops there (reason stop) and is the model's own up to it. Only an id the model's vocabulary holds
+    counts."""
+    expected = bare_llm.generate(PROMPTS[:1], PARAMS)[0].output_ids
+    model_eos = bare_llm.engine.worker.eos_ids
+    at = next(i for i, t in enumerate(expected) if i > 0 and 3 <= t < 3 + len(WORDS) and t not in expected[:i]
+              and not model_eos & set(expected[:i + 1]))
+    eos_dir = write_word_tokenizer(tmp_path / "eos")
+    config = json.loads((eos_dir / "tokenizer_config.json").read_text())
+    (eos_dir / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": WORDS[expected[at] - 3]}))
+    assert tokenizer_eos_ids(eos_dir, 97) == {expected[at]} and tokenizer_eos_ids(eos_dir, expected[at]) == set()
+    llm = fastspec.LLM(str(bare_dir), tokenizer=str(eos_dir), speculative_algorithm="NGRAM", max_total_tokens=512)
+    assert llm.engine.worker.eos_ids == model_eos | {expected[at]}
+    got = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8))[0]
+    assert (got.output_ids, got.finish_reason) == (expected[:at + 1], "stop")
+    assert llm.generate(PROMPTS[:1], PARAMS)[0].output_ids == expected  # (ignore_eos: on to the length)
 
 
 def test_the_cli_takes_a_tokenizer(bare_dir, words_dir, words_llm):

@@ -202,3 +202,15 @@ def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
         raise FastspecError(f"tokenizer {spec} does not fit the model: it has token ids up to {largest}, the model's "
                             f"vocabulary {vocab_size}")
     return directory
+
+
+def tokenizer_eos_ids(directory: Path, vocab_size: int) -> frozenset[int]:
+    """The id of the eos token a tokenizer's config names, where the model's `vocab_size` rows hold it (none
+    otherwise): a tokenizer given apart from the model ends an answer with it too, as vLLM stops on it."""
+    from tokenizers import Tokenizer
+
+    config_file = directory / "tokenizer_config.json"
+    eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    found = Tokenizer.from_file(str(directory / "tokenizer.json")).token_to_id(eos) if isinstance(eos, str) else None
+    return frozenset() if found is None or found >= vocab_size else frozenset([found])

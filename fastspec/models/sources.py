@@ -38,7 +38,7 @@ class ModelSources:
 
     model_dir: Path
     config: ModelConfig
-    eos_ids: frozenset[int]  # config.json's and generation_config.json's
+    eos_ids: frozenset[int]  # config.json's and generation_config.json's; a tokenizer's given apart from the model
     scheme: QuantScheme | None  # a quantised checkpoint's method and layout (None: float weights)
     quantization: str | None  # EngineConfig.quantization with `auto` decided (resolve_quantization)
     tokenizer_dir: Path  # tokenizer.json's: the model's own directory, or the tokenizer named apart from it
@@ -63,7 +63,11 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
     scheme = checkpoint_scheme(model_dir)
     quantization = resolve_quantization(quantization, model_dir, scheme, device, load_format, algorithm)
     check_int4_rounding(quantization, config, model_dir)
-    tokenizer_dir = model_dir if tokenizer is None else hub.resolve_tokenizer_dir(tokenizer, config.vocab_size)
+    eos_ids = generation_eos_ids(model_dir, config.eos_token_ids)
+    tokenizer_dir = model_dir
+    if tokenizer is not None:
+        tokenizer_dir = hub.resolve_tokenizer_dir(tokenizer, config.vocab_size)
+        eos_ids |= hub.tokenizer_eos_ids(tokenizer_dir, config.vocab_size)
     draft_dir = draft_config = draft_scheme = None
     if algorithm in DRAFTED:
         draft = mtp_draft(str(model_dir), model_dir, config, named, draft_model)
@@ -75,8 +79,8 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
         stored = algorithm == "STANDALONE" or drafts_with_mtp(algorithm, draft_config)  # checkpoints, not heads
         draft_scheme = checkpoint_scheme(draft_dir) if stored else None
     keep_draft = draft_scheme is not None and asked is not None and load_format != "dummy"  # unless --quantization none
-    return ModelSources(model_dir, config, generation_eos_ids(model_dir, config.eos_token_ids), scheme, quantization,
-                        tokenizer_dir, draft_dir, draft_config, draft_scheme, "auto" if keep_draft else None)
+    return ModelSources(model_dir, config, eos_ids, scheme, quantization, tokenizer_dir, draft_dir, draft_config,
+                        draft_scheme, "auto" if keep_draft else None)
 
 
 def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_dir: Path,
