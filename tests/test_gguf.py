@@ -111,6 +111,20 @@ def test_tiny_tokenizer_bos_eos_flags(tmp_path, add_bos, add_eos):
     assert tok("hell", "he")["input_ids"] == bos + [h, ll] + eos + bos + [h] + eos
 
 
+def test_a_continued_final_message_gets_no_end_token_after_it(tmp_path):
+    """A converted GGUF whose tokenizer adds an end token (add_eos_token) ends a chat prompt with it, as llama.cpp
+    tokenizes any prompt; a continued final message does not get it: the prompt ends inside that message, at its
+    content, for the answer to continue it (an end token there would end the turn being continued)."""
+    from fastspec.text.tokenizer import Tokenizer
+
+    path = write_gguf(tmp_path / "t.gguf", tiny_llama(True), add_bos=True, add_eos=True)
+    tok = Tokenizer(convert_gguf(path, tmp_path / "hf"))
+    chat = [{"role": "user", "content": "hell"}, {"role": "assistant", "content": "the"}]
+    body = tok.encode("user\nhell<|im_end|>\n<|im_start|>assistant\nthe", add_special_tokens=False)
+    assert tok.encode_chat(chat, continue_final_message=True) == [1, *body]  # (bos: <|im_start|>, eos: <|im_end|>)
+    assert tok.encode_chat(chat, add_generation_prompt=False) == [1, *body, 2, *tok.encode("\n", False), 2]
+
+
 # ---- errors and atomicity ----
 
 @settings(max_examples=25, deadline=None)

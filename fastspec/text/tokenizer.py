@@ -82,15 +82,18 @@ class Tokenizer:
         """The rendered template's tokens as transformers' apply_chat_template gives them (no bos / eos of the
         tokenizer's own); a converted GGUF's (CHAT_SPECIAL_TOKENS) as llama.cpp frames a chat prompt: the tokenizer's
         bos / eos added where it adds them to any text, a bos / eos the template writes at that end dropped (one,
-        not two)."""
+        not two). A continued final message gets no eos after it: that would end the turn it continues."""
         text = self.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message)
         if not self.config.get(CHAT_SPECIAL_TOKENS):
             return self.encode(text, add_special_tokens=False)
         if self.config.get("add_bos_token") and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
-        if self.config.get("add_eos_token") and self.eos_token and text.endswith(self.eos_token):
-            text = text[:-len(self.eos_token)]
-        return self.encode(text, add_special_tokens=True)
+        if not self.config.get("add_eos_token") or not self.eos_token:
+            return self.encode(text, add_special_tokens=True)
+        if not continue_final_message:
+            return self.encode(text.removesuffix(self.eos_token), add_special_tokens=True)
+        ids = self.encode(text, add_special_tokens=True)  # [bos?, text..., eos]: the text ends at the content
+        return ids[:-1] if ids and ids[-1] == self.token_to_id(self.eos_token) else ids
 
     @cached_property
     def _template(self):
