@@ -100,6 +100,25 @@ def test_each_engine_refusal_names_its_param_by_the_field_it_carries(served, mon
     assert engine_settled(service)
 
 
+def test_the_engines_refusal_of_a_chats_prompt_names_its_messages(served, monkeypatch):
+    """A chat's prompt is its messages: the engine's refusal of it (here an empty prompt, from a chat template that
+    renders nothing of an empty message) is OpenAI's 400 naming `messages`, as a completions request's names
+    `prompt`."""
+    import jinja2
+
+    client, _, llm, service = served
+    monkeypatch.setitem(vars(llm.tokenizer), "_template",
+                        jinja2.Template("{% for m in messages %}{{ m['content'] }}{% endfor %}"))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ""}], max_tokens=2)
+    assert (e.value.body["param"], e.value.body["message"]) == ("messages", "empty prompt")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[999], max_tokens=2)
+    assert e.value.body["param"] == "prompt"
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "abc"}], max_tokens=2)
+    assert engine_settled(service)
+
+
 def test_a_request_past_the_context_names_its_own_field(served):
     """The context-length refusal names the request's field (OpenAI's param, code context_length_exceeded): the
     length field it sent, or the messages / prompt when they alone leave no room (a chat that sent no max_tokens

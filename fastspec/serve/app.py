@@ -108,7 +108,7 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
         if len(prompts) * parsed.n > service.max_queued:
             raise APIError(f"{len(prompts) * parsed.n} choices: more than this server ever holds open "
                            f"(--max-queued-requests {service.max_queued})", param="n")
-        checked = await asyncio.to_thread(_check_choices, service, choices, keep_special)  # (grammars compile)
+        checked = await asyncio.to_thread(_check_choices, service, choices, keep_special, parsed.chat)  # (grammars)
         if parsed.n > 1 and service.engine.config.radix_cache and params.prompt_logprobs is None:
             for ids, _ in choices:  # (a choice asking for prompt logprobs reads no cached prefix)
                 await _cache_prompt(service, ids, params)
@@ -171,10 +171,10 @@ def _encode(service: EngineService, parsed: ParsedRequest) -> list[list[int]]:
 
 
 def _check_choices(service: EngineService, choices: list[tuple[list[int], list[SamplingParams]]],
-                   keep_special: bool) -> list[Checked]:
+                   keep_special: bool, chat: bool) -> list[Checked]:
     """Each choice of each (prompt ids, each choice's params) pair checked by the service, its grammar compiled, in
     order (APIError 400 for the first that can never run): run off the event loop."""
-    return [service.check(ids, p, keep_special) for ids, params in choices for p in params]
+    return [service.check(ids, p, keep_special, chat) for ids, params in choices for p in params]
 
 
 def _submit_choices(service: EngineService, checked: list[Checked], loop, events: asyncio.Queue) -> list[int]:

@@ -28,10 +28,16 @@ from fastspec.utils.metrics import SpecMetrics
 
 
 # The engine's field of a request it refused (BadField.field) -> the OpenAI request's field that carries it (param).
-# A tool call's json schemas compile before, by tool name (app._check_schemas); a request's lark grammar is the tools'
-# own (`auto`). stop_token_ids: no request sets them (a refusal of one names no field).
+# A chat's prompt is its `messages` (`param`). A tool call's json schemas compile before, by tool name
+# (app._check_schemas); a request's lark grammar is the tools' own (`auto`). stop_token_ids: no request sets them (a
+# refusal of one names no field).
 PARAMS = {"prompt": "prompt", "logit_bias": "logit_bias", "regex": "regex", "ebnf": "ebnf",
           "json_schema": "response_format", "lark": "tools"}
+
+
+def param(field: str, chat: bool) -> str | None:
+    """OpenAI's param for the engine's refused `field` in a chat (`chat`) or completions request."""
+    return "messages" if chat and field == "prompt" else PARAMS.get(field)
 
 
 @dataclass(frozen=True)
@@ -106,15 +112,17 @@ class EngineService:
     def open_requests(self) -> int:
         return self._open
 
-    def check(self, prompt_ids: list[int], params: SamplingParams, keep_special: bool = False) -> Checked:
-        """The request checked and its grammar compiled (APIError 400: it can never run), not queued yet: a large
-        JSON schema takes long to compile, so the HTTP side calls this off the event loop. `keep_special`: the
-        text keeps special tokens (a tool-call format's markers), all but the EOS that ends it."""
+    def check(self, prompt_ids: list[int], params: SamplingParams, keep_special: bool = False,
+              chat: bool = False) -> Checked:
+        """The request checked and its grammar compiled (APIError 400: it can never run, naming the field of a
+        completions or `chat` request that carries the cause), not queued yet: a large JSON schema takes long to
+        compile, so the HTTP side calls this off the event loop. `keep_special`: the text keeps special tokens (a
+        tool-call format's markers), all but the EOS that ends it."""
         try:
             request = self.engine.request(next(self._ids), prompt_ids, params)
             detok = IncrementalDetokenizer(self.llm.tokenizer, prompt_ids, params.stop, not keep_special)
         except FastspecError as e:
-            raise APIError(str(e), param=PARAMS.get(e.field) if isinstance(e, BadField) else None) from None
+            raise APIError(str(e), param=param(e.field, chat) if isinstance(e, BadField) else None) from None
         ending = frozenset(self.engine.worker.eos_ids) | set(params.stop_token_ids) if keep_special else frozenset()
         return Checked(request, detok, ending)
 
