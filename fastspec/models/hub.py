@@ -49,12 +49,7 @@ def fetch(repo_id: str, revision: str | None = None, config_only: bool = False) 
     patterns = CONFIG_FILES if config_only else MODEL_FILES
     where = f"{repo_id}" + (f" at revision {revision}" if revision else "")
     cache = hub_cache()
-    try:
-        path = _cached_snapshot(repo_id, revision, patterns)
-    except Exception as e:  # not cached (huggingface_hub's errors differ across versions): download below
-        if not offline() and not _is_missing(e):
-            raise FastspecError(f"{where}: {first_line(e, 200)}") from None
-        path = None
+    path = _cached_or_none(repo_id, revision, patterns, where)
     if path is not None and (path / "config.json").is_file() and (config_only or _has_weights(path)):
         return path if config_only else _checked(path, where)
     if offline():
@@ -74,17 +69,23 @@ def fetch(repo_id: str, revision: str | None = None, config_only: bool = False) 
     return path if config_only else _checked(path, where)
 
 
+def _cached_or_none(repo_id: str, revision: str | None, patterns, where: str) -> Path | None:
+    """The cached snapshot of `repo_id` at `revision` (None: not cached, to be downloaded); an error of the cache
+    other than a missing entry is a FastspecError naming `where` (huggingface_hub's errors differ across versions)."""
+    try:
+        return _cached_snapshot(repo_id, revision, patterns)
+    except Exception as e:
+        if not offline() and not _is_missing(e):
+            raise FastspecError(f"{where}: {first_line(e, 200)}") from None
+        return None
+
+
 def fetch_tokenizer(repo_id: str) -> Path:
     """The local snapshot of `repo_id` (main) holding its tokenizer files (TOKENIZER_FILES; no config, no
     weights): from the cache when it holds tokenizer.json, else downloaded unless HF_HUB_OFFLINE is set."""
     from huggingface_hub import snapshot_download
 
-    try:
-        path = _cached_snapshot(repo_id, None, TOKENIZER_FILES)
-    except Exception as e:  # not cached (huggingface_hub's errors differ across versions): download below
-        if not offline() and not _is_missing(e):
-            raise FastspecError(f"{repo_id}: {first_line(e, 200)}") from None
-        path = None
+    path = _cached_or_none(repo_id, None, TOKENIZER_FILES, repo_id)
     if path is None or not (path / "tokenizer.json").is_file():
         if offline():
             raise FastspecError(f"{repo_id}'s tokenizer.json is not in the Hugging Face cache {hub_cache()} and "
