@@ -99,7 +99,7 @@ def test_a_batch_size_schedule_switches_tree_shapes_losslessly(chat_target, head
 
 
 def test_tune_end_to_end_on_the_tiny_target(chat_target, head, tmp_path, monkeypatch):  # noqa: F811
-    from fastspec.tune.tuner import TuneConfig, schedule_from, tune
+    from fastspec.tune.tuner import MIN_MARGIN, TuneConfig, schedule_from, tune
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
     cfg = TuneConfig(batch_sizes=(1, 3), max_steps=3, topks=(1, 2), max_draft_tokens=6, max_new_tokens=16,
@@ -107,12 +107,20 @@ def test_tune_end_to_end_on_the_tiny_target(chat_target, head, tmp_path, monkeyp
     llm = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head), num_steps=3,
                        topk=2, num_draft_tokens=6, tuned=False)
     result = tune(llm, PROMPTS, cfg)
-    assert set(result.winners) == {1, 3}
+    assert set(result.winners) == {1, 3} == set(result.why)
     for bs, winner in result.winners.items():
         tried = [c for c in result.confirmed if c.bs == bs]
         final = {c.params: c.measured for c in tried[-2:]}  # the last shape and plain: their medians
         assert None in final and len(final) == 2
-        assert winner.measured == final[winner.params] == max(final.values())
+        assert winner.measured == final[winner.params]
+        shape = next(p for p in final if p is not None)
+        margin = float(re.search(r"noise margin ([0-9.]+)%", result.why[bs]).group(1)) / 100
+        assert result.why[bs].startswith(f"{shape.shape} ") and margin >= MIN_MARGIN
+        if winner.params is None:  # plain: the tree was slower, or faster by no more than the noise (as said)
+            assert final[shape] <= final[None] * (1 + margin) * 1.001
+            assert result.why[bs].endswith("within noise, plain kept" if final[shape] > final[None] else "faster")
+        else:  # a tree replaces plain only when faster by more than the margin
+            assert final[shape] > final[None] * (1 + margin) * 0.999 and result.why[bs].endswith("beyond the noise")
         # the final rematch runs full length, the halving rounds before it fewer tokens; each row says which
         assert [c.measured_tokens for c in tried[-2:]] == [16, 16] and min(c.measured_tokens for c in tried) == 8
         finalist = next(c for c in tried[-2:] if c.params is not None)  # its tau: a full-length run's, as the
@@ -129,6 +137,42 @@ def test_tune_end_to_end_on_the_tiny_target(chat_target, head, tmp_path, monkeyp
         tuned = fastspec.LLM(model=str(chat_target), speculative_algorithm="EAGLE3", draft_model=str(head),
                              schedule=schedule).generate(PROMPTS, params)
         assert [o.output_ids for o in tuned] == [o.output_ids for o in plain]
+
+
+def _measured(shape: str | None, rate: float):
+    from fastspec.tune.tuner import Candidate
+
+    params = None if shape is None else SpecParams(*map(int, shape.split("/")))
+    return Candidate(1, params, 1.0, rate, measured=rate)
+
+
+@pytest.mark.parametrize("rates, margin, order", [
+    ({None: 100, "3/1/4": 102}, 0.03, [None, "3/1/4"]),  # +2%: a coin toss, plain kept
+    ({None: 100, "3/1/4": 104}, 0.03, ["3/1/4", None]),  # +4%: beyond the margin
+    ({None: 100, "3/1/4": 104}, 0.05, [None, "3/1/4"]),  # ... but not beyond a 5% spread
+    ({None: 100, "3/1/4": 90}, 0.03, [None, "3/1/4"]),
+    ({"2/1/3": 100, "3/2/6": 102, "5/2/8": 110}, 0.03, ["5/2/8", "2/1/3", "3/2/6"]),
+    ({"2/1/3": 99, "3/2/6": 102, "5/2/8": 103}, 0.03, ["3/2/6", "5/2/8", "2/1/3"]),  # 103 ties 102 (not 99)
+    ({"3/2/6": 102, "2/1/3": 100}, 0.0, ["3/2/6", "2/1/3"])])  # no margin: by rate alone
+def test_a_larger_candidate_replaces_a_simpler_one_only_beyond_the_margin(rates, margin, order):
+    from fastspec.tune.tuner import rank
+
+    ranked = rank([_measured(shape, rate) for shape, rate in rates.items()], margin)
+    assert [None if c.params is None else c.params.shape for c in ranked] == order
+
+
+def test_the_rematch_margin_is_the_runs_spread_or_the_minimum_and_says_why():
+    from fastspec.tune.tuner import MIN_MARGIN, spread, verdict
+
+    assert spread([100.0]) == 0 and spread([98.0, 100.0, 104.0]) == pytest.approx(0.06)
+    plain = _measured(None, 100)
+    for rate, margin, winner, why in (
+            (102, MIN_MARGIN, None, "3/1/4 +2.0% vs plain, noise margin 3.0%: within noise, plain kept"),
+            (104, MIN_MARGIN, "3/1/4", "3/1/4 +4.0% vs plain, noise margin 3.0%: faster beyond the noise"),
+            (104, 0.06, None, "3/1/4 +4.0% vs plain, noise margin 6.0%: within noise, plain kept"),
+            (95, MIN_MARGIN, None, "3/1/4 -5.0% vs plain, noise margin 3.0%: plain is faster")):
+        chosen, said = verdict(_measured("3/1/4", rate), plain, margin)
+        assert (None if chosen.params is None else chosen.params.shape, said) == (winner, why)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -212,6 +256,7 @@ def test_tune_runs_under_the_engine_flags_it_can_honour_and_records_its_settings
             for k in built] == [(3, False, False, 2)]
     saved = json.loads(tuned_path(chat_target, head, "float32", "cpu").read_text())
     assert saved["settings"] == {"graphs": "eager", "page_size": 2, "attention_backend": "torch"}
-    assert all(t["measured_tokens"] == 8 for t in saved["tiers"])
+    assert all(t["measured_tokens"] == 8 and "noise margin" in t["why"] for t in saved["tiers"])
+    assert "bs 2: " in result.stdout and "noise margin" in result.stdout  # the table's caption: each verdict
     header = next(line for line in result.stdout.splitlines() if "measured tau" in line)
     assert "tokens" in header and "chosen" in header

@@ -176,8 +176,10 @@ def print_table(result) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    why = "\n".join(f"bs {bs}: {text}" for bs, text in sorted(result.why.items()))  # the rematch's verdicts
     table = Table(title="fastspec tune: candidates confirmed end to end (the last measurement of each: the final "
-                        "rematch's median for the chosen shape and plain, a shorter halving run for the rest)")
+                        "rematch's median for the chosen shape and plain, a shorter halving run for the rest)",
+                  caption=why or None)
     for col in ("bs", "shape (steps/topk/N)", "replayed tau", "measured tau", "predicted tok/s", "measured tok/s",
                 "tokens", "chosen"):
         table.add_column(col, justify="right")

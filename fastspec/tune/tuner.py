@@ -7,6 +7,9 @@
    batch size, the faster half runs again with twice the tokens until one is left, which then faces plain
    decoding over alternating full-length runs (median); a speculative winner is checked lossless against plain
    greedy output. The chosen tiers go to the tuned file (fastspec.speculative.tuned) the engine loads automatically.
+5. Honest choices (`rank`): a larger tree replaces a smaller one, and speculation replaces plain decoding, only when
+   faster by more than the noise: MIN_MARGIN in the halving rounds (one run each), in the rematch the larger of
+   MIN_MARGIN and the spread its own repeated runs showed. Each tier says why it was chosen (`why`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import SpecParams
 from fastspec.tune.costs import CostModel
 from fastspec.tune.replay import candidate_params, record, replay_tau
+
+MIN_MARGIN = 0.03  # a smaller gain is a coin toss on a shared machine, however steady a few runs looked
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class Candidate:
 @dataclass
 class TuneResult:
     winners: dict[int, Candidate]
+    why: dict[int, str] = field(default_factory=dict)  # per batch size: the rematch's margin and verdict
     confirmed: list[Candidate] = field(default_factory=list)
     taus: dict[SpecParams, float] = field(default_factory=dict)  # replayed, every shape
     replay_seconds: float = 0.0
@@ -74,7 +80,8 @@ class TuneResult:
     confirm_seconds: float = 0.0
 
     def tiers(self) -> list[dict]:
-        return [{"max_batch_size": bs, **c.row()} for bs, c in sorted(self.winners.items())]
+        return [{"max_batch_size": bs, **c.row()} | ({"why": self.why[bs]} if bs in self.why else {})
+                for bs, c in sorted(self.winners.items())]
 
 
 def tune(llm, prompts: list[list[int]], cfg: TuneConfig, say: Callable[[str], None] = lambda s: None) -> TuneResult:
@@ -109,9 +116,9 @@ def tune(llm, prompts: list[list[int]], cfg: TuneConfig, say: Callable[[str], No
                             f"end (replay and round costs took {measured - started:.2f} s): give a larger --budget")
     for bs in cfg.batch_sizes:
         say(f"confirming batch size {bs} end to end")
-        winner = _halve(llm, prompts, bs, ranked[bs], cfg, remaining / len(cfg.batch_sizes), result.confirmed)
+        winner, why = _halve(llm, prompts, bs, ranked[bs], cfg, remaining / len(cfg.batch_sizes), result.confirmed)
         _check_lossless(llm, prompts[:2], winner, outputs[:2], cfg)
-        result.winners[bs] = winner
+        result.winners[bs], result.why[bs] = winner, why
     result.confirm_seconds = time.perf_counter() - measured
     if any(c.params for c in result.winners.values()):
         engine.use_schedule(schedule_from(result.winners))
@@ -128,6 +135,40 @@ def describe_schedule(schedule) -> str:
     "bs <= 1: 3/2/5 · bs <= 4: plain (steps/topk/draft tokens; larger batches: the last)"."""
     tiers = " · ".join(f"bs <= {bs}: " + ("plain" if p is None else p.shape) for bs, p in schedule)
     return f"{tiers} (steps/topk/draft tokens; larger batches: the last)"
+
+
+def complexity(c: Candidate) -> tuple[int, ...]:
+    """Plain decoding first, then trees by draft tokens, steps and topk: what a tie keeps."""
+    p = c.params
+    return (0, 0, 0, 0) if p is None else (1, p.num_draft_tokens, p.num_steps, p.topk)
+
+
+def rank(candidates: list[Candidate], margin: float) -> list[Candidate]:
+    """Fastest measured first, where a candidate ranks above a simpler one (`complexity`) only when faster by more
+    than `margin` (relative): the simplest of those within `margin` of the fastest left goes next.
+    E.g. margin 0.03, plain 100 tok/s, 3/1/4 at 102 -> [plain, 3/1/4]; at 104 -> [3/1/4, plain]."""
+    left, out = list(candidates), []
+    while left:
+        best = max(c.measured for c in left)
+        pick = min((c for c in left if c.measured * (1 + margin) >= best), key=complexity)
+        out.append(pick)
+        left = [c for c in left if c is not pick]
+    return out
+
+
+def spread(rates: list[float]) -> float:
+    """Run-to-run spread of repeated measurements of one candidate: (max - min) / median; 0 for a single run."""
+    return (max(rates) - min(rates)) / statistics.median(rates) if len(rates) > 1 else 0.0
+
+
+def verdict(spec: Candidate, plain: Candidate, margin: float) -> tuple[Candidate, str]:
+    """(the rematch's winner, why): the tree only when faster than plain by more than `margin`."""
+    winner = rank([spec, plain], margin)[0]
+    gain = spec.measured / plain.measured - 1
+    said = f"{spec.params.shape} {gain:+.1%} vs plain, noise margin {margin:.1%}"
+    if winner is spec:
+        return winner, f"{said}: faster beyond the noise"
+    return winner, f"{said}: within noise, plain kept" if gain > 0 else f"{said}: plain is faster"
 
 
 def _diverse(ranked: list[Candidate], n: int) -> list[Candidate]:
@@ -157,9 +198,10 @@ def _host_seconds(llm, prompts, cfg: TuneConfig) -> float:
 
 
 def _halve(llm, prompts, bs: int, candidates: list[Candidate], cfg: TuneConfig, budget: float,
-           log: list[Candidate]) -> Candidate:
-    """Successive halving of the speculative shapes (the faster half reruns with twice the tokens), then the
-    survivor against plain decoding: `cfg.final_trials` alternating full-length runs each, decided by median.
+           log: list[Candidate]) -> tuple[Candidate, str]:
+    """Successive halving of the speculative shapes (the faster half by `rank` at MIN_MARGIN reruns with twice the
+    tokens), then the survivor against plain decoding: `cfg.final_trials` alternating full-length runs each,
+    compared by median at the larger of MIN_MARGIN and their spread (`verdict`). Returns (winner, why).
 
     Why a final rematch: one run on a shared CPU can vary by more than a weak head's gain, so a
     single short run could crown a shape slower than no speculation (or knock plain out early)."""
@@ -172,7 +214,7 @@ def _halve(llm, prompts, bs: int, candidates: list[Candidate], cfg: TuneConfig, 
             c.measured, c.measured_tau = _run(llm, batch, c, tokens)
             c.measured_tokens = tokens
             log.append(replace(c))
-        spec = sorted(spec, key=lambda c: -c.measured)[:max(1, len(spec) // 2)]
+        spec = rank(spec, MIN_MARGIN)[:max(1, len(spec) // 2)]
         tokens *= 2
     finalists = spec[:1] + [plain]
     runs: dict[int, list[tuple[float, float]]] = {id(c): [] for c in finalists}  # (tok/s, tau) per run
@@ -184,7 +226,8 @@ def _halve(llm, prompts, bs: int, candidates: list[Candidate], cfg: TuneConfig, 
         c.measured_tau = statistics.median_low(runs[id(c)])[1]  # the median run's (the low one of an even count)
         c.measured_tokens = cfg.max_new_tokens
         log.append(replace(c))
-    return max(finalists, key=lambda c: c.measured)
+    margin = max(MIN_MARGIN, *(spread([rate for rate, _ in runs[id(c)]]) for c in finalists))
+    return verdict(finalists[0], plain, margin)
 
 
 def _run(llm, batch, c: Candidate, tokens: int) -> tuple[float, float]:
