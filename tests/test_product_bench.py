@@ -64,8 +64,9 @@ def test_bench_reports_the_bad_jsonl_line(tmp_path):
 
 
 def test_bench_profile_splits_a_plain_step_and_a_round_by_category():
+    # (the fallback typed off and --max-running-requests typed at the largest batch size are what it runs with)
     result = CliRunner().invoke(app, ["bench", "--profile", "--batch-sizes", "1", "--max-total-tokens", "4096",
-                                      "--json"])
+                                      "--no-speculative-fallback", "--max-running-requests", "1", "--json"])
     assert result.exit_code == 0, result.output
     plain, spec = json.loads(result.stdout)["profile"]
     assert (plain["name"], spec["name"]) == ("plain step", "speculative round")
@@ -150,10 +151,15 @@ def test_bench_url_refuses_the_flags_of_a_model_loaded_here(flags, named):
     (["--speculative-accept-threshold-acc", "0.9"], "--speculative-accept-threshold-acc is not used: fastspec bench "
                                                     "decodes greedily"),
     (["--profile", "--trials", "3", "--num-prompts", "2"], "--num-prompts, --trials are not used by --profile"),
-    (["--prompts", "p.jsonl", "--prompt-set", "chat"], "--prompts and --prompt-set both name the prompts")])
+    (["--prompts", "p.jsonl", "--prompt-set", "chat"], "--prompts and --prompt-set both name the prompts"),
+    (["--batch-sizes", "1,4", "--max-running-requests", "2"],
+     "--max-running-requests 2 is below the largest --batch-sizes, 4: bench runs batches of each size"),
+    (["--profile", "--speculative-fallback"], "--speculative-fallback is not used by --profile (it profiles a "
+                                              "speculative round at every batch size, with the fallback off)")])
 def test_bench_refuses_a_flag_it_would_ignore(flags, message):
     """A local run took --request-rate / --max-concurrency, lossy thresholds (greedy decoding never reads them),
-    --profile's unused counts and --prompt-set beside --prompts, and measured as if they were not given."""
+    --profile's unused counts, --prompt-set beside --prompts, a --max-running-requests below the largest batch size
+    (raised to it) and --speculative-fallback with --profile (turned off), and measured as if they were not given."""
     result = CliRunner().invoke(app, ["bench", *flags])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.output
 

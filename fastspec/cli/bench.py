@@ -14,6 +14,7 @@ from fastspec.errors import FastspecError
 
 
 def bench(
+    context: typer.Context,
     options: ModelOptions,
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,4,8",
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 128,
@@ -49,6 +50,7 @@ def bench(
         _refuse_set("for --url (a running server); without it a model is loaded here", request_rate=request_rate,
                     max_concurrency=max_concurrency)
         refuse_lossy_thresholds(options, "fastspec bench decodes greedily")
+        refuse_engine_flags(context, options, sizes, profile)
     if url is None and profile:
         _refuse_set("not used by --profile (it times 16-token runs of the first prompt, the fastest of 3)",
                     max_new_tokens=max_new_tokens, num_prompts=num_prompts, trials=trials, warmup=warmup)
@@ -61,6 +63,7 @@ def bench(
                          max_concurrency, as_json)
     from fastspec.benchmark.offline import run_bench
     from fastspec.llm import LLM
+    # (the default, not typed, grows to the largest batch size: refuse_engine_flags refuses a typed one below it)
     kwargs = options.llm_kwargs() | {"max_running_requests": max(max(sizes), options.max_running_requests)}
     if kwargs["cuda_graph_bs"] is None:  # graphs for every batch a run shrinks through, captured before any timing
         from fastspec.graphs.buckets import default_buckets
@@ -97,6 +100,20 @@ def bench(
             typer.echo(measured)
         else:
             print_bench_table(config, results)
+
+
+def refuse_engine_flags(context: typer.Context, options: ModelOptions, sizes: list[int], profile: bool) -> None:
+    """One line for an engine flag typed that this run could not honour: --max-running-requests below the largest
+    batch size (it runs full batches of each), --speculative-fallback with --profile (it profiles a speculative
+    round at every batch size, so it runs with the fallback off)."""
+    from fastspec.cli.common import given
+
+    if given(context, "max_running_requests") and options.max_running_requests < max(sizes):
+        raise FastspecError(f"--max-running-requests {options.max_running_requests} is below the largest "
+                            f"--batch-sizes, {max(sizes)}: bench runs batches of each size")
+    if profile and options.speculative_fallback and given(context, "speculative_fallback"):
+        raise FastspecError("--speculative-fallback is not used by --profile (it profiles a speculative round at "
+                            "every batch size, with the fallback off); drop it")
 
 
 def _algorithm(spec, options: ModelOptions) -> str:
