@@ -229,8 +229,8 @@ def test_tune_runs_under_the_engine_flags_it_can_honour_and_records_its_settings
                                                                                 tmp_path, monkeypatch):  # noqa: F811
     """--max-running-requests (at least the largest batch size) sizes tune's engine; the fallback and the prefix
     cache typed off are what it measures with anyway (typed on: refused in one line, above). The tuned file records
-    the graphs, page size and attention backend its costs were measured under, and the table each row's run
-    length. (A budget no loaded machine spends: the end-to-end stage's few 8-token runs end it.)"""
+    the graphs, page size, attention backend and graph buckets its costs were measured under, and the table each
+    row's run length. (A budget no loaded machine spends: the end-to-end stage's few 8-token runs end it.)"""
     from typer.testing import CliRunner
 
     import fastspec.llm
@@ -255,7 +255,8 @@ def test_tune_runs_under_the_engine_flags_it_can_honour_and_records_its_settings
     assert [(k["max_running_requests"], k["radix_cache"], k["speculative_fallback"], k["page_size"])
             for k in built] == [(3, False, False, 2)]
     saved = json.loads(tuned_path(chat_target, head, "float32", "cpu").read_text())
-    assert saved["settings"] == {"graphs": "eager", "page_size": 2, "attention_backend": "torch"}
+    assert saved["settings"] == {"graphs": "eager", "page_size": 2, "attention_backend": "torch",
+                                 "graph_buckets": None}  # (eager: no graph, whatever the buckets)
     assert all(t["measured_tokens"] == 8 and "noise margin" in t["why"] for t in saved["tiers"])
     assert "bs 2: " in result.stdout and "noise margin" in result.stdout  # the table's caption: each verdict
     header = next(line for line in result.stdout.splitlines() if "measured tau" in line)

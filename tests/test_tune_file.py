@@ -172,9 +172,9 @@ def test_a_draft_the_schedule_never_uses_at_the_engines_batch_sizes_is_not_loade
 
 def test_a_file_measured_under_other_engine_settings_is_used_with_one_note(chat_target, head, tmp_path,
                                                                            monkeypatch):  # noqa: F811
-    """The graphs, page size and attention backend shift a round's cost, not what is decoded: a file measured under
-    others still sets the schedule, and one note names each that differs. A file written before it recorded them
-    (or recording them damaged) says nothing of them."""
+    """The graphs, page size, attention backend and graph buckets shift a round's cost, not what is decoded: a file
+    measured under others still sets the schedule, and one note names each that differs. A file written before it
+    recorded them (or recording them damaged) says nothing of them."""
     from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path
 
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
@@ -184,6 +184,10 @@ def test_a_file_measured_under_other_engine_settings_is_used_with_one_note(chat_
     for recorded, note in (({"graphs": "compile", "page_size": 2, "attention_backend": "torch"},
                             "--graphs compile (here eager), --page-size 2 (here 1): its shapes may not be the fastest"),
                            ({"graphs": "eager", "page_size": 1, "attention_backend": "torch"}, None),
+                           ({"graph_buckets": [1, 2, 4]}, "--cuda-graph-bs / --cuda-graph-max-bs, graphs run at "
+                                                           "bs 1: 1 (here bs 1: eager): its shapes may not be the "
+                                                           "fastest"),
+                           ({"graph_buckets": None}, None),
                            (None, None), ("damaged", None)):
         save_tuned(path, print_, tiers, recorded)
         said = []
@@ -192,3 +196,18 @@ def test_a_file_measured_under_other_engine_settings_is_used_with_one_note(chat_
         assert said == ([] if note is None else [f"tuned file {path} was measured with {note} here; fastspec tune "
                                                  "with this run's flags measures them"]), said
         assert ("settings" in json.loads(path.read_text())) == (recorded is not None)
+
+
+def test_graph_buckets_differ_only_where_a_tuned_batch_size_runs_in_another_graph():
+    """A tuned batch size's cost depends on the graph it runs in (the smallest bucket holding it, beyond the largest:
+    eager), not on buckets no tuned size uses: a larger --max-running-requests adds buckets and says nothing."""
+    from fastspec.graphs import default_buckets
+    from fastspec.speculative.tuned import other_settings
+
+    data = {"settings": {"graph_buckets": default_buckets(8)},
+            "tiers": [{"max_batch_size": 1, "params": [3, 2, 5]}, {"max_batch_size": 8, "params": None}]}
+    assert other_settings(data, {"graph_buckets": default_buckets(48)}) is None
+    assert other_settings(data, {"graph_buckets": [1, 2, 4, 16]}) == (
+        "--cuda-graph-bs / --cuda-graph-max-bs, graphs run at bs 1: 1, bs 8: 8 (here bs 1: 1, bs 8: 16)")
+    assert other_settings(data, {"graph_buckets": [1, 2, 4]}).endswith("(here bs 1: 1, bs 8: eager)")
+    assert other_settings(data | {"settings": {"graph_buckets": "damaged"}}, {"graph_buckets": None}) is None

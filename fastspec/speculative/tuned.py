@@ -3,8 +3,8 @@
 A tuned file is only valid for the hardware, target, draft and dtype it was measured on; `load_schedule`
 ignores, with one note, a file whose fingerprint differs or that is damaged (unreadable, or naming a tree shape
 that cannot exist); `read_tuned` refuses such a file with a FastspecError. The engine settings its round costs
-were measured under (`settings`: graphs, page size, attention backend) only shift which shape is fastest, never
-what is decoded: a file measured under others is used, with one note. Lives in
+were measured under (`settings`: graphs, page size, attention backend, graph buckets) only shift which shape is
+fastest, never what is decoded: a file measured under others is used, with one note. Lives in
 <cache>/tuned/<target>--<draft>--<dtype>-<device>.json, each model named by `model_name`. Written by
 fastspec.tune; knows nothing about tuning itself.
 """
@@ -58,8 +58,11 @@ def model_name(directory: Path) -> str:
 
 
 def settings(config) -> dict:
-    """The engine settings (of an EngineConfig, resolved) that a round's cost depends on beyond the fingerprint."""
-    return {"graphs": config.graph_mode, "page_size": config.page_size, "attention_backend": config.attention_backend}
+    """The engine settings (of an EngineConfig, resolved) that a round's cost depends on beyond the fingerprint: with
+    graphs, their batch buckets as --cuda-graph-bs / --cuda-graph-max-bs resolve them (a list, as JSON keeps it)."""
+    buckets = None if config.graph_mode == "eager" else list(config.graph_buckets)
+    return {"graphs": config.graph_mode, "page_size": config.page_size, "attention_backend": config.attention_backend,
+            "graph_buckets": buckets}
 
 
 def save_tuned(path: Path, print_: dict, tiers: list[dict], measured_under: dict | None = None) -> None:
@@ -118,9 +121,23 @@ def other_settings(data: dict, here: dict) -> str | None:
     (here cuda)"; None when none differs. A setting the file does not record (an older file) is unknown: not said."""
     recorded = data.get("settings")
     recorded = recorded if isinstance(recorded, dict) else {}
-    differs = [f"--{k.replace('_', '-')} {recorded[k]} (here {v})" for k, v in here.items()
-               if k in recorded and recorded[k] != v]
+    sizes = [t["max_batch_size"] for t in data["tiers"]]
+    shown = {k: (_graphs_at(recorded[k], sizes), _graphs_at(v, sizes)) if k == "graph_buckets" else (recorded[k], v)
+             for k, v in here.items() if k in recorded}
+    differs = [f"{FLAGS.get(k, '--' + k.replace('_', '-'))} {theirs} (here {ours})"
+               for k, (theirs, ours) in shown.items() if theirs != ours]
     return ", ".join(differs) or None
+
+
+FLAGS = {"graph_buckets": "--cuda-graph-bs / --cuda-graph-max-bs, graphs run at"}  # a setting two flags make
+
+
+def _graphs_at(buckets, sizes: list[int]) -> str:
+    """The graph each tuned batch size runs in (the smallest bucket holding it; beyond the largest: eager), which is
+    what its cost depends on: buckets [1, 2, 4, 8], sizes [1, 3, 16] -> "bs 1: 1, bs 3: 4, bs 16: eager". Buckets
+    that differ elsewhere (a larger --max-running-requests adds some) change no tuned cost."""
+    buckets = sorted(b for b in buckets if isinstance(b, int)) if isinstance(buckets, list) else []  # (damaged: none)
+    return ", ".join(f"bs {bs}: " + str(next((b for b in buckets if b >= bs), "eager")) for bs in sizes)
 
 
 def load_schedule(path: Path, print_: dict, say=lambda message: None,
