@@ -46,14 +46,20 @@ def test_another_targets_corpus_and_a_damaged_shard_are_refused(chat_target, tmp
         Corpus(tmp_path / "c", chat_target, {}).records()
 
 
-def test_train_draft_grows_the_corpus_and_reuses_it(chat_target, prompt_file, tmp_path):  # noqa: F811
+def test_train_draft_grows_the_corpus_and_reuses_it(chat_target, prompt_file, tmp_path, monkeypatch):  # noqa: F811
+    from fastspec.train import corpus as corpus_module
+
     corpus = tmp_path / "corpus"
     events = []
     train_draft(tiny_config(tmp_path / "a", chat_target, prompt_file, epochs=1, max_prompts=6, corpus=corpus),
                 events.append)
     assert len(Corpus(corpus, chat_target, {}).records()) == 6
     events.clear()
+    reads, read_shard = [], corpus_module._read_shard
+    monkeypatch.setattr(corpus_module, "_read_shard", lambda path: reads.append(path.name) or read_shard(path))
     train_draft(tiny_config(tmp_path / "b", chat_target, prompt_file, epochs=1, corpus=corpus), events.append)
+    assert reads == ["shard-00000.npz"]  # read once (what is made, what to check), the run's own shard not again
+    monkeypatch.undo()
     generated = [e for e in events if e.phase == "generate"]
     assert generated[0].done == 6 and generated[-1].done == 12  # the six answers already there are not made again
     assert len(Corpus(corpus, chat_target, {}).shards()) == 2 and not (tmp_path / "b" / "train" /

@@ -126,18 +126,22 @@ def stop_at(step: int):
     return interrupt
 
 
-def test_an_interrupted_run_resumes_from_its_last_checkpoint(chat_target, prompt_file, tmp_path):
+def test_an_interrupted_run_resumes_from_its_last_checkpoint(chat_target, prompt_file, tmp_path, monkeypatch):
+    from fastspec.train.data import JsonlStore
+
     out = tmp_path / "head"
     cfg = tiny_config(out, chat_target, prompt_file, epochs=3)
     with pytest.raises(KeyboardInterrupt):
         train_draft(cfg, stop_at(6))
     with pytest.raises(FastspecError, match="--resume"):
         train_draft(cfg)
-    events = []
+    events, reads, records = [], [], JsonlStore.records
+    monkeypatch.setattr(JsonlStore, "records", lambda self: reads.append(self.path) or records(self))
     train_draft(tiny_config(out, chat_target, prompt_file, epochs=3, resume=True), events.append)
     steps = [e.done for e in events if e.phase == "train"]
     assert steps[0] == 5  # checkpoint at 4, steps 5 and 6 redone
     assert [e for e in events if e.phase == "generate"][-1].done == 12  # no conversation generated twice
+    assert reads == [out / "train" / "conversations.jsonl"]  # the answers read once (what is made, what to check)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -45,12 +45,13 @@ class Features:
         return self.prompt_lens.numel()
 
 
-def generate_conversations(llm, prompts: list[str], store, samples: int, max_new_tokens: int, seed: int,
-                           chunk: int = 64, on_progress: Callable[[int, int], None] = lambda done, total: None
-                           ) -> list[Conversation]:
+def generate_conversations(llm, prompts: list[str], store, made: list[dict], samples: int, max_new_tokens: int,
+                           seed: int, chunk: int = 64,
+                           on_progress: Callable[[int, int], None] = lambda done, total: None) -> list[Conversation]:
     """Answer every prompt `samples` times (the first greedily) with the target, appending each chunk to `store`
-    (a JsonlStore or a Corpus: `records()` and `append(records)`); answers already there are not made again."""
-    done = {(r["prompt"], r["sample"]): r for r in store.records()}  # keyed by prompt text: sets may grow
+    (a JsonlStore or a Corpus: `append(records)`); answers already `made` (its records, read once by the caller) are
+    not made again."""
+    done = {(r["prompt"], r["sample"]): r for r in made}  # keyed by prompt text: sets may grow
     jobs = [(i, s) for i in range(len(prompts)) for s in range(samples) if (prompts[i], s) not in done]
     total = len(prompts) * samples
     on_progress(total - len(jobs), total)

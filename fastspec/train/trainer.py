@@ -68,14 +68,15 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
         check_warm_start(read_config(model_dir))
     prompts = (read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train"))[:cfg.max_prompts]
     corpus = Corpus(cfg.corpus, model_dir, _provenance(cfg)) if cfg.corpus else None  # refuses another target's
+    store = corpus or JsonlStore(Path(cfg.out) / "train" / "conversations.jsonl")
+    made = store.records() if corpus or cfg.resume else []  # read once (a new run's --out holds none of its own)
     check_prompts(model_dir, prompts, cfg.max_new_tokens, str(cfg.prompts or "the built-in train prompts"),
-                  _answered(corpus, cfg))
+                  _answered(made, cfg.samples_per_prompt))
     work = prepare_out(cfg)
     check_same_target(work, model_dir)
     check_same_draft_vocab(work, cfg.draft_vocab_size, read_config(model_dir).vocab_size)
     check_same_plan(work, cfg, prompts)
-    store = corpus or JsonlStore(work / "conversations.jsonl")
-    conversations = _conversations(cfg, model_dir, prompts, store, on_progress)
+    conversations = _conversations(cfg, model_dir, prompts, store, made, on_progress)
     check_same_answers(work, conversations)
     if cfg.generate_only:
         return {"conversations": len(conversations), "tokens": sum(len(c.ids) for c in conversations)}
@@ -105,13 +106,10 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     return report
 
 
-def _answered(corpus: Corpus | None, cfg: TrainConfig) -> frozenset[str]:
-    """The prompts whose every answer is already made (in the corpus, or in the run --resume continues)."""
-    if corpus is None and not cfg.resume:
-        return frozenset()
-    store = corpus or JsonlStore(Path(cfg.out) / "train" / "conversations.jsonl")
-    made = {(r["prompt"], r["sample"]) for r in store.records()}
-    return frozenset(p for p, s in made if all((p, k) in made for k in range(cfg.samples_per_prompt)))
+def _answered(made: list[dict], samples: int) -> frozenset[str]:
+    """The prompts whose every answer is already `made` (records of the corpus, or of the run --resume continues)."""
+    keys = {(r["prompt"], r["sample"]) for r in made}
+    return frozenset(p for p, s in keys if all((p, k) in keys for k in range(samples)))
 
 
 def _provenance(cfg: TrainConfig) -> dict:
@@ -120,14 +118,14 @@ def _provenance(cfg: TrainConfig) -> dict:
             "first_sample": "greedy", "other_samples": SAMPLED, "dtype": "float32", "batch": cfg.generate_batch}
 
 
-def _conversations(cfg, model_dir, prompts, store, on_progress):
+def _conversations(cfg, model_dir, prompts, store, made, on_progress):
     from fastspec.llm import LLM
 
     llm = LLM(model=str(model_dir), speculative_algorithm="NONE", max_running_requests=cfg.generate_batch,
               max_total_tokens=cfg.generate_batch * (cfg.max_new_tokens + 512), device=cfg.device,
               dtype="float32", threads=None)  # the provenance's dtype (auto is 16-bit on CUDA); threads as set
     report = lambda done, total: on_progress(Progress("generate", done, total))  # noqa: E731
-    return generate_conversations(llm, prompts, store, cfg.samples_per_prompt,
+    return generate_conversations(llm, prompts, store, made, cfg.samples_per_prompt,
                                   cfg.max_new_tokens, cfg.seed, cfg.generate_batch, report)
 
 
