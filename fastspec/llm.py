@@ -127,8 +127,8 @@ class LLM:
         with contextlib.closing(self.engine.stream(ids, params)) as steps:
             if not any(p.stop for p in params):  # no stop strings: token ids are final, decode once at the end
                 got = collect(self._until(steps, len(ids), should_stop), params)
-                text = self.decode if self.has_tokenizer else lambda ids: None
-                return [Completion(ids[i], got.ids[i], text(got.ids[i]), got.final[i].finish_reason,
+                text = self._text if self.has_tokenizer else lambda prompt, output: None
+                return [Completion(ids[i], got.ids[i], text(ids[i], got.ids[i]), got.final[i].finish_reason,
                                    got.final[i].metrics, got.logprobs[i], got.prompt_logprobs[i])
                         for i in range(len(ids))]
             streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
@@ -226,6 +226,11 @@ class LLM:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _text(self, prompt_ids: list[int], output_ids: list[int]) -> str:
+        """The output's text as a stream shows it: decoded after the prompt's last tokens, since decode(output) alone
+        is not that for every tokenizer (SentencePiece drops the first word's space; see fastspec.text.detokenizer)."""
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids).finish(output_ids)
 
 
 _ONE_DEVICE = "fastspec runs on one device (device='cuda:N' picks the GPU)"

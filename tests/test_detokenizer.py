@@ -62,6 +62,7 @@ def test_bursts_reproduce_decode_without_partial_chars(tok, text, sizes, with_pr
     tail = detok.finish()
     assert detok.text == tok.decode(ids) == text and FFFD not in tail
     assert not detok.stopped and detok.num_tokens_kept == len(ids)
+    assert IncrementalDetokenizer(tok, prompt_ids=prompt).finish(ids) == text  # (a whole output at once)
 
 
 @SETTINGS
@@ -76,7 +77,7 @@ def test_invalid_byte_runs_still_match_decode(tok, data, sizes):
         detok.add(burst)
         assert full.startswith(detok.text)  # whatever was shown is final
     detok.finish()
-    assert detok.text == full
+    assert detok.text == full == IncrementalDetokenizer(tok).finish(ids)
 
 
 @SETTINGS

@@ -108,12 +108,12 @@ def test_a_tokenizer_given_apart_from_the_model_reads_and_writes_its_text(bare_l
     got = words_llm.generate(["w3 w4 w5 w6", "w7 w8 w9 w10"], PARAMS)
     assert [c.prompt_ids for c in got] == PROMPTS
     assert [c.output_ids for c in got] == [c.output_ids for c in expected]
-    assert [c.text for c in got] == [theirs.decode(c.output_ids) for c in expected]
+    assert [c.text for c in got] == [" " + theirs.decode(c.output_ids) for c in expected]  # (after the prompt's words)
     streamed = ["", ""]
     for step in words_llm.stream(["w3 w4 w5 w6", "w7 w8 w9 w10"], PARAMS):
         for delta in step:
             streamed[delta.index] += delta.text
-    assert [s.strip() for s in streamed] == [c.text for c in got]
+    assert streamed == [c.text for c in got]
     # grammars read it too (this word-level one llguidance cannot use; the model's own: "needs the model's tokenizer")
     with pytest.raises(FastspecError, match=re.escape(f"{words_dir / 'tokenizer.json'}: structured output cannot")):
         words_llm.generate([[3, 4]], SamplingParams(max_new_tokens=1, regex="w(41|42)"))
@@ -223,9 +223,8 @@ def test_serve_takes_continue_final_message(words_llm):
     """vLLM's chat-completion extras continue_final_message and add_generation_prompt: the answer is LLM.chat's
     continuation of the last message; a wrong type or both set is a 400 naming them."""
     expected = words_llm.chat(CONVERSATIONS[0], PARAMS, continue_final_message=True)[0]
-    # (serve's text is detokenized as it streams, after the prompt's last words: here " w.." for "w..")
     streamed = "".join(d.text for step in words_llm.stream([expected.prompt_ids], PARAMS) for d in step)
-    assert streamed.strip() == expected.text
+    assert streamed == expected.text
     server, thread, service, url, _ = start_server(words_llm, "words", max_queued=8)
     try:
         body = {"messages": CONVERSATIONS[0], "max_tokens": 8, "ignore_eos": True, "temperature": 0}
@@ -233,7 +232,7 @@ def test_serve_takes_continue_final_message(words_llm):
         for extra in (continued, continued | {"add_generation_prompt": False}):
             status, data = raw(url, "POST", "/v1/chat/completions", json.dumps(body | extra).encode())
             assert status == 200, data
-            assert data["choices"][0]["message"]["content"] == streamed
+            assert data["choices"][0]["message"]["content"] == expected.text
             assert data["usage"]["prompt_tokens"] == len(expected.prompt_ids)
         for extra, message in (({"continue_final_message": "yes"}, "continue_final_message must be of type bool"),
                                ({"continue_final_message": True, "add_generation_prompt": True},
@@ -244,3 +243,19 @@ def test_serve_takes_continue_final_message(words_llm):
         server.should_exit = True
         thread.join(10)
         service.stop()
+
+
+def test_generate_writes_the_text_a_stream_shows_with_or_without_stop_strings(words_llm, words_dir):
+    """A completion's text is its tokens decoded after the prompt's, as stream, serve and generate with stop strings
+    write it: a word-level tokenizer (as SentencePiece's) writes the space before the first word, so a continued
+    message's content + the answer's text is the message continued (generate without stop strings decoded the output
+    alone: 'w12 ...' where its stream said ' w12 ...')."""
+    theirs = Tokenizer.from_file(str(words_dir / "tokenizer.json"))
+    never = SamplingParams(max_new_tokens=8, ignore_eos=True, stop=("w999",))
+    plain = words_llm.generate("w3 w4 w5 w6", PARAMS)[0]
+    streamed = "".join(d.text for step in words_llm.stream("w3 w4 w5 w6", PARAMS) for d in step)
+    assert plain.text == words_llm.generate("w3 w4 w5 w6", never)[0].text == streamed
+    assert plain.text == " " + theirs.decode(plain.output_ids)
+    content = CONVERSATIONS[0][-1]["content"]
+    continued = words_llm.chat(CONVERSATIONS[0], PARAMS, continue_final_message=True)[0]
+    assert content + continued.text == theirs.decode(theirs.encode(content).ids + continued.output_ids)

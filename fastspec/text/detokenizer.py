@@ -144,13 +144,15 @@ class IncrementalDetokenizer:
             return ""
         return self._emit(self._decoder.push(list(ids)), final=False)
 
-    def finish(self) -> str:
-        """Releases the held-back text (a split character shows as U+FFFD, as decode() shows it)."""
+    def finish(self, ids: list[int] = ()) -> str:
+        """Appends the last `ids` and releases the held-back text (a split character shows as U+FFFD, as decode()
+        shows it). A whole output given here is decoded once (add() of it may look back over every token for a
+        character boundary)."""
         if self._finished or self._stopped:
             self._finished = True
             return ""
         self._finished = True
-        return self._emit(self._decoder.push([], final=True), final=True)
+        return self._emit(self._decoder.push(list(ids), final=True), final=True)
 
     @property
     def text(self) -> str:
