@@ -223,6 +223,16 @@ def test_sentencepiece_leading_space_is_kept():
     assert run(detok, [[1], [2, 3, 1]]) == [" world", "!", ""] and detok.num_tokens_kept == 2
 
 
+
+def test_a_token_that_decodes_to_nothing_keeps_the_next_words_space():
+    """A skipped special token (or an id the tokenizer lacks) decodes to "": the word after it still has its space,
+    as decode of the whole text writes it (the stream said " world" + "" + "world")."""
+    tok = PieceTokenizer(["▁Hello", "▁world", ""])  # 2: a special token, skipped
+    assert tok.decode([0, 2, 1]) == "Hello world"
+    assert run(IncrementalDetokenizer(tok), [[0], [2], [1], [2], [2], [1]]) == ["Hello", "", " world", "", "",
+                                                                                 " world", ""]
+    assert run(IncrementalDetokenizer(tok, prompt_ids=[0, 2, 2, 2, 2]), [[1]]) == [" world", ""]
+
 def check_bounded_and_exact(tok, ids, sizes):
     full = tok.decode(ids)
     detok = IncrementalDetokenizer(tok)

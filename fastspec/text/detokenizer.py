@@ -30,9 +30,9 @@ class _WindowDecoder:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
         self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         start = max(0, len(prompt_ids) - CONTEXT_TOKENS)
-        while 0 < start and len(prompt_ids) - start < 4 * CONTEXT_TOKENS and \
-                self._decode(prompt_ids[start:]).startswith(REPLACEMENT):  # start between characters
-            start -= 1
+        while 0 < start and len(prompt_ids) - start < 4 * CONTEXT_TOKENS and (
+                not (text := self._decode(prompt_ids[start:])) or text.startswith(REPLACEMENT)):
+            start -= 1  # start between characters, and with text in front (the first word's space is written)
         self.ids = list(prompt_ids[start:])  # prompt tail + every output id
         self.num_prompt = len(self.ids)
         self.prefix, self.read = 0, self.num_prompt
@@ -69,7 +69,7 @@ class _WindowDecoder:
         if j == self.read:  # nothing new: keep the context
             return delta
         self.tail_emitted -= len(tail_j)  # what remains was handed out from past token j
-        self.prefix, self.read = self.read, j
+        self.prefix, self.read = self._context_start(self.read, j), j
         self.prefix_text = self._decode(self.ids[self.prefix:j])
         chars_before_j = self.num_chars - self.tail_emitted
         if chars_before_j > self.bounds[-1][1]:  # equal counts keep the earlier token (fewest tokens)
@@ -89,10 +89,18 @@ class _WindowDecoder:
             text_j = self._decode(self.ids[self.prefix:j])
             if len(text_j) > len(text) - MAX_PARTIAL or not text.startswith(text_j):
                 continue
-            context = len(self._decode(self.ids[self.read:j]))  # the next window starts at `read`
-            if self._decode(self.ids[self.read:])[context:] == text[len(text_j):]:
+            start = self._context_start(self.read, j)  # where the next window starts
+            context = len(self._decode(self.ids[start:j]))
+            if self._decode(self.ids[start:])[context:] == text[len(text_j):]:
                 return j
         return None
+
+    def _context_start(self, start: int, read: int) -> int:
+        """Where a window reading from token `read` starts: at `start`, or before it while the tokens in between decode
+        to nothing (skipped special tokens, ids the tokenizer lacks: the next word's space needs text in front)."""
+        while start > 0 and read - start < 4 * CONTEXT_TOKENS and not self._decode(self.ids[start:read]):
+            start -= 1
+        return start
 
     def forget_before(self, num_chars: int) -> None:
         """Drops bounds no stop can need: a stop starts at or after char `num_chars` (all before it is shown)."""
