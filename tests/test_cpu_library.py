@@ -3,8 +3,10 @@ when the cache's copy is damaged, single-threaded without OpenMP, and, where the
 why (the callers then run their torch twins)."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -54,3 +56,29 @@ def test_a_failed_build_says_which_file_and_what_the_compiler_said(tmp_path, mon
     with pytest.raises(subprocess.TimeoutExpired) as slow:
         cpu_library._compile_all([[sys.executable, "-c", "import time; time.sleep(30)", "slow.c"]])
     assert cpu_library._why(slow.value) == f"{sys.executable} took over 0.5 s on slow.c"
+
+
+def test_a_build_killed_midway_is_cleaned_up_by_the_next(tmp_path):
+    """A process killed while it compiles (its compilers with it) leaves its work in the cache; the next build there
+    removes it (the one that is gone holds it no longer), so the cache holds the library and nothing else of it."""
+    slow = tmp_path / "slow-cc"
+    slow.write_text('#!/bin/sh\nsleep 60\nexec cc "$@"\n')
+    slow.chmod(0o755)
+    code = "from fastspec.kernels import cpu_fused; cpu_fused.available()"
+    env = {**os.environ, "FASTSPEC_CACHE": str(tmp_path / "cache"), "CC": str(slow)}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True)
+    kernels = tmp_path / "cache" / "kernels"
+
+    def work() -> list[str]:  # what a build writes beside the library
+        return [p.name for p in kernels.glob(".*") if p.name != ".fastspec-convert.lock"]
+
+    try:
+        deadline = time.monotonic() + 120
+        while not work() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    assert work()  # (what the killed build left)
+    assert load_in_child(tmp_path / "cache") == "True"
+    assert work() == [] and len(list(kernels.glob("cpu_fused-*.so"))) == 1

@@ -17,12 +17,12 @@ import logging
 import os
 import platform
 import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from fastspec.models.gguf_cache import staging
 from fastspec.utils.cache import cache_root
 
 log = logging.getLogger(__name__)
@@ -114,29 +114,27 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _build(path: Path, flags: tuple[str, ...] = FLAGS) -> None:
-    """Compile into a temporary file beside `path`, then rename it in place (a reader never sees half a library)."""
+    """Compile and link in a private directory beside `path` (gguf_cache.staging: held while this process builds, so
+    what a build killed midway left is removed by the next), then rename the library in place (a reader never sees
+    half a library)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".so")
-    os.close(fd)
-    objects = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
-    try:
+    with staging(path) as work:
+        objects = [str(work / f"{source.stem}.o") for source in SOURCES]
+        library = work / path.name
         cc = os.environ.get("CC", "cc")
         for threads in THREADS:
             # compiled and linked apart: -ffast-math at link time would add crtfastmath, whose constructor turns on
             # flush-to-zero for the whole process (every subnormal float in torch would become 0)
             try:
                 _compile_all([[cc, *flags, *threads, "-c", str(s), "-o", o] for s, o in zip(SOURCES, objects)])
-                subprocess.run([cc, "-shared", *threads, *objects, "-o", tmp, "-lm"], check=True,
+                subprocess.run([cc, "-shared", *threads, *objects, "-o", str(library), "-lm"], check=True,
                                capture_output=True, timeout=COMPILE_SECONDS)
                 break
             except subprocess.CalledProcessError:
                 if threads == THREADS[-1]:
                     raise
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
-    finally:
-        for leftover in (tmp, *objects):
-            Path(leftover).unlink(missing_ok=True)
+        library.chmod(0o755)
+        os.replace(library, path)
 
 
 def _cpu_signature() -> str:

@@ -85,8 +85,9 @@ def sweep(directory: Path, pattern: re.Pattern = _LEFTOVER) -> None:
 
 @contextmanager
 def staging(out_dir: Path) -> Iterator[Path]:
-    """A fresh private directory beside `out_dir` to write its conversion into, held by this process until the block
-    ends and removed then unless `publish` renamed it; the leftovers of writers that are gone are removed first."""
+    """A fresh private directory beside `out_dir` to write its conversion (or a C library's build) into, held by this
+    process until the block ends and removed then unless `publish` renamed it; the leftovers of writers that are gone
+    are removed first."""
     with locked(out_dir.parent):
         sweep(out_dir.parent)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.gguf-tmp-"))
