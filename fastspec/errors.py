@@ -13,7 +13,8 @@ class FastspecError(Exception):
 class BadField(FastspecError):
     """A request refused for one of its fields, which `field` names as the engine's request has it: "prompt", or
     the SamplingParams field ("logit_bias", "stop_token_ids", a grammar's "json_schema" / "regex" / "ebnf" /
-    "lark"). A front end names its own field by it, never by the message's words (a server: OpenAI's param)."""
+    "lark"); a chat's as LLM.chat names it ("messages", "add_generation_prompt", "continue_final_message"). A front
+    end names its own field by it, never by the message's words (a server: OpenAI's param)."""
 
     def __init__(self, message: str, field: str):
         super().__init__(message)

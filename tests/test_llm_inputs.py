@@ -234,11 +234,20 @@ def test_serve_takes_continue_final_message(words_llm):
             assert status == 200, data
             assert data["choices"][0]["message"]["content"] == expected.text
             assert data["usage"]["prompt_tokens"] == len(expected.prompt_ids)
-        for extra, message in (({"continue_final_message": "yes"}, "continue_final_message must be of type bool"),
-                               ({"continue_final_message": True, "add_generation_prompt": True},
-                                "continue_final_message continues the last message, add_generation_prompt starts")):
+        for extra, message, param in (
+                ({"continue_final_message": "yes"}, "continue_final_message must be of type bool",
+                 "continue_final_message"),
+                ({"continue_final_message": True, "add_generation_prompt": True},
+                 "continue_final_message continues the last message, add_generation_prompt starts",
+                 "add_generation_prompt"),
+                ({"messages": [{"role": "user", "content": "w3"}, {"role": "assistant", "content": [
+                    {"type": "text", "text": "w4"}]}], "continue_final_message": True}, None, None)):
             status, data = raw(url, "POST", "/v1/chat/completions", json.dumps(body | extra).encode())
+            if message is None:  # (serve joins text parts: a continued message of parts is continued as its text)
+                assert status == 200, data
+                continue
             assert status == 400 and data["error"]["message"].startswith(message), data
+            assert data["error"]["param"] == param, data
     finally:
         server.should_exit = True
         thread.join(10)

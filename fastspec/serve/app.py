@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from fastspec.errors import FastspecError
+from fastspec.errors import BadField, FastspecError
 from fastspec.sampling.grammar import grammar_kind
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve import protocol as api
@@ -166,8 +166,8 @@ def _encode(service: EngineService, parsed: ParsedRequest) -> list[list[int]]:
             return [service.llm.encode_chat(parsed.messages, list(parsed.tools.functions) if offered else None,
                                             parsed.add_generation_prompt, parsed.continue_final_message)]
         return [p if isinstance(p, list) else service.llm.encode(p) for p in parsed.prompts]
-    except FastspecError as e:
-        raise APIError(str(e)) from None
+    except FastspecError as e:  # (a chat's flags and messages: BadField names the request's field)
+        raise APIError(str(e), param=e.field if isinstance(e, BadField) else None) from None
 
 
 def _check_choices(service: EngineService, choices: list[tuple[list[int], list[SamplingParams]]],

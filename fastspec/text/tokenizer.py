@@ -13,7 +13,7 @@ from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 
-from fastspec.errors import FastspecError, first_line
+from fastspec.errors import BadField, FastspecError, first_line
 
 
 CHAT_SPECIAL_TOKENS = "fastspec_chat_special_tokens"  # tokenizer_config.json: frame a chat prompt as llama.cpp does
@@ -66,8 +66,8 @@ class Tokenizer:
             add_generation_prompt = not continue_final_message
         if continue_final_message:
             if add_generation_prompt:
-                raise FastspecError("continue_final_message continues the last message, add_generation_prompt starts "
-                                    "a new one: give add_generation_prompt=False")
+                raise BadField("continue_final_message continues the last message, add_generation_prompt starts a "
+                               "new one: give add_generation_prompt=False", "add_generation_prompt")
             messages = _marked_final_message(messages)
         try:
             text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -119,7 +119,7 @@ def _marked_final_message(messages: list[dict]) -> list[dict]:
     """`messages` with CONTINUE_MARK after the last message's text (a copy: the caller's are left as they were)."""
     last = messages[-1] if messages else None
     if not isinstance(last, dict) or not isinstance(last.get("content"), str):
-        raise FastspecError("continue_final_message needs a last message whose content is text")
+        raise BadField("continue_final_message needs a last message whose content is text", "messages")
     return [*messages[:-1], {**last, "content": last["content"] + CONTINUE_MARK}]
 
 
@@ -127,8 +127,8 @@ def _cut_at_mark(text: str) -> str:
     """The rendered `text` up to the mark: the last message's content, without what the template writes after it."""
     at = text.rfind(CONTINUE_MARK.strip())
     if at < 0:
-        raise FastspecError("continue_final_message: the chat template does not show the last message's content, "
-                            "so there is nothing to continue")
+        raise BadField("continue_final_message: the chat template does not show the last message's content, so "
+                       "there is nothing to continue", "continue_final_message")
     return text[:at] if text.startswith(CONTINUE_MARK, at) else text[:at].rstrip()
 
 
