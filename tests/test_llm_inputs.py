@@ -80,6 +80,8 @@ def test_numpy_and_torch_prompts_are_token_id_lists(bare_llm):
                              ([torch.tensor([1.0, 2.0])], "a prompt as an array must hold integer token ids"),
                              (np.zeros((1, 2, 3), dtype=np.int64), f"{array} be 1-D .* or 2-D .*, got 3-D"),
                              ([np.array(PROMPTS)], r"a prompt as an array must be 1-D \(one prompt's ids\), got 2-D"),
+                             (np.ma.array(PROMPTS[0], mask=[0, 1, 0, 0]), f"{array} hold integer token ids, got mask"),
+                             (torch.tensor(PROMPTS[0], device="meta"), "prompts as an array cannot be read"),
                              (np.int64(3), "prompts must be a string, a list of strings or a list of token-id lists")):
         with pytest.raises(FastspecError, match=f"^{message}"):
             bare_llm.generate(prompts, PARAMS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from numbers import Integral
 
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, first_line
 
 PROMPTS = "prompts must be a string, a list of strings or a list of token-id lists"
 
@@ -50,12 +50,18 @@ def _is_array(value) -> bool:
 
 
 def _array_ids(array, what: str, max_dims: int) -> list:
-    """An integer array's ids as Python ints (nested per row for 2-D); a bool / float array or one of more
-    dimensions than `max_dims` is a FastspecError."""
+    """An integer array's ids as Python ints (nested per row for 2-D); a bool / float array, one of more dimensions
+    than `max_dims`, or one whose values cannot all be read (masked, on the meta device) is a FastspecError."""
     kind = str(array.dtype).removeprefix("torch.")
     if not (kind.startswith("int") or kind.startswith("uint")):  # (numpy's and torch's names alike: int64, uint8)
         raise FastspecError(f"{what} as an array must hold integer token ids, got {kind}")
     if not 1 <= array.ndim <= max_dims:
         shapes = "1-D (one prompt's ids)" + (" or 2-D (a batch of prompts)" if max_dims == 2 else "")
         raise FastspecError(f"{what} as an array must be {shapes}, got {array.ndim}-D")
-    return array.tolist()
+    try:
+        ids = array.tolist()
+    except (NotImplementedError, RuntimeError) as e:  # (a meta tensor: no data to read)
+        raise FastspecError(f"{what} as an array cannot be read ({first_line(e, None)})") from None
+    if any(not isinstance(t, int) for row in (ids if array.ndim == 2 else [ids]) for t in row):
+        raise FastspecError(f"{what} as an array must hold integer token ids, got masked values")  # (numpy.ma: None)
+    return ids
