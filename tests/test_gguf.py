@@ -1,4 +1,4 @@
-"""GGUF conversion: weights, tokenizer and refusals (the conversion cache and the embedded model: test_gguf_cache).
+"""GGUF conversion: weights, tokenizer and refusals (the conversion cache and the embedded model: test_shared_dirs).
 
 Oracles: a tiny random LlamaForCausalLM written to GGUF the way llama.cpp lays it out (logits must survive the
 round trip), the two RoPE conventions written from their definitions (attention scores must agree) and hand-worked

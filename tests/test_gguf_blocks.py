@@ -203,7 +203,7 @@ def test_the_packed_layout_is_cached_per_torch_version(embedded_dir, tmp_path, m
     def read_only(*args, **kwargs):  # what a read-only cache directory answers (the suite may run as root)
         raise PermissionError("read-only file system")
 
-    monkeypatch.setattr("fastspec.models.gguf_cache.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("fastspec.utils.shared_dirs.tempfile.mkstemp", read_only)
     load_target(model_dir, torch.float32, quantization="gguf")
     assert not list((model_dir / "gguf_blocks").glob("*int4*"))
 

@@ -131,7 +131,7 @@ def test_a_new_conversion_removes_the_earlier_versions_of_its_file_only(tmp_path
     path, other = tmp_path / "m.gguf", tmp_path / "b" / "m.gguf"
     first, theirs = (resolve_model_dir(str(write_gguf(p, tiny_llama(True, seed=i))))
                      for i, p in enumerate((path, other)))
-    writing = first.parent / f".{first.name}.gguf-tmp-12345"  # (a conversion in progress: no marker yet)
+    writing = first.parent / f".{first.name}.fastspec-tmp-12345"  # (a conversion in progress: no marker yet)
     damaged = first.parent / "m-000000000000"
     for entry in (writing, damaged):
         entry.mkdir()
@@ -231,17 +231,17 @@ def python(code: str, *args) -> subprocess.Popen:
 
 
 def test_a_killed_conversions_directory_is_removed_by_the_next_conversion_only(tmp_path):
-    """A conversion killed midway left its `.NAME.gguf-tmp-*` directory forever. The next conversion beside it removes
-    it (its writer's lock is gone) and any replaced conversion left on its way out, never a directory another process
-    is still writing (it holds its lock) nor what is not the cache's."""
+    """A conversion killed midway left its `.NAME.fastspec-tmp-*` directory forever. The next conversion beside it
+    removes it (its writer's lock is gone) and any replaced conversion left on its way out, never a directory another
+    process is still writing (it holds its lock) nor what is not the cache's."""
     path = write_gguf(tmp_path / "tiny.gguf", tiny_llama(True))
     child = python(KILLED_CONVERSION, path, tmp_path / "cache" / "hf")
     assert child.wait() == -signal.SIGKILL, child.stderr.read()
-    (killed,) = (tmp_path / "cache").glob(".hf.gguf-tmp-*")
+    (killed,) = (tmp_path / "cache").glob(".hf.fastspec-tmp-*")
     assert (killed / "model.safetensors").is_file() and not (tmp_path / "cache" / "hf").exists()
-    writing = tmp_path / "cache" / ".other.gguf-tmp-live"
+    writing = tmp_path / "cache" / ".other.fastspec-tmp-live"
     writing.mkdir()
-    aside = tmp_path / "cache" / ".other.gguf-old-x"
+    aside = tmp_path / "cache" / ".other.fastspec-old-x"
     (aside / "dir").mkdir(parents=True)
     foreign = tmp_path / "cache" / ".other.tmp-1"  # (another writer's name: not the cache's to judge)
     foreign.mkdir()

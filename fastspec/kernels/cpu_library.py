@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fastspec.models.gguf_cache import staging
+from fastspec.utils.shared_dirs import staging
 from fastspec.utils.cache import cache_root
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _build(path: Path, flags: tuple[str, ...] = FLAGS) -> None:
-    """Compile and link in a private directory beside `path` (gguf_cache.staging: held while this process builds, so
+    """Compile and link in a private directory beside `path` (shared_dirs.staging: held while this process builds, so
     what a build killed midway left is removed by the next), then rename the library in place (a reader never sees
     half a library)."""
     path.parent.mkdir(parents=True, exist_ok=True)

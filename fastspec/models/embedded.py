@@ -93,11 +93,11 @@ def find_embedded_gguf(name: str) -> Path:
 def remove_stale_conversions(out_dir: Path, gguf_path: Path) -> None:
     """After `out_dir` was converted from `gguf_path`: remove the other finished conversions beside it of the same file
     at another size or time than the file has now (its earlier versions, which can never be current again), each moved
-    aside first (under the directory's lock, gguf_cache) so that no reader sees half of one. A conversion of the file
+    aside first (under the directory's lock, shared_dirs) so that no reader sees half of one. A conversion of the file
     as it is now stays (one finished late by a process that read an earlier version must not remove it), as do another
-    file's conversions, damaged or foreign entries and any `.`-prefixed entry (gguf_cache's)."""
+    file's conversions, damaged or foreign entries and any `.`-prefixed entry (shared_dirs')."""
     from fastspec.models.gguf import read_marker
-    from fastspec.models.gguf_cache import locked, move_aside
+    from fastspec.utils.shared_dirs import locked, move_aside
 
     try:
         source, stat = str(gguf_path.resolve()), gguf_path.stat()

@@ -4,7 +4,7 @@ in one GGUF tensor per projection (or one per expert, as llama.cpp's early Mixtr
 transformers' per-expert weights (each expert's blocks, where they are of a block type).
 
 Owns: writing the directory, published atomically (the tokenizer: gguf_tokenizer; how processes share the cache:
-gguf_cache): every tensor of a block format as its blocks only (BLOCKS_FILE: what --quantization gguf runs, see
+shared_dirs): every tensor of a block format as its blocks only (BLOCKS_FILE: what --quantization gguf runs, see
 gguf_packed; a float load dequantises them, gguf_blocks.stored_floats), the others dequantised in model.safetensors,
 and each tensor's GGUF type; its SOURCE_MARKER and the "convert once, reuse after" check (is_current_conversion).
 Does not own: reading the tensors (gguf_read; their names: gguf_names), the configs its metadata maps to (gguf_config;
@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import BLOCKS_FILE
-from fastspec.models.gguf_cache import publish, staging
+from fastspec.utils.shared_dirs import publish, staging
 from fastspec.models.gguf_config import generation_config, meta, model_config, reader_meta
 from fastspec.models.gguf_names import ARCHITECTURES, arch_spec
 from fastspec.models.gguf_read import open_reader, read_tensors
@@ -32,7 +32,7 @@ SOURCE_MARKER = "fastspec_source.json"
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
     """Convert a llama / qwen2 / qwen3 / phi3 / qwen3moe GGUF into a HF model directory at `out_dir`, published
-    atomically (gguf_cache: a conversion of this very file published meanwhile by another process is kept, not
+    atomically (shared_dirs: a conversion of this very file published meanwhile by another process is kept, not
     replaced under its readers); returns out_dir."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_reader(gguf_path)

@@ -37,7 +37,7 @@ from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.models.activation_choice import float_dtype
 from fastspec.models.causal_lm import CausalLM
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
-from fastspec.models.gguf_cache import held_temp
+from fastspec.utils.shared_dirs import held_temp
 from fastspec.models.gguf_names import EXPERT_NAMES
 from fastspec.models.moe import LinearExperts, MoE, is_moe_layer
 from fastspec.models.rope import RotaryEmbedding
@@ -104,7 +104,7 @@ class StoredWeights:
 PACKED_LAYOUT = 2  # raised whenever BlockLinear.pack lays a weight out otherwise: older caches are packed again
 UNUSED_S = 14 * 24 * 3600  # another torch version's packed cache no start has read for this long is removed
 _PACKED = re.compile(r"int4-cpu-torch-.+\.safetensors")  # every torch version's and layout's
-_PACKED_TEMP = re.compile(r"\.int4-.+\.tmp")  # one being written (gguf_cache.held_temp)
+_PACKED_TEMP = re.compile(r"\.int4-.+\.tmp")  # one being written (shared_dirs.held_temp)
 
 
 class PackedCache:

@@ -1,14 +1,15 @@
-"""How processes share a cache directory of conversions (and a conversion's folder of packed weights) safely.
+"""How processes share a cache directory safely: the GGUF conversions (and a conversion's folder of packed weights),
+the C kernels' builds.
 
 Invariants:
 - a finished conversion appears by one rename under its directory's lock (LOCK_FILE), and replaces only a directory
   that is not the conversion wanted: two processes converting one file at once keep the first one published, so a
   process reading it never sees it vanish;
-- a directory or file being written (`.NAME.gguf-tmp-*`, or what `held_temp` names) is held (flock) by its writer for
-  as long as it exists: one whose lock can be taken belongs to a process that is gone (killed mid-conversion) and is
-  removed by the next writer in that directory; where the file system has no locks, once older than STALE_AGE_S;
-- `.NAME.gguf-old-*` holds a replaced conversion on its way out and is removed by whoever sees it.
-Does not own: what a conversion holds nor which one is current (gguf.py).
+- a directory or file being written (`.NAME.fastspec-tmp-*`, or what `held_temp` names) is held (flock) by its
+  writer for as long as it exists: one whose lock can be taken belongs to a process that is gone (killed midway) and
+  is removed by the next writer in that directory; where the file system has no locks, once older than STALE_AGE_S;
+- `.NAME.fastspec-old-*` holds a replaced conversion on its way out and is removed by whoever sees it.
+Does not own: what a conversion holds nor which one is current (models/gguf.py), what is built (kernels/).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Callable, Iterator
 
 LOCK_FILE = ".fastspec-convert.lock"
 STALE_AGE_S = 24 * 3600  # a temp entry this old is abandoned even where no lock can tell
-_LEFTOVER = re.compile(r"\..+\.gguf-(?:tmp|(?P<old>old))-[^/]+")  # .NAME.gguf-tmp-XXXX / .NAME.gguf-old-XXXX
+_LEFTOVER = re.compile(r"\..+\.fastspec-(?:tmp|(?P<old>old))-[^/]+")  # .NAME.fastspec-tmp-X / .NAME.fastspec-old-X
 
 
 @contextmanager
@@ -90,7 +91,7 @@ def staging(out_dir: Path) -> Iterator[Path]:
     are removed first."""
     with locked(out_dir.parent):
         sweep(out_dir.parent)
-        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.gguf-tmp-"))
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.fastspec-tmp-"))
         fd = _hold(tmp)
     try:
         yield tmp
@@ -146,8 +147,8 @@ def publish(tmp: Path, out_dir: Path, current: Callable[[Path], bool]) -> bool:
 
 
 def move_aside(entry: Path) -> Path:
-    """Move the directory `entry` into a fresh `.NAME.gguf-old-*` beside it (one rename: no reader sees half of it)
+    """Move the directory `entry` into a fresh `.NAME.fastspec-old-*` beside it (one rename: no reader sees half of it)
     and return that, for the caller to delete (sweep removes it otherwise)."""
-    aside = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.gguf-old-"))
+    aside = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.fastspec-old-"))
     os.replace(entry, aside / "dir")
     return aside
