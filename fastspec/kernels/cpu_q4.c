@@ -106,30 +106,35 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
     for (int64_t g = 0; g < G; g++) {
         prefetch_unit(w, sm, 256, 32, g + Q4_AHEAD);
         for (int h = 0; h < 2; h++) {
-            __m256i q[16];
+            __m256i s[Q4_ROWS];
+            for (int m = 0; m < mb; m++) s[m] = _mm256_setzero_si256();
             for (int v = 0; v < 4; v++) {
                 __m256i b = _mm256_loadu_si256((const __m256i *)(w + g * 256 + 64 * v + 32 * h));
                 __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+                __m256i q[4]; /* the pairs (4v, 4v+2), (4v+1, 4v+3) and the same 16 inputs on */
                 if (levels) {
                     lo = _mm256_shuffle_epi8(table, lo);
                     hi = _mm256_shuffle_epi8(table, hi);
-                    q[2 * v] = _mm256_srai_epi16(_mm256_slli_epi16(lo, 8), 8);
-                    q[2 * v + 1] = _mm256_srai_epi16(lo, 8);
-                    q[8 + 2 * v] = _mm256_srai_epi16(_mm256_slli_epi16(hi, 8), 8);
-                    q[8 + 2 * v + 1] = _mm256_srai_epi16(hi, 8);
-                    continue;
+                    q[0] = _mm256_srai_epi16(_mm256_slli_epi16(lo, 8), 8);
+                    q[1] = _mm256_srai_epi16(lo, 8);
+                    q[2] = _mm256_srai_epi16(_mm256_slli_epi16(hi, 8), 8);
+                    q[3] = _mm256_srai_epi16(hi, 8);
+                } else {
+                    q[0] = _mm256_and_si256(lo, word);
+                    q[1] = _mm256_srli_epi16(lo, 8);
+                    q[2] = _mm256_and_si256(hi, word);
+                    q[3] = _mm256_srli_epi16(hi, 8);
                 }
-                q[2 * v] = _mm256_and_si256(lo, word);
-                q[2 * v + 1] = _mm256_srli_epi16(lo, 8);
-                q[8 + 2 * v] = _mm256_and_si256(hi, word);
-                q[8 + 2 * v + 1] = _mm256_srli_epi16(hi, 8);
+                for (int m = 0; m < mb; m++) {
+                    const int32_t *a = (const int32_t *)(x16 + m * K + g * Q4_GROUP); /* one pair per int32 */
+                    s[m] = pair_dots(pair_dots(s[m], q[0], q[1], a + 2 * v), q[2], q[3], a + 8 + 2 * v);
+                }
             }
             __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 8 * h)));
             __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 16 + 8 * h)));
             for (int m = 0; m < mb; m++) {
-                const int32_t *a = (const int32_t *)(x16 + m * K + g * Q4_GROUP);
                 int64_t r = m * (K / Q4_GROUP) + g;
-                acc[m][h] = group_sum(acc[m][h], q, a, 16, scale, offset, xs[r], xsum[r]);
+                acc[m][h] = group_float(acc[m][h], _mm256_cvtepi32_ps(s[m]), scale, offset, xs[r], xsum[r]);
             }
         }
     }

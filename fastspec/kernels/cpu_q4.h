@@ -65,17 +65,30 @@ static inline __attribute__((always_inline)) __m512 group_sum(__m512 acc, const 
 }
 
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-/* AVX2: a 64-byte vector is two halves of 8 rows; vpmaddwd sums the products of 16-bit pairs as vpdpwssd does. */
+/* AVX2: a 64-byte vector is two halves of 8 rows; vpmaddwd sums the products of 16-bit pairs as vpdpwssd does.
+ * With 16 vector registers a half-tile's 16 pair vectors do not fit beside the sums (they spilled to the stack, and
+ * the unpacking, not memory, bounded a step): the tiles unpack a few pair vectors at a time and hand them to
+ * pair_dots for every activation row, one integer sum per row, then group_float once per group. */
+static inline __attribute__((always_inline)) __m256 group_float(__m256 acc, __m256 dot, __m256 scale, __m256 offset,
+                                                                float xs, float xsum) {
+    acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs)), acc);
+    return _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum), acc);
+}
+
+/* s + q0 . (a[0], a[0]) + q1 . (a[1], a[1]) per 32-bit lane: two activation pairs against 8 rows' weight pairs */
+static inline __attribute__((always_inline)) __m256i pair_dots(__m256i s, __m256i q0, __m256i q1, const int32_t *a) {
+    return _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(q0, _mm256_set1_epi32(a[0])),
+                                                _mm256_madd_epi16(q1, _mm256_set1_epi32(a[1]))));
+}
+
 static inline __attribute__((always_inline)) __m256 group_sum(__m256 acc, const __m256i *q, const int32_t *a, int n,
                                                               __m256 scale, __m256 offset, float xs, float xsum) {
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-    for (int p = 0; p < n; p += 2) {
-        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(q[p], _mm256_set1_epi32(a[p])));
-        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(q[p + 1], _mm256_set1_epi32(a[p + 1])));
+    for (int p = 0; p < n; p += 4) {
+        s0 = pair_dots(s0, q[p], q[p + 1], a + p);
+        s1 = pair_dots(s1, q[p + 2], q[p + 3], a + p + 2);
     }
-    __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-    acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(xs)), acc);
-    return _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum), acc);
+    return group_float(acc, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), scale, offset, xs, xsum);
 }
 #endif
 

@@ -54,46 +54,45 @@ static inline __attribute__((always_inline)) void tile8(const int8_t *w, const u
 }
 #endif
 #if !(defined(__AVX512VNNI__) && defined(__AVX512F__)) && defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+/* `units` 32-byte halves of 64-byte vectors (w: the first), each sign-extended into its two pair vectors
+ * and dotted with every row's activation pairs at once (cpu_q4.h: AVX2's 16 registers) */
+static inline __attribute__((always_inline)) void dots8(const int8_t *w, int units, const int16_t *x16, int64_t K,
+                                                        __m256i *s, const int mb) {
+    for (int m = 0; m < mb; m++) s[m] = _mm256_setzero_si256();
+    for (int v = 0; v < units; v++) {
+        __m256i b = _mm256_loadu_si256((const __m256i *)(w + 64 * v));
+        __m256i q0 = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8), q1 = _mm256_srai_epi16(b, 8);
+        for (int m = 0; m < mb; m++) s[m] = pair_dots(s[m], q0, q1, (const int32_t *)(x16 + m * K) + 2 * v);
+    }
+}
+
 static inline __attribute__((always_inline)) void tile8(const int8_t *w, const uint16_t *sm, int64_t G16,
                                                         const int per32, const int16_t *x16, const float *xs,
                                                         const float *xsum32, const float *xsum, int64_t K, float *y,
                                                         int64_t ldy, const int mb) {
     __m256 acc[Q4_ROWS][2];
+    __m256i s[Q4_ROWS];
     for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; per32 && g < G16; g += 2) { /* two groups of 16: one activation group of 32 */
         prefetch_unit((const uint8_t *)w, sm, 512, 32, g / 2 + Q4_AHEAD / 2);
         for (int h = 0; h < 2; h++) {
-            __m256i q[16];
-            for (int v = 0; v < 8; v++) {
-                __m256i b = _mm256_loadu_si256((const __m256i *)(w + g * 256 + 64 * v + 32 * h));
-                q[2 * v] = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
-                q[2 * v + 1] = _mm256_srai_epi16(b, 8);
-            }
+            dots8(w + g * 256 + 32 * h, 8, x16 + (g / 2) * Q4_GROUP, K, s, mb);
             __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 16 + 8 * h)));
             __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 16 + 16 + 8 * h)));
-            for (int m = 0; m < mb; m++) {
-                const int32_t *a = (const int32_t *)(x16 + m * K + (g / 2) * Q4_GROUP);
-                acc[m][h] = group_sum(acc[m][h], q, a, 16, scale, offset, xs[m * (K / Q4_GROUP) + g / 2],
-                                      xsum32[m * (K / Q4_GROUP) + g / 2]);
-            }
+            for (int m = 0; m < mb; m++)
+                acc[m][h] = group_float(acc[m][h], _mm256_cvtepi32_ps(s[m]), scale, offset,
+                                        xs[m * (K / Q4_GROUP) + g / 2], xsum32[m * (K / Q4_GROUP) + g / 2]);
         }
     }
     for (int64_t g = 0; !per32 && g < G16; g++) {
         prefetch_unit((const uint8_t *)w, sm, 256, 32, g + Q4_AHEAD);
         for (int h = 0; h < 2; h++) {
-            __m256i q[8];
-            for (int v = 0; v < 4; v++) {
-                __m256i b = _mm256_loadu_si256((const __m256i *)(w + g * 256 + 64 * v + 32 * h));
-                q[2 * v] = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
-                q[2 * v + 1] = _mm256_srai_epi16(b, 8);
-            }
+            dots8(w + g * 256 + 32 * h, 4, x16 + (g / 2) * Q4_GROUP + (g & 1) * 16, K, s, mb);
             __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 8 * h)));
             __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 16 + 8 * h)));
-            for (int m = 0; m < mb; m++) {
-                const int32_t *a = (const int32_t *)(x16 + m * K + (g / 2) * Q4_GROUP + (g & 1) * 16);
-                acc[m][h] = group_sum(acc[m][h], q, a, 8, scale, offset, xs[m * (K / Q4_GROUP) + g / 2],
-                                      xsum[m * (K / 16) + g]);
-            }
+            for (int m = 0; m < mb; m++)
+                acc[m][h] = group_float(acc[m][h], _mm256_cvtepi32_ps(s[m]), scale, offset,
+                                        xs[m * (K / Q4_GROUP) + g / 2], xsum[m * (K / 16) + g]);
         }
     }
     for (int m = 0; m < mb; m++) {
