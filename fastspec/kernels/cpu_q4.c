@@ -100,7 +100,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
                                                        const int mb) {
     __m256 acc[Q4_ROWS][2];
     for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    const __m256i nibble = _mm256_set1_epi8(15), word = _mm256_set1_epi16(255);
+    const __m256i nibble = _mm256_set1_epi8(15), low4 = _mm256_set1_epi16(15);
     const __m256i table = levels ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)levels))
                                  : _mm256_setzero_si256();
     for (int64_t g = 0; g < G; g++) {
@@ -110,20 +110,19 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
             for (int m = 0; m < mb; m++) s[m] = _mm256_setzero_si256();
             for (int v = 0; v < 4; v++) {
                 __m256i b = _mm256_loadu_si256((const __m256i *)(w + g * 256 + 64 * v + 32 * h));
-                __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
                 __m256i q[4]; /* the pairs (4v, 4v+2), (4v+1, 4v+3) and the same 16 inputs on */
                 if (levels) {
-                    lo = _mm256_shuffle_epi8(table, lo);
-                    hi = _mm256_shuffle_epi8(table, hi);
+                    __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(b, nibble));
+                    __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble));
                     q[0] = _mm256_srai_epi16(_mm256_slli_epi16(lo, 8), 8);
                     q[1] = _mm256_srai_epi16(lo, 8);
                     q[2] = _mm256_srai_epi16(_mm256_slli_epi16(hi, 8), 8);
                     q[3] = _mm256_srai_epi16(hi, 8);
-                } else {
-                    q[0] = _mm256_and_si256(lo, word);
-                    q[1] = _mm256_srli_epi16(lo, 8);
-                    q[2] = _mm256_and_si256(hi, word);
-                    q[3] = _mm256_srli_epi16(hi, 8);
+                } else { /* a 16-bit word's nibbles are, low to high, pairs 0, 2, 1, 3's: a shift and a mask each */
+                    q[0] = _mm256_and_si256(b, low4);
+                    q[1] = _mm256_and_si256(_mm256_srli_epi16(b, 8), low4);
+                    q[2] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+                    q[3] = _mm256_srli_epi16(b, 12);
                 }
                 for (int m = 0; m < mb; m++) {
                     const int32_t *a = (const int32_t *)(x16 + m * K + g * Q4_GROUP); /* one pair per int32 */
