@@ -192,11 +192,18 @@ def test_the_rematch_margin_is_the_runs_spread_or_the_minimum_and_says_why():
      "--max-running-requests 2 is below the largest --batch-sizes, 4: tune runs batches of each size"),
     (["--emit", "sglang", "--from-tuned", "--speculative-eagle-topk", "1"],
      "--speculative-eagle-topk: fastspec tune chooses the tree shapes itself (--from-tuned: the tuned file's)")])
-def test_each_bad_tune_flag_is_named_in_one_line(flags, message):
+def test_each_bad_tune_flag_is_named_in_one_line(flags, message, monkeypatch):
     from typer.testing import CliRunner
 
+    import fastspec.llm
+    import fastspec.tune.tuner
     from fastspec.cli import app
 
+    def no_tune(*args, **kwargs):  # a refusal that broke fails here at once, not after a real tune
+        raise AssertionError(f"tune went on past {flags}")
+
+    monkeypatch.setattr(fastspec.llm.LLM, "__init__", no_tune)
+    monkeypatch.setattr(fastspec.tune.tuner, "tune", no_tune)
     result = CliRunner().invoke(app, ["tune", *flags])
     assert result.exit_code == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.output
 
