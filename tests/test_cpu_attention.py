@@ -1,12 +1,15 @@
 """The paged attention op's CPU kernel (fastspec.kernels.cpu_attention): eager, as the op and compiled it is one
 computation, bit for bit; it is the torch twin to rounding; a verify row is the decode step of its token in every
-dtype (what keeps 16-bit speculation lossless); where the C library is not there the op is its twin. Skipped where
+dtype (what keeps 16-bit speculation lossless); where the C library is not there the op is its twin; the C dense plan
+of a paged plan is the twin's. Skipped where
 no C compiler builds the kernels."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from fastspec.attention.paged import PagedPlan, paged_attention_twin, paged_block_plan
+from fastspec.attention.paged import PagedPlan, paged_attention_twin, paged_block_plan, twin_plan
 from fastspec.kernels import cpu_attention, cpu_fused, cpu_library
 from fastspec.attention import TorchAttnBackend, decode_metadata, extend_metadata
 from fastspec.kernels.cpu_attention import CpuPagedBackend, CpuTorchBackend
@@ -138,3 +141,22 @@ def test_a_latent_pool_attends_in_the_kernel_as_its_decode_steps(dtype, kv):
     twin = paged_attention_twin(q, latent, v, *op_args(plan), scale, True)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(verified.float(), twin.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("self_visible", [True, False])
+def test_paged_dense_plan_is_the_twins(self_visible):
+    """The C dense plan of a paged plan equals attention.paged.twin_plan: prefix columns from a table row up to each
+    request's length (0 included), the block after them, the diagonal where self_visible; the table a column slice of
+    a wider one (its row stride is not its width)."""
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randint(0, 1000, (6, 40), generator=g, dtype=torch.int32)
+    for bs, q_rows, x in ((1, 1, 1), (3, 1, 2), (2, 4, 4), (4, 3, 5)):
+        prefix = PagedPlan(wide[:, :32], torch.randperm(6, generator=g)[:bs], torch.randint(0, 33, (bs,), generator=g),
+                           torch.randint(0, 1000, (bs, x), generator=g), torch.rand(bs, q_rows, x, generator=g) < 0.5,
+                           torch.zeros(bs * q_rows, dtype=torch.int64), self_visible)
+        for plan in (prefix, replace(prefix, prefix_lens=torch.zeros(bs, dtype=torch.int64))):
+            want = twin_plan(plan.table, plan.rows, plan.prefix_lens, plan.block_slots, plan.block_mask, self_visible)
+            got = cpu_fused.paged_dense_plan(plan)
+            for field in ("q_index", "kv_slots", "mask", "out_index", "out_cache_loc", "uniform_qo"):
+                a, b = getattr(got, field), getattr(want, field)
+                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field
