@@ -1,8 +1,7 @@
 """The paged attention op's CPU kernel (fastspec.kernels.cpu_attention): eager, as the op and compiled it is one
 computation, bit for bit; it is the torch twin to rounding; a verify row is the decode step of its token in every
 dtype (what keeps 16-bit speculation lossless); where the C library is not there the op is its twin; the C dense plan
-of a paged plan is the twin's. Skipped where
-no C compiler builds the kernels."""
+of a paged plan is the twin's. Skipped where no C compiler builds the kernels."""
 
 from dataclasses import replace
 
