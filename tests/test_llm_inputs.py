@@ -4,6 +4,7 @@ last message continued (continue_final_message, in LLM.chat and serve)."""
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -142,10 +143,10 @@ def test_a_tokenizer_that_names_nothing_or_does_not_fit_is_one_line(bare_dir, wo
 
 
 def test_a_tokenizer_given_apart_ends_an_answer_with_its_own_eos(bare_dir, bare_llm, tmp_path):
-    """A tokenizer given apart from the model ends an answer on its own eos token as well as the model's (vLLM stops
-    on the tokenizer's eos too): here the word the model greedily writes at some step is that tokenizer's eos, so
-    the answer stops there (reason stop) and is the model's own up to it. Only an id the model's vocabulary holds
-    counts."""
+    """A tokenizer given apart from the model, or the model's own, ends an answer on its eos token as well as on the
+    model's config's (vLLM stops on the tokenizer's eos too): here the word the model greedily writes at some step
+    is that tokenizer's eos, so the answer stops there (reason stop) and is the model's own up to it. Only an id the
+    model's vocabulary holds counts."""
     expected = bare_llm.generate(PROMPTS[:1], PARAMS)[0].output_ids
     model_eos = bare_llm.engine.worker.eos_ids
     at = next(i for i, t in enumerate(expected) if i > 0 and 3 <= t < 3 + len(WORDS) and t not in expected[:i]
@@ -159,6 +160,11 @@ def test_a_tokenizer_given_apart_ends_an_answer_with_its_own_eos(bare_dir, bare_
     got = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8))[0]
     assert (got.output_ids, got.finish_reason) == (expected[:at + 1], "stop")
     assert llm.generate(PROMPTS[:1], PARAMS)[0].output_ids == expected  # (ignore_eos: on to the length)
+    own = shutil.copytree(bare_dir, tmp_path / "own")  # the same tokenizer as the model's own counts the same
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(eos_dir / f, own / f)
+    llm = fastspec.LLM(str(own), speculative_algorithm="NGRAM", max_total_tokens=512)
+    assert llm.engine.worker.eos_ids == model_eos | {expected[at]}
 
 
 def test_the_cli_takes_a_tokenizer(bare_dir, words_dir, words_llm):

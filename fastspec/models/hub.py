@@ -207,11 +207,13 @@ def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
 
 def tokenizer_eos_ids(directory: Path, vocab_size: int) -> frozenset[int]:
     """The id of the eos token a tokenizer's config names, where the model's `vocab_size` rows hold it (none
-    otherwise): a tokenizer given apart from the model ends an answer with it too, as vLLM stops on it."""
+    otherwise, or without tokenizer.json): an answer ends with it too, as vLLM stops on its tokenizer's eos besides
+    generation_config's (Llama-3-Instruct's config.json names <|end_of_text|>, its tokenizer <|eot_id|>)."""
     from tokenizers import Tokenizer
 
-    config_file = directory / "tokenizer_config.json"
+    config_file, tokenizer_file = directory / "tokenizer_config.json", directory / "tokenizer.json"
     eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
     eos = eos.get("content") if isinstance(eos, dict) else eos
-    found = Tokenizer.from_file(str(directory / "tokenizer.json")).token_to_id(eos) if isinstance(eos, str) else None
+    found = (Tokenizer.from_file(str(tokenizer_file)).token_to_id(eos)
+             if isinstance(eos, str) and tokenizer_file.is_file() else None)
     return frozenset() if found is None or found >= vocab_size else frozenset([found])

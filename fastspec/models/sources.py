@@ -63,11 +63,9 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
     scheme = checkpoint_scheme(model_dir)
     quantization = resolve_quantization(quantization, model_dir, scheme, device, load_format, algorithm)
     check_int4_rounding(quantization, config, model_dir)
-    eos_ids = generation_eos_ids(model_dir, config.eos_token_ids)
-    tokenizer_dir = model_dir
-    if tokenizer is not None:
-        tokenizer_dir = hub.resolve_tokenizer_dir(tokenizer, config.vocab_size)
-        eos_ids |= hub.tokenizer_eos_ids(tokenizer_dir, config.vocab_size)
+    tokenizer_dir = model_dir if tokenizer is None else hub.resolve_tokenizer_dir(tokenizer, config.vocab_size)
+    eos_ids = generation_eos_ids(model_dir, config.eos_token_ids) | hub.tokenizer_eos_ids(tokenizer_dir,
+                                                                                         config.vocab_size)
     draft_dir = draft_config = draft_scheme = None
     if algorithm in DRAFTED:
         draft = mtp_draft(str(model_dir), model_dir, config, named, draft_model)
