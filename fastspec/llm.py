@@ -114,14 +114,14 @@ class LLM:
                     add_generation_prompt: bool | None = None, continue_final_message: bool = False) -> list[int]:
         return self.tokenizer.encode_chat(messages, tools, add_generation_prompt, continue_final_message)
 
-    def generate(self, prompts: str | list[str] | list[list[int]] | None = None,
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None, chat: bool = False,
                  should_stop: Callable[[], bool] = lambda: False, **foreign) -> list[Completion]:
-        """Prompts as text (optionally chat-templated) or as token ids (lists, or numpy / torch integer arrays: see
-        fastspec.text.inputs); one SamplingParams (None: the defaults) or one each (vLLM's names:
-        `llm.generate(prompts, sampling_params=...)`). `should_stop()` (asked after every step; Ctrl-C) ends every
-        request with what it has, reason "abort". The engine's stream is closed however this ends (Ctrl-C in the
-        middle too), so its KV is back and the next call may run."""
+        """Prompts as text (optionally chat-templated) or as token ids (a list of ints is one prompt, a list of lists
+        several; numpy / torch integer arrays: see fastspec.text.inputs); one SamplingParams (None: the defaults) or
+        one each (vLLM's names: `llm.generate(prompts, sampling_params=...)`). `should_stop()` (asked after every
+        step; Ctrl-C) ends every request with what it has, reason "abort". The engine's stream is closed however this
+        ends (Ctrl-C in the middle too), so its KV is back and the next call may run."""
         check_call_keywords(self.generate, foreign)
         ids, params = self._inputs(prompts, sampling_params, chat)
         with contextlib.closing(self.engine.stream(ids, params)) as steps:

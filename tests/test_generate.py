@@ -227,7 +227,11 @@ def test_malformed_api_input_is_one_line_and_the_llm_stays_usable(tiny_dirs):
     llm = fastspec.LLM(model, speculative_algorithm="NGRAM", ngram={"max_bfs_breadth": 2}, max_total_tokens=512)
     assert llm.engine.spec.ngram.max_bfs_breadth == 2  # a dict of NgramParams' fields
     for args, message in ((([[1, 2], [3]], [SamplingParams()] * 3), "3 SamplingParams for 2 prompts"),
-                          (([1, 2, 3],), "prompts must be a string, a list of strings or a list of token-id lists"),
+                          (([1, "w2"],), "prompts mixes token ids with other prompts: give one prompt's ids as a "
+                                          "list of ints, or several prompts"), (([[1, 2], 3],), "prompts mixes"),
+                          (([True, False],), r"prompts: token ids must be ints, got a bool"),
+                          (([[1, True]],), "got a bool"), (([1, 2.0],), "prompts must be a string, a list of token "
+                                                                      r"ids \(one prompt\), a list of strings or"),
                           (([[1, 2.5]],), "prompts must be"), ((None,), "prompts must be"),
                           (([[1, 2]], {"max_new_tokens": 3}), "params must be a SamplingParams or a list of them")):
         with pytest.raises(FastspecError, match=message):
@@ -235,7 +239,13 @@ def test_malformed_api_input_is_one_line_and_the_llm_stays_usable(tiny_dirs):
     with pytest.raises(FastspecError, match="chat=True applies the chat template to text prompts"):
         llm.generate([[1, 2]], chat=True)
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    assert llm.generate([(5, 6, 7)], params)[0].output_ids == llm.generate([[5, 6, 7]], params)[0].output_ids
+    expected = llm.generate([[5, 6, 7]], params)[0].output_ids
+    assert llm.generate([(5, 6, 7)], params)[0].output_ids == expected
+    # a flat list of ints is one prompt's ids, as vLLM reads it, in generate and stream alike
+    flat = llm.generate([5, 6, 7], params)
+    assert len(flat) == 1 and (flat[0].prompt_ids, flat[0].output_ids) == ([5, 6, 7], expected)
+    assert llm.generate((5, 6, 7), params)[0].output_ids == expected
+    assert sum((d.new_ids for step in llm.stream([5, 6, 7], params) for d in step), []) == expected
     for kwargs, message in ((dict(draft_model=model), r"draft_model needs speculative_algorithm \(EAGLE, EAGLE3 or "
                                                       "STANDALONE\\): without it the draft would be ignored"),
                             (dict(draft_model=model, speculative_algorithm="NGRAM"), "draft_model with "

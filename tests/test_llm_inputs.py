@@ -61,8 +61,9 @@ def test_token_ids_stream_without_a_tokenizer_as_they_generate(bare_llm):
 
 
 def test_numpy_and_torch_prompts_are_token_id_lists(bare_llm):
-    """A 1-D integer array is one prompt's ids, a 2-D one a batch, and arrays may stand in a list of prompts; the
-    output is the lists' output. Bool and float arrays, and arrays of the wrong rank, are one-line refusals."""
+    """A 1-D integer array is one prompt's ids (as a flat list of ints is), a 2-D one a batch, and arrays may stand in
+    a list of prompts; the output is the lists' output. Bool and float arrays (and bools in a list), and arrays of the
+    wrong rank, are one-line refusals."""
     expected = [c.output_ids for c in bare_llm.generate(PROMPTS, PARAMS)]
 
     def outputs(prompts):
@@ -71,6 +72,7 @@ def test_numpy_and_torch_prompts_are_token_id_lists(bare_llm):
     assert outputs(np.array(PROMPTS)) == outputs(torch.tensor(PROMPTS, dtype=torch.int32)) == expected
     assert outputs([np.array(PROMPTS[0], dtype=np.uint16), torch.tensor(PROMPTS[1])]) == expected
     assert outputs(np.array(PROMPTS[1])) == outputs(torch.tensor(PROMPTS[1])) == expected[1:]
+    assert outputs(list(np.array(PROMPTS[1]))) == expected[1:]  # (numpy's ints in a flat list: one prompt too)
     assert bare_llm.generate(np.array(PROMPTS[0]), PARAMS)[0].prompt_ids == PROMPTS[0]  # Python ints
     assert type(bare_llm.generate(np.array(PROMPTS[0]), PARAMS)[0].prompt_ids[0]) is int
     streamed = [d.new_ids for step in bare_llm.stream(torch.tensor(PROMPTS[:1]), PARAMS) for d in step]
@@ -83,7 +85,9 @@ def test_numpy_and_torch_prompts_are_token_id_lists(bare_llm):
                              ([np.array(PROMPTS)], r"a prompt as an array must be 1-D \(one prompt's ids\), got 2-D"),
                              (np.ma.array(PROMPTS[0], mask=[0, 1, 0, 0]), f"{array} hold integer token ids, got mask"),
                              (torch.tensor(PROMPTS[0], device="meta"), "prompts as an array cannot be read"),
-                             (np.int64(3), "prompts must be a string, a list of strings or a list of token-id lists")):
+                             ([np.True_, np.False_], "prompts: token ids must be ints, got a bool"),
+                             (np.int64(3), r"prompts must be a string, a list of token ids \(one prompt\), a list of "
+                                           "strings or a list of token-id lists")):
         with pytest.raises(FastspecError, match=f"^{message}"):
             bare_llm.generate(prompts, PARAMS)
 
