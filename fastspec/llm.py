@@ -47,9 +47,9 @@ class LLM:
         snapshot, or downloaded into the hub cache unless HF_HUB_OFFLINE is set. `load_format="dummy"` (an engine
         option): random weights from the model's config.json alone (see fastspec.models.dummy). `threads`: torch's
         CPU thread count (fastspec's C kernels share it), 0 = auto as the CLI's `--threads` (every core no other
-        process keeps busy, measured once per process), None = leave torch's setting alone. `tokenizer`: a directory
-        or hub id whose tokenizer (and chat template) replaces the model's own, e.g. for a checkpoint shipped without
-        one; its ids must fit the model's vocabulary.
+        process keeps busy, measured once per process), None = leave torch's setting alone. `tokenizer`: a directory,
+        hub id, .gguf file or embedded model whose tokenizer (and chat template) replaces the model's own, e.g. for a
+        checkpoint shipped without one; its ids must fit the model's vocabulary.
 
         Checks run cheapest first: the flags, then the models' configs (fastspec.models.sources), and only then
         the tuned file."""
@@ -298,7 +298,8 @@ def _path_or_name(value, name: str) -> str | None:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     what = {"model": "a directory, a hub id, a .gguf file or an embedded model's name",
-            "draft_model": "a directory or a hub id", "tokenizer": "a directory or a hub id"}.get(name, "a file")
+            "draft_model": "a directory or a hub id",
+            "tokenizer": "a directory, a hub id, a .gguf file or an embedded model's name"}.get(name, "a file")
     raise FastspecError(f"{name} must be {what}, got {type(value).__name__}")
 
 

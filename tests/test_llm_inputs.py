@@ -127,12 +127,16 @@ def test_a_tokenizer_given_apart_from_the_model_reads_and_writes_its_text(bare_l
 
 
 def test_a_tokenizer_that_names_nothing_or_does_not_fit_is_one_line(bare_dir, words_dir, tmp_path, monkeypatch):
-    """A path that is neither a directory nor a hub id, a directory without tokenizer.json, or a tokenizer with ids
-    past the model's vocabulary (97): a FastspecError before any weight is read. A hub id is its tokenizer files
-    in the hub cache (offline and not cached: one line too). SGLang's tokenizer_path names fastspec's keyword."""
+    """A path that is neither a directory nor a hub id, a directory without tokenizer.json, an empty name (it read
+    the current directory), a .gguf file that is not there, or a tokenizer with ids past the model's vocabulary (97;
+    here an embedded model's, which is taken): a FastspecError before any weight is read. A hub id is its tokenizer
+    files in the hub cache (offline and not cached: one line too). SGLang's tokenizer_path names fastspec's keyword."""
     big = write_word_tokenizer(tmp_path / "big", words=[f"w{i}" for i in range(3, 120)])
-    for tokenizer, message in ((tmp_path / "nope", "is neither a directory nor a Hugging Face hub id"),
-                               (bare_dir, "has no tokenizer.json"),
+    for tokenizer, message in ((tmp_path / "nope", "is neither a directory with tokenizer.json, a Hugging Face hub id"),
+                               (bare_dir, "has no tokenizer.json"), ("", "tokenizer is empty: give a directory with "
+                                                                         "tokenizer.json, a Hugging Face hub id"),
+                               (" ", "tokenizer is empty"), (tmp_path / "x.gguf", "tokenizer file .* does not exist"),
+                               ("smollm2-135m-instruct", "does not fit the model: it has token ids up to 491"),
                                (big, "does not fit the model: it has token ids up to 121, the model's vocabulary 97"),
                                ("tiny-org/uncached", "tiny-org/uncached's tokenizer.json is not in the Hugging Face "
                                                      "cache .* and HF_HUB_OFFLINE is set")):
@@ -182,7 +186,31 @@ def test_the_cli_takes_a_tokenizer(bare_dir, words_dir, words_llm):
     record = json.loads(done.stdout)
     assert (record["output_ids"], record["text"]) == (expected.output_ids, expected.text)
     refused = CliRunner().invoke(app, [*args, "--tokenizer", str(bare_dir / "nope")])
-    assert refused.exit_code != 0 and "is neither a directory nor a Hugging Face hub id" in refused.output
+    assert refused.exit_code != 0 and "is neither a directory with tokenizer.json, a Hugging Face hub" in refused.output
+    empty = CliRunner().invoke(app, [*args, "--tokenizer", ""])
+    assert empty.exit_code != 0 and "tokenizer is empty: give a directory" in empty.output
+
+
+def test_a_gguf_files_tokenizer_is_read_alone(tmp_path):
+    """LLM(tokenizer=a .gguf file): its tokenizer files alone are written once into the models' cache (no weights, as
+    a model's conversion would write), and read text as the file's conversion does, chat template included."""
+    from gguf_writers import TEMPLATE as GGUF_TEMPLATE, tiny_llama, write_gguf
+
+    from fastspec.models.gguf import convert_gguf
+
+    path = write_gguf(tmp_path / "t.gguf", tiny_llama(True))
+    model_dir = tmp_path / "bare"
+    tiny_llama(True).save_pretrained(model_dir)
+    llm = fastspec.LLM(str(model_dir), tokenizer=str(path), max_total_tokens=256)
+    directory = llm.sources.tokenizer_dir
+    assert sorted(f.name for f in directory.iterdir()) == ["fastspec_source.json", "tokenizer.json",
+                                                          "tokenizer_config.json"]
+    converted = FastTokenizer(convert_gguf(path, tmp_path / "converted"))
+    for text in ("the 12 ll", "<custom> hello"):
+        assert llm.encode(text) == converted.encode(text, add_special_tokens=True)
+    assert llm.tokenizer.chat_template == converted.chat_template == GGUF_TEMPLATE
+    again = fastspec.LLM(str(model_dir), tokenizer=str(path), max_total_tokens=256)
+    assert again.sources.tokenizer_dir == directory  # (written once)
 
 
 CONVERSATIONS = [[{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5 w6"}],

@@ -31,7 +31,7 @@ ENGINE_FLAGS = ("model", "load_format", "quantization", "dtype", "kv_cache_dtype
 class ModelOptions:
     model: Annotated[str, typer.Option("--model", "-m", "--model-path", help="Embedded model name, HF directory, .gguf file or Hugging Face hub id (org/name: from the hub cache, else downloaded unless HF_HUB_OFFLINE is set).")] = DEFAULT_MODEL
     revision: Annotated[Optional[str], typer.Option(help="Hub id --model: the branch, tag or commit (default main).")] = None
-    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", "--tokenizer-path", help="Use this tokenizer and chat template instead of the model's own: a directory with tokenizer.json, or a hub id.")] = None
+    tokenizer: Annotated[Optional[str], typer.Option("--tokenizer", "--tokenizer-path", help="Use this tokenizer and chat template instead of the model's own: a directory with tokenizer.json, a hub id, a .gguf file or an embedded model's name.")] = None
     load_format: Annotated[str, typer.Option(help="auto | dummy (random weights built on the device from config.json alone, none read: for benchmarks).")] = "auto"
     quantization: Annotated[str, typer.Option(help="auto | gguf | fp8 | int8 | int4 | none | the checkpoint's method: how the weights are stored and multiplied (docs/cli.md).")] = "auto"
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16. auto: on the CPU float32, but a bfloat16 checkpoint stays bfloat16 where the CPU has AVX512-BF16 (and any 16-bit one where float32 would not fit in memory); on CUDA the checkpoint's 16-bit dtype, bfloat16 for a float32 checkpoint (SGLang documents float16 there).")] = "auto"

@@ -4,9 +4,10 @@ in one GGUF tensor per projection (or one per expert, as llama.cpp's early Mixtr
 transformers' per-expert weights (each expert's blocks, where they are of a block type).
 
 Owns: writing the directory, published atomically (the tokenizer: gguf_tokenizer; how processes share the cache:
-shared_dirs): every tensor of a block format as its blocks only (BLOCKS_FILE: what --quantization gguf runs, see
-gguf_packed; a float load dequantises them, gguf_blocks.stored_floats), the others dequantised in model.safetensors,
-and each tensor's GGUF type; its SOURCE_MARKER and the "convert once, reuse after" check (is_current_conversion).
+shared_dirs), or a GGUF's tokenizer files alone (write_gguf_tokenizer, for a tokenizer given apart): every tensor
+of a block format as its blocks only (BLOCKS_FILE: what --quantization gguf runs, see gguf_packed; a float load
+dequantises them, gguf_blocks.stored_floats), the others dequantised in model.safetensors, and each tensor's GGUF
+type; its SOURCE_MARKER and the "convert once, reuse after" check (is_current_conversion).
 Does not own: reading the tensors (gguf_read; their names: gguf_names), the configs its metadata maps to (gguf_config;
 the rope scaling a file describes: gguf_rope), which GGUF to convert or where to cache it (embedded.py), nor loading
 the result (loader.py).
@@ -28,6 +29,7 @@ from fastspec.models.gguf_tokenizer import adds_bos, build_tokenizer, special_id
 
 CONVERTER_VERSION = 8  # bump when the output layout changes, so cached conversions are redone
 SOURCE_MARKER = "fastspec_source.json"
+TOKENIZER_ONLY = "tokenizer"  # the marker's dtype of a directory holding the tokenizer files alone (no weights)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -59,6 +61,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
             _write_marker(tmp, gguf_path, config["torch_dtype"])
             publish(tmp, out_dir, lambda d: is_current_conversion(d, gguf_path, config["torch_dtype"]))
     except OSError as e:  # (a full disk)
+        raise _unwritable(out_dir, e) from None
+    return out_dir
+
+
+def write_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
+    """The tokenizer files of a GGUF alone (tokenizer.json, tokenizer_config.json; no tensor read) at `out_dir`,
+    published atomically as convert_gguf's directories are (its marker's dtype TOKENIZER_ONLY); returns out_dir."""
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = open_reader(gguf_path)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with staging(out_dir) as tmp:
+            tmp.chmod(0o755)
+            _write_tokenizer(reader, tmp)
+            _write_marker(tmp, gguf_path, TOKENIZER_ONLY)
+            publish(tmp, out_dir, lambda d: is_current_conversion(d, gguf_path, TOKENIZER_ONLY))
+    except OSError as e:
         raise _unwritable(out_dir, e) from None
     return out_dir
 

@@ -178,21 +178,39 @@ def check_model_spec(spec: str, flag: str = "model", head: bool = False) -> None
 
 def check_tokenizer_spec(spec: str) -> None:
     """Refuse a tokenizer (given apart from the model) that names nothing, before anything is read: it is a hub id
-    (looked up when resolved) or a directory holding tokenizer.json."""
+    (looked up when resolved), a directory holding tokenizer.json, an embedded model's name or a .gguf file (their
+    tokenizer files: sources.resolve_tokenizer_dir). Empty or blank is refused (it read the current directory)."""
+    from fastspec.models import embedded
+
+    kinds = ("a directory with tokenizer.json, a Hugging Face hub id (org/name), a .gguf file {} an embedded model ("
+             + ", ".join(embedded.EMBEDDED_MODELS) + ")")
+    if not spec.strip():
+        raise FastspecError(f"tokenizer is empty: give {kinds.format('or')}")
     path = Path(spec).expanduser()
-    if not is_hub_id(spec) and not (path / "tokenizer.json").is_file():
-        what = "has no tokenizer.json" if path.is_dir() else "is neither a directory nor a Hugging Face hub id"
-        raise FastspecError(f"tokenizer {spec} {what}")
+    if is_hub_id(spec) or spec in embedded.EMBEDDED_MODELS or (path / "tokenizer.json").is_file():
+        return
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FastspecError(f"tokenizer file {spec} does not exist")
+        return
+    what = "has no tokenizer.json" if path.is_dir() else f"is neither {kinds.format('nor')}"
+    raise FastspecError(f"tokenizer {spec} {what}")
 
 
 def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
     """The directory of a tokenizer given apart from the model (vLLM's `tokenizer`, for a checkpoint shipped
-    without one): a local directory, or a hub id's tokenizer files (fetch_tokenizer). Its ids must fit the model's
-    `vocab_size` embedding rows: a larger one is refused (its tokens would index past them)."""
+    without one) as a local directory or a hub id (its tokenizer files: fetch_tokenizer), checked by
+    check_tokenizer_fits."""
+    check_tokenizer_spec(spec)
+    return check_tokenizer_fits(fetch_tokenizer(spec) if is_hub_id(spec) else Path(spec).expanduser(), spec,
+                                vocab_size)
+
+
+def check_tokenizer_fits(directory: Path, spec: str, vocab_size: int) -> Path:
+    """`directory` (tokenizer `spec`'s files) when its ids fit the model's `vocab_size` embedding rows: a larger one
+    is refused (its tokens would index past them), as is a tokenizer.json that cannot be read."""
     from tokenizers import Tokenizer
 
-    check_tokenizer_spec(spec)
-    directory = fetch_tokenizer(spec) if is_hub_id(spec) else Path(spec).expanduser()
     path = directory / "tokenizer.json"
     try:
         ids = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()

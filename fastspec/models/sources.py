@@ -1,6 +1,7 @@
 """Start-up's one resolve step: what the user named (an embedded model, a directory, a .gguf file, a hub id; a draft)
 -> the directories and configs every later stage reads, as one frozen `ModelSources`; and the steps it is made of
-(`resolve_model_dir`: a spec to a directory, converting a .gguf file once; `resolve_quantization`).
+(`resolve_model_dir`: a spec to a directory, converting a .gguf file once; `resolve_tokenizer_dir`: a tokenizer given
+apart from the model; `resolve_quantization`).
 
 Reads config.json files and the quantisation scheme once, and runs every check that needs no weights: the draft
 head against the target (width, vocabulary, EAGLE vs EAGLE-3, aux layers), a STANDALONE draft, an MTP draft, and
@@ -53,7 +54,7 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
                     load_format: str = "auto", tokenizer: str | None = None) -> ModelSources:
     """`algorithm` as the user named it (NEXTN: EAGLE with the checkpoint's MTP layer). Hub ids are fetched (the
     draft's config first, so a head that cannot fit is refused before its weights download). `tokenizer`: one to
-    use instead of the model's own (hub.resolve_tokenizer_dir)."""
+    use instead of the model's own (resolve_tokenizer_dir)."""
     named, algorithm, asked = algorithm, check_spec_flags(algorithm), quantization
     if tokenizer is not None:
         hub.check_tokenizer_spec(tokenizer)  # (before the model is fetched or converted)
@@ -63,7 +64,7 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
     scheme = checkpoint_scheme(model_dir)
     quantization = resolve_quantization(quantization, model_dir, scheme, device, load_format, algorithm)
     check_int4_rounding(quantization, config, model_dir)
-    tokenizer_dir = model_dir if tokenizer is None else hub.resolve_tokenizer_dir(tokenizer, config.vocab_size)
+    tokenizer_dir = model_dir if tokenizer is None else resolve_tokenizer_dir(tokenizer, config.vocab_size)
     eos_ids = generation_eos_ids(model_dir, config.eos_token_ids) | hub.tokenizer_eos_ids(tokenizer_dir,
                                                                                          config.vocab_size)
     draft_dir = draft_config = draft_scheme = None
@@ -127,18 +128,47 @@ def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
 def _converted_gguf(path: Path) -> Path:
     """The conversion of the .gguf file at `path` (converted once per path, size and time; converting a new version
     removes the earlier versions' conversions)."""
-    from fastspec.models.embedded import models_root, remove_stale_conversions
+    from fastspec.models.embedded import remove_stale_conversions
     from fastspec.models.gguf import convert_gguf, is_current_conversion
 
-    stat, real = path.stat(), path.resolve()  # (a symlink shares its file's conversion)
-    key = hashlib.sha1(f"{real}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = models_root() / "gguf" / f"{real.stem}-{key}"
+    out = _conversion_dir(path, "gguf")
     if is_current_conversion(out, path):
         return out
     log.warning("%s: converting it into %s (once: later starts read that)", path.name, out)
     convert_gguf(path, out)
     remove_stale_conversions(out, path)
     return out
+
+
+def _conversion_dir(path: Path, folder: str) -> Path:
+    """Where the .gguf file at `path` is converted under the models' cache `folder`: one directory per path, size
+    and time (a symlink shares its file's)."""
+    from fastspec.models.embedded import models_root
+
+    stat, real = path.stat(), path.resolve()
+    key = hashlib.sha1(f"{real}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return models_root() / folder / f"{real.stem}-{key}"
+
+
+def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
+    """A tokenizer given apart from the model -> the directory of its files: an embedded model's (its conversion), a
+    .gguf file's (its tokenizer files alone, written once: converting a large model's weights for its tokenizer would
+    cost their size), else a directory's or a hub id's (hub.resolve_tokenizer_dir). Its ids must fit the model's
+    `vocab_size` rows (hub.check_tokenizer_fits)."""
+    from fastspec.models import embedded
+    from fastspec.models.gguf import TOKENIZER_ONLY, is_current_conversion, write_gguf_tokenizer
+
+    hub.check_tokenizer_spec(spec)
+    path = Path(spec).expanduser()
+    if spec in embedded.EMBEDDED_MODELS:
+        return hub.check_tokenizer_fits(embedded.embedded_model_dir(spec), spec, vocab_size)
+    if path.suffix != ".gguf" or not path.is_file():
+        return hub.resolve_tokenizer_dir(spec, vocab_size)
+    out = _conversion_dir(path, "gguf-tokenizers")
+    if not is_current_conversion(out, path, TOKENIZER_ONLY):
+        write_gguf_tokenizer(path, out)
+        embedded.remove_stale_conversions(out, path)
+    return hub.check_tokenizer_fits(out, spec, vocab_size)
 
 
 def resolve_draft_dir(spec: str, revision: str | None, target: ModelConfig, algorithm: str) -> Path:
