@@ -13,6 +13,7 @@ import threading
 
 import typer
 
+from fastspec import spec_config
 from fastspec.errors import FastspecError
 
 
@@ -106,15 +107,9 @@ def given(context: typer.Context, name: str) -> bool:
 
 def refuse_lossy_thresholds(options, why: str) -> None:
     """One line naming the lossy acceptance thresholds set (ModelOptions `options`) where the command decodes
-    greedily: `why` says so (greedy acceptance is exact whatever the thresholds, so they would change nothing)."""
-    flags = [flag for flag, value in (("--speculative-accept-threshold-single",
-                                       options.speculative_accept_threshold_single),
-                                      ("--speculative-accept-threshold-acc", options.speculative_accept_threshold_acc))
-             if value != 1.0]
-    if flags:
-        verb = "are" if len(flags) > 1 else "is"
-        raise FastspecError(f"{', '.join(flags)} {verb} not used: {why}, where acceptance is exact whatever the "
-                            "thresholds")
+    greedily: `why` says so (spec_config.refuse_lossy_thresholds, which the engine runs per request too)."""
+    spec_config.refuse_lossy_thresholds(options.speculative_accept_threshold_single,
+                                        options.speculative_accept_threshold_acc, why)
 
 
 def parse_ids(text: str, flag: str = "--input-ids") -> list[int]:

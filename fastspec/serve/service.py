@@ -32,7 +32,7 @@ from fastspec.utils.metrics import SpecMetrics
 # (app._check_schemas); a request's lark grammar is the tools' own (`auto`). stop_token_ids: no request sets them (a
 # refusal of one names no field).
 PARAMS = {"prompt": "prompt", "logit_bias": "logit_bias", "regex": "regex", "ebnf": "ebnf",
-          "json_schema": "response_format", "lark": "tools"}
+          "json_schema": "response_format", "lark": "tools", "temperature": "temperature", "top_k": "top_k"}
 
 
 def param(field: str, chat: bool) -> str | None:
