@@ -33,6 +33,11 @@ class RequestTooLong(FastspecError):
         self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
 
 
+class RunEnded(FastspecError):
+    """A call another thread routed to a server's engine thread (Engine.call) that the server's run ended before
+    running: the server stopped. A server answers it as a 503."""
+
+
 def first_line(error: BaseException, limit: int | None = 120) -> str:
     """The first non-blank line of `error`'s message (its type name if it has none), cut to `limit` (None: whole):
     what a one-line FastspecError quotes of an exception from a library."""

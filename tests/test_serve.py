@@ -5,6 +5,7 @@ its request. All with overlap off and on."""
 
 import http.client
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -143,6 +144,41 @@ def test_32_concurrent_streams_complete_and_free_every_slot(served, twin):
 
     with ThreadPoolExecutor(32) as pool:
         assert list(pool.map(one, range(32))) == want
+    assert engine_settled(service)
+
+
+def test_other_threads_calls_run_with_no_round_in_flight_and_change_no_token(served, twin):
+    """While requests run, another thread's prefix-cache flushes and calls (Engine.call, EngineService.call) are run
+    by the engine thread at a safe point: every step handed out and no round in flight (under overlap they ran
+    during the poll, a round launched ahead still pending); the greedy answers are those of a run without them, and
+    nothing raises."""
+    client, _, llm, service = served
+    engine = llm.engine
+    assert engine_settled(service)
+    lengths = [16 + 3 * i for i in range(6)]
+    want = [greedy(twin, p, n, chat=False, ignore_eos=True).text for p, n in zip(PROMPTS, lengths)]
+    probes, done = [], threading.Event()
+
+    def probe() -> tuple[bool, bool]:  # on the engine thread: (no round in flight, requests running)
+        return engine.worker.overlap.pending is None, engine.load.running > 0
+
+    def flush_and_probe() -> None:
+        while not done.is_set():
+            engine.flush_cache()
+            probes.append(service.call(probe))
+
+    def one(i: int) -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=lengths[i], temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    with ThreadPoolExecutor(7) as pool:
+        flusher = pool.submit(flush_and_probe)
+        got = list(pool.map(one, range(6)))
+        done.set()
+        flusher.result()
+    assert got == want
+    assert probes and all(idle for idle, _ in probes), probes
+    assert any(running for _, running in probes)
     assert engine_settled(service)
 
 

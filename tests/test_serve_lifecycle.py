@@ -9,7 +9,7 @@ import time
 
 import openai
 import pytest
-from serve_helpers import engine_settled, plain_char_llm, scrape, start_server
+from serve_helpers import engine_settled, plain_char_llm, raw, scrape, start_server
 
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
@@ -219,3 +219,38 @@ def test_a_served_engines_other_calls_run_on_its_thread_or_are_refused(served, m
         assert "\n" not in str(e.value)
     assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2).choices
     assert engine_settled(service)
+
+
+def test_a_call_pending_when_the_server_stops_is_a_one_line_503(own_llm):
+    """A call routed to the engine thread (POST /flush_cache) that the server stops before running is a one-line
+    503 naming it (it was a raw RuntimeError: a 500 'internal error'); once stopped, a call is a 503 at once (it
+    waited 60 s for a thread that had gone)."""
+    server, thread, service, url, _ = start(own_llm, max_queued=4)
+    entered, gate, answer = threading.Event(), threading.Event(), []
+
+    def deliver(event) -> None:  # the engine thread waits here, between two steps, until the stop and the call queue
+        entered.set()
+        gate.wait(30)
+
+    flusher = threading.Thread(target=lambda: answer.append(raw(url, "POST", "/flush_cache")))
+    try:
+        service.submit(own_llm.encode("abc"), SamplingParams(max_new_tokens=50, ignore_eos=True), deliver)
+        assert entered.wait(30)
+        service.stop(timeout=0)  # queued behind the step being handed out
+        flusher.start()
+        deadline = time.monotonic() + 30
+        while service._inbox.qsize() < 2 and time.monotonic() < deadline:  # the stop, then the call's
+            time.sleep(0.01)
+        gate.set()
+        flusher.join(30)
+        assert answer == [(503, {"error": {"message": "the server stopped before running flush_cache",
+                                           "type": "server_error", "param": None, "code": None}})]
+        service.stop()
+        with pytest.raises(APIError, match="^the engine has stopped: the server is shutting down$") as e:
+            service.call(lambda: None)
+        assert e.value.status == 503
+    finally:
+        gate.set()
+        server.should_exit = True
+        thread.join(10)
+        service.stop()

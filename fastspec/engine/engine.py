@@ -74,14 +74,16 @@ class Engine:
         otherwise)."""
         self.worker.check_kv(running)
 
+    def call(self, fn: Callable, what: str = "the call") -> Future:
+        """fn() with no step running meanwhile, as a Future of its result (OneRun.call): from another thread while
+        a server runs, run by its thread at the next safe point (`_run_calls`: no round in flight)."""
+        return self._runs.call(fn, what)
+
     def flush_cache(self) -> None:
-        """Empty the prefix cache (its slots go back to the allocator). In a run, between two steps: a server's thread
-        runs another thread's call, and under overlap the worker's thread runs it after the step in flight (which
-        may be handing KV to the cache)."""
-        route = self._runs.server_route()
-        if route is not None:
-            return route(self.flush_cache)
-        self._submit(self.worker.flush_cache).result()
+        """Empty the prefix cache (its unlocked entries' slots go back to the allocator), as `call` runs it; under
+        overlap in the worker's thread, after what was submitted before and the round launched ahead finished
+        (both may hand KV to the cache)."""
+        self.call(lambda: self._submit(self.worker.flush_cache).result(), "flush_cache").result()
 
     # ---- public API -------------------------------------------------------------------------------------
 
@@ -106,16 +108,16 @@ class Engine:
         yield from self.run(reqs)
 
     def run(self, reqs: list[Request], poll: Callable[[bool], list[Request] | None] | None = None,
-            call: Callable | None = None) -> Iterator[list[StepOutput]]:
+            wake: Callable | None = None) -> Iterator[list[StepOutput]]:
         """`stream` over Requests made by `request`; with `poll`, requests also arrive while it runs (a server):
         `poll(idle)` is called before every step and returns the requests that arrived (it may block while
-        `idle`, nothing being left to run), or None to stop (what still runs is released); `call(fn)` runs fn on
-        the server's thread between two steps (another thread's flush_cache goes through it). Runs go one at a
+        `idle`, nothing being left to run), or None to stop (what still runs is released); `wake()` makes a
+        blocking poll return (another thread's `call` waits for the next safe point). Runs go one at a
         time: two would share the drafter's and `abort`'s request ids, so another while one is open (another
         thread's, a stream not yet finished or closed, or a server's: `poll`, held until it stops) is a
         FastspecError at its first step."""
         if poll is not None:
-            return self._runs.serve(self._steps(reqs, poll), call)
+            return self._runs.serve(self._steps(reqs, poll), wake)
         return self._runs.stream(self._steps(reqs, None))
 
     def _steps(self, reqs: list[Request], poll) -> Iterator[list[StepOutput]]:
@@ -134,6 +136,7 @@ class Engine:
                 if inflight is None and scheduler.idle:
                     if poll is None:
                         break
+                    self._run_calls()
                     if self._thread is None:  # every release applied (under overlap: in the worker's thread)
                         self.load = EngineLoad(0, 0, self.worker.available_kv())
                     continue
@@ -141,6 +144,8 @@ class Engine:
                 if inflight is not None and not self._may_run_ahead(scheduler, inflight[0]):
                     out += self._hand_out(scheduler, self._result(inflight[1], last=True))
                     inflight = None
+                if inflight is None:
+                    self._run_calls()
                 launched = self._launch(scheduler, ahead=inflight is not None)
                 if inflight is not None:
                     out += self._hand_out(scheduler, self._result(inflight[1], last=launched is None))
@@ -192,9 +197,10 @@ class Engine:
 
     def _may_run_ahead(self, scheduler: Scheduler, launched_with) -> bool:
         """The next decode round can start before the one in flight is handed out: it is a decode round, no
-        request can be admitted, and worst-case KV fits both rounds (each needs a round's headroom per request)
-        in the pool as it is (it grows only with nothing in flight)."""
-        if launched_with is None or not scheduler.running:  # a prefill step, or nothing to run next
+        request can be admitted, no other thread's call waits (it runs with nothing in flight), and worst-case KV
+        fits both rounds (each needs a round's headroom per request) in the pool as it is (it grows only with
+        nothing in flight)."""
+        if launched_with is None or not scheduler.running or self._runs.calls_waiting:
             return False
         if scheduler.waiting and len(scheduler.running) < scheduler.max_running and not scheduler.hold:
             return False
@@ -245,6 +251,13 @@ class Engine:
             result = result.result()
         return result
 
+    def _run_calls(self) -> None:
+        """Run the calls other threads routed to this run (a server's: `call`) with nothing in flight: every step
+        and release submitted done, the round launched ahead finished."""
+        if self._runs.calls_waiting:
+            self._drain()
+            self._runs.run_calls()
+
     def _drain(self, raise_errors: bool = True) -> None:
         """Wait for everything submitted to the worker's thread (steps and releases, run in order), the round
         it launched ahead finished."""
@@ -266,7 +279,7 @@ class Engine:
     def abort(self, index: int) -> None:
         """Finish request `index` of the current stream before its next step; its KV is released. A served engine's
         requests are the server's: only its thread aborts them."""
-        if self._runs.server_route() is not None:
+        if self._runs.served_elsewhere():
             raise FastspecError(SERVED_ABORT)
         self._aborted.add(index)
 

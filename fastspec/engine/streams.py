@@ -1,7 +1,7 @@
 """An engine's runs, one at a time: a stream (LLM.generate / stream / chat, Engine.generate) or a server's loop for
 as long as it serves (two would share the drafter's and `abort`'s request ids, and step one engine from two
 threads); and the engine's other calls while a run holds it: a change to the engine is refused (`between_runs`),
-what a server's thread may do between its steps is routed there (`server_route`). Streams are
+a call from another thread is run by the server's thread at its next safe point (`call`). Streams are
 closed at exit while the interpreter is whole if a script left one open (left to its last collection, torch
 aborted the process: an internal assert in THPVariable_clear, exit status 134)."""
 
@@ -11,9 +11,11 @@ import atexit
 import contextlib
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, RunEnded
 
 OPEN_STREAMS = weakref.WeakSet()  # every stream `OneRun.stream` handed out, not yet finished or closed
 BUSY = ("this LLM is already running a generate or stream (another thread's, or a stream not yet finished or closed): "
@@ -27,10 +29,12 @@ class OneRun:
     whether a stream or a server holds it."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by the run holding the engine, from its first step to its end
+        self._state = threading.RLock()  # the fields below, read and written by several threads
         self._served = False  # the holder is a server's loop
         self._holder: int | None = None  # the thread running the holder's steps (a server's: its engine thread)
-        self._call: Callable | None = None  # a server's call(fn): fn run by its engine thread between two steps
+        self._wake: Callable | None = None  # a server's wake(): its loop's waiting poll returns
+        self._calls: deque[tuple[Callable, Future, str]] = deque()  # other threads' calls: a server's next safe point
 
     def stream(self, steps: Iterator) -> Iterator:
         """`steps` run as a stream: closed at exit if still open."""
@@ -38,39 +42,77 @@ class OneRun:
         OPEN_STREAMS.add(guarded)
         return guarded
 
-    def serve(self, steps: Iterator, call: Callable) -> Iterator:
+    def serve(self, steps: Iterator, wake: Callable) -> Iterator:
         """`steps` run as a server's loop, which holds the engine until it stops (its thread stops it: not closed at
-        exit); `call(fn)` runs fn on that thread between two steps and returns its result (`server_route`)."""
-        return self._holding(steps, call)
+        exit); `wake()` makes its poll return when another thread's `call` waits for its next safe point."""
+        return self._holding(steps, wake)
 
-    def _holding(self, steps: Iterator, call: Callable | None = None) -> Iterator:
-        if not self._lock.acquire(blocking=False):
-            raise FastspecError(SERVED if self._served else BUSY)
-        self._served, self._holder, self._call = call is not None, threading.get_ident(), call
+    def _holding(self, steps: Iterator, wake: Callable | None = None) -> Iterator:
+        with self._state:
+            if not self._lock.acquire(blocking=False):
+                raise FastspecError(SERVED if self._served else BUSY)
+            self._served, self._holder, self._wake = wake is not None, threading.get_ident(), wake
         try:
             yield from steps
         finally:
-            self._served, self._holder, self._call = False, None, None
-            self._lock.release()
+            with self._state:
+                self._served, self._holder, self._wake = False, None, None
+                left, self._calls = self._calls, deque()
+                self._lock.release()
+            for _, done, what in left:
+                done.set_exception(RunEnded(f"the server stopped before running {what}"))
 
-    def server_route(self) -> Callable | None:
-        """While a server holds the engine, for a thread other than its engine thread: the server's call(fn), which
-        runs fn there between two steps; else None (run it here)."""
-        call = self._call
-        return call if call is not None and self._holder != threading.get_ident() else None
+    def call(self, fn: Callable, what: str) -> Future:
+        """fn() with no step running meanwhile, as a Future of its result: here between runs (none starts until it
+        returns) or between the steps of this thread's own run or another thread's stream; from another thread, a
+        server's run queues it for its thread's next safe point (`run_calls`; RunEnded if the server stops first)."""
+        done = Future()
+        with self._state:
+            if not self.served_elsewhere():
+                _run_into(done, fn)
+                return done
+            self._calls.append((fn, done, what))
+            wake = self._wake
+        wake()
+        return done
+
+    @property
+    def calls_waiting(self) -> bool:
+        return bool(self._calls)
+
+    def run_calls(self) -> None:
+        """Run the calls other threads queued (`call`): the holder's thread, at a safe point."""
+        while True:
+            with self._state:
+                if not self._calls:
+                    return
+                fn, done, _ = self._calls.popleft()
+            _run_into(done, fn)
+
+    def served_elsewhere(self) -> bool:
+        """A server holds the engine and this is not its engine thread."""
+        return self._served and self._holder != threading.get_ident()
 
     @contextlib.contextmanager
     def between_runs(self, what: str):
-        """Change the engine (`what`: its policy, its tree shapes) with no run holding it, and none starting
-        meanwhile; a FastspecError while one holds it."""
-        if not self._lock.acquire(blocking=False):
-            held = "this LLM is being served" if self._served else "this LLM is running a generate or stream"
-            raise FastspecError(f"{held}: {what} may change only between runs (stop the server, or close the "
-                                "stream, first)")
-        try:
-            yield
-        finally:
-            self._lock.release()
+        """Change the engine (`what`: its policy, its tree shapes) with no run holding it, and none starting nor any
+        `call` running meanwhile; a FastspecError while one holds it."""
+        with self._state:
+            if not self._lock.acquire(blocking=False):
+                held = "this LLM is being served" if self._served else "this LLM is running a generate or stream"
+                raise FastspecError(f"{held}: {what} may change only between runs (stop the server, or close the "
+                                    "stream, first)")
+            try:
+                yield
+            finally:
+                self._lock.release()
+
+
+def _run_into(done: Future, fn: Callable) -> None:
+    try:
+        done.set_result(fn())
+    except Exception as e:
+        done.set_exception(e)
 
 
 @atexit.register

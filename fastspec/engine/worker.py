@@ -182,7 +182,9 @@ class Worker:
         self.memory.grow(num_free)
 
     def flush_cache(self) -> None:
-        """Hand every unlocked prefix-cache entry back to the allocator."""
+        """Hand every unlocked prefix-cache entry back to the allocator, with no round in flight (the one launched
+        ahead is finished first, and hands the KV of the requests released meanwhile to the cache)."""
+        self.flush()
         if self.cache is not None:
             self.cache.flush()
 

@@ -55,7 +55,10 @@ def build_app(service: EngineService, model_name: str, tool_parser: str | None =
         return error_response(APIError(f"the engine has stopped: {service.error}", 503, kind="server_error"))
 
     async def flush_cache(_: Request) -> JSONResponse:  # SGLang's: empty the prefix cache
-        await asyncio.to_thread(service.call, service.engine.flush_cache)
+        try:
+            await asyncio.to_thread(service.call, service.engine.flush_cache, "flush_cache")
+        except APIError as e:  # (the engine stopped, or stopped before running it: a 503)
+            return error_response(e)
         return JSONResponse({"status": "ok"})
 
     async def metrics(_: Request) -> Response:  # Prometheus' text format (fastspec.serve.prometheus)

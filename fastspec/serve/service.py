@@ -5,8 +5,9 @@ Owns: the engine while it serves (a direct LLM.generate / stream / chat meanwhil
 bound on open requests (overload = a 503, never an unbounded queue), detokenizing with stop strings (a stop string
 aborts the request in the engine, as LLM.stream does), aborts from clients that went away, and the engine's
 health. Only the engine thread touches the engine after start; the HTTP side only makes checked requests
-(Engine.request reads the config and compiles the grammar: `check`, off the event loop) and puts them in the
-inbox (`enqueue`, in the order the HTTP side hands them).
+(Engine.request reads the config and compiles the grammar: `check`, off the event loop), puts them in the
+inbox (`enqueue`, in the order the HTTP side hands them) and hands the engine thread calls (`call`: Engine.call runs
+them at its next safe point).
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from fastspec.errors import BadField, FastspecError
+from fastspec.errors import BadField, FastspecError, RunEnded
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve.api_error import APIError
 from fastspec.serve.prometheus import ServerMetrics
@@ -146,11 +146,16 @@ class EngineService:
         """`check` then `enqueue`, on the caller's thread."""
         return self.enqueue(self.check(prompt_ids, params, keep_special), deliver, counted)
 
-    def call(self, fn: Callable, timeout: float = 60.0):
-        """fn() run by the engine thread between two steps (e.g. a cache flush, a leak check); its result."""
-        done: Future = Future()
-        self._inbox.put(("call", fn, done))
-        return done.result(timeout)
+    def call(self, fn: Callable, what: str = "the call", timeout: float = 60.0):
+        """fn() run by the engine thread between two steps with no round in flight (e.g. a cache flush, a leak
+        check: Engine.call); its result. APIError 503 once the engine has stopped, or if it stops before running
+        fn (`what` names it)."""
+        if not self.healthy:
+            raise APIError(f"the engine has stopped: {self.error}", status=503, kind="server_error")
+        try:
+            return self.engine.call(fn, what).result(timeout)
+        except RunEnded as e:
+            raise APIError(str(e), status=503, kind="server_error") from None
 
     def abort(self, rid: int) -> None:
         """The client went away: the engine frees the request's KV before its next step."""
@@ -160,7 +165,7 @@ class EngineService:
 
     def _run(self) -> None:
         try:
-            for step in self.engine.run([], poll=self._poll, call=self.call):
+            for step in self.engine.run([], poll=self._poll, wake=lambda: self._inbox.put(("wake",))):
                 for out in step:
                     self._handle(out)
             self._end_open("the server is shutting down", 503)
@@ -180,8 +185,6 @@ class EngineService:
                 item = self._inbox.get()
                 if item[0] == "add":
                     ending.append(item[2])
-                elif item[0] == "call":
-                    item[2].set_exception(RuntimeError(error))
             self._live.clear()
             self._open = 0
         for live in ending:
@@ -189,7 +192,8 @@ class EngineService:
                                                                                        kind="server_error")))
 
     def _poll(self, idle: bool) -> list | None:
-        """What arrived since the last step; blocks while the engine is idle until something does."""
+        """What arrived since the last step; blocks while the engine is idle until something does (a `wake`: a call
+        from another thread waits for the engine's next safe point)."""
         self._holding.set()
         arrived = []
         while True:
@@ -199,13 +203,13 @@ class EngineService:
                 return arrived
             if item[0] == "stop":
                 return None
+            if item[0] == "wake":
+                return arrived
             if item[0] == "add":
                 arrived.append(item[1])
                 self._live[item[1].rid] = item[2]
                 if self.metrics is not None and item[2].counted:
                     self.metrics.submitted(len(item[1].prompt_ids))
-            elif item[0] == "call":
-                _run_into(item[2], item[1])
             elif item[1] in self._live:
                 self.engine.abort(item[1])
 
@@ -258,10 +262,3 @@ class EngineService:
     def _close(self) -> None:
         with self._lock:
             self._open -= 1
-
-
-def _run_into(future: Future, fn: Callable) -> None:
-    try:
-        future.set_result(fn())
-    except Exception as e:
-        future.set_exception(e)
