@@ -73,6 +73,53 @@ def test_one_generate_or_stream_at_a_time(llm, chat_dir):
     assert ids(llm.generate(PROMPTS, PARAMS)) == expected
 
 
+def test_another_threads_abort_is_taken_and_its_flush_refused_while_a_stream_runs(llm, monkeypatch):
+    """As a vLLM user expects of an engine: another thread's abort ends that request at the stream's next step, also
+    one landing while the stream applies other aborts (it went into the set the stream then cleared: lost, the
+    request ran to its length); another thread's prefix-cache flush while the stream runs is refused in one line
+    (vLLM and SGLang refuse a flush with requests running; it raced the stream's steps over the cache), the
+    stream's own thread may flush between its steps, and another thread's runs once the stream is done."""
+    engine = llm.engine
+    prompts, params = [[3, 4, 5, 6], [7, 8], [9, 10, 11], [12, 13]], SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = ids(llm.generate(prompts, params))
+    release, refused = engine.worker.release, []
+
+    def release_while_another_aborts(r) -> None:  # the stream applying request 3's abort: another thread aborts 1
+        if r.rid == 3 and r.finish_reason == "abort":
+            aborting = threading.Thread(target=engine.abort, args=(1,))
+            aborting.start()
+            aborting.join()
+        release(r)
+
+    def flush_elsewhere() -> None:
+        try:
+            engine.flush_cache()
+        except FastspecError as e:
+            refused.append(str(e))
+
+    monkeypatch.setattr(engine.worker, "release", release_while_another_aborts)
+    got, reasons = [[] for _ in prompts], {}
+    for n, step in enumerate(engine.stream(prompts, [params] * len(prompts))):
+        for out in step:
+            got[out.index] += out.new_ids
+            reasons[out.index] = out.finish_reason
+        if n == 1:
+            engine.abort(3)
+            engine.flush_cache()  # (the stream's own thread, between its steps)
+            flushing = threading.Thread(target=flush_elsewhere)
+            flushing.start()
+            flushing.join()
+    assert refused == ["this LLM is running a generate or stream in another thread: flush_cache runs between runs, "
+                       "or in the thread running it"]
+    assert reasons == {0: "length", 1: "abort", 2: "length", 3: "abort"}
+    assert [got[0], got[2]] == [expected[0], expected[2]]
+    assert all(0 < len(got[i]) < 40 and got[i] == expected[i][:len(got[i])] for i in (1, 3))
+    flushing = threading.Thread(target=flush_elsewhere)  # between runs: it runs
+    flushing.start()
+    flushing.join()
+    assert len(refused) == 1 and all_slots_free(engine)
+
+
 @pytest.mark.parametrize("stop", [(), ("w89",)])  # token ids alone, and through the detokenizer (stop strings)
 def test_ctrl_c_in_a_generate_leaves_the_llm_usable(llm, stop):
     """KeyboardInterrupt raised between steps (here from should_stop, in the frames that read the engine's stream):

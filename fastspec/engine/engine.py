@@ -17,9 +17,8 @@ from fastspec.config import EngineConfig
 from fastspec.engine.intake import Intake
 from fastspec.engine.outputs import EngineLoad, GenerateOutput, StepOutput, collect
 from fastspec.engine.scheduler import Request, Scheduler
-from fastspec.engine.streams import SERVED_ABORT, OneRun
+from fastspec.engine.streams import OneRun
 from fastspec.engine.worker import Worker
-from fastspec.errors import FastspecError
 from fastspec.models.sources import ModelSources
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import SpecConfig
@@ -37,8 +36,7 @@ class Engine:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="fastspec-worker") if self.overlap else None
         self._last: Future | None = None  # the last thing submitted to the worker (a step or a release)
         self._free_before = 0  # free KV in the pool before the step in flight (after the last one handed out)
-        self._aborted: set[int] = set()  # request ids `abort` named, finished before the next step
-        self._runs = OneRun()  # a stream or a server's loop, one at a time (see `run`)
+        self._runs = OneRun()  # a stream or a server's loop, one at a time (see `run`), and the aborts it takes
         self.load = EngineLoad(0, 0, self.worker.available_kv())
         self.intake = Intake(self.worker, config.page_size)  # a request's checks before it runs
 
@@ -95,7 +93,8 @@ class Engine:
 
     def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[StepOutput]]:
         """Continuous batching; yields, after every prefill or decode step, the requests that progressed.
-        Between yields the caller may `abort(index)` a request (a stop string, a closed terminal, Ctrl-C).
+        The caller (between yields) or another thread may `abort(index)` a request (a stop string, a closed
+        terminal, Ctrl-C): it ends at the next step.
 
         With the overlap schedule, the next decode round is launched (in the worker's thread) before the
         previous one's tokens are handed out, whenever that round needs nothing the previous one decides:
@@ -124,7 +123,6 @@ class Engine:
         scheduler = Scheduler(self.config.max_running_requests, self.config.page_size, self.worker.round_headroom())
         for r in reqs:
             scheduler.add(r)
-        self._aborted.clear()
         inflight = None  # (the running requests it was launched with, Future[StepResult]) under overlap
         try:
             while True:
@@ -277,22 +275,20 @@ class Engine:
             self.preemptions += 1
 
     def abort(self, index: int) -> None:
-        """Finish request `index` of the current stream before its next step; its KV is released. A served engine's
-        requests are the server's: only its thread aborts them."""
-        if self._runs.served_elsewhere():
-            raise FastspecError(SERVED_ABORT)
-        self._aborted.add(index)
+        """Finish request `index` of the current stream before its next step; its KV is released. From any thread
+        (a stream's consumer, a watchdog): its next step takes it. A served engine's requests are the server's:
+        only its thread aborts them (a FastspecError from another)."""
+        self._runs.abort(index)
 
     def _apply_aborts(self, scheduler: Scheduler) -> list[StepOutput]:
-        done = []
+        done, aborted = [], self._runs.take_aborts()
         for r in [*scheduler.waiting, *scheduler.running]:
-            if r.rid in self._aborted and not r.finished:
+            if r.rid in aborted and not r.finished:
                 r.finish_reason = "abort"
                 self._submit(self.worker.release, r)  # after the step in flight, if any
                 done.append(StepOutput(r.rid, [], "abort", r.metrics))
         scheduler.waiting = deque(r for r in scheduler.waiting if not r.finished)
         scheduler.retire()
-        self._aborted.clear()
         return done
 
     # a request's checks (fastspec.engine.intake): the front ends make their requests and name their fields by them

@@ -1,7 +1,8 @@
 """An engine's runs, one at a time: a stream (LLM.generate / stream / chat, Engine.generate) or a server's loop for
 as long as it serves (two would share the drafter's and `abort`'s request ids, and step one engine from two
 threads); and the engine's other calls while a run holds it: a change to the engine is refused (`between_runs`),
-a call from another thread is run by the server's thread at its next safe point (`call`). Streams are
+a call from another thread is run by the server's thread at its next safe point or refused during another thread's
+stream (`call`), and aborts are taken by the run's next step from any thread but a server's (`abort`). Streams are
 closed at exit while the interpreter is whole if a script left one open (left to its last collection, torch
 aborted the process: an internal assert in THPVariable_clear, exit status 134)."""
 
@@ -35,6 +36,7 @@ class OneRun:
         self._holder: int | None = None  # the thread running the holder's steps (a server's: its engine thread)
         self._wake: Callable | None = None  # a server's wake(): its loop's waiting poll returns
         self._calls: deque[tuple[Callable, Future, str]] = deque()  # other threads' calls: a server's next safe point
+        self._aborted: set[int] = set()  # request ids `abort` named, taken by the run's next step
 
     def stream(self, steps: Iterator) -> Iterator:
         """`steps` run as a stream: closed at exit if still open."""
@@ -52,6 +54,7 @@ class OneRun:
             if not self._lock.acquire(blocking=False):
                 raise FastspecError(SERVED if self._served else BUSY)
             self._served, self._holder, self._wake = wake is not None, threading.get_ident(), wake
+            self._aborted.clear()  # (aborts named before it started were another run's)
         try:
             yield from steps
         finally:
@@ -64,13 +67,18 @@ class OneRun:
 
     def call(self, fn: Callable, what: str) -> Future:
         """fn() with no step running meanwhile, as a Future of its result: here between runs (none starts until it
-        returns) or between the steps of this thread's own run or another thread's stream; from another thread, a
-        server's run queues it for its thread's next safe point (`run_calls`; RunEnded if the server stops first)."""
+        returns) or between the steps of this thread's own run; from another thread, a server's run queues it for
+        its thread's next safe point (`run_calls`; RunEnded if the server stops first), another thread's stream
+        refuses it (a FastspecError naming `what`: a stream steps only when its consumer asks, a wait could be
+        forever)."""
         done = Future()
         with self._state:
-            if not self.served_elsewhere():
+            if self._holder in (None, threading.get_ident()):
                 _run_into(done, fn)
                 return done
+            if not self._served:
+                raise FastspecError(f"this LLM is running a generate or stream in another thread: {what} runs "
+                                    "between runs, or in the thread running it")
             self._calls.append((fn, done, what))
             wake = self._wake
         wake()
@@ -89,9 +97,19 @@ class OneRun:
                 fn, done, _ = self._calls.popleft()
             _run_into(done, fn)
 
-    def served_elsewhere(self) -> bool:
-        """A server holds the engine and this is not its engine thread."""
-        return self._served and self._holder != threading.get_ident()
+    def abort(self, rid: int) -> None:
+        """Name request `rid` for the run's next step to abort (from any thread: a stream's consumer, a signal's
+        handler, a watchdog); a server's requests are its own (a FastspecError from another thread)."""
+        with self._state:
+            if self._served and self._holder != threading.get_ident():
+                raise FastspecError(SERVED_ABORT)
+            self._aborted.add(rid)
+
+    def take_aborts(self) -> set[int]:
+        """The request ids named since the last take (the holder's thread, before a step)."""
+        with self._state:
+            aborted, self._aborted = self._aborted, set()
+        return aborted
 
     @contextlib.contextmanager
     def between_runs(self, what: str):
