@@ -96,6 +96,13 @@ END_VOCABS = {  # name -> (extra control tokens, tokenizer.ggml.<key>_token_id, 
     "coder-named": (FIM, {"fim_pad": 5, "fim_rep": 6, "fim_sep": 7}, [0, 2, 5, 6, 7]),  # named: no guess by text
     "end": (("<|end|>", "<|return|>"), {}, [0, 2, 265, 266]),
     "harmony": (("<|end|>", "<|return|>", "<|call|>"), {}, [0, 2, 266, 267]),  # gpt-oss's: <|end|> ends no answer
+    "harmony-named": (("<|end|>", "<|return|>", "<|call|>"), {"eot": 265}, [0, 2, 266, 267]),  # named: still not
+    "solar": (("<|end|>", "<|calls|>", "<|flush|>"), {}, [0, 2, 266, 267]),  # Solar Open's: nor here
+    "return-calls": (("<|end|>", "<|return|>", "<|calls|>"), {}, [0, 2, 266, 267]),
+    "kimi": (("[EOT]", "[EOS]", "[PAD]", "[e~["), {}, [0, 2, 265, 266, 267, 268]),  # [PAD]: a FIM pad; [e~[: MiniMax
+    "gemma4": (("</s>", "<eos>", "<turn|>", "<|tool_response>"), {}, [0, 2, 266, 267, 268]),  # its </s> is text
+    "plamo": (("</s>", "<|plamo:eos|>"), {"eot": 266}, [0, 2, 266]),  # so is PLaMo's, beside its end token
+    "s": (("</s>",), {}, [0, 2, 265]),
 }
 
 

@@ -15,11 +15,14 @@ from fastspec.models.gguf_rope import ROPE_FACTORS, f32, rope_scaling
 from fastspec.models.gguf_tokenizer import special_id
 
 END_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<end_of_turn>",
-             "<EOT>", "_<EOT>", "</s>", "<eos>", "[EOS]", "<end_of_utterance>", "<｜end▁of▁sentence｜>", "<|return|>",
-             "<|call|>", "<|flush|>", "<|calls|>"}  # llama.cpp's end-of-generation texts
-NOT_END_BESIDE = (("<|return|>", "<|call|>"), ("<|flush|>", "<|calls|>"))  # with both, <|end|> ends no generation
+             "<EOT>", "_<EOT>", "[EOT]", "</s>", "<eos>", "[EOS]", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+             "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<turn|>", "<|tool_response>", "[e~["}  # llama.cpp's
+# llama.cpp's exceptions, read off the end set it has built: a text ends nothing once a pair of its texts is in the set
+NOT_END_BESIDE = {"<|end|>": (("<|return|>", "<|call|>"), ("<|return|>", "<|calls|>"), ("<|call|>", "<|flush|>"),
+                              ("<|calls|>", "<|flush|>")),  # gpt-oss's and Solar Open's tool calls
+                  "</s>": (("<|tool_response>",), ("<|plamo:eos|>",))}  # Gemma 4's and PLaMo's </s>: a normal token
 FIM_ENDS = {  # llama.cpp also ends on the FIM pad / repo / separator token: tokenizer.ggml key -> the texts it guesses
-    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",)}
 PER_LAYER = ("feed_forward_length", "attention.head_count", "attention.head_count_kv")  # one value or one per layer
@@ -118,7 +121,7 @@ def generation_config(reader, config: dict) -> dict:
 def end_ids(m, eos: int | None) -> list[int]:
     """llama.cpp's end-of-generation set over metadata `m(key, default)`: eos, the file's eot / eom / FIM pad / repo /
     separator tokens (a FIM one the file does not name: the first token whose text llama.cpp takes for it), and every
-    token whose text ends a turn or a text (END_TEXTS; <|end|> not beside NOT_END_BESIDE's pairs)."""
+    token whose text ends a turn or a text (END_TEXTS); less NOT_END_BESIDE's texts, named or not."""
     tokens = m("tokenizer.ggml.tokens")
     named = [eos, *(m(f"tokenizer.ggml.{k}_token_id", None) for k in ("eot", "eom"))]
     for key, texts in FIM_ENDS.items():
@@ -126,7 +129,8 @@ def end_ids(m, eos: int | None) -> list[int]:
         if named[-1] is None:  # llama.cpp takes the first candidate in its std::unordered_map's order (text -> id),
             # which the C++ library decides and no rule reproduces; a file with several: the lowest id, deterministic
             named[-1] = next((i for i, token in enumerate(tokens) if token in texts), None)
-    present = set(tokens)
-    ends = END_TEXTS - {"<|end|>"} if any(set(pair) <= present for pair in NOT_END_BESIDE) else END_TEXTS
-    return list(dict.fromkeys([i for i in named if i is not None]
-                              + [i for i, token in enumerate(tokens) if token in ends]))
+    ends = list(dict.fromkeys([i for i in named if i is not None]
+                              + [i for i, token in enumerate(tokens) if token in END_TEXTS]))
+    text = {i: tokens[i] for i in ends if 0 <= i < len(tokens)}  # (an id past the vocabulary has no text)
+    dropped = {t for t, pairs in NOT_END_BESIDE.items() if any(set(pair) <= set(text.values()) for pair in pairs)}
+    return [i for i in ends if text.get(i) not in dropped]
