@@ -9,7 +9,6 @@ The package is located with `find_spec` and never imported (its own dependencies
 
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -67,11 +66,12 @@ def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
     gguf_path = find_embedded_gguf(name)
     out_dir = models_root() / name
     from fastspec.models.gguf import convert_gguf, is_current_conversion  # (torch, tokenizers, gguf)
+    from fastspec.utils.shared_dirs import hold_for_reading
 
     if not is_current_conversion(out_dir, gguf_path):
-
         log.info("converting the embedded model %s into %s (once)", name, out_dir.parent)
         convert_gguf(gguf_path, out_dir)
+    hold_for_reading(out_dir)  # (another version's conversion replacing it leaves this one's files in place)
     return out_dir
 
 
@@ -93,11 +93,12 @@ def find_embedded_gguf(name: str) -> Path:
 def remove_stale_conversions(out_dir: Path, gguf_path: Path) -> None:
     """After `out_dir` was converted from `gguf_path`: remove the other finished conversions beside it of the same file
     at another size or time than the file has now (its earlier versions, which can never be current again), each moved
-    aside first (under the directory's lock, shared_dirs) so that no reader sees half of one. A conversion of the file
-    as it is now stays (one finished late by a process that read an earlier version must not remove it), as do another
-    file's conversions, damaged or foreign entries and any `.`-prefixed entry (shared_dirs')."""
+    aside first (under the directory's lock, shared_dirs) so that no reader sees half of one, and deleted once no
+    process reads it (shared_dirs.discard). A conversion of the file as it is now stays (one finished late by a process
+    that read an earlier version must not remove it), as do another file's conversions, damaged or foreign entries
+    and any `.`-prefixed entry (shared_dirs')."""
     from fastspec.models.gguf import read_marker
-    from fastspec.utils.shared_dirs import locked, move_aside
+    from fastspec.utils.shared_dirs import discard, locked, move_aside
 
     try:
         source, stat = str(gguf_path.resolve()), gguf_path.stat()
@@ -119,4 +120,4 @@ def remove_stale_conversions(out_dir: Path, gguf_path: Path) -> None:
                 continue
             log.info("removed %s, the conversion of an earlier version of %s", entry, gguf_path.name)
     for entry in aside:
-        shutil.rmtree(entry, ignore_errors=True)
+        discard(entry)

@@ -46,7 +46,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
     config = model_config(reader, dtype, arch, arch_spec(reader, arch), gguf_path)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        with staging(out_dir) as tmp:
+        with staging(out_dir, SOURCE_MARKER) as tmp:
             tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             (tmp / "model.safetensors").chmod(0o644)

@@ -37,7 +37,7 @@ from fastspec.kernels.cpu_linear import trim_host_heap
 from fastspec.models.activation_choice import float_dtype
 from fastspec.models.causal_lm import CausalLM
 from fastspec.models.gguf_blocks import BLOCKS_FILE, blocks_from_state, merge_rows, quantise_rows
-from fastspec.utils.shared_dirs import held_temp
+from fastspec.utils.shared_dirs import held_temp, locked, sweep
 from fastspec.models.gguf_names import EXPERT_NAMES
 from fastspec.models.moe import LinearExperts, MoE, is_moe_layer
 from fastspec.models.rope import RotaryEmbedding
@@ -110,11 +110,14 @@ _PACKED_TEMP = re.compile(r"\.int4-.+\.tmp")  # one being written (shared_dirs.h
 class PackedCache:
     """The packed weights of one converted model for this torch version and PACKED_LAYOUT (torch's int4 layout is its
     own; the int16 kernels' is fastspec's): read when stored (its time touched: the last use), else collected while
-    packing and written once at the end (atomically; a read-only cache is left as it is)."""
+    packing and written once at the end (atomically; a read-only cache is left as it is). Every start removes the temp
+    files of writers that are gone (shared_dirs.sweep), whether it writes or not."""
 
     def __init__(self, model_dir: Path):
         self.prefix = f"int4-cpu-torch-{torch.__version__}"
         self.path = model_dir / Path(BLOCKS_FILE).parent / f"{self.prefix}-layout{PACKED_LAYOUT}.safetensors"
+        with contextlib.suppress(OSError), locked(self.path.parent):  # (a read-only cache: left as it is)
+            sweep(self.path.parent, _PACKED_TEMP)
         self.stored, self.names = None, set()
         try:
             self.stored = safe_open(str(self.path), "pt")

@@ -130,13 +130,14 @@ def _converted_gguf(path: Path) -> Path:
     removes the earlier versions' conversions)."""
     from fastspec.models.embedded import remove_stale_conversions
     from fastspec.models.gguf import convert_gguf, is_current_conversion
+    from fastspec.utils.shared_dirs import hold_for_reading
 
     out = _conversion_dir(path, "gguf")
-    if is_current_conversion(out, path):
-        return out
-    log.warning("%s: converting it into %s (once: later starts read that)", path.name, out)
-    convert_gguf(path, out)
-    remove_stale_conversions(out, path)
+    if not is_current_conversion(out, path):
+        log.warning("%s: converting it into %s (once: later starts read that)", path.name, out)
+        convert_gguf(path, out)
+        remove_stale_conversions(out, path)
+    hold_for_reading(out)  # (a process converting a later version of the file leaves this one's files in place)
     return out
 
 

@@ -8,7 +8,11 @@ Invariants:
 - a directory or file being written (`.NAME.fastspec-tmp-*`, or what `held_temp` names) is held (flock) by its
   writer for as long as it exists: one whose lock can be taken belongs to a process that is gone (killed midway) and
   is removed by the next writer in that directory; where the file system has no locks, once older than STALE_AGE_S;
-- `.NAME.fastspec-old-*` holds a replaced conversion on its way out and is removed by whoever sees it.
+- a process reading a published directory holds it (`hold_for_reading`: a shared flock) until it exits; a replaced
+  one is moved into `.NAME.fastspec-old-*` and removed by whoever sees it once no process holds it (where the file
+  system has no locks, once older than STALE_AGE_S), so no reader's files vanish midway;
+- an earlier fastspec's staging directory (`.NAME.tmp-*`, `.NAME.gguf-tmp-*`: held by no lock) is removed once older
+  than STALE_AGE_S, and only where it or its destination NAME holds the caller's marker file (proof that it is ours).
 Does not own: what a conversion holds nor which one is current (models/gguf.py), what is built (kernels/).
 """
 
@@ -27,6 +31,8 @@ from typing import Callable, Iterator
 LOCK_FILE = ".fastspec-convert.lock"
 STALE_AGE_S = 24 * 3600  # a temp entry this old is abandoned even where no lock can tell
 _LEFTOVER = re.compile(r"\..+\.fastspec-(?:tmp|(?P<old>old))-[^/]+")  # .NAME.fastspec-tmp-X / .NAME.fastspec-old-X
+_EARLIER_TEMP = re.compile(r"\.(?P<name>.+)\.(?:gguf-)?tmp-[a-z0-9_]{8}")  # earlier fastspec's mkdtemp names
+_READING: dict[tuple[Path, int], int] = {}  # (directory, inode) -> the fd holding it for this process's life
 
 
 @contextmanager
@@ -49,10 +55,10 @@ def locked(directory: Path) -> Iterator[None]:
             os.close(fd)
 
 
-def abandoned(path: Path) -> bool:
-    """True when no process holds `path` (its writer's flock went with the writer), or where locks are not
-    supported, when it is older than STALE_AGE_S. Call under the directory's lock (`locked`): writers create and
-    lock their entries under it, so none is caught between the two."""
+def abandoned(path: Path, aged: Path | None = None) -> bool:
+    """True when no process holds `path` (its writer's flock went with the writer, its readers' with them), or where
+    locks are not supported, when `aged` (default `path`) is older than STALE_AGE_S. Call under the directory's lock
+    (`locked`): writers and readers take their flocks under it, so none is caught between open and flock."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # (gone already)
@@ -60,12 +66,19 @@ def abandoned(path: Path) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except BlockingIOError:  # its writer is alive
+    except BlockingIOError:  # its writer or a reader is alive
         return False
     except OSError:
-        return time.time() - os.fstat(fd).st_mtime > STALE_AGE_S
+        return _older_than(aged or path, STALE_AGE_S)
     finally:
         os.close(fd)
+
+
+def _older_than(path: Path, age_s: float) -> bool:
+    try:
+        return time.time() - path.stat().st_mtime > age_s
+    except OSError:
+        return False
 
 
 def _remove(path: Path) -> None:
@@ -75,22 +88,39 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def sweep(directory: Path, pattern: re.Pattern = _LEFTOVER) -> None:
-    """Remove `directory`'s leftovers named by `pattern` (its group `old` matched: a replaced conversion on its way
-    out, always; else a temp entry, when `abandoned`). Call under the directory's lock."""
+def sweep(directory: Path, pattern: re.Pattern = _LEFTOVER, marker: str | None = None) -> None:
+    """Remove `directory`'s leftovers named by `pattern` that no process holds (its group `old` matched: a replaced
+    conversion, held by its readers; else a temp entry, held by its writer), and with a `marker` (the file name that
+    proves a directory ours) an earlier fastspec's abandoned staging directories. Call under the directory's lock."""
     for entry in directory.iterdir():
         match = pattern.fullmatch(entry.name)
-        if match and (match.groupdict().get("old") or abandoned(entry)):
+        if match and (_unheld_old(entry) if match.groupdict().get("old") else abandoned(entry)):
+            _remove(entry)
+        elif marker and (earlier := _EARLIER_TEMP.fullmatch(entry.name)) and _ours_abandoned(entry, earlier, marker):
             _remove(entry)
 
 
+def _unheld_old(aside: Path) -> bool:
+    """True when no reader holds the conversion `move_aside` put in `aside` (or it never got there)."""
+    inner = aside / "dir"
+    return abandoned(inner, aged=aside) if inner.exists() else abandoned(aside)
+
+
+def _ours_abandoned(entry: Path, earlier: re.Match, marker: str) -> bool:
+    """An earlier fastspec's staging directory `entry` (held by no lock: only its age tells its writer gone), proven
+    ours by `marker` in it or in its destination (a killed conversion has not written its own marker yet)."""
+    destination = entry.parent / earlier["name"]
+    return (entry.is_dir() and not entry.is_symlink() and _older_than(entry, STALE_AGE_S)
+            and ((entry / marker).is_file() or (destination / marker).is_file()))
+
+
 @contextmanager
-def staging(out_dir: Path) -> Iterator[Path]:
+def staging(out_dir: Path, marker: str | None = None) -> Iterator[Path]:
     """A fresh private directory beside `out_dir` to write its conversion (or a C library's build) into, held by this
     process until the block ends and removed then unless `publish` renamed it; the leftovers of writers that are gone
-    are removed first."""
+    (and of readers, `sweep`; `marker`: the file a finished one holds) are removed first."""
     with locked(out_dir.parent):
-        sweep(out_dir.parent)
+        sweep(out_dir.parent, marker=marker)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.fastspec-tmp-"))
         fd = _hold(tmp)
     try:
@@ -135,20 +165,48 @@ def _hold(path: Path) -> int | None:
 def publish(tmp: Path, out_dir: Path, current: Callable[[Path], bool]) -> bool:
     """Rename the finished `tmp` to `out_dir` unless `current(out_dir)` (the wanted conversion is already there,
     published meanwhile by another process that may be reading it: kept, and False returned). A replaced `out_dir` is
-    moved aside under the lock and deleted after it."""
+    moved aside under the lock and deleted after it unless a reader holds it (`discard`)."""
     with locked(out_dir.parent):
         if current(out_dir):
             return False
         old = move_aside(out_dir) if out_dir.exists() else None
         os.replace(tmp, out_dir)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        discard(old)
     return True
 
 
 def move_aside(entry: Path) -> Path:
     """Move the directory `entry` into a fresh `.NAME.fastspec-old-*` beside it (one rename: no reader sees half of it)
-    and return that, for the caller to delete (sweep removes it otherwise)."""
+    and return that, for the caller to `discard`."""
     aside = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.fastspec-old-"))
     os.replace(entry, aside / "dir")
     return aside
+
+
+def discard(aside: Path) -> None:
+    """Remove what `move_aside` returned unless a process still reads it (`hold_for_reading`): a later `sweep` then
+    removes it once that process is gone. (No lock needed: the aside path is new, so no reader can take it now.)"""
+    if _unheld_old(aside):
+        _remove(aside)
+
+
+def hold_for_reading(directory: Path) -> None:
+    """Hold the published `directory` (a shared flock) for the rest of this process, so that a replacement leaves its
+    files in place while this process may read them (`discard`, `sweep`). Taken under the parent's lock, where
+    `publish` replaces it: the directory held is the one the path names. Nothing where it cannot be opened or locked."""
+    with locked(directory.parent):
+        try:
+            fd = os.open(directory, os.O_RDONLY)
+        except OSError:
+            return
+        key = (directory, os.fstat(fd).st_ino)
+        if key in _READING:  # (held already: one fd per directory and version)
+            os.close(fd)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # (waits only for a writer between its publish and closing its hold)
+        except OSError:
+            os.close(fd)
+            return
+        _READING[key] = fd
