@@ -61,3 +61,26 @@ def test_every_drafter_implements_the_drafter_front(tiny_dirs, draft_dirs, algor
 def test_a_draft_head_given_as_the_target_is_one_line(draft_dirs):
     with pytest.raises(FastspecError, match="is a draft head, not a target model"):
         fastspec.LLM(str(draft_dirs["llama"]["eagle3"]), max_total_tokens=1024)
+
+
+@pytest.mark.parametrize("broken", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_model_whose_tokenizer_cannot_be_read_still_runs_token_ids(tiny_dirs, tmp_path, broken):
+    """The model's own tokenizer's eos is a stop id when it can be read; one that cannot (a tokenizer.json this
+    tokenizers version refuses, a malformed tokenizer_config.json) adds none: the model loads and its engine runs
+    token ids (it was a traceback at load), and the tokenizer's first use is its one-line refusal."""
+    import shutil
+
+    from tiny_models import write_word_tokenizer
+
+    model_dir = shutil.copytree(tiny_dirs["llama"][0], tmp_path / "model")
+    write_word_tokenizer(model_dir)
+    (model_dir / broken).write_text('{"version": "9.9", "model": {"type": "Nope"}' + ("}" if "config" not in broken
+                                                                                     else ","))
+    llm = fastspec.LLM(str(model_dir), max_total_tokens=1024)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    plain = fastspec.LLM(str(tiny_dirs["llama"][0]), max_total_tokens=1024)
+    assert llm.engine.worker.eos_ids == plain.engine.worker.eos_ids
+    assert [o.output_ids for o in llm.engine.generate(PROMPTS, [params] * 2)] == \
+        [o.output_ids for o in plain.generate(PROMPTS, params)]
+    with pytest.raises(FastspecError, match=f"{broken}: (cannot load the tokenizer|malformed JSON)"):
+        llm.generate("w3 w4", params)

@@ -226,12 +226,16 @@ def check_tokenizer_fits(directory: Path, spec: str, vocab_size: int) -> Path:
 def tokenizer_eos_ids(directory: Path, vocab_size: int) -> frozenset[int]:
     """The id of the eos token a tokenizer's config names, where the model's `vocab_size` rows hold it (none
     otherwise, or without tokenizer.json): an answer ends with it too, as vLLM stops on its tokenizer's eos besides
-    generation_config's (Llama-3-Instruct's config.json names <|end_of_text|>, its tokenizer <|eot_id|>)."""
+    generation_config's (Llama-3-Instruct's config.json names <|end_of_text|>, its tokenizer <|eot_id|>). Files that
+    cannot be read add none: token ids still run, and text is the tokenizer's own one-line refusal."""
     from tokenizers import Tokenizer
 
     config_file, tokenizer_file = directory / "tokenizer_config.json", directory / "tokenizer.json"
-    eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    found = (Tokenizer.from_file(str(tokenizer_file)).token_to_id(eos)
-             if isinstance(eos, str) and tokenizer_file.is_file() else None)
+    try:
+        eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        found = (Tokenizer.from_file(str(tokenizer_file)).token_to_id(eos)
+                 if isinstance(eos, str) and tokenizer_file.is_file() else None)
+    except Exception:  # (malformed JSON, a tokenizer.json this tokenizers version refuses, a config that is no dict)
+        return frozenset()
     return frozenset() if found is None or found >= vocab_size else frozenset([found])
