@@ -50,7 +50,9 @@ def test_a_compiler_without_openmp_builds_them_single_threaded_and_none_runs_the
     assert load_in_child(tmp_path / "a", CC=str(wrapper)) == "True"
     assert load_in_child(tmp_path / "b", CC="/bin/false") == "False"
     assert not list((tmp_path / "b").glob("kernels/*.so"))
-    for cc, why in (("/bin/false", "/bin/false failed on cpu_"), (str(tmp_path / "none"), "[Errno 2] ")):
+    # CC is a command and its arguments ("ccache gcc"), as make reads it; unbalanced quotes: one name that fails
+    for cc, why in (("/bin/false", "/bin/false failed on cpu_"), (str(tmp_path / "none"), "[Errno 2] "),
+                    (" /bin/false -pipe", "/bin/false failed on cpu_"), ('/bin/false "', "[Errno 2] ")):
         built = build_in_child(tmp_path / "c", CC=cc)  # make setup goes on without a compiler
         assert built.returncode == 0 and built.stdout.startswith(f"fastspec's CPU kernels: not built ({why}"), built
         assert built.stdout.endswith("); the torch twins run\n") and built.stdout.count("\n") == 1

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import tempfile
@@ -172,19 +173,29 @@ def _build(path: Path, flags: tuple[str, ...] = FLAGS) -> None:
     with staging(path) as work:
         objects = [str(work / f"{source.stem}.o") for source in SOURCES]
         library = work / path.name
-        cc = os.environ.get("CC", "cc")
+        cc = _compiler()
         for threads in THREADS:
             # compiled and linked apart: -ffast-math at link time would add crtfastmath, whose constructor turns on
             # flush-to-zero for the whole process (every subnormal float in torch would become 0)
             try:
-                _compile_all([[cc, *flags, *threads, "-c", str(s), "-o", o] for s, o in zip(SOURCES, objects)])
-                _compile_all([[cc, "-shared", *threads, *objects, "-o", str(library), "-lm"]])
+                _compile_all([[*cc, *flags, *threads, "-c", str(s), "-o", o] for s, o in zip(SOURCES, objects)])
+                _compile_all([[*cc, "-shared", *threads, *objects, "-o", str(library), "-lm"]])
                 break
             except subprocess.CalledProcessError:
                 if threads == THREADS[-1]:
                     raise
         library.chmod(0o755)
         os.replace(library, path)
+
+
+def _compiler() -> list[str]:
+    """$CC as make and setuptools read it, a command and its arguments ("ccache gcc", "gcc -pthread"); cc when unset
+    or blank. Unbalanced quotes: the value as one name (which then fails to run, in one line)."""
+    value = os.environ.get("CC", "").strip() or "cc"
+    try:
+        return shlex.split(value)
+    except ValueError:
+        return [value]
 
 
 def _cpu_signature() -> str:
