@@ -10,6 +10,7 @@ naming the id, the revision and the cache searched. Nothing here reads weights.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -209,11 +210,9 @@ def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
 def check_tokenizer_fits(directory: Path, spec: str, vocab_size: int) -> Path:
     """`directory` (tokenizer `spec`'s files) when its ids fit the model's `vocab_size` embedding rows: a larger one
     is refused (its tokens would index past them), as is a tokenizer.json that cannot be read."""
-    from tokenizers import Tokenizer
-
     path = directory / "tokenizer.json"
     try:
-        ids = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()
+        ids = read_tokenizer(path).get_vocab(with_added_tokens=True).values()
     except Exception as e:
         raise FastspecError(f"{path}: cannot load the tokenizer ({first_line(e, None)})") from None
     largest = max(ids, default=-1)
@@ -228,14 +227,27 @@ def tokenizer_eos_ids(directory: Path, vocab_size: int) -> frozenset[int]:
     otherwise, or without tokenizer.json): an answer ends with it too, as vLLM stops on its tokenizer's eos besides
     generation_config's (Llama-3-Instruct's config.json names <|end_of_text|>, its tokenizer <|eot_id|>). Files that
     cannot be read add none: token ids still run, and text is the tokenizer's own one-line refusal."""
-    from tokenizers import Tokenizer
-
     config_file, tokenizer_file = directory / "tokenizer_config.json", directory / "tokenizer.json"
     try:
         eos = json.loads(config_file.read_text()).get("eos_token") if config_file.is_file() else None
         eos = eos.get("content") if isinstance(eos, dict) else eos
-        found = (Tokenizer.from_file(str(tokenizer_file)).token_to_id(eos)
+        found = (read_tokenizer(tokenizer_file).token_to_id(eos)
                  if isinstance(eos, str) and tokenizer_file.is_file() else None)
     except Exception:  # (malformed JSON, a tokenizer.json this tokenizers version refuses, a config that is no dict)
         return frozenset()
     return frozenset() if found is None or found >= vocab_size else frozenset([found])
+
+
+def read_tokenizer(path: Path):
+    """The tokenizers.Tokenizer of the tokenizer.json at `path`, parsed once per process and version of the file:
+    start-up reads it for the stop ids and the vocabulary check, the LLM for its text, a grammar for its vocabulary
+    (~0.2 s each for a 49k-token BPE). Shared: callers only read it. Raises what tokenizers raises."""
+    stat = path.stat()
+    return _parsed_tokenizer(str(path), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_tokenizer(path: str, inode: int, size: int, mtime_ns: int):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)

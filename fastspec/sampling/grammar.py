@@ -69,13 +69,14 @@ class GrammarCompiler:
 
     def _read_tokenizer(self):
         import llguidance
-        from tokenizers import Tokenizer
+
+        from fastspec.models.hub import read_tokenizer
 
         path = self.tokenizer_dir / "tokenizer.json"
         if not path.is_file():
             raise FastspecError(f"structured output needs the model's tokenizer ({path} does not exist)")
         try:
-            return llguidance.LLTokenizer(Tokenizer.from_file(str(path)).to_str(), n_vocab=self.vocab_size,
+            return llguidance.LLTokenizer(read_tokenizer(path).to_str(), n_vocab=self.vocab_size,
                                           eos_token=self.eos_ids)
         except ValueError as e:
             raise FastspecError(f"{path}: structured output cannot use this tokenizer ({e})") from None

@@ -14,6 +14,7 @@ from functools import cached_property
 from pathlib import Path
 
 from fastspec.errors import BadField, FastspecError, first_line
+from fastspec.models.hub import read_tokenizer
 
 
 CHAT_SPECIAL_TOKENS = "fastspec_chat_special_tokens"  # tokenizer_config.json: frame a chat prompt as llama.cpp does
@@ -21,11 +22,9 @@ CHAT_SPECIAL_TOKENS = "fastspec_chat_special_tokens"  # tokenizer_config.json: f
 
 class Tokenizer:
     def __init__(self, model_dir: Path):
-        from tokenizers import Tokenizer as RustTokenizer
-
         path = Path(model_dir) / "tokenizer.json"
         try:
-            self._tok = RustTokenizer.from_file(str(path))
+            self._tok = read_tokenizer(path)
         except Exception as e:
             raise FastspecError(f"{path}: cannot load the tokenizer ({first_line(e, None)})") from None
         self.config = _read_json(Path(model_dir) / "tokenizer_config.json")
