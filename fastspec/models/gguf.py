@@ -14,7 +14,9 @@ the result (loader.py).
 """
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -44,24 +46,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.floa
                             f"(supported: {', '.join(ARCHITECTURES)})")
     tensors, blocks, kinds = read_tensors(reader, gguf_path, dtype, arch)
     config = model_config(reader, dtype, arch, arch_spec(reader, arch), gguf_path)
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        with staging(out_dir, SOURCE_MARKER) as tmp:
-            tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            (tmp / "model.safetensors").chmod(0o644)
-            del tensors
-            (tmp / BLOCKS_FILE).parent.mkdir(mode=0o755)
-            save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": "pt", "kinds": json.dumps(kinds)})
-            (tmp / BLOCKS_FILE).chmod(0o644)
-            del blocks
-            _write_json(tmp / "config.json", config)
-            _write_json(tmp / "generation_config.json", generation_config(reader, config))
-            _write_tokenizer(reader, tmp)
-            _write_marker(tmp, gguf_path, config["torch_dtype"])
-            publish(tmp, out_dir, lambda d: is_current_conversion(d, gguf_path, config["torch_dtype"]))
-    except OSError as e:  # (a full disk)
-        raise _unwritable(out_dir, e) from None
+    with _publishing(gguf_path, out_dir, config["torch_dtype"]) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "model.safetensors").chmod(0o644)
+        del tensors
+        (tmp / BLOCKS_FILE).parent.mkdir(mode=0o755)
+        save_file(blocks, str(tmp / BLOCKS_FILE), metadata={"format": "pt", "kinds": json.dumps(kinds)})
+        (tmp / BLOCKS_FILE).chmod(0o644)
+        del blocks
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", generation_config(reader, config))
+        _write_tokenizer(reader, tmp)
     return out_dir
 
 
@@ -70,16 +65,25 @@ def write_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
     published atomically as convert_gguf's directories are (its marker's dtype TOKENIZER_ONLY); returns out_dir."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = open_reader(gguf_path)
+    with _publishing(gguf_path, out_dir, TOKENIZER_ONLY) as tmp:
+        _write_tokenizer(reader, tmp)
+    return out_dir
+
+
+@contextmanager
+def _publishing(gguf_path: Path, out_dir: Path, dtype: str) -> Iterator[Path]:
+    """A private directory for `out_dir`'s files (shared_dirs.staging); once the block has written them, its marker
+    (`dtype`: the weights', or TOKENIZER_ONLY) and the directory published atomically (a conversion of this very file
+    published meanwhile by another process is kept, not replaced under its readers). A full disk is one line."""
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        with staging(out_dir) as tmp:
-            tmp.chmod(0o755)
-            _write_tokenizer(reader, tmp)
-            _write_marker(tmp, gguf_path, TOKENIZER_ONLY)
-            publish(tmp, out_dir, lambda d: is_current_conversion(d, gguf_path, TOKENIZER_ONLY))
-    except OSError as e:
+        with staging(out_dir, SOURCE_MARKER) as tmp:
+            tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
+            yield tmp
+            _write_marker(tmp, gguf_path, dtype)
+            publish(tmp, out_dir, lambda d: is_current_conversion(d, gguf_path, dtype))
+    except OSError as e:  # (a full disk)
         raise _unwritable(out_dir, e) from None
-    return out_dir
 
 
 def _unwritable(out_dir: Path, e: OSError) -> FastspecError:
