@@ -21,7 +21,8 @@ from fastspec.utils.transfer import to_device
 class PrefixCache:
     def __init__(self, allocator, table, page_size: int, device, states=None):
         """`states`: a hybrid target's StatePool (with checkpoints), else None."""
-        self.allocator, self.table, self.page_size, self.device, self.states = allocator, table, page_size, device, states
+        self.allocator, self.table, self.page_size = allocator, table, page_size
+        self.device, self.states = device, states
         self.tree = RadixTree(page_size, device, states.drop if states is not None else None)
         self.reused_tokens = 0  # prompt tokens whose KV came from the cache instead of a prefill
 

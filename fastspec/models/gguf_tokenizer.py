@@ -4,7 +4,8 @@ Owns: byte-level BPE (`tokenizer.ggml.model` "gpt2") with the pre-tokenizers lla
 llama.cpp's default, GPT-2, SmolLM, Llama 3, Smaug, Qwen2, Tekken), SentencePiece BPE ("llama": Llama 2, Mistral,
 TinyLlama vocabularies) with its merges recovered from the pieces' scores, the added (control and user-defined) tokens
 and bos / eos framing.
-Does not own: the model's weights (gguf.py) or config (gguf_config.py), nor the chat template (written beside it as it is stored).
+Does not own: the model's weights (gguf.py) or config (gguf_config.py), nor the chat template (written beside it as
+it is stored).
 """
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors

@@ -129,7 +129,8 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         in_features = in_features or c.hidden_size
-        self.layer_id, self.num_heads, self.num_kv_heads, self.head_dim = layer_id, c.num_heads, c.num_kv_heads, c.head_dim
+        self.layer_id, self.head_dim = layer_id, c.head_dim
+        self.num_heads, self.num_kv_heads = c.num_heads, c.num_kv_heads
         self.scale = c.head_dim**-0.5
         self.q_proj = nn.Linear(in_features, c.num_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(in_features, c.num_kv_heads * c.head_dim, bias=c.attention_bias)

@@ -31,7 +31,8 @@ class GatedAttention(nn.Module):
     def __init__(self, config: ModelConfig, kv_layer_id: int):
         super().__init__()
         c = config
-        self.layer_id, self.num_heads, self.num_kv_heads, self.head_dim = kv_layer_id, c.num_heads, c.num_kv_heads, c.head_dim
+        self.layer_id, self.head_dim = kv_layer_id, c.head_dim
+        self.num_heads, self.num_kv_heads = c.num_heads, c.num_kv_heads
         self.scale = c.head_dim ** -0.5
         self.q_proj = nn.Linear(c.hidden_size, 2 * c.num_heads * c.head_dim, bias=c.attention_bias)  # [q | gate]
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
@@ -136,7 +137,8 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(config, index)
         self.post_attention_layernorm = make_norm(config)
-        self.mlp = SparseMoeBlock(config) if is_moe_layer(config, layer_id) else MLP(config.hidden_size, config.intermediate_size)
+        moe = is_moe_layer(config, layer_id)
+        self.mlp = SparseMoeBlock(config) if moe else MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, positions, x, rope, attn) -> torch.Tensor:
         h = self.input_layernorm(x)

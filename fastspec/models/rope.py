@@ -36,7 +36,8 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: Rope
     """YaRN: frequencies that turn fewer than beta_slow times over the pretrained context are interpolated
     (divided by `factor`), those turning more than beta_fast times are kept, with a linear ramp between."""
     def dim_at(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times
-        return dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        ratio = scaling.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(ratio) / (2 * math.log(theta))
 
     low, high = dim_at(scaling.beta_fast), dim_at(scaling.beta_slow)
     if scaling.truncate:
