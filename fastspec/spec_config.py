@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-from fastspec.errors import BadField, FastspecError
+from fastspec.errors import FastspecError
 
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 # SGLang's auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) by target architecture
@@ -260,17 +260,12 @@ def check_tree(steps: int, k: int, n: int) -> None:
                             f"it must be in [2, {capacity}]" + (" and = num_steps + 1 for topk 1" if k == 1 else ""))
 
 
-def refuse_lossy_thresholds(threshold_single: float, threshold_acc: float, why: str, cli: bool = True,
-                            field: str | None = None) -> None:
-    """One line naming the acceptance thresholds set below 1 where decoding is greedy (`why` says where), named as
-    CLI_FLAGS (`cli`) or as LLM's keywords; a BadField naming the request's `field` (temperature, top_k) if given.
-    Greedy acceptance takes the target's argmax whatever the thresholds, so they would change nothing there; only a
-    greedy request verified beside sampled ones reads them (with threshold_single 0 it accepts any draft)."""
-    name = CLI_FLAGS.get if cli else str
-    given = [name(key) for key, value in (("accept_threshold_single", threshold_single),
-                                          ("accept_threshold_acc", threshold_acc)) if value != 1.0]
-    if not given:
-        return
-    message = (f"{', '.join(given)} {'are' if len(given) > 1 else 'is'} not used: {why}, where acceptance is exact "
-               "whatever the thresholds")
-    raise FastspecError(message) if field is None else BadField(message, field)
+def refuse_lossy_thresholds(threshold_single: float, threshold_acc: float, why: str) -> None:
+    """One line naming the acceptance thresholds (as CLI_FLAGS) set below 1 where a command decodes only greedily
+    (`why` says where): greedy acceptance is exact whatever the thresholds, so they would change nothing there. (An
+    engine serving sampled and greedy requests takes them: only its sampled rows read them.)"""
+    given = [CLI_FLAGS[key] for key, value in (("accept_threshold_single", threshold_single),
+                                               ("accept_threshold_acc", threshold_acc)) if value != 1.0]
+    if given:
+        raise FastspecError(f"{', '.join(given)} {'are' if len(given) > 1 else 'is'} not used: {why}, where "
+                            "acceptance is exact whatever the thresholds")

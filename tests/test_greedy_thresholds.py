@@ -1,6 +1,7 @@
-"""Lossy acceptance thresholds (below 1) where decoding is greedy: the CLI refuses them before loading (test_generate),
-the engine per request with the same check, so LLM.generate / stream / chat and serve's HTTP requests refuse a greedy
-request in one line naming them (serve: a 400 naming the request's temperature or top_k) and run sampled ones."""
+"""Lossy acceptance thresholds (below 1) relax only sampled requests: a greedy request (temperature 0 or top_k 1)
+verified in the same batch takes the exact walk, so its output is the target's own token for token, and the engine
+(LLM.generate / stream / chat, serve's HTTP requests) serves it. Where a command decodes only greedily the CLI
+refuses the thresholds before loading (test_generate)."""
 
 import json
 
@@ -10,65 +11,70 @@ from tiny_models import make_hf_model, write_word_tokenizer
 
 import fastspec
 from fastspec import SamplingParams
-from fastspec.errors import FastspecError
-from fastspec.text.conversation import ChatSession
 
-REFUSED = (r"^accept_threshold_single is not used: the request decodes greedily \({}\), where acceptance is exact "
-           "whatever the thresholds$")
-SAMPLED = SamplingParams(temperature=0.8, seed=1, max_new_tokens=6, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, seed=1, max_new_tokens=12, ignore_eos=True)
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+TOP_K_1 = SamplingParams(temperature=0.8, top_k=1, seed=2, max_new_tokens=12, ignore_eos=True)
+PROMPTS = [[3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14]]
 
 
 @pytest.fixture(scope="module")
-def lossy(tmp_path_factory):
-    """A tiny llama with a word-level tokenizer, NGRAM-drafted with accept_threshold_single 0.5."""
-    directory = tmp_path_factory.mktemp("lossy")
-    make_hf_model("llama").save_pretrained(directory)
-    write_word_tokenizer(directory)
-    return fastspec.LLM(str(directory), speculative_algorithm="NGRAM", accept_threshold_single=0.5,
-                        max_total_tokens=1024, max_running_requests=4)
+def models(tmp_path_factory):
+    """(lossy, plain): a tiny llama with a word-level tokenizer, drafted by a different random llama (STANDALONE,
+    mostly wrong drafts) with threshold_single 0 (any draft accepted) and threshold_acc 0.2; and the same target
+    decoding alone."""
+    root = tmp_path_factory.mktemp("lossy")
+    make_hf_model("llama").save_pretrained(root / "target")
+    write_word_tokenizer(root / "target")
+    make_hf_model("llama", seed=5, num_hidden_layers=1).save_pretrained(root / "draft")
+    common = dict(max_total_tokens=2048, max_running_requests=4)
+    lossy = fastspec.LLM(str(root / "target"), speculative_algorithm="STANDALONE", draft_model=str(root / "draft"),
+                         num_steps=3, topk=2, num_draft_tokens=5, accept_threshold_single=0.0,
+                         accept_threshold_acc=0.2, **common)
+    return lossy, fastspec.LLM(str(root / "target"), speculative_algorithm="NONE", **common)
 
 
-def test_the_api_refuses_a_greedy_request_with_lossy_thresholds(lossy):
-    """Temperature 0 (SamplingParams' default) or top_k 1: generate, stream and chat each refuse it in one line naming
-    the threshold and the request's field; a sampled request runs, batched beside nothing refused, and a chat
-    session's warm-up draws as its answers do (it was greedy: refused under a sampled session)."""
-    for params, field in ((None, "temperature 0.0"), (SamplingParams(max_new_tokens=4), "temperature 0.0"),
-                          (SamplingParams(temperature=0.8, top_k=1, max_new_tokens=4), "top_k 1")):
-        with pytest.raises(FastspecError, match=REFUSED.format(field)):
-            lossy.generate([[3, 4, 5]], params)
-        with pytest.raises(FastspecError, match=REFUSED.format(field)):
-            next(lossy.stream("w3 w4", params))
-        with pytest.raises(FastspecError, match=REFUSED.format(field)):
-            lossy.chat([{"role": "user", "content": "w3"}], params)
-    with pytest.raises(FastspecError, match=REFUSED.format("temperature 0.0")):  # (one greedy among sampled ones)
-        lossy.generate([[3, 4, 5], [6, 7]], [SAMPLED, SamplingParams(max_new_tokens=4)])
-    done = lossy.generate([[3, 4, 5], [6, 7]], SAMPLED)
-    assert [len(c.output_ids) for c in done] == [6, 6]
-    assert done[0].output_ids == lossy.generate([[3, 4, 5]], SAMPLED)[0].output_ids  # (seeded: batched or alone)
-    ChatSession(lossy, SamplingParams(temperature=0.7, max_new_tokens=4)).warm_up()
+def test_a_greedy_request_beside_sampled_ones_decodes_as_the_target_alone(models):
+    """One batch of a greedy, a sampled and a top_k 1 request: both greedy ones emit the target-only greedy tokens
+    (threshold_single 0 read for them accepted every draft); the sampled one accepts drafts and draws as it does
+    alone (seeded). stream and chat serve greedy requests too."""
+    lossy, plain = models
+    want = [c.output_ids for c in plain.generate([PROMPTS[0], PROMPTS[2]], GREEDY)]
+    mixed = lossy.generate(PROMPTS, [GREEDY, SAMPLED, TOP_K_1])
+    assert [mixed[0].output_ids, mixed[2].output_ids] == want
+    assert all(c.metrics.verify_rounds > 0 for c in mixed)
+    assert mixed[1].output_ids == lossy.generate([PROMPTS[1]], SAMPLED)[0].output_ids
+    assert [c.output_ids for c in lossy.generate([PROMPTS[0], PROMPTS[2]], GREEDY)] == want  # (all greedy: exact)
+    text = "".join(d.text for step in lossy.stream("w3 w4 w5", GREEDY) for d in step)
+    assert text == plain.generate(["w3 w4 w5"], GREEDY)[0].text
+    chat = [{"role": "user", "content": "w3"}]
+    assert lossy.chat(chat, GREEDY)[0].output_ids == plain.chat(chat, GREEDY)[0].output_ids
     lossy.engine.check_kv()
 
 
-def test_serve_answers_a_greedy_request_with_lossy_thresholds_by_a_400_naming_its_field(lossy):
-    """Serve's requests default to temperature 1 (OpenAI's): those run, n choices too (the server's own request that
-    caches their prompt draws as they do); temperature 0 or top_k 1 is a 400 naming that param."""
+def test_serve_answers_greedy_and_scoring_requests_with_lossy_thresholds(models):
+    """temperature 0, top_k 1, a greedy chat, lm-eval's scoring (echo with max_tokens 0; max_tokens 1 at
+    temperature 0) and sampled n choices are all a 200; the greedy completion is the target's own."""
+    lossy, plain = models
     server, thread, service, url, _ = start_server(lossy, "lossy", max_queued=8)
     try:
-        body = {"prompt": [3, 4, 5], "max_tokens": 4, "ignore_eos": True}
+        body = {"prompt": PROMPTS[0], "max_tokens": 12, "ignore_eos": True}
         chat = {"messages": [{"role": "user", "content": "w3 w4"}], "max_tokens": 4}
-        for path, ask, param, field in (("/v1/completions", body | {"temperature": 0}, "temperature", "temperature 0"),
-                                        ("/v1/completions", body | {"top_k": 1}, "top_k", "top_k 1"),
-                                        ("/v1/chat/completions", chat | {"temperature": 0}, "temperature",
-                                         "temperature 0")):
+        asks = (("/v1/completions", body | {"temperature": 0}), ("/v1/completions", body | {"top_k": 1}),
+                ("/v1/chat/completions", chat | {"temperature": 0}),
+                ("/v1/completions", body | {"max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}),
+                ("/v1/completions", body | {"max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}),
+                ("/v1/completions", body | {"n": 2, "seed": 3, "temperature": 0.7}))
+        answers = []
+        for path, ask in asks:
             status, data = raw(url, "POST", path, json.dumps(ask).encode())
-            assert status == 400 and data["error"]["param"] == param, data
-            assert data["error"]["message"].startswith(f"accept_threshold_single is not used: the request decodes "
-                                                       f"greedily ({field}"), data
-        for ask in (body, body | {"n": 2, "seed": 3, "temperature": 0.7}):
-            status, data = raw(url, "POST", "/v1/completions", json.dumps(ask).encode())
-            assert status == 200 and len(data["choices"]) == ask.get("n", 1), data
+            assert status == 200 and len(data["choices"]) == ask.get("n", 1), (ask, data)
+            answers.append(data)
+        want = plain.generate([PROMPTS[0]], GREEDY)[0].text
+        assert [answers[i]["choices"][0]["text"] for i in (0, 1)] == [want, want]
         assert engine_settled(service)
     finally:
         server.should_exit = True
         thread.join(10)
         service.stop()
+

@@ -107,7 +107,7 @@ def given(context: typer.Context, name: str) -> bool:
 
 def refuse_lossy_thresholds(options, why: str) -> None:
     """One line naming the lossy acceptance thresholds set (ModelOptions `options`) where the command decodes
-    greedily: `why` says so (spec_config.refuse_lossy_thresholds, which the engine runs per request too)."""
+    greedily: `why` says so (spec_config.refuse_lossy_thresholds)."""
     spec_config.refuse_lossy_thresholds(options.speculative_accept_threshold_single,
                                         options.speculative_accept_threshold_acc, why)
 

@@ -1,6 +1,6 @@
 """What a request may be before it runs: its length within the context and what the KV pool can ever hold, its
-token ids within the vocabulary, its grammar compiled, and no greedy request where lossy acceptance thresholds are set
-(Engine.request). Reads the worker's limits; runs nothing and holds no request."""
+token ids within the vocabulary, its grammar compiled (Engine.request). Reads the worker's limits; runs nothing and
+holds no request."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from fastspec.engine.scheduler import Request
 from fastspec.errors import BadField, RequestTooLong
 from fastspec.sampling.draw import request_seed
 from fastspec.sampling.grammar import GrammarCompiler
-from fastspec.sampling.params import GREEDY_BELOW, SamplingParams
-from fastspec.spec_config import refuse_lossy_thresholds
+from fastspec.sampling.params import SamplingParams
 
 
 class Intake:
@@ -55,9 +54,4 @@ class Intake:
             raise BadField(f"logit bias token ids must be in [0, {vocab})", "logit_bias")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise BadField(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
-        if params.greedy:  # (its output must be the target's own: lossy thresholds asked for are refused)
-            spec, field = self.worker.spec, "temperature" if params.temperature < GREEDY_BELOW else "top_k"
-            refuse_lossy_thresholds(spec.accept_threshold_single, spec.accept_threshold_acc,
-                                    f"the request decodes greedily ({field} {getattr(params, field)})", cli=False,
-                                    field=field)
         return Request(rid, list(prompt), params, request_seed(params.seed), grammar=self.grammars.compile(params))

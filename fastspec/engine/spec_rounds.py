@@ -25,7 +25,7 @@ from fastspec.speculative.drafter import Drafter
 from fastspec.speculative.future import FutureMaps, PendingRound, start_readback
 from fastspec.speculative.kv import DeviceKV, plan_round_kv_on_device, round_free_slots
 from fastspec.speculative.packing import pack_verify
-from fastspec.speculative.tree import (DraftTree, VerifyResult, verify_greedy, verify_sampling,
+from fastspec.speculative.tree import (DraftTree, VerifyResult, select_rows, verify_greedy, verify_sampling,
                                        verify_sampling_thresholds)
 from fastspec.utils.transfer import to_device
 
@@ -118,7 +118,8 @@ class SpecRounds:
     def _accept(self, reqs: list[Request], tree: DraftTree, logits: torch.Tensor, out: dict) -> VerifyResult:
         """Greedy rounds over unchanged logits take the verify graph's own acceptance (it walks N-1 levels: an
         EAGLE tree is no deeper than its num_steps, so its result is cut to those; an arbitrary tree deeper than
-        its num_steps, NGRAM's, walks here); any other round walks the tree here."""
+        its num_steps, NGRAM's, walks here); any other round walks the tree here. Lossy thresholds relax only the
+        sampled rows: a greedy row beside them takes the exact walk (its output is the target's own)."""
         if all(r.params.greedy for r in reqs):
             bounded = tree.topk > 0 or tree.num_steps >= tree.num_draft_tokens - 1
             if logits is out["logits"] and bounded:
@@ -133,8 +134,13 @@ class SpecRounds:
             return verify_sampling(tree, logits, sampling.temperature, sampling.top_k, sampling.top_p,
                                    position_uniforms(seeds, drawn))
         uniforms = position_uniforms(seeds, drawn[:, :1] + torch.arange(n + 1, device=drawn.device))
-        return verify_sampling_thresholds(tree, logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                                          uniforms, *thresholds)
+        relaxed = verify_sampling_thresholds(tree, logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                                             uniforms, *thresholds)
+        if not any(r.params.greedy for r in reqs):
+            return relaxed
+        # threshold_single 0 accepts even a draft of target probability 0 (a greedy row's q is one-hot)
+        greedy = sampling.top_k == 1  # [bs]: greedy rows carry top_k 1, and a sampled row with top_k 1 is greedy
+        return select_rows(greedy, verify_greedy(tree, logits), relaxed)
 
     def _commit_on_device(self, batch: DecodeBatch, tree: DraftTree, verify_slots: torch.Tensor,
                           result: VerifyResult) -> DeviceKV:

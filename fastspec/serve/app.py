@@ -197,7 +197,7 @@ def _submit_choices(service: EngineService, checked: list[Checked], loop, events
 async def _cache_prompt(service: EngineService, prompt_ids: list[int], params) -> None:
     """Put the prompt's KV into the prefix cache with one one-token request, so that n choices admitted together
     share it instead of each computing it. It draws as the choices do (their temperature and top-k, which the
-    engine took for them): a greedy one would be refused where lossy acceptance thresholds are set."""
+    engine took for them)."""
     loop = asyncio.get_running_loop()
     one = replace(params, max_new_tokens=1, seed=None, stop=(), logprobs=None, json_schema=None,
                   regex=None, ebnf=None, lark=None, ignore_eos=True)

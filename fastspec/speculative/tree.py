@@ -194,6 +194,16 @@ class VerifyResult:
         return self.emitted.gather(1, self.accept_len[:, None]).squeeze(1)
 
 
+def select_rows(take: torch.Tensor,  # bool [bs]
+                chosen: VerifyResult, other: VerifyResult) -> VerifyResult:
+    """Request b's row of `chosen` where take[b], else of `other` (both of one tree: [bs, num_steps+1] each);
+    no host sync."""
+    rows = take[:, None]
+    return VerifyResult(torch.where(rows, chosen.accept_index, other.accept_index),
+                        torch.where(take, chosen.accept_len, other.accept_len),
+                        torch.where(rows, chosen.emitted, other.emitted))
+
+
 def _verify_buffers(tree: DraftTree):
     bs, n, device = tree.batch_size, tree.num_draft_tokens, tree.draft_tokens.device
     predicts = torch.zeros(bs * n, dtype=torch.int32, device=device)  # predicts[x] = token emitted after x

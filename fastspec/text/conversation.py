@@ -101,8 +101,8 @@ class ChatSession:
     def warm_up(self) -> None:
         """Run once what the first answer would run first (graph buckets, every kernel's first call, the draft), so
         the first answer is as fast as the later ones. Leaves no trace: no history, stats, cached prefix, nor a
-        measurement in the fallback policy (first calls are slow). It draws as the answers will (greedy or sampled:
-        the engine refuses a greedy request where lossy acceptance thresholds are set)."""
+        measurement in the fallback policy (first calls are slow). It draws as the answers will (greedy or sampled),
+        so it runs the acceptance they will."""
         engine, p = self.llm.engine, self.params
         policy = copy.deepcopy(engine.policy)
         ids = self.llm.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
