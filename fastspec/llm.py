@@ -67,6 +67,9 @@ class LLM:
         if threads is not None:
             apply_threads(threads, "threads")
         algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
+        if algorithm is None:  # (no shipped head: the default decodes plainly, where nothing reads the thresholds)
+            check_spec_flags("NONE", accept_threshold_single=accept_threshold_single,
+                             accept_threshold_acc=accept_threshold_acc, cli=False)
         self.sources = sources = resolve_sources(
             model, algorithm, draft_model, revision=revision, draft_revision=draft_revision,
             quantization=config.quantization, device=config.device, load_format=config.load_format,
@@ -87,7 +90,7 @@ class LLM:
             if found is not None:
                 schedule, all_off = found
                 self.tuned_schedule = schedule
-                spec = SpecConfig() if all_off else spec  # tuned: plain decoding at every batch size
+                spec = SpecConfig() if all_off else spec  # tuned: plain at every batch size (no threshold is read)
         if schedule:
             spec = spec.with_schedule(schedule)
         self.planned_spec = spec  # what was asked for and tuned (banners say it); the engine runs `spec`

@@ -191,8 +191,9 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
     """The canonical algorithm name, after every check that needs no model: the name, the thresholds, the tree
     options as far as they are given (whether a partial shape is feasible depends on the target's defaults, which
     `resolve` checks), and no option the algorithm would ignore (a draft without a drafting algorithm; tree options
-    for NONE, all but num_draft_tokens for NGRAM; a token map but for EAGLE; a draft revision without a draft; NGRAM
-    options (`ngram`: any given) but for NGRAM). `algorithm` None: the default (no tree option is ignored then).
+    and acceptance thresholds for NONE, all but num_draft_tokens for NGRAM; a token map but for EAGLE; a draft
+    revision without a draft; NGRAM options (`ngram`: any given) but for NGRAM). `algorithm` None: the default (no
+    tree option is ignored then; callers that know the model check its default: see `default_speculation`).
     Messages name the options as CLI_FLAGS (`cli`) or as LLM's keywords."""
     name = CLI_FLAGS.get if cli else str
     if algorithm is not None and not isinstance(algorithm, str):
@@ -226,6 +227,9 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
                             "one: the draft would be ignored")
     ignored = [key for key, value in tree.items() if value is not None and algorithm is not None
                and (algo == "NONE" or algo == "NGRAM" and key != "num_draft_tokens")]
+    ignored += [key for key, value in (("accept_threshold_single", accept_threshold_single),
+                                       ("accept_threshold_acc", accept_threshold_acc))
+                if value != 1.0 and algorithm is not None and algo == "NONE"]  # (nothing drafts: nothing to accept)
     ignored += ["token_map"] if token_map is not None and (algorithm is None or algo != "EAGLE") else []
     ignored += ["ngram"] if ngram and algo != "NGRAM" else []
     if ignored:

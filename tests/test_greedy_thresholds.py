@@ -1,16 +1,19 @@
 """Lossy acceptance thresholds (below 1) relax only sampled requests: a greedy request (temperature 0 or top_k 1)
 verified in the same batch takes the exact walk, so its output is the target's own token for token, and the engine
 (LLM.generate / stream / chat, serve's HTTP requests) serves it. Where a command decodes only greedily the CLI
-refuses the thresholds before loading (test_generate)."""
+refuses the thresholds before loading (test_generate); with no speculative algorithm, the CLI and LLM refuse them."""
 
 import json
 
 import pytest
 from serve_helpers import engine_settled, raw, start_server
 from tiny_models import make_hf_model, write_word_tokenizer
+from typer.testing import CliRunner
 
 import fastspec
 from fastspec import SamplingParams
+from fastspec.cli import app
+from fastspec.errors import FastspecError
 
 SAMPLED = SamplingParams(temperature=0.8, seed=1, max_new_tokens=12, ignore_eos=True)
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -78,3 +81,20 @@ def test_serve_answers_greedy_and_scoring_requests_with_lossy_thresholds(models)
         thread.join(10)
         service.stop()
 
+
+def test_thresholds_without_speculation_are_refused_in_one_line(models, tmp_path):
+    """NONE (given, or the default of a model without a shipped head) drafts nothing, so nothing would read the
+    thresholds: LLM refuses them naming its keyword, the CLI naming its flag, before loading."""
+    target = models[1].engine.model_dir
+    for algorithm in ("NONE", None):
+        with pytest.raises(FastspecError, match="^accept_threshold_single does not apply to speculative_algorithm "
+                                                "NONE: it would be ignored$"):
+            fastspec.LLM(str(target), speculative_algorithm=algorithm, accept_threshold_single=0.5)
+    with pytest.raises(FastspecError, match="^accept_threshold_acc does not apply"):
+        fastspec.LLM(str(target), speculative_algorithm="NONE", accept_threshold_acc=0.5)
+    for algorithm in (["--speculative-algorithm", "NONE"], []):
+        result = CliRunner().invoke(app, ["generate", "--model", str(target), "--prompt", "w3", "--temperature",
+                                          "0.7", *algorithm, "--speculative-accept-threshold-single", "0.5"])
+        assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+        assert ("--speculative-accept-threshold-single does not apply to --speculative-algorithm NONE: it would be "
+                "ignored") in result.stderr

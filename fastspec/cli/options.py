@@ -75,6 +75,7 @@ class ModelOptions:
         """Every check these flags allow without reading a model, a tuned file or a checkpoint, so that bad
         input fails first, in one line, whatever the cache holds."""
         from fastspec.config import EngineConfig
+        from fastspec.models.embedded import default_speculation
         from fastspec.models.hub import check_model_spec, check_tokenizer_spec
         from fastspec.spec_config import check_spec_flags
 
@@ -91,6 +92,9 @@ class ModelOptions:
                          token_map=self.speculative_token_map, draft_revision=self.speculative_draft_model_revision,
                          ngram=ngram)
         check_model_spec(self.model)
+        if default_speculation(self.model, self.speculative_algorithm, self.speculative_draft_model_path)[0] is None:
+            check_spec_flags("NONE", accept_threshold_single=self.speculative_accept_threshold_single,
+                             accept_threshold_acc=self.speculative_accept_threshold_acc)  # (plain: nothing reads them)
         if self.tokenizer is not None:
             check_tokenizer_spec(self.tokenizer)
         if self.speculative_draft_model_path is not None:
