@@ -84,3 +84,26 @@ def test_a_model_whose_tokenizer_cannot_be_read_still_runs_token_ids(tiny_dirs, 
         [o.output_ids for o in plain.generate(PROMPTS, params)]
     with pytest.raises(FastspecError, match=f"{broken}: (cannot load the tokenizer|malformed JSON)"):
         llm.generate("w3 w4", params)
+
+
+def test_a_directory_named_like_a_gguf_file_is_a_directory(tmp_path):
+    """A directory named `x.gguf` was taken for a missing GGUF file: as a tokenizer or a model, one lacking its files
+    was refused as 'file x.gguf does not exist' (it exists), and a model directory so named was sent to the GGUF
+    converter. It is a directory like any other: read where it holds tokenizer.json / config.json, else refused for
+    the file it lacks."""
+    from tiny_models import make_hf_model, write_word_tokenizer
+
+    from fastspec.models.sources import resolve_model_dir, resolve_tokenizer_dir
+
+    empty = tmp_path / "empty.gguf"
+    empty.mkdir()
+    with pytest.raises(FastspecError, match=f"^tokenizer {empty} has no tokenizer.json$"):
+        resolve_tokenizer_dir(str(empty), 97)
+    with pytest.raises(FastspecError, match=f"^model directory {empty} has no config.json$"):
+        resolve_model_dir(str(empty))
+    model = tmp_path / "model.gguf"
+    make_hf_model("llama").save_pretrained(model)
+    words = write_word_tokenizer(tmp_path / "words.gguf")
+    assert resolve_model_dir(str(model)) == model and resolve_tokenizer_dir(str(words), 97) == words
+    llm = fastspec.LLM(str(model), tokenizer=str(words), speculative_algorithm="NGRAM", max_total_tokens=256)
+    assert llm.tokenizer.decode(llm.tokenizer.encode("w3 w4")) == "w3 w4"

@@ -161,7 +161,7 @@ def check_model_spec(spec: str, flag: str = "model", head: bool = False) -> None
     if is_hub_id(spec) or spec in embedded.EMBEDDED_MODELS and not head:  # a hub id is looked up when resolved
         return
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf" and not head:
+    if path.suffix == ".gguf" and not head and not path.is_dir():  # (a directory so named is a directory)
         if not path.is_file():
             raise FastspecError(f"{flag} file {spec} does not exist")
         return
@@ -190,7 +190,7 @@ def check_tokenizer_spec(spec: str) -> None:
     path = Path(spec).expanduser()
     if is_hub_id(spec) or spec in embedded.EMBEDDED_MODELS or (path / "tokenizer.json").is_file():
         return
-    if path.suffix == ".gguf":
+    if path.suffix == ".gguf" and not path.is_dir():  # (a directory so named is a tokenizer directory)
         if not path.is_file():
             raise FastspecError(f"tokenizer file {spec} does not exist")
         return

@@ -122,7 +122,7 @@ def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
     if hub.is_hub_id(spec):
         return hub.fetch(spec, revision)
     path = Path(spec).expanduser()
-    return _converted_gguf(path) if path.suffix == ".gguf" else path
+    return _converted_gguf(path) if path.suffix == ".gguf" and not path.is_dir() else path
 
 
 def _converted_gguf(path: Path) -> Path:
