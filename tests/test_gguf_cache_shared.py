@@ -133,27 +133,42 @@ def test_packed_caches_no_start_reads_are_removed(tmp_path):
     assert not killed.exists()
 
 
-def test_an_earlier_fastspecs_killed_conversion_is_removed_only_where_provably_its_own(tmp_path):
+def test_an_earlier_fastspecs_leftovers_are_removed_only_where_provably_its_own(tmp_path):
     """Conversions killed before the rename to `.NAME.fastspec-tmp-*` left `.NAME.tmp-*` (`.NAME.gguf-tmp-*`)
-    directories that no sweep removed. Their writers held no lock, so a day's age tells them gone; fastspec's marker
-    in them, or in their destination NAME (killed before writing their own), tells them fastspec's."""
+    directories, and ones killed while removing the conversion they replaced `.NAME.old-*` (`.NAME.gguf-old-*`), that
+    no sweep removed (nor a `.NAME.tmp-*` killed before writing its marker into a NAME never published). Their
+    writers held no lock, so a day's age tells them gone; fastspec's marker in them (or in the conversion they
+    replaced), in their destination NAME, or a NAME only a conversion of a .gguf path has, tells them fastspec's.
+    One a process holds stays, as does what is not provably fastspec's."""
     cache = tmp_path / "cache"
     convert_gguf(write_gguf(tmp_path / "a.gguf", tiny_llama(True)), cache / "hf")
     (cache / "data").mkdir()
     killed = cache / ".hf.tmp-abcd1234"  # killed writing its weights: hf/ is a conversion
     finished = cache / ".gone.gguf-tmp-abcd1234"  # killed after writing its marker
+    unwritten = cache / ".m-0123456789ab.tmp-abcd1234"  # a .gguf path's first conversion killed before writing
+    replaced = cache / ".gone.gguf-old-abcd1234" / "dir"  # killed removing the conversion it replaced
+    older = cache / ".hf.old-abcd1234" / "dir"  # (the first naming; what it replaced was damaged: no marker)
+    held = cache / ".kept.gguf-old-abcd1234" / "dir"  # (a process still reads it)
     young = cache / ".hf.tmp-young123"  # (maybe still written by an earlier fastspec: no lock can tell)
     foreign = cache / ".data.tmp-abcd1234"  # neither it nor data/ holds fastspec's marker
-    for entry in (killed, finished, young, foreign):
-        entry.mkdir()
-        (entry / "model.safetensors").write_bytes(b"x")
-    (finished / SOURCE_MARKER).write_text("{}")
+    foreign_old = cache / ".data.gguf-old-abcd1234" / "dir"
+    for entry in (killed, finished, unwritten, replaced, older, held, young, foreign, foreign_old):
+        entry.mkdir(parents=True)
+        if entry != unwritten:
+            (entry / "model.safetensors").write_bytes(b"x")
+    for entry in (finished, replaced, held):
+        (entry / SOURCE_MARKER).write_text("{}")
     old = time.time() - STALE_AGE_S - 60
-    for entry in (killed, finished, foreign):
+    for entry in (killed, finished, unwritten, replaced.parent, older.parent, held.parent, foreign, foreign_old.parent):
         os.utime(entry, (old, old))
-    convert_gguf(write_gguf(tmp_path / "b.gguf", tiny_llama(True, seed=1)), cache / "b")
+    reading = os.open(held, os.O_RDONLY)
+    try:
+        fcntl.flock(reading, fcntl.LOCK_SH)  # as a reader holds it
+        convert_gguf(write_gguf(tmp_path / "b.gguf", tiny_llama(True, seed=1)), cache / "b")
+    finally:
+        os.close(reading)
     assert sorted(p.name for p in cache.iterdir()) == sorted([".fastspec-convert.lock", "b", "data", "hf", young.name,
-                                                              foreign.name])
+                                                              foreign.name, held.parent.name, foreign_old.parent.name])
 
 
 READER = """

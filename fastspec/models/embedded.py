@@ -10,6 +10,7 @@ The package is located with `find_spec` and never imported (its own dependencies
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -65,13 +66,10 @@ def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
         raise FastspecError(f"unknown embedded model '{name}' (known: {known})")
     gguf_path = find_embedded_gguf(name)
     out_dir = models_root() / name
-    from fastspec.models.gguf import convert_gguf, is_current_conversion  # (torch, tokenizers, gguf)
-    from fastspec.utils.shared_dirs import hold_for_reading
+    from fastspec.models.gguf import held_conversion  # (torch, tokenizers, gguf)
 
-    if not is_current_conversion(out_dir, gguf_path):
-        log.info("converting the embedded model %s into %s (once)", name, out_dir.parent)
-        convert_gguf(gguf_path, out_dir)
-    hold_for_reading(out_dir)  # (another version's conversion replacing it leaves this one's files in place)
+    announce = partial(log.info, "converting the embedded model %s into %s (once)", name, out_dir.parent)
+    held_conversion(gguf_path, out_dir, announce=announce)  # (held: another version's replacing it leaves its files)
     return out_dir
 
 

@@ -7,23 +7,26 @@ Owns: writing the directory, published atomically (the tokenizer: gguf_tokenizer
 shared_dirs), or a GGUF's tokenizer files alone (write_gguf_tokenizer, for a tokenizer given apart): every tensor
 of a block format as its blocks only (BLOCKS_FILE: what --quantization gguf runs, see gguf_packed; a float load
 dequantises them, gguf_blocks.stored_floats), the others dequantised in model.safetensors, and each tensor's GGUF
-type; its SOURCE_MARKER and the "convert once, reuse after" check (is_current_conversion).
+type; its SOURCE_MARKER, the "convert once, reuse after" check (is_current_conversion) and its use by a reader
+(held_conversion: checked under the reader's hold), and the name of a .gguf path's conversion (conversion_name).
 Does not own: reading the tensors (gguf_read; their names: gguf_names), the configs its metadata maps to (gguf_config;
 the rope scaling a file describes: gguf_rope), which GGUF to convert or where to cache it (embedded.py), nor loading
 the result (loader.py).
 """
 
+import hashlib
 import json
+import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import save_file
 
 from fastspec.errors import FastspecError
 from fastspec.models.gguf_blocks import BLOCKS_FILE
-from fastspec.utils.shared_dirs import publish, staging
+from fastspec.utils.shared_dirs import hold_for_reading, publish, staging
 from fastspec.models.gguf_config import generation_config, meta, model_config, reader_meta
 from fastspec.models.gguf_names import ARCHITECTURES, arch_spec
 from fastspec.models.gguf_read import open_reader, read_tensors
@@ -32,6 +35,8 @@ from fastspec.models.gguf_tokenizer import adds_bos, build_tokenizer, special_id
 CONVERTER_VERSION = 8  # bump when the output layout changes, so cached conversions are redone
 SOURCE_MARKER = "fastspec_source.json"
 TOKENIZER_ONLY = "tokenizer"  # the marker's dtype of a directory holding the tokenizer files alone (no weights)
+CONVERSION_NAME = re.compile(r".+-[0-9a-f]{12}")  # conversion_name's: <stem>-<key>
+_ATTEMPTS = 3  # conversions published by this process before one is still current when held (held_conversion)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -70,6 +75,39 @@ def write_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def held_conversion(gguf_path: Path, out_dir: Path, tokenizer_only: bool = False,
+                    announce: Callable[[], None] = lambda: None) -> bool:
+    """Make `out_dir` a current conversion of `gguf_path` (its tokenizer files alone: write_gguf_tokenizer) held for
+    reading by this process (shared_dirs.hold_for_reading): checked current under the hold, so a conversion of
+    another version (another file, fastspec or time) published meanwhile is never read unchecked nor left unheld.
+    Converts (after `announce()`) when it is not; returns whether it converted. One line when another process's
+    conversions replace each of this process's before it is held (the file rewritten all along)."""
+    dtype = TOKENIZER_ONLY if tokenizer_only else "float32"
+    converted = False
+    for _ in range(_ATTEMPTS):
+        if hold_for_reading(out_dir, lambda d: is_current_conversion(d, gguf_path, dtype)):
+            return converted
+        announce()
+        (write_gguf_tokenizer if tokenizer_only else convert_gguf)(gguf_path, out_dir)
+        converted = True
+    raise FastspecError(f"{gguf_path}: its conversion in {out_dir} was replaced by another process's "
+                        f"{_ATTEMPTS} times before it could be read; is the file being rewritten?")
+
+
+def conversion_name(gguf_path: Path) -> str:
+    """The name of the conversion of the .gguf file at `gguf_path`: its stem and a key of its path, size and time (a
+    symlink shares its file's), so each version of a file has its own."""
+    stat, real = gguf_path.stat(), gguf_path.resolve()
+    key = hashlib.sha1(f"{real}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return f"{real.stem}-{key}"
+
+
+def _is_ours(path: Path) -> bool:
+    """Whether the directory `path` is a conversion (its marker), or is named as only a conversion is: what proves an
+    earlier fastspec's staging or replaced directory ours (shared_dirs.sweep)."""
+    return (path / SOURCE_MARKER).is_file() or CONVERSION_NAME.fullmatch(path.name) is not None
+
+
 @contextmanager
 def _publishing(gguf_path: Path, out_dir: Path, dtype: str) -> Iterator[Path]:
     """A private directory for `out_dir`'s files (shared_dirs.staging); once the block has written them, its marker
@@ -77,7 +115,7 @@ def _publishing(gguf_path: Path, out_dir: Path, dtype: str) -> Iterator[Path]:
     published meanwhile by another process is kept, not replaced under its readers). A full disk is one line."""
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        with staging(out_dir, SOURCE_MARKER) as tmp:
+        with staging(out_dir, _is_ours) as tmp:
             tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
             yield tmp
             _write_marker(tmp, gguf_path, dtype)

@@ -11,10 +11,10 @@ decides whether they fit in memory (weights_fit).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from fastspec.errors import FastspecError
@@ -127,28 +127,23 @@ def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
 
 def _converted_gguf(path: Path) -> Path:
     """The conversion of the .gguf file at `path` (converted once per path, size and time; converting a new version
-    removes the earlier versions' conversions)."""
+    removes the earlier versions' conversions), held for reading (gguf.held_conversion)."""
     from fastspec.models.embedded import remove_stale_conversions
-    from fastspec.models.gguf import convert_gguf, is_current_conversion
-    from fastspec.utils.shared_dirs import hold_for_reading
+    from fastspec.models.gguf import held_conversion
 
     out = _conversion_dir(path, "gguf")
-    if not is_current_conversion(out, path):
-        log.warning("%s: converting it into %s (once: later starts read that)", path.name, out)
-        convert_gguf(path, out)
+    announce = partial(log.warning, "%s: converting it into %s (once: later starts read that)", path.name, out)
+    if held_conversion(path, out, announce=announce):
         remove_stale_conversions(out, path)
-    hold_for_reading(out)  # (a process converting a later version of the file leaves this one's files in place)
     return out
 
 
 def _conversion_dir(path: Path, folder: str) -> Path:
-    """Where the .gguf file at `path` is converted under the models' cache `folder`: one directory per path, size
-    and time (a symlink shares its file's)."""
+    """Where the .gguf file at `path` is converted under the models' cache `folder` (gguf.conversion_name)."""
     from fastspec.models.embedded import models_root
+    from fastspec.models.gguf import conversion_name
 
-    stat, real = path.stat(), path.resolve()
-    key = hashlib.sha1(f"{real}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return models_root() / folder / f"{real.stem}-{key}"
+    return models_root() / folder / conversion_name(path)
 
 
 def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
@@ -157,7 +152,7 @@ def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
     cost their size), else a directory's or a hub id's (hub.resolve_tokenizer_dir). Its ids must fit the model's
     `vocab_size` rows (hub.check_tokenizer_fits)."""
     from fastspec.models import embedded
-    from fastspec.models.gguf import TOKENIZER_ONLY, is_current_conversion, write_gguf_tokenizer
+    from fastspec.models.gguf import held_conversion
 
     hub.check_tokenizer_spec(spec)
     path = Path(spec).expanduser()
@@ -166,8 +161,7 @@ def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
     if path.suffix != ".gguf" or not path.is_file():
         return hub.resolve_tokenizer_dir(spec, vocab_size)
     out = _conversion_dir(path, "gguf-tokenizers")
-    if not is_current_conversion(out, path, TOKENIZER_ONLY):
-        write_gguf_tokenizer(path, out)
+    if held_conversion(path, out, tokenizer_only=True):  # (held: a later version's cannot remove it while read)
         embedded.remove_stale_conversions(out, path)
     return hub.check_tokenizer_fits(out, spec, vocab_size)
 

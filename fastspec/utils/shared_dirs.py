@@ -11,8 +11,9 @@ Invariants:
 - a process reading a published directory holds it (`hold_for_reading`: a shared flock) until it exits; a replaced
   one is moved into `.NAME.fastspec-old-*` and removed by whoever sees it once no process holds it (where the file
   system has no locks, once older than STALE_AGE_S), so no reader's files vanish midway;
-- an earlier fastspec's staging directory (`.NAME.tmp-*`, `.NAME.gguf-tmp-*`: held by no lock) is removed once older
-  than STALE_AGE_S, and only where it or its destination NAME holds the caller's marker file (proof that it is ours).
+- an earlier fastspec's staging or replaced directory (`.NAME.tmp-*`, `.NAME.gguf-tmp-*`, `.NAME.old-*`,
+  `.NAME.gguf-old-*`) is removed once older than STALE_AGE_S and held by no process, and only where the caller's `ours`
+  proves it fastspec's (it, the conversion inside it or its destination NAME); the others stay (`sweep`).
 Does not own: what a conversion holds nor which one is current (models/gguf.py), what is built (kernels/).
 """
 
@@ -31,7 +32,8 @@ from typing import Callable, Iterator
 LOCK_FILE = ".fastspec-convert.lock"
 STALE_AGE_S = 24 * 3600  # a temp entry this old is abandoned even where no lock can tell
 _LEFTOVER = re.compile(r"\..+\.fastspec-(?:tmp|(?P<old>old))-[^/]+")  # .NAME.fastspec-tmp-X / .NAME.fastspec-old-X
-_EARLIER_TEMP = re.compile(r"\.(?P<name>.+)\.(?:gguf-)?tmp-[a-z0-9_]{8}")  # earlier fastspec's mkdtemp names
+# an earlier fastspec's mkdtemp names: .NAME.tmp-X / .NAME.gguf-tmp-X (staging), .NAME.old-X / .NAME.gguf-old-X
+_EARLIER = re.compile(r"\.(?P<name>.+)\.(?:gguf-)?(?:tmp|(?P<old>old))-[a-z0-9_]{8}")
 _READING: dict[tuple[Path, int], int] = {}  # (directory, inode) -> the fd holding it for this process's life
 
 
@@ -88,15 +90,16 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def sweep(directory: Path, pattern: re.Pattern = _LEFTOVER, marker: str | None = None) -> None:
+def sweep(directory: Path, pattern: re.Pattern = _LEFTOVER, ours: Callable[[Path], bool] | None = None) -> None:
     """Remove `directory`'s leftovers named by `pattern` that no process holds (its group `old` matched: a replaced
-    conversion, held by its readers; else a temp entry, held by its writer), and with a `marker` (the file name that
-    proves a directory ours) an earlier fastspec's abandoned staging directories. Call under the directory's lock."""
+    conversion, held by its readers; else a temp entry, held by its writer), and with `ours` (whether a directory is,
+    or was bound to be, one of the caller's) an earlier fastspec's abandoned staging and replaced directories (_EARLIER:
+    `_earlier_abandoned`). Call under the directory's lock."""
     for entry in directory.iterdir():
         match = pattern.fullmatch(entry.name)
         if match and (_unheld_old(entry) if match.groupdict().get("old") else abandoned(entry)):
             _remove(entry)
-        elif marker and (earlier := _EARLIER_TEMP.fullmatch(entry.name)) and _ours_abandoned(entry, earlier, marker):
+        elif ours and (earlier := _EARLIER.fullmatch(entry.name)) and _earlier_abandoned(entry, earlier, ours):
             _remove(entry)
 
 
@@ -106,21 +109,25 @@ def _unheld_old(aside: Path) -> bool:
     return abandoned(inner, aged=aside) if inner.exists() else abandoned(aside)
 
 
-def _ours_abandoned(entry: Path, earlier: re.Match, marker: str) -> bool:
-    """An earlier fastspec's staging directory `entry` (held by no lock: only its age tells its writer gone), proven
-    ours by `marker` in it or in its destination (a killed conversion has not written its own marker yet)."""
-    destination = entry.parent / earlier["name"]
-    return (entry.is_dir() and not entry.is_symlink() and _older_than(entry, STALE_AGE_S)
-            and ((entry / marker).is_file() or (destination / marker).is_file()))
+def _earlier_abandoned(entry: Path, earlier: re.Match, ours: Callable[[Path], bool]) -> bool:
+    """An earlier fastspec's staging or replaced directory `entry` (their writers held no lock, or one of another
+    name: only a day's age tells them gone), held by no process now and proven the caller's by `ours`: the conversion
+    in it (a replaced one's is in `dir`), else its destination NAME (a staging directory killed before it wrote its
+    marker: a conversion there, or a name only the caller gives). What `ours` cannot prove stays: in a folder shared
+    with other tools (FASTSPEC_MODEL_CACHE) a `.NAME.tmp-*` may be another tool's, still in use."""
+    if not entry.is_dir() or entry.is_symlink() or not _older_than(entry, STALE_AGE_S):
+        return False
+    inner = entry / "dir" if earlier["old"] and (entry / "dir").is_dir() else entry
+    return (ours(inner) or ours(entry.parent / earlier["name"])) and abandoned(inner, aged=entry)
 
 
 @contextmanager
-def staging(out_dir: Path, marker: str | None = None) -> Iterator[Path]:
+def staging(out_dir: Path, ours: Callable[[Path], bool] | None = None) -> Iterator[Path]:
     """A fresh private directory beside `out_dir` to write its conversion (or a C library's build) into, held by this
     process until the block ends and removed then unless `publish` renamed it; the leftovers of writers that are gone
-    (and of readers, `sweep`; `marker`: the file a finished one holds) are removed first."""
+    (and of readers, `sweep`; `ours`: whether a directory is one of the caller's) are removed first."""
     with locked(out_dir.parent):
-        sweep(out_dir.parent, marker=marker)
+        sweep(out_dir.parent, ours=ours)
         tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.fastspec-tmp-"))
         fd = _hold(tmp)
     try:
@@ -191,22 +198,26 @@ def discard(aside: Path) -> None:
         _remove(aside)
 
 
-def hold_for_reading(directory: Path) -> None:
+def hold_for_reading(directory: Path, current: Callable[[Path], bool] = lambda d: True) -> bool:
     """Hold the published `directory` (a shared flock) for the rest of this process, so that a replacement leaves its
-    files in place while this process may read them (`discard`, `sweep`). Taken under the parent's lock, where
-    `publish` replaces it: the directory held is the one the path names. Nothing where it cannot be opened or locked."""
+    files in place while this process may read them (`discard`, `sweep`), when it is `current`: checked after the hold
+    is taken, under the parent's lock (where `publish` replaces it), so the directory checked is the one held and the
+    one the path names. False (nothing held) for a directory that is not current or cannot be opened; where it cannot
+    be locked, whether it is current."""
     with locked(directory.parent):
         try:
             fd = os.open(directory, os.O_RDONLY)
         except OSError:
-            return
+            return False
         key = (directory, os.fstat(fd).st_ino)
-        if key in _READING:  # (held already: one fd per directory and version)
-            os.close(fd)
-            return
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # (waits only for a writer between its publish and closing its hold)
-        except OSError:
+        except OSError:  # (no locks here)
             os.close(fd)
-            return
+            return current(directory)
+        is_current = current(directory)
+        if key in _READING or not is_current:  # (held already: one fd per directory and version)
+            os.close(fd)  # (a flock belongs to its own fd: the one held before keeps it)
+            return is_current
         _READING[key] = fd
+        return True
