@@ -67,9 +67,9 @@ class LLM:
         if threads is not None:
             apply_threads(threads, "threads")
         algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
-        if algorithm is None:  # (no shipped head: the default decodes plainly, where nothing reads the thresholds)
-            check_spec_flags("NONE", accept_threshold_single=accept_threshold_single,
-                             accept_threshold_acc=accept_threshold_acc, cli=False)
+        if algorithm is None:  # (no shipped head: the default decodes plainly, reading no tree option nor threshold)
+            check_spec_flags("NONE", num_steps, topk, num_draft_tokens, accept_threshold_single, accept_threshold_acc,
+                             cli=False)
         self.sources = sources = resolve_sources(
             model, algorithm, draft_model, revision=revision, draft_revision=draft_revision,
             quantization=config.quantization, device=config.device, load_format=config.load_format,

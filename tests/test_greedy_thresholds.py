@@ -92,9 +92,14 @@ def test_thresholds_without_speculation_are_refused_in_one_line(models, tmp_path
             fastspec.LLM(str(target), speculative_algorithm=algorithm, accept_threshold_single=0.5)
     with pytest.raises(FastspecError, match="^accept_threshold_acc does not apply"):
         fastspec.LLM(str(target), speculative_algorithm="NONE", accept_threshold_acc=0.5)
+    with pytest.raises(FastspecError, match="^num_steps does not apply to speculative_algorithm NONE"):
+        fastspec.LLM(str(target), num_steps=3)  # (the tree options too: no head drafts by default here)
     for algorithm in (["--speculative-algorithm", "NONE"], []):
         result = CliRunner().invoke(app, ["generate", "--model", str(target), "--prompt", "w3", "--temperature",
                                           "0.7", *algorithm, "--speculative-accept-threshold-single", "0.5"])
         assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
         assert ("--speculative-accept-threshold-single does not apply to --speculative-algorithm NONE: it would be "
                 "ignored") in result.stderr
+    result = CliRunner().invoke(app, ["generate", "--model", str(target), "--prompt", "w3",
+                                      "--speculative-num-draft-tokens", "4"])
+    assert result.exit_code == 2 and "--speculative-num-draft-tokens does not apply" in result.stderr, result.output

@@ -93,8 +93,9 @@ class ModelOptions:
                          ngram=ngram)
         check_model_spec(self.model)
         if default_speculation(self.model, self.speculative_algorithm, self.speculative_draft_model_path)[0] is None:
-            check_spec_flags("NONE", accept_threshold_single=self.speculative_accept_threshold_single,
-                             accept_threshold_acc=self.speculative_accept_threshold_acc)  # (plain: nothing reads them)
+            check_spec_flags("NONE", self.speculative_num_steps, self.speculative_eagle_topk,  # (plain: none is read)
+                             self.speculative_num_draft_tokens, self.speculative_accept_threshold_single,
+                             self.speculative_accept_threshold_acc)
         if self.tokenizer is not None:
             check_tokenizer_spec(self.tokenizer)
         if self.speculative_draft_model_path is not None:
