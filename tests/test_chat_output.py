@@ -107,7 +107,7 @@ from types import SimpleNamespace
 from fastspec.cli.chat import TerminalChatIO
 from fastspec.spec_config import SpecConfig
 engine = SimpleNamespace(model_dir=Path("m"), config=SimpleNamespace(speculative_fallback=False))
-io = TerminalChatIO(SimpleNamespace(llm=SimpleNamespace(planned_spec=SpecConfig(), engine=engine)))
+io = TerminalChatIO(SimpleNamespace(llm=SimpleNamespace(planned_spec=SpecConfig(), tuned_schedule=None, engine=engine)))
 Path(sys.argv[1]).write_text(io.read(), encoding="utf-8")
 """
 
@@ -165,6 +165,7 @@ def test_the_banner_says_what_decodes_at_batch_1():
     eagle = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model="head", num_steps=3, topk=2,
                                num_draft_tokens=4)
     assert decoding(SpecConfig(), True) == "plain decoding"
+    assert decoding(SpecConfig(), True, tuned_plain=True) == "plain decoding (tuned)"  # (a tuned file chose it)
     assert decoding(eagle, False) == "EAGLE3 3/2/4"
     assert decoding(eagle, True) == "EAGLE3 3/2/4 · plain where measured faster"
     tuned = eagle.with_schedule(((1, None), (4, SpecParams(2, 4, 5))))
@@ -207,7 +208,8 @@ def test_stats_say_what_decodes_and_the_acceptance_even_when_nothing_was_accepte
 
     spec = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model="head", num_steps=2, topk=2,
                               num_draft_tokens=3)
-    llm = SimpleNamespace(planned_spec=spec, engine=SimpleNamespace(config=SimpleNamespace(speculative_fallback=True)))
+    engine = SimpleNamespace(config=SimpleNamespace(speculative_fallback=True))
+    llm = SimpleNamespace(planned_spec=spec, tuned_schedule=None, engine=engine)
     session = ChatSession(llm, None)
     session.turns = [TurnStats(8, 0.5, SpecMetrics().add_round(0, 1, 2).add_round(0, 1, 2), "stop")]
     assert session.stats() == ("EAGLE3 2/2/3 · plain where measured faster · 1 answer · 8 tokens · 16.0 tok/s · "

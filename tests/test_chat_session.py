@@ -42,7 +42,8 @@ def test_only_known_commands_in_any_case_are_commands_and_a_double_slash_sends_a
     llm = SimpleNamespace(tokenizer=SimpleNamespace(encode_chat=lambda messages: sent.append(messages[-1]["content"])
                                                     or [1] * len(messages)),
                           engine=SimpleNamespace(room_for=lambda n: 100 - n, config=SimpleNamespace(
-                              speculative_fallback=False)), planned_spec=SimpleNamespace(enabled=False), stream=stream)
+                              speculative_fallback=False)), planned_spec=SimpleNamespace(enabled=False),
+                          tuned_schedule=None, stream=stream)
     session = ChatSession(llm, SamplingParams(max_new_tokens=8))
     io = ScriptedIO(["/usr/bin/env is what?", "/STATS", "//reset now", "/System  Be brief.", "/Help", "/reset",
                      "/EXIT", "never read"])

@@ -168,6 +168,10 @@ def test_a_draft_the_schedule_never_uses_at_the_engines_batch_sizes_is_not_loade
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     plain = fastspec.LLM(model=str(chat_target), speculative_algorithm="NONE").generate(PROMPTS[:1], params)
     assert alone.generate(PROMPTS[:1], params)[0].output_ids == plain[0].output_ids
+    save_tuned(tuned_path(chat_target, head, "float32", "cpu"), fingerprint(chat_target, head, "float32", "cpu"),
+               [{"max_batch_size": 4, "params": None}])  # plain at every batch size: no speculation is planned
+    never = fastspec.LLM(**kwargs, max_running_requests=1)
+    assert decoding(never.planned_spec, False, never.tuned_schedule == ()) == "plain decoding (tuned)"
 
 
 def test_a_file_measured_under_other_engine_settings_is_used_with_one_note(chat_target, head, tmp_path,

@@ -172,9 +172,9 @@ class TerminalChatIO:
         self.console = Console(highlight=False)
         self.prompt = _prompt(self.console.color_system is not None and not self.console.no_color)
         self.wrap = WordWrap(lambda: shutil.get_terminal_size().columns)
-        engine = session.llm.engine
-        self.console.print(f"[bold]fastspec chat[/bold] · {engine.model_dir.name} · "
-                           f"{escape(decoding(session.llm.planned_spec, engine.config.speculative_fallback))}\n"
+        llm, engine = session.llm, session.llm.engine
+        said = decoding(llm.planned_spec, engine.config.speculative_fallback, llm.tuned_schedule == ())
+        self.console.print(f"[bold]fastspec chat[/bold] · {engine.model_dir.name} · {escape(said)}\n"
                            f"[dim]{HELP} · Ctrl-C stops an answer[/dim]")
 
     def read(self) -> str | None:

@@ -55,12 +55,13 @@ class TurnStats:
         return f"{self.tokens} tokens · {self.tok_s:.1f} tok/s{tau} · {self.finish_reason}"
 
 
-def decoding(spec, fallback: bool) -> str:
+def decoding(spec, fallback: bool, tuned_plain: bool = False) -> str:
     """What decodes an answer (batch size 1), as the banner and /stats say it: `EAGLE3 3/2/4 (tuned)`,
-    `EAGLE3 · plain at batch 1 (tuned)`, `plain decoding`. `fallback`: the measured fallback may still decode
-    plainly where that measures faster."""
+    `EAGLE3 · plain at batch 1 (tuned)`, `plain decoding`; `plain decoding (tuned)` where a tuned file chose plain
+    decoding at every batch size (`tuned_plain`: LLM.tuned_schedule is ()). `fallback`: the measured fallback may
+    still decode plainly where that measures faster."""
     if not spec.enabled:
-        return "plain decoding"
+        return "plain decoding" + (" (tuned)" if tuned_plain else "")
     params, tuned = spec.params_for(1), " (tuned)" if spec.schedule else ""
     if params is None:
         return f"{spec.algorithm} · plain at batch 1{tuned}"
@@ -177,7 +178,8 @@ class ChatSession:
         depths = [round(a, 2) for a in metrics.acceptance_by_depth]  # every depth drafted, 0.0 where none reached
         tau = f" · tau {metrics.tau:.2f} · acceptance by depth {depths}"
         engine, n = self.llm.engine, len(self.turns)
-        return (f"{decoding(self.llm.planned_spec, engine.config.speculative_fallback)} · "
+        said = decoding(self.llm.planned_spec, engine.config.speculative_fallback, self.llm.tuned_schedule == ())
+        return (f"{said} · "
                 f"{n} answer{'s' * (n != 1)} · {tokens} tokens · {tokens / seconds:.1f} tok/s"
                 + (tau if metrics.verify_rounds else ""))
 
