@@ -14,6 +14,7 @@ from serve_helpers import engine_settled, plain_char_llm, raw, scrape, start_ser
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
 from fastspec.serve.api_error import APIError
+from fastspec.serve.service import EngineService
 
 MODEL = "tiny-lifecycle"
 
@@ -253,4 +254,31 @@ def test_a_call_pending_when_the_server_stops_is_a_one_line_503(own_llm):
         gate.set()
         server.should_exit = True
         thread.join(10)
+        service.stop()
+
+
+def test_a_call_the_engine_has_no_pause_for_is_a_one_line_503_and_never_runs(own_llm):
+    """A call routed to the engine thread (POST /flush_cache) that finds no pause between steps within its timeout
+    is a one-line 503 naming it, and is cancelled: it never runs later (it was a raw TimeoutError, a 500, and the
+    flush still ran once the engine paused). The server goes on serving."""
+    service = EngineService(own_llm, max_queued=4).start()
+    entered, gate, ran, events = threading.Event(), threading.Event(), [], []
+
+    def deliver(event) -> None:  # the engine thread waits here, between two steps, until the call has timed out
+        entered.set()
+        events.append(event)
+        gate.wait(30)
+
+    try:
+        service.submit(own_llm.encode("abc"), SamplingParams(max_new_tokens=4, ignore_eos=True), deliver)
+        assert entered.wait(30)
+        with pytest.raises(APIError) as e:
+            service.call(lambda: ran.append("flushed"), "flush_cache", timeout=0.05)
+        assert (e.value.status, str(e.value)) == (503, "flush_cache did not run: the engine had no pause between "
+                                                       "steps for 0.05 s; it was cancelled, retry later")
+        gate.set()
+        assert engine_settled(service) and ran == [] and events[-1].finish_reason == "length"
+        assert service.call(lambda: ran.append("later"), "flush_cache", timeout=30) is None and ran == ["later"]
+    finally:
+        gate.set()
         service.stop()

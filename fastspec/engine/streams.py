@@ -63,13 +63,14 @@ class OneRun:
                 left, self._calls = self._calls, deque()
                 self._lock.release()
             for _, done, what in left:
-                done.set_exception(RunEnded(f"the server stopped before running {what}"))
+                if done.set_running_or_notify_cancel():  # (not cancelled by its caller, who stopped waiting)
+                    done.set_exception(RunEnded(f"the server stopped before running {what}"))
 
     def call(self, fn: Callable, what: str) -> Future:
         """fn() with no step running meanwhile, as a Future of its result: here between runs (none starts until it
         returns) or between the steps of this thread's own run; from another thread, a server's run queues it for
-        its thread's next safe point (`run_calls`; RunEnded if the server stops first), another thread's stream
-        refuses it (a FastspecError naming `what`: a stream steps only when its consumer asks, a wait could be
+        its thread's next safe point (`run_calls`; RunEnded if the server stops first; a caller that stops waiting
+        may cancel() it until it starts), another thread's stream refuses it (a FastspecError naming `what`: a stream steps only when its consumer asks, a wait could be
         forever)."""
         done = Future()
         with self._state:
@@ -127,6 +128,8 @@ class OneRun:
 
 
 def _run_into(done: Future, fn: Callable) -> None:
+    if not done.set_running_or_notify_cancel():  # its caller stopped waiting and cancelled it: it never runs
+        return
     try:
         done.set_result(fn())
     except Exception as e:

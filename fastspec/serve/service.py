@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 from fastspec.errors import BadField, FastspecError, RunEnded
@@ -148,12 +149,17 @@ class EngineService:
 
     def call(self, fn: Callable, what: str = "the call", timeout: float = 60.0):
         """fn() run by the engine thread between two steps with no round in flight (e.g. a cache flush, a leak
-        check: Engine.call); its result. APIError 503 once the engine has stopped, or if it stops before running
-        fn (`what` names it)."""
+        check: Engine.call); its result. APIError 503 once the engine has stopped, if it stops before running fn
+        (`what` names it), or if no safe point came within `timeout` seconds (a step longer than that): then fn is
+        cancelled and never runs (one that started meanwhile is waited for: it runs between two steps)."""
         if not self.healthy:
             raise APIError(f"the engine has stopped: {self.error}", status=503, kind="server_error")
+        done = self.engine.call(fn, what)
+        if not wait([done], timeout).done and done.cancel():
+            raise APIError(f"{what} did not run: the engine had no pause between steps for {timeout:g} s; it was "
+                           "cancelled, retry later", status=503, kind="server_error")
         try:
-            return self.engine.call(fn, what).result(timeout)
+            return done.result()
         except RunEnded as e:
             raise APIError(str(e), status=503, kind="server_error") from None
 
