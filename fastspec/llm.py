@@ -163,18 +163,26 @@ class LLM:
         """Like generate, yielding text deltas after every step (never a split UTF-8 character; text that may
         start a stop string is held back until it is ruled out). Until it is finished or closed, the LLM runs
         nothing else (see Engine.run). Token-id prompts to a model without a tokenizer (and without stop strings,
-        which are text) yield deltas of token ids, their text None, as generate's Completions have."""
+        which are text) yield deltas of token ids, their text None, as generate's Completions have. The prompts and
+        params are checked here, at the call (a FastspecError now, as generate's); the engine runs from the first
+        next(). `abort(index)` named after this call and before that ends the request at the first step."""
         check_call_keywords(self.stream, foreign)
         ids, params = self._inputs(prompts, sampling_params, chat)
-        if not self.has_tokenizer and not any(p.stop for p in params):
-            with contextlib.closing(self.engine.stream(ids, params)) as steps:
-                for step in steps:
-                    yield [TextDelta(out.index, None, out.finish_reason, out.metrics, out.new_ids, None, out.logprobs,
-                                     out.prompt_logprobs) for out in step]
-            return
-        streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
-        with contextlib.closing(self.engine.stream(ids, params)) as steps:
-            yield from self._deltas(steps, streams)
+        streams = None
+        if self.has_tokenizer or any(p.stop for p in params):
+            streams = [IncrementalDetokenizer(self.tokenizer, i, p.stop) for i, p in zip(ids, params)]
+        return self._stream(self.engine.stream(ids, params), streams)
+
+    def _stream(self, steps, streams) -> Iterator[list[TextDelta]]:
+        """The engine's `steps` as text deltas, or (`streams` None: no tokenizer) deltas of token ids, their text
+        None; `steps` closed however it ends (the engine's KV and its turn back)."""
+        with contextlib.closing(steps):
+            if streams is not None:
+                yield from self._deltas(steps, streams)
+                return
+            for step in steps:
+                yield [TextDelta(out.index, None, out.finish_reason, out.metrics, out.new_ids, None, out.logprobs,
+                                 out.prompt_logprobs) for out in step]
 
     def _deltas(self, steps, streams) -> Iterator[list[TextDelta]]:
         """The engine's `steps` as text deltas, one IncrementalDetokenizer per request."""

@@ -121,6 +121,32 @@ def test_another_threads_abort_is_taken_and_its_flush_refused_while_a_stream_run
 
 
 @pytest.mark.parametrize("stop", [(), ("w89",)])  # token ids alone, and through the detokenizer (stop strings)
+def test_an_abort_named_before_a_streams_first_step_ends_that_request(llm, stop):
+    """An abort named after LLM.stream(...) returned and before its first next(), from this thread or another, ends
+    that request at the first step, as one named later does (it was dropped when the stream started: the request
+    ran to its length); one named with no stream handed out stays a no-op, and the next stream runs in full."""
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, stop=stop)
+    expected = ids(llm.generate(PROMPTS, params))
+    llm.abort(1)  # no stream handed out: nothing to end
+
+    def from_another_thread(index: int) -> None:
+        thread = threading.Thread(target=llm.abort, args=(index,))
+        thread.start()
+        thread.join()
+
+    for abort in (llm.abort, from_another_thread):
+        stream = llm.stream(PROMPTS, params)
+        abort(0)
+        got, reasons = [[], []], {}
+        for step in stream:
+            for delta in step:
+                got[delta.index] += delta.new_ids
+                reasons[delta.index] = delta.finish_reason
+        assert reasons == {0: "abort", 1: "length"} and got == [[], expected[1]]
+    assert ids(llm.generate(PROMPTS, params)) == expected and all_slots_free(llm.engine)
+
+
+@pytest.mark.parametrize("stop", [(), ("w89",)])  # token ids alone, and through the detokenizer (stop strings)
 def test_ctrl_c_in_a_generate_leaves_the_llm_usable(llm, stop):
     """KeyboardInterrupt raised between steps (here from should_stop, in the frames that read the engine's stream):
     the stream is closed at once, though the traceback (a REPL keeps the last one) holds those frames, so every

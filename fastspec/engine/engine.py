@@ -92,9 +92,10 @@ class Engine:
                                got.prompt_logprobs[i]) for i, p in enumerate(prompts)]
 
     def stream(self, prompts: list[list[int]], params: list[SamplingParams]) -> Iterator[list[StepOutput]]:
-        """Continuous batching; yields, after every prefill or decode step, the requests that progressed.
-        The caller (between yields) or another thread may `abort(index)` a request (a stop string, a closed
-        terminal, Ctrl-C): it ends at the next step.
+        """Continuous batching; yields, after every prefill or decode step, the requests that progressed. The
+        requests are checked here (a FastspecError now, not at the first step). The caller (between yields) or
+        another thread may `abort(index)` a request (a stop string, a closed terminal, Ctrl-C), also before the
+        first step: it ends at the next step.
 
         With the overlap schedule, the next decode round is launched (in the worker's thread) before the
         previous one's tokens are handed out, whenever that round needs nothing the previous one decides:
@@ -104,7 +105,7 @@ class Engine:
         dropped, as an aborted one's are. Everything else waits for the round in flight (a drain) and runs as
         without overlap, so the output is the same token for token."""
         reqs = [self.request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-        yield from self.run(reqs)
+        return self.run(reqs)
 
     def run(self, reqs: list[Request], poll: Callable[[bool], list[Request] | None] | None = None,
             wake: Callable | None = None) -> Iterator[list[StepOutput]]:

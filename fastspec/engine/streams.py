@@ -2,9 +2,10 @@
 as long as it serves (two would share the drafter's and `abort`'s request ids, and step one engine from two
 threads); and the engine's other calls while a run holds it: a change to the engine is refused (`between_runs`),
 a call from another thread is run by the server's thread at its next safe point or refused during another thread's
-stream (`call`), and aborts are taken by the run's next step from any thread but a server's (`abort`). Streams are
-closed at exit while the interpreter is whole if a script left one open (left to its last collection, torch
-aborted the process: an internal assert in THPVariable_clear, exit status 134)."""
+stream (`call`), and aborts are taken by the run's next step from any thread but a server's, or by a stream handed
+out and not started yet at its first step (`abort`). Streams are closed at exit while the interpreter is whole if a
+script left one open (left to its last collection, torch aborted the process: an internal assert in
+THPVariable_clear, exit status 134)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,14 @@ class OneRun:
         self._wake: Callable | None = None  # a server's wake(): its loop's waiting poll returns
         self._calls: deque[tuple[Callable, Future, str]] = deque()  # other threads' calls: a server's next safe point
         self._aborted: set[int] = set()  # request ids `abort` named, taken by the run's next step
+        self._pending = weakref.WeakSet()  # _Pending of the streams handed out and not started yet
 
     def stream(self, steps: Iterator) -> Iterator:
-        """`steps` run as a stream: closed at exit if still open."""
-        guarded = self._holding(steps)
+        """`steps` run as a stream: closed at exit if still open; aborts named before its first step are its own."""
+        pending = _Pending()
+        with self._state:
+            self._pending.add(pending)
+        guarded = self._holding(steps, pending=pending)
         OPEN_STREAMS.add(guarded)
         return guarded
 
@@ -49,17 +54,20 @@ class OneRun:
         exit); `wake()` makes its poll return when another thread's `call` waits for its next safe point."""
         return self._holding(steps, wake)
 
-    def _holding(self, steps: Iterator, wake: Callable | None = None) -> Iterator:
+    def _holding(self, steps: Iterator, wake: Callable | None = None, pending: _Pending | None = None) -> Iterator:
         with self._state:
+            if pending is not None:
+                self._pending.discard(pending)
             if not self._lock.acquire(blocking=False):
                 raise FastspecError(SERVED if self._served else BUSY)
             self._served, self._holder, self._wake = wake is not None, threading.get_ident(), wake
-            self._aborted.clear()  # (aborts named before it started were another run's)
+            self._aborted = set() if pending is None else pending.aborted
         try:
             yield from steps
         finally:
             with self._state:
                 self._served, self._holder, self._wake = False, None, None
+                self._aborted = set()  # (named for this run, too late for any step)
                 left, self._calls = self._calls, deque()
                 self._lock.release()
             for _, done, what in left:
@@ -70,8 +78,8 @@ class OneRun:
         """fn() with no step running meanwhile, as a Future of its result: here between runs (none starts until it
         returns) or between the steps of this thread's own run; from another thread, a server's run queues it for
         its thread's next safe point (`run_calls`; RunEnded if the server stops first; a caller that stops waiting
-        may cancel() it until it starts), another thread's stream refuses it (a FastspecError naming `what`: a stream steps only when its consumer asks, a wait could be
-        forever)."""
+        may cancel() it until it starts), another thread's stream refuses it (a FastspecError naming `what`: a
+        stream steps only when its consumer asks, a wait could be forever)."""
         done = Future()
         with self._state:
             if self._holder in (None, threading.get_ident()):
@@ -100,11 +108,13 @@ class OneRun:
 
     def abort(self, rid: int) -> None:
         """Name request `rid` for the run's next step to abort (from any thread: a stream's consumer, a signal's
-        handler, a watchdog); a server's requests are its own (a FastspecError from another thread)."""
+        handler, a watchdog); with no run holding the engine, for the first step of every stream handed out and not
+        started yet (none: a no-op). A server's requests are its own (a FastspecError from another thread)."""
         with self._state:
             if self._served and self._holder != threading.get_ident():
                 raise FastspecError(SERVED_ABORT)
-            self._aborted.add(rid)
+            for aborted in [self._aborted] if self._holder is not None else [p.aborted for p in self._pending]:
+                aborted.add(rid)
 
     def take_aborts(self) -> set[int]:
         """The request ids named since the last take (the holder's thread, before a step)."""
@@ -125,6 +135,15 @@ class OneRun:
                 yield
             finally:
                 self._lock.release()
+
+
+class _Pending:
+    """A stream handed out and not started yet: the request ids aborted meanwhile (its first step takes them)."""
+
+    __slots__ = ("aborted", "__weakref__")
+
+    def __init__(self):
+        self.aborted: set[int] = set()
 
 
 def _run_into(done: Future, fn: Callable) -> None:
