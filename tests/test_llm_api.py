@@ -3,6 +3,7 @@ from another thread or while a stream is open, refused in one line), Ctrl-C in t
 that exits with a stream open, and other projects' names (keywords without the prompts, dict prompts and params, a
 Completion's vLLM fields, the LLM's methods) answered with fastspec's own."""
 
+import itertools
 import os
 import pickle
 import subprocess
@@ -144,6 +145,38 @@ def test_an_abort_named_before_a_streams_first_step_ends_that_request(llm, stop)
                 reasons[delta.index] = delta.finish_reason
         assert reasons == {0: "abort", 1: "length"} and got == [[], expected[1]]
     assert ids(llm.generate(PROMPTS, params)) == expected and all_slots_free(llm.engine)
+
+
+def test_a_stream_handed_to_another_thread_is_that_threads_to_flush(llm):
+    """A stream started in one thread and consumed in another (a web framework's worker pool): the thread that
+    steps it now may flush the prefix cache between its steps (it was refused: the stream was taken to be the
+    first thread's, which could flush while the consumer stepped); a third thread's flush and leak check are
+    refused in one line (check_kv read the allocator while the stream ran); the output is unchanged."""
+    expected = ids(llm.generate(PROMPTS, PARAMS))
+    stream, got, refused = llm.stream(PROMPTS, PARAMS), [[], []], []
+    starting = threading.Thread(target=lambda: got.append(next(stream)))
+    starting.start()
+    starting.join()
+
+    def elsewhere() -> None:
+        for call in (llm.engine.flush_cache, llm.engine.check_kv):
+            try:
+                call()
+            except FastspecError as e:
+                refused.append(str(e))
+
+    for n, step in enumerate(itertools.chain([got.pop()], stream)):
+        for delta in step:
+            got[delta.index] += delta.new_ids
+        if n == 1:
+            llm.engine.flush_cache()
+            other = threading.Thread(target=elsewhere)
+            other.start()
+            other.join()
+    assert got == expected
+    assert refused == [f"this LLM is running a generate or stream in another thread: {what} runs between runs, or "
+                       "in the thread running it" for what in ("flush_cache", "check_kv")]
+    assert all_slots_free(llm.engine)
 
 
 @pytest.mark.parametrize("stop", [(), ("w89",)])  # token ids alone, and through the detokenizer (stop strings)

@@ -194,7 +194,8 @@ def test_a_served_llm_refuses_direct_calls_until_its_server_stops(own_llm):
 
 def test_a_served_engines_other_calls_run_on_its_thread_or_are_refused(served, monkeypatch):
     """While a server drives an LLM, its engine's other calls never touch it from a second thread: a prefix-cache
-    flush from another thread is run by the server's engine thread between two steps (and empties the cache); a
+    flush or a leak check (check_kv: it read the allocator from the caller's thread) from another thread is run by
+    the server's engine thread between two steps (the flush empties the cache); a
     change of speculation policy or tree shapes (a run plans its KV with those it started with) and an abort (the
     server's requests are its own) are one-line FastspecErrors; the server keeps serving."""
     client, _, llm, service = served
@@ -207,8 +208,12 @@ def test_a_served_engines_other_calls_run_on_its_thread_or_are_refused(served, m
     threads, flush = [], engine.worker.flush_cache
     monkeypatch.setattr(engine.worker, "flush_cache", lambda: (threads.append(threading.current_thread().name),
                                                                flush()))
+    check_kv = engine.worker.check_kv
+    monkeypatch.setattr(engine.worker, "check_kv", lambda running: (threads.append(threading.current_thread().name),
+                                                                    check_kv(running)))
     engine.flush_cache()
-    assert threads == ["fastspec-engine"]
+    engine.check_kv()
+    assert threads == ["fastspec-engine", "fastspec-engine"]
     assert service.call(engine.allocator.num_free) == engine.pool.capacity
     between = "may change only between runs"
     for call, what in ((lambda: setattr(engine, "policy", None), f"its speculation policy {between}"),

@@ -69,8 +69,8 @@ class Engine:
 
     def check_kv(self, running: list[Request] = ()) -> None:
         """Leak check: free slots + slots held by `running` and the prefix cache == capacity (AssertionError
-        otherwise)."""
-        self.worker.check_kv(running)
+        otherwise), as `call` runs it: under overlap in the worker's thread, after what was submitted before."""
+        self.call(lambda: self._submit(self.worker.check_kv, running).result(), "check_kv").result()
 
     def call(self, fn: Callable, what: str = "the call") -> Future:
         """fn() with no step running meanwhile, as a Future of its result (OneRun.call): from another thread while

@@ -3,9 +3,9 @@ as long as it serves (two would share the drafter's and `abort`'s request ids, a
 threads); and the engine's other calls while a run holds it: a change to the engine is refused (`between_runs`),
 a call from another thread is run by the server's thread at its next safe point or refused during another thread's
 stream (`call`), and aborts are taken by the run's next step from any thread but a server's, or by a stream handed
-out and not started yet at its first step (`abort`). Streams are closed at exit while the interpreter is whole if a
-script left one open (left to its last collection, torch aborted the process: an internal assert in
-THPVariable_clear, exit status 134)."""
+out and not started yet at its first step (`abort`). A stream's own thread is the one that last stepped it. Streams
+are closed at exit while the interpreter is whole if a script left one open (left to its last collection, torch
+aborted the process: an internal assert in THPVariable_clear, exit status 134)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,11 @@ class OneRun:
             self._served, self._holder, self._wake = wake is not None, threading.get_ident(), wake
             self._aborted = set() if pending is None else pending.aborted
         try:
-            yield from steps
+            with contextlib.closing(steps):  # (its own end hands the KV back, before another run may start)
+                for step in steps:
+                    yield step
+                    with self._state:  # resumed: this thread steps it now (a stream may move to another thread)
+                        self._holder = threading.get_ident()
         finally:
             with self._state:
                 self._served, self._holder, self._wake = False, None, None
@@ -76,10 +80,10 @@ class OneRun:
 
     def call(self, fn: Callable, what: str) -> Future:
         """fn() with no step running meanwhile, as a Future of its result: here between runs (none starts until it
-        returns) or between the steps of this thread's own run; from another thread, a server's run queues it for
-        its thread's next safe point (`run_calls`; RunEnded if the server stops first; a caller that stops waiting
-        may cancel() it until it starts), another thread's stream refuses it (a FastspecError naming `what`: a
-        stream steps only when its consumer asks, a wait could be forever)."""
+        returns) or between the steps of this thread's own run (the thread that last stepped it); from another
+        thread, a server's run queues it for its thread's next safe point (`run_calls`; RunEnded if the server stops
+        first; a caller that stops waiting may cancel() it until it starts), another thread's stream refuses it (a
+        FastspecError naming `what`: a stream steps only when its consumer asks, a wait could be forever)."""
         done = Future()
         with self._state:
             if self._holder in (None, threading.get_ident()):

@@ -161,7 +161,8 @@ class Worker:
 
     def check_kv(self, running: list[Request] = ()) -> None:
         """Leak check: free slots + slots held by `running` (past their cached prefix) + slots the prefix cache
-        holds == capacity (AssertionError otherwise)."""
+        holds == capacity (AssertionError otherwise), with no round in flight (the one launched ahead is finished)."""
+        self.flush()
         held = [self.table.slots(r.row, r.cached_len, r.seq_len) for r in running]
         if self.cache is not None:
             held.append(self.cache.check(running))
