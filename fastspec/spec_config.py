@@ -201,8 +201,8 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
     for key, value in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens),
                        ("accept_threshold_single", accept_threshold_single),
                        ("accept_threshold_acc", accept_threshold_acc)):  # (an API caller's "3")
-        kind = Real if key.startswith("accept") else Integral
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        kind = Real if key.startswith("accept") else Integral  # (a threshold has no "unset": its default is 1)
+        if (value is not None or kind is Real) and (not isinstance(value, kind) or isinstance(value, bool)):
             raise FastspecError(f"{name(key)} must be {'a number' if kind is Real else 'an integer'}, got {value!r}")
     algo = (algorithm or "NONE").upper()
     algo = "EAGLE" if algo == "NEXTN" else algo

@@ -78,6 +78,8 @@ def test_a_foreign_llm_option_names_fastspecs_own(key, value, hint):
     (dict(speculative_algorithm="NGRAM", num_steps="3"), "num_steps must be an integer, got '3'"),
     (dict(speculative_algorithm="EAGLE3", topk=2.0), "topk must be an integer, got 2.0"),
     (dict(speculative_algorithm="NGRAM", accept_threshold_acc="0.5"), "accept_threshold_acc must be a number"),
+    (dict(speculative_algorithm="NGRAM", accept_threshold_single=None), "accept_threshold_single must be a number, "
+                                                                         "got None"),
     (dict(speculative_algorithm=5), "speculative_algorithm must be a name such as 'EAGLE3', got 5"),
     (dict(speculative_algorithm="EAGLE3", draft_model=5), "draft_model must be a directory or a hub id, got int"),
     (dict(speculative_algorithm="EAGLE", token_map=5), "token_map must be a file, got int"),
