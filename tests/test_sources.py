@@ -107,3 +107,14 @@ def test_a_directory_named_like_a_gguf_file_is_a_directory(tmp_path):
     assert resolve_model_dir(str(model)) == model and resolve_tokenizer_dir(str(words), 97) == words
     llm = fastspec.LLM(str(model), tokenizer=str(words), speculative_algorithm="NGRAM", max_total_tokens=256)
     assert llm.tokenizer.decode(llm.tokenizer.encode("w3 w4")) == "w3 w4"
+
+
+def test_a_draft_that_cannot_run_is_named_as_given_not_by_its_conversion(tiny_dirs, tmp_path):
+    """A STANDALONE draft given as a .gguf file with another vocabulary was refused naming its conversion in the cache
+    ('.../gguf/tiny-<key>: draft vocabulary ...'), a path the user never gave: the message names the file given."""
+    from gguf_writers import tiny_llama, write_gguf
+
+    draft = write_gguf(tmp_path / "tiny.gguf", tiny_llama(True))
+    with pytest.raises(FastspecError, match=f"^{draft}: draft vocabulary 265 != target vocabulary 97$"):
+        fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm="STANDALONE", draft_model=str(draft),
+                     num_steps=2, topk=1, max_total_tokens=256)

@@ -74,7 +74,7 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
             raise FastspecError(f"{algorithm} needs a draft model (--speculative-draft-model-path / --draft)")
         draft_dir = resolve_draft_dir(draft, draft_revision, config, algorithm)
         draft_config = read_draft_config(draft_dir, algorithm)
-        check_draft(algorithm, draft_config, config, draft_dir, quantization)
+        check_draft(algorithm, draft_config, config, draft, quantization)  # (named as given, not its conversion)
         stored = algorithm == "STANDALONE" or drafts_with_mtp(algorithm, draft_config)  # checkpoints, not heads
         draft_scheme = checkpoint_scheme(draft_dir) if stored else None
     keep_draft = draft_scheme is not None and asked is not None and load_format != "dummy"  # unless --quantization none
@@ -82,9 +82,11 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
                         draft_scheme, "auto" if keep_draft else None)
 
 
-def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_dir: Path,
+def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_dir: Path | str,
                 quantization: str | None) -> None:
-    """A draft that cannot run with this target and algorithm: one line, before any weight is read."""
+    """A draft that cannot run with this target and algorithm: one line naming `draft_dir` (the draft as the user
+    gave it: a .gguf file's conversion or a hub id's snapshot is a cache path they never typed), before any weight
+    is read."""
     if algorithm == "STANDALONE":
         if draft.is_draft:
             raise FastspecError(f"{draft_dir}: STANDALONE needs a full model, not the draft head "
