@@ -118,3 +118,17 @@ def test_a_draft_that_cannot_run_is_named_as_given_not_by_its_conversion(tiny_di
     with pytest.raises(FastspecError, match=f"^{draft}: draft vocabulary 265 != target vocabulary 97$"):
         fastspec.LLM(str(tiny_dirs["llama"][0]), speculative_algorithm="STANDALONE", draft_model=str(draft),
                      num_steps=2, topk=1, max_total_tokens=256)
+
+
+def test_a_gguf_file_named_in_capitals_is_a_gguf_file(tmp_path):
+    """llama.cpp reads `Model.Q4_0.GGUF` as any GGUF; fastspec refused it as 'a file, not a model directory (a .gguf
+    file, or ...)'. The suffix is matched whatever its case, as a model and as a tokenizer."""
+    from gguf_writers import tiny_llama, write_gguf
+
+    from fastspec.models.sources import resolve_model_dir, resolve_tokenizer_dir
+
+    path = write_gguf(tmp_path / "Tiny.GGUF", tiny_llama(True))
+    assert (resolve_model_dir(str(path)) / "config.json").is_file()
+    assert (resolve_tokenizer_dir(str(path), 265) / "tokenizer.json").is_file()
+    with pytest.raises(FastspecError, match="^model file .*Gone.GGUF does not exist$"):
+        resolve_model_dir(str(tmp_path / "Gone.GGUF"))

@@ -30,6 +30,12 @@ def is_hub_id(spec: str) -> bool:
     return bool(HUB_ID.match(spec)) and not Path(spec).expanduser().exists()
 
 
+def names_gguf(path: Path) -> bool:
+    """Whether `path` is named as a GGUF file (.gguf in any case: llama.cpp's Model.Q4_0.GGUF too) and is not a
+    directory (a directory so named is a directory)."""
+    return path.suffix.lower() == ".gguf" and not path.is_dir()
+
+
 def hub_cache() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
@@ -161,7 +167,7 @@ def check_model_spec(spec: str, flag: str = "model", head: bool = False) -> None
     if is_hub_id(spec) or spec in embedded.EMBEDDED_MODELS and not head:  # a hub id is looked up when resolved
         return
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf" and not head and not path.is_dir():  # (a directory so named is a directory)
+    if names_gguf(path) and not head:
         if not path.is_file():
             raise FastspecError(f"{flag} file {spec} does not exist")
         return
@@ -190,7 +196,7 @@ def check_tokenizer_spec(spec: str) -> None:
     path = Path(spec).expanduser()
     if is_hub_id(spec) or spec in embedded.EMBEDDED_MODELS or (path / "tokenizer.json").is_file():
         return
-    if path.suffix == ".gguf" and not path.is_dir():  # (a directory so named is a tokenizer directory)
+    if names_gguf(path):
         if not path.is_file():
             raise FastspecError(f"tokenizer file {spec} does not exist")
         return

@@ -124,7 +124,7 @@ def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
     if hub.is_hub_id(spec):
         return hub.fetch(spec, revision)
     path = Path(spec).expanduser()
-    return _converted_gguf(path) if path.suffix == ".gguf" and not path.is_dir() else path
+    return _converted_gguf(path) if hub.names_gguf(path) else path
 
 
 def _converted_gguf(path: Path) -> Path:
@@ -160,7 +160,7 @@ def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
     path = Path(spec).expanduser()
     if spec in embedded.EMBEDDED_MODELS:
         return hub.check_tokenizer_fits(embedded.embedded_model_dir(spec), spec, vocab_size)
-    if path.suffix != ".gguf" or not path.is_file():
+    if not hub.names_gguf(path) or not path.is_file():
         return hub.resolve_tokenizer_dir(spec, vocab_size)
     out = _conversion_dir(path, "gguf-tokenizers")
     if held_conversion(path, out, tokenizer_only=True):  # (held: a later version's cannot remove it while read)
