@@ -140,7 +140,7 @@ def test_an_earlier_fastspecs_leftovers_are_removed_only_where_provably_its_own(
     writers held no lock, so a day's age tells them gone; fastspec's marker in them (or in the conversion they
     replaced), in their destination NAME, or a NAME only a conversion of a .gguf path has, tells them fastspec's.
     One a process holds stays, as does what is not provably fastspec's."""
-    cache = tmp_path / "cache"
+    cache = tmp_path / "gguf"  # (the folder of .gguf paths' conversions)
     convert_gguf(write_gguf(tmp_path / "a.gguf", tiny_llama(True)), cache / "hf")
     (cache / "data").mkdir()
     killed = cache / ".hf.tmp-abcd1234"  # killed writing its weights: hf/ is a conversion
@@ -169,6 +169,13 @@ def test_an_earlier_fastspecs_leftovers_are_removed_only_where_provably_its_own(
         os.close(reading)
     assert sorted(p.name for p in cache.iterdir()) == sorted([".fastspec-convert.lock", "b", "data", "hf", young.name,
                                                               foreign.name, held.parent.name, foreign_old.parent.name])
+    # the name proves it only in a folder of .gguf paths' conversions: elsewhere (the models' root, which
+    # FASTSPEC_MODEL_CACHE may share) another tool's day-old `.m-0123456789ab.tmp-*` stays
+    outside = tmp_path / "shared" / unwritten.name
+    outside.mkdir(parents=True)
+    os.utime(outside, (old, old))
+    convert_gguf(tmp_path / "b.gguf", tmp_path / "shared" / "c")
+    assert outside.is_dir()
 
 
 READER = """

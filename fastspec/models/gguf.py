@@ -36,6 +36,7 @@ CONVERTER_VERSION = 8  # bump when the output layout changes, so cached conversi
 SOURCE_MARKER = "fastspec_source.json"
 TOKENIZER_ONLY = "tokenizer"  # the marker's dtype of a directory holding the tokenizer files alone (no weights)
 CONVERSION_NAME = re.compile(r".+-[0-9a-f]{12}")  # conversion_name's: <stem>-<key>
+CONVERSION_FOLDERS = ("gguf", "gguf-tokenizers")  # the models' cache folders of .gguf paths' conversions (sources.py)
 _ATTEMPTS = 3  # conversions published by this process before one is still current when held (held_conversion)
 
 
@@ -103,9 +104,12 @@ def conversion_name(gguf_path: Path) -> str:
 
 
 def _is_ours(path: Path) -> bool:
-    """Whether the directory `path` is a conversion (its marker), or is named as only a conversion is: what proves an
-    earlier fastspec's staging or replaced directory ours (shared_dirs.sweep)."""
-    return (path / SOURCE_MARKER).is_file() or CONVERSION_NAME.fullmatch(path.name) is not None
+    """Whether the directory `path` is a conversion (its marker), or is named as only a conversion is in a folder of
+    .gguf paths' conversions (CONVERSION_FOLDERS: the models' cache root, which FASTSPEC_MODEL_CACHE may share with
+    other tools, proves nothing by a name): what proves an earlier fastspec's staging or replaced directory ours
+    (shared_dirs.sweep)."""
+    named = path.parent.name in CONVERSION_FOLDERS and CONVERSION_NAME.fullmatch(path.name) is not None
+    return named or (path / SOURCE_MARKER).is_file()
 
 
 @contextmanager

@@ -131,9 +131,9 @@ def _converted_gguf(path: Path) -> Path:
     """The conversion of the .gguf file at `path` (converted once per path, size and time; converting a new version
     removes the earlier versions' conversions), held for reading (gguf.held_conversion)."""
     from fastspec.models.embedded import remove_stale_conversions
-    from fastspec.models.gguf import held_conversion
+    from fastspec.models.gguf import CONVERSION_FOLDERS, held_conversion
 
-    out = _conversion_dir(path, "gguf")
+    out = _conversion_dir(path, CONVERSION_FOLDERS[0])
     announce = partial(log.warning, "%s: converting it into %s (once: later starts read that)", path.name, out)
     if held_conversion(path, out, announce=announce):
         remove_stale_conversions(out, path)
@@ -154,7 +154,7 @@ def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
     cost their size), else a directory's or a hub id's (hub.resolve_tokenizer_dir). Its ids must fit the model's
     `vocab_size` rows (hub.check_tokenizer_fits)."""
     from fastspec.models import embedded
-    from fastspec.models.gguf import held_conversion
+    from fastspec.models.gguf import CONVERSION_FOLDERS, held_conversion
 
     hub.check_tokenizer_spec(spec)
     path = Path(spec).expanduser()
@@ -162,7 +162,7 @@ def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
         return hub.check_tokenizer_fits(embedded.embedded_model_dir(spec), spec, vocab_size)
     if not hub.names_gguf(path) or not path.is_file():
         return hub.resolve_tokenizer_dir(spec, vocab_size)
-    out = _conversion_dir(path, "gguf-tokenizers")
+    out = _conversion_dir(path, CONVERSION_FOLDERS[1])
     if held_conversion(path, out, tokenizer_only=True):  # (held: a later version's cannot remove it while read)
         embedded.remove_stale_conversions(out, path)
     return hub.check_tokenizer_fits(out, spec, vocab_size)
