@@ -19,9 +19,11 @@ def resolve_model_dtype(dtype: str, device: str, sources: ModelSources) -> str:
     """--dtype with auto decided for these models (config.resolve_dtype). On the CPU a float checkpoint stored in
     bfloat16 keeps its dtype where fastspec's GEMM multiplies it with the CPU's bfloat16 dot products (AVX512-BF16,
     AMX: half the bytes a decode step reads, 1.6-2.0x float32's one-row product by bench/bench_dtype_probe.py on an
-    EPYC with them; without them the widening costs what the bytes save), and any 16-bit checkpoint keeps its dtype
-    where a float32 copy would not fit in memory; else, and for quantised or dequantised weights (float32: the exact
-    reference), float32. Decided by the CPU's flags, not timed at start-up: a busy machine measures anything."""
+    EPYC with them), and any 16-bit checkpoint keeps its dtype where a float32 copy would not fit in memory; else, and
+    for quantised or dequantised weights (float32: the exact reference), float32. Without bfloat16 dot products the
+    GEMM widens 16-bit weights to float32 first, a gain over float32 that varies by CPU (bench/bench_dtype_probe.py
+    measures it; --dtype bfloat16 takes it): float32 stays their default. Decided by the CPU's flags, not timed at
+    start-up: a busy machine measures anything."""
     stored = sources.config.torch_dtype
     if (dtype != "auto" or device != "cpu" or stored not in ("bfloat16", "float16") or sources.scheme is not None
             or sources.quantization is not None):
