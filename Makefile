@@ -32,8 +32,9 @@ $(STAMP): pyproject.toml
 chat: setup
 	$(VENV)/bin/fastspec chat $(ARGS)
 
+# --durations: the slowest tests listed at the end (CI has 90 minutes for all of .ci/run)
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # the compiled-path tests again on the floor torch, in a venv of its own (the default build runs on CPU)
 test-floor: $(FLOOR_VENV)/.fastspec-setup
