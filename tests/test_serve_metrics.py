@@ -76,6 +76,49 @@ def test_bench_url_keeps_a_path_prefix_as_vllms_bench_does():
     finally:
         server.shutdown()
 
+def test_bench_url_counts_a_stream_the_server_ended_as_failed():
+    """A stream that carries an error event (what fastspec's server, SGLang and vLLM send when the engine fails or
+    the server stops mid-answer), a malformed chunk, or no usage is a failed request naming why, not a traceback
+    nor a 0-token success. A stand-in server that answers by the prompt."""
+    import http.server
+
+    from fastspec.benchmark.serving import run_serving
+
+    text = {"choices": [{"delta": {"content": "a"}}]}
+    endings = {"error": [{"error": {"message": "the server is stopping", "code": 503}}],
+               "malformed": [[1, 2]], "no-usage": [], "ok": [{"choices": [], "usage": {"completion_tokens": 1}}]}
+
+    class Ending(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._send(b'{"data": [{"id": "stand-in"}]}')
+
+        def do_POST(self):
+            prompt = json.loads(self.rfile.read(int(self.headers["content-length"])))["messages"][0]["content"]
+            events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in [text] + endings[prompt]]
+            self._send(b"".join(events) + b"data: [DONE]\n\n")
+
+        def _send(self, body):
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ending)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = "http://127.0.0.1:%d" % server.server_address[1]
+    try:
+        summary = run_serving(url, list(endings), max_tokens=1, request_rate=float("inf"), max_concurrency=4)
+    finally:
+        server.shutdown()
+    assert summary["completed"] == 1 and summary["failed"] == 3 and summary["output_tok_s"] > 0
+    assert summary["errors"] == ["a streamed chunk is not an OpenAI chat.completion.chunk",
+                                 "error event: the server is stopping",
+                                 "no usage chunk with completion_tokens (stream_options.include_usage)"]
+
+
 def test_metrics_parse_and_move_by_what_a_request_did(served):
     client, url, _, service = served
     assert engine_settled(service)

@@ -89,23 +89,39 @@ def stream_chat(url: str, model: str, prompt: str, max_tokens: int) -> Timing:
         response = conn.getresponse()
         if response.status != 200:
             return Timing(False, error=f"status {response.status}: {response.read()[:200]!r}")
-        marks, tokens = [], 0
+        marks, tokens = [], None
         for line in response:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            if isinstance(chunk, dict) and "error" in chunk:  # the server ended this stream (failed, or stopping)
+                return Timing(False, error=f"error event: {_error_text(chunk['error'])}")
+            if _chunk_content(chunk):
                 marks.append(time.perf_counter())
+            tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
         if not marks:
             return Timing(False, error="no content streamed")
+        if not isinstance(tokens, int):  # without it output tok/s and TPOT would read 0 and nothing
+            return Timing(False, error="no usage chunk with completion_tokens (stream_options.include_usage)")
         return Timing(True, tokens, marks[0] - start, tuple(b - a for a, b in zip(marks, marks[1:])),
                       time.perf_counter() - start)
     except (OSError, http.client.HTTPException, ValueError) as e:
         return Timing(False, error=f"{type(e).__name__}: {e}")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return Timing(False, error="a streamed chunk is not an OpenAI chat.completion.chunk")
     finally:
         conn.close()
+
+
+def _chunk_content(chunk: dict) -> bool:
+    """Whether a chat.completion.chunk streams text (not the role-only first chunk, nor the usage-only last)."""
+    return bool(chunk["choices"] and chunk["choices"][0]["delta"].get("content"))
+
+
+def _error_text(error) -> str:
+    """An error event's message ({"message": ...} as OpenAI, SGLang, vLLM and fastspec send it), at most 200 chars."""
+    text = error.get("message") if isinstance(error, dict) else None
+    return str(text if text is not None else error)[:200]
 
 
 def summarize(timings: list[Timing], duration: float, model: str, request_rate: float, max_concurrency: int) -> dict:
