@@ -137,16 +137,18 @@ def test_read_good_file(tmp_path):
 
 def test_conversation_files_give_their_first_user_message(tmp_path):
     """A SpecForge / ShareGPT training file (`conversations`) or an OpenAI one (`messages`) as --prompts: each line's
-    first user message is its prompt (was 'missing "prompt"'); a line with `prompt` keeps it."""
+    first user message is its prompt (was 'missing "prompt"'), OpenAI's text content parts joined as the server joins
+    them; a line with `prompt` keeps it."""
     path = tmp_path / "sharegpt.jsonl"
     lines = [{"id": "a", "conversations": [{"from": "human", "value": "first"}, {"from": "gpt", "value": "x"},
                                            {"from": "human", "value": "later"}]},
              {"conversations": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "second"},
                                 {"role": "assistant", "content": "y"}]},
              {"messages": [{"role": "user", "content": "third"}]},
-             {"prompt": "fourth", "messages": [{"role": "user", "content": "not this"}]}]
+             {"prompt": "fourth", "messages": [{"role": "user", "content": "not this"}]},
+             {"messages": [{"role": "user", "content": [{"type": "text", "text": "fif"}, {"type": "text", "text": "th"}]}]}]
     path.write_text("\n".join(json.dumps(line) for line in lines))
-    assert read_jsonl_prompts(path) == ["first", "second", "third", "fourth"]
+    assert read_jsonl_prompts(path) == ["first", "second", "third", "fourth", "fifth"]
 
 
 def test_read_file_with_bom(tmp_path):
@@ -171,7 +173,11 @@ BAD_LINES = [
     ('{"conversations": [{"from": "gpt", "value": "hi"}]}', "the conversation has no user message"),
     ('{"messages": []}', "the conversation has no user message"),
     ('{"messages": [{"role": "user", "content": ""}]}', '"prompt" is empty'),
-    ('{"conversations": [{"role": "user", "content": 7}]}', '"prompt" must be a string, got number'),
+    ('{"conversations": [{"role": "user", "content": 7}]}', "the first user message must be text (a string or a "
+                                                             'list of {"type": "text"} parts), got number'),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+     "the first user message must be text (a string or a list of {\"type\": \"text\"} parts), got array holding "
+     "a part that is not text"),
 ]
 
 

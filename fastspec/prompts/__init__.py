@@ -90,9 +90,22 @@ def _first_user_message(turns: list, where: str):
     """The text of the first user turn of a ShareGPT / SpecForge / OpenAI conversation (checked as a prompt)."""
     for turn in turns:
         if isinstance(turn, dict) and (turn.get("role") or turn.get("from")) in USER_ROLES:
-            return turn.get("content", turn.get("value"))
+            return _message_text(turn.get("content", turn.get("value")), where)
     raise FastspecError(f"{where}: the conversation has no user message (a \"role\": \"user\" or \"from\": "
                         "\"human\" turn)")
+
+
+def _message_text(content, where: str) -> str:
+    """A user turn's text: a string, or OpenAI's list of content parts ([{"type": "text", "text": ...}], joined
+    as the server joins them)."""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise FastspecError(f"{where}: the first user message must be text (a string or a list of "
+                            f"{{\"type\": \"text\"}} parts), got {_json_type(content)}"
+                            + (" holding a part that is not text" if isinstance(content, list) else ""))
+    return content
 
 
 def _json_type(value) -> str:
