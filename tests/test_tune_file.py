@@ -44,7 +44,8 @@ def test_tuned_file_round_trips_and_guards_its_fingerprint(tmp_path):
     for damaged, why in ((json.dumps({"version": 1, "fingerprint": print_, "tiers": [
             {"max_batch_size": 1, "params": [2, 1, 7]}]}), "impossible tree"),
             ('{"version": 1, "fingerprint": {"hard', "unreadable"), ("[]", "unreadable"),
-            (json.dumps({"version": 1, "tiers": []}), "no fingerprint")):
+            (json.dumps({"version": 1, "tiers": [{"max_batch_size": 1, "params": None}]}), "no fingerprint"),
+            (json.dumps({"version": 1, "fingerprint": print_, "tiers": []}), "tiers must be a non-empty list")):
         path.write_text(damaged)
         said = []
         assert load_schedule(path, print_, said.append) is None  # ignored, with one note naming the file

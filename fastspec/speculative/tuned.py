@@ -89,6 +89,8 @@ def read_tuned(path: Path) -> dict:
 
 
 def schedule_of(tiers: list[dict]) -> Schedule:
+    if not isinstance(tiers, list) or not tiers:  # tune writes a tier per batch size: none is a damaged file
+        raise FastspecError(f"tiers must be a non-empty list, got {json.dumps(tiers)[:40]}")
     out = []
     for t in tiers:
         params = t["params"]
