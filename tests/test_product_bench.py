@@ -56,6 +56,25 @@ def test_bench_table_fits_80_columns_with_every_figure_whole(capsys, monkeypatch
         assert figure in out, figure
 
 
+def test_bench_table_shows_no_round_figures_where_no_speculative_round_ran(capsys, monkeypatch):
+    """A batch size that decoded plainly (a tuned file's plain tier, or the fallback at every step) ran no round:
+    its tau, acceptance and round split are '-', not 'tau 0.00' and '0.0·0.0·0.0·0.0' beside a tree's row."""
+    from types import SimpleNamespace
+
+    from fastspec.cli.bench import print_bench_table
+
+    monkeypatch.setenv("COLUMNS", "80")
+    rows = [SimpleNamespace(batch_size=1, baseline_tok_s=700.0, spec_tok_s=690.0, speedup=0.99, tau=0.0, shape="plain",
+                            spec_tok_s_per_request=690.0, acceptance_by_depth=[], ms_per_round={"host": 0.0}),
+            SimpleNamespace(batch_size=2, baseline_tok_s=1400.0, spec_tok_s=1500.0, speedup=1.07, tau=3.5,
+                            shape="3/2/9", spec_tok_s_per_request=750.0, acceptance_by_depth=[1.0, 0.5],
+                            ms_per_round={"draft": 1.2, "verify": 1.4, "draft_extend": 0.6, "host": 0.8})]
+    print_bench_table({"algorithm": "EAGLE3", "tuned": True}, rows)
+    plain, tree = (line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith(("1 ", "2 ")))
+    assert "0.00" not in plain and "0.0·0.0" not in plain and plain.split()[-5:] == ["-", "-", "-", "(no", "rounds)"]
+    assert "3.50" in tree and "100 50" in tree and "1.2·1.4·0.6·0.8" in tree
+
+
 def test_bench_reports_the_bad_jsonl_line(tmp_path):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "hi"}\n{"prompt": 3}\n')

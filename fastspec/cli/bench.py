@@ -142,11 +142,12 @@ def print_bench_table(config: dict, results) -> None:
     for column in ("batch", "plain", "spec", "speedup", "per req", "tau", "accept %", "ms/round"):
         table.add_column(column, justify="right", no_wrap=True)
     for r in results:
-        split = r.ms_per_round
+        split, rounds = r.ms_per_round, r.tau > 0  # tau 0: no speculative round ran (a plain tier or fallback)
         table.add_row(str(r.batch_size), f"{r.baseline_tok_s:.1f}", f"{r.spec_tok_s:.1f}", f"{r.speedup:.2f}x",
-                      f"{r.spec_tok_s_per_request:.1f}", f"{r.tau:.2f}",
-                      " ".join(f"{100 * a:.0f}" for a in r.acceptance_by_depth[:4]),
-                      "·".join(f"{split.get(k, 0):.1f}" for k in ("draft", "verify", "draft_extend", "host")))
+                      f"{r.spec_tok_s_per_request:.1f}", f"{r.tau:.2f}" if rounds else "-",
+                      " ".join(f"{100 * a:.0f}" for a in r.acceptance_by_depth[:4]) if rounds else "-",
+                      "·".join(f"{split.get(k, 0):.1f}" for k in ("draft", "verify", "draft_extend", "host"))
+                      if rounds else "- (no rounds)")
     Console().print(table)
 
 
