@@ -114,9 +114,68 @@ def test_bench_url_counts_a_stream_the_server_ended_as_failed():
     finally:
         server.shutdown()
     assert summary["completed"] == 1 and summary["failed"] == 3 and summary["output_tok_s"] > 0
-    assert summary["errors"] == ["a streamed chunk is not an OpenAI chat.completion.chunk",
-                                 "error event: the server is stopping",
+    assert summary["errors"] == ["error event: the server is stopping",  # (the prompts' order)
+                                 "a streamed chunk is not an OpenAI chat.completion.chunk",
                                  "no usage chunk with completion_tokens (stream_options.include_usage)"]
+
+
+def test_bench_url_with_every_request_failed_is_one_line_not_a_table_of_nan():
+    """A server that refuses every request (or one that refuses some): all failed is one line naming how many and
+    the first error, exit 2, in table and JSON mode alike; some failed keeps the figures and says how many failed.
+    A stand-in server that refuses the prompts starting with "bad"."""
+    import http.server
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._send(200, b'{"data": [{"id": "stand-in"}]}')
+
+        def do_POST(self):
+            prompt = json.loads(self.rfile.read(int(self.headers["content-length"])))["messages"][0]["content"]
+            if prompt.startswith("bad"):
+                return self._send(500, b'{"error": "overloaded"}')
+            chunks = [{"choices": [{"delta": {"content": "a"}}]}, {"choices": [], "usage": {"completion_tokens": 1}}]
+            self._send(200, b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks))
+
+        def _send(self, status, body):
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = "http://127.0.0.1:%d" % server.server_address[1]
+    try:
+        runs = {name: [CliRunner().invoke(app, ["bench", "--url", url, "--num-prompts", "3", "--prompts", str(path),
+                                                *json_flag]) for json_flag in ([], ["--json"])]
+                for name, path in _prompt_files(("bad 1", "bad 2", "bad 3"), ("good", "bad", "good too")).items()}
+    finally:
+        server.shutdown()
+    for out in runs["all bad"]:
+        assert out.exit_code == 2 and out.stdout == "" and "nan" not in out.stderr
+        assert out.stderr.strip() == (f"error: all 3 requests to {url} failed; the first error: "
+                                      "status 500: b'{\"error\": \"overloaded\"}'")
+    table, as_json = runs["some bad"]
+    for out in (table, as_json):
+        assert out.exit_code == 0 and "1 of 3 requests failed; the figures are over the 2 that completed" in out.stderr
+    assert "E2E_LATENCY" in table.stdout and "nan" not in table.stdout  # (one chunk each: no ITL, shown as -)
+    assert json.loads(as_json.stdout)["completed"] == 2
+
+
+def _prompt_files(*prompt_lists):
+    """{"all bad": path, "some bad": path}: JSONL prompt files in a fresh temporary folder."""
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp())
+    paths = {}
+    for name, prompts in zip(("all bad", "some bad"), prompt_lists):
+        paths[name] = folder / f"{name.replace(' ', '-')}.jsonl"
+        paths[name].write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return paths
 
 
 def test_metrics_parse_and_move_by_what_a_request_did(served):

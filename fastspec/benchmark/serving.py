@@ -125,6 +125,7 @@ def _error_text(error) -> str:
 
 
 def summarize(timings: list[Timing], duration: float, model: str, request_rate: float, max_concurrency: int) -> dict:
+    """The figures over the completed requests; `errors`: the distinct errors, at most 5, in the prompts' order."""
     ok = [t for t in timings if t.ok]
     tokens = sum(t.completion_tokens for t in ok)
     tpot = [(t.latency - t.ttft) / (t.completion_tokens - 1) for t in ok if t.completion_tokens > 1]
@@ -133,7 +134,7 @@ def summarize(timings: list[Timing], duration: float, model: str, request_rate: 
     rate = request_rate if math.isfinite(request_rate) else None  # (JSON has no infinity: null = all at once)
     return {"model": model, "request_rate": rate, "max_concurrency": max_concurrency,
             "completed": len(ok), "failed": len(timings) - len(ok),
-            "errors": sorted({t.error for t in timings if t.error})[:5], "duration_s": _r(duration),
+            "errors": list(dict.fromkeys(t.error for t in timings if t.error))[:5], "duration_s": _r(duration),
             "request_throughput": _r(len(ok) / duration), "output_tok_s": _r(tokens / duration),
             "ttft_ms": ms([t.ttft for t in ok]), "itl_ms": ms([g for t in ok for g in t.gaps]),
             "tpot_ms": ms(tpot), "e2e_latency_ms": ms([t.latency for t in ok])}

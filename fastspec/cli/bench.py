@@ -221,6 +221,14 @@ def bench_url(url: str, prompts: list[str], max_tokens: int, rate: float, concur
         raise FastspecError("--request-rate must be > 0 and --max-concurrency >= 1")
     with Console(stderr=True).status(f"{len(prompts)} requests to {url}"):
         summary = run_serving(url, prompts, max_tokens, rate, concurrency)
+    if not summary["completed"]:  # no figure to show: every latency would read nan
+        raise FastspecError(f"all {summary['failed']} requests to {url} failed; the first error: "
+                            f"{summary['errors'][0] if summary['errors'] else 'unknown'}")
+    if summary["failed"]:  # (stderr: stdout keeps only the table or the JSON)
+        typer.echo(f"{summary['failed']} of {len(prompts)} requests failed; the figures are over the "
+                   f"{summary['completed']} that completed", err=True)
+        for error in summary["errors"]:
+            typer.echo(f"failed: {error}", err=True)
     if as_json:
         typer.echo(json.dumps(summary))
         return
@@ -231,8 +239,6 @@ def bench_url(url: str, prompts: list[str], max_tokens: int, rate: float, concur
         table.add_column(column, justify="right")
     for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms"):
         row = summary[name] or {}
-        table.add_row(name.removesuffix("_ms").upper(), *(f"{row.get(k, float('nan')):.1f}"
+        table.add_row(name.removesuffix("_ms").upper(), *(f"{row[k]:.1f}" if row else "-"  # (-: no sample)
                                                           for k in ("mean", "median", "p99")))
     Console().print(table)
-    for error in summary["errors"]:
-        typer.echo(f"failed: {error}", err=True)
