@@ -149,9 +149,9 @@ class EngineConfig:
             raise FastspecError(f"--attention-backend flashinfer reads a KV cache in the model's --dtype {self.dtype} "
                                 f"or in fp8; --kv-cache-dtype {self.kv_cache_dtype} needs --attention-backend torch")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise FastspecError(f"page size must be a power of two >= 1, got {self.page_size}")
+            raise FastspecError(f"--page-size must be a power of two >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise FastspecError(f"max-total-tokens must be >= the page size, got {self.max_total_tokens}")
+            raise FastspecError(f"--max-total-tokens must be >= --page-size {self.page_size}, got {self.max_total_tokens}")
         if self.mamba_track_interval < 1:
             raise FastspecError(f"--mamba-track-interval must be >= 1, got {self.mamba_track_interval}")
         if self.chunked_prefill_size < 1:
@@ -161,7 +161,7 @@ class EngineConfig:
         if self.max_context_len is not None and self.max_context_len < 1:
             raise FastspecError(f"max_context_len (--context-length) must be >= 1, got {self.max_context_len}")
         if self.max_running_requests < 1:
-            raise FastspecError(f"max-running-requests must be >= 1, got {self.max_running_requests}")
+            raise FastspecError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         check_device(self.device)
         if self.quantization == "gguf" and self.device != "cpu":
             raise FastspecError("--quantization gguf runs on the CPU (fastspec's block kernels); use --device cpu")

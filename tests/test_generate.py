@@ -85,10 +85,10 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/dir", "--prompt", "hi"], "neither a directory"),
-    (["--prompt", "hi", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--prompt", "hi", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--prompt", "hi", "--temperature", "inf"], "temperature must be a finite number >= 0"),
-    (["--prompt", "hi", "--temperature", "0.5", "--seed", "99999999999999999999"], "seed must be a 64-bit integer"),
-    (["--prompt", "hi", "--temperature", "1", "--top-k", "9223372036854775808"], "top-k must be -1 (off) or in"),
+    (["--prompt", "hi", "--temperature", "0.5", "--seed", "99999999999999999999"], "--seed must be a 64-bit integer"),
+    (["--prompt", "hi", "--temperature", "1", "--top-k", "9223372036854775808"], "--top-k must be -1 (off) or in"),
     (["--prompt", "hi", "--stop-token-ids", "99999999"], "stop token ids must be in"),
     (["--prompt", "hi", "--max-new-tokens", "abc"], "error: Invalid value for '--max-new-tokens'"),  # (click's
     (["--prompt", "hi", "--no-such-flag"], "error: No such option: --no-such-flag"),  # errors too: one line)
@@ -102,7 +102,13 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
     (["--prompt", "hi", "--speculative-algorithm", "NGRAM", "--speculative-token-map", __file__],
      "--speculative-token-map does not apply to --speculative-algorithm NGRAM"),
     (["--prompt", "hi", "--speculative-algorithm", "EAGLE3", "--draft", __file__], "is a file, not a model"),
-    (["--prompt", "hi", "--page-size", "3"], "page size must be a power of two"),
+    (["--prompt", "hi", "--page-size", "3"], "--page-size must be a power of two"),
+    (["--prompt", "hi", "--max-running-requests", "0"], "--max-running-requests must be >= 1"),
+    # SamplingParams' checks name the flag typed, as every other check does
+    (["--prompt", "hi", "--max-new-tokens", "0"], "error: --max-new-tokens must be >= 1, got 0"),
+    (["--prompt", "hi", "--top-p", "0"], "error: --top-p must be in (0, 1]"),
+    (["--prompt", "hi", "--min-p", "2"], "error: --min-p must be in [0, 1]"),
+    (["--prompt", "hi", "--repetition-penalty", "0"], "error: --repetition-penalty must be > 0"),
     (["--input-ids", "1,x"], "comma-separated integers"),
     (["--prompt", "hi", "--input-ids", "1"], "exactly one of --prompt or --input-ids"),
     (["--input-ids", "1,999999"], "input token ids must be in"),

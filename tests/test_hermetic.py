@@ -58,7 +58,7 @@ def run(cache: Path, args: list[str], monkeypatch) -> tuple[int, str, list[str]]
 
 BAD_GENERATE = [
     (["--dtype", "int8"], "unknown dtype"),
-    (["--page-size", "3"], "page size must be a power of two"),
+    (["--page-size", "3"], "--page-size must be a power of two"),
     (["--speculative-num-steps", "1", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
      "infeasible"),
     (["--speculative-eagle-topk", "0"], "--speculative-eagle-topk must be in [1, 64]"),
@@ -71,7 +71,7 @@ BAD_GENERATE = [
     (["--draft", "/no/such/head"], "--speculative-draft-model-path '/no/such/head' is neither"),
     (["--input-ids", "1,999"], "input token ids must be in"),  # needs the model: after the tuned file is read
     (["--max-new-tokens", "99999"], "exceeds the context length"),
-    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
 ]
 
 
@@ -88,10 +88,12 @@ def test_bad_generate_input_is_the_same_one_line_whatever_the_cache(extra, messa
 
 
 BAD_OTHER = [
-    (["bench", "--batch-sizes", "0"], "must be >= 1"),
+    (["bench", "--batch-sizes", "0"], "--batch-sizes must be >= 1, got 0"),
+    (["bench", "--trials", "0"], "--trials must be >= 1, got 0"),
     (["bench", "--dtype", "fp8"], "unknown dtype"),
     (["bench", "--kv-cache-dtype", "int8"], "--kv-cache-dtype must be one of"),
-    (["chat", "--page-size", "0"], "page size"),
+    (["chat", "--page-size", "0"], "--page-size must be"),
+    (["chat", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),  # (SamplingParams' check: the flag named)
     (["tune", "--batch-sizes", "1,x"], "comma-separated integers"),
     (["tune", "--emit", "vllm"], "--emit supports sglang"),
     (["tune", "--speculative-num-draft-tokens", "1"], "must be in [2, 1024]"),

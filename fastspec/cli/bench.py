@@ -40,8 +40,10 @@ def bench(
     from fastspec.prompts import load_prompts, read_jsonl_prompts
 
     sizes = parse_ids(batch_sizes, "--batch-sizes")
-    if min(sizes) < 1 or num_prompts < 1 or trials < 1 or max_new_tokens < 1:
-        raise FastspecError("batch sizes, --num-prompts, --trials and --max-new-tokens must be >= 1")
+    for flag, value in (("--batch-sizes", min(sizes)), ("--num-prompts", num_prompts), ("--trials", trials),
+                        ("--max-new-tokens", max_new_tokens)):
+        if value < 1:
+            raise FastspecError(f"{flag} must be >= 1, got {value}")
     if warmup < 0:
         raise FastspecError(f"--warmup must be >= 0, got {warmup}")
     if prompts and prompt_set != "all":

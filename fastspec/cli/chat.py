@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fastspec.cli.common import refuse_lossy_thresholds, stdout_refusals, stop_on_ctrl_c
+from fastspec.cli.common import flag_names, refuse_lossy_thresholds, stdout_refusals, stop_on_ctrl_c
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -67,9 +67,12 @@ def exit_on_hangup() -> None:
 
 
 def sampling_params(temperature, top_k, top_p, seed, max_new_tokens, **_):
+    flags = set(locals())  # (the parameters, each a flag)
     from fastspec.sampling.params import SamplingParams
 
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens)
+    with flag_names(flags):
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              max_new_tokens=max_new_tokens)
 
 
 def check_flags(**flags) -> None:

@@ -141,6 +141,21 @@ def parse_bias(text: str | None) -> tuple[tuple[int, float], ...]:
         raise FastspecError(f"--logit-bias must be comma-separated id:bias pairs, got {text!r}") from None
 
 @contextlib.contextmanager
+def flag_names(flags):
+    """Around a library check of a command's flags (SamplingParams'): its message names a field as the API and the
+    server take it ("top-p must be in (0, 1]", "repetition penalty must be > 0"); here the flag typed names it
+    ("--top-p must be in (0, 1]"), as every other flag's check does. `flags`: the command's parameter names."""
+    try:
+        yield
+    except FastspecError as e:
+        subject, must, rest = str(e).partition(" must ")
+        name = subject.replace("-", "_").replace(" ", "_")
+        if must and name in flags:
+            raise FastspecError(f"--{name.replace('_', '-')} must {rest}") from None
+        raise
+
+
+@contextlib.contextmanager
 def stop_on_ctrl_c():
     """While generating, Ctrl-C sets an event (checked between rounds) instead of raising mid-step."""
     event = threading.Event()

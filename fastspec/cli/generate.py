@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import (Notes, parse_bias, parse_token_ids, prepare_progress, refuse_lossy_thresholds,
-                                 stdout_refusals, stop_on_ctrl_c)
+from fastspec.cli.common import (Notes, flag_names, parse_bias, parse_token_ids, prepare_progress,
+                                 refuse_lossy_thresholds, stdout_refusals, stop_on_ctrl_c)
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -99,15 +99,18 @@ def check_flags(prompt, input_ids, chat, as_json, **flags) -> None:
 def sampling_params(temperature, top_k, top_p, seed, max_new_tokens, ignore_eos, stop, logprobs, repetition_penalty,
                     frequency_penalty, presence_penalty, min_p, logit_bias, stop_token_ids, json_schema, regex, ebnf,
                     **_):
+    flags = set(locals())  # (the parameters, each a flag)
     from fastspec.sampling.params import SamplingParams, read_grammar_arg
 
-    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=max_new_tokens,
-                          ignore_eos=ignore_eos, stop=tuple(stop or ()), logprobs=logprobs,
-                          repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                          presence_penalty=presence_penalty, min_p=min_p, logit_bias=parse_bias(logit_bias),
-                          stop_token_ids=tuple(parse_token_ids(stop_token_ids, "--stop-token-ids")) if stop_token_ids
-                          else (), json_schema=read_grammar_arg(json_schema), regex=read_grammar_arg(regex),
-                          ebnf=read_grammar_arg(ebnf))
+    with flag_names(flags):
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              max_new_tokens=max_new_tokens, ignore_eos=ignore_eos, stop=tuple(stop or ()),
+                              logprobs=logprobs,
+                              repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, min_p=min_p, logit_bias=parse_bias(logit_bias),
+                              stop_token_ids=tuple(parse_token_ids(stop_token_ids, "--stop-token-ids"))
+                              if stop_token_ids else (), json_schema=read_grammar_arg(json_schema),
+                              regex=read_grammar_arg(regex), ebnf=read_grammar_arg(ebnf))
 
 
 generate.check_flags = check_flags
