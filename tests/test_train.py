@@ -371,6 +371,12 @@ def test_soft_label_training_lowers_the_loss_and_decodes_losslessly(chat_target,
 
 @pytest.mark.parametrize("flags, message", [(["--draft-vocab-size", "40", "--soft-labels", "41"], "--soft-labels"),
                                            (["--draft-vocab-size", "0"], "--draft-vocab-size must be >= 1"),
+                                           # typed above the target's vocabulary: refused, not quietly capped
+                                           (["--draft-vocab-size", "500"], "--draft-vocab-size 500 is above the "
+                                                                           "target's vocabulary of 97 tokens"),
+                                           # left out: the whole vocabulary (97), which caps --soft-labels
+                                           (["--soft-labels", "98"], "--soft-labels must be in [0, "
+                                                                     "--draft-vocab-size 97], got 98"),
                                            (["--lr", "inf"], "--lr must be a finite number > 0, got inf")])
 def test_draft_vocabulary_flags_are_one_line_before_any_answer(chat_target, tmp_path, flags, message):
     result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "o"), "--model", str(chat_target),

@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from fastspec.errors import FastspecError
-from fastspec.train.job import Progress, TrainConfig
+from fastspec.train.job import DRAFT_VOCAB_SIZE, Progress, TrainConfig
 
 PHASES = {"generate": "generating responses", "features": "target features", "train": "training"}
 
@@ -28,7 +28,9 @@ def train_draft(
              "(e.g. data/corpus/smollm2-135m-instruct).")] = None,
     generate_only: Annotated[bool, typer.Option(help="Only make the answers (grow --corpus), do not train.")]
     = False,
-    draft_vocab_size: int = TrainConfig.draft_vocab_size,
+    draft_vocab_size: Annotated[Optional[int], typer.Option(
+        help=f"Tokens the draft predicts, the target's most frequent (default: {DRAFT_VOCAB_SIZE}, or the target's "
+             "whole vocabulary if smaller; above the target's vocabulary it is refused).")] = None,
     init: Annotated[str, typer.Option(help="random | target (the midlayer from the target's layer that reads the "
                                            "last feature; fc passing that feature through).")] = TrainConfig.init,
     soft_labels: Annotated[int, typer.Option(

@@ -10,6 +10,7 @@ from pathlib import Path
 from fastspec.errors import FastspecError
 
 INITS = ("random", "target")
+DRAFT_VOCAB_SIZE = 4096  # the draft vocabulary when --draft-vocab-size is left out, or the target's if smaller
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class TrainConfig:
     max_new_tokens: int = 256
     corpus: Path | None = None  # a growing, committable store of the target's answers (train/corpus.py)
     generate_only: bool = False  # stop once every answer is in the store (grow a corpus)
-    draft_vocab_size: int = 4096
+    draft_vocab_size: int | None = None  # None: DRAFT_VOCAB_SIZE, or the target's whole vocabulary if smaller
     soft_topk: int = 0  # > 0: train against the target's top-k next-token probabilities (soft labels), not argmax
     init: str = "random"  # random | target: the midlayer and fc warm-started from the target (checkpoint.warm_start)
     ttt_steps: int = 5
@@ -49,11 +50,12 @@ class TrainConfig:
             raise FastspecError(f"--max-prompts must be >= 1, got {self.max_prompts}")
         if not 0 < self.lr < float("inf"):
             raise FastspecError(f"--lr must be a finite number > 0, got {self.lr}")
-        if self.draft_vocab_size < 1:
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise FastspecError(f"--draft-vocab-size must be >= 1, got {self.draft_vocab_size}")
-        if not 0 <= self.soft_topk <= self.draft_vocab_size:
-            raise FastspecError(f"--soft-labels must be in [0, --draft-vocab-size {self.draft_vocab_size}], "
-                                f"got {self.soft_topk}")
+        if self.soft_topk < 0:
+            raise FastspecError(f"--soft-labels must be >= 0, got {self.soft_topk}")
+        if self.draft_vocab_size is not None:  # (left out: checked against the target's vocabulary)
+            self.draft_vocab(self.draft_vocab_size)
         if self.init not in INITS:
             raise FastspecError(f"--init must be one of {', '.join(INITS)}, got {self.init!r}")
         if self.resume and self.overwrite:
@@ -65,6 +67,18 @@ class TrainConfig:
         check_device(self.device)
         if self.bf16 is None:  # resolved once, recorded in report.json
             object.__setattr__(self, "bf16", self.device != "cpu" or bf16_matmul_is_faster())
+
+    def draft_vocab(self, vocab_size: int) -> int:
+        """The draft vocabulary's size for a target of `vocab_size` tokens. A --draft-vocab-size typed above it is
+        refused (a head smaller than asked), as --soft-labels above the draft vocabulary is; left out, it is
+        DRAFT_VOCAB_SIZE or the whole vocabulary if smaller."""
+        size = min(DRAFT_VOCAB_SIZE, vocab_size) if self.draft_vocab_size is None else self.draft_vocab_size
+        if size > vocab_size:
+            raise FastspecError(f"--draft-vocab-size {size} is above the target's vocabulary of {vocab_size} "
+                                f"tokens: give at most {vocab_size}, or leave it out (the whole vocabulary then)")
+        if self.soft_topk > size:
+            raise FastspecError(f"--soft-labels must be in [0, --draft-vocab-size {size}], got {self.soft_topk}")
+        return size
 
 
 @dataclass(frozen=True)

@@ -76,14 +76,14 @@ def read_vocab(path: Path) -> torch.Tensor:
     return vocab
 
 
-def check_same_draft_vocab(work: Path, draft_vocab_size: int, vocab_size: int) -> None:
+def check_same_draft_vocab(work: Path, draft_vocab_size: int) -> None:
     """The draft vocabulary shapes the head: a resumed run with another --draft-vocab-size is refused, not
     trained on with the old one while report.json records the new."""
     path = work / "vocab.pt"
     if not path.exists():
         return
-    kept, asked = len(read_vocab(path)), min(draft_vocab_size, vocab_size)
-    if kept != asked:
+    kept = len(read_vocab(path))
+    if kept != draft_vocab_size:
         raise FastspecError(f"this run's draft vocabulary has {kept} tokens, not --draft-vocab-size "
                             f"{draft_vocab_size}; pass --draft-vocab-size {kept} to resume it or --overwrite")
 

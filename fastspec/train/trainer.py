@@ -66,6 +66,7 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     model_dir = resolve_model_dir(cfg.model)
     if cfg.init == "target":
         check_warm_start(read_config(model_dir))
+    draft_vocab = cfg.draft_vocab(read_config(model_dir).vocab_size)
     prompts = (read_jsonl_prompts(cfg.prompts) if cfg.prompts else load_prompts("all", "train"))[:cfg.max_prompts]
     corpus = Corpus(cfg.corpus, model_dir, _provenance(cfg)) if cfg.corpus else None  # refuses another target's
     store = corpus or JsonlStore(Path(cfg.out) / "train" / "conversations.jsonl")
@@ -74,7 +75,7 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
                   _answered(made, cfg.samples_per_prompt))
     work = prepare_out(cfg)
     check_same_target(work, model_dir)
-    check_same_draft_vocab(work, cfg.draft_vocab_size, read_config(model_dir).vocab_size)
+    check_same_draft_vocab(work, draft_vocab)
     check_same_plan(work, cfg, prompts)
     conversations = _conversations(cfg, model_dir, prompts, store, made, on_progress)
     check_same_answers(work, conversations)
@@ -84,7 +85,7 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     target = load_target(model_dir, torch.float32, cfg.device,
                          capture_layers=eagle3_capture_layers(target_cfg.num_layers, None))
     features = _features(target, conversations, work, cfg, on_progress)
-    vocab = _vocab(features, target_cfg.vocab_size, cfg.draft_vocab_size, work)
+    vocab = _vocab(features, target_cfg.vocab_size, draft_vocab, work)
     if int(vocab.max()) >= target_cfg.vocab_size:
         raise FastspecError(f"{work / 'vocab.pt'} was chosen for a different target; use --overwrite to start over")
     head_json = head_config(json.loads((model_dir / "config.json").read_text()), len(vocab), target_cfg.num_layers)
@@ -153,7 +154,7 @@ def _vocab(features: Features, vocab_size: int, draft_vocab_size: int, work: Pat
     path = work / "vocab.pt"
     if path.exists():
         return read_vocab(path)
-    vocab = choose_draft_vocab(response_labels(features), vocab_size, min(draft_vocab_size, vocab_size))
+    vocab = choose_draft_vocab(response_labels(features), vocab_size, draft_vocab_size)
     atomic_save(vocab, path)
     return vocab
 
