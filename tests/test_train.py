@@ -7,7 +7,9 @@ the target's own answers -> features -> TTT -> SGLang-format head) runs as a use
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -262,6 +264,26 @@ def test_a_disk_that_refuses_a_write_is_one_line_and_the_run_resumes(chat_target
     result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "stopped")])
     assert result.exit_code == 130 and "Traceback" not in result.output
     assert result.stderr.splitlines()[-1] == "interrupted; what the run made so far is kept: pass --resume to go on"
+    saves.clear()
+
+    def sigterm(*a):  # SIGTERM (a scheduler's stop) at the second checkpoint: the same hint, exit 128 + 15
+        saves.append(a[-1])
+        if len(saves) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        save(*a)
+
+    def reached_pytest(*_):
+        raise AssertionError("SIGTERM was not handled by train-draft")
+
+    monkeypatch.setattr(trainer, "save_checkpoint", sigterm)
+    outer = signal.signal(signal.SIGTERM, reached_pytest)  # (without train-draft's handler: this, not a killed pytest)
+    try:
+        result = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "terminated")])
+        assert signal.getsignal(signal.SIGTERM) is reached_pytest  # restored after the run
+    finally:
+        signal.signal(signal.SIGTERM, outer)
+    assert result.exit_code == 143 and "Traceback" not in result.output, result.output
+    assert result.stderr.splitlines()[-1] == "terminated; what the run made so far is kept: pass --resume to go on"
     monkeypatch.setattr(trainer, "save_checkpoint", save)
     events = []
     train_draft(tiny_config(out, chat_target, prompt_file, ttt_steps=2, epochs=3, checkpoint_every=2, resume=True),

@@ -5,6 +5,8 @@ Registered on the app by fastspec.cli.main; errors become one line through user_
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -89,19 +91,39 @@ def train_draft(
             bar.update(tasks[p.phase], completed=p.done, total=p.total, info=info)
 
         try:
-            report = run(cfg, show)
+            with _sigterm_raises():
+                report = run(cfg, show)
         except OSError as e:  # a full disk, a directory that cannot be made: every file written so far is whole
             kept = (out / "train").is_dir()
             raise FastspecError(f"{e.filename or out}: {e.strerror or e}" + (
                 "; what the run made so far is kept: pass --resume once that is fixed" if kept else "")) from None
-        except KeyboardInterrupt:  # every answer and checkpoint written so far is whole
+        except (KeyboardInterrupt, Terminated) as e:  # every answer and checkpoint written so far is whole
             saved = "; what the run made so far is kept: pass --resume to go on" if (out / "train").is_dir() else ""
-            typer.echo(f"interrupted{saved}", err=True)
-            raise typer.Exit(130) from None
+            stopped = isinstance(e, Terminated)
+            typer.echo(f"{'terminated' if stopped else 'interrupted'}{saved}", err=True)
+            raise typer.Exit(128 + signal.SIGTERM if stopped else 130) from None
     if generate_only:
         console.print(f"{report['conversations']} answers ({report['tokens']} tokens) in {corpus or out / 'train'}")
         return
     console.print(f"wrote {out}/config.json and model.safetensors · {held_out(report, val_fraction)}")
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (a job scheduler's stop, `kill`). A BaseException, as KeyboardInterrupt is, so that no
+    `except Exception` on the way swallows it."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While the job runs, SIGTERM raises Terminated in the main thread, so the run ends as Ctrl-C ends it (saying
+    how to go on, exit 143) rather than silently; the previous handler is restored after."""
+    def stop(_signum, _frame):
+        raise Terminated
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def held_out(report: dict, val_fraction: float) -> str:
