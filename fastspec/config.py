@@ -151,7 +151,8 @@ class EngineConfig:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise FastspecError(f"--page-size must be a power of two >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise FastspecError(f"--max-total-tokens must be >= --page-size {self.page_size}, got {self.max_total_tokens}")
+            raise FastspecError(f"--max-total-tokens must be >= --page-size {self.page_size}, "
+                                f"got {self.max_total_tokens}")
         if self.mamba_track_interval < 1:
             raise FastspecError(f"--mamba-track-interval must be >= 1, got {self.mamba_track_interval}")
         if self.chunked_prefill_size < 1:

@@ -146,7 +146,8 @@ def test_conversation_files_give_their_first_user_message(tmp_path):
                                 {"role": "assistant", "content": "y"}]},
              {"messages": [{"role": "user", "content": "third"}]},
              {"prompt": "fourth", "messages": [{"role": "user", "content": "not this"}]},
-             {"messages": [{"role": "user", "content": [{"type": "text", "text": "fif"}, {"type": "text", "text": "th"}]}]}]
+             {"messages": [{"role": "user", "content": [{"type": "text", "text": "fif"},
+                                                         {"type": "text", "text": "th"}]}]}]
     path.write_text("\n".join(json.dumps(line) for line in lines))
     assert read_jsonl_prompts(path) == ["first", "second", "third", "fourth", "fifth"]
 

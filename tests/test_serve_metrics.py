@@ -76,6 +76,7 @@ def test_bench_url_keeps_a_path_prefix_as_vllms_bench_does():
     finally:
         server.shutdown()
 
+
 def test_bench_url_counts_a_stream_the_server_ended_as_failed():
     """A stream that carries an error event (what fastspec's server, SGLang and vLLM send when the engine fails or
     the server stops mid-answer), a malformed chunk, or no usage is a failed request naming why, not a traceback

@@ -140,6 +140,7 @@ def parse_bias(text: str | None) -> tuple[tuple[int, float], ...]:
     except ValueError:
         raise FastspecError(f"--logit-bias must be comma-separated id:bias pairs, got {text!r}") from None
 
+
 @contextlib.contextmanager
 def flag_names(flags):
     """Around a library check of a command's flags (SamplingParams'): its message names a field as the API and the
