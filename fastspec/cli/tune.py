@@ -178,7 +178,8 @@ def print_table(result) -> None:
 
     why = "\n".join(f"bs {bs}: {text}" for bs, text in sorted(result.why.items()))  # the rematch's verdicts
     table = Table(title="fastspec tune: candidates confirmed end to end (the last measurement of each: the final "
-                        "rematch's median for the chosen shape and plain, a shorter halving run for the rest)",
+                        "rematch's median for the chosen shape and plain, a shorter halving run for the rest; tau "
+                        "replayed over every prompt, measured over the batch timed: the first bs prompts)",
                   caption=why or None)
     for col in ("bs", "shape (steps/topk/N)", "replayed tau", "measured tau", "predicted tok/s", "measured tok/s",
                 "tokens", "chosen"):
