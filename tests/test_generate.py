@@ -3,6 +3,7 @@ oracle; batching, paging and seeding must not change tokens; bad input is one li
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -130,7 +131,6 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
 def test_an_answer_ended_at_once_without_chat_says_why(monkeypatch, chat):
     """A chat model given a raw --prompt often ends at once (EOS first): the empty answer comes with a note that
     --chat applies the template; with --chat, or an answer, no note."""
-    from types import SimpleNamespace
 
     from fastspec.llm import LLM
 
@@ -222,6 +222,13 @@ def test_a_model_without_a_tokenizer_generates_from_ids(tiny_dirs):
             "--max-total-tokens", "512"]
     record = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
     assert record["output_ids"] == expected and record["text"] is None
+    assert (record["verify_rounds"], record["plain_tokens"]) == (0, 5)  # (no draft: every token decoded plainly)
+    from fastspec.cli.generate import as_record
+    from fastspec.utils.metrics import SpecMetrics
+
+    drafted = SimpleNamespace(output_ids=[5, 6, 7, 8], text=None, finish_reason="length", prompt_ids=[1],
+                              logprobs=None, metrics=SpecMetrics().add_round(2, 3))  # the prefill's token + 3
+    assert as_record([drafted])["plain_tokens"] == 1
     plain = CliRunner().invoke(app, args)
     assert plain.exit_code == 0 and plain.stdout.strip() == ",".join(map(str, expected))
 

@@ -72,9 +72,11 @@ def generate(
 
 
 def as_record(outputs) -> dict:
-    """--json's object: one record, or {"outputs": [...]} for several prompts."""
+    """--json's object: one record, or {"outputs": [...]} for several prompts. `plain_tokens`: the output tokens no
+    verify round emitted (the prefill's first one and plain decode steps: the measured fallback's, a plain tier's)."""
     records = [{"output_ids": o.output_ids, "text": o.text, "finish_reason": o.finish_reason,
                 "num_prompt_tokens": len(o.prompt_ids), **o.metrics.as_dict(),
+                "plain_tokens": len(o.output_ids) - o.metrics.emitted_tokens,
                 **({} if o.logprobs is None else {"logprobs": [
                     {"token": t.token, "logprob": t.logprob, "top": [[i, v] for i, v in t.top]}
                     for t in o.logprobs]})} for o in outputs]
