@@ -1,6 +1,8 @@
 """What measures a server: `/metrics` (parsed by prometheus_client) moves by what a request did, and
 `fastspec bench --url` measures a running server, also one behind a path prefix."""
 
+import contextlib
+import http.server
 import json
 import threading
 
@@ -11,6 +13,39 @@ from typer.testing import CliRunner
 from fastspec.cli import app
 
 pytestmark = pytest.mark.commands  # a `fastspec` command: .ci/run runs these again over a hostile user cache
+
+
+class StandIn(http.server.BaseHTTPRequestHandler):
+    """A stand-in OpenAI server's handler: the tests' subclasses answer GET /v1/models and POST chat completions."""
+
+    def prompt(self) -> str:
+        """The posted chat request's first message (its body read)."""
+        return json.loads(self.rfile.read(int(self.headers["content-length"])))["messages"][0]["content"]
+
+    def send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_):
+        pass
+
+
+def events(chunks: list) -> bytes:
+    """Server-sent events of these chunks (JSON each), without the closing [DONE]."""
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+
+
+@contextlib.contextmanager
+def stand_in(handler: type[StandIn]):
+    """A server of `handler` on a free local port while the block runs; yields its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield "http://127.0.0.1:%d" % server.server_address[1]
+    finally:
+        server.shutdown()
 
 
 def test_bench_url_measures_a_running_server(served):
@@ -34,37 +69,22 @@ def test_bench_url_keeps_a_path_prefix_as_vllms_bench_does():
     """A server behind a reverse proxy at a path prefix: `--url http://h:p/llm` sends /llm/v1/..., as vLLM's and
     SGLang's bench clients do with a base URL (an OpenAI client's base_url, ending in /v1, is the same server);
     a URL that is no base URL is one line. A stand-in server that answers only under the prefix."""
-    import http.server
-
     from fastspec.benchmark.serving import run_serving
 
-    class Prefixed(http.server.BaseHTTPRequestHandler):
+    class Prefixed(StandIn):
         def do_GET(self):
             found = self.path == "/llm/v1/models"
-            self._send(200 if found else 404, b'{"data": [{"id": "proxied"}]}' if found else b"{}")
+            self.send(200 if found else 404, b'{"data": [{"id": "proxied"}]}' if found else b"{}")
 
         def do_POST(self):
-            self.rfile.read(int(self.headers["content-length"]))
+            self.prompt()
             if self.path != "/llm/v1/chat/completions":
-                return self._send(404, b"{}")
+                return self.send(404, b"{}")
             chunks = [{"choices": [{"delta": {"content": "a"}}]}, {"choices": [{"delta": {"content": "b"}}]},
                       {"choices": [], "usage": {"completion_tokens": 2}}]
-            events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
-            self._send(200, b"".join(events))
+            self.send(200, events(chunks) + b"data: [DONE]\n\n")
 
-        def _send(self, status, body):
-            self.send_response(status)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Prefixed)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = "http://127.0.0.1:%d" % server.server_address[1]
-    try:
+    with stand_in(Prefixed) as base:
         for url in (base + "/llm", base + "/llm/", base + "/llm/v1"):
             summary = run_serving(url, ["x", "y"], max_tokens=2, request_rate=float("inf"), max_concurrency=2)
             assert summary["model"] == "proxied" and summary["completed"] == 2 and summary["failed"] == 0, url
@@ -73,47 +93,27 @@ def test_bench_url_keeps_a_path_prefix_as_vllms_bench_does():
             assert out.exit_code == 2 and "--url must look like http://HOST:PORT[/PREFIX]" in out.stderr, bad
         wrong = CliRunner().invoke(app, ["bench", "--url", base + "/other", "--num-prompts", "1"])
         assert wrong.exit_code == 2 and "answered /other/v1/models with status 404" in wrong.stderr
-    finally:
-        server.shutdown()
 
 
 def test_bench_url_counts_a_stream_the_server_ended_as_failed():
     """A stream that carries an error event (what fastspec's server, SGLang and vLLM send when the engine fails or
     the server stops mid-answer), a malformed chunk, or no usage is a failed request naming why, not a traceback
     nor a 0-token success. A stand-in server that answers by the prompt."""
-    import http.server
-
     from fastspec.benchmark.serving import run_serving
 
     text = {"choices": [{"delta": {"content": "a"}}]}
     endings = {"error": [{"error": {"message": "the server is stopping", "code": 503}}],
                "malformed": [[1, 2]], "no-usage": [], "ok": [{"choices": [], "usage": {"completion_tokens": 1}}]}
 
-    class Ending(http.server.BaseHTTPRequestHandler):
+    class Ending(StandIn):
         def do_GET(self):
-            self._send(b'{"data": [{"id": "stand-in"}]}')
+            self.send(200, b'{"data": [{"id": "stand-in"}]}')
 
         def do_POST(self):
-            prompt = json.loads(self.rfile.read(int(self.headers["content-length"])))["messages"][0]["content"]
-            events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in [text] + endings[prompt]]
-            self._send(b"".join(events) + b"data: [DONE]\n\n")
+            self.send(200, events([text] + endings[self.prompt()]) + b"data: [DONE]\n\n")
 
-        def _send(self, body):
-            self.send_response(200)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ending)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = "http://127.0.0.1:%d" % server.server_address[1]
-    try:
+    with stand_in(Ending) as url:
         summary = run_serving(url, list(endings), max_tokens=1, request_rate=float("inf"), max_concurrency=4)
-    finally:
-        server.shutdown()
     assert summary["completed"] == 1 and summary["failed"] == 3 and summary["output_tok_s"] > 0
     assert summary["errors"] == ["error event: the server is stopping",  # (the prompts' order)
                                  "a streamed chunk is not an OpenAI chat.completion.chunk",
@@ -124,37 +124,20 @@ def test_bench_url_with_every_request_failed_is_one_line_not_a_table_of_nan():
     """A server that refuses every request (or one that refuses some): all failed is one line naming how many and
     the first error, exit 2, in table and JSON mode alike; some failed keeps the figures and says how many failed.
     A stand-in server that refuses the prompts starting with "bad"."""
-    import http.server
-
-    class Refusing(http.server.BaseHTTPRequestHandler):
+    class Refusing(StandIn):
         def do_GET(self):
-            self._send(200, b'{"data": [{"id": "stand-in"}]}')
+            self.send(200, b'{"data": [{"id": "stand-in"}]}')
 
         def do_POST(self):
-            prompt = json.loads(self.rfile.read(int(self.headers["content-length"])))["messages"][0]["content"]
-            if prompt.startswith("bad"):
-                return self._send(500, b'{"error": "overloaded"}')
-            chunks = [{"choices": [{"delta": {"content": "a"}}]}, {"choices": [], "usage": {"completion_tokens": 1}}]
-            self._send(200, b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks))
+            if self.prompt().startswith("bad"):
+                return self.send(500, b'{"error": "overloaded"}')
+            self.send(200, events([{"choices": [{"delta": {"content": "a"}}]},
+                                   {"choices": [], "usage": {"completion_tokens": 1}}]))
 
-        def _send(self, status, body):
-            self.send_response(status)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *_):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = "http://127.0.0.1:%d" % server.server_address[1]
-    try:
+    with stand_in(Refusing) as url:
         runs = {name: [CliRunner().invoke(app, ["bench", "--url", url, "--num-prompts", "3", "--prompts", str(path),
                                                 *json_flag]) for json_flag in ([], ["--json"])]
                 for name, path in _prompt_files(("bad 1", "bad 2", "bad 3"), ("good", "bad", "good too")).items()}
-    finally:
-        server.shutdown()
     for out in runs["all bad"]:
         assert out.exit_code == 2 and out.stdout == "" and "nan" not in out.stderr
         assert out.stderr.strip() == (f"error: all 3 requests to {url} failed; the first error: "
