@@ -39,7 +39,7 @@ def tune(
     from fastspec.models.sources import resolve_sources
     from fastspec.prompts import load_prompts, read_jsonl_prompts
     from fastspec.speculative import tuned as tuned_file
-    from fastspec.tune.tuner import TuneConfig, describe_schedule, schedule_from
+    from fastspec.tune.tuner import TuneConfig
     from fastspec.tune.tuner import tune as run
 
     if emit not in (None, "sglang"):
@@ -102,15 +102,18 @@ def tune(
         result = run(llm, ids, cfg, say=lambda text: status.update(text))
     print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, config.device)
     # (written first: a stdout that refuses the table loses nothing)
-    tuned_file.save_tuned(path, print_, result.tiers(), tuned_file.settings(config))
+    merged = tuned_file.merge_tiers(path, print_, result.tiers(), tuned_file.settings(config))
+    tuned_file.save_tuned(path, print_, list(merged.tiers), merged.settings)
     with stdout_refusals(lambda: f"the tuned file {path} is written"):
         print_table(result)
-    console.print(f"wrote {path} · schedule {describe_schedule(schedule_from(result.winners))}", markup=False,
+    if merged.note:
+        console.print(merged.note, markup=False, soft_wrap=True)
+    console.print(f"wrote {path} · {describe_written(merged)}", markup=False,
                   soft_wrap=True)  # (a path split across lines cannot be copied)
     _plot(result, plot or path.with_suffix(".png"), console)
     if emit:
         with stdout_refusals():
-            print(sglang_flags(result.tiers(), algorithm, draft_dir))
+            print(sglang_flags(list(merged.tiers), algorithm, draft_dir))
 
 
 def check_sizes(batch_sizes: str, sizes: tuple[int, ...], num_prompts: int, max_new_tokens: int,
@@ -160,6 +163,18 @@ def tuned_location(sources, dtype: str | None, kv_cache_dtype: str, device: str)
     kv = kv_cache_dtype_name(kv_cache_dtype, dtype, device, sources.quantization)
     weights = tuned_file.weights_label(dtype, sources.quantization, kv)
     return tuned_file.tuned_path(sources.model_dir, sources.draft_dir, weights, device), weights
+
+
+def describe_written(merged) -> str:
+    """The schedule a tune wrote, and which of its tiers an earlier tune measured: "schedule bs <= 1: 3/2/5 ·
+    bs <= 4: plain (...) · kept from the earlier tune: bs 4"."""
+    from fastspec.spec_config import SpecParams
+    from fastspec.tune.tuner import describe_schedule
+
+    schedule = tuple((t["max_batch_size"], None if t["params"] is None else SpecParams(*t["params"]))
+                     for t in merged.tiers)
+    kept = f" · kept from the earlier tune: bs {', '.join(map(str, merged.kept))}" if merged.kept else ""
+    return f"schedule {describe_schedule(schedule)}{kept}"
 
 
 def sglang_flags(tiers: list[dict], algorithm: str, draft_dir: Path) -> str:

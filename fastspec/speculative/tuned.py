@@ -4,7 +4,8 @@ A tuned file is only valid for the hardware, target, draft and dtype it was meas
 ignores, with one note, a file whose fingerprint differs or that is damaged (unreadable, or naming a tree shape
 that cannot exist); `read_tuned` refuses such a file with a FastspecError. The engine settings its round costs
 were measured under (`settings`: graphs, page size, attention backend, graph buckets) only shift which shape is
-fastest, never what is decoded: a file measured under others is used, with one note. Lives in
+fastest, never what is decoded: a file measured under others is used, with one note. A new tune's tiers are merged
+into a file of the same fingerprint and settings (`merge_tiers`), replacing it otherwise. Lives in
 <cache>/tuned/<target>--<draft>--<dtype>-<device>.json, each model named by `model_name`. Written by
 fastspec.tune; knows nothing about tuning itself.
 """
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -72,6 +74,74 @@ def save_tuned(path: Path, print_: dict, tiers: list[dict], measured_under: dict
     text = json.dumps({"version": VERSION, "fingerprint": print_, "tiers": tiers}
                       | ({} if measured_under is None else {"settings": measured_under}), indent=1) + "\n"
     write_atomic(path, lambda f: f.write(text.encode()))
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What a tune writes: its tiers and those of the file before it that it did not tune, sorted by batch size."""
+
+    tiers: tuple[dict, ...]
+    settings: dict  # what the tiers were measured under (graph buckets: both runs', when they agree on every tier)
+    kept: tuple[int, ...] = ()  # batch sizes whose tiers come from the file before
+    note: str | None = None  # why a file there was replaced rather than merged into
+
+
+def merge_tiers(path: Path, print_: dict, tiers: list[dict], here: dict) -> Merged:
+    """`tiers` (measured under `here`, the `settings`) merged into the tuned file at `path`: its tiers at other batch
+    sizes are kept when it has this fingerprint and was measured under the same settings (its graph buckets placing
+    each kept tier in the graph it ran in); else, or when damaged, it is replaced, with one note saying why."""
+    ours = tuple(sorted(tiers, key=lambda t: t["max_batch_size"]))
+    if not Path(path).exists():
+        return Merged(ours, here)
+    try:
+        data = read_tuned(path)
+    except FastspecError as e:
+        return Merged(ours, here, note=f"replacing {e}")
+    sizes = {t["max_batch_size"] for t in tiers}
+    kept = [t for t in data["tiers"] if t["max_batch_size"] not in sizes]
+    if not kept:
+        return Merged(ours, here)  # every tier tuned again: nothing of the old file is left to keep
+    why, measured_under = _mergeable(data, print_, here, kept, tiers)
+    if why is not None:
+        dropped = ", ".join(str(t["max_batch_size"]) for t in kept)
+        return Merged(ours, here, note=f"replacing tuned file {path}, not adding to it: its tiers for bs {dropped} "
+                                       f"were {why}")
+    both = sorted(kept + list(tiers), key=lambda t: t["max_batch_size"])
+    return Merged(tuple(both), measured_under, tuple(t["max_batch_size"] for t in kept))
+
+
+def _mergeable(data: dict, print_: dict, here: dict, kept: list[dict], tiers: list[dict]) -> tuple[str | None, dict]:
+    """(None, the merged file's settings) when the `kept` tiers of `data` can join `tiers`; else (why not, here)."""
+    if (stale := staleness(data, print_)) is not None:
+        return stale, here
+    recorded = data.get("settings")
+    if not (isinstance(recorded, dict) and set(here) <= set(recorded)):
+        return "measured under engine settings it does not record", here
+    if (merged := _merged_settings(recorded, here, kept, tiers)) is not None:
+        return None, merged
+    if (other := other_settings({"settings": recorded, "tiers": kept}, here)) is not None:
+        return f"measured with {other}", here
+    return (f"measured with graph buckets {recorded['graph_buckets']}, that and this run's {here['graph_buckets']} "
+            "cannot be recorded together"), here
+
+
+def _merged_settings(recorded: dict, here: dict, kept: list[dict], tiers: list[dict]) -> dict | None:
+    """The settings a merged file records, None when the kept tiers were measured under others. Graph buckets: the
+    union of both runs', when it places every tier in the graph it ran in. E.g. kept bs 4, 8 under [1, 2, 4, 8], new
+    bs 1 under [1, 2] -> [1, 2, 4, 8]; kept bs 3 under [1, 4] (in graph 4), new bs 1 under [1, 2, 3] -> None (the
+    union [1, 2, 3, 4] would say bs 3 ran in graph 3)."""
+    if any(recorded[k] != v for k, v in here.items() if k != "graph_buckets"):
+        return None
+    theirs, ours = recorded["graph_buckets"], here["graph_buckets"]
+    if theirs is None or ours is None:  # eager (graphs equal above): no graph at any batch size
+        return here if theirs == ours else None
+    if not isinstance(theirs, list) or not all(isinstance(b, int) for b in theirs):
+        return None
+    union = sorted(set(theirs) | set(ours))
+    old, new = [t["max_batch_size"] for t in kept], [t["max_batch_size"] for t in tiers]
+    if _graphs_at(union, old) != _graphs_at(theirs, old) or _graphs_at(union, new) != _graphs_at(ours, new):
+        return None
+    return here | {"graph_buckets": union}
 
 
 def read_tuned(path: Path) -> dict:
