@@ -103,13 +103,27 @@ def test_sampled_speculation_follows_the_controlled_target(tmp_path):
     assert p_value > 1e-3, f"chi2={float(chi2):.1f}"
 
 
-@pytest.mark.parametrize("bad, message", [(dict(repetition_penalty=0.0), "repetition penalty must be > 0"),
-                                          (dict(frequency_penalty=2.5), "frequency penalty must be in"),
-                                          (dict(min_p=1.5), "min-p must be in"),
-                                          (dict(logit_bias={-1: 1.0}), "logit bias must map")])
+@pytest.mark.parametrize("bad, message", [(dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
+                                          (dict(frequency_penalty=2.5), "frequency_penalty must be in"),
+                                          (dict(min_p=1.5), "min_p must be in"),
+                                          (dict(logit_bias={-1: 1.0}), "logit_bias must map")])
 def test_out_of_range_controls_are_one_line_errors(bad, message):
     with pytest.raises(FastspecError, match=message):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("bad", [dict(top_p=2.0), dict(top_k=0), dict(max_new_tokens=0), dict(temperature=-1.0),
+                                 dict(seed=2**64), dict(stop=("a", "")), dict(repetition_penalty=0.0),
+                                 dict(frequency_penalty=2.5), dict(presence_penalty=-3.0), dict(min_p=1.5),
+                                 dict(logprobs=21), dict(prompt_logprobs=-1), dict(logit_bias={-1: 1.0})],
+                         ids=lambda bad: next(iter(bad)))
+def test_each_range_refusal_names_the_keyword_typed(bad):
+    """A Python caller who typed top_p=2 reads `top_p must ...`, not `top-p` or `top p` (the CLI swaps the keyword
+    for its flag, a server reads its request field from it: both need the keyword first)."""
+    (name,) = bad
+    with pytest.raises(FastspecError) as e:
+        SamplingParams(**bad)
+    assert str(e.value).startswith(f"{name} must "), str(e.value)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -119,9 +133,9 @@ def test_out_of_range_controls_are_one_line_errors(bad, message):
     (dict(stop=None), "stop must be a string or a list"), (dict(stop=(1,)), "stop must be a string or a list"),
     (dict(stop_token_ids="5"), "stop_token_ids must be a token id or a list"),
     (dict(ignore_eos="no"), "ignore_eos must be True or False, got 'no'"), (dict(regex=5), "regex must be a string"),
-    (dict(json_schema=["x"]), "json_schema must be a string"), (dict(logit_bias=5), "logit bias must map"),
-    (dict(logit_bias={5: "x"}), "logit bias must map"), (dict(logit_bias={"5": 1, 3: 1}), "logit bias must map"),
-    (dict(logit_bias=[(5,)]), "logit bias must map")])
+    (dict(json_schema=["x"]), "json_schema must be a string"), (dict(logit_bias=5), "logit_bias must map"),
+    (dict(logit_bias={5: "x"}), "logit_bias must map"), (dict(logit_bias={"5": 1, 3: 1}), "logit_bias must map"),
+    (dict(logit_bias=[(5,)]), "logit_bias must map")])
 def test_parameters_of_the_wrong_type_are_one_line_errors(bad, message):
     """(Before, 4.5 tokens ran as 5, a bool logprobs failed inside generate, a string max_new_tokens was a
     TypeError from a comparison, ignore_eos="no" ignored EOS, a logit bias of 5 was a TypeError.)"""
@@ -155,9 +169,34 @@ def test_cli_controls_and_bad_bias(tiny_dirs):
 
     assert json.loads(result.stdout)["output_ids"] == reference_greedy(hf, [3, 14, 15], c, 8)
     for bias, message in (("5=3", "--logit-bias must be comma-separated id:bias pairs"),
-                          ("500:1", "logit bias token ids must be in")):
+                          ("500:1", "--logit-bias must name token ids in [0, ")):
         bad = CliRunner().invoke(app, args + ["--logit-bias", bias])
         assert bad.exit_code == 2 and message in bad.stderr, bad.output
+
+
+@pytest.mark.commands
+def test_an_id_past_the_vocabulary_is_named_as_typed(tiny_dirs):
+    """The engine's refusal of a token id past the vocabulary names the field as the caller typed it: its keyword
+    through the Python API, its flag through generate (it said `stop token ids must be in [0, V)`, no flag)."""
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    directory, _ = tiny_dirs["llama"]
+    llm = fastspec.LLM(str(directory), max_total_tokens=512)
+    v = llm.engine.worker.model.config.vocab_size
+    cases = [([3, v], {}, "prompt must be token ids", ["--input-ids", f"3,{v}"], "--input-ids must be token ids"),
+             ([3], dict(stop_token_ids=[v]), "stop_token_ids must be", ["--stop-token-ids", f"{v}"],
+              "--stop-token-ids must be"),
+             ([3], dict(logit_bias={v: 1.0}), "logit_bias must name token ids", ["--logit-bias", f"{v}:1"],
+              "--logit-bias must name token ids")]
+    for prompt, params, says, flags, cli_says in cases:
+        with pytest.raises(FastspecError) as e:
+            llm.generate([prompt], SamplingParams(max_new_tokens=2, **params))
+        assert str(e.value) == f"{says} in [0, {v}), got {v}"
+        args = ["generate", "--model", str(directory), "--max-total-tokens", "512", "--max-new-tokens", "2"]
+        result = CliRunner().invoke(app, args + ([] if "--input-ids" in flags else ["--input-ids", "3"]) + flags)
+        assert (result.exit_code, result.stderr) == (2, f"error: {cli_says} in [0, {v}), got {v}\n"), result.output
 
 
 def test_min_p_is_taken_over_the_tokens_a_grammar_allows(tiny_dirs, tmp_path):

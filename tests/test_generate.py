@@ -90,7 +90,7 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
     (["--prompt", "hi", "--temperature", "inf"], "temperature must be a finite number >= 0"),
     (["--prompt", "hi", "--temperature", "0.5", "--seed", "99999999999999999999"], "--seed must be a 64-bit integer"),
     (["--prompt", "hi", "--temperature", "1", "--top-k", "9223372036854775808"], "--top-k must be -1 (off) or in"),
-    (["--prompt", "hi", "--stop-token-ids", "99999999"], "stop token ids must be in"),
+    (["--prompt", "hi", "--stop-token-ids", "99999999"], "error: --stop-token-ids must be in [0, "),
     (["--prompt", "hi", "--max-new-tokens", "abc"], "error: Invalid value for '--max-new-tokens'"),  # (click's
     (["--prompt", "hi", "--no-such-flag"], "error: No such option: --no-such-flag"),  # errors too: one line)
     (["--prompt", "hi", "--speculative-algorithm", "NGRAM", "--draft", "/tmp"], "drafts without one"),
@@ -112,7 +112,7 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
     (["--prompt", "hi", "--repetition-penalty", "0"], "error: --repetition-penalty must be > 0"),
     (["--input-ids", "1,x"], "comma-separated integers"),
     (["--prompt", "hi", "--input-ids", "1"], "exactly one of --prompt or --input-ids"),
-    (["--input-ids", "1,999999"], "input token ids must be in"),
+    (["--input-ids", "1,999999"], "error: --input-ids must be token ids in [0, "),
     (["--prompt", "hi", "--max-new-tokens", "99999"], "exceeds the context length"),
     (["--prompt", "hi", "--dtype", "int8"], "unknown dtype"),
     (["--prompt", "hi", "--kv-cache-dtype", "fp4_e2m1"], "--kv-cache-dtype must be one of"),

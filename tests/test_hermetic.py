@@ -69,7 +69,7 @@ BAD_GENERATE = [
     (["--cuda-graph-bs", "0,x"], "graph batch sizes"),
     (["--speculative-token-map", "/no/such/map.json"], "--speculative-token-map does not apply to"),  # EAGLE3
     (["--draft", "/no/such/head"], "--speculative-draft-model-path '/no/such/head' is neither"),
-    (["--input-ids", "1,999"], "input token ids must be in"),  # needs the model: after the tuned file is read
+    (["--input-ids", "1,999"], "--input-ids must be token ids in"),  # needs the model: after the tuned file is read
     (["--max-new-tokens", "99999"], "exceeds the context length"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
 ]

@@ -147,7 +147,7 @@ def test_prompt_logprobs_equal_transformers_chunked_cached_or_speculative(tiny_d
     plain = llm.engine.generate(PROMPTS, [SamplingParams(max_new_tokens=4, ignore_eos=True)] * len(PROMPTS))
     assert [o.output_ids for o in plain] == [o.output_ids for o in outputs]
     assert all(o.prompt_logprobs is None for o in plain)
-    with pytest.raises(FastspecError, match="prompt logprobs must be in"):
+    with pytest.raises(FastspecError, match="prompt_logprobs must be in"):
         SamplingParams(prompt_logprobs=21)
 
 

@@ -36,7 +36,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
         client.chat.completions.create(model=MODEL, messages=message, response_format={"type": "json_object"},
                                        extra_body={"regex": "a+"})
     for past_int64 in ({"seed": 2**64}, {"seed": -2**63 - 1}, {"top_k": 2**63}):  # (each once a 500 whose slot
-        with pytest.raises(openai.BadRequestError, match="seed|top-k"):  # leaked, or an engine stopped for all)
+        with pytest.raises(openai.BadRequestError, match="seed|top_k"):  # leaked, or an engine stopped for all)
             client.completions.create(model=MODEL, prompt="abc", max_tokens=2, extra_body=past_int64)
     status, body = raw(url, "POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 2}')  # no model: the
     assert status == 200 and body["model"] == MODEL  # served one, as SGLang and vLLM take it
@@ -55,10 +55,24 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert engine_settled(service)
 
 
+@pytest.mark.parametrize("field, value, says", [("top_p", 2, "top_p must be in (0, 1], got 2.0"),
+                                                 ("repetition_penalty", 0, "repetition_penalty must be > 0"),
+                                                 ("min_p", 1.5, "min_p must be in [0, 1]"),
+                                                 ("logit_bias", {"-1": 5}, "logit_bias must map token ids >= 0")])
+def test_a_sampling_refusal_names_the_request_field_as_sent(served, field, value, says):
+    """SamplingParams' refusal of a request's value is a 400 whose message and param name the field as the request
+    spells it (`top_p`; the message said `top-p`)."""
+    client, _, _, service = served
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=2, extra_body={field: value})
+    assert e.value.body["param"] == field and e.value.body["message"].startswith(says), e.value.body
+    assert engine_settled(service)
+
+
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "no-such-type"}}}
 REFUSALS = [  # (chat, what the request asks, the engine's message starts with, OpenAI's param)
-    (False, dict(prompt=[999]), "input token ids must be in", "prompt"),
-    (False, dict(prompt="abc", logit_bias={"999": 5}), "logit bias token ids must be in", "logit_bias"),
+    (False, dict(prompt=[999]), "prompt must be token ids in [0, ", "prompt"),
+    (False, dict(prompt="abc", logit_bias={"999": 5}), "logit_bias must name token ids in [0, ", "logit_bias"),
     (True, dict(extra_body={"regex": "(a"}), "invalid regex", "regex"),
     (True, dict(extra_body={"regex": ""}), "the regex matches only the empty output", "regex"),
     (True, dict(extra_body={"ebnf": "root ::= ("}), "invalid ebnf", "ebnf"),

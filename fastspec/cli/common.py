@@ -14,7 +14,7 @@ import threading
 import typer
 
 from fastspec import spec_config
-from fastspec.errors import FastspecError
+from fastspec.errors import BadField, FastspecError
 
 
 READER_GONE = 128 + 13  # the exit code of a process SIGPIPE ends (`yes | head -1`): a reader that went away
@@ -142,16 +142,18 @@ def parse_bias(text: str | None) -> tuple[tuple[int, float], ...]:
 
 
 @contextlib.contextmanager
-def flag_names(flags):
-    """Around a library check of a command's flags (SamplingParams'): its message names a field as the API and the
-    server take it ("top-p must be in (0, 1]", "repetition penalty must be > 0"); here the flag typed names it
-    ("--top-p must be in (0, 1]"), as every other flag's check does. `flags`: the command's parameter names."""
+def flag_names(flags, renamed: dict[str, str] | None = None):
+    """Around a library check of a command's flags (SamplingParams', or the engine's BadField of a request): its
+    message's subject is the field as the API and the server take it ("top_p must be in (0, 1]"); here the flag
+    typed names it ("--top-p must be in (0, 1]"), as every other flag's check does. `flags`: the parameter names
+    to name so; `renamed`: a field given by a flag of another name (generate's prompt ids: {"prompt": "input_ids"}).
+    A BadField is renamed only when its subject is its field (its words then speak of that field)."""
     try:
         yield
     except FastspecError as e:
         subject, must, rest = str(e).partition(" must ")
-        name = subject.replace("-", "_").replace(" ", "_")
-        if must and name in flags:
+        name = (renamed or {}).get(subject, subject)
+        if must and name in flags and not (isinstance(e, BadField) and e.field != subject):
             raise FastspecError(f"--{name.replace('_', '-')} must {rest}") from None
         raise
 

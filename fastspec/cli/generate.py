@@ -49,7 +49,9 @@ def generate(
     kwargs = options.llm_kwargs()
     kwargs["max_running_requests"] = min(kwargs["max_running_requests"], len(prompts))  # the batch is all it runs
     llm = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)
-    with stop_on_ctrl_c() as interrupted:  # Ctrl-C: what each answer has so far is printed, then exit 130
+    # the engine's refusal of an id out of the vocabulary names the flag that gave it (a --prompt's ids: no flag)
+    id_flags = flag_names({"input_ids", "stop_token_ids", "logit_bias"}, {"prompt": "input_ids"} if input_ids else {})
+    with stop_on_ctrl_c() as interrupted, id_flags:  # Ctrl-C: what each answer has so far is printed, then exit 130
         outputs = llm.generate(prompts, params, chat=chat, should_stop=interrupted.is_set)
     notes.show()
     if (not chat and input_ids is None and llm.tokenizer.chat_template

@@ -48,10 +48,19 @@ class Intake:
             raise BadField("empty prompt", "prompt")
         self.check_length(len(prompt), params.max_new_tokens)
         vocab = self.worker.model.config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise BadField(f"input token ids must be in [0, {vocab})", "prompt")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise BadField(f"logit bias token ids must be in [0, {vocab})", "logit_bias")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise BadField(f"stop token ids must be in [0, {vocab})", "stop_token_ids")
+        # each message's subject is the field (a CLI swaps it for its flag); it ends with the first id out of range
+        bad = _outside(prompt, vocab)
+        if bad is not None:
+            raise BadField(f"prompt must be token ids in [0, {vocab}), got {bad}", "prompt")
+        bad = _outside([t for t, _ in params.logit_bias], vocab)
+        if bad is not None:
+            raise BadField(f"logit_bias must name token ids in [0, {vocab}), got {bad}", "logit_bias")
+        bad = _outside(params.stop_token_ids, vocab)
+        if bad is not None:
+            raise BadField(f"stop_token_ids must be in [0, {vocab}), got {bad}", "stop_token_ids")
         return Request(rid, list(prompt), params, request_seed(params.seed), grammar=self.grammars.compile(params))
+
+
+def _outside(ids, vocab: int) -> int | None:
+    """The first of `ids` not in [0, vocab), or None."""
+    return next((t for t in ids if not 0 <= t < vocab), None)

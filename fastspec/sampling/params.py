@@ -75,31 +75,33 @@ class SamplingParams:
         return super().__new__(cls)
 
     def __post_init__(self):
+        # Each refusal's subject is the field's keyword, first ("top_p must be in ..."): the CLI swaps it for the
+        # flag typed (fastspec.cli.common.flag_names), a server names its request field by it.
         self._check_types()
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise FastspecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise FastspecError(f"top-p must be in (0, 1], got {self.top_p}")
+            raise FastspecError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or not -1 <= self.top_k <= INT32_MAX:
-            raise FastspecError(f"top-k must be -1 (off) or in [1, {INT32_MAX}], got {self.top_k}")
+            raise FastspecError(f"top_k must be -1 (off) or in [1, {INT32_MAX}], got {self.top_k}")
         if self.seed is not None and not -2**63 <= self.seed < 2**63:
             raise FastspecError(f"seed must be a 64-bit integer, in [-2^63, 2^63), got {self.seed}")
         if self.max_new_tokens < 1:
-            raise FastspecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+            raise FastspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
-            raise FastspecError("stop strings must not be empty")
+            raise FastspecError(f"stop must not hold an empty string, got {self.stop!r}")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
-            raise FastspecError(f"repetition penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+            raise FastspecError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise FastspecError(f"{name.replace('_', ' ')} must be in [-2, 2], got {getattr(self, name)}")
+                raise FastspecError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 <= self.min_p <= 1:
-            raise FastspecError(f"min-p must be in [0, 1], got {self.min_p}")
+            raise FastspecError(f"min_p must be in [0, 1], got {self.min_p}")
         object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))  # hashable
         self._check_grammar()
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= 20:
-                raise FastspecError(f"{name.replace('_', ' ')} must be in [0, 20] (top alternatives per token), got "
+                raise FastspecError(f"{name} must be in [0, 20] (top alternatives per token), got "
                                     f"{getattr(self, name)}")
 
     def _check_types(self) -> None:
@@ -152,7 +154,7 @@ def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     if pairs is None or not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], Integral)
                                 and not isinstance(p[0], bool) and p[0] >= 0 and isinstance(p[1], Real)
                                 and not isinstance(p[1], bool) and math.isfinite(p[1]) for p in pairs):
-        raise FastspecError("logit bias must map token ids >= 0 to finite numbers")
+        raise FastspecError("logit_bias must map token ids >= 0 to finite numbers")
     return tuple(sorted((int(t), float(v)) for t, v in pairs))
 
 

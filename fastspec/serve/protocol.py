@@ -142,7 +142,7 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         message = str(e).replace("json_schema and", "response_format and")
         if chat and message.startswith("logprobs must"):  # (chat's count of alternatives is top_logprobs)
             message = "top_" + message
-        field = message.split(" must ")[0].replace("-", "_").replace(" ", "_")  # ("top-p must be in ...": top_p)
+        field = message.partition(" must ")[0]  # (SamplingParams' subject is its keyword: "top_p must be in ...")
         raise APIError(message, param=field if field in body else None) from None
     return ParsedRequest(chat, messages, prompts, params, _get(body, "stream", bool, False), include_usage,
                          want_logprobs, length_field, n, tools, echo, prompt_only,
