@@ -9,12 +9,11 @@ import time
 
 import openai
 import pytest
-from serve_helpers import engine_settled, plain_char_llm, raw, scrape, start_server
+from serve_helpers import engine_settled, plain_char_llm, scrape, start_server
 
 from fastspec.errors import FastspecError
 from fastspec.sampling import SamplingParams
 from fastspec.serve.api_error import APIError
-from fastspec.serve.service import EngineService
 
 MODEL = "tiny-lifecycle"
 
@@ -225,65 +224,3 @@ def test_a_served_engines_other_calls_run_on_its_thread_or_are_refused(served, m
         assert "\n" not in str(e.value)
     assert client.completions.create(model=MODEL, prompt="abc", max_tokens=2).choices
     assert engine_settled(service)
-
-
-def test_a_call_pending_when_the_server_stops_is_a_one_line_503(own_llm):
-    """A call routed to the engine thread (POST /flush_cache) that the server stops before running is a one-line
-    503 naming it (it was a raw RuntimeError: a 500 'internal error'); once stopped, a call is a 503 at once (it
-    waited 60 s for a thread that had gone)."""
-    server, thread, service, url, _ = start(own_llm, max_queued=4)
-    entered, gate, answer = threading.Event(), threading.Event(), []
-
-    def deliver(event) -> None:  # the engine thread waits here, between two steps, until the stop and the call queue
-        entered.set()
-        gate.wait(30)
-
-    flusher = threading.Thread(target=lambda: answer.append(raw(url, "POST", "/flush_cache")))
-    try:
-        service.submit(own_llm.encode("abc"), SamplingParams(max_new_tokens=50, ignore_eos=True), deliver)
-        assert entered.wait(30)
-        service.stop(timeout=0)  # queued behind the step being handed out
-        flusher.start()
-        deadline = time.monotonic() + 30
-        while service._inbox.qsize() < 2 and time.monotonic() < deadline:  # the stop, then the call's
-            time.sleep(0.01)
-        gate.set()
-        flusher.join(30)
-        assert answer == [(503, {"error": {"message": "the server stopped before running flush_cache",
-                                           "type": "server_error", "param": None, "code": None}})]
-        service.stop()
-        with pytest.raises(APIError, match="^the engine has stopped: the server is shutting down$") as e:
-            service.call(lambda: None)
-        assert e.value.status == 503
-    finally:
-        gate.set()
-        server.should_exit = True
-        thread.join(10)
-        service.stop()
-
-
-def test_a_call_the_engine_has_no_pause_for_is_a_one_line_503_and_never_runs(own_llm):
-    """A call routed to the engine thread (POST /flush_cache) that finds no pause between steps within its timeout
-    is a one-line 503 naming it, and is cancelled: it never runs later (it was a raw TimeoutError, a 500, and the
-    flush still ran once the engine paused). The server goes on serving."""
-    service = EngineService(own_llm, max_queued=4).start()
-    entered, gate, ran, events = threading.Event(), threading.Event(), [], []
-
-    def deliver(event) -> None:  # the engine thread waits here, between two steps, until the call has timed out
-        entered.set()
-        events.append(event)
-        gate.wait(30)
-
-    try:
-        service.submit(own_llm.encode("abc"), SamplingParams(max_new_tokens=4, ignore_eos=True), deliver)
-        assert entered.wait(30)
-        with pytest.raises(APIError) as e:
-            service.call(lambda: ran.append("flushed"), "flush_cache", timeout=0.05)
-        assert (e.value.status, str(e.value)) == (503, "flush_cache did not run: the engine had no pause between "
-                                                       "steps for 0.05 s; it was cancelled, retry later")
-        gate.set()
-        assert engine_settled(service) and ran == [] and events[-1].finish_reason == "length"
-        assert service.call(lambda: ran.append("later"), "flush_cache", timeout=30) is None and ran == ["later"]
-    finally:
-        gate.set()
-        service.stop()

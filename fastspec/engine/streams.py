@@ -92,10 +92,21 @@ class OneRun:
             if not self._served:
                 raise FastspecError(f"this LLM is running a generate or stream in another thread: {what} runs "
                                     "between runs, or in the thread running it")
-            self._calls.append((fn, done, what))
+            entry = (fn, done, what)
+            self._calls.append(entry)
             wake = self._wake
+        done.add_done_callback(lambda _: self._drop_cancelled(entry))
         wake()
         return done
+
+    def _drop_cancelled(self, entry: tuple) -> None:
+        """A queued call's caller cancelled it (it stopped waiting): out of the queue now, not at the next safe point
+        (a stalled server would pile up its callers' retries, and a waiting call keeps the next round from running
+        ahead)."""
+        if entry[1].cancelled():
+            with self._state:
+                with contextlib.suppress(ValueError):  # (taken already: run_calls, or the run's end, skips it)
+                    self._calls.remove(entry)
 
     @property
     def calls_waiting(self) -> bool:
