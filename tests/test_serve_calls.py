@@ -1,10 +1,11 @@
 """Calls other threads hand a served engine (POST /flush_cache, a leak check: EngineService.call, Engine.call), run by
 its engine thread at its next pause between steps: the 503s of a call the server stops before running, of one that
-finds no pause within its timeout (cancelled: it never runs, and leaves the queue at once). A tiny Llama with a
-character tokenizer, decoding plainly."""
+finds no pause within its timeout (cancelled: it never runs, and leaves the queue at once) and of one that started
+and does not finish. A tiny Llama with a character tokenizer, decoding plainly."""
 
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 from serve_helpers import engine_settled, plain_char_llm, raw, start_server
@@ -110,3 +111,29 @@ def test_a_cancelled_call_leaves_the_queue_at_once_and_never_runs():
     assert ran == [3] and calls[3].result() is None and not runs.calls_waiting
     steps.close()
 
+
+def test_a_call_that_started_and_does_not_finish_is_a_503(own_llm, monkeypatch):
+    """A call the engine thread started (late, or one that runs long) can no longer be cancelled when its caller's
+    wait ends: it is waited for as long again, then a one-line 503 says it has not finished (it was waited for
+    without limit, holding one of the event loop's worker threads for as long as the call ran)."""
+    service = EngineService(own_llm, max_queued=4).start()
+    started = Future()
+    started.set_running_or_notify_cancel()  # what Engine.call hands back once the engine thread runs fn
+    monkeypatch.setattr(service.engine, "call", lambda fn, what: started)
+    answer = []
+
+    def ask() -> None:
+        try:
+            answer.append(service.call(lambda: None, "flush_cache", timeout=0.01))
+        except APIError as e:
+            answer.append((e.status, str(e)))
+    asker = threading.Thread(target=ask)
+    try:
+        asker.start()
+        asker.join(30)
+        started.set_result("finished")  # (a wait without a bound would end only now, with this result)
+        asker.join(30)
+        assert answer == [(503, "flush_cache had not finished 0.02 s after it was asked for: it runs on in the engine "
+                                "thread, unreported")]
+    finally:
+        service.stop()

@@ -30,9 +30,10 @@ from fastspec.serve.lengths import PoolRefusals, check_length, default_length
 from fastspec.serve.prometheus import CONTENT_TYPE
 from fastspec.serve.protocol import ParsedRequest
 from fastspec.serve.reply import Reply, error_response
-from fastspec.serve.service import Checked, EngineService, Event
+from fastspec.serve.service import CALL_TIMEOUT_S, Checked, EngineService, Event
 from fastspec.serve.tool_formats import needs_special_text
 from fastspec.serve.tools import Tools, template_parser, writes_spaces
+
 
 def build_app(service: EngineService, model_name: str, tool_parser: str | None = None) -> Starlette:
     """`tool_parser`: how answers carry tool calls (fastspec.serve.tools.PARSERS; None: as the chat template
@@ -56,8 +57,8 @@ def build_app(service: EngineService, model_name: str, tool_parser: str | None =
 
     async def flush_cache(_: Request) -> JSONResponse:  # SGLang's: empty the prefix cache
         try:
-            await asyncio.to_thread(service.call, service.engine.flush_cache, "flush_cache")
-        except APIError as e:  # (the engine stopped, or stopped before running it: a 503)
+            await asyncio.to_thread(service.call, service.engine.flush_cache, "flush_cache", CALL_TIMEOUT_S)
+        except APIError as e:  # (the engine stopped, stopped before running it or found no pause for it: a 503)
             return error_response(e)
         return JSONResponse({"status": "ok"})
 

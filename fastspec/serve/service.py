@@ -28,6 +28,12 @@ from fastspec.text.detokenizer import IncrementalDetokenizer
 from fastspec.utils.metrics import SpecMetrics
 
 
+# How long a call from another thread (POST /flush_cache) waits for the engine's next pause between steps; a call
+# that started at its end is waited for as long again. A step is one prefill chunk or decode round: a minute without a
+# pause means a stalled engine, and the caller is told so (a 503 to retry) rather than kept waiting (each waiting
+# caller holds one of the event loop's worker threads, which also encode and check every request).
+CALL_TIMEOUT_S = 60.0
+
 # The engine's field of a request it refused (BadField.field) -> the OpenAI request's field that carries it (param).
 # A chat's prompt is its `messages` (`param`). A tool call's json schemas compile before, by tool name
 # (app._check_schemas); a request's lark grammar is the tools' own (`auto`). stop_token_ids: no request sets them (a
@@ -147,17 +153,23 @@ class EngineService:
         """`check` then `enqueue`, on the caller's thread."""
         return self.enqueue(self.check(prompt_ids, params, keep_special), deliver, counted)
 
-    def call(self, fn: Callable, what: str = "the call", timeout: float = 60.0):
+    def call(self, fn: Callable, what: str = "the call", timeout: float = CALL_TIMEOUT_S):
         """fn() run by the engine thread between two steps with no round in flight (e.g. a cache flush, a leak
         check: Engine.call); its result. APIError 503 once the engine has stopped, if it stops before running fn
         (`what` names it), or if no safe point came within `timeout` seconds (a step longer than that): then fn is
-        cancelled and never runs (one that started meanwhile is waited for: it runs between two steps)."""
+        cancelled and never runs. One that started meanwhile (no longer cancellable) is waited for up to `timeout`
+        seconds more (it runs between two steps: it should be short); past that a 503 says it has not finished (it
+        runs on in the engine thread, unreported)."""
         if not self.healthy:
             raise APIError(f"the engine has stopped: {self.error}", status=503, kind="server_error")
         done = self.engine.call(fn, what)
-        if not wait([done], timeout).done and done.cancel():
-            raise APIError(f"{what} did not run: the engine had no pause between steps for {timeout:g} s; it was "
-                           "cancelled, retry later", status=503, kind="server_error")
+        if not wait([done], timeout).done:
+            if done.cancel():
+                raise APIError(f"{what} did not run: the engine had no pause between steps for {timeout:g} s; it was "
+                               "cancelled, retry later", status=503, kind="server_error")
+            if not wait([done], timeout).done:  # (it started: bounded too, however long fn runs)
+                raise APIError(f"{what} had not finished {2 * timeout:g} s after it was asked for: it runs on in the "
+                               "engine thread, unreported", status=503, kind="server_error")
         try:
             return done.result()
         except RunEnded as e:
