@@ -45,6 +45,10 @@ class ServerMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first, in seconds.")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.")
         pool = engine.worker.memory.ceiling  # a growing pool's usage is of what it may grow to
+        # A scrape runs on the HTTP side while the engine thread steps: it reads `engine.load`, a frozen EngineLoad
+        # the engine thread replaces whole after each step (never the allocator or the pools, which a step mutates),
+        # and single ints (reused_tokens, the totals: a scrape between two of one request's updates is off by that
+        # request until the next scrape).
         gauge("num_running_reqs", "Requests in the running batch.", lambda: engine.load.running)
         gauge("num_queue_reqs", "Requests waiting for admission.", lambda: engine.load.waiting)
         gauge("token_usage", "Fraction of the KV pool in use.", lambda: 1 - engine.load.free_kv / pool)
