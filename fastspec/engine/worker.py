@@ -21,7 +21,6 @@ from functools import partial
 
 import torch
 
-from fastspec.attention import make_backend
 from fastspec.config import EngineConfig
 from fastspec.engine.overlap import OverlapSchedule
 from fastspec.engine.plain_rounds import PlainRounds
@@ -31,12 +30,10 @@ from fastspec.engine.produce import Producer, RoundOutput, StepResult
 from fastspec.engine.scheduler import Request
 from fastspec.engine.slots import BatchSlots
 from fastspec.engine.spec_rounds import SpecRounds
-from fastspec.engine.target import Target
+from fastspec.engine.target import Target, make_target_backend
 from fastspec.errors import FastspecError
 from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
-from fastspec.kernels.cpu_attention import CpuTorchBackend
 from fastspec.models.assemble import load_models, pack_round_rows
-from fastspec.models.mla import mla_softmax_scale
 from fastspec.models.sources import ModelSources, resolve_sources
 from fastspec.models.weights_fit import check_weights_fit, resolve_model_dtype
 from fastspec.spec_config import SpecConfig, SpecParams
@@ -72,7 +69,8 @@ class Worker:
         self.memory = m
         self.pool, self.draft_pool, self.allocator, self.table = m.pool, m.draft_pool, m.allocator, m.table
         self.states, self.cache = m.states, m.cache
-        self.target = Target(self.model, self.pool, self._backend(), self.states, self.feature)
+        self.target = Target(self.model, self.pool, make_target_backend(self.model.config, config), self.states,
+                             self.feature)
         self.slots = BatchSlots(self.allocator, self.table, self.cache, config.device)
         track = self.cache is not None and self.states is not None  # save states every interval tokens
         self.producer = Producer(self.eos_ids, self.states, config.mamba_track_interval if track else None,
@@ -90,15 +88,6 @@ class Worker:
         cfg = self.config
         return GraphPlan(cfg.graph_mode, tuple(cfg.graph_buckets), cfg.device, ahead=bool(cfg.cuda_graph_bs),
                          on_prepare=on_prepare)
-
-    def _backend(self):
-        c, cfg = self.model.config, self.config
-        _, heads, dim, _ = c.kv_layout
-        mla = {} if c.mla is None else dict(kv_lora_rank=c.mla.kv_lora_rank, sm_scale=mla_softmax_scale(c))
-        if cfg.attention_backend == "torch":  # the C kernel on CPU tensors, the torch reference elsewhere
-            return CpuTorchBackend()
-        return make_backend(cfg.attention_backend, num_qo_heads=c.num_heads, num_kv_heads=heads, head_dim=dim,
-                            dtype=cfg.torch_dtype, kv_dtype=cfg.kv_torch_dtype, device=cfg.device, **mla)
 
     def _drafters(self, plan: GraphPlan) -> dict[SpecParams, Drafter]:
         """SpecParams -> drafter: one per tree shape (several with a batch-size schedule)."""
