@@ -62,9 +62,10 @@ def test_cache_root_precedence(monkeypatch, tmp_path):
     assert models_root() == cache_root()  # converted models live in the cache unless told otherwise
     monkeypatch.setenv("FASTSPEC_MODEL_CACHE", str(tmp_path / "models"))
     assert models_root() == tmp_path / "models" and cache_root() == tmp_path / "home" / ".cache" / "fastspec"
-    for name in ("FASTSPEC_CACHE", "FASTSPEC_MODEL_CACHE", "XDG_CACHE_HOME"):  # empty is unset (as XDG reads it)
-        monkeypatch.setenv(name, "")
-    assert models_root() == cache_root() == tmp_path / "home" / ".cache" / "fastspec"
+    for value in ("", "  "):  # empty is unset (as XDG reads it), and so are spaces: not a folder "  " here
+        for name in ("FASTSPEC_CACHE", "FASTSPEC_MODEL_CACHE", "XDG_CACHE_HOME"):
+            monkeypatch.setenv(name, value)
+        assert models_root() == cache_root() == tmp_path / "home" / ".cache" / "fastspec"
 
 
 def test_embedded_reconverts_when_package_file_changes(tmp_path, monkeypatch):

@@ -8,14 +8,13 @@ The package is located with `find_spec` and never imported (its own dependencies
 """
 
 import logging
-import os
 from dataclasses import dataclass
 from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 
 from fastspec.errors import FastspecError
-from fastspec.utils.cache import cache_root  # noqa: F401  (re-exported: callers that locate converted models)
+from fastspec.utils.cache import cache_root, env_dir  # cache_root re-exported: callers that locate converted models
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +51,10 @@ def default_speculation(model: str, algorithm: str | None, draft_model: str | No
 
 
 def models_root() -> Path:
-    """Where converted models live: $FASTSPEC_MODEL_CACHE, else cache_root(). A converted model is read-only and
-    checked against its source on every use, so this is the one part of the cache a test run may share."""
-    if os.environ.get("FASTSPEC_MODEL_CACHE"):
-        return Path(os.environ["FASTSPEC_MODEL_CACHE"]).expanduser()
-    return cache_root()
+    """Where converted models live: $FASTSPEC_MODEL_CACHE (a blank one is unset), else cache_root(). A converted model
+    is read-only and checked against its source on every use, so this is the one part of the cache a test run may
+    share."""
+    return env_dir("FASTSPEC_MODEL_CACHE") or cache_root()
 
 
 def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:

@@ -8,9 +8,17 @@ from pathlib import Path
 
 
 def cache_root() -> Path:
-    """$FASTSPEC_CACHE, else $XDG_CACHE_HOME/fastspec, else ~/.cache/fastspec."""
-    if os.environ.get("FASTSPEC_CACHE"):
-        return Path(os.environ["FASTSPEC_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "fastspec"
+    """$FASTSPEC_CACHE, else $XDG_CACHE_HOME/fastspec, else ~/.cache/fastspec (`env_dir`: a blank one is unset)."""
+    if (root := env_dir("FASTSPEC_CACHE")) is not None:
+        return root
+    if (xdg := env_dir("XDG_CACHE_HOME")) is not None:
+        return xdg / "fastspec"
     return Path.home() / ".cache" / "fastspec"
+
+
+def env_dir(name: str) -> Path | None:
+    """The directory the environment variable `name` names; None when it is unset, empty (as the XDG rules read
+    XDG_CACHE_HOME) or spaces only (`FASTSPEC_CACHE=" $UNSET"` would otherwise make a folder of spaces wherever
+    fastspec runs)."""
+    value = os.environ.get(name, "")
+    return Path(value).expanduser() if value.strip() else None
