@@ -3,6 +3,7 @@ conversion it checked: another version's conversion published between its check 
 left unheld. Oracles: tiny random models written to GGUF (tests/gguf_writers.py), the conversion's marker
 (is_current_conversion) and the reader's flock (shared_dirs.abandoned)."""
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,3 +68,37 @@ def test_a_reader_holds_the_conversion_it_checked(kind, tmp_path, monkeypatch):
     assert resolve() == out and fired == [out]
     assert is_current_conversion(out, path, dtype)  # its own conversion, not the one published meanwhile
     assert not abandoned(out)  # (held by this process: a replacement leaves its files in place)
+
+
+@pytest.mark.parametrize("when", ["before_the_hold", "while_converting"])
+@pytest.mark.parametrize("kind", ["gguf", "tokenizer"])
+def test_a_gguf_files_conversion_is_named_for_the_version_it_holds(kind, when, tmp_path, monkeypatch):
+    """A .gguf path's conversion is named by the file's size and time (conversion_name), and that name was taken
+    before the hold under which the conversion is checked: a file rewritten between the two was converted into the
+    earlier version's name, a directory whose name says one version and whose files are another's (the next start,
+    naming the file as it is now, converted it again beside it). Now the name is taken again under the hold; a
+    conversion the file was rewritten under (its files the earlier version's, its marker the new one's: never read,
+    its name is not the file's now) is removed by the conversion after it."""
+    from fastspec.models import gguf as gguf_mod
+    from fastspec.models.gguf import conversion_name, read_marker
+
+    path, resolve = reader(kind, tmp_path, monkeypatch)
+    rewritten = []
+
+    def rewriting(real):  # `real`, after the file was rewritten, once
+        def call(*args):
+            if not rewritten:
+                rewritten.append(write_gguf(path, tiny_llama(True, seed=1)))
+                os.utime(path, ns=(1, 1))  # a different mtime even on coarse clocks
+            return real(*args)
+        return call
+
+    name = {"before_the_hold": "hold_for_reading", "while_converting": "_write_tokenizer"}[when]
+    monkeypatch.setattr(gguf_mod, name, rewriting(getattr(gguf_mod, name)))
+    out = resolve()
+    dtype = TOKENIZER_ONLY if kind == "tokenizer" else "float32"
+    assert rewritten and out.name == conversion_name(path) and is_current_conversion(out, path, dtype)
+    for entry in out.parent.glob("[!.]*"):  # every conversion there is named for the version it holds
+        marker = read_marker(entry)
+        assert (marker["size"], marker["mtime_ns"]) == (path.stat().st_size, 1) and entry.name == out.name
+    assert resolve() == out  # (not converted again)

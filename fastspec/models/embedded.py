@@ -9,7 +9,6 @@ The package is located with `find_spec` and never imported (its own dependencies
 
 import logging
 from dataclasses import dataclass
-from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -66,8 +65,11 @@ def embedded_model_dir(name: str = DEFAULT_MODEL) -> Path:
     out_dir = models_root() / name
     from fastspec.models.gguf import held_conversion  # (torch, tokenizers, gguf)
 
-    announce = partial(log.info, "converting the embedded model %s into %s (once)", name, out_dir.parent)
-    held_conversion(gguf_path, out_dir, announce=announce)  # (held: another version's replacing it leaves its files)
+    def announce(out: Path) -> None:
+        log.info("converting the embedded model %s into %s (once)", name, out.parent)
+
+    # (held: another version's replacing it leaves its files in place)
+    held_conversion(gguf_path, lambda: out_dir, announce=announce)
     return out_dir
 
 
@@ -88,16 +90,17 @@ def find_embedded_gguf(name: str) -> Path:
 
 def remove_stale_conversions(out_dir: Path, gguf_path: Path) -> None:
     """After `out_dir` was converted from `gguf_path`: remove the other finished conversions beside it of the same file
-    at another size or time than the file has now (its earlier versions, which can never be current again), each moved
+    at another size or time than the file has now (its earlier versions, which can never be current again), or not
+    named for it (gguf.conversion_name: converted while the file was rewritten, never read), each moved
     aside first (under the directory's lock, shared_dirs) so that no reader sees half of one, and deleted once no
     process reads it (shared_dirs.discard). A conversion of the file as it is now stays (one finished late by a process
     that read an earlier version must not remove it), as do another file's conversions, damaged or foreign entries
     and any `.`-prefixed entry (shared_dirs')."""
-    from fastspec.models.gguf import read_marker
+    from fastspec.models.gguf import conversion_name, read_marker
     from fastspec.utils.shared_dirs import discard, locked, move_aside
 
     try:
-        source, stat = str(gguf_path.resolve()), gguf_path.stat()
+        source, stat, name = str(gguf_path.resolve()), gguf_path.stat(), conversion_name(gguf_path)
     except OSError:  # (the file went meanwhile: nothing tells which conversion is stale)
         return
     aside = []
@@ -108,8 +111,8 @@ def remove_stale_conversions(out_dir: Path, gguf_path: Path) -> None:
             marker = read_marker(entry)
             if marker is None or marker.get("gguf") != source:
                 continue
-            if (marker.get("size"), marker.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns):
-                continue  # (the file as it is now)
+            if (marker.get("size"), marker.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns) and entry.name == name:
+                continue  # (the file as it is now; one named otherwise was converted as the file was rewritten)
             try:
                 aside.append(move_aside(entry))
             except OSError:  # (gone already, or a cache we may not change: left as it is)

@@ -76,19 +76,24 @@ def write_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def held_conversion(gguf_path: Path, out_dir: Path, tokenizer_only: bool = False,
-                    announce: Callable[[], None] = lambda: None) -> bool:
-    """Make `out_dir` a current conversion of `gguf_path` (its tokenizer files alone: write_gguf_tokenizer) held for
-    reading by this process (shared_dirs.hold_for_reading): checked current under the hold, so a conversion of
-    another version (another file, fastspec or time) published meanwhile is never read unchecked nor left unheld.
-    Converts (after `announce()`) when it is not; returns whether it converted. One line when another process's
-    conversions replace each of this process's before it is held (the file rewritten all along)."""
+def held_conversion(gguf_path: Path, place: Callable[[], Path], tokenizer_only: bool = False,
+                    announce: Callable[[Path], None] = lambda out_dir: None) -> tuple[Path, bool]:
+    """(the directory, whether it was converted now): a current conversion of `gguf_path` (its tokenizer files alone:
+    write_gguf_tokenizer) at `place()`, held for reading by this process (shared_dirs.hold_for_reading): checked
+    current under the hold, so a conversion of another version (another file, fastspec or time) published meanwhile
+    is never read unchecked nor left unheld. `place()` is asked again under the hold and before converting: a .gguf
+    path's conversion is named by the file's size and time (conversion_name), and a name taken before the file was
+    rewritten would hold another version's files. Converts (after `announce(directory)`) when it is not current.
+    One line when another process's conversions replace each of this process's before it is held (the file
+    rewritten all along)."""
     dtype = TOKENIZER_ONLY if tokenizer_only else "float32"
     converted = False
     for _ in range(_ATTEMPTS):
-        if hold_for_reading(out_dir, lambda d: is_current_conversion(d, gguf_path, dtype)):
-            return converted
-        announce()
+        out_dir = place()
+        if hold_for_reading(out_dir, lambda d: d == place() and is_current_conversion(d, gguf_path, dtype)):
+            return out_dir, converted
+        out_dir = place()  # (the file may have been rewritten since: its conversion is named for what it is now)
+        announce(out_dir)
         (write_gguf_tokenizer if tokenizer_only else convert_gguf)(gguf_path, out_dir)
         converted = True
     raise FastspecError(f"{gguf_path}: its conversion in {out_dir} was replaced by another process's "

@@ -133,9 +133,9 @@ def _converted_gguf(path: Path) -> Path:
     from fastspec.models.embedded import remove_stale_conversions
     from fastspec.models.gguf import CONVERSION_FOLDERS, held_conversion
 
-    out = _conversion_dir(path, CONVERSION_FOLDERS[0])
-    announce = partial(log.warning, "%s: converting it into %s (once: later starts read that)", path.name, out)
-    if held_conversion(path, out, announce=announce):
+    announce = partial(log.warning, "%s: converting it into %s (once: later starts read that)", path.name)
+    out, converted = held_conversion(path, partial(_conversion_dir, path, CONVERSION_FOLDERS[0]), announce=announce)
+    if converted:
         remove_stale_conversions(out, path)
     return out
 
@@ -162,8 +162,8 @@ def resolve_tokenizer_dir(spec: str, vocab_size: int) -> Path:
         return hub.check_tokenizer_fits(embedded.embedded_model_dir(spec), spec, vocab_size)
     if not hub.names_gguf(path) or not path.is_file():
         return hub.resolve_tokenizer_dir(spec, vocab_size)
-    out = _conversion_dir(path, CONVERSION_FOLDERS[1])
-    if held_conversion(path, out, tokenizer_only=True):  # (held: a later version's cannot remove it while read)
+    out, converted = held_conversion(path, partial(_conversion_dir, path, CONVERSION_FOLDERS[1]), tokenizer_only=True)
+    if converted:  # (held: a later version's cannot remove it while read)
         embedded.remove_stale_conversions(out, path)
     return hub.check_tokenizer_fits(out, spec, vocab_size)
 
