@@ -102,8 +102,7 @@ def tune(
         result = run(llm, ids, cfg, say=lambda text: status.update(text))
     print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, config.device)
     # (written first: a stdout that refuses the table loses nothing)
-    merged = tuned_file.merge_tiers(path, print_, result.tiers(), tuned_file.settings(config))
-    tuned_file.save_tuned(path, print_, list(merged.tiers), merged.settings)
+    merged = tuned_file.add_tiers(path, print_, result.tiers(), tuned_file.settings(config))
     with stdout_refusals(lambda: f"the tuned file {path} is written"):
         print_table(result)
     if merged.note:

@@ -5,9 +5,9 @@ ignores, with one note, a file whose fingerprint differs or that is damaged (unr
 that cannot exist); `read_tuned` refuses such a file with a FastspecError. The engine settings its round costs
 were measured under (`settings`: graphs, page size, attention backend, graph buckets) only shift which shape is
 fastest, never what is decoded: a file measured under others is used, with one note. A new tune's tiers are merged
-into a file of the same fingerprint and settings (`merge_tiers`), replacing it otherwise. Lives in
-<cache>/tuned/<target>--<draft>--<dtype>-<device>.json, each model named by `model_name`. Written by
-fastspec.tune; knows nothing about tuning itself.
+into a file of the same fingerprint and settings (`merge_tiers`; under the folder's lock: `add_tiers`), replacing it
+otherwise. Lives in <cache>/tuned/<target>--<draft>--<dtype>-<device>.json, each model named by `model_name`.
+Written by fastspec.tune; knows nothing about tuning itself.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from fastspec.spec_config import Schedule, SpecParams, check_tree
 from fastspec.utils import threads
 from fastspec.utils.cache import cache_root
 from fastspec.utils.files import write_atomic
+from fastspec.utils.shared_dirs import locked
 
 VERSION = 1
 
@@ -108,6 +109,16 @@ def merge_tiers(path: Path, print_: dict, tiers: list[dict], here: dict) -> Merg
                                        f"were {why}")
     both = sorted(kept + list(tiers), key=lambda t: t["max_batch_size"])
     return Merged(tuple(both), measured_under, tuple(t["max_batch_size"] for t in kept))
+
+
+def add_tiers(path: Path, print_: dict, tiers: list[dict], here: dict) -> Merged:
+    """`merge_tiers`, then `save_tuned` of what it returns, under the lock of the file's folder (shared_dirs.locked):
+    two tunes at once each add their tiers (unlocked, the one that read first and wrote last dropped the other's)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # (the lock file lives there)
+    with locked(Path(path).parent):
+        merged = merge_tiers(path, print_, tiers, here)
+        save_tuned(path, print_, list(merged.tiers), merged.settings)
+    return merged
 
 
 def _mergeable(data: dict, print_: dict, here: dict, kept: list[dict], tiers: list[dict]) -> tuple[str | None, dict]:
