@@ -82,7 +82,8 @@ def test_tune_keeps_the_tiers_it_did_not_tune_and_says_which(chat_target, head, 
     monkeypatch.setattr(fastspec.tune.tuner, "tune", stand_in)
     monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
     path, print_ = tuned_path(chat_target, head, "float32", "cpu"), fingerprint(chat_target, head, "float32", "cpu")
-    before = [_tier(1, [3, 2, 5], "old 1"), _tier(4, [3, 1, 4], "old 4"), _tier(8, [2, 1, 3], "old 8")]
+    before = [_tier(1, [3, 2, 5], "old 1") | {"tau": 2.25, "measured_tok_s": 12.5}, _tier(4, [3, 1, 4], "old 4"),
+              _tier(8, [2, 1, 3], "old 8")]
     args = ["tune", "--model", str(chat_target), "--speculative-algorithm", "EAGLE3", "--draft", str(head),
             "--batch-sizes", "4,16", "--num-prompts", "2", "--plot", str(tmp_path / "p.png")]
     save_tuned(path, print_, before, CPU)
@@ -95,6 +96,12 @@ def test_tune_keeps_the_tiers_it_did_not_tune_and_says_which(chat_target, head, 
     last = " ".join(result.stderr.split())  # (soft-wrapped)
     assert "bs <= 1: 3/2/5 · bs <= 4: plain · bs <= 8: 2/1/3 · bs <= 16: plain" in last
     assert "kept from the earlier tune: bs 1, 8" in last and "replacing" not in last
+    rows = [line.replace("│", " ").split() for line in result.stdout.splitlines() if line.startswith("│")]
+    assert [row[0] for row in rows] == ["1", "4", "8", "16"]  # the kept tiers are in the table, as the file has them
+    assert rows[0] == ["1", "3/2/5", "2.25", "-", "-", "12.5", "-", "kept"]
+    assert rows[2] == ["8", "2/1/3", "-", "-", "-", "-", "-", "kept"] and rows[1][-1] == "✓"
+    caption = " ".join(result.stdout.split())
+    assert "bs 1, kept from the earlier tune: old 1" in caption and "bs 4: new 4" in caption
     save_tuned(path, print_, before, CPU | {"page_size": 2})
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -141,3 +148,27 @@ def test_two_tunes_at_once_each_add_their_tiers(tmp_path, monkeypatch):
     tuned.add_tiers(path, print_, [_tier(4, None, "this 4")], CPU)
     other.join()
     assert [t["why"] for t in json.loads(path.read_text())["tiers"]] == ["old 1", "this 4", "other 8"]
+
+
+def test_the_plot_shows_the_kept_tiers_it_has_figures_for(tmp_path, monkeypatch):
+    """The PNG drew this run's batch sizes only; the kept tiers the file measured are points of their own. (matplotlib
+    stands in: what is drawn, not how it looks.)"""
+    import sys
+    from types import SimpleNamespace
+
+    from fastspec.cli.tune import _plot
+    from fastspec.tune.tuner import Candidate, TuneResult
+
+    drawn = []
+    ax = SimpleNamespace(plot=lambda *args, **kw: drawn.append((args, kw.get("label"))),
+                         **{name: lambda *args, **kw: None for name in ("set_xlabel", "set_ylabel", "set_xscale",
+                                                                         "legend", "set_title")})
+    fig = SimpleNamespace(tight_layout=lambda: None, savefig=lambda path, dpi: None)
+    pyplot = SimpleNamespace(subplots=lambda figsize: (fig, ax), close=lambda fig: None)
+    monkeypatch.setitem(sys.modules, "matplotlib", SimpleNamespace(use=lambda backend: None, pyplot=pyplot))
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", pyplot)
+    plain = Candidate(4, None, 1.0, 40.0, measured=40.0)
+    kept = [_tier(1, [3, 2, 5], "old 1") | {"measured_tok_s": 12.5}, _tier(8, None, "old 8")]  # (8: no figure)
+    _plot(TuneResult({4: plain}, confirmed=[plain]), kept, tmp_path / "p.png", SimpleNamespace(print=print))
+    assert [(args[:2], label) for args, label in drawn] == [
+        (([4], [40.0]), "no speculation"), (([4], [40.0]), "tuned"), (((1,), (12.5,)), "kept from the earlier tune")]

@@ -103,13 +103,14 @@ def tune(
     print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, config.device)
     # (written first: a stdout that refuses the table loses nothing)
     merged = tuned_file.add_tiers(path, print_, result.tiers(), tuned_file.settings(config))
+    kept = [t for t in merged.tiers if t["max_batch_size"] in merged.kept]  # (measured by an earlier tune)
     with stdout_refusals(lambda: f"the tuned file {path} is written"):
-        print_table(result)
+        print_table(result, kept)
     if merged.note:
         console.print(merged.note, markup=False, soft_wrap=True)
     console.print(f"wrote {path} · {describe_written(merged)}", markup=False,
                   soft_wrap=True)  # (a path split across lines cannot be copied)
-    _plot(result, plot or path.with_suffix(".png"), console)
+    _plot(result, kept, plot or path.with_suffix(".png"), console)
     if emit:
         with stdout_refusals():
             print(sglang_flags(list(merged.tiers), algorithm, draft_dir))
@@ -186,28 +187,53 @@ def sglang_flags(tiers: list[dict], algorithm: str, draft_dir: Path) -> str:
             f"--speculative-num-steps {s} --speculative-eagle-topk {k} --speculative-num-draft-tokens {n}")
 
 
-def print_table(result) -> None:
+def print_table(result, kept: list[dict] = ()) -> None:
+    """This run's confirmed candidates, and the tiers `kept` from the tuned file before it (as it recorded them,
+    marked `kept`: an earlier tune measured them)."""
     from rich.console import Console
     from rich.table import Table
 
-    why = "\n".join(f"bs {bs}: {text}" for bs, text in sorted(result.why.items()))  # the rematch's verdicts
+    why = sorted([(bs, f"bs {bs}: {text}") for bs, text in result.why.items()]  # the rematch's verdicts
+                 + [(t["max_batch_size"], f"bs {t['max_batch_size']}, kept from the earlier tune: {t['why']}")
+                    for t in kept if t.get("why")])
     table = Table(title="fastspec tune: candidates confirmed end to end (the last measurement of each: the final "
                         "rematch's median for the chosen shape and plain, a shorter halving run for the rest; tau "
                         "replayed over every prompt, measured over the batch timed: the first bs prompts)",
-                  caption=why or None)
+                  caption="\n".join(line for _, line in why) or None)
     for col in ("bs", "shape (steps/topk/N)", "replayed tau", "measured tau", "predicted tok/s", "measured tok/s",
                 "tokens", "chosen"):
         table.add_column(col, justify="right")
     last = {(c.bs, c.params): c for c in result.confirmed}
-    for (bs, params), c in sorted(last.items(), key=lambda kv: (kv[0][0], -(kv[1].measured or 0))):
-        shape = "plain" if params is None else params.shape
-        chosen = "✓" if result.winners[bs].params == params else ""
-        table.add_row(str(bs), shape, f"{c.tau:.2f}", f"{c.measured_tau or 0:.2f}", f"{c.predicted:.1f}",
-                      f"{c.measured or 0:.1f}", str(c.measured_tokens or "-"), chosen)
+    rows = [(bs, -(c.measured or 0), confirmed_row(c, result.winners[bs].params == params))
+            for (bs, params), c in last.items()]  # by batch size, the fastest first
+    rows += [(t["max_batch_size"], 0, kept_row(t)) for t in kept]
+    for _, _, cells in sorted(rows, key=lambda row: row[:2]):
+        table.add_row(*cells)
     Console().print(table)
 
 
-def _plot(result, path: Path, console) -> None:
+def confirmed_row(c, chosen: bool) -> list[str]:
+    """A confirmed candidate's row (tuner.Candidate), ✓ where it was `chosen`."""
+    return [str(c.bs), "plain" if c.params is None else c.params.shape, f"{c.tau:.2f}", f"{c.measured_tau or 0:.2f}",
+            f"{c.predicted:.1f}", f"{c.measured or 0:.1f}", str(c.measured_tokens or "-"), "✓" if chosen else ""]
+
+
+def kept_row(tier: dict) -> list[str]:
+    """A kept tier's row as the tuned file recorded it (a figure it lacks: -), `kept` where this run's say ✓."""
+    from fastspec.spec_config import SpecParams
+
+    def figure(key: str, digits: int) -> str:
+        value = tier.get(key)
+        return "-" if not isinstance(value, (int, float)) else f"{value:.{digits}f}"
+
+    params = tier["params"]
+    return [str(tier["max_batch_size"]), "plain" if params is None else SpecParams(*params).shape,
+            figure("tau", 2), figure("measured_tau", 2), figure("predicted_tok_s", 1), figure("measured_tok_s", 1),
+            str(tier.get("measured_tokens") or "-"), "kept"]
+
+
+def _plot(result, kept: list[dict], path: Path, console) -> None:
+    """tok/s vs batch size: this run's plain and tuned, and the measured `kept` tiers of an earlier tune."""
     try:
         import matplotlib
 
@@ -223,6 +249,10 @@ def _plot(result, path: Path, console) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(sizes, plain, "o-", label="no speculation")
     ax.plot(sizes, tuned, "o-", label="tuned")
+    earlier = [(t["max_batch_size"], t["measured_tok_s"]) for t in kept
+               if isinstance(t.get("measured_tok_s"), (int, float))]
+    if earlier:
+        ax.plot(*zip(*earlier), "s", fillstyle="none", label="kept from the earlier tune")
     ax.set_xlabel("batch size"), ax.set_ylabel("tokens / s"), ax.set_xscale("log", base=2), ax.legend()
     ax.set_title("fastspec tune")
     fig.tight_layout()
