@@ -123,8 +123,8 @@ def test_profile_step_is_the_difference_of_two_runs_per_step(monkeypatch):
     for enabled, per in ((False, 16), (True, 8)):  # plain: the 16 tokens asked for; speculative: 16 rounds / bs 2
         worker = SimpleNamespace(model=torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 2)),
                                  draft_model=torch.nn.Linear(2, 2, dtype=torch.bfloat16))
-        engine = SimpleNamespace(spec=SimpleNamespace(enabled=enabled), config=SimpleNamespace(device="cpu"),
-                                 worker=worker)
+        spec = SimpleNamespace(enabled=enabled, params_for=lambda bs: "a tree")  # (speculates at every batch size)
+        engine = SimpleNamespace(spec=spec, config=SimpleNamespace(device="cpu"), worker=worker)
         p = profile.profile_step(SimpleNamespace(engine=engine), [1, 2, 3], bs=2, steps=16)
         assert (p.device, p.steps) == ("cpu", per)
         assert p.ms_per_step == pytest.approx(800 / per, abs=1e-3) and p.launches_per_step == 800 / per

@@ -216,3 +216,25 @@ def test_graph_buckets_differ_only_where_a_tuned_batch_size_runs_in_another_grap
         "--cuda-graph-bs / --cuda-graph-max-bs, graphs run at bs 1: 1, bs 8: 8 (here bs 1: 1, bs 8: 16)")
     assert other_settings(data, {"graph_buckets": [1, 2, 4]}).endswith("(here bs 1: 1, bs 8: eager)")
     assert other_settings(data | {"settings": {"graph_buckets": "damaged"}}, {"graph_buckets": None}) is None
+
+
+def test_bench_profile_profiles_a_tuned_plain_tier_as_the_plain_step_it_runs(chat_target, head, tmp_path,
+                                                                              monkeypatch):  # noqa: F811
+    """bench --profile refused a tuned file whose tier at a batch size decodes plainly ("no speculative rounds
+    ran"), though that is the tuned configuration's choice there: that batch size profiles the plain step the tuned
+    engine runs, named so, and the others their rounds."""
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+    from fastspec.speculative.tuned import fingerprint, save_tuned, tuned_path
+
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    save_tuned(tuned_path(chat_target, head, "float32", "cpu"), fingerprint(chat_target, head, "float32", "cpu"),
+               [{"max_batch_size": 1, "params": None}, {"max_batch_size": 2, "params": [2, 1, 3]}])
+    args = ["bench", "--profile", "--model", str(chat_target), "--speculative-algorithm", "EAGLE3", "--draft",
+            str(head), "--batch-sizes", "1,2"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    rows = [(p["batch_size"], p["name"], "draft" in p["gemm_kernels"]) for p in json.loads(result.stdout)["profile"]]
+    assert rows == [(1, "plain step", False), (1, "plain step of the tuned schedule", False),
+                    (2, "plain step", False), (2, "speculative round", True)]

@@ -1,4 +1,5 @@
-"""`fastspec bench --profile`: where a plain decode step's and a speculative round's time goes on this device.
+"""`fastspec bench --profile`: where a plain decode step's and a speculative round's time goes on this device (a
+tuned schedule's plain tier: its plain step).
 
 torch's profiler records two generations of the same prompts that differ only in length; their difference, divided
 by the extra steps (plain) or verify rounds (speculative), is one step without the prefill and start-up. Each
@@ -56,12 +57,13 @@ class StepProfile:
 
 
 def profile_step(llm, prompt: list[int], bs: int, steps: int = 16, repeats: int = 3) -> StepProfile:
-    """A plain decode step (an LLM without speculation) or a speculative round at batch size `bs`, from profiled
-    generations `steps` tokens apart (after a warm-up that prepares every graph they use), each length the fastest of
-    `repeats` alternating runs: one run each let a busy machine's stall in the short one make the difference
-    negative."""
-    speculative = llm.engine.spec.enabled
-    name = "speculative round" if speculative else "plain step"
+    """A plain decode step (an LLM without speculation, or one whose tuned schedule decodes plainly at `bs`: named
+    so) or a speculative round at batch size `bs`, from profiled generations `steps` tokens apart (after a warm-up
+    that prepares every graph they use), each length the fastest of `repeats` alternating runs: one run each let a
+    busy machine's stall in the short one make the difference negative."""
+    spec = llm.engine.spec
+    speculative = spec.enabled and spec.params_for(bs) is not None
+    name = "speculative round" if speculative else "plain step of the tuned schedule" if spec.enabled else "plain step"
     short, long = 4, 4 + steps
     _generate(llm, prompt, bs, long)  # warm-up: graphs prepared, caches filled
     runs = [[_recorded(llm, prompt, bs, n) for n in (short, long)] for _ in range(repeats)]
@@ -75,13 +77,13 @@ def profile_step(llm, prompt: list[int], bs: int, steps: int = 16, repeats: int 
     by = {c: round(max(cats_b[c] - cats_a[c], 0.0) / per * 1e3, 3) for c in CATEGORIES}
     return StepProfile(name, _device_kind(llm), round(per, 2), round(wall * 1e3, 3), by,
                        round((n_b - n_a) / per, 1), round(max(0.0, 1 - busy / wall), 3) if wall > 0 else 0.0,
-                       linear_kernels(llm))
+                       linear_kernels(llm, speculative))
 
 
-def linear_kernels(llm) -> dict[str, dict[str, int]]:
-    """The GEMM kernel each of the target's (and the draft's) linears runs, counted."""
+def linear_kernels(llm, speculative: bool) -> dict[str, dict[str, int]]:
+    """The GEMM kernel each of the target's linears (and the draft's, where it drafts) runs, counted."""
     worker = llm.engine.worker
-    models = {"target": worker.model, "draft": worker.draft_model if llm.engine.spec.enabled else None}
+    models = {"target": worker.model, "draft": worker.draft_model if speculative else None}
     return {name: gemm_kernels(model) for name, model in models.items() if model is not None}
 
 

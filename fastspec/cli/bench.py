@@ -178,7 +178,7 @@ def bench_profile(baseline, spec, prompt: list[int], sizes: list[int], options: 
         table.add_column(column, justify="right")
     for bs, p in rows:
         shares = [f"{p.ms_by_category[c] / p.ms_per_step:.0%}" if p.ms_per_step else "-" for c in CATEGORIES]
-        table.add_row(str(bs), "plain" if p.name == "plain step" else "spec", f"{p.ms_per_step:.1f}",
+        table.add_row(str(bs), STEPS[p.name], f"{p.ms_per_step:.1f}",
                       f"{p.launches_per_step:.0f}", f"{p.host_share:.0%}", *shares)
     Console().print(table)
     kernels = {model: counts for _, p in rows for model, counts in p.gemm_kernels.items()}
@@ -186,6 +186,8 @@ def bench_profile(baseline, spec, prompt: list[int], sizes: list[int], options: 
         Console().print(f"{model} GEMMs: " + "; ".join(f"{n} x {kernel}" for kernel, n in counts.items()))
 
 
+STEPS = {"plain step": "plain", "speculative round": "spec",
+         "plain step of the tuned schedule": "spec: plain"}  # (its tier at that batch size decodes plainly)
 SHORT = {"gemm": "gemm", "attention": "attn", "norm/elementwise": "norm", "copies": "copy", "sampling": "sample",
          "other": "other"}  # the profile's categories as column headers; calls: kernels (CUDA) or operators (CPU)
 
