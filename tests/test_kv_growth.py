@@ -115,7 +115,7 @@ def test_admission_checks_the_ceiling_not_the_current_capacity(monkeypatch, tiny
     assert len(llm.engine.generate([PROMPTS[0]], [long])[0].output_ids) == 40
     with pytest.raises(FastspecError, match=r"^a request of 5 prompt \+ 60 new tokens does not fit in the KV pool "
                                             r"of 64 tokens \(it needs 66: a decode round's headroom; "
-                                            r"raise --max-total-tokens\)$"):
+                                            r"raise max_total_tokens\)$"):
         llm.engine.generate([PROMPTS[0]], [SamplingParams(max_new_tokens=60)])
 
 

@@ -1,6 +1,7 @@
 """How long a served request may be, on a server whose KV pool (64 tokens) is smaller than the context: the
 default length fits the pool, a request past it is OpenAI's 400 naming its own field (from the engine's one length
-check, Engine.check_length), and a client that keeps sending such requests does not flood the server's log."""
+check, Engine.check_length), and a client that keeps sending such requests does not flood the server's log. The
+engine's own refusal names the length as a Python caller typed it, a command as its flags."""
 
 import logging
 import shutil
@@ -89,9 +90,10 @@ def test_a_client_sending_requests_past_the_pool_does_not_flood_the_servers_log(
 
 
 def test_the_engine_checks_both_limits_in_one_place_and_says_which(small):
-    """Engine.check_length is the one length check: `request` refuses by it (its text, the CLI's, unchanged) and a
-    server names its fields from the refusal's numbers: which limit, its size, and the most new tokens the prompt
-    leaves there (room_for's, to the token)."""
+    """Engine.check_length is the one length check: `request` refuses by it (its text names the length and the
+    pool's size by LLM's and SamplingParams' keywords, as a Python caller typed them; a command by its flags: below)
+    and a server names its fields from the refusal's numbers: which limit, its size, and the most new tokens the
+    prompt leaves there (room_for's, to the token)."""
     _, llm, _, _ = small
     engine, ctx = llm.engine, llm.engine.worker.max_context_len
     room = engine.room_for(5)
@@ -101,16 +103,38 @@ def test_the_engine_checks_both_limits_in_one_place_and_says_which(small):
     assert (e.value.limit, e.value.capacity, e.value.room) == ("kv_pool", 64, room)
     with pytest.raises(FastspecError, match=rf"^a request of 5 prompt \+ {room + 1} new tokens does not fit in the "
                                             r"KV pool of 64 tokens \(it needs 65: a decode round's headroom; "
-                                            r"raise --max-total-tokens\)$"):
+                                            r"raise max_total_tokens\)$"):
         engine.request(0, [1] * 5, fastspec.SamplingParams(max_new_tokens=room + 1))
     with pytest.raises(RequestTooLong) as e:
         engine.check_length(5, ctx)
     assert (e.value.limit, e.value.capacity, e.value.room) == ("context", ctx, room)  # (not ctx - 5: the pool's
     # smaller room, which a client retrying with it gets: found by the QA pass of today's changes)
     assert room < ctx - 5
-    with pytest.raises(FastspecError, match=rf"^prompt \(5 tokens\) \+ max-new-tokens \({ctx}\) exceeds the "
+    with pytest.raises(FastspecError, match=rf"^prompt \(5 tokens\) \+ max_new_tokens \({ctx}\) exceeds the "
                                             rf"context length {ctx}$"):
         engine.request(0, [1] * 5, fastspec.SamplingParams(max_new_tokens=ctx))
     with pytest.raises(RequestTooLong) as e:
         engine.check_length(70, 1)
     assert (e.value.limit, e.value.room) == ("kv_pool", room - 65)
+
+
+@pytest.mark.commands
+def test_a_command_names_the_length_by_its_flags(small):
+    """Past the context or the KV pool, generate, chat and bench name the length by the flags typed
+    (--max-new-tokens, --max-total-tokens), where a Python caller reads max_new_tokens and max_total_tokens."""
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    _, llm, _, _ = small
+    ctx, model = llm.engine.worker.max_context_len, ["--model", str(llm.sources.model_dir), "--max-total-tokens", "64"]
+    past = f"+ --max-new-tokens ({ctx}) exceeds the context length {ctx}\n"
+    cases = [(["generate", "--input-ids", "5", "--max-new-tokens", "63"], None, "does not fit in the KV pool of 64 "
+              "tokens (it needs 65: a decode round's headroom; raise --max-total-tokens)\n"),
+             (["generate", "--input-ids", "5", "--max-new-tokens", f"{ctx}"], None, past),
+             (["chat", "--max-new-tokens", f"{ctx}"], "hi\n", past),
+             (["bench", "--max-new-tokens", f"{ctx}", "--num-prompts", "1", "--batch-sizes", "1", "--trials", "1",
+               "--warmup", "0"], None, past)]
+    for args, stdin, says in cases:
+        result = CliRunner().invoke(app, args + model, input=stdin)
+        assert result.exit_code == 2 and result.stderr.endswith(says), (args, result.output)

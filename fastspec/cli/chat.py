@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fastspec.cli.common import flag_names, refuse_lossy_thresholds, stdout_refusals, stop_on_ctrl_c
+from fastspec.cli.common import LENGTH_FLAGS, flag_names, refuse_lossy_thresholds, stdout_refusals, stop_on_ctrl_c
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -120,8 +120,9 @@ def run_chat(session, io) -> None:
         with stop_on_ctrl_c() as interrupted, contextlib.closing(
                 session.respond(message_text(text), interrupted.is_set)) as answer:
             try:
-                for delta in answer:
-                    io.write(delta)
+                with flag_names(LENGTH_FLAGS):  # (a message too long for the context names --max-new-tokens)
+                    for delta in answer:
+                        io.write(delta)
             except FastspecError as e:
                 io.info(f"error: {e}")
                 continue

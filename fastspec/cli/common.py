@@ -14,9 +14,11 @@ import threading
 import typer
 
 from fastspec import spec_config
-from fastspec.errors import BadField, FastspecError
+from fastspec.errors import BadField, FastspecError, RequestTooLong
 
 
+LENGTH_FLAGS = frozenset({"max_new_tokens", "max_total_tokens"})  # a RequestTooLong's names: flags of each command
+#                                                                   that runs a model (flag_names(LENGTH_FLAGS))
 READER_GONE = 128 + 13  # the exit code of a process SIGPIPE ends (`yes | head -1`): a reader that went away
 
 
@@ -147,14 +149,20 @@ def flag_names(flags, renamed: dict[str, str] | None = None):
     message's subject is the field as the API and the server take it ("top_p must be in (0, 1]"); here the flag
     typed names it ("--top-p must be in (0, 1]"), as every other flag's check does. `flags`: the parameter names
     to name so; `renamed`: a field given by a flag of another name (generate's prompt ids: {"prompt": "input_ids"}).
-    A BadField is renamed only when its subject is its field (its words then speak of that field)."""
+    A BadField is renamed only when its subject is its field (its words then speak of that field). A RequestTooLong
+    names max_new_tokens and max_total_tokens so when they are among `flags`."""
+    def typed(name: str) -> str:
+        return f"--{name.replace('_', '-')}" if name in flags else name
+
     try:
         yield
+    except RequestTooLong as e:
+        raise FastspecError(e.told(**{name: typed(name) for name in LENGTH_FLAGS})) from None
     except FastspecError as e:
         subject, must, rest = str(e).partition(" must ")
         name = (renamed or {}).get(subject, subject)
         if must and name in flags and not (isinstance(e, BadField) and e.field != subject):
-            raise FastspecError(f"--{name.replace('_', '-')} must {rest}") from None
+            raise FastspecError(f"{typed(name)} must {rest}") from None
         raise
 
 

@@ -30,16 +30,12 @@ class Intake:
         context length or past what the KV pool can ever hold is a RequestTooLong saying which, and the room left."""
         ctx, room = self.worker.max_context_len, self.room_for(prompt_len)  # (room: what both limits leave)
         if prompt_len + max_new_tokens > ctx:
-            raise RequestTooLong(f"prompt ({prompt_len} tokens) + max-new-tokens ({max_new_tokens}) exceeds the "
-                                 f"context length {ctx}", "context", ctx, prompt_len, max_new_tokens, room)
+            raise RequestTooLong("context", ctx, prompt_len, max_new_tokens, room)
         if max_new_tokens <= room:
             return
-        ceiling, page, headroom = self.worker.memory.ceiling, self.page_size, self.worker.round_headroom()
+        page, headroom = self.page_size, self.worker.round_headroom()
         need = -(-(prompt_len + max_new_tokens) // page) * page + headroom
-        pages = f"whole pages of {page} and " if page > 1 else ""  # (a speculative round's headroom can be most)
-        raise RequestTooLong(f"a request of {prompt_len} prompt + {max_new_tokens} new tokens does not fit in the KV "
-                             f"pool of {ceiling} tokens (it needs {need}: {pages}a decode round's headroom; raise "
-                             f"--max-total-tokens)", "kv_pool", ceiling, prompt_len, max_new_tokens, room)
+        raise RequestTooLong("kv_pool", self.worker.memory.ceiling, prompt_len, max_new_tokens, room, need, page)
 
     def request(self, rid: int, prompt: list[int], params: SamplingParams) -> Request:
         """A checked request for `run` (a BadField naming the field: empty, bad ids or grammar; a RequestTooLong: too
