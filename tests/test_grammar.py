@@ -264,8 +264,10 @@ def test_bad_grammars_are_one_line_errors(char_target, grammar, message):
 
 
 def test_grammar_needs_a_tokenizer_and_eos(tiny_dirs, char_target):
-    with pytest.raises(FastspecError, match="ignore-eos with a regex"):
-        SamplingParams(regex="a", ignore_eos=True)
+    for grammar, words in (("regex", "a regex"), ("json_schema", "a JSON schema"), ("ebnf", "an EBNF grammar")):
+        with pytest.raises(FastspecError) as e:  # (its keyword first: a command says --ignore-eos, a server's param)
+            SamplingParams(ignore_eos=True, **{grammar: "{}" if grammar == "json_schema" else "a"})
+        assert str(e.value) == f"ignore_eos must be off with {words}: the grammar ends the output at EOS"
     llm = fastspec.LLM(str(tiny_dirs["llama"][0]), max_total_tokens=512)  # no tokenizer.json
     with pytest.raises(FastspecError, match="structured output needs the model's tokenizer"):
         llm.engine.generate([PROMPTS[0]], [SamplingParams(regex="a")])
@@ -287,3 +289,6 @@ def test_cli_structured_output(char_target, tmp_path):
     assert out["output_ids"] == reference_greedy(hf, directory, ids("json:{"), dict(json_schema=SCHEMA), 30)
     bad = CliRunner().invoke(app, args + ["--regex", "a(", "--prompt", "x"])
     assert bad.exit_code == 2 and "invalid regex" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    bad = CliRunner().invoke(app, args + ["--regex", "a", "--ignore-eos", "--prompt", "x"])
+    assert (bad.exit_code, bad.stderr) == (2, "error: --ignore-eos must be off with a regex: the grammar ends the "
+                                              "output at EOS\n"), bad.output

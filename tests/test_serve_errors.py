@@ -58,13 +58,15 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
 @pytest.mark.parametrize("field, value, says", [("top_p", 2, "top_p must be in (0, 1], got 2.0"),
                                                  ("repetition_penalty", 0, "repetition_penalty must be > 0"),
                                                  ("min_p", 1.5, "min_p must be in [0, 1]"),
-                                                 ("logit_bias", {"-1": 5}, "logit_bias must map token ids >= 0")])
+                                                 ("logit_bias", {"-1": 5}, "logit_bias must map token ids >= 0"),
+                                                 ("ignore_eos", True, "ignore_eos must be off with a regex")])
 def test_a_sampling_refusal_names_the_request_field_as_sent(served, field, value, says):
     """SamplingParams' refusal of a request's value is a 400 whose message and param name the field as the request
-    spells it (`top_p`; the message said `top-p`)."""
+    spells it (`top_p`; the message said `top-p`; ignore_eos with a grammar said `ignore-eos`, no param)."""
     client, _, _, service = served
+    grammar = {"regex": "a"} if field == "ignore_eos" else {}
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="abc", max_tokens=2, extra_body={field: value})
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=2, extra_body={field: value} | grammar)
     assert e.value.body["param"] == field and e.value.body["message"].startswith(says), e.value.body
     assert engine_settled(service)
 

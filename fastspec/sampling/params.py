@@ -13,6 +13,8 @@ from pathlib import Path
 from fastspec.errors import FastspecError, name_hint
 
 KINDS = ("json_schema", "regex", "ebnf", "lark")  # the structured-output fields, at most one set
+_GRAMMAR_WORDS = {"json_schema": "a JSON schema", "regex": "a regex", "ebnf": "an EBNF grammar",
+                  "lark": "a Lark grammar"}  # (each surface spells the fields apart: --json-schema, response_format)
 GREEDY_BELOW = 1e-6  # a temperature below this samples greedily, as SGLang's does
 INT32_MAX = 2**31 - 1  # top_k's bound (any k past the vocabulary keeps the whole of it)
 _ONE_EACH = "fastspec answers each prompt once: give the prompt that many times (unseeded, or each with its own seed)"
@@ -139,7 +141,8 @@ class SamplingParams:
         if self.json_schema is not None:
             object.__setattr__(self, "json_schema", normalise_schema(self.json_schema))
         if kinds and self.ignore_eos:
-            raise FastspecError(f"ignore-eos with a {kinds[0].replace('_', ' ')}: the grammar ends the output at EOS")
+            raise FastspecError(f"ignore_eos must be off with {_GRAMMAR_WORDS[kinds[0]]}: the grammar ends the output "
+                                "at EOS")
 
     @property
     def greedy(self) -> bool:
