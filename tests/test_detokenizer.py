@@ -139,7 +139,8 @@ def test_special_tokens_shown_when_not_skipped(tok):
 
 
 def test_misuse_raises(tok):
-    with pytest.raises(FastspecError, match="stop strings"):
+    # an empty stop string: SamplingParams' refusal, word for word (it said `stop strings must not be empty`)
+    with pytest.raises(FastspecError, match=r"^stop must not hold an empty string, got \('ok', ''\)$"):
         IncrementalDetokenizer(tok, stop=("ok", ""))
     detok = IncrementalDetokenizer(tok)
     detok.finish()

@@ -90,8 +90,7 @@ class SamplingParams:
             raise FastspecError(f"seed must be a 64-bit integer, in [-2^63, 2^63), got {self.seed}")
         if self.max_new_tokens < 1:
             raise FastspecError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if any(not s for s in self.stop):
-            raise FastspecError(f"stop must not hold an empty string, got {self.stop!r}")
+        check_stop(self.stop)
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             raise FastspecError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -149,6 +148,12 @@ class SamplingParams:
         """Temperature 0, top-k 1, or a temperature below GREEDY_BELOW (float32 logits divided by one that small can
         overflow, and every overflowed logit would tie)."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+
+def check_stop(stop: tuple[str, ...]) -> None:
+    """No empty stop string (every text holds one at once): SamplingParams' check, and the detokenizer's."""
+    if any(not s for s in stop):
+        raise FastspecError(f"stop must not hold an empty string, got {stop!r}")
 
 
 def bias_pairs(bias) -> tuple[tuple[int, float], ...]:

@@ -15,7 +15,7 @@ U+FFFD if it starts inside a character.
 
 from __future__ import annotations
 
-from fastspec.errors import FastspecError
+from fastspec.sampling.params import check_stop
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole character
 CONTEXT_TOKENS = 4  # prompt tokens decoded in front of the first output tokens
@@ -132,8 +132,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_ids: list[int] | None = None, stop: tuple[str, ...] = (),
                  skip_special_tokens: bool = True):
-        if any(not s for s in stop):
-            raise FastspecError("stop strings must not be empty")
+        check_stop(stop)
         self._stop = tuple(stop)
         self._decoder = _WindowDecoder(tokenizer, list(prompt_ids or []), skip_special_tokens)
         self._chunks: list[str] = []
