@@ -11,8 +11,9 @@ import re
 
 from fastspec.serve import pythonic
 from fastspec.serve.json_scan import skip_space, whole_call, whole_object
+from fastspec.serve.tool_calls import PartialCall, Scanned
 from fastspec.serve.tool_formats import (DS_BEGIN, DS_CALL, DS_CALL_END, DS_END, DS_SEP, ARGS_KEYS, LLAMA3_KEYS,
-                                         MISTRAL_ARGS, MISTRAL_CALLS, PYTHON_TAG, PartialCall, Scanned)
+                                         MISTRAL_ARGS, MISTRAL_CALLS, PYTHON_TAG)
 
 DS_HEAD = re.compile(re.escape(DS_CALL) + "function" + re.escape(DS_SEP) + "([^\n]*)\n```json\\s*")
 DS_TAIL = re.compile("\\s*```\\s*" + re.escape(DS_CALL_END) + "\\s*")

@@ -25,101 +25,27 @@ else written as text and found by a lazy lexeme (the free text ends at the trigg
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from fastspec.serve import pythonic
-from fastspec.serve.json_scan import read_call, skip_space, value_end, whole_call
+from fastspec.serve.json_scan import read_call, skip_space, whole_call
+from fastspec.serve.tool_calls import (TEXT, PartialCall, Scanned, args_so_far, call_schema, free_text, json_calls,
+                                       lit, one_line, opening, per_function, value_call)
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 DS_BEGIN, DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
-TEXT = "TEXT: /(.|\\n)*/\n"
 ARGS_KEYS, LLAMA3_KEYS = ("arguments", "parameters"), ("parameters", "arguments")
-
-
-@dataclass(frozen=True)
-class PartialCall:
-    name: str | None  # None: not known yet (nothing of the call is streamed before its name)
-    arguments: str  # JSON text so far: a prefix of the finished arguments
-    done: bool = False
-
-
-@dataclass(frozen=True)
-class Scanned:
-    content: str  # the content so far: a prefix of the finished answer's content
-    calls: tuple[PartialCall, ...] = ()
-
-
-def _lit(text: str, specials: dict[str, int]) -> str:
-    """`text` in a Lark rule: the special token by id where the tokenizer has it as one, else a string."""
-    return f"<[{specials[text]}]>" if text in specials else json.dumps(text)
-
-
-def _opening(trigger: str, specials: dict[str, int]) -> str:
-    """The rule `open`: free text up to the trigger's first occurrence."""
-    if trigger in specials:  # free text cannot hold a special token: no laziness needed
-        return f"open: TEXT {_lit(trigger, specials)}\n"
-    return f"open[lazy]: TEXT {json.dumps(trigger)}\n"
-
-
-def one_line(schema: dict, spaced: bool = True) -> dict:
-    """`schema` written on one line with `, ` and `: ` (llguidance's options; `,` and `:` for a tokenizer that
-    cannot write a space): JSON as models write calls, and no room for a small model to spend tokens on
-    whitespace (free to, it wrote `"city" : "Paris"\n\n,` and repeated calls)."""
-    return schema | {"x-guidance": {"whitespace_flexible": False, "item_separator": ", " if spaced else ",",
-                                    "key_separator": ": " if spaced else ":"}}
-
-
-def call_schema(tools, args_key: str) -> dict:
-    """One call object of any of the tools: {"name": <its name>, args_key: <its parameters>}."""
-    return one_line({"anyOf": [{"type": "object", "properties": {"name": {"const": name}, args_key: schema},
-                       "required": ["name", args_key], "additionalProperties": False}
-                      for name, schema in tools.schemas.items()]}, tools.spaced)
-
-
-def _hold(text: str, trigger: str) -> int:
-    """Characters at the end of `text` that may be the start of `trigger`."""
-    return next((k for k in range(min(len(trigger) - 1, len(text)), 0, -1) if text.endswith(trigger[:k])), 0)
-
-
-def _free(text: str, trigger: str, final: bool) -> str:
-    return text if final else text[:len(text) - _hold(text, trigger)]
-
-
-def _per_function(tools, head, tail: str = "") -> tuple[str, str]:
-    """(rules, alternatives) of a format that writes each function's name around its arguments' JSON: rule fK is
-    `head(name) %json <K's parameters> tail` (Lark pieces), the alternatives `(f0 | f1 | ...)`."""
-    names = list(tools.schemas)
-    rules = "".join(f"f{k}: {head(name)} %json {json.dumps(one_line(tools.schemas[name], tools.spaced))} {tail}\n"
-                    for k, name in enumerate(names))
-    return rules, "(" + " | ".join(f"f{k}" for k in range(len(names))) + ")"
-
-
-def _value_call(name: str, text: str, start: int | None, final: bool) -> tuple[PartialCall, int | None]:
-    """Call `name` whose arguments are the JSON value from `text[start]` on (None: not started yet), and where
-    that value ends (None: not yet)."""
-    if start is None or start >= len(text):
-        return PartialCall(name, "{}" if final else ""), None
-    end = value_end(text, start)
-    return PartialCall(name, text[start:end if end is not None else len(text)], end is not None), end
-
-
-def _args(read, text: str, final: bool) -> str:
-    """A call's arguments so far; a finished call without any is {}."""
-    if read.args_start is None:
-        return "{}" if final or read.end is not None else ""
-    return read.arguments(text)
 
 
 # ---- hermes ----
 
 def hermes_grammar(tools, specials: dict[str, int]) -> str:
     call = f"call: open /\\n?/ %json {json.dumps(call_schema(tools, 'arguments'))} /\\n?/ " \
-           f"{_lit(HERMES_CLOSE, specials)}\n"
+           f"{lit(HERMES_CLOSE, specials)}\n"
     start = "start: call* TEXT\n" if tools.parallel else "start: TEXT | call /\\n?/\n"
-    return "%llguidance {}\n" + start + call + _opening(HERMES_OPEN, specials) + TEXT
+    return "%llguidance {}\n" + start + call + opening(HERMES_OPEN, specials) + TEXT
 
 
 def hermes_scan(text: str, tools, final: bool) -> Scanned:
@@ -132,7 +58,7 @@ def hermes_scan(text: str, tools, final: bool) -> Scanned:
             return Scanned("".join(content), tuple(calls))
         if call is None:
             content.append(text[at:pos])
-    content.append(_free(text[pos:], HERMES_OPEN, final))
+    content.append(free_text(text[pos:], HERMES_OPEN, final))
     return Scanned("".join(content), tuple(calls))
 
 
@@ -146,7 +72,7 @@ def _hermes_block(text: str, at: int, tools, final: bool) -> tuple[PartialCall |
     closed = text.startswith(HERMES_CLOSE, close)
     coming = not (final or closed) and HERMES_CLOSE.startswith(text[close:close + len(HERMES_CLOSE)])
     if tools.held and read.name in tools.schemas:
-        call = PartialCall(read.name, _args(read, text, final), read.end is not None)
+        call = PartialCall(read.name, args_so_far(read, text, final), read.end is not None)
         if read.end is None or coming:
             return call, None
         return call, (close + len(HERMES_CLOSE) if closed else read.end)
@@ -167,7 +93,7 @@ def _hermes_block(text: str, at: int, tools, final: bool) -> tuple[PartialCall |
 def llama3_grammar(tools, specials: dict[str, int]) -> str:
     more = ' ("; " call)*' if tools.parallel else ""
     return ("%llguidance {}\n"
-            f"start: PROSE | /\\s*/ [{_lit(PYTHON_TAG, specials)} /\\n?/] call{more}\n"
+            f"start: PROSE | /\\s*/ [{lit(PYTHON_TAG, specials)} /\\n?/] call{more}\n"
             f"call: %json {json.dumps(call_schema(tools, 'parameters'))}\n"
             "PROSE: /\\s*([^{\\s](.|\\n)*)?/\n")  # text is what does not open with a brace
 
@@ -182,42 +108,24 @@ def llama3_scan(text: str, tools, final: bool) -> Scanned:
     return json_calls(text, i, tools, final, ";", LLAMA3_KEYS)
 
 
-def json_calls(text: str, i: int, tools, final: bool, separator: str, args_keys: tuple[str, ...]) -> Scanned:
-    """Calls from `text[i]` on, separated by `separator`; the answer is content where the first is none."""
-    calls = []
-    while True:
-        read = read_call(text, i, args_keys)
-        if read.name not in tools.schemas:
-            if calls or read.invalid or read.name is not None or final or read.end is not None:
-                return Scanned("" if calls else text, tuple(calls))
-            return Scanned("")  # the name is still coming
-        calls.append(PartialCall(read.name, _args(read, text, final), read.end is not None))
-        if read.end is None:
-            return Scanned("", tuple(calls))
-        i = skip_space(text, read.end)
-        if not text.startswith(separator, i):
-            return Scanned("", tuple(calls))
-        i = skip_space(text, i + len(separator))
-
-
 # ---- mistral ----
 
 def mistral_grammar(tools, specials: dict[str, int]) -> str:
     if MISTRAL_ARGS in specials:  # v11: [TOOL_CALLS]name[ARGS]{...}, each call after its own [TOOL_CALLS]
-        rules, call = _per_function(tools, lambda name: f"{json.dumps(name)} {_lit(MISTRAL_ARGS, specials)}")
-        more = f" ({_lit(MISTRAL_CALLS, specials)} {call})*" if tools.parallel else ""
+        rules, call = per_function(tools, lambda name: f"{json.dumps(name)} {lit(MISTRAL_ARGS, specials)}")
+        more = f" ({lit(MISTRAL_CALLS, specials)} {call})*" if tools.parallel else ""
         return ("%llguidance {}\n" f"start: TEXT | open {call}{more}\n" + rules
-                + _opening(MISTRAL_CALLS, specials) + TEXT)
+                + opening(MISTRAL_CALLS, specials) + TEXT)
     calls = one_line({"type": "array", "items": call_schema(tools, "arguments"), "minItems": 1} | (
         {} if tools.parallel else {"maxItems": 1}), tools.spaced)
     return ("%llguidance {}\n" f"start: TEXT | open / ?/ %json {json.dumps(calls)}\n"
-            + _opening(MISTRAL_CALLS, specials) + TEXT)
+            + opening(MISTRAL_CALLS, specials) + TEXT)
 
 
 def mistral_scan(text: str, tools, final: bool) -> Scanned:
     at = text.find(MISTRAL_CALLS)
     if at < 0:
-        return Scanned(_free(text, MISTRAL_CALLS, final))
+        return Scanned(free_text(text, MISTRAL_CALLS, final))
     i = skip_space(text, at + len(MISTRAL_CALLS))
     if i < len(text) and text[i] not in "[{":  # v11: name[ARGS]{...} after each [TOOL_CALLS]
         got = _named_calls(text, at, tools, final)
@@ -236,7 +144,7 @@ def _named_calls(text: str, at: int, tools, final: bool) -> Scanned:
         name = text[at + len(MISTRAL_CALLS):sep].strip() if sep >= 0 else None
         if name not in tools.schemas:
             break
-        call, end = _value_call(name, text, skip_space(text, sep + len(MISTRAL_ARGS)), final)
+        call, end = value_call(name, text, skip_space(text, sep + len(MISTRAL_ARGS)), final)
         calls.append(call)
         if end is None:
             break
@@ -247,18 +155,18 @@ def _named_calls(text: str, at: int, tools, final: bool) -> Scanned:
 # ---- deepseek_v3 ----
 
 def deepseek_grammar(tools, specials: dict[str, int]) -> str:
-    lit = lambda s: _lit(s, specials)  # noqa: E731
-    rules, function = _per_function(tools, lambda name: json.dumps(f"{name}\n```json\n"), json.dumps("\n```"))
+    mark = lambda s: lit(s, specials)  # noqa: E731
+    rules, function = per_function(tools, lambda name: json.dumps(f"{name}\n```json\n"), json.dumps("\n```"))
     calls = "call (/\\n?/ call)*" if tools.parallel else "call"
-    return ("%llguidance {}\n" f"start: TEXT | open {calls} /\\n?/ {lit(DS_END)}\n"
-            f"call: {lit(DS_CALL)} \"function\" {lit(DS_SEP)} {function} {lit(DS_CALL_END)}\n" + rules
-            + _opening(DS_BEGIN, specials) + TEXT)
+    return ("%llguidance {}\n" f"start: TEXT | open {calls} /\\n?/ {mark(DS_END)}\n"
+            f"call: {mark(DS_CALL)} \"function\" {mark(DS_SEP)} {function} {mark(DS_CALL_END)}\n" + rules
+            + opening(DS_BEGIN, specials) + TEXT)
 
 
 def deepseek_scan(text: str, tools, final: bool) -> Scanned:
     at = text.find(DS_BEGIN)
     if at < 0:
-        return Scanned(_free(text, DS_BEGIN, final))
+        return Scanned(free_text(text, DS_BEGIN, final))
     calls, i = [], at + len(DS_BEGIN)
     while (begin := text.find(DS_CALL, i)) >= 0:
         sep = text.find(DS_SEP, begin)
@@ -268,7 +176,7 @@ def deepseek_scan(text: str, tools, final: bool) -> Scanned:
             break
         fence = text.find("```json", line)
         start = skip_space(text, fence + len("```json")) if fence >= 0 else None
-        call, end = _value_call(name, text, start, final)
+        call, end = value_call(name, text, start, final)
         calls.append(call)
         if end is None:
             break

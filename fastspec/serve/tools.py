@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from fastspec.serve import free_calls
 from fastspec.serve.api_error import APIError
 from fastspec.serve.json_scan import skip_space
-from fastspec.serve.tool_formats import FORMATS, PartialCall, Scanned, json_calls, one_line, template_parser  # noqa: F401
+from fastspec.serve.tool_calls import PartialCall, Scanned, json_calls, one_line
+from fastspec.serve.tool_formats import FORMATS, template_parser  # noqa: F401
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 PARSERS = tuple(FORMATS)
