@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from transformers import LlamaForCausalLM
 from fastspec.models import embedded
 from fastspec.models.embedded import EmbeddedModel, embedded_model_dir
 from fastspec.models.gguf import SOURCE_MARKER, convert_gguf
-from fastspec.utils.shared_dirs import STALE_AGE_S, abandoned
+from fastspec.utils.shared_dirs import STALE_AGE_S, abandoned, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 KILLED_CONVERSION = """
@@ -219,3 +220,14 @@ def test_a_replaced_conversion_stays_while_a_process_reads_it(tmp_path, monkeypa
     assert sorted(p.name for p in cache.iterdir()) == [".fastspec-convert.lock", "b", "fake"]
     torch.testing.assert_close(LlamaForCausalLM.from_pretrained(out).model.norm.weight,
                                tiny_llama(True, seed=1).model.norm.weight)
+
+
+def test_a_fifo_named_as_a_leftover_does_not_hang_the_sweep(tmp_path):
+    # a plain open of a FIFO blocks until a writer comes: the sweep must look at it without waiting (the thread's
+    # join bound only turns a hang into a failure)
+    fifo = tmp_path / ".model.fastspec-tmp-abcd1234"
+    os.mkfifo(fifo)
+    done = threading.Event()
+    threading.Thread(target=lambda: (sweep(tmp_path), done.set()), daemon=True).start()
+    assert done.wait(30), "sweep blocked opening a FIFO"
+    assert not fifo.exists()  # (no process holds it: a leftover like any other)

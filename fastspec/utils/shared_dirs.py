@@ -61,8 +61,8 @@ def abandoned(path: Path, aged: Path | None = None) -> bool:
     """True when no process holds `path` (its writer's flock went with the writer, its readers' with them), or where
     locks are not supported, when `aged` (default `path`) is older than STALE_AGE_S. Call under the directory's lock
     (`locked`): writers and readers take their flocks under it, so none is caught between open and flock."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # (O_NONBLOCK: a FIFO of a leftover's name would block a plain open until some process wrote to it)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:  # (gone already)
         return False
     try:
@@ -159,7 +159,7 @@ def held_temp(directory: Path, prefix: str, pattern: re.Pattern) -> Iterator[Pat
 def _hold(path: Path) -> int | None:
     """An fd of `path` holding its flock (None where it cannot be opened)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
     try:
