@@ -71,6 +71,20 @@ def test_a_sampling_refusal_names_the_request_field_as_sent(served, field, value
     assert engine_settled(service)
 
 
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_ignore_eos_with_tools_is_a_400_naming_it(served, choice):
+    """The tools' grammar (auto: the format's lark; required: the calls' JSON schema) ends the output at EOS: with
+    ignore_eos the request is refused as its client sent it (it was a 500 naming a grammar the client never sent)."""
+    client, _, _, service = served
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       tools=tools, tool_choice=choice, extra_body={"ignore_eos": True})
+    assert e.value.body["param"] == "ignore_eos", e.value.body
+    assert e.value.body["message"].startswith("ignore_eos must be off with tools"), e.value.body
+    assert engine_settled(service)
+
+
 BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "no-such-type"}}}
 REFUSALS = [  # (chat, what the request asks, the engine's message starts with, OpenAI's param)
     (False, dict(prompt=[999]), "prompt must be token ids in [0, ", "prompt"),

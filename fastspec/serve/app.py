@@ -155,11 +155,19 @@ def _tool_grammar(tools: Tools, tool_text: _ToolText, params: SamplingParams) ->
     keep special tokens for the parser to see its markers."""
     if tools.choice != "auto":
         schema = tools.grammar()
-        return tools, (params if schema is None else replace(params, json_schema=schema)), False
+        return tools, (params if schema is None else _held(params, json_schema=schema)), False
     keep_special = needs_special_text(tool_text.parser, tool_text.specials)
     if params.json_schema is not None or params.regex is not None or params.ebnf is not None:
         return replace(tools, held=False), params, keep_special
-    return tools, replace(params, lark=tools.auto_grammar(tool_text.parser, tool_text.specials)), keep_special
+    return tools, _held(params, lark=tools.auto_grammar(tool_text.parser, tool_text.specials)), keep_special
+
+
+def _held(params: SamplingParams, **grammar) -> SamplingParams:
+    """The parameters with `auto` tools' grammar; refused with ignore_eos in the request's words (SamplingParams' own
+    refusal would name a grammar the client never sent, and not as a 400; `required` / named: parse_request)."""
+    if params.ignore_eos:
+        raise APIError(api.IGNORE_EOS_WITH_TOOLS, param="ignore_eos")
+    return replace(params, **grammar)
 
 
 def _encode(service: EngineService, parsed: ParsedRequest) -> list[list[int]]:

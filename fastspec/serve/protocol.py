@@ -74,6 +74,9 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
+IGNORE_EOS_WITH_TOOLS = "ignore_eos must be off with tools: the tool-call grammar ends the output at EOS"
+
+
 def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
     unknown = sorted(set(body) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
     if unknown:
@@ -102,6 +105,8 @@ def parse_request(body: dict, chat: bool, model_name: str) -> ParsedRequest:
         if schema is not None or body.get("regex") is not None or body.get("ebnf") is not None:
             raise APIError("tool_choice required or a named function constrains the answer already: drop "
                            "response_format / regex / ebnf", param="tool_choice")
+        if _get(body, "ignore_eos", bool, False):
+            raise APIError(IGNORE_EOS_WITH_TOOLS, param="ignore_eos")
         schema = tools.grammar()
     stop = _get(body, "stop", (str, list), None)
     stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
