@@ -46,6 +46,14 @@ def tiny_config(out, target, prompts, **overrides) -> TrainConfig:
                               checkpoint_every=4, generate_batch=8, bf16=False) | overrides)
 
 
+def test_report_records_the_draft_vocabulary_used_where_left_out(chat_target, prompt_file, tmp_path):
+    out = tmp_path / "head"
+    train_draft(tiny_config(out, chat_target, prompt_file, draft_vocab_size=None, max_prompts=2, epochs=1),
+                lambda _: None)
+    vocab = json.loads((out / "config.json").read_text())["draft_vocab_size"]
+    assert json.loads((out / "train" / "report.json").read_text())["config"]["draft_vocab_size"] == vocab > 0
+
+
 @pytest.fixture(scope="module")
 def trained(chat_target, prompt_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("head") / "head"

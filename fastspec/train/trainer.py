@@ -102,7 +102,8 @@ def train_draft(cfg: TrainConfig, on_progress: Callable[[Progress], None] = lamb
     del target  # the head keeps the embedding and nothing else of it
     report = _fit(head, features, train_ids, val_ids, t2d, cfg, work, on_progress)
     export_head(head, head_json, vocab, cfg.out)
-    atomic_json(report | {"config": _jsonable(asdict(cfg))}, work / "report.json")
+    config = asdict(cfg) | {"draft_vocab_size": len(vocab)}  # (the size used, also where left out)
+    atomic_json(report | {"config": _jsonable(config)}, work / "report.json")
     on_progress(Progress("done", 1, 1, report))
     return report
 
