@@ -15,7 +15,7 @@ def needs(method):
         pytest.importorskip("compressed_tensors")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (test_quantised_checkpoints and test_quant_configs share it)
 def quantised(tiny_dirs, tmp_path_factory):
     """method -> (directory, transformers oracle over the dequantised weights), made on first use."""
     made = {}

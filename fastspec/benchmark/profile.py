@@ -71,7 +71,8 @@ def profile_step(llm, prompt: list[int], bs: int, steps: int = 16, repeats: int 
         min((r[i] for r in runs), key=lambda run: run[0]) for i in (0, 1))
     per = (rounds_b - rounds_a) / bs if speculative else steps
     if per <= 0:
-        raise FastspecError(f"--profile: no speculative rounds ran at batch size {bs} (the schedule decodes plainly)")
+        raise FastspecError(f"--profile: no speculative rounds ran at batch size {bs} (the measured fallback decoded "
+                            "plainly; an LLM for profiling has speculative_fallback off, as `bench --profile` runs)")
     wall, busy = (wall_b - wall_a) / per, (busy_b - busy_a) / per
     # a noisy machine can make a small category's difference negative: it reads as nothing
     by = {c: round(max(cats_b[c] - cats_a[c], 0.0) / per * 1e3, 3) for c in CATEGORIES}
