@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, OptionError
 
 if TYPE_CHECKING:
     import torch
@@ -54,15 +54,15 @@ def check_device(device: str) -> None:
     """`cpu`, or `cuda` / `cuda:N` naming a GPU this process can see; else a one-line FastspecError."""
     index = device[len("cuda:"):] if device.startswith("cuda:") else None
     if device not in ("cpu", "cuda") and not (index and index.isdigit()):
-        raise FastspecError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
+        raise OptionError(f"{{device}} must be auto, cpu or cuda[:N], got {device!r}", device=device)
     if device == "cpu":
         return
     import torch
 
     if not torch.cuda.is_available():
-        raise FastspecError(f"--device {device}: no CUDA device is visible to torch here")
+        raise OptionError("{device=}: no CUDA device is visible to torch here", device=device)
     if index and int(index) >= torch.cuda.device_count():
-        raise FastspecError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+        raise OptionError(f"{{device=}}: only {torch.cuda.device_count()} CUDA device(s) here", device=device)
 
 
 def check_dtype(name: str, auto: bool = False) -> None:
@@ -125,51 +125,64 @@ class EngineConfig:
                 raise FastspecError(f"{name} must be an integer, got {value!r}")
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.load_format not in LOAD_FORMATS:
-            raise FastspecError(f"--load-format must be {' or '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+            raise OptionError(f"{{load_format}} must be {' or '.join(LOAD_FORMATS)}, got {self.load_format!r}",
+                              load_format=self.load_format)
         if self.quantization == "none":
             object.__setattr__(self, "quantization", None)
         if self.quantization not in QUANTIZATIONS:
             names = ", ".join("none" if q is None else q for q in QUANTIZATIONS)
-            raise FastspecError(f"--quantization must be one of {names}, got {self.quantization!r}")
+            raise OptionError(f"{{quantization}} must be one of {names}, got {self.quantization!r}",
+                              quantization=self.quantization)
         if self.overlap_schedule not in ("auto", "on", "off"):
-            raise FastspecError(f"--overlap-schedule must be auto, on or off, got {self.overlap_schedule!r}")
+            raise OptionError(f"{{overlap_schedule}} must be auto, on or off, got {self.overlap_schedule!r}",
+                              overlap_schedule=self.overlap_schedule)
         if self.graphs not in GRAPH_MODES:
-            raise FastspecError(f"--graphs must be one of {', '.join(GRAPH_MODES)}, got {self.graphs!r}")
+            raise OptionError(f"{{graphs}} must be one of {', '.join(GRAPH_MODES)}, got {self.graphs!r}",
+                              graphs=self.graphs)
         if self.attention_backend not in ("torch", "flashinfer"):
-            raise FastspecError(f"--attention-backend must be torch or flashinfer, got {self.attention_backend!r}")
+            raise OptionError(f"{{attention_backend}} must be torch or flashinfer, got {self.attention_backend!r}",
+                              attention_backend=self.attention_backend)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
-            raise FastspecError(f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}")
+            raise OptionError(f"{{cuda_graph_max_bs}} must be >= 1, got {self.cuda_graph_max_bs}",
+                              cuda_graph_max_bs=self.cuda_graph_max_bs)
         check_dtype(self.dtype, auto=True)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise FastspecError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
-                                f"{self.kv_cache_dtype!r}")
+            raise OptionError(f"{{kv_cache_dtype}} must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                              f"{self.kv_cache_dtype!r}", kv_cache_dtype=self.kv_cache_dtype)
         kv = KV_CACHE_DTYPES[self.kv_cache_dtype]
         if (self.attention_backend == "flashinfer" and self.dtype != "auto" and kv not in (None, self.dtype)
                 and not kv.startswith("float8")):
-            raise FastspecError(f"--attention-backend flashinfer reads a KV cache in the model's --dtype {self.dtype} "
-                                f"or in fp8; --kv-cache-dtype {self.kv_cache_dtype} needs --attention-backend torch")
+            raise OptionError("{attention_backend=} reads a KV cache in the model's {dtype=} or in fp8; "
+                              "{kv_cache_dtype=} needs {attention_backend=torch}", attention_backend="flashinfer",
+                              dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise FastspecError(f"--page-size must be a power of two >= 1, got {self.page_size}")
+            raise OptionError(f"{{page_size}} must be a power of two >= 1, got {self.page_size}",
+                              page_size=self.page_size)
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise FastspecError(f"--max-total-tokens must be >= --page-size {self.page_size}, "
-                                f"got {self.max_total_tokens}")
+            raise OptionError(f"{{max_total_tokens}} must be >= {{page_size=}}, got {self.max_total_tokens}",
+                              max_total_tokens=self.max_total_tokens, page_size=self.page_size)
         if self.mamba_track_interval < 1:
-            raise FastspecError(f"--mamba-track-interval must be >= 1, got {self.mamba_track_interval}")
+            raise OptionError(f"{{mamba_track_interval}} must be >= 1, got {self.mamba_track_interval}",
+                              mamba_track_interval=self.mamba_track_interval)
         if self.chunked_prefill_size < 1:
-            raise FastspecError(f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}"
-                                + (" (SGLang's -1, no chunking: pass a size at least the longest prompt's)"
-                                   if self.chunked_prefill_size == -1 else ""))
+            raise OptionError(f"{{chunked_prefill_size}} must be >= 1, got {self.chunked_prefill_size}"
+                              + (" (SGLang's -1, no chunking: pass a size at least the longest prompt's)"
+                                 if self.chunked_prefill_size == -1 else ""),
+                              chunked_prefill_size=self.chunked_prefill_size)
         if self.max_context_len is not None and self.max_context_len < 1:
-            raise FastspecError(f"max_context_len (--context-length) must be >= 1, got {self.max_context_len}")
+            raise OptionError(f"{{max_context_len}} must be >= 1, got {self.max_context_len}",
+                              max_context_len=self.max_context_len)
         if self.max_running_requests < 1:
-            raise FastspecError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+            raise OptionError(f"{{max_running_requests}} must be >= 1, got {self.max_running_requests}",
+                              max_running_requests=self.max_running_requests)
         check_device(self.device)
         if self.quantization == "gguf" and self.device != "cpu":
-            raise FastspecError("--quantization gguf runs on the CPU (fastspec's block kernels); use --device cpu")
+            raise OptionError("{quantization=} runs on the CPU (fastspec's block kernels); use {device=cpu}",
+                              quantization="gguf", device=self.device)
         if self.graphs == "cuda" and self.device == "cpu":
-            raise FastspecError("--graphs cuda needs a CUDA device, got --device cpu"
-                                + ("" if _cuda_available() else " (torch sees no GPU here)")
-                                + "; --graphs compile is the CPU form")
+            raise OptionError("{graphs=} needs a CUDA device, got {device=}"
+                              + ("" if _cuda_available() else " (torch sees no GPU here)")
+                              + "; {graphs=compile} is the CPU form", graphs="cuda", device="cpu")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,6 +1,8 @@
 """User-facing errors: one class whose message is printed as a single line by the CLI (no traceback)."""
 
 import difflib
+import re
+from collections.abc import Callable
 
 
 class FastspecError(Exception):
@@ -44,6 +46,34 @@ class RequestTooLong(FastspecError):
         return (f"a request of {self.prompt_len} prompt + {self.max_new_tokens} new tokens does not fit in the KV "
                 f"pool of {self.capacity} tokens (it needs {self.need}: {pages}a decode round's headroom; raise "
                 f"{max_total_tokens})")
+
+
+class OptionError(FastspecError):
+    """An option of LLM refused (an engine option, a model's quantisation...). `values` holds each option it names
+    (keyword: the value given); `words` names them by placeholders: `{page_size}` the option, `{page_size=}` the
+    option and its value, `{graphs=cuda}` the option and that value, a name (other braces, a path's, stay as they are).
+    Its message names them as LLM's keywords ("max_total_tokens must be >= page_size=16"; "quantization='gguf' runs
+    on the CPU"), a command's by its flags (`told`: "--page-size 16", "--quantization gguf")."""
+
+    def __init__(self, words: str, **values):
+        self.words, self.values = words, values
+        super().__init__(self.told(str))
+
+    def told(self, flag: Callable[[str], str]) -> str:
+        """The message, each option named `flag(keyword)`: the keyword itself (its value as Python writes it) or
+        the command's flag (its value as typed)."""
+        def said(m: re.Match) -> str:
+            name, equals, literal = m.group(1, 2, 3)
+            if name not in self.values:
+                return m.group(0)
+            if not equals:
+                return flag(name)
+            value = literal if literal else self.values[name]
+            if flag(name) == name:
+                return f"{name}={value!r}"
+            return f"{flag(name)} {'none' if value is None else value}"
+
+        return re.sub(r"\{([a-z_]+)(=?)([\w:.-]*)\}", said, self.words)
 
 
 class RunEnded(FastspecError):

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, OptionError
 
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 # SGLang's auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) by target architecture
@@ -149,7 +149,7 @@ class SpecConfig:
         if algo == "NGRAM":
             return cls._resolve_ngram(common, ngram, num_steps, topk, num_draft_tokens)
         if draft_model is None:
-            raise FastspecError(f"{algo} needs a draft model (--speculative-draft-model-path / --draft)")
+            raise OptionError(f"{algo} needs a draft model ({{draft_model}})", draft_model=draft_model)
         if algo != "EAGLE" and token_map is not None:
             token_map = None  # SGLang ignores --speculative-token-map except for EAGLE (EAGLE-3 has d2t)
         steps, k, n = _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens, device == "cpu")
@@ -168,7 +168,7 @@ class SpecConfig:
         ngram = ngram or NgramParams()
         n = num_draft_tokens or ngram.max_match_window_size
         if n < 2:
-            raise FastspecError(f"--speculative-num-draft-tokens must be >= 2 for NGRAM, got {n}")
+            raise OptionError(f"{{num_draft_tokens}} must be >= 2 for NGRAM, got {n}", num_draft_tokens=n)
         return cls(num_steps=n - 1, topk=ngram.max_bfs_breadth, num_draft_tokens=n, ngram=ngram, **common)
 
 
@@ -257,11 +257,12 @@ def _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens, cpu=
 
 def check_tree(steps: int, k: int, n: int) -> None:
     if steps < 1 or k < 1:
-        raise FastspecError(f"--speculative-num-steps and --speculative-eagle-topk must be >= 1, got {steps}, {k}")
+        raise OptionError(f"{{num_steps}} and {{topk}} must be >= 1, got {steps}, {k}", num_steps=steps, topk=k)
     capacity = 1 + k + (steps - 1) * k * k  # root + every candidate the top-k expansion produces
     if not 2 <= n <= capacity or (k == 1 and n != steps + 1):
-        raise FastspecError(f"--speculative-num-draft-tokens={n} is infeasible with num_steps={steps}, topk={k}: "
-                            f"it must be in [2, {capacity}]" + (" and = num_steps + 1 for topk 1" if k == 1 else ""))
+        raise OptionError(f"{{num_draft_tokens=}} is infeasible with {{num_steps=}}, {{topk=}}: it must be in "
+                          f"[2, {capacity}]" + (" and = {num_steps} + 1 for {topk=}" if k == 1 else ""),
+                          num_draft_tokens=n, num_steps=steps, topk=k)
 
 
 def refuse_lossy_thresholds(threshold_single: float, threshold_acc: float, why: str) -> None:

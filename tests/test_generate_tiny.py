@@ -134,3 +134,29 @@ def test_the_load_counts_what_is_admitted_while_its_first_step_runs(tiny_dirs, m
     monkeypatch.setattr(engine.worker, "step", recording)
     engine.generate([[3, 4, 5], [6, 7]], [SamplingParams(max_new_tokens=2)] * 2)
     assert seen[0] == expected
+
+
+@pytest.mark.parametrize("options, api, flags, cli", [
+    (dict(page_size=3), "page_size must be a power of two >= 1, got 3", ["--page-size", "3"],
+     "--page-size must be a power of two >= 1, got 3"),
+    (dict(max_total_tokens=2, page_size=4), "max_total_tokens must be >= page_size=4, got 2",
+     ["--max-total-tokens", "2", "--page-size", "4"], "--max-total-tokens must be >= --page-size 4, got 2"),
+    (dict(graphs="cuda", device="cpu"), "graphs='cuda' needs a CUDA device, got device='cpu'",
+     ["--graphs", "cuda", "--device", "cpu"], "--graphs cuda needs a CUDA device, got --device cpu"),
+    (dict(quantization="gptq"), "quantization='gptq': ", ["--quantization", "gptq"], "--quantization gptq: "),
+    (dict(speculative_algorithm="EAGLE", num_steps=2, topk=2, num_draft_tokens=9),
+     "num_draft_tokens=9 is infeasible with num_steps=2, topk=2: it must be in [2, 7]",
+     ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
+      "--speculative-num-draft-tokens", "9"],
+     "--speculative-num-draft-tokens 9 is infeasible with --speculative-num-steps 2, --speculative-eagle-topk 2: "
+     "it must be in [2, 7]")])
+def test_an_engine_option_refused_is_named_as_the_caller_typed_it(tiny_dirs, options, api, flags, cli):
+    """An engine option's refusal names it by LLM's keyword for a Python caller (with its value as Python writes
+    it) and by its flag in a command: the flags' words were once the API's too (`--page-size must be ...` to a
+    caller of LLM(page_size=3)). The model's quantisation (read from its checkpoint) is checked past the flags."""
+    model = str(tiny_dirs["llama"][0])
+    with pytest.raises(FastspecError) as e:
+        fastspec.LLM(model, **options)
+    assert str(e.value).startswith(api)
+    result = CliRunner().invoke(app, ["generate", "--model", model, "--input-ids", "1", *flags])
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {cli}") and result.stderr.count("\n") == 1

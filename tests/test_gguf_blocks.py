@@ -263,9 +263,9 @@ def test_packing_a_model_that_is_not_a_gguf_is_a_one_line_error(tiny_dirs):
 
     with pytest.raises(FastspecError, match="needs a model converted from a .gguf file"):
         fastspec.LLM(str(tiny_dirs["llama"][0]), quantization="gguf", max_total_tokens=512)
-    with pytest.raises(FastspecError, match="--quantization must be one of auto, none, gguf, .*, got 'nf4'"):
+    with pytest.raises(FastspecError, match="^quantization must be one of auto, none, gguf, .*, got 'nf4'"):
         fastspec.LLM(quantization="nf4")
-    with pytest.raises(FastspecError, match="--quantization awq: .* is a float checkpoint"):
+    with pytest.raises(FastspecError, match="^quantization='awq': .* is a float checkpoint"):
         fastspec.LLM(quantization="awq")
 
 

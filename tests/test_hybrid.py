@@ -196,7 +196,8 @@ def test_compiled_verify_equals_eager(hybrid):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(radix_cache=True, page_size=4, mamba_track_interval=6), "--mamba-track-interval 6 is not a multiple of"),
+    (dict(radix_cache=True, page_size=4, mamba_track_interval=6),
+     "^mamba_track_interval=6 is not a multiple of page_size=4$"),
     (dict(speculative_algorithm="STANDALONE", draft_model="SELF", num_steps=2, topk=1, num_draft_tokens=3),
      "STANDALONE with a .*ForCausalLM draft"),
 ])

@@ -66,7 +66,7 @@ def test_config_only_dir_without_dummy_is_the_usual_error(config_dir):
 
 
 def test_bad_load_format_is_a_one_line_error(config_dir):
-    with pytest.raises(FastspecError, match="--load-format must be auto or dummy, got 'npz'"):
+    with pytest.raises(FastspecError, match="^load_format must be auto or dummy, got 'npz'"):
         fastspec.LLM(str(config_dir), load_format="npz", device="cpu")
 
 

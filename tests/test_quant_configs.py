@@ -101,9 +101,9 @@ def test_tensors_the_config_does_not_declare_are_one_line(quantised, tmp_path, m
 
 def test_quantization_flags_that_contradict_the_checkpoint_are_one_line(quantised, tiny_dirs):
     model_dir, _ = quantised("awq")
-    with pytest.raises(FastspecError, match=r"--quantization fp8 contradicts .*awq int4 g32.*use auto, awq or none"):
+    with pytest.raises(FastspecError, match=r"^quantization='fp8' contradicts .*awq int4 g32.*use auto, awq or none"):
         fastspec.LLM(str(model_dir), quantization="fp8", max_total_tokens=512)
-    with pytest.raises(FastspecError, match="--quantization gptq: .* is a float checkpoint"):
+    with pytest.raises(FastspecError, match="^quantization='gptq': .* is a float checkpoint"):
         fastspec.LLM(str(tiny_dirs["llama"][0]), quantization="gptq", max_total_tokens=512)
 
 

@@ -14,11 +14,13 @@ import threading
 import typer
 
 from fastspec import spec_config
-from fastspec.errors import BadField, FastspecError, RequestTooLong
+from fastspec.errors import BadField, FastspecError, OptionError, RequestTooLong
 
 
 LENGTH_FLAGS = frozenset({"max_new_tokens", "max_total_tokens"})  # a RequestTooLong's names: flags of each command
 #                                                                   that runs a model (flag_names(LENGTH_FLAGS))
+# LLM's keywords whose flag is not the keyword in dashes (--max-total-tokens): the rest name them so in messages
+FLAGS = {"max_context_len": "--context-length", **spec_config.CLI_FLAGS}
 READER_GONE = 128 + 13  # the exit code of a process SIGPIPE ends (`yes | head -1`): a reader that went away
 
 
@@ -145,17 +147,20 @@ def parse_bias(text: str | None) -> tuple[tuple[int, float], ...]:
 
 @contextlib.contextmanager
 def flag_names(flags, renamed: dict[str, str] | None = None):
-    """Around a library check of a command's flags (SamplingParams', or the engine's BadField of a request): its
+    """Around a library check of a command's flags (SamplingParams', an engine option's, a request's BadField): its
     message's subject is the field as the API and the server take it ("top_p must be in (0, 1]"); here the flag
     typed names it ("--top-p must be in (0, 1]"), as every other flag's check does. `flags`: the parameter names
     to name so; `renamed`: a field given by a flag of another name (generate's prompt ids: {"prompt": "input_ids"}).
     A BadField is renamed only when its subject is its field (its words then speak of that field). A RequestTooLong
-    names max_new_tokens and max_total_tokens so when they are among `flags`."""
+    names max_new_tokens and max_total_tokens so when they are among `flags`, an OptionError each option it names
+    (LLM's keyword: its flag, FLAGS' or the keyword in dashes)."""
     def typed(name: str) -> str:
-        return f"--{name.replace('_', '-')}" if name in flags else name
+        return FLAGS.get(name, f"--{name.replace('_', '-')}") if name in flags else name
 
     try:
         yield
+    except OptionError as e:
+        raise FastspecError(e.told(typed)) from None
     except RequestTooLong as e:
         raise FastspecError(e.told(**{name: typed(name) for name in LENGTH_FLAGS})) from None
     except FastspecError as e:

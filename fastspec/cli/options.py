@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from fastspec.cli.common import flag_names
 from fastspec.errors import FastspecError
 from fastspec.graphs.buckets import parse_buckets
 from fastspec.models.embedded import DEFAULT_MODEL
@@ -136,6 +137,10 @@ class ModelOptions:
                     draft_revision=self.speculative_draft_model_revision, tokenizer=self.tokenizer)
 
 
+LLM_FLAGS = frozenset(ModelOptions().llm_kwargs())  # LLM's keywords these flags give: an engine's refusal naming
+#                                                     one names its flag in a command (model_options)
+
+
 def model_options(fn):
     """Replace `fn`'s `options: ModelOptions` parameter by one typer option per ModelOptions field."""
     sig = inspect.signature(fn)
@@ -149,13 +154,14 @@ def model_options(fn):
     @functools.wraps(fn)
     def wrapper(**kwargs):
         options = ModelOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
-        options.validate()
-        if hasattr(fn, "check_flags"):  # the command's own flags, also before torch is imported
-            fn.check_flags(**kwargs)
-        from fastspec.utils.threads import apply_threads  # torch: only once a command runs
+        with flag_names(LLM_FLAGS):  # (the engine's refusals name LLM's keywords: here the flags typed)
+            options.validate()
+            if hasattr(fn, "check_flags"):  # the command's own flags, also before torch is imported
+                fn.check_flags(**kwargs)
+            from fastspec.utils.threads import apply_threads  # torch: only once a command runs
 
-        apply_threads(options.threads)
-        return fn(options=options, **kwargs)
+            apply_threads(options.threads)
+            return fn(options=options, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + extra)
     wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}

@@ -12,9 +12,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from fastspec.cli.common import flag_names
 from fastspec.errors import FastspecError
 from fastspec.train.job import DRAFT_VOCAB_SIZE, Progress, TrainConfig
 
+LLM_FLAGS = {"model", "device", "max_new_tokens"}  # the flags that reach the engine (its refusals name them so)
 PHASES = {"generate": "generating responses", "features": "target features", "train": "training"}
 
 
@@ -60,12 +62,13 @@ def train_draft(
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
     from rich.progress import Progress as Bar
 
-    cfg = TrainConfig(out=out, model=model, prompts=prompts, corpus=corpus, generate_only=generate_only,
-                      max_prompts=max_prompts, samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens,
-                      draft_vocab_size=draft_vocab_size, init=init, soft_topk=soft_labels, ttt_steps=ttt_steps,
-                      epochs=epochs, lr=lr, batch_tokens=batch_tokens, val_fraction=val_fraction,
-                      checkpoint_every=checkpoint_every, seed=seed, bf16=bf16, device=device, resume=resume,
-                      overwrite=overwrite)  # flags checked before the trainer (and torch) is imported
+    with flag_names(LLM_FLAGS):
+        cfg = TrainConfig(out=out, model=model, prompts=prompts, corpus=corpus, generate_only=generate_only,
+                          max_prompts=max_prompts, samples_per_prompt=samples_per_prompt,
+                          max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size, init=init,
+                          soft_topk=soft_labels, ttt_steps=ttt_steps, epochs=epochs, lr=lr, batch_tokens=batch_tokens,
+                          val_fraction=val_fraction, checkpoint_every=checkpoint_every, seed=seed, bf16=bf16,
+                          device=device, resume=resume, overwrite=overwrite)  # checked before the trainer (torch)
     from fastspec.train.trainer import train_draft as run
 
     console = Console(stderr=True)
@@ -91,7 +94,7 @@ def train_draft(
             bar.update(tasks[p.phase], completed=p.done, total=p.total, info=info)
 
         try:
-            with _sigterm_raises():
+            with _sigterm_raises(), flag_names(LLM_FLAGS):
                 report = run(cfg, show)
         except OSError as e:  # a full disk, a directory that cannot be made: every file written so far is whole
             kept = (out / "train").is_dir()

@@ -14,7 +14,7 @@ import torch
 
 from fastspec.config import EngineConfig
 from fastspec.engine.prefix_cache import PrefixCache
-from fastspec.errors import FastspecError
+from fastspec.errors import OptionError
 from fastspec.graphs import size_varies
 from fastspec.memory.allocator import SlotAllocator, make_allocator
 from fastspec.memory.kv_pool import KVPool
@@ -113,8 +113,8 @@ def _state_pool(c: ModelConfig, cfg: EngineConfig, spec: SpecConfig) -> StatePoo
     if c.hybrid is None:
         return None
     if cfg.radix_cache and cfg.mamba_track_interval % cfg.page_size:
-        raise FastspecError(f"--mamba-track-interval {cfg.mamba_track_interval} is not a multiple of the page "
-                            f"size {cfg.page_size}")
+        raise OptionError("{mamba_track_interval=} is not a multiple of {page_size=}",
+                          mamba_track_interval=cfg.mamba_track_interval, page_size=cfg.page_size)
     nodes = spec.num_draft_tokens if spec.enabled else 0
     checkpoints = CHECKPOINTS_PER_ROW * cfg.max_running_requests if cfg.radix_cache else 0
     return StatePool(c.hybrid, cfg.max_running_requests, nodes, cfg.torch_dtype, cfg.device, checkpoints)

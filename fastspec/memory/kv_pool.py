@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, OptionError
 
 MEMINFO_PATH = "/proc/meminfo"
 PROC_CGROUP_PATH = "/proc/self/cgroup"  # the cgroups this process is in
@@ -211,7 +211,8 @@ class KVPool:
             raise ValueError(f"bytes_per_token and page_size must be >= 1, got {bytes_per_token}, {page_size}")
         if mem_fraction is not None:
             if not 0 < mem_fraction <= 1:
-                raise FastspecError(f"KV memory fraction must be in (0, 1], got {mem_fraction}")
+                raise OptionError(f"{{kv_mem_fraction}} must be in (0, 1], got {mem_fraction}",
+                                  kv_mem_fraction=mem_fraction)
             budget = int(available_bytes(device) * mem_fraction)
             tokens = budget // bytes_per_token - page_size  # the dummy page costs memory too
             what = f"{mem_fraction} of {budget / mem_fraction / 2**30:.2f} GiB available memory"
@@ -220,8 +221,9 @@ class KVPool:
             what = f"max_tokens={max_tokens}"
             need, have = (max_tokens + page_size) * bytes_per_token, available_bytes(device)
             if need > have:  # (where it would fail to allocate, or on CPU be killed while zeroing)
-                raise FastspecError(f"a KV pool of {max_tokens} tokens needs {need / 2**30:.2f} GiB, more than the "
-                                    f"{have / 2**30:.2f} GiB available: lower --max-total-tokens")
+                raise OptionError(f"a KV pool of {max_tokens} tokens needs {need / 2**30:.2f} GiB, more than the "
+                                  f"{have / 2**30:.2f} GiB available: lower {{max_total_tokens}}",
+                                  max_total_tokens=max_tokens)
         capacity = max(tokens, 0) // page_size * page_size
         if capacity < page_size:
             raise FastspecError(f"KV pool too small: {what} holds fewer than one page of {page_size} tokens")

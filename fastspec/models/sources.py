@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, OptionError
 from fastspec.models import hub
 from fastspec.models.draft_loader import check_draft_fits, read_draft_config
 from fastspec.models.hub import check_model_spec
@@ -71,7 +71,7 @@ def resolve_sources(model: str, algorithm: str | None, draft_model: str | None =
     if algorithm in DRAFTED:
         draft = mtp_draft(str(model_dir), model_dir, config, named, draft_model)
         if draft is None:
-            raise FastspecError(f"{algorithm} needs a draft model (--speculative-draft-model-path / --draft)")
+            raise OptionError(f"{algorithm} needs a draft model ({{draft_model}})", draft_model=draft_model)
         draft_dir = resolve_draft_dir(draft, draft_revision, config, algorithm)
         draft_config = read_draft_config(draft_dir, algorithm)
         check_draft(algorithm, draft_config, config, draft, quantization)  # (named as given, not its conversion)
@@ -107,8 +107,8 @@ def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_d
         raise FastspecError(f"{draft_dir}: {algorithm} needs a {wanted} head, got {draft.architecture}{hint}")
     check_draft_fits(draft, target, str(draft_dir))
     if quantization == "gguf" and not draft.is_eagle3:  # an EAGLE-2 head multiplies by the target's lm_head weight
-        raise FastspecError(f"{draft_dir}: an EAGLE-2 head needs the target's float lm_head, which --quantization "
-                            "gguf does not keep (use an EAGLE-3 head, or no --quantization)")
+        raise OptionError(f"{draft_dir}: an EAGLE-2 head needs the target's float lm_head, which {{quantization=}} "
+                          "does not keep (use an EAGLE-3 head, or {quantization=none})", quantization=quantization)
 
 
 def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
@@ -202,11 +202,11 @@ def resolve_quantization(quantization: str | None, model_dir: Path, scheme: Quan
             return scheme.method
         if quantization is None:
             return None
-        raise FastspecError(f"--quantization {quantization} contradicts {model_dir}'s own quantisation "
-                            f"({scheme.label}); use auto, {scheme.method} or none (dequantised)")
+        raise OptionError(f"{{quantization=}} contradicts {model_dir}'s own quantisation ({scheme.label}); use "
+                          f"auto, {scheme.method} or none (dequantised)", quantization=quantization)
     if quantization in ("awq", "gptq", "compressed-tensors", "fbgemm_fp8", "modelopt"):
-        raise FastspecError(f"--quantization {quantization}: {model_dir} is a float checkpoint (no "
-                            "quantization_config); fp8, int8 or int4 round one at load")
+        raise OptionError(f"{{quantization=}}: {model_dir} is a float checkpoint (no quantization_config); fp8, "
+                          "int8 or int4 round one at load", quantization=quantization)
     if quantization != "auto":
         return quantization
     converted = (Path(model_dir) / BLOCKS_FILE).is_file()
@@ -219,8 +219,9 @@ def check_int4_rounding(quantization: str | None, config: ModelConfig, model_dir
     from fastspec.models.gguf_blocks import BLOCK
 
     if quantization == "int4" and config.hidden_size % BLOCK:
-        raise FastspecError(f"--quantization int4 rounds groups of {BLOCK} inputs, but {model_dir}'s hidden size "
-                            f"{config.hidden_size} is not a multiple of {BLOCK}; use int8 or fp8 (per channel)")
+        raise OptionError(f"{{quantization=}} rounds groups of {BLOCK} inputs, but {model_dir}'s hidden size "
+                          f"{config.hidden_size} is not a multiple of {BLOCK}; use int8 or fp8 (per channel)",
+                          quantization=quantization)
 
 
 def generation_eos_ids(model_dir, config_eos: tuple[int, ...]) -> frozenset[int]:
