@@ -3,6 +3,7 @@ default length fits the pool, a request past it is OpenAI's 400 naming its own f
 check, Engine.check_length), and a client that keeps sending such requests does not flood the server's log. The
 engine's own refusal names the length as a Python caller typed it, a command as its flags."""
 
+import json
 import logging
 import shutil
 
@@ -138,3 +139,22 @@ def test_a_command_names_the_length_by_its_flags(small):
     for args, stdin, says in cases:
         result = CliRunner().invoke(app, args + model, input=stdin)
         assert result.exit_code == 2 and result.stderr.endswith(says), (args, result.output)
+
+
+@pytest.mark.commands
+def test_chat_saves_a_refused_messages_error_as_it_showed_it(small, tmp_path, monkeypatch):
+    """A message chat refuses (too long for the context) is kept in the saved conversation with the error chat
+    showed, naming --max-new-tokens (it kept the engine's words, max_new_tokens, before chat renamed them)."""
+    from typer.testing import CliRunner
+
+    from fastspec.cli import app
+
+    _, llm, _, _ = small
+    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path))
+    ctx = llm.engine.worker.max_context_len
+    args = ["chat", "--max-new-tokens", f"{ctx}", "--model", str(llm.sources.model_dir), "--max-total-tokens", "64"]
+    result = CliRunner().invoke(app, args, input="hi\n")
+    (saved,) = (tmp_path / "chats").iterdir()
+    (refused,) = json.loads(saved.read_text())["refused"]
+    assert refused["content"] == "hi" and f"+ --max-new-tokens ({ctx}) exceeds" in refused["error"]
+    assert f"error: {refused['error']}\n" in result.stderr

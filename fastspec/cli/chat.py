@@ -117,6 +117,7 @@ def run_chat(session, io) -> None:
             io.info(message)
             continue
         # (closing: an answer cut by a failed write still joins the history before the chat is saved)
+        refused = len(session.refused)
         with stop_on_ctrl_c() as interrupted, contextlib.closing(
                 session.respond(message_text(text), interrupted.is_set)) as answer:
             try:
@@ -125,6 +126,8 @@ def run_chat(session, io) -> None:
                         io.write(delta)
             except FastspecError as e:
                 io.info(f"error: {e}")
+                if len(session.refused) > refused:  # (recorded in the engine's words: saved as shown, the flags')
+                    session.refused[-1]["error"] = str(e)
                 continue
         io.end_answer(session.turns[-1].line())
         for note in session.take_notes():
