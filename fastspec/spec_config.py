@@ -68,8 +68,7 @@ class NgramParams:
         )
         for ok, message in checks:
             if not ok:
-                raise FastspecError(message.replace("ngram ", "--speculative-ngram-", 1).replace("_", "-")
-                                    + f" (min / max match window {self.min_match_window_size} / "
+                raise FastspecError(message + f" (min / max match window {self.min_match_window_size} / "
                                     f"{self.max_match_window_size}, BFS breadth {self.min_bfs_breadth} / "
                                     f"{self.max_bfs_breadth}, branch length {self.branch_length}, capacity "
                                     f"{self.capacity})")

@@ -98,6 +98,8 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
      "--speculative-draft-model-revision needs --speculative-draft-model-path"),
     (["--prompt", "hi", "--speculative-algorithm", "NONE", "--speculative-ngram-max-bfs-breadth", "3"],
      "--speculative-ngram-* options does not apply to --speculative-algorithm NONE"),
+    (["--prompt", "hi", "--speculative-algorithm", "NGRAM", "--speculative-ngram-min-bfs-breadth", "0"],
+     "error: --speculative-ngram-min-bfs-breadth must be >= 1 (min / max match window"),
     (["--prompt", "hi", "--speculative-algorithm", "NGRAM", "--speculative-token-map", __file__],
      "--speculative-token-map does not apply to --speculative-algorithm NGRAM"),
     (["--prompt", "hi", "--speculative-algorithm", "EAGLE3", "--draft", __file__], "is a file, not a model"),
