@@ -148,6 +148,7 @@ def test_two_tunes_at_once_each_add_their_tiers(tmp_path, monkeypatch):
     tuned.add_tiers(path, print_, [_tier(4, None, "this 4")], CPU)
     other.join()
     assert [t["why"] for t in json.loads(path.read_text())["tiers"]] == ["old 1", "this 4", "other 8"]
+    assert sorted(p.name for p in path.parent.glob(".*")) == [".fastspec-tuned.lock"]  # (its own name there)
 
 
 def test_the_plot_shows_the_kept_tiers_it_has_figures_for(tmp_path, monkeypatch):

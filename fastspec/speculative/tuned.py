@@ -115,7 +115,7 @@ def add_tiers(path: Path, print_: dict, tiers: list[dict], here: dict) -> Merged
     """`merge_tiers`, then `save_tuned` of what it returns, under the lock of the file's folder (shared_dirs.locked):
     two tunes at once each add their tiers (unlocked, the one that read first and wrote last dropped the other's)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)  # (the lock file lives there)
-    with locked(Path(path).parent):
+    with locked(Path(path).parent, ".fastspec-tuned.lock"):
         merged = merge_tiers(path, print_, tiers, here)
         save_tuned(path, print_, list(merged.tiers), merged.settings)
     return merged

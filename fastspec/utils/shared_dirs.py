@@ -38,11 +38,11 @@ _READING: dict[tuple[Path, int], int] = {}  # (directory, inode) -> the fd holdi
 
 
 @contextmanager
-def locked(directory: Path) -> Iterator[None]:
-    """`directory`'s lock (exclusive) held for the block; unlocked where the file system has none or the directory
-    is read-only (its renames stay atomic either way)."""
+def locked(directory: Path, name: str = LOCK_FILE) -> Iterator[None]:
+    """`directory`'s lock (exclusive; the file `name` in it) held for the block; unlocked where the file system has
+    none or the directory is read-only (its renames stay atomic either way)."""
     try:
-        fd = os.open(directory / LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o644)  # (flock needs no write access)
+        fd = os.open(directory / name, os.O_RDONLY | os.O_CREAT, 0o644)  # (flock needs no write access)
     except OSError:
         fd = None
     try:
