@@ -173,3 +173,12 @@ def all_slots_free(engine) -> bool:
     engine.check_kv()
     engine.flush_cache()
     return engine.allocator.num_free() == engine.pool.capacity
+
+
+def hf_greedy(hf, prompt, new):
+    """A transformers model's `new` greedy tokens after `prompt`: the oracle of the greedy-equality tests."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(new):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt):].tolist()

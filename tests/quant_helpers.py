@@ -36,10 +36,3 @@ def logits(model, ids):
     with torch.inference_mode():
         return model.compute_logits(PoolRunner(model).extend([0], [ids.tolist()]).final)
 
-
-def hf_greedy(hf, prompt, new):
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        for _ in range(new):
-            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return ids[0, len(prompt):].tolist()

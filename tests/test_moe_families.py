@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import PoolRunner, all_slots_free, make_hf_model
+from conftest import PoolRunner, all_slots_free, hf_greedy, make_hf_model
 
 import fastspec
 from fastspec.errors import FastspecError
@@ -94,14 +94,6 @@ def test_chunked_prefill_and_batched_decode_match_transformers(moe, page_size):
         logits = model.compute_logits(runner.extend(lens, [[p[n]] for p, n in zip(prompts, lens)]).final)
         for b, n in enumerate(lens):
             torch.testing.assert_close(logits[b], expected[b][n], atol=2e-5, rtol=1e-4)
-
-
-def hf_greedy(hf, prompt, new):
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(new):
-            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return ids[0, len(prompt):].tolist()
 
 
 def test_greedy_generation_is_transformers_greedy(moe):

@@ -17,7 +17,7 @@ from fastspec.errors import FastspecError
 from fastspec.kernels import cpu_library
 from fastspec.sampling import SamplingParams
 from quant_writers import write_quantised
-from quant_helpers import hf_greedy
+from conftest import hf_greedy
 
 PROMPTS = [[5, 9, 13, 3, 40], [7, 7, 8, 60, 61, 62, 7, 7]]
 

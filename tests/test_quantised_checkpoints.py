@@ -16,7 +16,8 @@ from fastspec.models.loader import load_target
 from fastspec.models.quant_config import read_scheme
 from fastspec.models.quant_layers import QuantLinear
 from fastspec.sampling import SamplingParams
-from quant_helpers import PROMPTS, hf_greedy, logits, quantised  # noqa: F401  (quantised: a fixture)
+from conftest import hf_greedy
+from quant_helpers import PROMPTS, logits, quantised  # noqa: F401  (quantised: a fixture)
 from quant_writers import write_quantised
 
 METHODS = ["awq", "gptq", "gptq8", "ct_int4", "ct_int4_asym", "ct_w8a8", "fp8_block", "ct_fp8", "fbgemm_fp8",
