@@ -23,31 +23,6 @@ class BadField(FastspecError):
         self.field = field
 
 
-class RequestTooLong(FastspecError):
-    """A request that can never run: its prompt + max_new_tokens past `limit` ("context": the context length;
-    "kv_pool": what the KV pool ever holds) of `capacity` tokens. `room`: the most new tokens its prompt leaves
-    under both limits (< 1: the prompt alone fills one); `need`: the KV tokens it would hold ("kv_pool"), in whole
-    pages of `page_size`. Its message names the length and the pool's size by LLM's and SamplingParams' keywords;
-    a command's by its flags (`told`), a server its own request fields from the numbers (Engine.check_length)."""
-
-    def __init__(self, limit: str, capacity: int, prompt_len: int, max_new_tokens: int, room: int, need: int = 0,
-                 page_size: int = 1):
-        self.limit, self.capacity, self.room = limit, capacity, room
-        self.prompt_len, self.max_new_tokens, self.need, self.page_size = prompt_len, max_new_tokens, need, page_size
-        super().__init__(self.told("max_new_tokens", "max_total_tokens"))
-
-    def told(self, max_new_tokens: str, max_total_tokens: str) -> str:
-        """The message, the request's length and the pool's size named as the caller typed them."""
-        if self.limit == "context":
-            return (f"prompt ({self.prompt_len} tokens) + {max_new_tokens} ({self.max_new_tokens}) exceeds the "
-                    f"context length {self.capacity}")
-        # (a speculative round's headroom can be most of `need`)
-        pages = f"whole pages of {self.page_size} and " if self.page_size > 1 else ""
-        return (f"a request of {self.prompt_len} prompt + {self.max_new_tokens} new tokens does not fit in the KV "
-                f"pool of {self.capacity} tokens (it needs {self.need}: {pages}a decode round's headroom; raise "
-                f"{max_total_tokens})")
-
-
 class OptionError(FastspecError):
     """An option of LLM refused (an engine option, a model's quantisation...). `values` holds each option it names
     (keyword: the value given); `words` names them by placeholders: `{page_size}` the option, `{page_size=}` the
@@ -74,6 +49,29 @@ class OptionError(FastspecError):
             return f"{flag(name)} {'none' if value is None else value}"
 
         return re.sub(r"\{([a-z_]+)(=?)([\w:.-]*)\}", said, self.words)
+
+
+class RequestTooLong(OptionError):
+    """A request that can never run: its prompt + max_new_tokens past `limit` ("context": the context length;
+    "kv_pool": what the KV pool ever holds) of `capacity` tokens. `room`: the most new tokens its prompt leaves
+    under both limits (< 1: the prompt alone fills one); `need`: the KV tokens it would hold ("kv_pool"), in whole
+    pages of `page_size`. Its words name the length and the pool's size as options (`{max_new_tokens}`,
+    `{max_total_tokens}`), which a command names by its flags (`told`); a server names its own request fields from
+    the numbers (Engine.check_length)."""
+
+    def __init__(self, limit: str, capacity: int, prompt_len: int, max_new_tokens: int, room: int, need: int = 0,
+                 page_size: int = 1):
+        self.limit, self.capacity, self.room = limit, capacity, room
+        self.prompt_len, self.max_new_tokens, self.need, self.page_size = prompt_len, max_new_tokens, need, page_size
+        if limit == "context":
+            words = (f"prompt ({prompt_len} tokens) + {{max_new_tokens}} ({max_new_tokens}) exceeds the context "
+                     f"length {capacity}")
+        else:  # (a speculative round's headroom can be most of `need`)
+            pages = f"whole pages of {page_size} and " if page_size > 1 else ""
+            words = (f"a request of {prompt_len} prompt + {max_new_tokens} new tokens does not fit in the KV pool of "
+                     f"{capacity} tokens (it needs {need}: {pages}a decode round's headroom; raise "
+                     "{max_total_tokens})")
+        super().__init__(words, max_new_tokens=max_new_tokens, max_total_tokens=capacity)
 
 
 class RunEnded(FastspecError):

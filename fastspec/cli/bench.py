@@ -8,8 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import (LENGTH_FLAGS, Notes, flag_names, parse_ids, prepare_progress, refuse_lossy_thresholds,
-                                 stdout_refusals)
+from fastspec.cli.common import Notes, parse_ids, prepare_progress, refuse_lossy_thresholds, stdout_refusals
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -87,7 +86,7 @@ def bench(
     console = Console(stderr=True)
     if profile:
         return bench_profile(baseline, spec, ids[0], sizes, options, as_json, console)
-    with console.status("benchmarking") as status, flag_names(LENGTH_FLAGS):
+    with console.status("benchmarking") as status:
         results = run_bench(baseline, spec, ids, sizes, max_new_tokens, trials, warmup,
                             on_progress=lambda text: status.update(text))
     notes.show()

@@ -12,8 +12,8 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from fastspec.cli.common import LENGTH_FLAGS, flag_names, refuse_lossy_thresholds, stdout_refusals, stop_on_ctrl_c
-from fastspec.cli.options import ModelOptions
+from fastspec.cli.common import flag_names, refuse_lossy_thresholds, stdout_refusals, stop_on_ctrl_c
+from fastspec.cli.options import LLM_FLAGS, ModelOptions
 from fastspec.errors import FastspecError
 
 
@@ -121,7 +121,8 @@ def run_chat(session, io) -> None:
         with stop_on_ctrl_c() as interrupted, contextlib.closing(
                 session.respond(message_text(text), interrupted.is_set)) as answer:
             try:
-                with flag_names(LENGTH_FLAGS):  # (a message too long for the context names --max-new-tokens)
+                # (shown here, not by model_options' flag_names: a message too long names the length flags so)
+                with flag_names(LLM_FLAGS | {"max_new_tokens"}):
                     for delta in answer:
                         io.write(delta)
             except FastspecError as e:

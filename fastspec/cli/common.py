@@ -14,11 +14,9 @@ import threading
 import typer
 
 from fastspec import spec_config
-from fastspec.errors import BadField, FastspecError, OptionError, RequestTooLong
+from fastspec.errors import BadField, FastspecError, OptionError
 
 
-LENGTH_FLAGS = frozenset({"max_new_tokens", "max_total_tokens"})  # a RequestTooLong's names: flags of each command
-#                                                                   that runs a model (flag_names(LENGTH_FLAGS))
 # LLM's keywords whose flag is not the keyword in dashes (--max-total-tokens): the rest name them so in messages
 FLAGS = {"max_context_len": "--context-length", **spec_config.CLI_FLAGS}
 READER_GONE = 128 + 13  # the exit code of a process SIGPIPE ends (`yes | head -1`): a reader that went away
@@ -150,24 +148,26 @@ def flag_names(flags, renamed: dict[str, str] | None = None):
     """Around a library check of a command's flags (SamplingParams', an engine option's, a request's BadField): its
     message's subject is the field as the API and the server take it ("top_p must be in (0, 1]"); here the flag
     typed names it ("--top-p must be in (0, 1]"), as every other flag's check does. `flags`: the parameter names
-    to name so; `renamed`: a field given by a flag of another name (generate's prompt ids: {"prompt": "input_ids"}).
-    A BadField is renamed only when its subject is its field (its words then speak of that field). A RequestTooLong
-    names max_new_tokens and max_total_tokens so when they are among `flags`, an OptionError each option it names
-    (LLM's keyword: its flag, FLAGS' or the keyword in dashes)."""
+    to name so; `renamed`: a field or option given by a flag of another name (generate's prompt ids: {"prompt":
+    "input_ids"}). A BadField is renamed only when its subject is its field (its words then speak of that field).
+    An OptionError (a RequestTooLong too) names each option by its flag (FLAGS', or the keyword in dashes) where
+    `flags` has it, else by LLM's keyword; one naming none of `flags` passes through, for an enclosing flag_names."""
+    renamed = renamed or {}
+
     def typed(name: str) -> str:
-        return FLAGS.get(name, f"--{name.replace('_', '-')}") if name in flags else name
+        flag = renamed.get(name, name)
+        return FLAGS.get(flag, f"--{flag.replace('_', '-')}") if flag in flags else name
 
     try:
         yield
     except OptionError as e:
+        if all(typed(name) == name for name in e.values):
+            raise
         raise FastspecError(e.told(typed)) from None
-    except RequestTooLong as e:
-        raise FastspecError(e.told(**{name: typed(name) for name in LENGTH_FLAGS})) from None
     except FastspecError as e:
         subject, must, rest = str(e).partition(" must ")
-        name = (renamed or {}).get(subject, subject)
-        if must and name in flags and not (isinstance(e, BadField) and e.field != subject):
-            raise FastspecError(f"{typed(name)} must {rest}") from None
+        if must and renamed.get(subject, subject) in flags and not (isinstance(e, BadField) and e.field != subject):
+            raise FastspecError(f"{typed(subject)} must {rest}") from None
         raise
 
 

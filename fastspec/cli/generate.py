@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import (LENGTH_FLAGS, Notes, flag_names, parse_bias, parse_token_ids, prepare_progress,
+from fastspec.cli.common import (Notes, flag_names, parse_bias, parse_token_ids, prepare_progress,
                                  refuse_lossy_thresholds, stdout_refusals, stop_on_ctrl_c)
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
@@ -49,9 +49,8 @@ def generate(
     kwargs = options.llm_kwargs()
     kwargs["max_running_requests"] = min(kwargs["max_running_requests"], len(prompts))  # the batch is all it runs
     llm = LLM(**kwargs, on_prepare=prepare_progress(), say=notes)
-    # the engine's refusal of an id out of the vocabulary names the flag that gave it (a --prompt's ids: no flag),
-    # of a request too long the length flags
-    id_flags = flag_names({"input_ids", "stop_token_ids", "logit_bias"} | LENGTH_FLAGS,
+    # the engine's refusal of an id out of the vocabulary names the flag that gave it (a --prompt's ids: no flag)
+    id_flags = flag_names({"input_ids", "stop_token_ids", "logit_bias"},
                           {"prompt": "input_ids"} if input_ids else {})
     with stop_on_ctrl_c() as interrupted, id_flags:  # Ctrl-C: what each answer has so far is printed, then exit 130
         outputs = llm.generate(prompts, params, chat=chat, should_stop=interrupted.is_set)

@@ -157,7 +157,8 @@ def model_options(fn):
     @functools.wraps(fn)
     def wrapper(**kwargs):
         options = ModelOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
-        with flag_names(LLM_FLAGS):  # (the engine's refusals name LLM's keywords: here the flags typed)
+        # the engine's refusals name LLM's keywords and a request's length max_new_tokens: here the flags typed
+        with flag_names(LLM_FLAGS | (kwargs.keys() & {"max_new_tokens"})):
             options.validate()
             if hasattr(fn, "check_flags"):  # the command's own flags, also before torch is imported
                 fn.check_flags(**kwargs)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fastspec.cli.common import LENGTH_FLAGS, flag_names, refuse_lossy_thresholds, stdout_refusals
+from fastspec.cli.common import refuse_lossy_thresholds, stdout_refusals
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 
@@ -98,7 +98,7 @@ def tune(
     path = tuned_file.tuned_path(model_dir, draft_dir, weights, config.device)
     console = Console(stderr=True)
     ids = [llm.encode(t, chat=True) for t in texts[:num_prompts]]
-    with console.status("tuning") as status, flag_names(LENGTH_FLAGS):
+    with console.status("tuning") as status:
         result = run(llm, ids, cfg, say=lambda text: status.update(text))
     print_ = tuned_file.fingerprint(model_dir, draft_dir, weights, config.device)
     # (written first: a stdout that refuses the table loses nothing)
