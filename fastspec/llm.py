@@ -62,14 +62,13 @@ class LLM:
         check_options(LLM, engine_options)
         config = EngineConfig(model=model, **engine_options)
         check_spec_flags(speculative_algorithm, num_steps, topk, num_draft_tokens, accept_threshold_single,
-                         accept_threshold_acc, draft_model, cli=False, token_map=token_map,
+                         accept_threshold_acc, draft_model, token_map=token_map,
                          draft_revision=draft_revision, ngram=ngram is not None)
         if threads is not None:
             apply_threads(threads, "threads")
         algorithm, draft_model = default_speculation(model, speculative_algorithm, draft_model)
         if algorithm is None:  # (no shipped head: the default decodes plainly, reading no tree option nor threshold)
-            check_spec_flags("NONE", num_steps, topk, num_draft_tokens, accept_threshold_single, accept_threshold_acc,
-                             cli=False)
+            check_spec_flags("NONE", num_steps, topk, num_draft_tokens, accept_threshold_single, accept_threshold_acc)
         self.sources = sources = resolve_sources(
             model, algorithm, draft_model, revision=revision, draft_revision=draft_revision,
             quantization=config.quantization, device=config.device, load_format=config.load_format,

@@ -185,7 +185,7 @@ CLI_FLAGS = {"speculative_algorithm": "--speculative-algorithm", "draft_model": 
 
 def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: int | None = None,
                      num_draft_tokens: int | None = None, accept_threshold_single: float = 1.0,
-                     accept_threshold_acc: float = 1.0, draft_model: str | None = None, cli: bool = True, *,
+                     accept_threshold_acc: float = 1.0, draft_model: str | None = None, *,
                      token_map: str | None = None, draft_revision: str | None = None, ngram: bool = False) -> str:
     """The canonical algorithm name, after every check that needs no model: the name, the thresholds, the tree
     options as far as they are given (whether a partial shape is feasible depends on the target's defaults, which
@@ -193,52 +193,52 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
     and acceptance thresholds for NONE, all but num_draft_tokens for NGRAM; a token map but for EAGLE; a draft
     revision without a draft; NGRAM options (`ngram`: any given) but for NGRAM). `algorithm` None: the default (no
     tree option is ignored then; callers that know the model check its default: see `default_speculation`).
-    Messages name the options as CLI_FLAGS (`cli`) or as LLM's keywords."""
-    name = CLI_FLAGS.get if cli else str
+    Refusals are OptionErrors naming LLM's keywords (a command names them by CLI_FLAGS: cli.common.flag_names)."""
     if algorithm is not None and not isinstance(algorithm, str):
-        raise FastspecError(f"{name('speculative_algorithm')} must be a name such as 'EAGLE3', got {algorithm!r}")
-    for key, value in (("num_steps", num_steps), ("topk", topk), ("num_draft_tokens", num_draft_tokens),
-                       ("accept_threshold_single", accept_threshold_single),
-                       ("accept_threshold_acc", accept_threshold_acc)):  # (an API caller's "3")
-        kind = Real if key.startswith("accept") else Integral  # (a threshold has no "unset": its default is 1)
+        raise OptionError(f"{{speculative_algorithm}} must be a name such as 'EAGLE3', got {algorithm!r}",
+                          speculative_algorithm=algorithm)
+    thresholds = {"accept_threshold_single": accept_threshold_single, "accept_threshold_acc": accept_threshold_acc}
+    tree = {"num_steps": num_steps, "topk": topk, "num_draft_tokens": num_draft_tokens}
+    for key, value in (tree | thresholds).items():  # (an API caller's "3")
+        kind = Real if key in thresholds else Integral  # (a threshold has no "unset": its default is 1)
         if (value is not None or kind is Real) and (not isinstance(value, kind) or isinstance(value, bool)):
-            raise FastspecError(f"{name(key)} must be {'a number' if kind is Real else 'an integer'}, got {value!r}")
+            raise OptionError(f"{{{key}}} must be {'a number' if kind is Real else 'an integer'}, got {value!r}",
+                              **{key: value})
     algo = (algorithm or "NONE").upper()
     algo = "EAGLE" if algo == "NEXTN" else algo
     if algo not in SPEC_ALGORITHMS:
         raise FastspecError(f"unknown speculative algorithm {algorithm!r}; choose one of "
                             f"{', '.join(SPEC_ALGORITHMS)} (NEXTN = EAGLE)")
-    for key, value in (("accept_threshold_single", accept_threshold_single),
-                       ("accept_threshold_acc", accept_threshold_acc)):
+    for key, value in thresholds.items():
         if not 0 <= value <= 1:
-            raise FastspecError(f"{name(key)} must be in [0, 1], got {value}")
-    tree = {"num_steps": num_steps, "topk": topk, "num_draft_tokens": num_draft_tokens}
+            raise OptionError(f"{{{key}}} must be in [0, 1], got {value}", **{key: value})
     for (key, value), least, most in zip(tree.items(), (1, 1, 2), MAX_TREE):
         if value is not None and not least <= value <= most:
-            raise FastspecError(f"{name(key)} must be in [{least}, {most}], got {value}")
+            raise OptionError(f"{{{key}}} must be in [{least}, {most}], got {value}", **{key: value})
     if algo in ("EAGLE", "EAGLE3", "STANDALONE") and None not in (num_steps, topk, num_draft_tokens):
         check_tree(num_steps, topk, num_steps + 1 if topk == 1 else num_draft_tokens)
+    named = dict(speculative_algorithm=algorithm, draft_model=draft_model)
     if draft_model is not None and algorithm is None:
-        raise FastspecError(f"{name('draft_model')} needs {name('speculative_algorithm')} (EAGLE, EAGLE3 or "
-                            "STANDALONE): without it the draft would be ignored")
+        raise OptionError("{draft_model} needs {speculative_algorithm} (EAGLE, EAGLE3 or STANDALONE): without it the "
+                          "draft would be ignored", **named)
     if draft_model is not None and algo in ("NONE", "NGRAM"):
-        raise FastspecError(f"{name('draft_model')} with {name('speculative_algorithm')} {algo}, which drafts without "
-                            "one: the draft would be ignored")
+        raise OptionError(f"{{draft_model}} with {{speculative_algorithm}} {algo}, which drafts without one: the "
+                          "draft would be ignored", **named)
     ignored = [key for key, value in tree.items() if value is not None and algorithm is not None
                and (algo == "NONE" or algo == "NGRAM" and key != "num_draft_tokens")]
-    ignored += [key for key, value in (("accept_threshold_single", accept_threshold_single),
-                                       ("accept_threshold_acc", accept_threshold_acc))
+    ignored += [key for key, value in thresholds.items()
                 if value != 1.0 and algorithm is not None and algo == "NONE"]  # (nothing drafts: nothing to accept)
     ignored += ["token_map"] if token_map is not None and (algorithm is None or algo != "EAGLE") else []
     ignored += ["ngram"] if ngram and algo != "NGRAM" else []
+    given = tree | thresholds | {"token_map": token_map, "ngram": ngram}
     if ignored:
-        raise FastspecError(f"{name(ignored[0])} does not apply to {name('speculative_algorithm')} "
-                            f"{algo if algorithm else 'unset'}: it would be ignored"
-                            + (" (an FR-Spec token map is for EAGLE heads; EAGLE-3 heads bring their own d2t)"
-                               if ignored[0] == "token_map" else ""))
+        raise OptionError(f"{{{ignored[0]}}} does not apply to {{speculative_algorithm}} "
+                          f"{algo if algorithm else 'unset'}: it would be ignored"
+                          + (" (an FR-Spec token map is for EAGLE heads; EAGLE-3 heads bring their own d2t)"
+                             if ignored[0] == "token_map" else ""), **named, **{ignored[0]: given[ignored[0]]})
     if draft_revision is not None and draft_model is None:
-        raise FastspecError(f"{name('draft_revision')} needs {name('draft_model')} (a hub id): without it the revision "
-                            "would be ignored")
+        raise OptionError("{draft_revision} needs {draft_model} (a hub id): without it the revision would be "
+                          "ignored", draft_revision=draft_revision, draft_model=draft_model)
     return algo
 
 
