@@ -64,14 +64,19 @@ class RequestTooLong(OptionError):
         self.limit, self.capacity, self.room = limit, capacity, room
         self.prompt_len, self.max_new_tokens, self.need, self.page_size = prompt_len, max_new_tokens, need, page_size
         if limit == "context":
-            words = (f"prompt ({prompt_len} tokens) + {{max_new_tokens}} ({max_new_tokens}) exceeds the context "
+            words = (f"prompt ({tokens(prompt_len)}) + {{max_new_tokens}} ({max_new_tokens}) exceeds the context "
                      f"length {capacity}")
         else:  # (a speculative round's headroom can be most of `need`)
             pages = f"whole pages of {page_size} and " if page_size > 1 else ""
             words = (f"a request of {prompt_len} prompt + {max_new_tokens} new tokens does not fit in the KV pool of "
-                     f"{capacity} tokens (it needs {need}: {pages}a decode round's headroom; raise "
+                     f"{tokens(capacity)} (it needs {need}: {pages}a decode round's headroom; raise "
                      "{max_total_tokens})")
         super().__init__(words, max_new_tokens=max_new_tokens, max_total_tokens=capacity)
+
+
+def tokens(count: int) -> str:
+    """"1 token", "5 tokens": a count of tokens as a message prints it."""
+    return f"{count} token{'' if count == 1 else 's'}"
 
 
 class RunEnded(FastspecError):

@@ -119,6 +119,22 @@ def test_the_engine_checks_both_limits_in_one_place_and_says_which(small):
     assert (e.value.limit, e.value.room) == ("kv_pool", room - 65)
 
 
+def test_a_one_token_prompt_is_told_as_one_token(small):
+    """A refused prompt's length is counted in the singular when it is one token, by the engine and the server."""
+    from types import SimpleNamespace
+
+    from fastspec.serve.api_error import APIError
+    from fastspec.serve.lengths import PoolRefusals, check_length
+
+    _, llm, _, _ = small
+    engine, ctx = llm.engine, llm.engine.worker.max_context_len
+    with pytest.raises(FastspecError, match=rf"^prompt \(1 token\) \+ max_new_tokens \({ctx}\) exceeds"):
+        engine.request(0, [1], fastspec.SamplingParams(max_new_tokens=ctx))
+    parsed = SimpleNamespace(chat=False, max_tokens_field="max_tokens")
+    with pytest.raises(APIError, match=rf"^prompt \(1 token\) \+ max_tokens \({ctx}\) exceeds"):
+        check_length(engine, PoolRefusals(), parsed, 1, ctx, None)
+
+
 @pytest.mark.commands
 def test_a_command_names_the_length_by_its_flags(small):
     """Past the context or the KV pool, generate, chat and bench name the length by the flags typed

@@ -9,7 +9,7 @@ import logging
 import time
 from dataclasses import replace
 
-from fastspec.errors import RequestTooLong
+from fastspec.errors import RequestTooLong, tokens
 from fastspec.sampling.params import SamplingParams
 from fastspec.serve.api_error import APIError
 from fastspec.serve.protocol import ParsedRequest
@@ -64,7 +64,7 @@ def check_length(engine, refusals: PoolRefusals, parsed: ParsedRequest, prompt_l
             where = f"this server's KV pool ({e.capacity} tokens)"
             past = f"is more than this server's KV pool holds ({e.capacity} tokens)"
         if e.room < 1:
-            raise APIError(f"{what}: {prompt_len} tokens, no room for an answer in {where}", param=field,
+            raise APIError(f"{what}: {tokens(prompt_len)}, no room for an answer in {where}", param=field,
                            code="context_length_exceeded") from None
-        raise APIError(f"{what} ({prompt_len} tokens) + {name} ({max_new_tokens}) {past}: at most {e.room}",
+        raise APIError(f"{what} ({tokens(prompt_len)}) + {name} ({max_new_tokens}) {past}: at most {e.room}",
                        param=name, code="context_length_exceeded") from None
