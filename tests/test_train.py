@@ -127,6 +127,19 @@ def test_a_bad_or_missing_device_is_one_line_before_anything_is_written(chat_tar
     assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
+def test_a_kv_pool_past_memory_names_the_flag_train_draft_sizes_it_by(chat_target, prompt_file, tmp_path,
+                                                                       monkeypatch):
+    """train-draft sizes its target's KV pool from --max-new-tokens (it has no --max-total-tokens): a pool past the
+    memory available names that flag."""
+    from fastspec.memory import kv_pool
+
+    monkeypatch.setattr(kv_pool, "available_bytes", lambda device="cpu": 8 * 2**20)  # (the tiny target fits)
+    result = CliRunner().invoke(app, ["train-draft", "--out", str(tmp_path / "o"), "--model", str(chat_target),
+                                      "--prompts", str(prompt_file), "--max-new-tokens", "24", "--device", "cpu"])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert result.stderr.startswith("error: a KV pool of ") and result.stderr.endswith(": lower --max-new-tokens\n")
+
+
 def stop_at(step: int):
     """A progress callback that stops training at `step` as Ctrl-C would."""
     def interrupt(p):

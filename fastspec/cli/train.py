@@ -17,6 +17,7 @@ from fastspec.errors import FastspecError
 from fastspec.train.job import DRAFT_VOCAB_SIZE, Progress, TrainConfig
 
 LLM_FLAGS = {"model", "device", "max_new_tokens"}  # the flags that reach the engine (its refusals name them so)
+SIZED_BY = {"max_total_tokens": "max_new_tokens"}  # the engine's KV pool: sized from --max-new-tokens (trainer.py)
 PHASES = {"generate": "generating responses", "features": "target features", "train": "training"}
 
 
@@ -94,7 +95,7 @@ def train_draft(
             bar.update(tasks[p.phase], completed=p.done, total=p.total, info=info)
 
         try:
-            with _sigterm_raises(), flag_names(LLM_FLAGS):
+            with _sigterm_raises(), flag_names(LLM_FLAGS, SIZED_BY):
                 report = run(cfg, show)
         except OSError as e:  # a full disk, a directory that cannot be made: every file written so far is whole
             kept = (out / "train").is_dir()
