@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fastspec.graphs.runner import _inductor_without_host_sync
+from fastspec.graphs.compile_backend import inductor_without_host_sync
 from fastspec.models.arch_config import MoEConfig
 from fastspec.models.moe import MoE
 
@@ -43,7 +43,7 @@ def step(layer: MoE, path: str):
     """The layer's step with its experts run by `path` (forward_dense or forward_gathered), compiled."""
     def fn(x):
         return getattr(layer.experts, path)(x, *layer.gate(x))
-    return torch.compile(fn, backend=_inductor_without_host_sync, fullgraph=True, dynamic=False)
+    return torch.compile(fn, backend=inductor_without_host_sync, fullgraph=True, dynamic=False)
 
 
 def measure(layer: MoE, bs: int, hidden: int, dtype: torch.dtype, trials: int) -> dict:

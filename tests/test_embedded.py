@@ -71,9 +71,10 @@ def test_embedded_model_answers_paris(smollm_dir):
 
 def test_a_compiled_bfloat16_step_gives_a_request_what_it_gets_alone():
     """The embedded (packed) model in bfloat16: its compiled decode buckets round as eager does (Inductor told to:
-    fastspec.graphs.runner), so a request's logprobs (its logits) are the same beside another as alone, bit for bit,
-    and seeded output does not depend on the batch. Left to itself Inductor fused bucket 2's 16-bit kernels otherwise:
-    every logits row differed (a QA pass's seeded answer changed at token 18). Float linears: the next test."""
+    fastspec.graphs.compile_backend), so a request's logprobs (its logits) are the same beside another as alone, bit
+    for bit, and seeded output does not depend on the batch. Left to itself Inductor fused bucket 2's 16-bit kernels
+    otherwise: every logits row differed (a QA pass's seeded answer changed at token 18). Float linears: the next
+    test."""
     engine = Engine(EngineConfig(graphs="compile", cuda_graph_bs=(1, 2), max_running_requests=2, dtype="bfloat16",
                                  radix_cache=False, max_total_tokens=1024), SpecConfig())
     prompts = [[1, 504, 3071, 314, 2896, 30, 198], [1, 9690, 253, 6721, 216, 14, 5, 16, 1263]]

@@ -193,7 +193,7 @@ def test_a_failed_compile_falls_back_to_eager_kernels_with_one_warning_line(tiny
         raise RuntimeError("injected compile failure\nsecond line not shown")
 
     monkeypatch.setenv("FASTSPEC_GRAPH_FALLBACK", "1")
-    monkeypatch.setattr(runner_module, "_inductor_without_host_sync", broken_backend)
+    monkeypatch.setattr(runner_module, "inductor_without_host_sync", broken_backend)
     spec = SpecConfig.resolve("EAGLE3", "LlamaForCausalLM", draft_model=str(draft_dirs["llama"]["eagle3"]),
                               num_steps=3, topk=2, num_draft_tokens=5)
     config = EngineConfig(model=str(tiny_dirs["llama"][0]), max_total_tokens=2048, graphs="compile",

@@ -12,7 +12,7 @@ import torch
 from conftest import make_hf_model
 
 import fastspec
-from fastspec.graphs.runner import _inductor_without_host_sync
+from fastspec.graphs.compile_backend import inductor_without_host_sync
 from fastspec.kernels import cpu_library
 from fastspec.models.moe import Experts
 from fastspec.sampling import SamplingParams
@@ -68,7 +68,7 @@ def test_compiled_experts_are_the_sparse_ones_bit_for_bit(fresh_dynamo, E, k, T,
         pytest.skip("torch 2.11's Inductor (checked; 2.13 rounds as eager) multiplies by the float32 routing weight, "
                     "not its bfloat16 rounding, with emulate_precision_casts on: dense and gathered alike")
     module = experts(E, dtype)
-    compiled = torch.compile(module, backend=_inductor_without_host_sync, fullgraph=True, dynamic=False)
+    compiled = torch.compile(module, backend=inductor_without_host_sync, fullgraph=True, dynamic=False)
     for seed in range(3):
         x, (weights, index) = torch.randn(T, 16, dtype=dtype), routing(T, k, E, seed)
         assert torch.equal(compiled(x, weights, index), module.forward_sparse(x, weights, index)), seed

@@ -68,8 +68,8 @@ def test_overlap_launches_the_next_round_before_handing_out_the_last(tiny_dirs, 
     are handed out (for every round but the last); without it, never."""
     for llm in both(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", 3, 1, 4, 1):
         engine, events = llm.engine, []
-        submit, hand_out = engine._submit, engine._hand_out
-        engine._submit = lambda fn, *a: events.append(fn.__name__) or submit(fn, *a)
+        submit, hand_out = engine.thread.submit, engine._hand_out
+        engine.thread.submit = lambda fn, *a: events.append(fn.__name__) or submit(fn, *a)
         engine._hand_out = lambda *a: events.append("hand_out") or hand_out(*a)
         engine.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=24, ignore_eos=True)] * 2)
         # at each hand-out, how many steps were submitted and not yet handed out: 2 = the next one is in flight

@@ -1,8 +1,8 @@
 """The engine: continuous batching over a worker (fastspec.engine.worker), which owns the models, the KV pool and the
 round functions. Each step admits what fits, preempts what must wait, launches a worker step (a prefill chunk
 or a decode round), hands out what each request produced and releases the requests that finished. With the
-overlap schedule the worker runs in a thread of its own, one decode round ahead of the hand-out, and launches
-each round on the device before reading the last (see `stream`).
+overlap schedule the worker runs in a thread of its own (fastspec.engine.worker_thread), one decode round ahead of
+the hand-out, and launches each round on the device before reading the last (see `stream`).
 Tokenisation stays outside (fastspec.llm); the engine speaks token ids.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 
 from fastspec.config import EngineConfig
 from fastspec.engine.intake import Intake
@@ -19,6 +19,7 @@ from fastspec.engine.outputs import EngineLoad, GenerateOutput, StepOutput, coll
 from fastspec.engine.scheduler import Request, Scheduler
 from fastspec.engine.streams import OneRun
 from fastspec.engine.worker import Worker
+from fastspec.engine.worker_thread import WorkerThread
 from fastspec.models.sources import ModelSources
 from fastspec.sampling.params import SamplingParams
 from fastspec.spec_config import SpecConfig
@@ -33,8 +34,7 @@ class Engine:
         self.config = config = self.worker.config  # its `auto` choices made
         self.preemptions = 0  # requests taken out of a running batch to make room (recomputed later)
         self.overlap = config.overlap
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="fastspec-worker") if self.overlap else None
-        self._last: Future | None = None  # the last thing submitted to the worker (a step or a release)
+        self.thread = WorkerThread(self.worker, self.overlap)  # under overlap its own, else the caller's
         self._free_before = 0  # free KV in the pool before the step in flight (after the last one handed out)
         self._runs = OneRun()  # a stream or a server's loop, one at a time (see `run`), and the aborts it takes
         self.load = EngineLoad(0, 0, self.worker.available_kv())
@@ -70,7 +70,7 @@ class Engine:
     def check_kv(self, running: list[Request] = ()) -> None:
         """Leak check: free slots + slots held by `running` and the prefix cache == capacity (AssertionError
         otherwise), as `call` runs it: under overlap in the worker's thread, after what was submitted before."""
-        self.call(lambda: self._submit(self.worker.check_kv, running).result(), "check_kv").result()
+        self.call(lambda: self.thread.submit(self.worker.check_kv, running).result(), "check_kv").result()
 
     def call(self, fn: Callable, what: str = "the call") -> Future:
         """fn() with no step running meanwhile, as a Future of its result (OneRun.call): from another thread while
@@ -81,7 +81,7 @@ class Engine:
         """Empty the prefix cache (its unlocked entries' slots go back to the allocator), as `call` runs it; under
         overlap in the worker's thread, after what was submitted before and the round launched ahead finished
         (both may hand KV to the cache)."""
-        self.call(lambda: self._submit(self.worker.flush_cache).result(), "flush_cache").result()
+        self.call(lambda: self.thread.submit(self.worker.flush_cache).result(), "flush_cache").result()
 
     # ---- public API -------------------------------------------------------------------------------------
 
@@ -136,33 +136,33 @@ class Engine:
                     if poll is None:
                         break
                     self._run_calls()
-                    if self._thread is None:  # every release applied (under overlap: in the worker's thread)
+                    if not self.overlap:  # every release applied (under overlap: in the worker's thread)
                         self.load = EngineLoad(0, 0, self.worker.available_kv())
                     continue
                 out = self._apply_aborts(scheduler)
                 if inflight is not None and not self._may_run_ahead(scheduler, inflight[0]):
-                    out += self._hand_out(scheduler, self._result(inflight[1], last=True))
+                    out += self._hand_out(scheduler, self.thread.result(inflight[1], last=True))
                     inflight = None
                 if inflight is None:
                     self._run_calls()
                 launched = self._launch(scheduler, ahead=inflight is not None)
                 if inflight is not None:
-                    out += self._hand_out(scheduler, self._result(inflight[1], last=launched is None))
+                    out += self._hand_out(scheduler, self.thread.result(inflight[1], last=launched is None))
                 inflight = launched
                 if not self.overlap and inflight is not None:
-                    out += self._hand_out(scheduler, self._result(inflight[1], last=True))
+                    out += self._hand_out(scheduler, self.thread.result(inflight[1], last=True))
                     inflight = None
                 # free KV: read now with nothing in flight (under overlap once the worker's thread has applied the
                 # releases: nothing runs then, so that wait is short), else as of the last hand-out
                 if inflight is None:
-                    self._drain()
+                    self.thread.drain()
                     free = self.worker.available_kv()
                 else:
                     free = self._free_before + self.worker.memory.room_to_grow
                 self.load = EngineLoad(len(scheduler.running), len(scheduler.waiting), free)
                 yield out
         finally:  # done, or the caller stopped iterating (an exception, a closed pipe): hand every slot back
-            self._drain(raise_errors=False)
+            self.thread.drain(raise_errors=False)
             for r in scheduler.running:
                 self.worker.release(r)
             self.load = EngineLoad(0, 0, self.worker.available_kv())  # (a stream left early read its last step's)
@@ -172,7 +172,7 @@ class Engine:
         preemption and the pool's growth read the allocator, so they run only with nothing in flight (`ahead`
         False)."""
         if not ahead:
-            self._drain()
+            self.thread.drain()
             scheduler.admit(self.worker.available_kv())
             if not any(r.prefilling for r in scheduler.running):
                 self._preempt_until_a_round_fits(scheduler)
@@ -186,7 +186,7 @@ class Engine:
             if self.worker.memory.room_to_grow:  # a static pool (CUDA, --max-total-tokens) skips the sum
                 self.worker.grow_kv(self._kv_wanted(scheduler))
             self._free_before = self.worker.free_kv()
-        return (None if prefilling else batch), self._submit(self.worker.step, batch, bool(prefilling))
+        return (None if prefilling else batch), self.thread.submit(self.worker.step, batch, bool(prefilling))
 
     def _kv_wanted(self, scheduler: Scheduler) -> int:
         """Free KV a growing pool should have before a step (nothing in flight): what the running requests have
@@ -219,7 +219,7 @@ class Engine:
                 r.metrics = r.metrics.add_round(result.accepted[b], len(tokens), result.max_depth)
             first = bool(tokens) and len(r.output_ids) == len(tokens) and r.params.prompt_logprobs is not None
             if r.finished:
-                self._submit(self.worker.release, r)
+                self.thread.submit(self.worker.release, r)
             logprobs = result.logprobs[b] if result.logprobs else None
             outputs.append(StepOutput(r.rid, list(tokens), r.finish_reason, r.metrics, logprobs,
                                       tuple(r.prompt_logprobs) if first else None))
@@ -227,45 +227,12 @@ class Engine:
         self._free_before = result.free_kv
         return outputs
 
-    def _submit(self, fn, *args) -> Future:
-        """Run `fn` in the worker's thread under overlap (in order, after what was submitted before), else now. At
-        exit (fastspec.engine.streams) the interpreter has already run the thread's last task and ended it: now."""
-        future = None
-        if self._thread is not None:
-            with contextlib.suppress(RuntimeError):  # (only "cannot schedule new futures after ... shutdown")
-                future = self._thread.submit(fn, *args)
-        if future is None:
-            future = Future()
-            future.set_result(fn(*args))
-        self._last = future
-        return future
-
-    def _result(self, step: Future, last: bool):
-        """A step's StepResult. A round the worker launched ahead is finished by the next step it runs: when
-        `step` is the `last` one submitted, the worker is asked to finish it (a flush) instead."""
-        result = step.result()
-        if isinstance(result, Future):
-            if last and not result.done():
-                self._submit(self.worker.flush)
-            result = result.result()
-        return result
-
     def _run_calls(self) -> None:
         """Run the calls other threads routed to this run (a server's: `call`) with nothing in flight: every step
         and release submitted done, the round launched ahead finished."""
         if self._runs.calls_waiting:
-            self._drain()
+            self.thread.drain()
             self._runs.run_calls()
-
-    def _drain(self, raise_errors: bool = True) -> None:
-        """Wait for everything submitted to the worker's thread (steps and releases, run in order), the round
-        it launched ahead finished."""
-        if self._thread is not None:
-            self._submit(self.worker.flush)
-        if self._last is not None:
-            wait([self._last])
-            if raise_errors:
-                self._last.result()
 
     def _preempt_until_a_round_fits(self, scheduler: Scheduler) -> None:
         """A decode round needs `headroom` free KV per request; preempt the newest requests until it has it."""
@@ -286,7 +253,7 @@ class Engine:
         for r in [*scheduler.waiting, *scheduler.running]:
             if r.rid in aborted and not r.finished:
                 r.finish_reason = "abort"
-                self._submit(self.worker.release, r)  # after the step in flight, if any
+                self.thread.submit(self.worker.release, r)  # after the step in flight, if any
                 done.append(StepOutput(r.rid, [], "abort", r.metrics))
         scheduler.waiting = deque(r for r in scheduler.waiting if not r.finished)
         scheduler.retire()

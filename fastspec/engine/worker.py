@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import Future
-from functools import partial
 
 import torch
 
@@ -27,12 +26,13 @@ from fastspec.engine.plain_rounds import PlainRounds
 from fastspec.engine.pools import build_memory
 from fastspec.engine.prefill import Prefill
 from fastspec.engine.produce import Producer, RoundOutput, StepResult
+from fastspec.engine.round_graphs import decode_graphs, graph_plan, verify_graphs
 from fastspec.engine.scheduler import Request
 from fastspec.engine.slots import BatchSlots
 from fastspec.engine.spec_rounds import SpecRounds
 from fastspec.engine.target import Target, make_target_backend
 from fastspec.errors import FastspecError
-from fastspec.graphs.step_graphs import GraphPlan, StepGraphs
+from fastspec.graphs.step_graphs import GraphPlan
 from fastspec.models.assemble import load_models, pack_round_rows
 from fastspec.models.sources import ModelSources, resolve_sources
 from fastspec.models.weights_fit import check_weights_fit, resolve_model_dtype
@@ -40,9 +40,7 @@ from fastspec.spec_config import SpecConfig, SpecParams
 from fastspec.speculative.backlog import DraftBacklog
 from fastspec.speculative.drafter import Drafter, build_drafters
 from fastspec.speculative.future import FutureMaps
-from fastspec.speculative.packing import verify_specs
 from fastspec.speculative.policy import SpecPolicy, mean_length, record_round
-from fastspec.speculative.steps import target_forward
 from fastspec.utils.metrics import PhaseTimes
 
 
@@ -80,14 +78,8 @@ class Worker:
         self.futures = FutureMaps(self.table.max_requests, config.device)
         self.backlog = DraftBacklog(config.chunked_prefill_size)  # rows prefill / plain rounds left the draft
         self._release_after: list[Request] = []  # released while in the round in flight (overlap)
-        self._plan = self._graph_plan(on_prepare)
+        self._plan = graph_plan(self.config, on_prepare)
         self._build_rounds(self._drafters(self._plan))
-
-    def _graph_plan(self, on_prepare) -> GraphPlan:
-        """Explicit buckets (--cuda-graph-bs) are prepared ahead; otherwise each on the first batch that needs it."""
-        cfg = self.config
-        return GraphPlan(cfg.graph_mode, tuple(cfg.graph_buckets), cfg.device, ahead=bool(cfg.cuda_graph_bs),
-                         on_prepare=on_prepare)
 
     def _drafters(self, plan: GraphPlan) -> dict[SpecParams, Drafter]:
         """SpecParams -> drafter: one per tree shape (several with a batch-size schedule)."""
@@ -96,20 +88,8 @@ class Worker:
 
     def _build_rounds(self, drafters: dict[SpecParams, Drafter]) -> None:
         """The rounds over `drafters`, with one verify graph set per tree shape."""
-        plan, hybrid = self._plan, self.states is not None
-        self.verify_graphs = {p.num_draft_tokens: StepGraphs(
-            "verify" if len(drafters) < 2 else f"verify N={p.num_draft_tokens}",
-            partial(target_forward, self.model, self.pool, self.table.table, self.feature, states=self.states,
-                    accept=True),
-            verify_specs(p.num_draft_tokens, hybrid, self.table.pad_row, tree=True), plan, self.times, "verify",
-            persist=())
-            for p in drafters}  # read within the round (logits kept for logprobs are copied by the round)
-        # plain decode rounds through the same function as a one-node verify: captured too (not for hybrid targets,
-        # whose plain rounds advance their recurrent states in place); on CPU eagerly too (the fused layers' dense plan
-        # of its paged one is one C call: fewer host ops than a decode's metadata and its plan)
-        self.decode_graphs = None if hybrid or (plan.mode == "eager" and plan.device != "cpu") else StepGraphs(
-            "decode", partial(target_forward, self.model, self.pool, self.table.table, self.feature),
-            verify_specs(1, False, self.table.pad_row), plan, self.times, "decode", persist=())
+        self.verify_graphs = verify_graphs(self.target, self.table, list(drafters), self._plan, self.times)
+        self.decode_graphs = decode_graphs(self.target, self.table, self._plan, self.times)
         self.use_drafters(drafters)
 
     def use_drafters(self, drafters: dict[SpecParams, Drafter]) -> None:
@@ -145,7 +125,7 @@ class Worker:
             raise FastspecError(f"schedule needs up to {spec.params}, the engine reserved {r}")
         self.spec = spec
         pack_round_rows(self.model, self.draft_model, spec, self.config)
-        self._plan = self._graph_plan(on_prepare)
+        self._plan = graph_plan(self.config, on_prepare)
         self._build_rounds(self._drafters(self._plan))
 
     def check_kv(self, running: list[Request] = ()) -> None:

@@ -6,7 +6,7 @@ from fastspec.graphs.buckets import bucket_for, default_buckets, parse_buckets
 
 _LAZY = {"configure_compile_caches": "fastspec.graphs.compile_cache", "BACKENDS": "fastspec.graphs.runner",
          "GraphRunner": "fastspec.graphs.runner", "StaticInput": "fastspec.graphs.runner",
-         "size_varies": "fastspec.graphs.runner", "GraphPlan": "fastspec.graphs.step_graphs",
+         "size_varies": "fastspec.graphs.compile_backend", "GraphPlan": "fastspec.graphs.step_graphs",
          "StepGraphs": "fastspec.graphs.step_graphs"}
 
 __all__ = ["BACKENDS", "GraphPlan", "GraphRunner", "StaticInput", "StepGraphs", "bucket_for",

@@ -9,7 +9,7 @@ ahead, or each before its first run (StepGraphs). A size that differs between pr
 `size_varies`) is symbolic in the compiled graph, so Inductor's on-disk cache serves the next process.
 Does not own: what the function computes (the draft loop, draft-extend and verify are handed in; this file knows
 nothing about EAGLE, models or attention) nor tensors the function reads or writes by closure (KV pools), which
-are never copied.
+are never copied; the compile backend that refuses host syncs and `size_varies` live in compile_backend.
 """
 
 import logging
@@ -23,6 +23,7 @@ from torch import Tensor
 
 from fastspec.errors import FastspecError
 from fastspec.graphs.buckets import bucket_for
+from fastspec.graphs.compile_backend import cause_line, inductor_without_host_sync
 from fastspec.graphs.compile_cache import configure_compile_caches, renew_compile_cache
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class GraphRunner:
                 raise
             except Exception as e:  # a graph break, a host sync, a CUDA capture error, a shape error in fn...
                 verb = "compile" if self.backend == "compile" else "capture"
-                raise FastspecError(f"cannot {verb} graph '{self.name}' for batch bucket {bs}: {_describe(e)}") from e
+                raise FastspecError(f"cannot {verb} graph '{self.name}' for batch bucket {bs}: {cause_line(e)}") from e
             self._prepared.add(bs)
             self.prepare_seconds[bs] = time.perf_counter() - start
 
@@ -150,7 +151,7 @@ class GraphRunner:
                 if not self.fallback:
                     raise
                 log.warning("graph '%s', batch bucket %d: compiling failed (%s); using its eager kernels instead",
-                            self.name, bs, _describe(e))
+                            self.name, bs, cause_line(e))
                 self._compiled[bs] = self.fn  # cuda: captured as they are; compile: run as they are
                 self._reset(bs)
                 outputs = self.fn(dict(self._views[bs])) if self.backend == "compile" else None
@@ -169,7 +170,7 @@ class GraphRunner:
     def _compile(self, bs: int) -> Outputs:
         """Compile for the bucket by running once (cuda: on a side stream, before capture)."""
         self._reset(bs)
-        compiled = torch.compile(self.fn, backend=_inductor_without_host_sync, fullgraph=True, dynamic=False)
+        compiled = torch.compile(self.fn, backend=inductor_without_host_sync, fullgraph=True, dynamic=False)
         outputs = self._aside(lambda: compiled(dict(self._views[bs])))
         self._compiled[bs] = compiled
         return outputs
@@ -246,55 +247,3 @@ class GraphRunner:
             return tuple(real_rows(i, t) for i, t in enumerate(outputs))
         raise FastspecError(f"graph '{self.name}' must return a dict or tuple of tensors, got {type(outputs).__name__}")
 
-
-def size_varies(tensor: Tensor, dim: int) -> None:
-    """Compile backend: `tensor`'s size along `dim` is symbolic in every graph that reads it, by argument or by
-    closure (a KV pool sized from free memory), so a different size neither recompiles nor misses the on-disk
-    cache. Dims a graph needs constant stay specialised (Inductor decides; nothing fails)."""
-    import torch._dynamo
-
-    torch._dynamo.maybe_mark_dynamic(tensor, dim)
-
-
-class HostSyncError(Exception):
-    """The traced graph reads a tensor's value on the host: not capturable as a CUDA graph."""
-
-
-def _inductor_without_host_sync(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    """Inductor, after refusing graphs with data-dependent scalars or shapes.
-
-    With dynamic=False every size is a constant, so a symbol in the graph can only come from a tensor's value:
-    `.item()`, `.tolist()`, `nonzero`, boolean-mask indexing... Recent dynamo traces these without a graph
-    break (so fullgraph=True alone accepts them), but each is a device->host sync that breaks CUDA capture.
-    """
-    from torch._inductor.compile_fx import compile_fx
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-    from torch.utils._pytree import tree_leaves
-
-    symbolic = (Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)
-    for node in gm.graph.nodes:
-        values = [v for v in tree_leaves(node.meta.get("example_value")) if isinstance(v, symbolic)]
-        if any(free_unbacked_symbols(v) for v in values):
-            raise HostSyncError(f"'{node.name}' depends on a tensor's value (a host sync: .item(), .tolist(), "
-                                f"nonzero, mask indexing...) at {_source_line(node)}")
-    # Inductor keeps a fused 16-bit kernel's intermediates in float32 unless told to round them as eager does, and
-    # what it fuses depends on the bucket: on CPU a bfloat16 request's logits then changed with its batch size
-    # (seeded output too). Told, every bucket computes what eager computes (measured on CPU; GPU graphs unchanged)
-    on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, Tensor))
-    return compile_fx(gm, example_inputs, config_patches={"emulate_precision_casts": True} if on_cpu else None)
-
-
-def _source_line(node: torch.fx.Node) -> str:
-    """'File "f.py", line 3, in fn: return x.item()' from the node's stack trace (last frame, no ^^^ markers)."""
-    lines = [ln.strip() for ln in node.meta.get("stack_trace", "").splitlines() if ln.strip().strip("^~")]
-    return ": ".join(lines[-2:]) or node.format_node()
-
-
-def _describe(e: Exception) -> str:
-    """`Type: first line` of the real cause (dynamo wraps backend errors in BackendCompilerFailed)."""
-    import torch._dynamo.exc
-
-    if isinstance(e, torch._dynamo.exc.BackendCompilerFailed):
-        e = e.inner_exception
-    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return f"{type(e).__name__}: {first}"
