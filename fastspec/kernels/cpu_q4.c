@@ -94,18 +94,22 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
     for (int m = 0; m < mb; m++) _mm512_storeu_ps(y + m * ldy, acc[m]);
 }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+/* A 64-byte group is two halves of 8 rows each (32 bytes: rows 0-7, then 8-15). The halves run one after the other
+ * over every group (the tile's weights, a few KB, are in L1 for the second), so that a row needs one float
+ * accumulator, not two: with 16 vector registers, 4 rows' accumulators and sums beside the 4 pair vectors fit, where
+ * both halves' spilled (4 rows cost more than 5). */
 static inline __attribute__((always_inline)) void tile(const uint8_t *w, const uint16_t *sm, int64_t G,
                                                        const int8_t *levels, const int16_t *x16, const float *xs,
                                                        const float *xsum, int64_t K, float *y, int64_t ldy,
                                                        const int mb) {
-    __m256 acc[Q4_ROWS][2];
-    for (int m = 0; m < mb; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     const __m256i nibble = _mm256_set1_epi8(15), low4 = _mm256_set1_epi16(15);
     const __m256i table = levels ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)levels))
                                  : _mm256_setzero_si256();
-    for (int64_t g = 0; g < G; g++) {
-        prefetch_unit(w, sm, 256, 32, g + Q4_AHEAD);
-        for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[Q4_ROWS];
+        for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < G; g++) {
+            if (h == 0) prefetch_unit(w, sm, 256, 32, g + Q4_AHEAD);
             __m256i s[Q4_ROWS];
             for (int m = 0; m < mb; m++) s[m] = _mm256_setzero_si256();
             for (int v = 0; v < 4; v++) {
@@ -133,13 +137,10 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *w, const u
             __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + g * 32 + 16 + 8 * h)));
             for (int m = 0; m < mb; m++) {
                 int64_t r = m * (K / Q4_GROUP) + g;
-                acc[m][h] = group_float(acc[m][h], _mm256_cvtepi32_ps(s[m]), scale, offset, xs[r], xsum[r]);
+                acc[m] = group_float(acc[m], _mm256_cvtepi32_ps(s[m]), scale, offset, xs[r], xsum[r]);
             }
         }
-    }
-    for (int m = 0; m < mb; m++) {
-        _mm256_storeu_ps(y + m * ldy, acc[m][0]);
-        _mm256_storeu_ps(y + m * ldy + 8, acc[m][1]);
+        for (int m = 0; m < mb; m++) _mm256_storeu_ps(y + m * ldy + 8 * h, acc[m]);
     }
 }
 #else
