@@ -32,11 +32,16 @@ class OptionError(FastspecError):
 
     def __init__(self, words: str, **values):
         self.words, self.values = words, values
-        super().__init__(self.told(str))
+        super().__init__(self.told(self.keyword))
+
+    @staticmethod
+    def keyword(name: str) -> str:
+        """How LLM names option `name`: the keyword itself (a subclass's options may be keys of one: NgramError)."""
+        return name
 
     def told(self, flag: Callable[[str], str]) -> str:
-        """The message, each option named `flag(keyword)`: the keyword itself (its value as Python writes it) or
-        the command's flag (its value as typed)."""
+        """The message, each option named `flag(name)`: as LLM names it (`keyword`; its value as Python writes it)
+        or the command's flag (its value as typed)."""
         def said(m: re.Match) -> str:
             name, equals, literal = m.group(1, 2, 3)
             if name not in self.values:
@@ -44,8 +49,8 @@ class OptionError(FastspecError):
             if not equals:
                 return flag(name)
             value = literal if literal else self.values[name]
-            if flag(name) == name:
-                return f"{name}={value!r}"
+            if flag(name) == self.keyword(name):
+                return f"{flag(name)}={value!r}"
             return f"{flag(name)} {'none' if value is None else value}"
 
         return re.sub(r"\{([a-z_]+)(=?)([\w:.-]*)\}", said, self.words)

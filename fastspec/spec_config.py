@@ -41,6 +41,16 @@ class SpecParams:
 MATCH_TYPES = ("BFS", "PROB")
 
 
+class NgramError(OptionError):
+    """A refused NgramParams: its placeholders are the fields it names, which LLM takes as keys of its `ngram`
+    ("ngram min_bfs_breadth must be >= 1"); a command names each by the flag that gives it (flag_names' renamed:
+    "--speculative-ngram-min-bfs-breadth must be >= 1")."""
+
+    @staticmethod
+    def keyword(name: str) -> str:
+        return f"ngram {name}"
+
+
 @dataclass(frozen=True)
 class NgramParams:
     """SGLang's speculative_ngram_* flags. Windows are n-gram lengths matched against the context's tail;
@@ -56,22 +66,22 @@ class NgramParams:
 
     def __post_init__(self):
         checks = (
-            (self.min_match_window_size >= 1, "ngram min_match_window_size must be >= 1"),
+            (self.min_match_window_size >= 1, "{min_match_window_size} must be >= 1"),
             (self.min_match_window_size <= self.max_match_window_size,
-             "ngram min_match_window_size must be <= max_match_window_size"),
+             "{min_match_window_size} must be <= {max_match_window_size}"),
             (self.max_match_window_size < self.branch_length,
-             "ngram max_match_window_size must be < branch_length (a matched window needs room to continue)"),
-            (self.min_bfs_breadth >= 1, "ngram min_bfs_breadth must be >= 1"),
-            (self.min_bfs_breadth <= self.max_bfs_breadth, "ngram min_bfs_breadth must be <= max_bfs_breadth"),
-            (self.match_type in MATCH_TYPES, f"ngram match_type must be one of {', '.join(MATCH_TYPES)}"),
-            (self.capacity >= self.branch_length, "ngram capacity must be >= branch_length"),
+             "{max_match_window_size} must be < {branch_length} (a matched window needs room to continue)"),
+            (self.min_bfs_breadth >= 1, "{min_bfs_breadth} must be >= 1"),
+            (self.min_bfs_breadth <= self.max_bfs_breadth, "{min_bfs_breadth} must be <= {max_bfs_breadth}"),
+            (self.match_type in MATCH_TYPES, f"{{match_type}} must be one of {', '.join(MATCH_TYPES)}"),
+            (self.capacity >= self.branch_length, "{capacity} must be >= {branch_length}"),
         )
-        for ok, message in checks:
+        for ok, words in checks:
             if not ok:
-                raise FastspecError(message + f" (min / max match window {self.min_match_window_size} / "
-                                    f"{self.max_match_window_size}, BFS breadth {self.min_bfs_breadth} / "
-                                    f"{self.max_bfs_breadth}, branch length {self.branch_length}, capacity "
-                                    f"{self.capacity})")
+                raise NgramError(words + f" (min / max match window {self.min_match_window_size} / "
+                                 f"{self.max_match_window_size}, BFS breadth {self.min_bfs_breadth} / "
+                                 f"{self.max_bfs_breadth}, branch length {self.branch_length}, capacity "
+                                 f"{self.capacity})", **dataclasses.asdict(self))
 
     @property
     def bfs_breadth_scale(self) -> float:  # breadth lost per window size below the max and per tree level

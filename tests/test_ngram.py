@@ -4,12 +4,15 @@ properties against a brute-force oracle that recounts n-gram continuations strai
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 
 import pytest
 import torch
 from ngram_helpers import cache_of, node_depths, occurs, trie_ngrams
 
+from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
 from fastspec.spec_config import NgramParams
 from fastspec.speculative.ngram import NgramCache, NgramDrafter
@@ -114,14 +117,48 @@ def test_tiny_capacity_keeps_only_ngrams_of_the_history():
         assert all(occurs(gram, history[:end]) for gram in grams)
 
 
-@pytest.mark.parametrize("bad", [
+BAD_PARAMS = [
     dict(min_match_window_size=0), dict(min_match_window_size=5, max_match_window_size=4),
     dict(max_match_window_size=18), dict(min_bfs_breadth=0), dict(min_bfs_breadth=3, max_bfs_breadth=2),
-    dict(match_type="DFS"), dict(capacity=17)])
+    dict(match_type="DFS"), dict(capacity=17)]
+FIELDS = "|".join(f.name for f in dataclasses.fields(NgramParams))
+
+
+def named_part(error: BaseException) -> str:
+    """A refusal's words before its summary of the values ("(min / max match window 1 / 12, ..., capacity 17)")."""
+    return str(error).partition(" (min / max match window ")[0]
+
+
+@pytest.mark.parametrize("bad", BAD_PARAMS)
 def test_params_are_validated(bad):
-    # named as LLM(ngram={...}) takes them (the CLI says its --speculative-ngram-* flags: test_generate)
-    with pytest.raises(FastspecError, match=f"^ngram {next(iter(bad))} must be "):
+    # named as LLM(ngram={...}) takes them, each field the message names "ngram <field>"
+    with pytest.raises(FastspecError, match=f"^ngram {next(iter(bad))} must be ") as refused:
         NgramParams(**bad)
+    assert not re.search(f"(?<!ngram )\\b({FIELDS})\\b", named_part(refused.value)), str(refused.value)
+
+
+@pytest.mark.parametrize("bad", BAD_PARAMS)
+def test_cli_names_each_field_by_its_flag(bad):
+    # "--speculative-ngram-min-match-window-size must be <= --speculative-ngram-max-match-window-size (...)":
+    # every field the message names is a flag, none an LLM key nor a half-renamed one ("max-match-window-size")
+    options = ModelOptions(speculative_algorithm="NGRAM", **{f"speculative_ngram_{k}": v for k, v in bad.items()})
+    with pytest.raises(FastspecError) as refused:
+        options.llm_kwargs()
+    message = named_part(refused.value)
+    assert message.startswith(f"--speculative-ngram-{next(iter(bad)).replace('_', '-')} must be "), message
+    named = re.findall(f"(--speculative-ngram-)?\\b({FIELDS.replace('_', '[-_]')})\\b", message)
+    assert named and all(flag for flag, _ in named) and "_" not in message, message
+    assert "ngram " not in message, message
+
+
+def test_window_order_names_both_windows():
+    with pytest.raises(FastspecError, match="^ngram min_match_window_size must be <= ngram max_match_window_size "):
+        NgramParams(min_match_window_size=5, max_match_window_size=4)
+    options = ModelOptions(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
+                           speculative_ngram_max_match_window_size=4)
+    with pytest.raises(FastspecError, match="^--speculative-ngram-min-match-window-size must be <= --speculative-"
+                                            "ngram-max-match-window-size \\(min / max match window 5 / 4"):
+        options.llm_kwargs()
 
 
 # ---------------------------------------------------------------------------------------------------------

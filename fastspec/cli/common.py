@@ -151,19 +151,21 @@ def flag_names(flags, renamed: dict[str, str] | None = None):
     to name so; `renamed`: a field or option given by a flag of another name (generate's prompt ids: {"prompt":
     "input_ids"}). A BadField is renamed only when its subject is its field (its words then speak of that field).
     An OptionError (a RequestTooLong too) names each option by its flag (FLAGS', or the keyword in dashes) where
-    `flags` has it, else by LLM's keyword; one naming none of `flags` passes through, for an enclosing flag_names."""
+    `flags` has it, else as LLM names it (its `keyword`); one naming none of `flags` passes through, for an enclosing
+    flag_names."""
     renamed = renamed or {}
 
-    def typed(name: str) -> str:
+    def typed(name: str) -> str | None:
         flag = renamed.get(name, name)
-        return FLAGS.get(flag, f"--{flag.replace('_', '-')}") if flag in flags else name
+        return FLAGS.get(flag, f"--{flag.replace('_', '-')}") if flag in flags else None
 
     try:
         yield
     except OptionError as e:
-        if all(typed(name) == name for name in e.values):
+        if all(typed(name) is None for name in e.values):
             raise
-        raise FastspecError(e.told(typed)) from None
+        keyword = e.keyword
+        raise FastspecError(e.told(lambda name: typed(name) or keyword(name))) from None
     except FastspecError as e:
         subject, must, rest = str(e).partition(" must ")
         if must and renamed.get(subject, subject) in flags and not (isinstance(e, BadField) and e.field != subject):

@@ -112,11 +112,9 @@ class ModelOptions:
             from fastspec.spec_config import NgramParams
 
             prefix = "speculative_ngram_"
-            try:
-                ngram = NgramParams(**{f.name[len(prefix):]: getattr(self, f.name) for f in fields(self)
-                                       if f.name.startswith(prefix)})
-            except FastspecError as e:  # ("ngram min_bfs_breadth must be ...": LLM's ngram keys, here the flags)
-                raise FastspecError(str(e).replace("ngram ", "--speculative-ngram-", 1).replace("_", "-")) from None
+            flags = {f.name[len(prefix):]: f.name for f in fields(self) if f.name.startswith(prefix)}
+            with flag_names(flags.values(), renamed=flags):  # (its refusals name LLM's ngram keys: here the flags)
+                ngram = NgramParams(**{field: getattr(self, flag) for field, flag in flags.items()})
         graphs = "eager" if self.disable_cuda_graph else "compile" if self.enable_torch_compile else self.graphs
         overlap = "off" if self.disable_overlap_schedule else self.overlap_schedule
         buckets = tuple(parse_buckets(self.cuda_graph_bs)) if self.cuda_graph_bs else None
