@@ -235,7 +235,8 @@ class Worker:
         """One decode round, launched and finished: speculative with `params`, else plain."""
         with self.times("round" if params is not None else "plain_round"):  # "round" = speculative rounds only
             if params is not None:  # the draft first runs over what prefill and plain rounds left it (each token
-                self.backlog.catch_up(self.drafter, reqs, self.config.device)  # once: not this round's rate)
+                with self.times("draft_extend"):  # once: a draft extend, not host work, in a round's split)
+                    self.backlog.catch_up(self.drafter, reqs, self.config.device)
             context = mean_length(reqs) if self.policy is not None else 0  # (before the round advances the lengths)
             start = time.perf_counter()
             out = self.spec_rounds.run(reqs, params) if params is not None else self.plain_rounds(reqs)
