@@ -219,28 +219,3 @@ def test_a_backlog_never_grows_past_its_bound(tiny_dirs, draft_dirs):
     assert [outputs[i] for i in range(len(prompts))] == [out[:24] for out in expected]
     assert not any(llm.engine.worker.backlog.behind(rid) for rid in range(len(prompts)))
 
-
-def test_a_rounds_split_counts_the_drafts_catch_up_as_draft_extend_not_host(tiny_dirs, draft_dirs, monkeypatch):
-    """The draft's catch-up over what prefill and plain rounds left it is a draft extend: a round's split (bench's
-    ms/round, tune's host cost per round) counts it so, not as host work. A fake clock (the phase timer's only):
-    each catch-up takes 1 s."""
-    from types import SimpleNamespace
-
-    from fastspec.utils import metrics
-
-    clock = [0.0]
-    monkeypatch.setattr(metrics, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    llm = spec_llm(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", 4, 1, 5, 1, radix_cache=False)
-    llm.engine.policy = PlainFor(4)
-    backlog = llm.engine.worker.backlog
-    catch_up = backlog.catch_up
-
-    def slow(*args):
-        clock[0] += 1.0
-        return catch_up(*args)
-
-    monkeypatch.setattr(backlog, "catch_up", slow)
-    llm.engine.times.reset()
-    llm.engine.generate(PROMPTS[:1], [SamplingParams(max_new_tokens=16, ignore_eos=True)])
-    split, rounds = llm.engine.times.split(), llm.engine.times.counts["round"]
-    assert rounds > 0 and split["draft_extend"] == rounds and split["host"] == 0.0

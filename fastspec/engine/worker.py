@@ -234,9 +234,8 @@ class Worker:
     def _decode(self, reqs: list[Request], params: SpecParams | None) -> RoundOutput:
         """One decode round, launched and finished: speculative with `params`, else plain."""
         with self.times("round" if params is not None else "plain_round"):  # "round" = speculative rounds only
-            if params is not None:  # the draft first runs over what prefill and plain rounds left it (each token
-                with self.times("draft_extend"):  # once: a draft extend, not host work, in a round's split)
-                    self.backlog.catch_up(self.drafter, reqs, self.config.device)
+            if params is not None:
+                self._catch_up(reqs)
             context = mean_length(reqs) if self.policy is not None else 0  # (before the round advances the lengths)
             start = time.perf_counter()
             out = self.spec_rounds.run(reqs, params) if params is not None else self.plain_rounds(reqs)
@@ -245,6 +244,13 @@ class Worker:
             if params is None:
                 self._bound_backlog(reqs)
         return out
+
+    def _catch_up(self, reqs: list[Request]) -> None:
+        """Before a speculative round the draft runs over what prefill and plain rounds left it (each token once),
+        timed as the round's `catch_up` phase: neither its own draft extend nor host work (metrics.ROUND_PHASES)."""
+        if any(self.backlog.behind(r.rid) for r in reqs):
+            with self.times("catch_up"):
+                self.backlog.catch_up(self.drafter, reqs, self.config.device)
 
     def _bound_backlog(self, reqs: list[Request]) -> None:
         """Requests whose draft backlog reached its bound catch up now (its memory stays bounded)."""

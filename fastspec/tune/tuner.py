@@ -189,7 +189,8 @@ def _tau(rounds: int, emitted: int) -> float:
 
 
 def _host_seconds(llm, prompts, cfg: TuneConfig) -> float:
-    """Host time per speculative round (packing, acceptance, commit), from a short real run."""
+    """Host time per speculative round (packing, acceptance, commit), from a short real run; not the draft's
+    catch-up over the prompts (a phase of its own: a cost per prompt token, not per round)."""
     engine = llm.engine
     engine.times.reset()
     llm.generate(prompts[:2], SamplingParams(max_new_tokens=min(24, cfg.max_new_tokens)))

@@ -53,6 +53,12 @@ class SpecMetrics:
                 "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_depth]}
 
 
+# The phases timed inside a speculative round. catch_up: the draft running over what prefill chunks and plain rounds
+# left it, before the round (fastspec.speculative.backlog): a cost per prompt or plain-decoded token, timed apart from
+# the round's own draft extend so that neither it nor host work (tune's cost per round) carries it.
+ROUND_PHASES = ("draft", "verify", "draft_extend", "catch_up")
+
+
 class PhaseTimes:
     """Wall time per round phase, accumulated: `with times("verify"): ...`. On CUDA the device is synchronised
     at both ends so the time is the phase's, not its launch's (only when `sync_cuda` is set: benchmarks; every
@@ -91,9 +97,9 @@ class PhaseTimes:
         return self.split()
 
     def split(self) -> dict[str, float]:
-        """Seconds per phase; `host` = speculative rounds minus the graph phases inside them (plain rounds are
-        timed apart as `plain_round`)."""
+        """Seconds per phase; `host` = speculative rounds minus the ROUND_PHASES timed inside them (plain rounds are
+        timed apart as `plain_round`), so a round's phases and host sum to `round`."""
         rounds = self.seconds.get("round", 0.0)
-        inner = sum(v for k, v in self.seconds.items() if k in ("draft", "verify", "draft_extend"))
+        inner = sum(self.seconds.get(k, 0.0) for k in ROUND_PHASES)
         return {**{k: v for k, v in self.seconds.items() if k != "round"}, "host": max(rounds - inner, 0.0),
                 "round": rounds}
