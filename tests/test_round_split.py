@@ -3,6 +3,8 @@ tune's host cost per round read it. Fake clocks, the phase timer's only: no time
 
 from types import SimpleNamespace
 
+import pytest
+
 from test_policy import PlainFor
 from test_speculative import PROMPTS, spec_llm
 
@@ -17,12 +19,16 @@ def fake_clock(monkeypatch) -> list[float]:
     return clock
 
 
-def test_the_drafts_catch_up_is_its_own_phase_not_draft_extend_or_host(tiny_dirs, draft_dirs, monkeypatch):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_the_drafts_catch_up_is_a_phase_of_the_round_it_precedes(tiny_dirs, draft_dirs, monkeypatch, overlap):
     """The draft's catch-up over what prefill and plain rounds left it is a cost per prompt and plain-decoded token:
-    its own phase of the speculative round it precedes, neither that round's draft extend nor host work. A fake
-    clock: each catch-up takes 1 s, nothing else takes any time."""
+    its own phase of the speculative round it precedes, neither that round's draft extend nor host work, with the
+    overlap schedule too (there it runs before the round's launch). Each round is counted once (the overlap schedule
+    finishes one in a later call): tune's host cost and bench's ms/round divide by that count. A fake clock: each
+    catch-up takes 1 s, nothing else takes any time."""
     clock = fake_clock(monkeypatch)
-    llm = spec_llm(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", 4, 1, 5, 1, radix_cache=False)
+    llm = spec_llm(tiny_dirs, draft_dirs, "llama", "STANDALONE", "self", 4, 1, 5, 1, radix_cache=False,
+                   overlap_schedule=overlap)
     llm.engine.policy = PlainFor(4)
     backlog = llm.engine.worker.backlog
     catch_up = backlog.catch_up
@@ -33,8 +39,9 @@ def test_the_drafts_catch_up_is_its_own_phase_not_draft_extend_or_host(tiny_dirs
 
     monkeypatch.setattr(backlog, "catch_up", slow)
     llm.engine.times.reset()
-    llm.engine.generate(PROMPTS[:1], [SamplingParams(max_new_tokens=16, ignore_eos=True)])
+    [out] = llm.engine.generate(PROMPTS[:1], [SamplingParams(max_new_tokens=16, ignore_eos=True)])
     times = llm.engine.times
     split = times.split()
-    assert times.counts["round"] > 1 and times.counts["catch_up"] == 1  # the prompt and 4 plain rounds, at once
+    assert times.counts["round"] == out.metrics.verify_rounds > 1 and times.counts["plain_round"] == 4
+    assert times.counts["catch_up"] == 1  # over the prompt and the 4 plain rounds, at once
     assert split["catch_up"] == split["round"] == 1.0 and split["draft_extend"] == split["host"] == 0.0

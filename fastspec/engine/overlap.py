@@ -76,7 +76,7 @@ class OverlapSchedule:
     def flush(self) -> None:
         """Finish the round in flight, if any (its Future gets its StepResult)."""
         if self.pending is not None:
-            with torch.inference_mode(), self.times("round"):
+            with torch.inference_mode(), self.times("round", count=False):  # (counted at its launch)
                 self._finish(self.pending)
 
     def _finish(self, p: PendingRound) -> None:

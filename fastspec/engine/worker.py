@@ -200,7 +200,8 @@ class Worker:
         self.slots.make_room(self.round_headroom() * len(reqs))
         if any(self.backlog.behind(r.rid) for r in reqs):  # after a prefill or plain round: none is in flight
             self.flush()
-            self.backlog.catch_up(self.drafter, reqs, self.config.device)
+            with self.times("round", count=False):  # a phase of the round launched next, as in _decode
+                self._catch_up(reqs)
         done = self.overlap.launch(reqs, params)
         self._release_finished()
         return done

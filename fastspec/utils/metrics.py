@@ -70,7 +70,9 @@ class PhaseTimes:
         self.sync_cuda = sync_cuda
 
     @contextlib.contextmanager
-    def __call__(self, name: str):
+    def __call__(self, name: str, count: bool = True):
+        """count=False: more time for a call counted elsewhere (the overlap schedule counts a speculative round
+        where it launches it; it finishes it, and may catch the draft up for it, in other calls)."""
         if self.sync_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -80,7 +82,7 @@ class PhaseTimes:
             if self.sync_cuda:
                 torch.cuda.synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-            self.counts[name] = self.counts.get(name, 0) + 1
+            self.counts[name] = self.counts.get(name, 0) + int(count)
 
     def reset(self) -> None:
         self.seconds, self.counts = {}, {}
