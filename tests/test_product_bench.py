@@ -48,11 +48,12 @@ def test_bench_table_fits_80_columns_with_every_figure_whole(capsys, monkeypatch
     monkeypatch.setenv("COLUMNS", "80")
     row = SimpleNamespace(batch_size=16, baseline_tok_s=1234.5, spec_tok_s=12345.6, speedup=10.0, tau=2.31,
                           spec_tok_s_per_request=771.6, acceptance_by_depth=[0.91, 0.72, 0.55, 0.41, 0.3],
-                          ms_per_round={"draft": 0.48, "verify": 12.91, "draft_extend": 0.49, "host": 0.12})
+                          ms_per_round={"draft": 0.48, "verify": 12.91, "draft_extend": 0.49, "catch_up": 0.33,
+                                        "host": 0.12}, rounds={"speculative": 40.0, "plain": 0.0})
     print_bench_table({"algorithm": "EAGLE3", "num_steps": 5, "topk": 4, "num_draft_tokens": 8}, [row])
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 80 and "…" not in out
-    for figure in ("1234.5", "12345.6", "10.00x", "771.6", "2.31", "91 72 55 41", "0.5·12.9·0.5·0.1"):
+    for figure in ("1234.5", "12345.6", "10.00x", "771.6", "2.31", "91 72 55 41", "0.5·12.9·0.5·0.3·0.1"):
         assert figure in out, figure
 
 
@@ -65,14 +66,16 @@ def test_bench_table_shows_no_round_figures_where_no_speculative_round_ran(capsy
 
     monkeypatch.setenv("COLUMNS", "80")
     rows = [SimpleNamespace(batch_size=1, baseline_tok_s=700.0, spec_tok_s=690.0, speedup=0.99, tau=0.0, shape="plain",
-                            spec_tok_s_per_request=690.0, acceptance_by_depth=[], ms_per_round={"host": 0.0}),
+                            spec_tok_s_per_request=690.0, acceptance_by_depth=[], ms_per_round={"host": 0.0},
+                            rounds={"speculative": 0.0, "plain": 8.0}),
             SimpleNamespace(batch_size=2, baseline_tok_s=1400.0, spec_tok_s=1500.0, speedup=1.07, tau=3.5,
                             shape="3/2/9", spec_tok_s_per_request=750.0, acceptance_by_depth=[1.0, 0.5],
-                            ms_per_round={"draft": 1.2, "verify": 1.4, "draft_extend": 0.6, "host": 0.8})]
+                            ms_per_round={"draft": 1.2, "verify": 1.4, "draft_extend": 0.6, "catch_up": 0.4,
+                                          "host": 0.8}, rounds={"speculative": 3.0, "plain": 0.0})]
     print_bench_table({"algorithm": "EAGLE3", "tuned": True}, rows)
     plain, tree = (line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith(("1 ", "2 ")))
     assert "0.00" not in plain and "0.0·0.0" not in plain and plain.split()[-5:] == ["-", "-", "-", "(no", "rounds)"]
-    assert "3.50" in tree and "100 50" in tree and "1.2·1.4·0.6·0.8" in tree
+    assert "3.50" in tree and "100 50" in tree and "1.2·1.4·0.6·0.4·0.8" in tree
 
 
 def test_bench_reports_the_bad_jsonl_line(tmp_path):
@@ -200,7 +203,7 @@ def test_bench_runs_only_full_batches(monkeypatch):
 
     engine = SimpleNamespace(generate=generate, flush_cache=lambda: None, spec=SpecConfig(),
                              times=SimpleNamespace(reset=lambda: None))
-    monkeypatch.setattr(offline, "_phase_split", lambda *args: {})
+    monkeypatch.setattr(offline, "_phase_split", lambda *args: offline.PhaseSplit({}, {}, 1))
     llm = SimpleNamespace(engine=engine)
     results = offline.run_bench(llm, llm, [[1], [2], [3]], [2, 4], max_new_tokens=4, trials=1, warmup=0)
     assert batches == [2, 2, 2, 2, 4, 4]  # bs 2: 4 prompts in 2 batches, each engine; bs 4: one batch of 4 each

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from fastspec.sampling.params import SamplingParams
-from fastspec.utils.metrics import SpecMetrics
+from fastspec.utils.metrics import ROUND_PHASES, SpecMetrics
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class BenchResult:
     spec_tok_s_per_request: float
     tau: float
     acceptance_by_depth: list[float]
-    ms_per_round: dict[str, float]  # draft / verify / draft_extend / host / round
+    ms_per_round: dict[str, float]  # per speculative round: ROUND_PHASES and host, which sum to round
+    rounds: dict[str, float]  # decode rounds of the batch a trial: speculative, plain (the measured fallback's choice,
+    # or a plain tier): tok/s counts both, ms_per_round and tau the speculative ones
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,7 +68,7 @@ def run_bench(baseline, spec, prompts: list[list[int]], batch_sizes: list[int], 
                 rates[name].append(tokens / seconds)
                 metrics = metrics + m if name == "spec" else metrics
         results.append(_result(bs, whole, shape_at(spec.engine.spec, bs), rates, metrics,
-                               _phase_split(spec, batch_prompts, bs, params)))
+                               _phase_split(spec, batch_prompts, bs, params, trials)))
     return results
 
 
@@ -76,20 +78,30 @@ def shape_at(spec, bs: int) -> str:
     return "plain" if params is None else params.shape
 
 
-def _phase_split(spec, prompts: list[list[int]], bs: int, params: SamplingParams) -> dict:
+@dataclass(frozen=True)
+class PhaseSplit:
+    seconds: dict[str, float]  # PhaseTimes.split() of the speculative engine over `runs` runs of the prompts
+    counts: dict[str, int]  # calls per phase over those runs: "round" = speculative rounds, "plain_round" = plain
+    runs: int
+
+
+def _phase_split(spec, prompts: list[list[int]], bs: int, params: SamplingParams, trials: int) -> PhaseSplit:
     """The timed trials' phase times; on a GPU those are launch times, so one more run synchronises at every
     phase boundary (untimed for tok/s: the syncs stall the launch queue)."""
     times, device = spec.engine.times, spec.engine.config.device
     if not device.startswith("cuda"):
-        return times.split()
-    return times.synced_split(lambda: timed_run(spec, prompts, bs, params), device)
+        return PhaseSplit(times.split(), dict(times.counts), trials)
+    seconds = times.synced_split(lambda: timed_run(spec, prompts, bs, params), device)
+    return PhaseSplit(seconds, dict(times.counts), 1)
 
 
-def _result(bs: int, requests: int, shape: str, rates: dict, metrics: SpecMetrics, split: dict) -> BenchResult:
+def _result(bs: int, requests: int, shape: str, rates: dict, metrics: SpecMetrics, split: PhaseSplit) -> BenchResult:
     base, spec = statistics.median(rates["baseline"]), statistics.median(rates["spec"])
-    rounds = max(metrics.verify_rounds, 1) / bs  # rounds of the whole batch (every request verifies each round)
-    skip = ("prefill", "plain_round", "decode")  # not parts of a speculative round
-    per_round = {k: round(v / rounds * 1000, 2) for k, v in split.items() if k not in skip}
+    rounds = split.counts.get("round", 0)  # the split's own: on a GPU it is one synchronised run, not the trials
+    per_round = {k: round(split.seconds.get(k, 0.0) / rounds * 1000, 2) if rounds else 0.0
+                 for k in (*ROUND_PHASES, "host", "round")}
+    mix = {kind: round(split.counts.get(name, 0) / split.runs, 1)
+           for kind, name in (("speculative", "round"), ("plain", "plain_round"))}
     return BenchResult(bs, requests, shape, round(base, 2), round(spec, 2), round(spec / base, 3), round(base / bs, 2),
                        round(spec / bs, 2), round(metrics.tau, 3), [round(a, 3) for a in metrics.acceptance_by_depth],
-                       per_round)
+                       per_round, mix)

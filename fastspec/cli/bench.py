@@ -129,8 +129,9 @@ def _algorithm(spec, options: ModelOptions) -> str:
 
 
 def print_bench_table(config: dict, results) -> None:
-    """One row per batch size, in 80 columns: acceptance at the first four draft depths in percent, and the round's
-    milliseconds split as the caption says (the JSON keeps every depth and every figure)."""
+    """One row per batch size, in 80 columns: acceptance at the first four draft depths in percent, and a speculative
+    round's milliseconds split as the caption says (the JSON keeps every depth and every figure); below it, where
+    plain rounds ran too, how many of each kind a trial ran (tok/s counts both, the split the speculative)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -140,17 +141,23 @@ def print_bench_table(config: dict, results) -> None:
         shapes = f"(steps {config['num_steps']}, topk {config['topk']}, draft tokens {config['num_draft_tokens']})"
     table = Table(title=f"fastspec bench · {config['algorithm']} {shapes} vs no speculation",
                   caption="tok/s: plain, speculative, per request · accept %: per draft depth, up to 4 · ms/round: "
-                          "draft·verify·extend·host", box=None, pad_edge=False)
-    for column in ("batch", "plain", "spec", "speedup", "per req", "tau", "accept %", "ms/round"):
+                          "draft·verify·extend·catch-up·host", box=None, pad_edge=False)
+    for column in ("bs", "plain", "spec", "speedup", "per req", "tau", "accept %", "ms/round"):
         table.add_column(column, justify="right", no_wrap=True)
     for r in results:
         split, rounds = r.ms_per_round, r.tau > 0  # tau 0: no speculative round ran (a plain tier or fallback)
         table.add_row(str(r.batch_size), f"{r.baseline_tok_s:.1f}", f"{r.spec_tok_s:.1f}", f"{r.speedup:.2f}x",
                       f"{r.spec_tok_s_per_request:.1f}", f"{r.tau:.2f}" if rounds else "-",
                       " ".join(f"{100 * a:.0f}" for a in r.acceptance_by_depth[:4]) if rounds else "-",
-                      "·".join(f"{split.get(k, 0):.1f}" for k in ("draft", "verify", "draft_extend", "host"))
-                      if rounds else "- (no rounds)")
+                      "·".join(f"{split.get(k, 0):.1f}" for k in SPLIT) if rounds else "- (no rounds)")
     Console().print(table)
+    if any(r.rounds["plain"] for r in results):  # (the measured fallback, or a plain tier)
+        mix = " · ".join(f"bs {r.batch_size}: {r.rounds['speculative']:g} + {r.rounds['plain']:g}" for r in results)
+        Console().print(f"rounds a trial, speculative + plain: {mix} · tok/s counts both; tau, accept % and "
+                        "ms/round only the speculative")
+
+
+SPLIT = ("draft", "verify", "draft_extend", "catch_up", "host")  # the table's ms/round, in the caption's order
 
 
 def bench_profile(baseline, spec, prompt: list[int], sizes: list[int], options: ModelOptions, as_json: bool,
