@@ -11,8 +11,10 @@ STAMP := $(VENV)/.fastspec-setup
 FLOOR_VENV := .venv-floor
 FLOOR_TORCH := 2.11.0  # the oldest torch fastspec supports (pyproject's floor: a GPU image's); dynamo traces differently there
 # the tests of the compiled paths (graph steps, widths, compile cache, DeepSeek / hybrid compiled verify, tune), on FLOOR_TORCH
-FLOOR_TESTS := tests/test_cpu_q4.py tests/test_graphs.py tests/test_graph_steps.py tests/test_graph_widths.py tests/test_graph_cache.py \
-	tests/test_deepseek.py tests/test_hybrid.py tests/test_tune.py tests/test_packed_layers.py tests/test_fused_cpu.py \
+FLOOR_TESTS := tests/test_cpu_q4.py tests/test_graphs.py tests/test_graph_buckets.py tests/test_graph_misuse.py \
+	tests/test_graph_steps.py tests/test_graph_widths.py tests/test_graph_cache.py tests/test_deepseek.py \
+	tests/test_hybrid.py tests/test_hybrid_states.py tests/test_hybrid_drafters.py tests/test_tune.py \
+	tests/test_packed_layers.py tests/test_fused_cpu.py \
 	tests/test_quantised_checkpoints.py tests/test_quant_forms.py tests/test_cpu_attention.py tests/test_cpu_row_gemm.py \
 	tests/test_moe_gathered.py tests/test_deepseek_commands.py
 

@@ -111,7 +111,7 @@ MUTANTS = [
            "round(max(0.0, 1 - busy / wall), 3)", "round(max(0.0, busy / wall), 3)",
            ("tests/test_product_bench.py::test_profile_step_is_the_difference_of_two_runs_per_step",)),
     Mutant("FASTSPEC_GRAPH_FALLBACK=0 ignored", "fastspec/graphs/runner.py",
-           'os.environ.get("FASTSPEC_GRAPH_FALLBACK", "1") != "0"', "True", ("tests/test_graphs.py",)),
+           'os.environ.get("FASTSPEC_GRAPH_FALLBACK", "1") != "0"', "True", ("tests/test_graph_misuse.py",)),
 ]
 
 

@@ -43,8 +43,8 @@ MATCH_TYPES = ("BFS", "PROB")
 
 class NgramError(OptionError):
     """A refused NgramParams: its placeholders are the fields it names, which LLM takes as keys of its `ngram`
-    ("ngram min_bfs_breadth must be >= 1"); a command names each by the flag that gives it (flag_names' renamed:
-    "--speculative-ngram-min-bfs-breadth must be >= 1")."""
+    ("ngram min_bfs_breadth=3 must be <= ngram max_bfs_breadth=2"); a command names each by the flag that gives it
+    (flag_names' renamed: "--speculative-ngram-min-bfs-breadth 3 must be <= --speculative-ngram-max-bfs-breadth 2")."""
 
     @staticmethod
     def keyword(name: str) -> str:
@@ -65,23 +65,23 @@ class NgramParams:
     capacity: int = 1_000_000   # max trie nodes per cache; the least recently seen n-grams are evicted beyond it
 
     def __post_init__(self):
+        # (field, the rule it must meet, whether it does, why): a refusal names the field with its value and any field
+        # its rule compares with, each as the caller gave it (`{name=}`: "ngram capacity=17", "--speculative-ngram-
+        # capacity 17"); a value goes in as a placeholder's, so braces in a value typed are never read as one
         checks = (
-            (self.min_match_window_size >= 1, "{min_match_window_size} must be >= 1"),
-            (self.min_match_window_size <= self.max_match_window_size,
-             "{min_match_window_size} must be <= {max_match_window_size}"),
-            (self.max_match_window_size < self.branch_length,
-             "{max_match_window_size} must be < {branch_length} (a matched window needs room to continue)"),
-            (self.min_bfs_breadth >= 1, "{min_bfs_breadth} must be >= 1"),
-            (self.min_bfs_breadth <= self.max_bfs_breadth, "{min_bfs_breadth} must be <= {max_bfs_breadth}"),
-            (self.match_type in MATCH_TYPES, f"{{match_type}} must be one of {', '.join(MATCH_TYPES)}"),
-            (self.capacity >= self.branch_length, "{capacity} must be >= {branch_length}"),
+            ("min_match_window_size", ">= 1", self.min_match_window_size >= 1, ""),
+            ("min_match_window_size", "<= {max_match_window_size=}",
+             self.min_match_window_size <= self.max_match_window_size, ""),
+            ("max_match_window_size", "< {branch_length=}", self.max_match_window_size < self.branch_length,
+             " (a matched window needs room to continue)"),
+            ("min_bfs_breadth", ">= 1", self.min_bfs_breadth >= 1, ""),
+            ("min_bfs_breadth", "<= {max_bfs_breadth=}", self.min_bfs_breadth <= self.max_bfs_breadth, ""),
+            ("match_type", f"one of {', '.join(MATCH_TYPES)}", self.match_type in MATCH_TYPES, ""),
+            ("capacity", ">= {branch_length=}", self.capacity >= self.branch_length, ""),
         )
-        for ok, words in checks:
+        for field, rule, ok, why in checks:
             if not ok:
-                raise NgramError(words + f" (min / max match window {self.min_match_window_size} / "
-                                 f"{self.max_match_window_size}, BFS breadth {self.min_bfs_breadth} / "
-                                 f"{self.max_bfs_breadth}, branch length {self.branch_length}, capacity "
-                                 f"{self.capacity})", **dataclasses.asdict(self))
+                raise NgramError(f"{{{field}=}} must be {rule}{why}", **dataclasses.asdict(self))
 
     @property
     def bfs_breadth_scale(self) -> float:  # breadth lost per window size below the max and per tree level

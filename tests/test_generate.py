@@ -99,7 +99,7 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
     (["--prompt", "hi", "--speculative-algorithm", "NONE", "--speculative-ngram-max-bfs-breadth", "3"],
      "--speculative-ngram-* options does not apply to --speculative-algorithm NONE"),
     (["--prompt", "hi", "--speculative-algorithm", "NGRAM", "--speculative-ngram-min-bfs-breadth", "0"],
-     "error: --speculative-ngram-min-bfs-breadth must be >= 1 (min / max match window"),
+     "error: --speculative-ngram-min-bfs-breadth 0 must be >= 1\n"),
     (["--prompt", "hi", "--speculative-algorithm", "NGRAM", "--speculative-token-map", __file__],
      "--speculative-token-map does not apply to --speculative-algorithm NGRAM"),
     (["--prompt", "hi", "--speculative-algorithm", "EAGLE3", "--draft", __file__], "is a file, not a model"),

@@ -1,7 +1,8 @@
-"""GraphRunner and buckets: compiled / eager / CUDA-graph runs of a toy draft-loop-like function vs direct calls.
+"""GraphRunner: compiled / eager / CUDA-graph runs of a toy draft-loop-like function vs direct calls.
 
 The oracle is always the toy function called directly on the real (unpadded) rows with its own copy of the
-pool. Compilation is slow on CPU, so one compiled runner (buckets 1, 4) is shared by the whole module.
+pool. Compilation is slow on CPU, so one compiled runner (buckets 1, 4) is shared by the whole module. The bucket
+functions: test_graph_buckets.py; what cannot be a graph, and a malformed runner: test_graph_misuse.py.
 """
 
 import os
@@ -12,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastspec.errors import FastspecError
-from fastspec.graphs import (GraphRunner, StaticInput, bucket_for, configure_compile_caches, default_buckets,
-                             parse_buckets)
+from fastspec.graphs import GraphRunner, StaticInput, configure_compile_caches
 
 D, SLOTS, STEPS, K = 8, 40, 2, 4  # hidden size, pool slots (slot 0 = dummy), draft steps, slots read per request
 BUCKETS = [1, 4]  # exact runs at 1 and 4, padded runs 2 -> 4 and 3 -> 4 (each bucket costs ~10 s cold)
@@ -85,41 +85,7 @@ def compiled(pool0):
     return runner, pool, calls, counters["stats"]["unique_graphs"] - before
 
 
-# ---- buckets ----
-
-def test_default_buckets_hand_written():
-    assert default_buckets(8) == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert default_buckets(5) == [1, 2, 3, 4, 5]
-    assert default_buckets(48) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32,
-                                   40, 44, 48]
-    big = default_buckets(300)
-    assert big[:20] == default_buckets(32) and big[20:23] == [40, 44, 48]
-    assert big[23:27] == [52, 56, 60, 64] and big[27:29] == [72, 80] and big[-6:] == [240, 248, 256, 272, 288, 300]
-    assert len(big) == 8 + 12 + 7 + 24 + 3
-    assert default_buckets(50)[-3:] == [44, 48, 50]  # max_bs appended when not in the series
-    with pytest.raises(FastspecError):
-        default_buckets(0)
-
-
-def test_parse_buckets():
-    assert parse_buckets("1,2,4,8") == [1, 2, 4, 8]
-    assert parse_buckets(" 8, 1 ,4,4") == [1, 4, 8]
-    for bad in ["", "1,,2", "1,x", "-1,2", "0,2", "1.5", "2;4"]:
-        with pytest.raises(FastspecError, match="batch size"):
-            parse_buckets(bad)
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.sets(st.integers(1, 300), min_size=1, max_size=20), st.integers(1, 320))
-def test_bucket_for_is_smallest_bucket_at_least_bs(bucket_set, bs):
-    buckets = sorted(bucket_set)
-    fits = [b for b in buckets if b >= bs]
-    if fits:
-        assert bucket_for(buckets, bs) == min(fits)
-    else:
-        with pytest.raises(FastspecError, match=f"batch size {bs} exceeds"):
-            bucket_for(buckets, bs)
-
+# ---- a runner's buckets (the bucket functions: test_graph_buckets.py) ----
 
 def test_runner_bucket_for_pads_to_next_and_errors_past_max(compiled):
     runner = compiled[0]
@@ -188,53 +154,7 @@ def test_eager_backend_equals_direct_call(pool0):
     assert torch.equal(inputs["positions"], make_inputs(5, 11)["positions"])  # caller's tensors untouched
 
 
-# ---- graph safety and misuse ----
-
-def branch_on_item(inp):
-    if inp["x"].sum().item() > 0:
-        return {"y": inp["x"] + 1}
-    return {"y": inp["x"] - 1}
-
-
-def scale_by_tolist(inp):
-    first = inp["slots"].tolist()[0]  # int .tolist(): traced by dynamo without a graph break, still a host sync
-    return {"y": inp["x"] * first}
-
-
-def select_nonzero(inp):
-    return {"y": inp["x"][inp["x"] > 0]}  # data-dependent output shape
-
-
-@pytest.mark.parametrize("fn", [branch_on_item, scale_by_tolist, select_nonzero])
-def test_host_sync_fails_prepare_naming_graph_and_bucket(fn):
-    inputs = [StaticInput("x", (3,), torch.float32, pad_value=1.0), StaticInput("slots", (), torch.int64)]
-    runner = GraphRunner(fn.__name__, fn, inputs, [1, 2], "compile")
-    with pytest.raises(FastspecError, match=rf"graph '{fn.__name__}' for batch bucket 2: \w+"):
-        runner.prepare()
-    eager = GraphRunner(fn.__name__, fn, inputs, [1, 2], "eager")  # the same function runs fine eagerly
-    assert eager.run(1, {"x": torch.ones(1, 3), "slots": torch.ones(1, dtype=torch.int64)})["y"].numel() >= 1
-
-
-@pytest.mark.parametrize("setting", ["0", "1", None])
-def test_graph_fallback_setting_decides_whether_a_failed_compile_raises(setting, monkeypatch, caplog):
-    """FASTSPEC_GRAPH_FALLBACK=0 (the suite's setting): a bucket that cannot compile fails `prepare`; 1 or unset
-    (a user's run): it runs its eager kernels after one warning line."""
-    if setting is None:
-        monkeypatch.delenv("FASTSPEC_GRAPH_FALLBACK", raising=False)
-    else:
-        monkeypatch.setenv("FASTSPEC_GRAPH_FALLBACK", setting)
-    inputs = [StaticInput("x", (3,), torch.float32, pad_value=1.0), StaticInput("slots", (), torch.int64)]
-    runner = GraphRunner("branchy", branch_on_item, inputs, [1], "compile")  # a host sync: fullgraph refuses it
-    if setting == "0":
-        with pytest.raises(FastspecError, match="cannot compile graph 'branchy' for batch bucket 1"):
-            runner.prepare()
-        return
-    with caplog.at_level("WARNING", logger="fastspec.graphs.runner"):
-        runner.prepare()
-    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["graph 'branchy', batch bucket 1"]
-    x = torch.tensor([[-2.0, 0.5, 0.5]])
-    assert torch.equal(runner.run(1, {"x": x, "slots": torch.zeros(1, dtype=torch.int64)})["y"], x - 1)
-
+# ---- a run's inputs checked (refusing what cannot be a graph: test_graph_misuse.py); the compile caches ----
 
 def test_run_checks_inputs_and_outputs(compiled):
     runner = compiled[0]
@@ -246,21 +166,6 @@ def test_run_checks_inputs_and_outputs(compiled):
     not_per_request = GraphRunner("vocab", lambda inp: {"y": torch.zeros(5)}, INPUTS[:1], [4], "eager")
     with pytest.raises(FastspecError, match="output 'y' of shape \\(5,\\) is not per-request"):
         not_per_request.run(3, {"hidden": torch.zeros(3, D)})
-
-
-def test_constructor_and_unprepared_errors():
-    with pytest.raises(FastspecError, match="unknown graph backend"):
-        GraphRunner("g", make_toy(None), INPUTS, [1], "tensorrt")
-    with pytest.raises(FastspecError, match="buckets"):
-        GraphRunner("g", make_toy(None), INPUTS, [], "eager")
-    with pytest.raises(FastspecError, match="unique"):
-        GraphRunner("g", make_toy(None), INPUTS + INPUTS[:1], [1], "eager")
-    if not torch.cuda.is_available():
-        with pytest.raises(FastspecError, match="needs a CUDA device"):
-            GraphRunner("g", make_toy(None), INPUTS, [1], "cuda")
-    lazy = GraphRunner("g", make_toy(torch.zeros(SLOTS, D)), INPUTS, [1], "compile")
-    with pytest.raises(FastspecError, match="not prepared"):
-        lazy.run(1, make_inputs(1, 0))
 
 
 def test_compile_caches_point_at_fastspec_cache(monkeypatch, tmp_path):

@@ -3,9 +3,11 @@ and speculative decoding over them.
 
 transformers is the oracle for the math (logit parity in prefill and paged decode: test_models.py, which runs
 every family; the delta-rule and SSD kernels and per-node tree states: test_hybrid_kernels.py); here: greedy output
-against transformers' argmax, and the lossless invariant through the engine. Random drafts are rarely accepted, so an oracle drafter (NGRAM's slot, proposing
-the known greedy continuation plus wrong branches) drives multi-token commits and rejected branches, while a
-check after every step compares each request's recurrent state with a fresh prefill of its committed tokens.
+against transformers' argmax, and the lossless invariant through the engine. Random drafts are rarely accepted, so
+an oracle drafter (NGRAM's slot, proposing the known greedy continuation plus wrong branches) drives multi-token
+commits and rejected branches, while a check after every step compares each request's recurrent state with a fresh
+prefill of its committed tokens. The prefix cache's saved states: test_hybrid_states.py; NEXTN, tune and
+train-draft on a hybrid target: test_hybrid_drafters.py (both use the fixtures here).
 """
 
 import pytest
@@ -22,7 +24,6 @@ PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50]
            [69, 39, 93, 75, 10, 58, 20, 96, 44, 59, 23, 7, 81, 64, 6], [28, 62], [8, 89, 9], [86, 32]]
 NEW = 20
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "bamba"])
@@ -206,132 +207,3 @@ def test_unsupported_options_are_one_line_errors(hybrid, options, message):
     options = {k: str(root / "target") if v == "SELF" else v for k, v in options.items()}
     with pytest.raises(FastspecError, match=message):
         fastspec.LLM(str(root / "target"), max_total_tokens=512, **options)
-
-
-@pytest.fixture(scope="module")
-def qwen3_next_with_mtp(tmp_path_factory):
-    from tiny_models import write_qwen3_next_mtp
-
-    root = tmp_path_factory.mktemp("qwen3-next-mtp")
-    write_qwen3_next_mtp(root)
-    return root
-
-
-@pytest.mark.parametrize("steps, topk, n, page_size, bs", [(None, None, None, 1, 8), (3, 2, 6, 16, 5), (2, 4, 8, 1, 3)])
-def test_nextn_drafts_with_the_checkpoints_mtp_layer(qwen3_next_with_mtp, steps, topk, n, page_size, bs):
-    """Qwen3-Next's own MTP layer (an attention layer: no recurrent state) drafts; output equals target-only."""
-    root = str(qwen3_next_with_mtp)
-    plain = fastspec.LLM(root, max_total_tokens=4096).engine.generate(PROMPTS[:bs], [GREEDY] * bs)
-    llm = fastspec.LLM(root, speculative_algorithm="NEXTN", num_steps=steps, topk=topk, num_draft_tokens=n,
-                       page_size=page_size, max_total_tokens=4096)
-    assert type(llm.engine.drafter.model).__name__ == "Qwen3NextMTP"
-    outputs = llm.engine.generate(PROMPTS[:bs], [GREEDY] * bs)
-    assert [o.output_ids for o in outputs] == [o.output_ids for o in plain]
-    assert sum(o.metrics.verify_rounds for o in outputs) > 0
-    llm.engine.check_kv()
-
-
-def test_nextn_on_a_checkpoint_without_mtp_is_a_one_line_error(hybrid):
-    root, hf = hybrid
-    with pytest.raises(FastspecError, match=f"NEXTN drafts with the checkpoint's MTP layer, and this "
-                                            f"{type(hf).__name__} checkpoint has none"):
-        fastspec.LLM(str(root / "target"), speculative_algorithm="NEXTN", max_total_tokens=512)
-
-
-def test_tune_replay_and_train_draft_on_a_hybrid_target(hybrid, tmp_path, monkeypatch):
-    """tune's replay (one target forward per recorded sequence, fresh recurrent states) predicts the engine's
-    rounds exactly; train-draft extracts features from the hybrid target and its head decodes losslessly."""
-    from test_train import tiny_config
-    from tiny_models import write_chat_target, write_prompt_file
-
-    from fastspec.train.trainer import train_draft
-    from fastspec.tune.replay import candidate_params, record, replay_tau
-
-    root, hf = hybrid
-    target = str(root / "target")
-    plain = fastspec.LLM(target).engine.generate(PROMPTS[:3], [GREEDY] * 3)
-    probe = fastspec.LLM(target, speculative_algorithm="EAGLE", draft_model=str(root / "eagle"), num_steps=3, topk=2,
-                         num_draft_tokens=5)
-    e = probe.engine
-    recorded = [record(e.model, e.drafter.model, e.drafter.hot_token_id, e.feature, o.prompt_ids, o.output_ids,
-                       candidate_params(3, (1, 2), 5)) for o in plain]
-    outs = e.generate(PROMPTS[:3], [GREEDY] * 3)
-    assert [o.output_ids for o in outs] == [o.output_ids for o in plain]
-    rounds, emitted = (sum(getattr(o.metrics, f) for o in outs) for f in ("verify_rounds", "emitted_tokens"))
-    assert replay_tau(recorded, e.spec.params) == (rounds, emitted)
-
-    monkeypatch.setenv("FASTSPEC_CACHE", str(tmp_path / "cache"))
-    chat = write_chat_target(tmp_path / "chat", family=hf.config.model_type)  # the same model, with a tokenizer
-    report = train_draft(tiny_config(tmp_path / "head", chat, write_prompt_file(tmp_path / "p.jsonl"), epochs=3))
-    assert report["steps"] > 0
-    spec = fastspec.LLM(str(chat), speculative_algorithm="EAGLE3", draft_model=str(tmp_path / "head"), num_steps=2,
-                        topk=2, num_draft_tokens=4).engine.generate(PROMPTS[:2], [GREEDY] * 2)
-    assert [o.output_ids for o in spec] == [o.output_ids for o in plain[:2]]
-
-
-
-@pytest.mark.parametrize("algorithm, page_size, interval", [("NONE", 1, 8), ("NGRAM", 4, 8), ("EAGLE", 2, 6)])
-def test_prefix_cache_resumes_from_saved_states(hybrid, algorithm, page_size, interval):
-    """Chat turns with the prefix cache: each turn resumes from the recurrent state saved on its cached prefix
-    (every `interval` tokens: in prefill chunks, plain rounds and inside accepted speculative runs) and produces
-    exactly what recomputing from scratch produces; no KV slot or state checkpoint leaks."""
-    root, hf = hybrid
-    turns = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43, 38], [32, 79, 50, 8]]
-    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
-
-    def chat(llm):
-        history, outputs = [], []
-        for turn in turns:
-            history = history + turn
-            out = llm.engine.generate([history], [params])[0].output_ids
-            outputs.append(out)
-            history = history + out
-        return outputs
-
-    expected = chat(fastspec.LLM(str(root / "target"), page_size=page_size, max_total_tokens=2048))
-    options = dict(speculative_algorithm=algorithm, num_draft_tokens=8) if algorithm == "NGRAM" else \
-        dict(speculative_algorithm=algorithm, draft_model=str(root / "eagle"), num_steps=3, topk=2,
-             num_draft_tokens=5) if algorithm == "EAGLE" else {}
-    llm = fastspec.LLM(str(root / "target"), page_size=page_size, max_total_tokens=2048, radix_cache=True,
-                       mamba_track_interval=interval, **options)
-    if algorithm == "NGRAM":  # multi-token runs that cross interval boundaries
-        full, seqs = [], []
-        for turn, out in zip(turns, expected):
-            full = full + turn + out
-            seqs.append(full)
-        oracle_drafter(llm.engine, [s[:1] for s in seqs], [s[1:] for s in seqs], hf.config.vocab_size)
-    assert chat(llm) == expected
-    worker = llm.engine.worker
-    assert worker.reused_tokens >= len(turns[0]) + len(expected[0]) - interval  # resumed close to each turn's end
-    llm.engine.check_kv()
-    worker.flush_cache()
-    assert sorted(worker.states.free_checkpoints) == list(range(worker.states.ckpt_ssm.shape[1]))
-
-
-def test_prompt_logprobs_start_on_no_cached_prefix(hybrid):
-    """A request asking for prompt logprobs starts on no cached prefix (no saved state resumed): its prompt's
-    logprobs are transformers', the second time (the prompt cached) as the first."""
-    root, hf = hybrid
-    llm = fastspec.LLM(str(root / "target"), max_total_tokens=2048, radix_cache=True, mamba_track_interval=4)
-    prompt = [3, 14, 15, 92, 65, 35, 89, 79, 32]
-    with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].double(), -1)
-    for _ in range(2):
-        got = llm.engine.generate([prompt], [SamplingParams(max_new_tokens=3, ignore_eos=True, prompt_logprobs=0)])[0]
-        assert [e.token for e in got.prompt_logprobs] == prompt[1:]
-        assert [e.logprob for e in got.prompt_logprobs] == pytest.approx(
-            want[range(len(prompt) - 1), prompt[1:]].tolist(), abs=2e-4)
-
-
-def test_a_kv_pool_sized_from_free_memory_leaves_room_for_the_states(hybrid, monkeypatch):
-    """With --kv-mem-fraction the KV pool takes its share of the memory the recurrent states (rows, verify
-    tracks, prefix-cache checkpoints) have left: they are built before free memory is read."""
-    import fastspec.memory.kv_pool as kv_pool
-    from fastspec.memory.state_pool import StatePool
-
-    root, _ = hybrid
-    events, real_init = [], StatePool.__init__
-    monkeypatch.setattr(StatePool, "__init__", lambda self, *a, **k: events.append("states") or real_init(self, *a, **k))
-    monkeypatch.setattr(kv_pool, "available_bytes", lambda device="cpu": events.append("free") or 2**27)
-    llm = fastspec.LLM(str(root / "target"), kv_mem_fraction=0.5)
-    assert events == ["free", "states", "free"] and llm.engine.pool.capacity > 0  # (first: the weights' check)

@@ -1,7 +1,7 @@
 """A hybrid target's recurrent-state checkpoints under the prefix cache when more states are worth keeping than
 there are checkpoints (8 per running request): the least recently used go back to the pool, so the latest prompts
 and each turn of a long chat resume from their own saved states; outputs equal the outputs without the cache, and
-no checkpoint or KV slot leaks. (tests/test_hybrid.py covers saving and resuming itself.)"""
+no checkpoint or KV slot leaks. (tests/test_hybrid_states.py covers saving and resuming itself.)"""
 
 import random
 

@@ -124,41 +124,48 @@ BAD_PARAMS = [
 FIELDS = "|".join(f.name for f in dataclasses.fields(NgramParams))
 
 
-def named_part(error: BaseException) -> str:
-    """A refusal's words before its summary of the values ("(min / max match window 1 / 12, ..., capacity 17)")."""
-    return str(error).partition(" (min / max match window ")[0]
-
-
 @pytest.mark.parametrize("bad", BAD_PARAMS)
 def test_params_are_validated(bad):
-    # named as LLM(ngram={...}) takes them, each field the message names "ngram <field>"
-    with pytest.raises(FastspecError, match=f"^ngram {next(iter(bad))} must be ") as refused:
+    # named as LLM(ngram={...}) takes them, each field the message names "ngram <field>", the refused one with its
+    # value: "ngram min_match_window_size=5 must be <= ngram max_match_window_size=4"
+    field, value = next(iter(bad.items()))
+    with pytest.raises(FastspecError, match=f"^ngram {field}={re.escape(repr(value))} must be ") as refused:
         NgramParams(**bad)
-    assert not re.search(f"(?<!ngram )\\b({FIELDS})\\b", named_part(refused.value)), str(refused.value)
+    message = str(refused.value)
+    assert not re.search(f"(?<!ngram )\\b({FIELDS})\\b", message) and message.count("(") <= 1, message
 
 
 @pytest.mark.parametrize("bad", BAD_PARAMS)
 def test_cli_names_each_field_by_its_flag(bad):
-    # "--speculative-ngram-min-match-window-size must be <= --speculative-ngram-max-match-window-size (...)":
+    # "--speculative-ngram-min-match-window-size 5 must be <= --speculative-ngram-max-match-window-size 4":
     # every field the message names is a flag, none an LLM key nor a half-renamed one ("max-match-window-size")
+    field, value = next(iter(bad.items()))
     options = ModelOptions(speculative_algorithm="NGRAM", **{f"speculative_ngram_{k}": v for k, v in bad.items()})
     with pytest.raises(FastspecError) as refused:
         options.llm_kwargs()
-    message = named_part(refused.value)
-    assert message.startswith(f"--speculative-ngram-{next(iter(bad)).replace('_', '-')} must be "), message
+    message = str(refused.value)
+    assert message.startswith(f"--speculative-ngram-{field.replace('_', '-')} {value} must be "), message
     named = re.findall(f"(--speculative-ngram-)?\\b({FIELDS.replace('_', '[-_]')})\\b", message)
     assert named and all(flag for flag, _ in named) and "_" not in message, message
-    assert "ngram " not in message, message
+    assert "ngram " not in message and message.count("(") <= 1, message
 
 
-def test_window_order_names_both_windows():
-    with pytest.raises(FastspecError, match="^ngram min_match_window_size must be <= ngram max_match_window_size "):
+def test_window_order_names_both_windows_with_their_values():
+    with pytest.raises(FastspecError) as refused:
         NgramParams(min_match_window_size=5, max_match_window_size=4)
+    assert str(refused.value) == "ngram min_match_window_size=5 must be <= ngram max_match_window_size=4"
     options = ModelOptions(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
                            speculative_ngram_max_match_window_size=4)
-    with pytest.raises(FastspecError, match="^--speculative-ngram-min-match-window-size must be <= --speculative-"
-                                            "ngram-max-match-window-size \\(min / max match window 5 / 4"):
+    with pytest.raises(FastspecError) as refused:
         options.llm_kwargs()
+    assert str(refused.value) == ("--speculative-ngram-min-match-window-size 5 must be <= "
+                                  "--speculative-ngram-max-match-window-size 4")
+
+
+def test_a_refused_value_is_quoted_as_given():
+    # (braces in a value typed are the value's, never a field's placeholder)
+    with pytest.raises(FastspecError, match="^ngram match_type='{capacity}' must be one of BFS, PROB$"):
+        NgramParams(match_type="{capacity}")
 
 
 # ---------------------------------------------------------------------------------------------------------

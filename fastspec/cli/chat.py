@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 
 from fastspec.cli.common import flag_names, refuse_lossy_thresholds, stdout_refusals, stop_on_ctrl_c
-from fastspec.cli.options import LLM_FLAGS, ModelOptions
+from fastspec.cli.options import ModelOptions, refusal_flags
 from fastspec.errors import FastspecError
 
 
@@ -122,7 +122,7 @@ def run_chat(session, io) -> None:
                 session.respond(message_text(text), interrupted.is_set)) as answer:
             try:
                 # (shown here, not by model_options' flag_names: a message too long names the length flags so)
-                with flag_names(LLM_FLAGS | {"max_new_tokens"}):
+                with flag_names(refusal_flags(chat)):
                     for delta in answer:
                         io.write(delta)
             except FastspecError as e:

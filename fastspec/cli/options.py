@@ -138,8 +138,14 @@ class ModelOptions:
                     draft_revision=self.speculative_draft_model_revision, tokenizer=self.tokenizer)
 
 
-LLM_FLAGS = frozenset(ModelOptions().llm_kwargs())  # LLM's keywords these flags give: an engine's refusal naming
-#                                                     one names its flag in a command (model_options)
+LLM_FLAGS = frozenset(ModelOptions().llm_kwargs())  # LLM's keywords these flags give
+REQUEST_FLAGS = frozenset({"max_new_tokens"})  # a command's own flags that a request's refusal names (RequestTooLong)
+
+
+def refusal_flags(command) -> frozenset[str]:
+    """What an engine's refusal names by its flag in `command` (flag_names): LLM's keywords, which the shared flags
+    give, and the request flags the command takes of its own (serve takes none)."""
+    return LLM_FLAGS | (inspect.signature(command).parameters.keys() & REQUEST_FLAGS)
 
 
 def model_options(fn):
@@ -151,12 +157,13 @@ def model_options(fn):
     extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
                                annotation=hints[f.name]) for f in fields(ModelOptions)]
     names = {f.name for f in fields(ModelOptions)}
+    refused = refusal_flags(fn)
 
     @functools.wraps(fn)
     def wrapper(**kwargs):
         options = ModelOptions(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         # the engine's refusals name LLM's keywords and a request's length max_new_tokens: here the flags typed
-        with flag_names(LLM_FLAGS | (kwargs.keys() & {"max_new_tokens"})):
+        with flag_names(refused):
             options.validate()
             if hasattr(fn, "check_flags"):  # the command's own flags, also before torch is imported
                 fn.check_flags(**kwargs)

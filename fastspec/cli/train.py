@@ -16,7 +16,8 @@ from fastspec.cli.common import flag_names
 from fastspec.errors import FastspecError
 from fastspec.train.job import DRAFT_VOCAB_SIZE, Progress, TrainConfig
 
-LLM_FLAGS = {"model", "device", "max_new_tokens"}  # the flags that reach the engine (its refusals name them so)
+# train-draft's flags that the target's engine is built from: its refusals name them so (not the shared LLM flags)
+TARGET_FLAGS = {"model", "device", "max_new_tokens"}
 SIZED_BY = {"max_total_tokens": "max_new_tokens"}  # the engine's KV pool: sized from --max-new-tokens (trainer.py)
 PHASES = {"generate": "generating responses", "features": "target features", "train": "training"}
 
@@ -63,7 +64,7 @@ def train_draft(
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
     from rich.progress import Progress as Bar
 
-    with flag_names(LLM_FLAGS):
+    with flag_names(TARGET_FLAGS):
         cfg = TrainConfig(out=out, model=model, prompts=prompts, corpus=corpus, generate_only=generate_only,
                           max_prompts=max_prompts, samples_per_prompt=samples_per_prompt,
                           max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size, init=init,
@@ -95,7 +96,7 @@ def train_draft(
             bar.update(tasks[p.phase], completed=p.done, total=p.total, info=info)
 
         try:
-            with _sigterm_raises(), flag_names(LLM_FLAGS, SIZED_BY):
+            with _sigterm_raises(), flag_names(TARGET_FLAGS, SIZED_BY):
                 report = run(cfg, show)
         except OSError as e:  # a full disk, a directory that cannot be made: every file written so far is whole
             kept = (out / "train").is_dir()
