@@ -129,7 +129,7 @@ def test_bench_names_the_shape_a_tuned_schedule_runs_at_each_batch_size(chat_tar
     assert [r["shape"] for r in report["results"]] == shapes
     assert [r["tau"] >= 1 for r in report["results"]] == [s != "plain" for s in shapes]
     title = " ".join(CliRunner().invoke(app, args).stdout.split())  # (wrapped to the table's width)
-    assert f"fastspec bench · EAGLE3 tuned (bs 1: {shapes[0]} · bs 2: {shapes[1]}) vs no speculation" in title
+    assert f"fastspec bench · EAGLE3 tuned (bs 1: {shapes[0]} · bs 2: {shapes[1]}) vs plain" in title
 
 
 def test_tuned_files_are_one_per_model_whatever_its_folder_is_called(tmp_path, monkeypatch):

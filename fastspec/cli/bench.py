@@ -139,9 +139,9 @@ def print_bench_table(config: dict, results) -> None:
         shapes = "tuned (" + " · ".join(f"bs {r.batch_size}: {r.shape}" for r in results) + ")"
     else:
         shapes = f"(steps {config['num_steps']}, topk {config['topk']}, draft tokens {config['num_draft_tokens']})"
-    table = Table(title=f"fastspec bench · {config['algorithm']} {shapes} vs no speculation",
-                  caption="tok/s: plain, speculative, per request · accept %: per draft depth, up to 4 · ms/round: "
-                          "draft·verify·extend·catch-up·host", box=None, pad_edge=False)
+    table = Table(title=f"fastspec bench · {config['algorithm']} {shapes} vs plain",
+                  caption="tok/s: plain, speculative, per request · accept %: by draft depth, to 4\n"
+                          "ms/round: draft·verify·extend·catch-up·host", box=None, pad_edge=False)
     for column in ("bs", "plain", "spec", "speedup", "per req", "tau", "accept %", "ms/round"):
         table.add_column(column, justify="right", no_wrap=True)
     for r in results:
@@ -153,8 +153,8 @@ def print_bench_table(config: dict, results) -> None:
     Console().print(table)
     if any(r.rounds["plain"] for r in results):  # (the measured fallback, or a plain tier)
         mix = " · ".join(f"bs {r.batch_size}: {r.rounds['speculative']:g} + {r.rounds['plain']:g}" for r in results)
-        Console().print(f"rounds a trial, speculative + plain: {mix} · tok/s counts both; tau, accept % and "
-                        "ms/round only the speculative")
+        Console().print(f"rounds a trial, speculative + plain: {mix}\n(tok/s counts both kinds; tau, accept % and "
+                        "ms/round only the speculative)")
 
 
 SPLIT = ("draft", "verify", "draft_extend", "catch_up", "host")  # the table's ms/round, in the caption's order
