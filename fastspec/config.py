@@ -54,7 +54,7 @@ def check_device(device: str) -> None:
     """`cpu`, or `cuda` / `cuda:N` naming a GPU this process can see; else a one-line FastspecError."""
     index = device[len("cuda:"):] if device.startswith("cuda:") else None
     if device not in ("cpu", "cuda") and not (index and index.isdigit()):
-        raise OptionError(f"{{device}} must be auto, cpu or cuda[:N], got {device!r}", device=device)
+        raise OptionError("{device} must be auto, cpu or cuda[:N], got {device!r}", device=device)
     if device == "cpu":
         return
     import torch
@@ -125,30 +125,30 @@ class EngineConfig:
                 raise FastspecError(f"{name} must be an integer, got {value!r}")
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.load_format not in LOAD_FORMATS:
-            raise OptionError(f"{{load_format}} must be {' or '.join(LOAD_FORMATS)}, got {self.load_format!r}",
+            raise OptionError(f"{{load_format}} must be {' or '.join(LOAD_FORMATS)}, got {{load_format!r}}",
                               load_format=self.load_format)
         if self.quantization == "none":
             object.__setattr__(self, "quantization", None)
         if self.quantization not in QUANTIZATIONS:
             names = ", ".join("none" if q is None else q for q in QUANTIZATIONS)
-            raise OptionError(f"{{quantization}} must be one of {names}, got {self.quantization!r}",
+            raise OptionError(f"{{quantization}} must be one of {names}, got {{quantization!r}}",
                               quantization=self.quantization)
         if self.overlap_schedule not in ("auto", "on", "off"):
-            raise OptionError(f"{{overlap_schedule}} must be auto, on or off, got {self.overlap_schedule!r}",
+            raise OptionError("{overlap_schedule} must be auto, on or off, got {overlap_schedule!r}",
                               overlap_schedule=self.overlap_schedule)
         if self.graphs not in GRAPH_MODES:
-            raise OptionError(f"{{graphs}} must be one of {', '.join(GRAPH_MODES)}, got {self.graphs!r}",
+            raise OptionError(f"{{graphs}} must be one of {', '.join(GRAPH_MODES)}, got {{graphs!r}}",
                               graphs=self.graphs)
         if self.attention_backend not in ("torch", "flashinfer"):
-            raise OptionError(f"{{attention_backend}} must be torch or flashinfer, got {self.attention_backend!r}",
+            raise OptionError("{attention_backend} must be torch or flashinfer, got {attention_backend!r}",
                               attention_backend=self.attention_backend)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
-            raise OptionError(f"{{cuda_graph_max_bs}} must be >= 1, got {self.cuda_graph_max_bs}",
+            raise OptionError("{cuda_graph_max_bs} must be >= 1, got {cuda_graph_max_bs!s}",
                               cuda_graph_max_bs=self.cuda_graph_max_bs)
         check_dtype(self.dtype, auto=True)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise OptionError(f"{{kv_cache_dtype}} must be one of {', '.join(KV_CACHE_DTYPES)}, got "
-                              f"{self.kv_cache_dtype!r}", kv_cache_dtype=self.kv_cache_dtype)
+                              "{kv_cache_dtype!r}", kv_cache_dtype=self.kv_cache_dtype)
         kv = KV_CACHE_DTYPES[self.kv_cache_dtype]
         if (self.attention_backend == "flashinfer" and self.dtype != "auto" and kv not in (None, self.dtype)
                 and not kv.startswith("float8")):
@@ -156,24 +156,24 @@ class EngineConfig:
                               "{kv_cache_dtype=} needs {attention_backend=torch}", attention_backend="flashinfer",
                               dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise OptionError(f"{{page_size}} must be a power of two >= 1, got {self.page_size}",
+            raise OptionError("{page_size} must be a power of two >= 1, got {page_size!s}",
                               page_size=self.page_size)
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise OptionError(f"{{max_total_tokens}} must be >= {{page_size=}}, got {self.max_total_tokens}",
+            raise OptionError("{max_total_tokens} must be >= {page_size=}, got {max_total_tokens!s}",
                               max_total_tokens=self.max_total_tokens, page_size=self.page_size)
         if self.mamba_track_interval < 1:
-            raise OptionError(f"{{mamba_track_interval}} must be >= 1, got {self.mamba_track_interval}",
+            raise OptionError("{mamba_track_interval} must be >= 1, got {mamba_track_interval!s}",
                               mamba_track_interval=self.mamba_track_interval)
         if self.chunked_prefill_size < 1:
-            raise OptionError(f"{{chunked_prefill_size}} must be >= 1, got {self.chunked_prefill_size}"
+            raise OptionError("{chunked_prefill_size} must be >= 1, got {chunked_prefill_size!s}"
                               + (" (SGLang's -1, no chunking: pass a size at least the longest prompt's)"
                                  if self.chunked_prefill_size == -1 else ""),
                               chunked_prefill_size=self.chunked_prefill_size)
         if self.max_context_len is not None and self.max_context_len < 1:
-            raise OptionError(f"{{max_context_len}} must be >= 1, got {self.max_context_len}",
+            raise OptionError("{max_context_len} must be >= 1, got {max_context_len!s}",
                               max_context_len=self.max_context_len)
         if self.max_running_requests < 1:
-            raise OptionError(f"{{max_running_requests}} must be >= 1, got {self.max_running_requests}",
+            raise OptionError("{max_running_requests} must be >= 1, got {max_running_requests!s}",
                               max_running_requests=self.max_running_requests)
         check_device(self.device)
         if self.quantization == "gguf" and self.device != "cpu":

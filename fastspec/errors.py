@@ -25,10 +25,13 @@ class BadField(FastspecError):
 
 class OptionError(FastspecError):
     """An option of LLM refused (an engine option, a model's quantisation...). `values` holds each option it names
-    (keyword: the value given); `words` names them by placeholders: `{page_size}` the option, `{page_size=}` the
-    option and its value, `{graphs=cuda}` the option and that value, a name (other braces, a path's, stay as they are).
-    Its message names them as LLM's keywords ("max_total_tokens must be >= page_size=16"; "quantization='gguf' runs
-    on the CPU"), a command's by its flags (`told`: "--page-size 16", "--quantization gguf")."""
+    (keyword: the value given) and any other value the user gave that it quotes (a path: `model_dir`); `words` names
+    them by placeholders only, never by pasting a value in (its braces would be read as a placeholder): `{page_size}`
+    the option, `{page_size=}` the option and its value, `{graphs=cuda}` the option and that value, `{device!r}` the
+    value as Python writes it and `{model_dir!s}` as text, however the message is told; a name not in `values` (other
+    braces) stays as it is. Its message names the options as LLM's keywords ("max_total_tokens must be >=
+    page_size=16"; "quantization='gguf' runs on the CPU"), a command's by its flags (`told`: "--page-size 16",
+    "--quantization gguf")."""
 
     def __init__(self, words: str, **values):
         self.words, self.values = words, values
@@ -41,19 +44,22 @@ class OptionError(FastspecError):
 
     def told(self, flag: Callable[[str], str]) -> str:
         """The message, each option named `flag(name)`: as LLM names it (`keyword`; its value as Python writes it)
-        or the command's flag (its value as typed)."""
+        or the command's flag (its value as typed). A value's own braces are never read again."""
         def said(m: re.Match) -> str:
-            name, equals, literal = m.group(1, 2, 3)
+            name, conversion, equals, literal = m.group(1, 2, 3, 4)
             if name not in self.values:
                 return m.group(0)
+            value = self.values[name]
+            if conversion:
+                return repr(value) if conversion == "r" else str(value)
             if not equals:
                 return flag(name)
-            value = literal if literal else self.values[name]
+            value = literal if literal else value
             if flag(name) == self.keyword(name):
                 return f"{flag(name)}={value!r}"
             return f"{flag(name)} {'none' if value is None else value}"
 
-        return re.sub(r"\{([a-z_]+)(=?)([\w:.-]*)\}", said, self.words)
+        return re.sub(r"\{([a-z_]+)(?:!([rs])|(=?)([\w:.-]*))\}", said, self.words)
 
 
 class RequestTooLong(OptionError):

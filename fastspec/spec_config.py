@@ -177,7 +177,7 @@ class SpecConfig:
         ngram = ngram or NgramParams()
         n = num_draft_tokens or ngram.max_match_window_size
         if n < 2:
-            raise OptionError(f"{{num_draft_tokens}} must be >= 2 for NGRAM, got {n}", num_draft_tokens=n)
+            raise OptionError("{num_draft_tokens} must be >= 2 for NGRAM, got {num_draft_tokens!s}", num_draft_tokens=n)
         return cls(num_steps=n - 1, topk=ngram.max_bfs_breadth, num_draft_tokens=n, ngram=ngram, **common)
 
 
@@ -205,14 +205,14 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
     tree option is ignored then; callers that know the model check its default: see `default_speculation`).
     Refusals are OptionErrors naming LLM's keywords (a command names them by CLI_FLAGS: cli.common.flag_names)."""
     if algorithm is not None and not isinstance(algorithm, str):
-        raise OptionError(f"{{speculative_algorithm}} must be a name such as 'EAGLE3', got {algorithm!r}",
+        raise OptionError("{speculative_algorithm} must be a name such as 'EAGLE3', got {speculative_algorithm!r}",
                           speculative_algorithm=algorithm)
     thresholds = {"accept_threshold_single": accept_threshold_single, "accept_threshold_acc": accept_threshold_acc}
     tree = {"num_steps": num_steps, "topk": topk, "num_draft_tokens": num_draft_tokens}
     for key, value in (tree | thresholds).items():  # (an API caller's "3")
         kind = Real if key in thresholds else Integral  # (a threshold has no "unset": its default is 1)
         if (value is not None or kind is Real) and (not isinstance(value, kind) or isinstance(value, bool)):
-            raise OptionError(f"{{{key}}} must be {'a number' if kind is Real else 'an integer'}, got {value!r}",
+            raise OptionError(f"{{{key}}} must be {'a number' if kind is Real else 'an integer'}, got {{{key}!r}}",
                               **{key: value})
     algo = (algorithm or "NONE").upper()
     algo = "EAGLE" if algo == "NEXTN" else algo
@@ -221,10 +221,10 @@ def check_spec_flags(algorithm: str | None, num_steps: int | None = None, topk: 
                             f"{', '.join(SPEC_ALGORITHMS)} (NEXTN = EAGLE)")
     for key, value in thresholds.items():
         if not 0 <= value <= 1:
-            raise OptionError(f"{{{key}}} must be in [0, 1], got {value}", **{key: value})
+            raise OptionError(f"{{{key}}} must be in [0, 1], got {{{key}!s}}", **{key: value})
     for (key, value), least, most in zip(tree.items(), (1, 1, 2), MAX_TREE):
         if value is not None and not least <= value <= most:
-            raise OptionError(f"{{{key}}} must be in [{least}, {most}], got {value}", **{key: value})
+            raise OptionError(f"{{{key}}} must be in [{least}, {most}], got {{{key}!s}}", **{key: value})
     if algo in ("EAGLE", "EAGLE3", "STANDALONE") and None not in (num_steps, topk, num_draft_tokens):
         check_tree(num_steps, topk, num_steps + 1 if topk == 1 else num_draft_tokens)
     named = dict(speculative_algorithm=algorithm, draft_model=draft_model)
@@ -266,7 +266,7 @@ def _auto_spec_params(algo, target_arch, num_steps, topk, num_draft_tokens, cpu=
 
 def check_tree(steps: int, k: int, n: int) -> None:
     if steps < 1 or k < 1:
-        raise OptionError(f"{{num_steps}} and {{topk}} must be >= 1, got {steps}, {k}", num_steps=steps, topk=k)
+        raise OptionError("{num_steps} and {topk} must be >= 1, got {num_steps!s}, {topk!s}", num_steps=steps, topk=k)
     capacity = 1 + k + (steps - 1) * k * k  # root + every candidate the top-k expansion produces
     if not 2 <= n <= capacity or (k == 1 and n != steps + 1):
         raise OptionError(f"{{num_draft_tokens=}} is infeasible with {{num_steps=}}, {{topk=}}: it must be in "

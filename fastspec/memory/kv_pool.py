@@ -211,7 +211,7 @@ class KVPool:
             raise ValueError(f"bytes_per_token and page_size must be >= 1, got {bytes_per_token}, {page_size}")
         if mem_fraction is not None:
             if not 0 < mem_fraction <= 1:
-                raise OptionError(f"{{kv_mem_fraction}} must be in (0, 1], got {mem_fraction}",
+                raise OptionError("{kv_mem_fraction} must be in (0, 1], got {kv_mem_fraction!s}",
                                   kv_mem_fraction=mem_fraction)
             budget = int(available_bytes(device) * mem_fraction)
             tokens = budget // bytes_per_token - page_size  # the dummy page costs memory too
@@ -221,8 +221,8 @@ class KVPool:
             what = f"max_tokens={max_tokens}"
             need, have = (max_tokens + page_size) * bytes_per_token, available_bytes(device)
             if need > have:  # (where it would fail to allocate, or on CPU be killed while zeroing)
-                raise OptionError(f"a KV pool of {max_tokens} tokens needs {need / 2**30:.2f} GiB, more than the "
-                                  f"{have / 2**30:.2f} GiB available: lower {{max_total_tokens}}",
+                raise OptionError(f"a KV pool of {{max_total_tokens!s}} tokens needs {need / 2**30:.2f} GiB, more "
+                                  f"than the {have / 2**30:.2f} GiB available: lower {{max_total_tokens}}",
                                   max_total_tokens=max_tokens)
         capacity = max(tokens, 0) // page_size * page_size
         if capacity < page_size:

@@ -107,8 +107,9 @@ def check_draft(algorithm: str, draft: ModelConfig, target: ModelConfig, draft_d
         raise FastspecError(f"{draft_dir}: {algorithm} needs a {wanted} head, got {draft.architecture}{hint}")
     check_draft_fits(draft, target, str(draft_dir))
     if quantization == "gguf" and not draft.is_eagle3:  # an EAGLE-2 head multiplies by the target's lm_head weight
-        raise OptionError(f"{draft_dir}: an EAGLE-2 head needs the target's float lm_head, which {{quantization=}} "
-                          "does not keep (use an EAGLE-3 head, or {quantization=none})", quantization=quantization)
+        raise OptionError("{draft_dir!s}: an EAGLE-2 head needs the target's float lm_head, which {quantization=} "
+                          "does not keep (use an EAGLE-3 head, or {quantization=none})", quantization=quantization,
+                          draft_dir=draft_dir)
 
 
 def resolve_model_dir(spec: str, revision: str | None = None) -> Path:
@@ -202,11 +203,12 @@ def resolve_quantization(quantization: str | None, model_dir: Path, scheme: Quan
             return scheme.method
         if quantization is None:
             return None
-        raise OptionError(f"{{quantization=}} contradicts {model_dir}'s own quantisation ({scheme.label}); use "
-                          f"auto, {scheme.method} or none (dequantised)", quantization=quantization)
+        raise OptionError(f"{{quantization=}} contradicts {{model_dir!s}}'s own quantisation ({scheme.label}); use "
+                          f"auto, {scheme.method} or none (dequantised)", quantization=quantization,
+                          model_dir=model_dir)
     if quantization in ("awq", "gptq", "compressed-tensors", "fbgemm_fp8", "modelopt"):
-        raise OptionError(f"{{quantization=}}: {model_dir} is a float checkpoint (no quantization_config); fp8, "
-                          "int8 or int4 round one at load", quantization=quantization)
+        raise OptionError("{quantization=}: {model_dir!s} is a float checkpoint (no quantization_config); fp8, "
+                          "int8 or int4 round one at load", quantization=quantization, model_dir=model_dir)
     if quantization != "auto":
         return quantization
     converted = (Path(model_dir) / BLOCKS_FILE).is_file()
@@ -219,9 +221,9 @@ def check_int4_rounding(quantization: str | None, config: ModelConfig, model_dir
     from fastspec.models.gguf_blocks import BLOCK
 
     if quantization == "int4" and config.hidden_size % BLOCK:
-        raise OptionError(f"{{quantization=}} rounds groups of {BLOCK} inputs, but {model_dir}'s hidden size "
+        raise OptionError(f"{{quantization=}} rounds groups of {BLOCK} inputs, but {{model_dir!s}}'s hidden size "
                           f"{config.hidden_size} is not a multiple of {BLOCK}; use int8 or fp8 (per channel)",
-                          quantization=quantization)
+                          quantization=quantization, model_dir=model_dir)
 
 
 def generation_eos_ids(model_dir, config_eos: tuple[int, ...]) -> frozenset[int]:
