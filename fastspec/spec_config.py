@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-from fastspec.errors import FastspecError, OptionError
+from fastspec.errors import FastspecError, OptionError, name_hint
 
 SPEC_ALGORITHMS = ("NONE", "EAGLE", "EAGLE3", "STANDALONE", "NGRAM")
 # SGLang's auto_choose_speculative_params: (num_steps, topk, num_draft_tokens) by target architecture
@@ -65,6 +65,11 @@ class NgramParams:
     capacity: int = 1_000_000   # max trie nodes per cache; the least recently seen n-grams are evicted beyond it
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):  # (LLM's ngram dict may hold "17", 2.0 or True: refused, not compared)
+            text, value = field.type == "str", getattr(self, field.name)
+            if not isinstance(value, str if text else Integral) or isinstance(value, bool):
+                raise NgramError(f"{{{field.name}=}} must be {'a string' if text else 'an integer'}",
+                                 **dataclasses.asdict(self))
         # (field, the rule it must meet, whether it does, why): a refusal names the field with its value and any field
         # its rule compares with, each as the caller gave it (`{name=}`: "ngram capacity=17", "--speculative-ngram-
         # capacity 17"); a value goes in as a placeholder's, so braces in a value typed are never read as one
@@ -168,10 +173,11 @@ class SpecConfig:
     @classmethod
     def _resolve_ngram(cls, common, ngram, num_steps, topk, num_draft_tokens) -> SpecConfig:
         if isinstance(ngram, dict):  # (the API's shorthand: NgramParams' fields by name)
-            try:
-                ngram = NgramParams(**ngram)
-            except TypeError as e:
-                raise FastspecError(f"ngram: {e}".replace("NgramParams.__init__() ", "")) from None
+            names = [field.name for field in dataclasses.fields(NgramParams)]
+            for key in ngram:
+                if key not in names:
+                    raise FastspecError(f"ngram has no key {key!r}; {name_hint(str(key), names, {}, 'its keys are')}")
+            ngram = NgramParams(**ngram)
         if ngram is not None and not isinstance(ngram, NgramParams):
             raise FastspecError(f"ngram must be an NgramParams or a dict of its fields, got {type(ngram).__name__}")
         ngram = ngram or NgramParams()

@@ -14,7 +14,7 @@ from ngram_helpers import cache_of, node_depths, occurs, trie_ngrams
 
 from fastspec.cli.options import ModelOptions
 from fastspec.errors import FastspecError
-from fastspec.spec_config import NgramParams
+from fastspec.spec_config import NgramError, NgramParams, SpecConfig
 from fastspec.speculative.ngram import NgramCache, NgramDrafter
 from fastspec.speculative.tree import tree_from_parents, verify_greedy
 
@@ -166,6 +166,25 @@ def test_a_refused_value_is_quoted_as_given():
     # (braces in a value typed are the value's, never a field's placeholder)
     with pytest.raises(FastspecError, match="^ngram match_type='{capacity}' must be one of BFS, PROB$"):
         NgramParams(match_type="{capacity}")
+
+
+@pytest.mark.parametrize("bad", [dict(capacity="17"), dict(capacity=2.0), dict(min_bfs_breadth=True),
+                                 dict(max_match_window_size=None), dict(match_type=1)])
+def test_a_field_of_another_type_is_refused_by_name(bad):
+    # (LLM(ngram={...}) passes what its caller wrote: "17" is never compared, 2.0 nor True taken for a count)
+    (field, value), = bad.items()
+    with pytest.raises(NgramError) as refused:
+        NgramParams(**bad)
+    kind = "a string" if field == "match_type" else "an integer"
+    assert str(refused.value) == f"ngram {field}={value!r} must be {kind}"
+
+
+@pytest.mark.parametrize("key, hint", [("max_bfs_bredth", "did you mean max_bfs_breadth?"),
+                                       ("nope", "its keys are min_match_window_size, max_match_window_size, ")])
+def test_an_unknown_ngram_key_is_refused_by_name(key, hint):
+    with pytest.raises(FastspecError) as refused:
+        SpecConfig.resolve("NGRAM", "LlamaForCausalLM", ngram={"max_bfs_breadth": 2, key: 3})
+    assert str(refused.value).startswith(f"ngram has no key {key!r}; {hint}")
 
 
 # ---------------------------------------------------------------------------------------------------------

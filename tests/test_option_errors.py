@@ -10,7 +10,7 @@ from fastspec.config import check_device
 from fastspec.errors import OptionError
 from fastspec.models.loader import read_config
 from fastspec.models.sources import check_draft, check_int4_rounding, resolve_quantization
-from fastspec.spec_config import check_spec_flags
+from fastspec.spec_config import NgramError, NgramParams, check_spec_flags
 
 FLAGS = {"device": "--device", "quantization": "--quantization", "num_steps": "--speculative-num-steps"}
 
@@ -62,6 +62,13 @@ def test_a_braced_draft_dir_is_printed_verbatim(tmp_path):
                              "quantization='gguf' does not keep")
     assert e.told(flag).startswith(f"{draft_dir}: an EAGLE-2 head needs the target's float lm_head, which "
                                    "--quantization gguf does not keep")
+
+
+def test_a_braced_ngram_field_is_quoted_verbatim():
+    e = refusal(NgramParams, 1, 12, 1, 10, "BFS", 18, "{branch_length=}")
+    assert isinstance(e, NgramError)
+    assert str(e) == "ngram capacity='{branch_length=}' must be an integer"
+    assert e.told(flag) == "--speculative-ngram-capacity {branch_length=} must be an integer"
 
 
 def test_a_braced_tree_option_is_quoted_verbatim():
