@@ -7,6 +7,9 @@ value needs it (a dtype asked for as a torch dtype, `auto` / `cuda` devices): ch
 
 from __future__ import annotations
 
+import numbers
+import os
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -118,11 +121,7 @@ class EngineConfig:
     mamba_track_interval: int = 256  # hybrid targets with the prefix cache: save the recurrent state every N tokens
 
     def __post_init__(self):
-        for name in ("page_size", "max_running_requests", "chunked_prefill_size", "mamba_track_interval",
-                     "max_total_tokens", "max_context_len", "cuda_graph_max_bs"):  # (an API caller's "16")
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise FastspecError(f"{name} must be an integer, got {value!r}")
+        _check_types(self)
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.load_format not in LOAD_FORMATS:
             raise OptionError(f"{{load_format}} must be {' or '.join(LOAD_FORMATS)}, got {{load_format!r}}",
@@ -142,6 +141,13 @@ class EngineConfig:
         if self.attention_backend not in ("torch", "flashinfer"):
             raise OptionError("{attention_backend} must be torch or flashinfer, got {attention_backend!r}",
                               attention_backend=self.attention_backend)
+        if not 0 < self.kv_mem_fraction <= 1:
+            raise OptionError(f"{{kv_mem_fraction}} must be a number in (0, 1], got {self.kv_mem_fraction}",
+                              kv_mem_fraction=self.kv_mem_fraction)
+        if self.cuda_graph_bs is not None and not (self.cuda_graph_bs and all(
+                isinstance(bs, int) and not isinstance(bs, bool) and bs >= 1 for bs in self.cuda_graph_bs)):
+            raise OptionError("{cuda_graph_bs} must be None or a non-empty tuple of integers >= 1",
+                              cuda_graph_bs=self.cuda_graph_bs)
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise OptionError("{cuda_graph_max_bs} must be >= 1, got {cuda_graph_max_bs!s}",
                               cuda_graph_max_bs=self.cuda_graph_max_bs)
@@ -224,5 +230,34 @@ class EngineConfig:
         return default_buckets(min(self.cuda_graph_max_bs or self.max_running_requests, self.max_running_requests))
 
 
+def _check_types(config: EngineConfig) -> None:
+    """Each option of the type `_TYPES` names, before any is read (an API caller's page_size="16", device=0 or
+    attention_backend=["torch"] is one line, not a TypeError from inside or a truthy "false" taken); a torch.device,
+    a path and a list of buckets are taken as their str or tuple."""
+    torch = sys.modules.get("torch")  # (a torch.device given means torch is imported)
+    if torch is not None and isinstance(config.device, torch.device):
+        object.__setattr__(config, "device", str(config.device))
+    for name, (kinds, words) in _TYPES.items():
+        value = getattr(config, name)
+        if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+            raise OptionError(f"{{{name}}} must be {words}, got {type(value).__name__}", **{name: value})
+    if isinstance(config.model, os.PathLike):
+        object.__setattr__(config, "model", os.fspath(config.model))
+    if isinstance(config.cuda_graph_bs, list):  # (a frozen config is hashable)
+        object.__setattr__(config, "cuda_graph_bs", tuple(config.cuda_graph_bs))
+    object.__setattr__(config, "kv_mem_fraction", float(config.kv_mem_fraction))
+
+
+_STR, _INT, _BOOL = ((str,), "a str"), ((int,), "an integer"), ((bool,), "True or False")
+_INT_OR_NONE = ((int, type(None)), "an integer or None")
+_TYPES = {"model": ((str, os.PathLike), "a directory, a hub id, a .gguf file or an embedded model's name"),
+          "load_format": _STR, "quantization": ((str, type(None)), "a str or None"), "dtype": _STR,
+          "kv_cache_dtype": _STR, "device": ((str,), "a str such as 'cpu' or 'cuda:0' (or a torch.device)"),
+          "page_size": _INT, "max_total_tokens": _INT_OR_NONE,
+          "kv_mem_fraction": ((numbers.Real,), "a number in (0, 1]"), "max_running_requests": _INT,
+          "max_context_len": _INT_OR_NONE, "chunked_prefill_size": _INT,
+          "speculative_fallback": _BOOL, "graphs": _STR, "cuda_graph_max_bs": _INT_OR_NONE,
+          "cuda_graph_bs": ((tuple, list, type(None)), "None or a non-empty tuple of integers >= 1"),
+          "attention_backend": _STR, "overlap_schedule": _STR, "radix_cache": _BOOL, "mamba_track_interval": _INT}
 GRAPH_MODES = ("auto", "cuda", "compile", "eager")
 LOAD_FORMATS = ("auto", "dummy")

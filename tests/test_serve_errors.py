@@ -56,6 +56,22 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served):
     assert engine_settled(service)
 
 
+@pytest.mark.parametrize("number, field", [
+    (b'"max_tokens": ' + b"9" * 5000, "max_tokens"), (b'"top_p": 1' + b"0" * 400, "top_p"),
+    (b'"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "number", "maximum": NaN}}}',
+     "response_format")], ids=["long-int", "int-past-float", "schema-NaN"])
+def test_a_number_no_field_takes_is_a_400_naming_it(served, number, field):
+    """Past the digits Python reads, past a float's range, or NaN / Infinity: OpenAI's 400 naming the field (the
+    first two were 500s; a schema's NaN was written out as NaN, a 400 from the grammar compiler saying the schema
+    was not JSON). A sampling field's 1e999 or NaN: test_serve_protocol."""
+    _, url, _, service = served
+    status, body = raw(url, "POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 2, ' + number + b"}")
+    assert (status, body["error"]["param"]) == (400, field), body
+    assert body["error"]["message"].startswith(f"{field} must "), body
+    assert raw(url, "POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 2}')[0] == 200
+    assert engine_settled(service)
+
+
 @pytest.mark.parametrize("field, value, says", [("top_p", 2, "top_p must be in (0, 1], got 2.0"),
                                                  ("repetition_penalty", 0, "repetition_penalty must be > 0"),
                                                  ("min_p", 1.5, "min_p must be in [0, 1]"),

@@ -139,3 +139,40 @@ def test_a_field_of_the_wrong_type_is_a_400_naming_it(chat):
     parsed = protocol.parse_request(base | good | (platform if chat else {}), chat, MODEL)
     assert parsed.include_usage and parsed.params.max_new_tokens == 8
     assert dict(parsed.params.logit_bias) == {5: -100, 6: 2.5}
+
+
+@pytest.mark.parametrize("raw, field, says", [
+    (b'"temperature": 1e999', "temperature", "temperature must be a finite number, got 1e999"),
+    (b'"top_p": 1e309', "top_p", "top_p must be a finite number, got 1e309"),
+    (b'"max_tokens": 1e400', "max_tokens", "max_tokens must be a finite number, got 1e400"),
+    (b'"presence_penalty": -Infinity', "presence_penalty", "presence_penalty must be a finite number, got -Infinity"),
+    (b'"min_p": NaN', "min_p", "min_p must be a finite number, got NaN"),
+    (b'"logit_bias": {"5": 1e999}', "logit_bias", "logit_bias must hold only finite numbers, got 1e999"),
+    (b'"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "number", "maximum": NaN}}}',
+     "response_format", "response_format must hold only finite numbers, got NaN"),
+    (b'"temperature": 1' + b"0" * 400, "temperature", "temperature must be a finite number, got an integer of 401"),
+    (b'"top_p": -1' + b"0" * 400 + b".5", "top_p", "top_p must be a finite number, got a number of 404 characters"),
+    (b'"logit_bias": {"5": 1' + b"0" * 400 + b"}", "logit_bias", r"logit_bias values must be in \[-100, 100\]"),
+    (b'"max_tokens": ' + b"9" * 5000, "max_tokens", "max_tokens must be an integer of at most 4300 digits, got an "
+                                                    "integer of 5000 digits"),
+    (b'"prompt": [1, ' + b"9" * 5000 + b"]", "prompt", "prompt must hold only integers of at most 4300 digits")],
+    ids=["inf", "inf-top_p", "inf-max_tokens", "-Infinity", "NaN", "bias", "schema", "int-past-float",
+         "long-float", "bias-past-float", "long-int", "long-int-inside"])
+def test_a_number_past_a_floats_range_or_not_finite_is_a_400_naming_its_field(raw, field, says):
+    """json.loads reads 1e999 as inf and takes NaN / Infinity: each is a 400 naming the field that holds it, however
+    deep (a schema's NaN was taken, written out as NaN); an integer past a float's range (a float() OverflowError)
+    or past the digits Python reads (a ValueError from json.loads) was a 500."""
+    from fastspec.serve import protocol
+    from fastspec.serve.api_error import APIError
+    from fastspec.serve.body import parse_body
+
+    with pytest.raises(APIError, match="^" + says) as e:
+        protocol.parse_request(parse_body(b'{"prompt": "abc", ' + raw + b"}"), False, MODEL)
+    assert (e.value.status, e.value.param) == (400, field)
+
+
+def test_a_finite_number_and_a_nan_overridden_by_a_later_key_are_taken():
+    from fastspec.serve.body import parse_body
+
+    assert parse_body(b'{"temperature": NaN, "temperature": 0.5, "logit_bias": {"5": -1e2}}') == {
+        "temperature": 0.5, "logit_bias": {"5": -100.0}}

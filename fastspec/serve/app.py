@@ -26,6 +26,7 @@ from fastspec.sampling.params import SamplingParams
 from fastspec.serve import protocol as api
 from fastspec.serve import responses
 from fastspec.serve.api_error import APIError
+from fastspec.serve.body import parse_body
 from fastspec.serve.lengths import PoolRefusals, check_length, default_length
 from fastspec.serve.prometheus import CONTENT_TYPE
 from fastspec.serve.protocol import ParsedRequest
@@ -95,7 +96,7 @@ async def _complete(service: EngineService, model_name: str, tool_text: _ToolTex
                     chat: bool, request: Request) -> Response:
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
     try:
-        parsed = api.parse_request(api.parse_body(await request.body()), chat, model_name)
+        parsed = api.parse_request(parse_body(await request.body()), chat, model_name)
         params, keep_special = parsed.params, False
         if parsed.logprobs or parsed.tools is not None or grammar_kind(params) is not None:
             await asyncio.to_thread(_read_token_bytes, service)  # (once; ~0.5 s for a large vocabulary)

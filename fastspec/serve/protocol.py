@@ -2,9 +2,9 @@
 response and stream-chunk objects: fastspec.serve.responses).
 
 Owns: which fields each endpoint takes (an unknown one is a 400, as OpenAI answers), their types and ranges,
-OpenAI's defaults (temperature 1, completions max_tokens 16), the error object. Does not own: running
-requests (service.py), HTTP (app.py) or the messages' keys (messages.py). Extra fields SGLang and vLLM accept ride
-along: top_k, min_p, repetition_penalty, ignore_eos, regex, ebnf; chat's add_generation_prompt and
+OpenAI's defaults (temperature 1, completions max_tokens 16), the error object. Does not own: reading the body
+(body.py), running requests (service.py), HTTP (app.py) or the messages' keys (messages.py). Extra fields SGLang
+and vLLM accept ride along: top_k, min_p, repetition_penalty, ignore_eos, regex, ebnf; chat's add_generation_prompt and
 continue_final_message (the answer continues the last message: Tokenizer.apply_chat_template).
 """
 
@@ -60,18 +60,6 @@ class ParsedRequest:
         if params.seed is None:
             return [params] * self.n
         return [replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63) for i in range(self.n)]  # (wraps)
-
-
-def parse_body(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:  # (json reads nesting only as deep as Python's recursion limit)
-        raise APIError("the request body is nested too deeply") from None
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object")
-    return body
 
 
 IGNORE_EOS_WITH_TOOLS = "ignore_eos must be off with tools: the tool-call grammar ends the output at EOS"
@@ -202,7 +190,11 @@ def _number(body: dict, name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise APIError(f"{name} must be a number, got {type_name(value)}", param=name)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # (an integer past a float's range)
+        raise APIError(f"{name} must be a finite number, got an integer of {len(str(abs(value)))} digits",
+                       param=name) from None
 
 
 def _prompts(body: dict) -> tuple[str | list[int], ...]:
@@ -223,12 +215,12 @@ def _logit_bias(body: dict) -> dict:
     try:
         if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in bias.values()):
             raise TypeError
-        bias = {int(k): float(v) for k, v in bias.items()}
+        bias = {int(k): v for k, v in bias.items()}
     except (TypeError, ValueError):
         raise APIError("logit_bias must map token ids to numbers", param="logit_bias") from None
-    if any(not -100 <= v <= 100 for v in bias.values()):  # (OpenAI's range)
+    if any(not -100 <= v <= 100 for v in bias.values()):  # (OpenAI's range; compared before float() may overflow)
         raise APIError("logit_bias values must be in [-100, 100]", param="logit_bias")
-    return bias
+    return {k: float(v) for k, v in bias.items()}
 
 
 def _response_format(body: dict) -> str | None:
