@@ -142,7 +142,7 @@ class EngineConfig:
             raise OptionError("{attention_backend} must be torch or flashinfer, got {attention_backend!r}",
                               attention_backend=self.attention_backend)
         if not 0 < self.kv_mem_fraction <= 1:
-            raise OptionError(f"{{kv_mem_fraction}} must be a number in (0, 1], got {self.kv_mem_fraction}",
+            raise OptionError("{kv_mem_fraction} must be a number in (0, 1], got {kv_mem_fraction!s}",
                               kv_mem_fraction=self.kv_mem_fraction)
         if self.cuda_graph_bs is not None and not (self.cuda_graph_bs and all(
                 isinstance(bs, int) and not isinstance(bs, bool) and bs >= 1 for bs in self.cuda_graph_bs)):
