@@ -208,3 +208,10 @@ def test_a_reader_that_went_away_ends_the_command_quietly_with_sigpipes_code(com
         (saved,) = (tmp_path / "chats").iterdir()
         messages = json.loads(saved.read_text())["messages"]
         assert messages[0] == {"role": "user", "content": "Say hi."} and messages[1]["role"] == "assistant"
+
+
+def test_a_context_length_past_the_model_is_named_by_its_flag():
+    refused = run_cli("generate", "--prompt", "hi", "--max-new-tokens", "4", "--context-length", "1000000000")
+    assert refused.returncode == 2
+    assert one_error_line(refused.stderr).startswith("error: --context-length 1000000000 exceeds the model's "
+                                                     "max_position_embeddings 8192")

@@ -162,6 +162,8 @@ def test_export_refusals_are_one_line(tiny_dirs, eagle_twins, tmp_path):
                           ((eagle_twins[0], tiny_dirs["llama"][0] / "config.json", "--format", "sglang"),
                            "exists and is not a directory"),
                           ((eagle_twins[0], "/proc/no/such/dir", "--format", "sglang"), "cannot write /proc/no"),
+                          ((eagle_twins[0], tiny_dirs["llama"][0] / "config.json" / "out", "--format", "sglang"),
+                           "config.json is a file, not a directory"),
                           ((eagle_twins[0], tmp_path / "e", "--format", "sglang", "--verifier", "t"),
                            "--verifier is recorded by --format speculators only"),
                           ((tmp_path / "nope", tmp_path / "f", "--format", "sglang"),

@@ -211,7 +211,7 @@ def test_a_context_past_the_trained_positions_is_one_line():
     model never saw."""
     qwen = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
             "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 512}
-    with pytest.raises(FastspecError, match="max_context_len 513 exceeds the model's max_position_embeddings 512"):
+    with pytest.raises(FastspecError, match="max_context_len=513 exceeds the model's max_position_embeddings 512"):
         ModelConfig.from_hf(qwen).context_len(513)
 
 
@@ -226,7 +226,7 @@ def test_a_yarn_rope_serves_its_original_length_times_its_factor():
     yarn = ModelConfig.from_hf(base | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                          "original_max_position_embeddings": 32768}})
     assert yarn.context_limit == 131072 and yarn.context_len(None) == yarn.context_len(131072) == 131072
-    with pytest.raises(FastspecError, match="max_context_len 131073 exceeds the 131072 positions the model's YaRN "
+    with pytest.raises(FastspecError, match="max_context_len=131073 exceeds the 131072 positions the model's YaRN "
                                             r"rope covers \(original_max_position_embeddings 32768 x factor 4\)"):
         yarn.context_len(131073)
     short = ModelConfig.from_hf(base | {"rope_scaling": {"type": "yarn", "factor": 1.0,
@@ -237,7 +237,7 @@ def test_a_yarn_rope_serves_its_original_length_times_its_factor():
                                                           "high_freq_factor": 4.0,
                                                           "original_max_position_embeddings": 8192}})
     assert llama3.context_limit == 131072
-    with pytest.raises(FastspecError, match="max_context_len 131073 exceeds the model's max_position_embeddings"):
+    with pytest.raises(FastspecError, match="max_context_len=131073 exceeds the model's max_position_embeddings"):
         llama3.context_len(131073)
 
 

@@ -208,3 +208,12 @@ def test_bench_runs_only_full_batches(monkeypatch):
     results = offline.run_bench(llm, llm, [[1], [2], [3]], [2, 4], max_new_tokens=4, trials=1, warmup=0)
     assert batches == [2, 2, 2, 2, 4, 4]  # bs 2: 4 prompts in 2 batches, each engine; bs 4: one batch of 4 each
     assert [r.requests for r in results] == [4, 4]  # what --json reports beside the 3 prompts given
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--request-rate", "-1"], "--request-rate must be > 0 (requests per second; inf: all at once), got -1"),
+    (["--request-rate", "nan"], "--request-rate must be > 0 (requests per second; inf: all at once), got nan"),
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1, got 0")])
+def test_bench_url_names_the_flag_and_value_it_refuses(flags, message):
+    result = CliRunner().invoke(app, ["bench", "--url", "http://127.0.0.1:9", *flags])
+    assert result.exit_code == 2 and result.stderr == f"error: {message}\n"

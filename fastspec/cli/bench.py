@@ -228,8 +228,10 @@ def bench_url(url: str, prompts: list[str], max_tokens: int, rate: float, concur
 
     from fastspec.benchmark.serving import run_serving
 
-    if not rate > 0 or concurrency < 1:
-        raise FastspecError("--request-rate must be > 0 and --max-concurrency >= 1")
+    if not rate > 0:  # (nan too)
+        raise FastspecError(f"--request-rate must be > 0 (requests per second; inf: all at once), got {rate:g}")
+    if concurrency < 1:
+        raise FastspecError(f"--max-concurrency must be >= 1, got {concurrency}")
     with Console(stderr=True).status(f"{len(prompts)} requests to {url}"):
         summary = run_serving(url, prompts, max_tokens, rate, concurrency)
     if not summary["completed"]:  # no figure to show: every latency would read nan

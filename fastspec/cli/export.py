@@ -47,6 +47,9 @@ def export_draft(
         raise FastspecError(f"{out} exists and is not a directory")
     if out.exists() and any(out.iterdir()):
         raise FastspecError(f"{out} exists and is not empty")
+    blocking = next((p for p in out.parents if p.exists()), None)  # (making its parents would say "File exists")
+    if blocking is not None and not blocking.is_dir():
+        raise FastspecError(f"cannot write {out}: {blocking} is a file, not a directory")
     check_model_spec(head, "draft head", head=True)
     head = resolve_model_dir(head)
     config = read_draft_config(head, "EAGLE")  # every check a load makes (an EAGLE-1 label read as the head it is)

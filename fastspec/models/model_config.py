@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fastspec.errors import FastspecError
+from fastspec.errors import FastspecError, OptionError
 from fastspec.models.arch_config import (
     HybridConfig,
     MLAConfig,
@@ -114,21 +114,23 @@ class ModelConfig:
 
     def context_len(self, requested: int | None) -> int:
         """The context an engine serves: `requested` (None: context_limit); past the trained positions or a sliding
-        window, a one-line error (as SGLang and vLLM refuse a context length past max_position_embeddings)."""
+        window, a one-line error naming the option (as SGLang and vLLM refuse a context length past
+        max_position_embeddings)."""
         length = requested or self.context_limit
         if length > self.positions > self.max_position_embeddings:
             s = self.rope_scaling
-            raise FastspecError(f"max_context_len {length} exceeds the {self.positions} positions the model's YaRN "
-                                f"rope covers (original_max_position_embeddings {s.original_max_position_embeddings} x "
-                                f"factor {s.factor:g})")
+            raise OptionError(f"{{max_context_len=}} exceeds the {self.positions} positions the model's YaRN rope "
+                              f"covers (original_max_position_embeddings {s.original_max_position_embeddings} x "
+                              f"factor {s.factor:g})", max_context_len=length)
         if length > self.positions:
-            raise FastspecError(f"max_context_len {length} exceeds the model's max_position_embeddings "
-                                f"{self.max_position_embeddings}: positions past it were never trained (a longer "
-                                "context needs the checkpoint's config.json to declare rope_scaling for it)")
+            raise OptionError(f"{{max_context_len=}} exceeds the model's max_position_embeddings "
+                              f"{self.max_position_embeddings}: positions past it were never trained (a longer "
+                              "context needs the checkpoint's config.json to declare rope_scaling for it)",
+                              max_context_len=length)
         if self.sliding_window and length > self.sliding_window:
-            raise FastspecError(f"max_context_len {length} exceeds the model's sliding attention window of "
-                                f"{self.sliding_window} tokens, which fastspec does not implement (it attends to the "
-                                "whole context, the same within the window)")
+            raise OptionError(f"{{max_context_len=}} exceeds the model's sliding attention window of "
+                              f"{self.sliding_window} tokens, which fastspec does not implement (it attends to the "
+                              "whole context, the same within the window)", max_context_len=length)
         return length
 
     @property
